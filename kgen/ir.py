@@ -467,6 +467,7 @@ class Elementwise(Op):
     lo: float | None = None
     hi: float | None = None
     param_sum_dims: tuple = ()
+    param_rank: int = 0  # activation rank that param_sum_dims refer to
 
     def tensor_names(self):
         return (self.param,) if self.param else ()
@@ -476,10 +477,9 @@ class Elementwise(Op):
 
     def aligned_param(self, p: torch.Tensor, rank: int) -> torch.Tensor:
         """The parameter viewed with the activation's rank, summed where the algebra says so."""
-        p = p.reshape((1,) * (rank - p.dim()) + tuple(p.shape))
         if self.param_sum_dims:
-            p = p.sum(dim=self.param_sum_dims, keepdim=True)
-        return p
+            p = p.reshape((1,) * (self.param_rank - p.dim()) + tuple(p.shape)).sum(dim=self.param_sum_dims)
+        return p.reshape((1,) * (rank - p.dim()) + tuple(p.shape))
 
     def run(self, x, tensors):
         if self.fn == "relu":

@@ -30,8 +30,8 @@ CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
 # Kept in step with kgen.rewrites.REWRITES (a test checks it); listed here so
 # that loading a spec does not import the rewrite machinery.
 REWRITE_NAMES = (
-    "pool_composition",
     "scalar_through_max",
+    "pool_composition",
     "avg_pool_folding",
     "subpixel_conv_transpose",
     "dead_region",

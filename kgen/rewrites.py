@@ -1,0 +1,394 @@
+"""Algebraic rewrites of a pipeline, each with its side conditions.
+
+Every pass looks at the op chain, and at each site where its pattern appears
+either fires or records why not; ``kgen explain`` prints those decisions. A
+rewrite never changes the output type (``Pipeline.with_ops`` asserts it), and
+each one is tested in float64 against the unrewritten pipeline.
+
+Exactness, beyond real arithmetic: every rewrite here keeps NaN propagation
+(a NaN input reaches exactly the outputs it reached before). Pool composition,
+scalar-through-max and dead-region elimination are exact in floating point too.
+Folding an average pool into the weights and the reduction algebra change the
+rounding (within float32 accuracy) and how +-inf inputs combine (inf - inf in
+the original sum can become +-inf times a folded weight); the sub-pixel form
+multiplies exactly the products the transposed convolution does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType
+
+# How much of a convolution's output must be dead before the dead-region pass
+# crops it: cropping copies the input once, which a sliver does not pay for.
+DEAD_REGION_MIN_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class Decision:
+    rewrite: str
+    site: str  # spec keys of the ops involved
+    fired: bool
+    reason: str
+
+
+def _site(*ops: Op) -> str:
+    return " + ".join(o.key for o in ops)
+
+
+# ------------------------------------------------------------ pool composition
+
+
+def pool_composition(pipe: Pipeline):
+    """Two adjacent non-overlapping pools of one kind -> one pool with the product kernel.
+
+    max(max) over nested non-overlapping windows is the max over the union;
+    for average pools, the mean of equal-sized means is the mean. Needs stride ==
+    kernel, no padding or dilation, floor mode, and the floors to agree:
+    floor(floor(L/k1)/k2) == floor(L/(k1*k2)).
+    """
+    ops, types, out = list(pipe.ops), pipe.types, []
+    decisions = []
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        if not (isinstance(op, Pool) and isinstance(nxt, Pool)):
+            out.append(op)
+            i += 1
+            continue
+        why = None
+        if op.kind != nxt.kind:
+            why = f"{op.kind} pool then {nxt.kind} pool"
+        else:
+            for p in (op, nxt):
+                if not p.non_overlapping:
+                    why = f"{p.key} overlaps or pads (stride {list(p.stride)}, kernel {list(p.kernel)}, padding {list(p.padding)}, ceil_mode {p.ceil_mode})"
+                    break
+        L = _type_at(pipe, op).spatial
+        if why is None:
+            for l, k1, k2 in zip(L, op.kernel, nxt.kernel):
+                if (l // k1) // k2 != l // (k1 * k2):
+                    why = f"floors disagree on size {l}: {(l // k1) // k2} != {l // (k1 * k2)}"
+        if why:
+            decisions.append(Decision("pool_composition", _site(op, nxt), False, why))
+            out.append(op)
+            i += 1
+            continue
+        k = tuple(a * b for a, b in zip(op.kernel, nxt.kernel))
+        merged = replace(op, kernel=k, stride=k, sources=op.sources + nxt.sources)
+        decisions.append(
+            Decision("pool_composition", _site(op, nxt), True, f"{op.kind}_pool k={list(op.kernel)} then k={list(nxt.kernel)} -> k={list(k)}")
+        )
+        ops[i + 1] = merged  # may compose again with the pool after it
+        i += 1
+    return out, decisions
+
+
+def _type_at(pipe: Pipeline, op: Op) -> TensorType:
+    """Input type of ``op`` in ``pipe`` (ops are compared by identity)."""
+    for o, t in zip(pipe.ops, pipe.types):
+        if o is op:
+            return t
+    raise KeyError(op.key)
+
+
+# ------------------------------------------------------------ scalar through max
+
+
+def scalar_through_max(pipe: Pipeline):
+    """x*c or x/c, then a max (pool or reduction) -> the max first, then the scalar.
+
+    Multiplying by c > 0 is monotone, so it commutes with max, bit for bit
+    (rounding is monotone too). For c < 0 it would turn max into min; c = 0
+    would map inf to NaN. The max then reads the convolution directly and the
+    scalar runs on the (fewer) pooled values.
+    """
+    ops, decisions, changed = list(pipe.ops), [], True
+    while changed:
+        changed = False
+        for i in range(len(ops) - 1):
+            a, b = ops[i], ops[i + 1]
+            if not (isinstance(a, Elementwise) and a.fn in ("mul", "div") and a.param is None):
+                continue
+            if not ((isinstance(b, Pool) and b.kind == "max") or (isinstance(b, Reduce) and b.fn == "max")):
+                continue
+            if a.scalar > 0:
+                ops[i], ops[i + 1] = b, a
+                decisions.append(Decision("scalar_through_max", _site(a, b), True, f"{a.describe()} moved after the max ({a.scalar:g} > 0)"))
+                changed = True
+                break
+            decisions.append(
+                Decision("scalar_through_max", _site(a, b), False, f"scalar {a.scalar:g} is not positive: max(c*x) != c*max(x)")
+            )
+    return ops, _dedupe(decisions)
+
+
+def _dedupe(decisions):
+    seen, out = set(), []
+    for d in decisions:
+        if (d.rewrite, d.site, d.fired) not in seen:
+            seen.add((d.rewrite, d.site, d.fired))
+            out.append(d)
+    return out
+
+
+# ------------------------------------------------------------ avg pool folding
+
+
+def avg_pool_folding(pipe: Pipeline):
+    """conv then avg_pool -> one conv with box-filtered weights and multiplied stride.
+
+    Average pooling is linear, so pool(conv(x, w) + b) = conv(x, box * w) + b
+    with kernel (Kp-1)*s + K and stride s*sp. Needs the pool right after the
+    convolution (nothing nonlinear between), a direct non-transposed convolution
+    without dilation, and a pool without padding or ceil mode (partial windows
+    would change the divisor).
+    """
+    ops, decisions = list(pipe.ops), []
+    for i, op in enumerate(ops):
+        if not isinstance(op, Conv):
+            continue
+        j = i + 1
+        while j < len(ops) and isinstance(ops[j], Elementwise):
+            j += 1
+        if j >= len(ops) or not (isinstance(ops[j], Pool) and ops[j].kind == "avg"):
+            continue
+        pool = ops[j]
+        why = None
+        if j != i + 1:
+            why = f"{ops[i + 1].describe()} between the convolution and the pool"
+        elif op.transposed:
+            why = "transposed convolution"
+        elif op.lowering != "direct":
+            why = f"convolution is already {op.lowering}"
+        elif any(d != 1 for d in op.dilation):
+            why = f"dilated convolution (dilation {list(op.dilation)})"
+        elif any(pool.padding):
+            why = f"pool pads (padding {list(pool.padding)})"
+        elif pool.ceil_mode:
+            why = "pool uses ceil_mode"
+        if why is None:
+            folded = replace(op, lowering="folded", fold_kernel=pool.kernel, fold_stride=pool.stride)
+            t = _type_at(pipe, op)
+            if folded.infer(t) != pipe.types[j + 1]:
+                why = "folded output size differs from the pool's"
+        if why:
+            decisions.append(Decision("avg_pool_folding", _site(op, pool), False, why))
+            continue
+        decisions.append(
+            Decision(
+                "avg_pool_folding",
+                _site(op, pool),
+                True,
+                f"kernel {list(op.kernel)} stride {list(op.stride)} + avg_pool {list(pool.kernel)} -> kernel {list(folded.eff_kernel())} stride {list(folded.eff_stride())}",
+            )
+        )
+        ops[i], ops[j] = folded, None
+    return [o for o in ops if o is not None], decisions
+
+
+# ------------------------------------------------------------ sub-pixel
+
+
+def subpixel_conv_transpose(pipe: Pipeline):
+    """conv_transpose with stride s -> s^d ordinary convolutions, one per output phase.
+
+    Each phase uses only the kernel taps that reach it, so no multiplications by
+    inserted zeros; stride 1 is the single-phase case (a convolution with the
+    flipped kernel). Needs groups 1, no dilation, no output_padding, and
+    stride <= kernel (else some phase has no tap at all).
+    """
+    ops, decisions = list(pipe.ops), []
+    for i, op in enumerate(ops):
+        if not (isinstance(op, Conv) and op.transposed):
+            continue
+        why = None
+        if op.groups != 1:
+            why = f"groups={op.groups}"
+        elif any(d != 1 for d in op.dilation):
+            why = f"dilation {list(op.dilation)}"
+        elif any(op.output_padding):
+            why = f"output_padding {list(op.output_padding)}"
+        elif any(s > k for s, k in zip(op.stride, op.kernel)):
+            why = f"stride {list(op.stride)} exceeds kernel {list(op.kernel)}: some phases get no tap"
+        if why:
+            decisions.append(Decision("subpixel_conv_transpose", _site(op), False, why))
+            continue
+        n = math.prod(op.stride)
+        ops[i] = replace(op, lowering="subpixel")
+        taps = "x".join("/".join(str(t) for t in sorted({-(-(k - r) // s) for r in range(s)}, reverse=True)) for k, s in zip(op.kernel, op.stride))
+        what = f"{n} phase convolutions" if n > 1 else "one convolution with the flipped kernel"
+        decisions.append(Decision("subpixel_conv_transpose", _site(op), True, f"{what}, {taps} taps per dim"))
+    return ops, decisions
+
+
+# ------------------------------------------------------------ dead region
+
+
+def _needed_input(op: Op, t_in: TensorType, t_out: TensorType, need: tuple) -> tuple:
+    """Per non-batch dim of ``t_in``: the prefix extent that ``op`` reads to make ``need`` of its output."""
+    if isinstance(op, Elementwise):
+        return need
+    if isinstance(op, Norm):
+        return tuple(t_in.shape[1:])
+    if isinstance(op, Reduce):
+        it = iter(need)
+        out = []
+        for d in range(1, t_in.rank):
+            if d in op.dims:
+                if d in op.kept:
+                    next(it)
+                out.append(t_in.shape[d])
+            else:
+                out.append(next(it))
+        return tuple(out)
+    if isinstance(op, Pool) or (isinstance(op, Conv) and not op.transposed):
+        if isinstance(op, Pool):
+            k, s, p, d = op.kernel, op.stride, op.padding, op.dilation
+        else:
+            k, s, p, d = op.eff_kernel(), op.eff_stride(), op.padding, op.dilation
+        spatial = tuple(
+            min(l, (n - 1) * st - pp + dd * (kk - 1) + 1)
+            for l, n, kk, st, pp, dd in zip(t_in.spatial, need[1:], k, s, p, d)
+        )
+        return (t_in.channels,) + spatial
+    return tuple(t_in.shape[1:])  # transposed convolution: everything
+
+
+def dead_region(pipe: Pipeline):
+    """Compute only the part of a convolution's output that some consumer reads.
+
+    Floor-mode pooling drops trailing rows (63 -> 31 -> 10 reads 60 of 63); the
+    convolution then runs on the input prefix those outputs need. Fires when at
+    least 5% of the output is dead (cropping costs one copy of the input).
+    Transposed convolutions qualify once they are in sub-pixel form.
+    """
+    ops, types = list(pipe.ops), pipe.types
+    need = tuple(types[-1].shape[1:])
+    needs = [None] * len(ops)  # needs[i]: extent of op i's output that is read
+    for i in range(len(ops) - 1, -1, -1):
+        needs[i] = need
+        need = _needed_input(ops[i], types[i], types[i + 1], need)
+    decisions = []
+    for i, op in enumerate(ops):
+        if not isinstance(op, Conv):
+            continue
+        full = types[i + 1].spatial
+        keep = needs[i][1:]
+        if keep == full:
+            decisions.append(Decision("dead_region", _site(op), False, "consumers read the whole output"))
+            continue
+        if op.transposed and op.lowering != "subpixel":
+            decisions.append(Decision("dead_region", _site(op), False, "transposed convolution not in sub-pixel form computes everything"))
+            continue
+        dead = 1 - math.prod(keep) / math.prod(full)
+        if dead < DEAD_REGION_MIN_FRACTION:
+            decisions.append(
+                Decision("dead_region", _site(op), False, f"only {dead:.1%} of the output is dead (threshold {DEAD_REGION_MIN_FRACTION:.0%})")
+            )
+            continue
+        ops[i] = replace(op, crop=tuple(keep))
+        decisions.append(Decision("dead_region", _site(op), True, f"computes {list(keep)} of {list(full)} ({dead:.1%} of the output was dead)"))
+    return ops, decisions
+
+
+# ------------------------------------------------------------ reduction algebra
+
+
+def reduction_algebra(pipe: Pipeline):
+    """mean over A (keepdim), affine ops, sum over B -> one sum over A+B, then the affine ops.
+
+    sum_B(a * mean_A(x) + b) = a/|A| * sum_{A+B}(x) + sum_B(b) when the factors a
+    are scalars and the offsets b vary only along B. One reduction instead of
+    two, and a per-channel bias becomes one summed constant.
+    """
+    ops, types, decisions = list(pipe.ops), pipe.types, []
+    i = 0
+    while i < len(ops):
+        m = ops[i]
+        if not (isinstance(m, Reduce) and m.fn == "mean"):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(ops) and isinstance(ops[j], Elementwise):
+            j += 1
+        s = ops[j] if j < len(ops) else None
+        if not (isinstance(s, Reduce) and s.fn == "sum"):
+            i += 1
+            continue
+        why, rank = None, types[i + 1].rank
+        A, B = set(m.dims), set(s.dims)
+        if m.kept != m.dims:
+            why = "the mean drops its dims (keepdim false)"
+        elif A & B:
+            why = f"mean and sum share dims {sorted(A & B)}"
+        for e in ops[i + 1 : j]:
+            if why:
+                break
+            if e.fn in ("mul", "div"):
+                if e.param is not None:
+                    why = f"{e.describe()} is not a scalar factor; the sum does not distribute over it"
+            elif e.fn in ("add", "sub"):
+                if e.param is not None:
+                    pshape = pipe.params[e.param].shape
+                    aligned = (1,) * (rank - len(pshape)) + tuple(pshape)
+                    varying = {d for d, n in enumerate(aligned) if n != 1}
+                    if not varying <= B:
+                        why = f"parameter '{e.param}' varies along dims {sorted(varying - B)} that the sum does not reduce"
+            else:
+                why = f"{e.describe()} between the mean and the sum is not affine"
+        if why:
+            decisions.append(Decision("reduction_algebra", _site(m, s), False, why))
+            i = j
+            continue
+        count_A = m.count(types[i])
+        count_B = s.count(types[j])
+        new = [
+            Reduce(key=m.key, fn="sum", dims=tuple(sorted(A | B)), kept=tuple(sorted(A | set(s.kept)))),
+            Elementwise(key=m.key, fn="div", scalar=float(count_A)),
+        ]
+        b_dims = tuple(sorted(B))
+        for e in ops[i + 1 : j]:
+            if e.fn in ("add", "sub") and e.param is None:
+                new.append(replace(e, scalar=e.scalar * count_B))
+            elif e.fn in ("add", "sub"):
+                new.append(replace(e, param_sum_dims=b_dims, param_rank=rank))
+            else:
+                new.append(e)
+        decisions.append(
+            Decision("reduction_algebra", _site(m, s), True, f"mean over {sorted(A)} and sum over {sorted(B)} -> one sum over {sorted(A | B)}, /{count_A}")
+        )
+        ops[i : j + 1] = new
+        types = pipe.with_ops(ops).types
+        i += len(new)
+    return ops, decisions
+
+
+# ------------------------------------------------------------ driver
+
+# scalar_through_max runs first: max, x/2, max becomes max, max, x/2, which composes.
+REWRITES = (
+    ("scalar_through_max", scalar_through_max),
+    ("pool_composition", pool_composition),
+    ("avg_pool_folding", avg_pool_folding),
+    ("subpixel_conv_transpose", subpixel_conv_transpose),
+    ("dead_region", dead_region),
+    ("reduction_algebra", reduction_algebra),
+)
+
+
+def apply_rewrites(pipe: Pipeline, enabled: dict | None = None) -> tuple[Pipeline, list[Decision]]:
+    """Run the enabled rewrites in order; returns the rewritten pipeline and every decision."""
+    enabled = pipe.rewrites if enabled is None else enabled
+    decisions = []
+    for name, fn in REWRITES:
+        if not enabled.get(name, True):
+            decisions.append(Decision(name, "*", False, f"switched off in the spec (rewrites.{name}: false)"))
+            continue
+        ops, ds = fn(pipe)
+        decisions += ds
+        if list(ops) != list(pipe.ops):
+            pipe = pipe.with_ops(ops)
+    return pipe, decisions
