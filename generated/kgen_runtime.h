@@ -1,0 +1,187 @@
+// kgen_runtime.h: helpers for the generated torch bindings (argument checks,
+// output allocation, the ATen convolution stages). Host code only.
+// Copied verbatim into generated/ by `kgen render`; edit templates/kgen_runtime.h.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#ifdef KGEN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_runtime.h>
+#endif
+
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace kgen {
+
+enum class Precision { kIeee, kTf32, kTf32x3 };
+
+// A dimension that is only known at run time (the batch).
+constexpr int64_t kAnySize = -1;
+
+inline std::string shape_str(at::IntArrayRef shape) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << (shape[i] == kAnySize ? std::string("N") : std::to_string(shape[i]));
+  s << "]";
+  return s.str();
+}
+
+// Checks dtype, device and static shape of an argument, naming what was
+// expected; `like` (if given) is the tensor whose device it must share.
+inline void check_arg(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef expected,
+                      const at::Tensor* like = nullptr) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), op, ": ", name, " must be on cpu or cuda, got ", t.device());
+  if (like != nullptr) {
+    TORCH_CHECK(t.device() == like->device(), op, ": ", name, " must be on ", like->device(), " like x, got ", t.device());
+  }
+  bool ok = t.dim() == static_cast<int64_t>(expected.size());
+  for (int64_t d = 0; ok && d < t.dim(); ++d) ok = expected[d] == kAnySize || expected[d] == t.size(d);
+  TORCH_CHECK(ok, op, ": ", name, " must have shape ", shape_str(expected), ", got ", shape_str(t.sizes()));
+}
+
+// Outputs and workspaces are poisoned with this NaN bit pattern when
+// KGEN_POISON_OUTPUTS=1 (kgen validate sets it): an element no kernel wrote
+// keeps it, and validation looks for it.
+constexpr int32_t kPoisonBits = 0x7FDEAD00;
+
+inline bool poison_enabled() {
+  const char* v = std::getenv("KGEN_POISON_OUTPUTS");
+  return v != nullptr && v[0] == '1';
+}
+
+inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+  if (poison_enabled()) {
+    if (t.scalar_type() == at::kDouble) t.fill_(std::numeric_limits<double>::quiet_NaN());
+    else t.view(at::kInt).fill_(kPoisonBits);
+  }
+  return t;
+}
+
+// The pointer of a buffer a fused stage reads, after checking that it has the
+// sizes and strides the kernel was specialized for.
+inline const float* tile_ptr(const char* op, const char* what, const at::Tensor& t, const at::Tensor& like,
+                             at::IntArrayRef sizes, at::IntArrayRef strides) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == like.device(), op, ": ", what, " must be float32 on ",
+              like.device());
+  TORCH_CHECK(t.sizes() == sizes, op, ": ", what, " must have shape ", shape_str(sizes), ", got ", shape_str(t.sizes()));
+  bool ok = true;
+  for (int64_t d = 0; d < t.dim(); ++d) ok = ok && (t.size(d) == 1 || t.stride(d) == strides[d]);
+  TORCH_CHECK(ok, op, ": ", what, " must have strides ", strides, ", got ", t.strides());
+  return t.data_ptr<float>();
+}
+
+inline at::Tensor narrow_spatial(const at::Tensor& x, at::IntArrayRef extent) {
+  at::Tensor y = x;
+  for (size_t d = 0; d < extent.size(); ++d) {
+    if (y.size(2 + d) != extent[d]) y = y.narrow(2 + d, 0, extent[d]);
+  }
+  return y;
+}
+
+// Sets PyTorch's cuDNN TF32 switch for one scope and restores it after.
+// The switch is process-global: another thread converting at the same time
+// sees it too.
+class CudnnTf32Guard {
+ public:
+  explicit CudnnTf32Guard(bool allow) : previous_(at::globalContext().allowTF32CuDNN()) {
+    if (allow != previous_) at::globalContext().setAllowTF32CuDNN(allow);
+  }
+  ~CudnnTf32Guard() {
+    if (at::globalContext().allowTF32CuDNN() != previous_) at::globalContext().setAllowTF32CuDNN(previous_);
+  }
+  CudnnTf32Guard(const CudnnTf32Guard&) = delete;
+  CudnnTf32Guard& operator=(const CudnnTf32Guard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// x with the low 13 mantissa bits cleared: exactly representable in TF32.
+inline at::Tensor tf32_high(const at::Tensor& x) {
+  return at::bitwise_and(x.contiguous().view(at::kInt), static_cast<int64_t>(0xFFFFE000)).view(at::kFloat);
+}
+
+// One ATen convolution with the spec's precision, output in `format`.
+// tf32x3 (split TF32): conv(xh, wh) + conv(xh, wl) + conv(xl, wh), where
+// v = vh + vl and vh is v rounded down to TF32; about fp32 accuracy at three
+// TF32 convolutions. Non-finite inputs keep vl = 0 so inf stays inf.
+inline at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                              at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                              bool transposed, at::IntArrayRef output_padding, int64_t groups, Precision precision,
+                              at::MemoryFormat format) {
+  const at::Tensor xin = x.contiguous(format);
+  auto conv = [&](const at::Tensor& xx, const at::Tensor& ww, const std::optional<at::Tensor>& bb) {
+    return at::convolution(xx, ww, bb, stride, padding, dilation, transposed, output_padding, groups);
+  };
+  at::Tensor y;
+  if (!xin.is_cuda() || precision == Precision::kIeee) {
+    CudnnTf32Guard tf32(false);
+    y = conv(xin, w, b);
+  } else if (precision == Precision::kTf32) {
+    CudnnTf32Guard tf32(true);
+    y = conv(xin, w, b);
+  } else {
+    CudnnTf32Guard tf32(true);
+    auto split = [](const at::Tensor& v, at::MemoryFormat f) {
+      at::Tensor hi = tf32_high(v).contiguous(f);
+      at::Tensor lo = at::where(at::isfinite(v), v - hi, at::zeros({}, v.options())).contiguous(f);
+      return std::make_pair(hi, lo);
+    };
+    auto [xh, xl] = split(xin, format);
+    auto [wh, wl] = split(w, at::MemoryFormat::Contiguous);
+    y = conv(xh, wh, b);
+    y.add_(conv(xh, wl, std::nullopt)).add_(conv(xl, wh, std::nullopt));
+  }
+  return y.contiguous(format);
+}
+
+// Average pool folded into the kernel: w'[u] = mean over pool taps t of
+// w[u - t * conv_stride], as a transposed convolution of w with a box.
+inline at::Tensor fold_avg_pool_weight(const at::Tensor& w, at::IntArrayRef pool_kernel, at::IntArrayRef conv_stride) {
+  const int64_t rank = static_cast<int64_t>(pool_kernel.size());
+  std::vector<int64_t> box_shape{1, 1};
+  int64_t taps = 1;
+  for (int64_t k : pool_kernel) box_shape.push_back(k), taps *= k;
+  at::Tensor box = at::full(box_shape, 1.0 / static_cast<double>(taps), w.options());
+  std::vector<int64_t> flat{w.size(0) * w.size(1), 1};
+  for (int64_t d = 0; d < rank; ++d) flat.push_back(w.size(2 + d));
+  std::vector<int64_t> zeros(rank, 0), ones(rank, 1);
+  at::Tensor wf = at::convolution(w.reshape(flat), box, std::nullopt, ones, zeros, conv_stride, true, zeros, 1);
+  std::vector<int64_t> out{w.size(0), w.size(1)};
+  for (int64_t d = 0; d < rank; ++d) out.push_back(wf.size(2 + d));
+  return wf.reshape(out);
+}
+
+// Weight of one sub-pixel phase: from the spatially flipped transposed-conv
+// weight (Cin, Cout, K...), every stride-th tap from `start`, as (Cout, Cin, T...).
+inline at::Tensor subpixel_weight(const at::Tensor& flipped, at::IntArrayRef start, at::IntArrayRef stride,
+                                  at::IntArrayRef taps) {
+  at::Tensor w = flipped;
+  for (size_t d = 0; d < start.size(); ++d) {
+    w = w.slice(2 + d, start[d], start[d] + stride[d] * (taps[d] - 1) + 1, stride[d]);
+  }
+  return w.transpose(0, 1);
+}
+
+#ifdef KGEN_WITH_CUDA
+inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+inline void check_launch(cudaError_t err, const char* op, const char* stage) {
+  TORCH_CHECK(err == cudaSuccess, op, ": ", stage, " kernel launch failed: ", cudaGetErrorString(err));
+}
+#endif
+
+}  // namespace kgen

@@ -1,0 +1,70 @@
+// kgen_math.h: scalar math shared by the CUDA and the C++ kernels of every
+// generated module, so both backends compute the same function.
+// Copied verbatim into generated/ by `kgen render`; edit templates/kgen_math.h.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define KGEN_HD __host__ __device__ __forceinline__
+#define KGEN_UNROLL _Pragma("unroll")
+#else
+#define KGEN_HD inline
+#define KGEN_UNROLL
+#endif
+
+namespace kgen {
+
+// Tests NaN without std::isnan, which device code does not have.
+KGEN_HD bool is_nan(float x) { return x != x; }
+
+// max/min that propagate NaN from either side, as torch.max, max_pool and
+// clamp do (fmaxf/fminf would drop it).
+KGEN_HD float max_nan(float a, float b) { return (is_nan(a) || a > b) ? a : b; }
+KGEN_HD float min_nan(float a, float b) { return (is_nan(a) || a < b) ? a : b; }
+
+KGEN_HD float relu(float x) { return (x > 0.f || is_nan(x)) ? x : 0.f; }
+
+// 1 / (1 + exp(-x)): exact limits 0 and 1 at -inf and +inf, NaN stays NaN.
+KGEN_HD float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// torch.clamp: NaN stays NaN; with lo > hi every value becomes hi.
+KGEN_HD float clamp(float x, float lo, float hi) { return min_nan(max_nan(x, lo), hi); }
+
+// Statistics of a normalization: count, sum of d and sum of d*d, where
+// d = v - shift and the shift is a value near the group's mean. Every thread,
+// block and split only adds these sums, and the normalized value is
+// ((v - shift) - mean_offset) * rstd: no large mean is ever rounded, so data
+// far from zero (mean 1e4, std 1) keep fp32 accuracy. The sums are double:
+// many equal values (ReLU zeros) would otherwise round the same way each time
+// and bias the variance by ~1e-6; these kernels are memory-bound, so FP64
+// adds cost nothing measurable. A NaN or inf anywhere makes the group's
+// statistics NaN, as in PyTorch.
+struct ShiftedSums {
+  double count;
+  double s1;  // sum of d
+  double s2;  // sum of d * d
+};
+
+KGEN_HD ShiftedSums sums_empty() { return ShiftedSums{0.0, 0.0, 0.0}; }
+
+KGEN_HD void sums_push(ShiftedSums& s, float d) {
+  s.count += 1.0;
+  s.s1 += d;
+  s.s2 += static_cast<double>(d) * d;
+}
+
+KGEN_HD ShiftedSums sums_add(const ShiftedSums& a, const ShiftedSums& b) {
+  return ShiftedSums{a.count + b.count, a.s1 + b.s1, a.s2 + b.s2};
+}
+
+// Mean (as an offset from the shift) and 1 / sqrt(biased variance + eps).
+KGEN_HD void sums_stats(const ShiftedSums& s, float eps, float& mean_offset, float& rstd) {
+  const double m = s.s1 / s.count;
+  const double var = (s.s2 - s.s1 * m) / s.count;  // can round slightly negative; NaN must stay NaN
+  mean_offset = static_cast<float>(m);
+  rstd = static_cast<float>(1.0 / sqrt((var < 0.0 ? 0.0 : var) + static_cast<double>(eps)));
+}
+
+}  // namespace kgen
