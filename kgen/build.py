@@ -332,6 +332,15 @@ def build_module(module_dir: Path, variant: str | None = None, quiet: bool = Fal
     return result
 
 
+def build_modules(module_dirs, variant: str | None = None) -> list[BuildResult]:
+    """Build several modules at once (each ninja runs its own jobs); the first failure is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(module_dirs), os.cpu_count() or 1))) as pool:
+        futures = [pool.submit(build_module, d, variant) for d in module_dirs]
+        return [f.result() for f in futures]
+
+
 def ensure_built(module_dir: Path) -> Path:
     """The library of ``module_dir`` for this machine, building it first if needed."""
     return build_module(module_dir).library

@@ -1,0 +1,183 @@
+"""`kgen bench`: time generated modules against eager PyTorch and torch.compile.
+
+All in one process on one GPU: CUDA events around each call, warm-up first
+(torch.compile compiles then), the median of ``reps`` timed calls. Measured
+per pipeline: eager (the reference model in float32, PyTorch's default cuDNN
+settings), torch.compile (default mode), the convolution alone (eager), kgen,
+and kgen with every rewrite off; and the post-convolution part alone: eager's
+ops after the conv vs kgen's fused stages (no-rewrite plan) on the same conv
+output.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .errors import KgenError
+from .ir import Conv, load_pipeline
+from .plan import make_plan
+from .reference import ReferenceModel
+from .spec import REWRITE_NAMES
+from .validate import import_module_dir, pack_buffer
+
+WARMUP = 5
+
+
+def time_ms(fn, reps: int) -> float:
+    """Median of ``reps`` CUDA-event timings of fn(), after warm-up."""
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _commit() -> str:
+    if os.environ.get("KGEN_COMMIT"):
+        return os.environ["KGEN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    return dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version(),
+        cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+        commit=_commit(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        host=platform.node(),
+    )
+
+
+def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
+    from .variants import baseline_module
+
+    pipe = load_pipeline(spec)
+    batch = pipe.example_batch()
+    mod = import_module_dir(module_dir)
+    torch.manual_seed(0)
+    model = mod.Model().cuda().eval()
+    ref = ReferenceModel(pipe).cuda().eval()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(pipe.input.concrete(batch), device="cuda")
+    row = dict(name=pipe.name, batch=batch, input=list(pipe.input.concrete(batch)))
+    with torch.no_grad():
+        row["eager_ms"] = time_ms(lambda: ref(x), reps)
+        compiled = torch.compile(ref)
+        row["compile_ms"] = time_ms(lambda: compiled(x), reps)
+        row["kgen_ms"] = time_ms(lambda: model(x), reps)
+        first = pipe.ops[0]
+        if isinstance(first, Conv):
+            conv = getattr(ref, first.module)
+            row["conv_ms"] = time_ms(lambda: conv(x), reps)
+            conv_out = conv(x)
+            tensors = dict(ref.named_parameters())
+            rest = pipe.ops[1:]
+
+            def eager_post():
+                y = conv_out
+                for op in rest:
+                    y = op.run(y, tensors)
+                return y
+
+            row["eager_post_ms"] = time_ms(eager_post, reps)
+        if baseline:
+            nr_dir = baseline_module(spec)
+            nr = import_module_dir(nr_dir).Model().cuda().eval()
+            nr.load_state_dict(model.state_dict())
+            row["kgen_norewrite_ms"] = time_ms(lambda: nr(x), reps)
+            if isinstance(first, Conv):
+                plan = make_plan(pipe, {n: False for n in REWRITE_NAMES})
+                fused = plan.fused_stages()
+                if fused and fused[0].index == 1:
+                    params = dict(nr.named_parameters())
+                    calls = []
+                    for st in fused:
+                        op = getattr(torch.ops.kgen, f"{nr_dir.name}_stage{st.index}")
+                        names = st.tensor_names()
+                        args = [params[a.name] for a in pipe.tensor_args() if a.name in names]
+                        calls.append((op, args))
+                    packed = pack_buffer(fused[0].input, conv_out)
+
+                    def kgen_post():
+                        y = calls[0][0](packed, *calls[0][1])
+                        for op, args in calls[1:]:
+                            y = op([y], *args)
+                        return y
+
+                    row["kgen_post_ms"] = time_ms(kgen_post, reps)
+    del compiled
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_bench(module_dirs, spec_of, reps: int = 30, baseline: bool = True) -> dict:
+    if not torch.cuda.is_available():
+        raise KgenError("kgen bench needs a CUDA GPU")
+    if reps < 20:
+        raise KgenError("--reps must be at least 20 for a meaningful median")
+    rows = []
+    for d in module_dirs:
+        row = bench_one(d, spec_of(d), reps, baseline)
+        rows.append(row)
+        print(f"kgen: bench {row['name']}: eager {row['eager_ms']:.3f} ms, compile {row['compile_ms']:.3f} ms, kgen {row['kgen_ms']:.3f} ms", flush=True)
+    result = dict(environment=environment(), reps=reps, warmup=WARMUP, rows=rows)
+    print(markdown_table(result))
+    return result
+
+
+def _f(v, digits=3):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown_table(result: dict) -> str:
+    head = ("| pipeline | eager ms | torch.compile ms | conv alone ms | kgen ms | vs eager | vs compile "
+            "| kgen no-rewrites ms | post-conv eager ms | post-conv kgen ms | post-conv speedup |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in result["rows"]:
+        post_e, post_k = r.get("eager_post_ms"), r.get("kgen_post_ms")
+        lines.append(
+            f"| {r['name']} | {_f(r['eager_ms'])} | {_f(r['compile_ms'])} | {_f(r.get('conv_ms'))} | {_f(r['kgen_ms'])} "
+            f"| {r['eager_ms'] / r['kgen_ms']:.2f}x | {r['compile_ms'] / r['kgen_ms']:.2f}x | {_f(r.get('kgen_norewrite_ms'))} "
+            f"| {_f(post_e)} | {_f(post_k)} | {'-' if not (post_e and post_k) else f'{post_e / post_k:.2f}x'} |"
+        )
+    return "\n".join(lines)
+
+
+def write_reports(result: dict, json_path: Path | None, md_path: Path | None) -> None:
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+    if md_path:
+        env = result["environment"]
+        text = [
+            f"# kgen bench on {env['device']}",
+            "",
+            f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}, cuDNN TF32 allowed: {env['cudnn_allow_tf32']}),"
+            f" commit {env['commit']}, {env['date']}.",
+            f"Median of {result['reps']} runs after {result['warmup']} warm-up runs, CUDA events, one process.",
+            "",
+            markdown_table(result),
+            "",
+        ]
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text("\n".join(text))

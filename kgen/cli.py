@@ -1,0 +1,297 @@
+"""The kgen command line. Errors print one line (``kgen: error: ...``) and exit 1."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import KgenError
+
+DEFAULT_SPECS = Path("specs")
+DEFAULT_OUT = Path("generated")
+
+
+def _fail_cleanly(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KgenError as e:
+            msg = str(e)
+            first, _, rest = msg.partition("\n")
+            click.echo(f"kgen: error: {first}", err=True)
+            if rest:
+                click.echo(rest, err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
+
+
+def _spec_paths(specs: tuple[str, ...]) -> list[Path]:
+    if specs:
+        return [Path(s) for s in specs]
+    found = sorted(DEFAULT_SPECS.glob("*.yaml"))
+    if not found:
+        raise KgenError(f"no specs given and none found under {DEFAULT_SPECS}/")
+    return found
+
+
+def _module_dirs(out: Path, names: tuple[str, ...]) -> list[Path]:
+    if names:
+        dirs = [out / n for n in names]
+        for d in dirs:
+            if not (d / "binding.cpp").exists():
+                raise KgenError(f"no rendered module {d.name!r} under {out}/; run `kgen render specs/{d.name}.yaml`")
+        return dirs
+    dirs = sorted(d for d in out.iterdir() if (d / "binding.cpp").exists()) if out.exists() else []
+    if not dirs:
+        raise KgenError(f"no rendered modules under {out}/; run `kgen render` first")
+    return dirs
+
+
+def _spec_of(module_dir: Path) -> Path:
+    """The spec a module was rendered from (plan.json names it relative to the project)."""
+    import json
+
+    plan = module_dir / "plan.json"
+    if not plan.exists():
+        raise KgenError(f"{module_dir} has no plan.json; run `kgen render` again")
+    spec = module_dir.parent.parent / json.loads(plan.read_text())["spec"]
+    if not spec.exists():
+        raise KgenError(f"{module_dir.name}: its spec {spec} is gone")
+    return spec
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Render fused GPU/CPU kernels from YAML pipeline specs.
+
+    \b
+    A spec (specs/NAME.yaml) lists ops, shapes and reduction axes; kgen plans
+    it (with algebraic rewrites), renders CUDA and C++ sources whose sizes are
+    compile-time constants into generated/NAME/, builds them with ninja, and
+    checks them against PyTorch in float64.
+
+    \b
+    Typical session:
+      kgen render specs/maxpool_sum.yaml   # write generated/maxpool_sum/
+      kgen build                           # compile every rendered module
+      kgen validate                        # compare with the float64 reference
+      python -c "from generated import maxpool_sum"
+    or all of it at once: kgen all
+    """
+
+
+@main.command()
+@click.argument("specs", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if generated/ differs from what rendering gives.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True,
+              help="Where the module directories go.")
+@_fail_cleanly
+def render(specs, check, out):
+    """Render SPECS (default: specs/*.yaml) into OUT/NAME/.
+
+    Each module gets stages.h (the math), kernel.cu (CUDA schedule),
+    kernel_cpu.cpp (C++ schedule), binding.cpp (the torch op), __init__.py and
+    plan.json. With --check nothing is written and stale files are listed.
+    """
+    from .render import render_spec, stale_files, write_rendered
+
+    rendered = [render_spec(p, out) for p in _spec_paths(specs)]  # all or nothing: render everything first
+    if check:
+        stale = [f"{out}/{f}" for r in rendered for f in stale_files(r, out)]
+        if stale:
+            raise KgenError(f"{len(stale)} generated file(s) are stale; run `kgen render`:\n  " + "\n  ".join(stale))
+        click.echo(f"generated/ is up to date ({len(rendered)} module(s))")
+        return
+    for r in rendered:
+        changed = write_rendered(r, out)
+        click.echo(f"{r.name}: {len(changed)} file(s) written" if changed else f"{r.name}: up to date")
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Build variant (default: cuda when a GPU and nvcc are there, else cpu).")
+@_fail_cleanly
+def build(names, out, device):
+    """Compile rendered modules NAMES (default: all under generated/).
+
+    Builds are cached by a hash of the sources, flags, torch version and GPU
+    arch; an unchanged module is not rebuilt. Concurrent builds are safe.
+    """
+    from .build import build_modules
+
+    for r in build_modules(_module_dirs(out, names), device):
+        click.echo(f"{r.name}: {'built' if r.built else 'up to date'} -> {r.library}")
+
+
+def _run_validation(module_dirs, device, full, baseline, verbose):
+    from .validate import validate
+
+    rows, failed = [], []
+    for d in module_dirs:
+        spec = _spec_of(d)
+        reports = [("rewritten", validate(spec, d, device, full=full))]
+        if baseline:
+            from .variants import baseline_module
+
+            reports.append(("no rewrites", validate(spec, baseline_module(spec), device, full=full, stages=False)))
+        for label, rep in reports:
+            worst = rep.worst
+            rows.append([
+                d.name + ("" if label == "rewritten" else " (no rewrites)"), rep.device, rep.precision,
+                f"{sum(c.passed for c in rep.cases)}/{len(rep.cases)}", f"{rep.max_abs():.2e}",
+                f"{worst.rel_l2:.2e}", "ok" if rep.passed else "FAIL",
+            ])
+            for c in rep.cases:
+                if verbose or not c.passed:
+                    mark = "ok  " if c.passed else "FAIL"
+                    click.echo(f"  {mark} {rep.name}: {c.case}: max abs {c.max_abs:.2e}, rel L2 {c.rel_l2:.2e} {c.problem}")
+            if not rep.passed:
+                failed.append(rep.name)
+    click.echo(format_table(["module", "device", "precision", "cases", "max abs err", "worst rel L2", "status"], rows))
+    return failed
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available).")
+@click.option("--full", is_flag=True, help="More random seeds.")
+@click.option("--baseline", is_flag=True, help="Also build and check the same spec with every rewrite off.")
+@click.option("-v", "--verbose", is_flag=True, help="Print every case, not only failures.")
+@_fail_cleanly
+def validate(names, out, device, full, baseline, verbose):
+    """Check modules NAMES (default: all) against the float64 reference.
+
+    End-to-end cases (normal data, batch 1, odd batch, NaN, large values,
+    ties, non-contiguous and channels_last inputs) and per-stage adversarial
+    cases (+-inf, NaN, ties, data far from zero, constants) with poisoned
+    outputs. Tolerances follow the spec's precision (tf32 on CUDA).
+    """
+    failed = _run_validation(_module_dirs(out, names), device or _default_device(), full, baseline, verbose)
+    if failed:
+        raise KgenError(f"validation failed: {', '.join(failed)}")
+
+
+@main.command(name="all")
+@click.argument("specs", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available).")
+@_fail_cleanly
+def all_(specs, out, device):
+    """Render, build and validate SPECS (default: specs/*.yaml) and print a table.
+
+    This is the main job: it leaves every module importable
+    (`from generated import NAME`) and exits 1 if any check fails.
+    """
+    from .build import build_modules
+    from .render import render_spec, write_rendered
+
+    rendered = [render_spec(p, out) for p in _spec_paths(specs)]
+    for r in rendered:
+        write_rendered(r, out)
+    device = device or _default_device()
+    dirs = [out / r.name for r in rendered]
+    build_modules(dirs, "cuda" if device.startswith("cuda") else "cpu")
+    failed = _run_validation(dirs, device, False, False, False)
+    if failed:
+        raise KgenError(f"validation failed: {', '.join(failed)}")
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--no-rewrites", is_flag=True, help="Plan with every rewrite off.")
+@click.option("--batch", type=int, default=None, help="Batch for FLOPs and bytes (default: the spec's example).")
+@_fail_cleanly
+def explain(spec, no_rewrites, batch):
+    """Show how SPEC is planned: ops before and after rewrites, which
+    rewrites fired and why others did not, the stages, FLOPs, bytes moved and
+    the H100 floor (FLOPs / 400 TFLOP/s TF32, bytes / 3.0 TB/s)."""
+    from .explain import explain_text
+    from .ir import load_pipeline
+    from .spec import REWRITE_NAMES
+
+    pipe = load_pipeline(spec)
+    click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch))
+
+
+@main.command(name="list")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
+@_fail_cleanly
+def list_(out):
+    """List the specs under specs/ with their stages and whether generated/ is fresh."""
+    from .ir import load_pipeline
+    from .plan import make_plan
+    from .render import render_plan, stale_files
+
+    rows = []
+    for p in _spec_paths(()):
+        pipe = load_pipeline(p)
+        plan = make_plan(pipe)
+        stale = stale_files(render_plan(plan, out), out)
+        state = "missing" if not (out / pipe.name).exists() else ("stale" if stale else "fresh")
+        rows.append([pipe.name, str(pipe.input), str(pipe.output), " + ".join(s.kind for s in plan.stages), state])
+    click.echo(format_table(["name", "input", "output", "stages", "generated/"], rows))
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
+@click.option("--arch", default="9.0a", show_default=True, help="CUDA arch to compile for.")
+@_fail_cleanly
+def ptxas(names, out, arch):
+    """Compile the kernel.cu of NAMES (default: all) with nvcc only (no GPU,
+    no torch CUDA needed) and print ptxas' registers, stack and spills per
+    kernel. Exits 1 if any kernel spills or uses local memory."""
+    from .build import demangle, ptxas_report
+
+    rows, bad = [], []
+    for d in _module_dirs(out, names):
+        for k in ptxas_report(d, arch):
+            name = demangle(k.name)
+            rows.append([d.name, name.split("(")[0], k.registers, k.stack, f"{k.spill_stores}/{k.spill_loads}"])
+            if not k.clean:
+                bad.append(f"{d.name}: {name}")
+    click.echo(format_table(["module", "kernel", "registers", "stack bytes", "spill st/ld bytes"], rows))
+    if bad:
+        raise KgenError("kernels spill or use local memory:\n  " + "\n  ".join(bad))
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the numbers as JSON.")
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write a Markdown report.")
+@click.option("--reps", type=int, default=30, show_default=True, help="Timed runs per measurement (median).")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Also time each spec with every rewrite off.")
+@_fail_cleanly
+def bench(names, out, json_path, md_path, reps, baseline):
+    """Time modules NAMES (default: all) on the GPU against eager PyTorch and
+    torch.compile in the same process: CUDA events, warm-up, median of REPS."""
+    from .bench import run_bench, write_reports
+
+    results = run_bench(_module_dirs(out, names), _spec_of, reps=reps, baseline=baseline)
+    write_reports(results, json_path, md_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""Check a generated module against the float64 reference built from the same spec.
+
+Two kinds of cases:
+
+- end to end: the module's op against the spec's (unrewritten) ops run by
+  PyTorch in float64, on normal data (several seeds, batch 1, an odd batch),
+  NaN, large values, ties in max windows, constant input, non-contiguous and
+  channels_last inputs;
+- per fused stage: adversarial values fed straight into the generated kernel
+  (``kgen::NAME_stageK``): +-inf and NaN, ties, data far from zero, constants.
+  Non-finite values going through a convolution are left to the conv library;
+  here they reach our kernels directly.
+
+Outputs and workspaces are poisoned (``KGEN_POISON_OUTPUTS=1``): an element no
+kernel wrote keeps a NaN bit pattern that no computation produces, and fails
+the case. NaN and +-inf must sit exactly where the reference has them.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import KgenError
+from .ir import Pipeline, TensorType, load_pipeline
+from .plan import Buffer, Plan, make_plan
+from .reference import ReferenceModel
+
+POISON_BITS = 0x7FDEAD00  # kgen_runtime.h: kPoisonBits
+
+# (relative L2 error, max abs error / max |reference|) allowed per precision
+TOLERANCES = {
+    "ieee": (1e-5, 1e-4),
+    "tf32x3": (2e-5, 2e-4),
+    "tf32": (5e-3, 2e-2),
+}
+
+
+@dataclass
+class CaseResult:
+    case: str
+    max_abs: float
+    rel_l2: float
+    passed: bool
+    problem: str = ""
+    eager_rel_l2: float = math.nan  # PyTorch's own float32 eager on the same input
+
+
+@dataclass
+class Report:
+    name: str
+    device: str
+    precision: str  # effective: the CPU build always computes in ieee
+    cases: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.cases) and all(c.passed for c in self.cases)
+
+    @property
+    def worst(self) -> CaseResult:
+        finite = [c for c in self.cases if math.isfinite(c.rel_l2)]
+        return max(finite or self.cases, key=lambda c: c.rel_l2)
+
+    def max_abs(self) -> float:
+        return max((c.max_abs for c in self.cases), default=float("nan"))
+
+
+# ------------------------------------------------------------ comparing
+
+
+def _errors(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, relative L2 error) of o against r over r's finite elements."""
+    finite = torch.isfinite(r)
+    if not finite.any():
+        return 0.0, 0.0
+    diff = o[finite] - r[finite]
+    max_abs = float(diff.abs().max())
+    norm = float(r[finite].norm())
+    if norm == 0:
+        return max_abs, 0.0 if max_abs == 0 else math.inf
+    return max_abs, float(diff.norm()) / norm
+
+
+def compare(
+    case: str, out: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float], eager: torch.Tensor | None = None
+) -> CaseResult:
+    """``out`` (float32) against ``ref`` (float64): shapes, poison, non-finite masks, then errors.
+
+    The error may reach the tolerance of the precision mode, or twice what
+    PyTorch's own float32 eager (``eager``) makes on this input, whichever is
+    larger: on ill-conditioned inputs (data at 1e4 with std 1 through x * m)
+    no float32 computation gets within a fixed tolerance.
+    """
+    if tuple(out.shape) != tuple(ref.shape):
+        return CaseResult(case, math.inf, math.inf, False, f"shape {list(out.shape)} != reference {list(ref.shape)}")
+    if out.dtype != torch.float32:
+        return CaseResult(case, math.inf, math.inf, False, f"dtype {out.dtype} != float32")
+    out, ref = out.detach().cpu(), ref.detach().cpu()
+    unwritten = int((out.contiguous().view(torch.int32) == POISON_BITS).sum())
+    if unwritten:
+        return CaseResult(case, math.inf, math.inf, False, f"{unwritten} output elements were never written")
+    o, r = out.double(), ref.double()
+    for what, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        mo, mr = fn(o), fn(r)
+        if not torch.equal(mo, mr):
+            return CaseResult(
+                case, math.inf, math.inf, False,
+                f"{what} at {int((mo & ~mr).sum())} places the reference has none and missing at {int((mr & ~mo).sum())}",
+            )
+    max_abs, rel_l2 = _errors(o, r)
+    finite = torch.isfinite(r)
+    scale = float(r[finite].abs().max()) if finite.any() else 0.0
+    allowed_rel, allowed_abs = tol[0], tol[1] * scale
+    eager_rel = math.nan
+    if eager is not None:
+        e = eager.detach().cpu().double()
+        if torch.equal(torch.isfinite(e), finite):
+            eager_abs, eager_rel = _errors(e, r)
+            allowed_rel, allowed_abs = max(allowed_rel, 2 * eager_rel), max(allowed_abs, 2 * eager_abs)
+    ok = rel_l2 <= allowed_rel and max_abs <= allowed_abs
+    problem = "" if ok else f"error above the allowed rel L2 {allowed_rel:.3g} / max abs {allowed_abs:.3g}"
+    return CaseResult(case, max_abs, rel_l2, ok, problem, eager_rel)
+
+
+# ------------------------------------------------------------ inputs
+
+
+def _gen(seed: int, device) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def _randn(shape, seed, device) -> torch.Tensor:
+    return torch.randn(shape, generator=_gen(seed, device)).to(device)
+
+
+def _inject(x: torch.Tensor, values, seed: int) -> torch.Tensor:
+    """x with each of ``values`` written at a random position."""
+    x = x.clone()
+    flat = x.view(-1)
+    pos = torch.randint(0, flat.numel(), (len(values),), generator=_gen(seed, "cpu"))
+    for p, v in zip(pos.tolist(), values):
+        flat[p] = v
+    return x
+
+
+def _ties(shape, seed, device) -> torch.Tensor:
+    """Piecewise-constant data (2x blocks): equal values side by side, so max windows tie."""
+    coarse = [shape[0], shape[1]] + [max(1, -(-s // 2)) for s in shape[2:]]
+    x = _randn(coarse, seed, device)
+    for d in range(2, len(shape)):
+        x = x.repeat_interleave(2, dim=d).narrow(d, 0, shape[d])
+    return x.contiguous()
+
+
+def end_to_end_cases(t: TensorType, device, full: bool) -> list[tuple[str, torch.Tensor]]:
+    """(label, input) pairs; ``full`` adds more seeds."""
+    C, S = t.channels, t.spatial
+    shape = lambda n: (n, C) + tuple(S)  # noqa: E731
+    cases = [
+        ("normal N=2 seed 0", _randn(shape(2), 0, device)),
+        ("normal N=1 (batch 1)", _randn(shape(1), 1, device)),
+        ("normal N=3 (odd batch)", _randn(shape(3), 2, device)),
+        ("NaN in the input", _inject(_randn(shape(2), 3, device), [math.nan] * 3, 3)),
+        ("large values (x 1e3)", _randn(shape(1), 4, device) * 1e3),
+        ("ties (2x blocks)", _ties(shape(2), 5, device)),
+        ("non-contiguous input", _randn(shape(2)[:-1] + (2 * S[-1],), 6, device)[..., ::2]),
+    ]
+    if len(S) in (2, 3):
+        fmt = torch.channels_last if len(S) == 2 else torch.channels_last_3d
+        cases.append(("channels_last input", _randn(shape(2), 7, device).contiguous(memory_format=fmt)))
+    if full:
+        cases += [(f"normal N=2 seed {s}", _randn(shape(2), s, device)) for s in (10, 11, 12)]
+    return cases
+
+
+def stage_cases(t: TensorType, device) -> list[tuple[str, torch.Tensor]]:
+    C, S = t.channels, t.spatial
+    shape = (2, C) + tuple(S)
+    return [
+        ("normal", _randn(shape, 20, device)),
+        ("+-inf and NaN", _inject(_randn(shape, 21, device), [math.inf, -math.inf, math.nan, math.inf], 21)),
+        ("+inf and -inf", _inject(_randn(shape, 22, device), [math.inf, -math.inf] * 2, 22)),
+        ("ties (multiples of 1/4)", torch.round(_randn(shape, 23, device) * 4) / 4),
+        ("far from zero (1e4 + N(0,1))", 1e4 + _randn(shape, 24, device)),
+        ("constant", torch.full(shape, -1.25, device=device)),
+    ]
+
+
+def pack_buffer(buf: Buffer, x: torch.Tensor) -> list[torch.Tensor]:
+    """The physical tile(s) a stage reads, holding the logical tensor ``x``.
+
+    Tile elements outside the logical region are NaN: a kernel that reads
+    them shows up as a wrong NaN in the output.
+    """
+    n = x.shape[0]
+    tiles = []
+    for tile in buf.tiles:
+        t = torch.empty_strided((n,) + tile.dims, (tile.sample_stride,) + tile.strides, device=x.device, dtype=x.dtype)
+        t.fill_(math.nan)
+        src, dst = [slice(None), slice(None)], [slice(None), slice(None)]
+        for d in range(len(tile.dims) - 1):
+            L = buf.logical[d + 1]
+            if buf.phased:
+                s, r = buf.phase_stride[d], tile.residue[d]
+                count = len(range(r, L, s))
+                src.append(slice(r, L, s))
+            else:
+                count = L
+                src.append(slice(None))
+            dst.append(slice(tile.offset[d], tile.offset[d] + count))
+        t[tuple(dst)] = x[tuple(src)]
+        tiles.append(t)
+    return tiles
+
+
+# ------------------------------------------------------------ running
+
+
+def import_module_dir(module_dir: Path):
+    """Import a generated module from its directory, wherever it lies."""
+    module_dir = Path(module_dir).resolve()
+    name = f"_kgen_module_{module_dir.name}_{abs(hash(str(module_dir))) % 10**8}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, module_dir / "__init__.py")
+    if spec is None:
+        raise KgenError(f"{module_dir} is not a generated module (no __init__.py); run `kgen render`")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    old = os.environ.get("KGEN_POISON_OUTPUTS")
+    os.environ["KGEN_POISON_OUTPUTS"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["KGEN_POISON_OUTPUTS"]
+        else:
+            os.environ["KGEN_POISON_OUTPUTS"] = old
+
+
+def effective_precision(pipe: Pipeline, device: str) -> str:
+    return pipe.precision if device.startswith("cuda") else "ieee"
+
+
+def validate(
+    spec_path, module_dir: Path, device: str = "cpu", full: bool = False, stages: bool = True, plan: Plan | None = None
+) -> Report:
+    """Run every case of one module on ``device``; returns the report (it does not raise on failure)."""
+    pipe = load_pipeline(spec_path)
+    plan = plan or make_plan(pipe)
+    mod = import_module_dir(module_dir)
+    op = getattr(torch.ops.kgen, Path(module_dir).name)
+    precision = effective_precision(pipe, device)
+    report = Report(Path(module_dir).name, device, precision)
+    torch.manual_seed(0)
+    model = mod.Model().to(device)
+    reference = ReferenceModel(pipe).to(device)
+    reference.load_state_dict(model.state_dict())
+    eager = copy.deepcopy(reference)  # float32, PyTorch's default TF32 settings
+    reference = reference.double()
+    params = [dict(model.named_parameters())[a.name].detach() for a in pipe.tensor_args()]
+    tol = TOLERANCES[precision]
+    with torch.no_grad(), poisoned_outputs():
+        for label, x in end_to_end_cases(pipe.input, device, full):
+            report.cases.append(_case(label, lambda: op(x, *params), lambda: reference(x.double()), lambda: eager(x), tol))
+        if stages:
+            named = dict(model.named_parameters())
+            for st in plan.fused_stages():
+                stage_op = getattr(torch.ops.kgen, f"{report.name}_stage{st.index}")
+                stage_params = [named[n].detach() for n in _stage_param_names(pipe, st)]
+                for label, x in stage_cases(st.in_type, device):
+                    report.cases.append(_case(
+                        f"stage {st.index}: {label}",
+                        lambda: stage_op(pack_buffer(st.input, x), *stage_params),
+                        lambda: _run_ops(st.ops, x.double(), named, torch.float64),
+                        lambda: _run_ops(st.ops, x, named, torch.float32),
+                        TOLERANCES["ieee"],
+                    ))
+    return report
+
+
+def _run_ops(ops, x, params, dtype):
+    tensors = {n: p.detach().to(dtype) for n, p in params.items()}
+    for o in ops:
+        x = o.run(x, tensors)
+    return x
+
+
+def _case(label, run, run_reference, run_eager, tol) -> CaseResult:
+    try:
+        out = run()
+    except RuntimeError as e:  # a check or a launch failed: report it as this case's failure
+        return CaseResult(label, math.inf, math.inf, False, f"raised: {str(e).splitlines()[0]}")
+    return compare(label, out, run_reference(), tol, run_eager())
+
+
+def _stage_param_names(pipe: Pipeline, stage) -> list[str]:
+    names = stage.tensor_names()
+    return [a.name for a in pipe.tensor_args() if a.name in names]
