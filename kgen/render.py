@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,12 +325,20 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+\Z")
+
+
 def spec_display_path(spec_path: str, out_root: Path) -> str:
-    """The spec path as the generated files name it: relative to the project (out_root's parent)."""
+    """The spec path as the generated files name it: relative to the project (out_root's parent).
+
+    It lands in comments and strings of generated code, so anything but plain
+    path characters is replaced by the file name's safe part.
+    """
     try:
-        return os.path.relpath(Path(spec_path).resolve(), out_root.resolve().parent)
+        shown = os.path.relpath(Path(spec_path).resolve(), out_root.resolve().parent)
     except ValueError:  # another drive on Windows
-        return Path(spec_path).name
+        shown = Path(spec_path).name
+    return shown if SAFE_PATH.match(shown) else "spec.yaml"
 
 
 @dataclass

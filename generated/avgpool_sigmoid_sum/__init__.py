@@ -4,7 +4,8 @@
 #   stage 1 (pool_reduce): sigmoid -> sum(dims=[1, 2, 3])
 # kgen-template: templates/module.py.j2
 
-"""kgen module ``avgpool_sigmoid_sum``: Conv2d, average pool, sigmoid, sum over channels and space.
+"""kgen module ``avgpool_sigmoid_sum``, rendered from specs/avgpool_sigmoid_sum.yaml.
+
 
     from generated import avgpool_sigmoid_sum
     model = avgpool_sigmoid_sum.Model()  # the reference model's parameters, names and init

@@ -4,7 +4,8 @@
 #   stage 1 (pool_reduce): max_pool3d(k=2) -> div(2) -> sum(dims=[1, 2, 3, 4], keeping [2, 3, 4]) -> div(6727) -> add(sum over dims [1] of bias)
 # kgen-template: templates/module.py.j2
 
-"""kgen module ``div_max_gap_bias_sum``: Conv3d, divide by a constant, max pool, global average pool, add a bias, sum over channels.
+"""kgen module ``div_max_gap_bias_sum``, rendered from specs/div_max_gap_bias_sum.yaml.
+
 
     from generated import div_max_gap_bias_sum
     model = div_max_gap_bias_sum.Model()  # the reference model's parameters, names and init

@@ -4,7 +4,8 @@
 #   stage 1 (norm): mul(multiplier) -> instance_norm(eps=1e-05) -> clamp(-1.0, 1.0) -> mul(multiplier) -> max(dims=[1])
 # kgen-template: templates/module.py.j2
 
-"""kgen module ``instnorm_clamp_max``: Conv3d, per-channel multiplier, InstanceNorm3d, clamp, multiplier again, max over channels.
+"""kgen module ``instnorm_clamp_max``, rendered from specs/instnorm_clamp_max.yaml.
+
 
     from generated import instnorm_clamp_max
     model = instnorm_clamp_max.Model()  # the reference model's parameters, names and init

@@ -4,7 +4,8 @@
 #   stage 1 (pool_reduce): max_pool3d(k=6) -> sum(dims=[1], keepdim)
 # kgen-template: templates/module.py.j2
 
-"""kgen module ``maxpool_sum``: ConvTranspose3d, two max pools, sum over channels.
+"""kgen module ``maxpool_sum``, rendered from specs/maxpool_sum.yaml.
+
 
     from generated import maxpool_sum
     model = maxpool_sum.Model()  # the reference model's parameters, names and init

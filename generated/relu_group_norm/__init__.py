@@ -4,7 +4,8 @@
 #   stage 1 (norm): relu -> group_norm(groups=8, eps=1e-05)
 # kgen-template: templates/module.py.j2
 
-"""kgen module ``relu_group_norm``: ConvTranspose3d without bias, ReLU, GroupNorm with 8 groups.
+"""kgen module ``relu_group_norm``, rendered from specs/relu_group_norm.yaml.
+
 
     from generated import relu_group_norm
     model = relu_group_norm.Model()  # the reference model's parameters, names and init
