@@ -1,0 +1,36 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+SHIPPED = [p.stem for p in SPECS]
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # handwritten.py
+
+
+@pytest.fixture(scope="session")
+def built():
+    """The shipped modules under generated/, built for this machine: name -> module dir."""
+    from kgen.build import build_modules
+
+    dirs = [ROOT / "generated" / n for n in SHIPPED]
+    build_modules(dirs)
+    return {d.name: d for d in dirs}
+
+
+@pytest.fixture(scope="session")
+def modules(built):
+    from kgen.validate import import_module_dir
+
+    return {n: import_module_dir(d) for n, d in built.items()}
+
+
+def write_spec(dir_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    path = Path(dir_path) / name
+    path.write_text(text)
+    return path

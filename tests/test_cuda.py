@@ -1,0 +1,75 @@
+"""CUDA-only behaviour of the generated ops (skipped without a GPU; run on the GPU machine)."""
+import pytest
+import torch
+
+from conftest import HAS_CUDA, ROOT, SHIPPED
+from kgen.ir import load_pipeline
+
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def _setup(modules, name, batch=2, device="cuda"):
+    torch.manual_seed(5)
+    model = modules[name].Model().to(device)
+    x = torch.randn(load_pipeline(ROOT / "specs" / f"{name}.yaml").input.concrete(batch), device=device)
+    return model, x
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_cuda_graph_capture_and_replay(name, modules):
+    model, x = _setup(modules, name)
+    with torch.no_grad():
+        expected = model(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(x)  # warm up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = model(x)
+        x.copy_(x * 0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        again = model(x)
+    torch.testing.assert_close(static_out, again, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(static_out, expected)  # the replay really recomputed
+
+
+@pytest.mark.parametrize("name", ["maxpool_sum", "relu_group_norm", "instnorm_clamp_max"])
+def test_torch_compile_fullgraph_inductor(name, modules):
+    model, x = _setup(modules, name)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_runs_on_the_current_stream(modules):
+    model, x = _setup(modules, "relu_group_norm")
+    with torch.no_grad():
+        expected = model(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            y = model(x)
+        stream.synchronize()
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_parameters_on_another_device_are_rejected(modules):
+    m = modules["div_max_gap_bias_sum"]
+    model, x = _setup(modules, "div_max_gap_bias_sum")
+    w, b, bias = model.conv.weight.detach(), model.conv.bias.detach(), model.bias.detach()
+    with pytest.raises(RuntimeError, match="conv_bias must be on cuda:0 like x, got cpu"):
+        m.forward(x, w, b.cpu(), bias)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("name", SHIPPED)
+def test_second_gpu(name, modules):
+    model, x = _setup(modules, name, device="cuda:1")
+    with torch.no_grad():
+        y = model(x)
+        ref = model.to("cuda:0")(x.to("cuda:0"))
+    assert y.device == torch.device("cuda:1")
+    torch.testing.assert_close(y.to("cuda:0"), ref, rtol=1e-4, atol=1e-4)
