@@ -59,6 +59,12 @@ class Buffer:
         return bool(self.phase_stride)
 
     @property
+    def flat(self) -> bool:
+        """A plain contiguous (C, *S) tensor: element e of a sample lies at e."""
+        t = self.tiles[0]
+        return not self.phased and self.layout == "contiguous" and t.dims == self.logical and not any(t.offset)
+
+    @property
     def innermost(self) -> int:
         order = [d for d in self.tiles[0].memory_order if self.logical[d] > 1]
         return order[-1] if order else len(self.logical) - 1
@@ -255,7 +261,9 @@ def _conv_stage(index, conv: Conv, t_in, t_out, layout) -> ConvStage:
             dims = (C,) + ph.conv_out
             strides, sample = _strides(dims, layout)
             tiles.append(Tile(dims, strides, sample, ph.offset, ph.residue))
-        buf = Buffer(t_out.shape[1:], layout, tuple(tiles), phase_stride=conv.stride)
+        # stride 1 has a single phase: a dense tile, maybe offset
+        phase_stride = conv.stride if len(tiles) > 1 else ()
+        buf = Buffer(t_out.shape[1:], layout, tuple(tiles), phase_stride=phase_stride)
         return ConvStage(index, "conv", [conv], t_in, t_out, conv=conv, layout=layout, output=buf,
                          phases=phases, input_extent=phases[0].input_extent)
     extent = conv.input_extent(t_in.spatial)
@@ -337,8 +345,9 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None) -> Plan:
         if kind == "conv":
             nxt = groups[gi + 1][0] if gi + 1 < len(groups) else None
             layout = rewritten.conv_layout
-            if layout == "auto":
-                layout = "channels_last" if nxt == "pool_reduce" and gops[0].rank >= 2 else "contiguous"
+            if layout == "auto":  # measured on the H100: notes/perf.md
+                direct_transposed = gops[0].transposed and gops[0].lowering == "direct"
+                layout = "channels_last" if nxt == "pool_reduce" and gops[0].rank >= 2 and not direct_transposed else "contiguous"
             st = _conv_stage(index, gops[0], gtypes[0], gtypes[1], layout)
             buf = st.output
         else:

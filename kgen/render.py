@@ -57,11 +57,11 @@ def dim_names(rank: int) -> list[str]:
     return ["c"] + [f"d{i}" for i in range(rank - 1)]
 
 
-def unravel(var: str, dims: list[tuple[str, int]], tmp: str) -> str:
+def unravel(var: str, dims: list[tuple[str, int]], tmp: str, ty: str = "Index") -> str:
     """C statements that split the row-major index ``var`` into ``dims`` (outermost first)."""
     if not dims:
-        return f"(void){var};"
-    lines = [f"long long {tmp} = {var};"]
+        return f"(void)({var});"
+    lines = [f"{ty} {tmp} = {var};"]
     for i, (name, size) in enumerate(reversed(dims)):
         if size == 1:
             lines.append(f"const int {name} = 0;")
@@ -147,6 +147,12 @@ class Codegen:
         O = level.out_type.spatial[d]
         last = (O - 1) * pool.stride[d] - pool.padding[d] + (pool.kernel[d] - 1) * pool.dilation[d]
         return pool.padding[d] > 0 or last >= L
+
+    @staticmethod
+    def index_type(stage) -> str:
+        """int when every per-sample index of the stage fits in 32 bits (cheaper divisions), else long long."""
+        sizes = [math.prod(t.dims) for t in stage.input.tiles] + [stage.in_type.sample_numel, stage.out_type.sample_numel]
+        return "int" if max(sizes) < 2**31 - 1 else "long long"
 
     def stage_params(self, stage) -> list:
         """TensorArgs of the parameters a fused stage reads, in op order."""

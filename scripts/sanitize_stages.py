@@ -33,10 +33,11 @@ def main(root="generated"):
             for label, x in stage_cases(st.in_type, "cpu"):
                 tiles = [t.to("cuda") for t in pack_buffer(st.input, x)]
                 out = op(tiles, *[named[n].to("cuda") for n in names]).cpu()
-                ref = x.double()
+                ref, eager = x.double(), x
                 for o in st.ops:
                     ref = o.run(ref, {n: p.double() for n, p in named.items()})
-                r = compare(label, out, ref, TOLERANCES["ieee"])
+                    eager = o.run(eager, named)
+                r = compare(label, out, ref, TOLERANCES["ieee"], eager)
                 failed += not r.passed
                 print(f"{'ok  ' if r.passed else 'FAIL'} {d.name} stage {st.index}: {label} {r.problem}", flush=True)
     return failed

@@ -17,14 +17,15 @@ namespace s1 {
 // kChunk values, whose partial sums are added in double, so that
 // rounding does not grow with kReduced.
 void run_cpu(const Args& a, long long begin, long long end) {
-  constexpr long long kChunk = 760;
+  constexpr Index kChunk = 760;
   for (long long o = begin; o < end; ++o) {
-    const long long n = o / kKept, k = o % kKept;
+    const long long n = o / kKept;
+    const Index k = static_cast<Index>(o % kKept);
     double acc = identity();
-    for (long long r0 = 0; r0 < kReduced; r0 += kChunk) {
+    for (Index r0 = 0; r0 < kReduced; r0 += kChunk) {
       float part = identity();
-      const long long r1 = r0 + kChunk < kReduced ? r0 + kChunk : kReduced;
-      for (long long r = r0; r < r1; ++r) part = combine(part, element(a, n, k, r));
+      const Index r1 = r0 + kChunk < kReduced ? r0 + kChunk : kReduced;
+      for (Index r = r0; r < r1; ++r) part = combine(part, element(a, n, k, r));
       acc = acc + part;
     }
     a.out[o] = finish(a, n, k, static_cast<float>(acc));

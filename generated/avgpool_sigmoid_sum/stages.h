@@ -31,6 +31,9 @@ struct Args {
   long long batch;
 };
 
+// Per-sample indices fit in 32 bits.
+using Index = int;
+
 // Input: logical (C, *S) = [64, 95, 95] in a [64, 95, 95] channels_last buffer.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1) {
   return a.in[0][n * 577600LL + c + d0 * 6080 + d1 * 64];
@@ -45,22 +48,22 @@ KGEN_HD float level0(const Args& a, long long n, int c, int d0, int d1) {
 }
 
 // The reduction: each output (n, k) combines kReduced values of the last level.
-constexpr long long kKept = 1;        // outputs per sample
-constexpr long long kReduced = 577600;  // values combined into one output
-constexpr int kThreads = 256;                   // CUDA threads per block
-constexpr int kRLanes = 256;                // threads sharing one output
-constexpr int kOLanes = kThreads / kRLanes;             // outputs per block
+constexpr Index kKept = 1;  // outputs per sample
+constexpr Index kReduced = 577600;  // values combined into one output
+constexpr int kThreads = 256;  // CUDA threads per block
+constexpr int kRLanes = 256;  // threads sharing one output
+constexpr int kOLanes = kThreads / kRLanes;  // outputs per block
 constexpr bool kRFast = true;  // lanes walk the reduction (adjacent in memory)
-constexpr long long kMinPerThread = 32;                 // values per thread before a reduction is split
+constexpr long long kMinPerThread = 32;  // values per thread before a reduction is split
 
 KGEN_HD float identity() { return 0.f; }
 KGEN_HD float combine(float acc, float v) { return acc + v; }
 
 
 // Value r of output k (kept dims row-major; reduced dims in input memory order).
-KGEN_HD float element(const Args& a, long long n, long long k, long long r) {
-  (void)k;
-  long long tr = r;
+KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
+  (void)(k);
+  Index tr = r;
   const int c = static_cast<int>(tr % 64); tr /= 64;
   const int d1 = static_cast<int>(tr % 95); tr /= 95;
   const int d0 = static_cast<int>(tr);
@@ -68,7 +71,7 @@ KGEN_HD float element(const Args& a, long long n, long long k, long long r) {
 }
 
 // Output k from its combined value: then the epilogue.
-KGEN_HD float finish(const Args& a, long long n, long long k, float acc) {
+KGEN_HD float finish(const Args& a, long long n, Index k, float acc) {
   float v = acc;
   (void)a; (void)n; (void)k;
   return v;

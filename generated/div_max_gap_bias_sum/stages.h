@@ -35,6 +35,9 @@ struct Args {
   long long batch;
 };
 
+// Per-sample indices fit in 32 bits.
+using Index = int;
+
 // Input: logical (C, *S) = [16, 14, 62, 62] in a [16, 14, 62, 62] channels_last buffer.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
   return a.in[0][n * 861056LL + c + d0 * 61504 + d1 * 992 + d2 * 16];
@@ -75,22 +78,22 @@ KGEN_HD float level1(const Args& a, long long n, int c, int d0, int d1, int d2) 
 }
 
 // The reduction: each output (n, k) combines kReduced values of the last level.
-constexpr long long kKept = 1;        // outputs per sample
-constexpr long long kReduced = 107632;  // values combined into one output
-constexpr int kThreads = 256;                   // CUDA threads per block
-constexpr int kRLanes = 256;                // threads sharing one output
-constexpr int kOLanes = kThreads / kRLanes;             // outputs per block
+constexpr Index kKept = 1;  // outputs per sample
+constexpr Index kReduced = 107632;  // values combined into one output
+constexpr int kThreads = 256;  // CUDA threads per block
+constexpr int kRLanes = 256;  // threads sharing one output
+constexpr int kOLanes = kThreads / kRLanes;  // outputs per block
 constexpr bool kRFast = true;  // lanes walk the reduction (adjacent in memory)
-constexpr long long kMinPerThread = 32;                 // values per thread before a reduction is split
+constexpr long long kMinPerThread = 32;  // values per thread before a reduction is split
 
 KGEN_HD float identity() { return 0.f; }
 KGEN_HD float combine(float acc, float v) { return acc + v; }
 
 
 // Value r of output k (kept dims row-major; reduced dims in input memory order).
-KGEN_HD float element(const Args& a, long long n, long long k, long long r) {
-  (void)k;
-  long long tr = r;
+KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
+  (void)(k);
+  Index tr = r;
   const int c = static_cast<int>(tr % 16); tr /= 16;
   const int d2 = static_cast<int>(tr % 31); tr /= 31;
   const int d1 = static_cast<int>(tr % 31); tr /= 31;
@@ -99,9 +102,9 @@ KGEN_HD float element(const Args& a, long long n, long long k, long long r) {
 }
 
 // Output k from its combined value: then the epilogue.
-KGEN_HD float finish(const Args& a, long long n, long long k, float acc) {
+KGEN_HD float finish(const Args& a, long long n, Index k, float acc) {
   float v = acc;
-  (void)k;
+  (void)(k);
   v = v / 6727.0f;  // ops[3].adaptive_avg_pool3d: div(6727)
   v = v + sum_of_bias(a);  // ops[4].add: add(sum over dims [1] of bias)
   return v;

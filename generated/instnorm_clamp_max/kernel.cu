@@ -17,21 +17,22 @@ namespace kgen_instnorm_clamp_max {
 namespace s1 {
 
 // Grid (sample x group, split): each block takes one contiguous slice of its
-// group; each thread sums its shifted values, the block adds the threads'
-// sums in a fixed tree and writes them to `partial`.
+// group; each thread sums its shifted values (consecutive threads read
+// consecutive values), the block adds the threads' sums in a fixed tree and
+// writes them to `partial`.
 __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int splits) {
   __shared__ kgen::ShiftedSums lanes[kThreads];
   __shared__ float shift;
   const long long ng = blockIdx.x;
   const long long n = ng / kGroups;
   const int g = static_cast<int>(ng % kGroups);
-  const long long per_split = (kGroupSize + splits - 1) / splits;
-  const long long begin = blockIdx.y * per_split;
-  const long long end = begin + per_split < kGroupSize ? begin + per_split : kGroupSize;
   if (threadIdx.x == 0) shift = group_shift(a, n, g);
   __syncthreads();
+  const Index per_split = (kGroupSize + splits - 1) / splits;
+  const Index begin = blockIdx.y * per_split;
+  const Index end = begin + per_split < kGroupSize ? begin + per_split : kGroupSize;
   kgen::ShiftedSums sums = kgen::sums_empty();
-  for (long long e = begin + threadIdx.x; e < end; e += kThreads) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
+  for (Index e = begin + threadIdx.x; e < end; e += kThreads) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
   lanes[threadIdx.x] = sums;
   __syncthreads();
 #pragma unroll
@@ -53,16 +54,10 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a, int split
   const long long n = blockIdx.y;
   for (int g = threadIdx.x; g < kGroups; g += kThreads) stats[g] = group_stats(a, n, g, splits);
   __syncthreads();
-  const long long s = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  const Index s = static_cast<Index>(blockIdx.x) * kThreads + threadIdx.x;
   if (s >= kSpatial) return;
-  long long ts = s;
-  const int d2 = static_cast<int>(ts % 30); ts /= 30;
-  const int d1 = static_cast<int>(ts % 30); ts /= 30;
-  const int d0 = static_cast<int>(ts);
   float acc = identity();
-  for (int c = 0; c < kChannels; ++c) {
-    acc = combine(acc, apply(a, n, c, d0, d1, d2, stats[c / kGroupChannels]));
-  }
+  for (int c = 0; c < kChannels; ++c) acc = combine(acc, apply(a, n, c, s, stats[c / kGroupChannels]));
   a.out[n * kSpatial + s] = finish(a, n, s, acc);
 }
 

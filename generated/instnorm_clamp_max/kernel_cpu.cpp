@@ -20,7 +20,7 @@ void stats_cpu(const Args& a, long long begin, long long end) {
     const int g = static_cast<int>(ng % kGroups);
     const float shift = group_shift(a, n, g);
     kgen::ShiftedSums sums = kgen::sums_empty();
-    for (long long e = 0; e < kGroupSize; ++e) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
+    for (Index e = 0; e < kGroupSize; ++e) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
     a.partial[ng * 3] = sums.count;
     a.partial[ng * 3 + 1] = sums.s1;
     a.partial[ng * 3 + 2] = sums.s2;
@@ -32,19 +32,14 @@ void apply_cpu(const Args& a, long long begin, long long end) {
   Stats stats[kGroups];
   long long stats_of = -1;
   for (long long o = begin; o < end; ++o) {
-    const long long n = o / kSpatial, s = o % kSpatial;
+    const long long n = o / kSpatial;
+    const Index s = static_cast<Index>(o % kSpatial);
     if (n != stats_of) {
       for (int g = 0; g < kGroups; ++g) stats[g] = group_stats(a, n, g, 1);
       stats_of = n;
     }
-    long long ts = s;
-    const int d2 = static_cast<int>(ts % 30); ts /= 30;
-    const int d1 = static_cast<int>(ts % 30); ts /= 30;
-    const int d0 = static_cast<int>(ts);
     float acc = identity();
-    for (int c = 0; c < kChannels; ++c) {
-      acc = combine(acc, apply(a, n, c, d0, d1, d2, stats[c / kGroupChannels]));
-    }
+    for (int c = 0; c < kChannels; ++c) acc = combine(acc, apply(a, n, c, s, stats[c / kGroupChannels]));
     a.out[o] = finish(a, n, s, acc);
   }
 }

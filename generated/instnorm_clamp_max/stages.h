@@ -35,45 +35,58 @@ struct Args {
   long long batch;
 };
 
+// Per-sample indices fit in 32 bits.
+using Index = int;
+
 // Input: logical (C, *S) = [16, 14, 30, 30] in a [16, 14, 30, 30] contiguous buffer.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
   return a.in[0][n * 201600LL + c * 12600 + d0 * 900 + d1 * 30 + d2];
 }
 
+// The same input as a flat (C, *S) sample: element e lies at e.
+constexpr Index kSampleSize = 201600;
+KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
+
 
 constexpr int kChannels = 16;
 constexpr int kGroups = 16;
 constexpr int kGroupChannels = kChannels / kGroups;
-constexpr long long kSpatial = 12600;
-constexpr long long kGroupSize = kGroupChannels * kSpatial;  // values per (sample, group)
+constexpr Index kSpatial = 12600;
+constexpr Index kGroupSize = kGroupChannels * kSpatial;  // values per (sample, group)
 constexpr float kEps = 1e-05f;
 constexpr int kThreads = 256;
 constexpr long long kMinPerThread = 32;  // values per thread before statistics are split
 
-// The value the norm sees: the input, then ops[1].mul.
-KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  float v = load(a, n, c, d0, d1, d2);
+// The input value `v` at (n, c, position) as the norm sees it: after ops[1].mul.
+KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
   v = v * a.multiplier[c];  // ops[1].mul: mul(multiplier)
+  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;
 }
 
-// Value e of group g of sample n, in logical (channel-major) order.
-KGEN_HD float group_element(const Args& a, long long n, int g, long long e) {
+// The input at channel c, spatial index s (row-major over the spatial dims).
+KGEN_HD float input_at(const Args& a, long long n, int c, Index s) {
+  return load_flat(a, n, static_cast<Index>(c) * kSpatial + s);
+}
+
+// Value e of group g of sample n, in logical (channel-major) order, after the prologue.
+KGEN_HD float group_element(const Args& a, long long n, int g, Index e) {
   const int c = g * kGroupChannels + static_cast<int>(e / kSpatial);
-  long long ts = e % kSpatial;
+  const Index s = e % kSpatial;
+  Index ts = s;
   const int d2 = static_cast<int>(ts % 30); ts /= 30;
   const int d1 = static_cast<int>(ts % 30); ts /= 30;
   const int d0 = static_cast<int>(ts);
-  return pre(a, n, c, d0, d1, d2);
+  return pre(a, n, c, d0, d1, d2, input_at(a, n, c, s));
 }
 
 // The shift of (n, g)'s statistics: the mean of kShiftSamples values spread
 // over the group, in a fixed order. Any value near the mean keeps the
 // variance free of cancellation; one outlier as the shift would not.
-constexpr long long kShiftSamples = kGroupSize < 32 ? kGroupSize : 32;
+constexpr Index kShiftSamples = kGroupSize < 32 ? kGroupSize : 32;
 KGEN_HD float group_shift(const Args& a, long long n, int g) {
   float s = 0.f;
-  for (long long i = 0; i < kShiftSamples; ++i) s += group_element(a, n, g, i * (kGroupSize / kShiftSamples));
+  for (Index i = 0; i < kShiftSamples; ++i) s += group_element(a, n, g, i * (kGroupSize / kShiftSamples));
   return s / static_cast<float>(kShiftSamples);
 }
 
@@ -92,9 +105,13 @@ KGEN_HD Stats group_stats(const Args& a, long long n, int g, int splits) {
   return st;
 }
 
-// Normalized value of channel c, then ops[3].clamp, ops[4].mul.
-KGEN_HD float apply(const Args& a, long long n, int c, int d0, int d1, int d2, const Stats& s) {
-  float v = ((pre(a, n, c, d0, d1, d2) - s.shift) - s.mean_offset) * s.rstd;
+// Normalized value of channel c at spatial index s, then ops[3].clamp, ops[4].mul.
+KGEN_HD float apply(const Args& a, long long n, int c, Index s, const Stats& stats) {
+  Index ts = s;
+  const int d2 = static_cast<int>(ts % 30); ts /= 30;
+  const int d1 = static_cast<int>(ts % 30); ts /= 30;
+  const int d0 = static_cast<int>(ts);
+  float v = ((pre(a, n, c, d0, d1, d2, input_at(a, n, c, s)) - stats.shift) - stats.mean_offset) * stats.rstd;
   v = kgen::clamp(v, -1.0f, 1.0f);  // ops[3].clamp: clamp(-1.0, 1.0)
   v = v * a.multiplier[c];  // ops[4].mul: mul(multiplier)
   return v;
@@ -104,7 +121,7 @@ KGEN_HD float apply(const Args& a, long long n, int c, int d0, int d1, int d2, c
 KGEN_HD float identity() { return -INFINITY; }
 KGEN_HD float combine(float acc, float v) { return kgen::max_nan(acc, v); }
 
-KGEN_HD float finish(const Args& a, long long n, long long s, float acc) {
+KGEN_HD float finish(const Args& a, long long n, Index s, float acc) {
   float v = acc;
   (void)a; (void)n; (void)s;
   return v;

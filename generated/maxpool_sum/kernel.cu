@@ -25,13 +25,14 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
   const int lane_o = kRFast ? t / kRLanes : t % kOLanes;
   const long long o = static_cast<long long>(blockIdx.x) * kOLanes + lane_o;
   const bool live = o < a.batch * kKept;
-  const long long n = o / kKept, k = o % kKept;
+  const long long n = o / kKept;
+  const Index k = static_cast<Index>(o % kKept);
   float acc = identity();
   if (live) {
-    const long long per_split = (kReduced + splits - 1) / splits;
-    const long long begin = blockIdx.y * per_split;
-    const long long end = begin + per_split < kReduced ? begin + per_split : kReduced;
-    for (long long r = begin + lane_r; r < end; r += kRLanes) acc = combine(acc, element(a, n, k, r));
+    const Index per_split = (kReduced + splits - 1) / splits;
+    const Index begin = blockIdx.y * per_split;
+    const Index end = begin + per_split < kReduced ? begin + per_split : kReduced;
+    for (Index r = begin + lane_r; r < end; r += kRLanes) acc = combine(acc, element(a, n, k, r));
   }
   acc_lanes[t] = acc;
   __syncthreads();
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int sp
   if (o >= a.batch * kKept) return;
   float acc = identity();
   for (int s = 0; s < splits; ++s) acc = combine(acc, a.partial[o * splits + s]);
-  a.out[o] = finish(a, o / kKept, o % kKept, acc);
+  a.out[o] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
 }
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {

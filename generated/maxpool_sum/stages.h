@@ -31,6 +31,9 @@ struct Args {
   long long batch;
 };
 
+// Per-sample indices fit in 32 bits.
+using Index = int;
+
 // Input: logical (C, *S) = [64, 60, 60, 60] held as 8 sub-pixel
 // phase tiles (channels_last); logical position o lies in phase o % stride at o / stride.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
@@ -78,31 +81,31 @@ KGEN_HD float level1(const Args& a, long long n, int c, int d0, int d1, int d2) 
 }
 
 // The reduction: each output (n, k) combines kReduced values of the last level.
-constexpr long long kKept = 1000;        // outputs per sample
-constexpr long long kReduced = 64;  // values combined into one output
-constexpr int kThreads = 256;                   // CUDA threads per block
-constexpr int kRLanes = 64;                // threads sharing one output
-constexpr int kOLanes = kThreads / kRLanes;             // outputs per block
+constexpr Index kKept = 1000;  // outputs per sample
+constexpr Index kReduced = 64;  // values combined into one output
+constexpr int kThreads = 256;  // CUDA threads per block
+constexpr int kRLanes = 64;  // threads sharing one output
+constexpr int kOLanes = kThreads / kRLanes;  // outputs per block
 constexpr bool kRFast = true;  // lanes walk the reduction (adjacent in memory)
-constexpr long long kMinPerThread = 32;                 // values per thread before a reduction is split
+constexpr long long kMinPerThread = 32;  // values per thread before a reduction is split
 
 KGEN_HD float identity() { return 0.f; }
 KGEN_HD float combine(float acc, float v) { return acc + v; }
 
 
 // Value r of output k (kept dims row-major; reduced dims in input memory order).
-KGEN_HD float element(const Args& a, long long n, long long k, long long r) {
-  long long tk = k;
+KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
+  Index tk = k;
   const int d2 = static_cast<int>(tk % 10); tk /= 10;
   const int d1 = static_cast<int>(tk % 10); tk /= 10;
   const int d0 = static_cast<int>(tk);
-  long long tr = r;
+  Index tr = r;
   const int c = static_cast<int>(tr);
   return level1(a, n, c, d0, d1, d2);
 }
 
 // Output k from its combined value: then the epilogue.
-KGEN_HD float finish(const Args& a, long long n, long long k, float acc) {
+KGEN_HD float finish(const Args& a, long long n, Index k, float acc) {
   float v = acc;
   (void)a; (void)n; (void)k;
   return v;

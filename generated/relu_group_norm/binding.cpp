@@ -70,7 +70,7 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
   t0.push_back(kgen::convolution(  // phase 0,0,0: 3x3x3 taps
       x0, kgen::subpixel_weight(w0, {0, 0, 0}, {1, 1, 1}, {3, 3, 3}), std::nullopt,
       {1, 1, 1}, {2, 2, 2}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::Contiguous));
-  const at::Tensor t1 = stage1(t0, group_norm_weight, group_norm_bias);
+  const at::Tensor t1 = stage1({t0}, group_norm_weight, group_norm_bias);
   return t1;
 }
 

@@ -17,21 +17,22 @@ namespace kgen_relu_group_norm {
 namespace s1 {
 
 // Grid (sample x group, split): each block takes one contiguous slice of its
-// group; each thread sums its shifted values, the block adds the threads'
-// sums in a fixed tree and writes them to `partial`.
+// group; each thread sums its shifted values (consecutive threads read
+// consecutive values), the block adds the threads' sums in a fixed tree and
+// writes them to `partial`.
 __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int splits) {
   __shared__ kgen::ShiftedSums lanes[kThreads];
   __shared__ float shift;
   const long long ng = blockIdx.x;
   const long long n = ng / kGroups;
   const int g = static_cast<int>(ng % kGroups);
-  const long long per_split = (kGroupSize + splits - 1) / splits;
-  const long long begin = blockIdx.y * per_split;
-  const long long end = begin + per_split < kGroupSize ? begin + per_split : kGroupSize;
   if (threadIdx.x == 0) shift = group_shift(a, n, g);
   __syncthreads();
+  const Index per_split = (kGroupSize + splits - 1) / splits;
+  const Index begin = blockIdx.y * per_split;
+  const Index end = begin + per_split < kGroupSize ? begin + per_split : kGroupSize;
   kgen::ShiftedSums sums = kgen::sums_empty();
-  for (long long e = begin + threadIdx.x; e < end; e += kThreads) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
+  for (Index e = begin + threadIdx.x; e < end; e += kThreads) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
   lanes[threadIdx.x] = sums;
   __syncthreads();
 #pragma unroll
@@ -47,34 +48,31 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int split
   }
 }
 
-constexpr long long kSampleSize = kChannels * kSpatial;
 constexpr int kPerThread = 8;  // outputs per thread
-constexpr long long kPerBlock = static_cast<long long>(kThreads) * kPerThread;
+constexpr Index kPerBlock = static_cast<Index>(kThreads) * kPerThread;
+constexpr Index kBlocksPerChannel = (kSpatial + kPerBlock - 1) / kPerBlock;
 
-// Grid (blocks along the sample, sample): each thread writes kPerThread
-// outputs, kThreads apart so that a warp's stores are contiguous.
+// Grid (blocks along a channel x channels, sample): each thread writes
+// kPerThread outputs of one channel, kThreads apart so a warp's loads and
+// stores are contiguous; the block's statistics are computed once.
 __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a, int splits) {
-  __shared__ Stats stats[kGroups];
+  __shared__ Stats stats;
   const long long n = blockIdx.y;
-  for (int g = threadIdx.x; g < kGroups; g += kThreads) stats[g] = group_stats(a, n, g, splits);
+  const int c = static_cast<int>(blockIdx.x / kBlocksPerChannel);
+  if (threadIdx.x == 0) stats = group_stats(a, n, c / kGroupChannels, splits);
   __syncthreads();
-  const long long base = static_cast<long long>(blockIdx.x) * kPerBlock + threadIdx.x;
+  const Index base = static_cast<Index>(blockIdx.x % kBlocksPerChannel) * kPerBlock + threadIdx.x;
+  float* out = a.out + (n * kChannels + c) * kSpatial;
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const long long e = base + static_cast<long long>(i) * kThreads;
-    if (e >= kSampleSize) break;
-    long long te = e;
-    const int d2 = static_cast<int>(te % 34); te /= 34;
-    const int d1 = static_cast<int>(te % 34); te /= 34;
-    const int d0 = static_cast<int>(te % 34); te /= 34;
-    const int c = static_cast<int>(te);
-    a.out[n * kSampleSize + e] = apply(a, n, c, d0, d1, d2, stats[c / kGroupChannels]);
+    const Index s = base + static_cast<Index>(i) * kThreads;
+    if (s < kSpatial) out[s] = apply(a, n, c, s, stats);
   }
 }
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
   stats_kernel<<<dim3(static_cast<unsigned>(a.batch * kGroups), static_cast<unsigned>(splits)), kThreads, 0, stream>>>(a, splits);
-  apply_kernel<<<dim3(static_cast<unsigned>((kSampleSize + kPerBlock - 1) / kPerBlock), static_cast<unsigned>(a.batch)), kThreads, 0, stream>>>(a, splits);
+  apply_kernel<<<dim3(static_cast<unsigned>(kBlocksPerChannel * kChannels), static_cast<unsigned>(a.batch)), kThreads, 0, stream>>>(a, splits);
   return cudaGetLastError();
 }
 

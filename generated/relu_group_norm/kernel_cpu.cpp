@@ -20,7 +20,7 @@ void stats_cpu(const Args& a, long long begin, long long end) {
     const int g = static_cast<int>(ng % kGroups);
     const float shift = group_shift(a, n, g);
     kgen::ShiftedSums sums = kgen::sums_empty();
-    for (long long e = 0; e < kGroupSize; ++e) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
+    for (Index e = 0; e < kGroupSize; ++e) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
     a.partial[ng * 3] = sums.count;
     a.partial[ng * 3 + 1] = sums.s1;
     a.partial[ng * 3 + 2] = sums.s2;
@@ -33,13 +33,7 @@ void apply_cpu(const Args& a, long long begin, long long end) {
     const long long n = row / kChannels;
     const int c = static_cast<int>(row % kChannels);
     const Stats stats = group_stats(a, n, c / kGroupChannels, 1);
-    for (long long s = 0; s < kSpatial; ++s) {
-      long long ts = s;
-      const int d2 = static_cast<int>(ts % 34); ts /= 34;
-      const int d1 = static_cast<int>(ts % 34); ts /= 34;
-      const int d0 = static_cast<int>(ts);
-      a.out[row * kSpatial + s] = apply(a, n, c, d0, d1, d2, stats);
-    }
+    for (Index s = 0; s < kSpatial; ++s) a.out[row * kSpatial + s] = apply(a, n, c, s, stats);
   }
 }
 

@@ -33,52 +33,58 @@ struct Args {
   long long batch;
 };
 
-// Input: logical (C, *S) = [128, 34, 34, 34] held as 1 sub-pixel
-// phase tiles (contiguous); logical position o lies in phase o % stride at o / stride.
+// Per-sample indices fit in 32 bits.
+using Index = int;
+
+// Input: logical (C, *S) = [128, 34, 34, 34] in a [128, 34, 34, 34] contiguous buffer.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  const int r0 = d0 % 1, m0 = d0 / 1;
-  const int r1 = d1 % 1, m1 = d1 / 1;
-  const int r2 = d2 % 1, m2 = d2 / 1;
-  switch ((r0 * 1 + r1) * 1 + r2) {
-    case 0: return a.in[0][n * 5030912LL + c * 39304 + m0 * 1156 + m1 * 34 + m2];
-  }
-  return 0.f;  // unreachable: the phase index is always in range
+  return a.in[0][n * 5030912LL + c * 39304 + d0 * 1156 + d1 * 34 + d2];
 }
+
+// The same input as a flat (C, *S) sample: element e lies at e.
+constexpr Index kSampleSize = 5030912;
+KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
 
 
 constexpr int kChannels = 128;
 constexpr int kGroups = 8;
 constexpr int kGroupChannels = kChannels / kGroups;
-constexpr long long kSpatial = 39304;
-constexpr long long kGroupSize = kGroupChannels * kSpatial;  // values per (sample, group)
+constexpr Index kSpatial = 39304;
+constexpr Index kGroupSize = kGroupChannels * kSpatial;  // values per (sample, group)
 constexpr float kEps = 1e-05f;
 constexpr int kThreads = 256;
 constexpr long long kMinPerThread = 32;  // values per thread before statistics are split
 
-// The value the norm sees: the input, then ops[1].relu.
-KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  float v = load(a, n, c, d0, d1, d2);
+// The input value `v` at (n, c, position) as the norm sees it: after ops[1].relu.
+KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
   v = kgen::relu(v);  // ops[1].relu: relu
+  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;
 }
 
-// Value e of group g of sample n, in logical (channel-major) order.
-KGEN_HD float group_element(const Args& a, long long n, int g, long long e) {
+// The input at channel c, spatial index s (row-major over the spatial dims).
+KGEN_HD float input_at(const Args& a, long long n, int c, Index s) {
+  return load_flat(a, n, static_cast<Index>(c) * kSpatial + s);
+}
+
+// Value e of group g of sample n, in logical (channel-major) order, after the prologue.
+KGEN_HD float group_element(const Args& a, long long n, int g, Index e) {
   const int c = g * kGroupChannels + static_cast<int>(e / kSpatial);
-  long long ts = e % kSpatial;
+  const Index s = e % kSpatial;
+  Index ts = s;
   const int d2 = static_cast<int>(ts % 34); ts /= 34;
   const int d1 = static_cast<int>(ts % 34); ts /= 34;
   const int d0 = static_cast<int>(ts);
-  return pre(a, n, c, d0, d1, d2);
+  return pre(a, n, c, d0, d1, d2, input_at(a, n, c, s));
 }
 
 // The shift of (n, g)'s statistics: the mean of kShiftSamples values spread
 // over the group, in a fixed order. Any value near the mean keeps the
 // variance free of cancellation; one outlier as the shift would not.
-constexpr long long kShiftSamples = kGroupSize < 32 ? kGroupSize : 32;
+constexpr Index kShiftSamples = kGroupSize < 32 ? kGroupSize : 32;
 KGEN_HD float group_shift(const Args& a, long long n, int g) {
   float s = 0.f;
-  for (long long i = 0; i < kShiftSamples; ++i) s += group_element(a, n, g, i * (kGroupSize / kShiftSamples));
+  for (Index i = 0; i < kShiftSamples; ++i) s += group_element(a, n, g, i * (kGroupSize / kShiftSamples));
   return s / static_cast<float>(kShiftSamples);
 }
 
@@ -97,9 +103,13 @@ KGEN_HD Stats group_stats(const Args& a, long long n, int g, int splits) {
   return st;
 }
 
-// Normalized value of channel c, scaled and shifted.
-KGEN_HD float apply(const Args& a, long long n, int c, int d0, int d1, int d2, const Stats& s) {
-  float v = ((pre(a, n, c, d0, d1, d2) - s.shift) - s.mean_offset) * s.rstd;
+// Normalized value of channel c at spatial index s, scaled and shifted.
+KGEN_HD float apply(const Args& a, long long n, int c, Index s, const Stats& stats) {
+  Index ts = s;
+  const int d2 = static_cast<int>(ts % 34); ts /= 34;
+  const int d1 = static_cast<int>(ts % 34); ts /= 34;
+  const int d0 = static_cast<int>(ts);
+  float v = ((pre(a, n, c, d0, d1, d2, input_at(a, n, c, s)) - stats.shift) - stats.mean_offset) * stats.rstd;
   v = v * a.group_norm_weight[c] + a.group_norm_bias[c];
   return v;
 }

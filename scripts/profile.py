@@ -1,0 +1,72 @@
+"""Per-kernel GPU time of generated modules (torch.profiler), and each fused
+stage op timed alone on a full-size input. For the GPU machine:
+
+    PYTHONPATH=. python scripts/profile.py maxpool_sum avgpool_sigmoid_sum
+    PYTHONPATH=. python scripts/profile.py --norewrite relu_group_norm
+"""
+import argparse
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kgen.bench import time_ms
+from kgen.cli import _spec_of
+from kgen.ir import load_pipeline
+from kgen.plan import make_plan
+from kgen.spec import REWRITE_NAMES
+from kgen.validate import import_module_dir, pack_buffer
+from kgen.variants import baseline_module
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="+")
+    ap.add_argument("--norewrite", action="store_true")
+    ap.add_argument("--once", action="store_true", help="only run each stage op once (for ncu)")
+    args = ap.parse_args()
+    for name in args.names:
+        spec = _spec_of(Path("generated") / name)
+        pipe = load_pipeline(spec)
+        d = baseline_module(spec) if args.norewrite else Path("generated") / name
+        plan = make_plan(pipe, {n: False for n in REWRITE_NAMES} if args.norewrite else None)
+        mod = import_module_dir(d)
+        torch.manual_seed(0)
+        model = mod.Model().cuda()
+        x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda")
+        if args.once:
+            stage_once(pipe, plan, d, model)
+            continue
+        with torch.no_grad():
+            total = time_ms(lambda: model(x), 20)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    model(x)
+                torch.cuda.synchronize()
+        print(f"==== {d.name}: {total:.3f} ms per call")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+        params = dict(model.named_parameters())
+        for st in plan.fused_stages():
+            op = getattr(torch.ops.kgen, f"{d.name}_stage{st.index}")
+            stage_params = [params[a.name] for a in pipe.tensor_args() if a.name in st.tensor_names()]
+            t = torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda")
+            tiles = pack_buffer(st.input, t)
+            with torch.no_grad():
+                ms = time_ms(lambda: op(tiles, *stage_params), 20)
+            nbytes = 4 * (sum(tl.numel() for tl in tiles) + st.out_type.sample_numel * pipe.example_batch())
+            print(f"  stage {st.index} ({st.kind}) alone: {ms:.3f} ms, {nbytes / 1e6:.0f} MB -> {nbytes / ms / 1e9:.2f} TB/s")
+
+
+def stage_once(pipe, plan, d, model):
+    params = dict(model.named_parameters())
+    for st in plan.fused_stages():
+        op = getattr(torch.ops.kgen, f"{d.name}_stage{st.index}")
+        stage_params = [params[a.name] for a in pipe.tensor_args() if a.name in st.tensor_names()]
+        tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda"))
+        with torch.no_grad():
+            op(tiles, *stage_params)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
