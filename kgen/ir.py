@@ -129,6 +129,7 @@ class Conv(Op):
     groups: int = 1
     bias: bool = True
     lowering: str = "direct"
+    bias_deferred: bool = False  # the next fused stage adds the bias (plan step)
     fold_kernel: tuple | None = None
     fold_stride: tuple | None = None
     crop: tuple | None = None
@@ -202,11 +203,12 @@ class Conv(Op):
         return self.full_out(L)
 
     def input_extent(self, L: tuple[int, ...]) -> tuple[int, ...]:
-        """The prefix of the input that the cropped output needs (direct/folded)."""
+        """The prefix of the input that the cropped output needs (direct/folded); at least
+        one element, also when the kept outputs read only padding."""
         if self.crop is None:
             return tuple(L)
         return tuple(
-            min(l, (e - 1) * s - p + d * (k - 1) + 1)
+            max(1, min(l, (e - 1) * s - p + d * (k - 1) + 1))
             for l, e, k, s, p, d in zip(L, self.crop, self.eff_kernel(), self.eff_stride(), self.padding, self.dilation)
         )
 
@@ -250,7 +252,7 @@ class Conv(Op):
 
     def run(self, x, tensors):
         w = tensors[self.weight_name]
-        b = tensors[self.bias_name] if self.bias else None
+        b = tensors[self.bias_name] if self.bias and not self.bias_deferred else None
         if self.lowering == "subpixel":
             return self._run_subpixel(x, w, b)
         if self.crop is not None:
@@ -306,6 +308,8 @@ class Conv(Op):
             text += f" as {math.prod(self.stride)} sub-pixel conv{self.rank}d"
         if self.crop is not None:
             text += f", computing only the first {_fmt(self.crop)}"
+        if self.bias_deferred:
+            text += ", bias added by the next stage"
         return text
 
 
@@ -468,6 +472,8 @@ class Elementwise(Op):
     hi: float | None = None
     param_sum_dims: tuple = ()
     param_rank: int = 0  # activation rank that param_sum_dims refer to
+    param_view: tuple = ()  # shape to view the parameter as (a conv bias [C] as [C, 1, 1])
+    param_sum_scale: int = 1  # times the summed parameter counts (it broadcasts along summed dims)
 
     def tensor_names(self):
         return (self.param,) if self.param else ()
@@ -477,8 +483,11 @@ class Elementwise(Op):
 
     def aligned_param(self, p: torch.Tensor, rank: int) -> torch.Tensor:
         """The parameter viewed with the activation's rank, summed where the algebra says so."""
+        if self.param_view:
+            p = p.reshape(self.param_view)
         if self.param_sum_dims:
             p = p.reshape((1,) * (self.param_rank - p.dim()) + tuple(p.shape)).sum(dim=self.param_sum_dims)
+            p = p * self.param_sum_scale
         return p.reshape((1,) * (rank - p.dim()) + tuple(p.shape))
 
     def run(self, x, tensors):
@@ -500,6 +509,8 @@ class Elementwise(Op):
             return f"{self.fn}({self.scalar:g})"
         if self.param_sum_dims:
             return f"{self.fn}(sum over dims {list(self.param_sum_dims)} of {self.param})"
+        if self.param_view:
+            return f"{self.fn}({self.param} per channel)"
         return f"{self.fn}({self.param})"
 
 

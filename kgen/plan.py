@@ -18,7 +18,7 @@ phase). Everything here is static; only the batch is known at run time.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType, subpixel_phases
 from .rewrites import Decision, apply_rewrites
@@ -331,9 +331,29 @@ def _pow2_ceil(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
 
+def defer_conv_bias(pipe: Pipeline) -> Pipeline:
+    """Move each convolution's bias into the fused stage that reads it.
+
+    cuDNN does not add a bias: ATen adds it in a separate pass over the whole
+    convolution output. Adding it where the next stage loads the value costs
+    nothing there, and the value is the same (conv, then one rounded add).
+    """
+    ops = []
+    for i, op in enumerate(pipe.ops):
+        nxt = pipe.ops[i + 1] if i + 1 < len(pipe.ops) else None
+        if isinstance(op, Conv) and op.bias and nxt is not None and not isinstance(nxt, Conv):
+            ops.append(replace(op, bias_deferred=True))
+            view = (op.out_channels,) + (1,) * op.rank
+            ops.append(Elementwise(key=op.key, fn="add", param=op.bias_name, param_view=view))
+        else:
+            ops.append(op)
+    return pipe.with_ops(ops) if len(ops) != len(pipe.ops) else pipe
+
+
 def make_plan(pipeline: Pipeline, rewrites: dict | None = None) -> Plan:
     """Rewrite ``pipeline`` (per the spec's switches, or ``rewrites``) and split it into stages."""
     rewritten, decisions = apply_rewrites(pipeline, rewrites)
+    rewritten = defer_conv_bias(rewritten)
     ops, types = rewritten.ops, rewritten.types
     groups = _group(ops, types)
     stages: list[Stage] = []

@@ -103,12 +103,14 @@ class Codegen:
             return f"v = v {sym} {cfloat(op.scalar)};"
         p = f"a.{self.ident(op.param)}"
         if op.param_sum_dims:  # reduction algebra: the parameter summed (it varies only there)
-            return f"v = v {sym} sum_of_{self.ident(op.param)}(a);"
-        return f"v = v {sym} {p}[{self.param_index(op.param, act, coords)}];"
+            scale = f" * {cfloat(op.param_sum_scale)}" if op.param_sum_scale != 1 else ""
+            return f"v = v {sym} sum_of_{self.ident(op.param)}(a){scale};"
+        shape = op.param_view or self.param_shape(op.param)
+        return f"v = v {sym} {p}[{self.param_index(shape, act, coords)}];"
 
-    def param_index(self, name: str, act: TensorType, coords: list[str]) -> str:
-        """Flat index of a broadcast parameter at the activation coordinates ``coords``."""
-        shape = self.param_shape(name)
+    @staticmethod
+    def param_index(shape: tuple[int, ...], act: TensorType, coords: list[str]) -> str:
+        """Flat index of a parameter of ``shape``, broadcast to ``act``, at ``coords``."""
         aligned = (1,) * (act.rank - len(shape)) + tuple(shape)
         terms, stride = [], 1
         for d in range(act.rank - 1, 0, -1):
@@ -237,6 +239,13 @@ class Codegen:
         return "\n".join(lines)
 
     @staticmethod
+    def unroll(stage) -> int:
+        """Values of the reduction each thread loads before combining them: about
+        16 loads in flight per thread (a window pool already issues its own)."""
+        loads = math.prod(math.prod(lv.pool.kernel) for lv in stage.levels if lv.pool)
+        return max(1, min(8, 16 // loads))
+
+    @staticmethod
     def cpu_chunk(n: int) -> int:
         return max(1, math.isqrt(n))
 
@@ -281,7 +290,10 @@ class Codegen:
         return "{" + ", ".join(str(2 + d) for d in range(conv.rank)) + "}"
 
     def bias_arg(self, conv) -> str:
-        return f"std::optional<at::Tensor>({self.ident(conv.bias_name)})" if conv.bias else "std::nullopt"
+        """The bias the ATen convolution adds: none when the next stage adds it."""
+        if conv.bias and not conv.bias_deferred:
+            return f"std::optional<at::Tensor>({self.ident(conv.bias_name)})"
+        return "std::nullopt"
 
     @staticmethod
     def ones(conv) -> str:

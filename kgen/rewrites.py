@@ -45,18 +45,15 @@ def pool_composition(pipe: Pipeline):
 
     max(max) over nested non-overlapping windows is the max over the union;
     for average pools, the mean of equal-sized means is the mean. Needs stride ==
-    kernel, no padding or dilation, floor mode, and the floors to agree:
-    floor(floor(L/k1)/k2) == floor(L/(k1*k2)).
+    kernel, no padding or dilation, and floor mode. The floors then always agree:
+    floor(floor(L/k1)/k2) == floor(L/(k1*k2)) for positive integers.
     """
-    ops, types, out = list(pipe.ops), pipe.types, []
-    decisions = []
-    i = 0
-    while i < len(ops):
-        op = ops[i]
-        nxt = ops[i + 1] if i + 1 < len(ops) else None
+    items = list(zip(pipe.ops, pipe.types))  # (op, its input type); a merge keeps the first's
+    out, decisions = [], []
+    for i, (op, t_in) in enumerate(items):
+        nxt = items[i + 1][0] if i + 1 < len(items) else None
         if not (isinstance(op, Pool) and isinstance(nxt, Pool)):
             out.append(op)
-            i += 1
             continue
         why = None
         if op.kind != nxt.kind:
@@ -66,23 +63,16 @@ def pool_composition(pipe: Pipeline):
                 if not p.non_overlapping:
                     why = f"{p.key} overlaps or pads (stride {list(p.stride)}, kernel {list(p.kernel)}, padding {list(p.padding)}, ceil_mode {p.ceil_mode})"
                     break
-        L = _type_at(pipe, op).spatial
-        if why is None:
-            for l, k1, k2 in zip(L, op.kernel, nxt.kernel):
-                if (l // k1) // k2 != l // (k1 * k2):
-                    why = f"floors disagree on size {l}: {(l // k1) // k2} != {l // (k1 * k2)}"
         if why:
             decisions.append(Decision("pool_composition", _site(op, nxt), False, why))
             out.append(op)
-            i += 1
             continue
         k = tuple(a * b for a, b in zip(op.kernel, nxt.kernel))
         merged = replace(op, kernel=k, stride=k, sources=op.sources + nxt.sources)
         decisions.append(
             Decision("pool_composition", _site(op, nxt), True, f"{op.kind}_pool k={list(op.kernel)} then k={list(nxt.kernel)} -> k={list(k)}")
         )
-        ops[i + 1] = merged  # may compose again with the pool after it
-        i += 1
+        items[i + 1] = (merged, t_in)  # may compose again with the pool after it
     return out, decisions
 
 
@@ -213,6 +203,8 @@ def subpixel_conv_transpose(pipe: Pipeline):
             why = f"output_padding {list(op.output_padding)}"
         elif any(s > k for s, k in zip(op.stride, op.kernel)):
             why = f"stride {list(op.stride)} exceeds kernel {list(op.kernel)}: some phases get no tap"
+        elif any(o < s for o, s in zip(pipe.types[i + 1].spatial, op.stride)):
+            why = f"output {list(pipe.types[i + 1].spatial)} is shorter than the stride {list(op.stride)}: some phases get no output"
         if why:
             decisions.append(Decision("subpixel_conv_transpose", _site(op), False, why))
             continue
@@ -283,15 +275,38 @@ def dead_region(pipe: Pipeline):
         if op.transposed and op.lowering != "subpixel":
             decisions.append(Decision("dead_region", _site(op), False, "transposed convolution not in sub-pixel form computes everything"))
             continue
+        if op.lowering == "subpixel":  # every phase keeps at least one output
+            keep = tuple(min(f, max(k, s)) for f, k, s in zip(full, keep, op.stride))
+        varying = _spatially_varying_param(pipe, i)
+        if varying:
+            decisions.append(Decision("dead_region", _site(op), False, f"parameter '{varying}' varies along the spatial dims of the cropped tensor"))
+            continue
+        cropped = replace(op, crop=tuple(keep))
+        if op.lowering != "subpixel" and any(
+            c < k for c, k in zip(cropped.computed_out(cropped.input_extent(types[i].spatial)), keep)
+        ):
+            decisions.append(Decision("dead_region", _site(op), False, "the cropped input would not produce the kept outputs"))
+            continue
         dead = 1 - math.prod(keep) / math.prod(full)
         if dead < DEAD_REGION_MIN_FRACTION:
             decisions.append(
                 Decision("dead_region", _site(op), False, f"only {dead:.1%} of the output is dead (threshold {DEAD_REGION_MIN_FRACTION:.0%})")
             )
             continue
-        ops[i] = replace(op, crop=tuple(keep))
+        ops[i] = cropped
         decisions.append(Decision("dead_region", _site(op), True, f"computes {list(keep)} of {list(full)} ({dead:.1%} of the output was dead)"))
     return ops, decisions
+
+
+def _spatially_varying_param(pipe: Pipeline, conv_index: int) -> str | None:
+    """A parameter that varies along spatial dims, used by an elementwise op between
+    the convolution and the next op that changes the spatial size."""
+    for op in pipe.ops[conv_index + 1 :]:
+        if not isinstance(op, Elementwise):
+            return None
+        if op.param and not op.param_view and any(n > 1 for n in pipe.params[op.param].shape[1:]):
+            return op.param
+    return None
 
 
 # ------------------------------------------------------------ reduction algebra
@@ -354,7 +369,11 @@ def reduction_algebra(pipe: Pipeline):
             if e.fn in ("add", "sub") and e.param is None:
                 new.append(replace(e, scalar=e.scalar * count_B))
             elif e.fn in ("add", "sub"):
-                new.append(replace(e, param_sum_dims=b_dims, param_rank=rank))
+                # where the parameter broadcasts (size 1) along a summed dim, it counts that many times
+                pshape = pipe.params[e.param].shape
+                aligned = (1,) * (rank - len(pshape)) + tuple(pshape)
+                scale = math.prod(types[j].shape[d] for d in b_dims if aligned[d] == 1)
+                new.append(replace(e, param_sum_dims=b_dims, param_rank=rank, param_sum_scale=scale))
             else:
                 new.append(e)
         decisions.append(

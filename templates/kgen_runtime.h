@@ -122,9 +122,11 @@ inline at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const st
                               at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                               bool transposed, at::IntArrayRef output_padding, int64_t groups, Precision precision,
                               at::MemoryFormat format) {
+  // Input and weight in the same memory format, or ATen and cuDNN convert
+  // both (and the output) back and forth around the convolution.
   const at::Tensor xin = x.contiguous(format);
   auto conv = [&](const at::Tensor& xx, const at::Tensor& ww, const std::optional<at::Tensor>& bb) {
-    return at::convolution(xx, ww, bb, stride, padding, dilation, transposed, output_padding, groups);
+    return at::convolution(xx, ww.contiguous(format), bb, stride, padding, dilation, transposed, output_padding, groups);
   };
   at::Tensor y;
   if (!xin.is_cuda() || precision == Precision::kIeee) {

@@ -32,7 +32,15 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int split
   const Index begin = blockIdx.y * per_split;
   const Index end = begin + per_split < kGroupSize ? begin + per_split : kGroupSize;
   kgen::ShiftedSums sums = kgen::sums_empty();
-  for (Index e = begin + threadIdx.x; e < end; e += kThreads) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
+  Index e = begin + threadIdx.x;
+  for (; e + (kUnroll - 1) * kThreads < end; e += kUnroll * kThreads) {
+    float v[kUnroll];
+    KGEN_UNROLL
+    for (int u = 0; u < kUnroll; ++u) v[u] = group_element(a, n, g, e + u * kThreads);
+    KGEN_UNROLL
+    for (int u = 0; u < kUnroll; ++u) kgen::sums_push(sums, v[u] - shift);
+  }
+  for (; e < end; e += kThreads) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
   lanes[threadIdx.x] = sums;
   __syncthreads();
 #pragma unroll
@@ -63,10 +71,18 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a, int split
   __syncthreads();
   const Index base = static_cast<Index>(blockIdx.x % kBlocksPerChannel) * kPerBlock + threadIdx.x;
   float* out = a.out + (n * kChannels + c) * kSpatial;
-#pragma unroll
+  // All loads first: `out` may alias the input as far as the compiler knows,
+  // so it would not move a load above an earlier store.
+  float x[kPerThread];
+  KGEN_UNROLL
   for (int i = 0; i < kPerThread; ++i) {
     const Index s = base + static_cast<Index>(i) * kThreads;
-    if (s < kSpatial) out[s] = apply(a, n, c, s, stats);
+    x[i] = s < kSpatial ? input_at(a, n, c, s) : 0.f;
+  }
+  KGEN_UNROLL
+  for (int i = 0; i < kPerThread; ++i) {
+    const Index s = base + static_cast<Index>(i) * kThreads;
+    if (s < kSpatial) out[s] = apply(a, n, c, s, x[i], stats);
   }
 }
 

@@ -33,7 +33,7 @@ void apply_cpu(const Args& a, long long begin, long long end) {
     const long long n = row / kChannels;
     const int c = static_cast<int>(row % kChannels);
     const Stats stats = group_stats(a, n, c / kGroupChannels, 1);
-    for (Index s = 0; s < kSpatial; ++s) a.out[row * kSpatial + s] = apply(a, n, c, s, stats);
+    for (Index s = 0; s < kSpatial; ++s) a.out[row * kSpatial + s] = apply(a, n, c, s, input_at(a, n, c, s), stats);
   }
 }
 

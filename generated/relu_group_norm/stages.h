@@ -54,6 +54,7 @@ constexpr Index kGroupSize = kGroupChannels * kSpatial;  // values per (sample, 
 constexpr float kEps = 1e-05f;
 constexpr int kThreads = 256;
 constexpr long long kMinPerThread = 32;  // values per thread before statistics are split
+constexpr int kUnroll = 8;  // values a thread loads before it uses them (loads in flight)
 
 // The input value `v` at (n, c, position) as the norm sees it: after ops[1].relu.
 KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
@@ -103,13 +104,13 @@ KGEN_HD Stats group_stats(const Args& a, long long n, int g, int splits) {
   return st;
 }
 
-// Normalized value of channel c at spatial index s, scaled and shifted.
-KGEN_HD float apply(const Args& a, long long n, int c, Index s, const Stats& stats) {
+// The input `x` at channel c, spatial index s, normalized, scaled and shifted.
+KGEN_HD float apply(const Args& a, long long n, int c, Index s, float x, const Stats& stats) {
   Index ts = s;
   const int d2 = static_cast<int>(ts % 34); ts /= 34;
   const int d1 = static_cast<int>(ts % 34); ts /= 34;
   const int d0 = static_cast<int>(ts);
-  float v = ((pre(a, n, c, d0, d1, d2, input_at(a, n, c, s)) - stats.shift) - stats.mean_offset) * stats.rstd;
+  float v = ((pre(a, n, c, d0, d1, d2, x) - stats.shift) - stats.mean_offset) * stats.rstd;
   v = v * a.group_norm_weight[c] + a.group_norm_bias[c];
   return v;
 }
