@@ -19,14 +19,21 @@ namespace s1 {
 // Grid (sample x group, split): each block takes one contiguous slice of its
 // group; each thread sums its shifted values (consecutive threads read
 // consecutive values), the block adds the threads' sums in a fixed tree and
-// writes them to `partial`.
+// writes them to `partial`. Every block computes the same shift; the first
+// block of each group stores it.
 __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int splits) {
   __shared__ kgen::ShiftedSums lanes[kThreads];
+  __shared__ float samples[kShiftSamples];
   __shared__ float shift;
   const long long ng = blockIdx.x;
   const long long n = ng / kGroups;
   const int g = static_cast<int>(ng % kGroups);
-  if (threadIdx.x == 0) shift = group_shift(a, n, g);
+  if (threadIdx.x < kShiftSamples) samples[threadIdx.x] = group_element(a, n, g, threadIdx.x * kShiftStep);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    shift = shift_of(samples);
+    if (blockIdx.y == 0) a.stats[ng * kStatsStride] = shift;
+  }
   __syncthreads();
   const Index per_split = (kGroupSize + splits - 1) / splits;
   const Index begin = blockIdx.y * per_split;
@@ -56,11 +63,17 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int split
   }
 }
 
+// One thread per (sample, group): mean and rstd from the blocks' sums.
+__global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int splits) {
+  const long long ng = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  if (ng < a.batch * kGroups) finalize_group(a, ng, splits);
+}
+
 // Grid (spatial blocks, sample): one thread per position combines all channels.
-__global__ void __launch_bounds__(kThreads) apply_kernel(const Args a, int splits) {
+__global__ void __launch_bounds__(kThreads) apply_kernel(const Args a) {
   __shared__ Stats stats[kGroups];
   const long long n = blockIdx.y;
-  for (int g = threadIdx.x; g < kGroups; g += kThreads) stats[g] = group_stats(a, n, g, splits);
+  for (int g = threadIdx.x; g < kGroups; g += kThreads) stats[g] = group_stats(a, n, g);
   __syncthreads();
   const Index s = static_cast<Index>(blockIdx.x) * kThreads + threadIdx.x;
   if (s >= kSpatial) return;
@@ -79,7 +92,8 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a, int split
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
   stats_kernel<<<dim3(static_cast<unsigned>(a.batch * kGroups), static_cast<unsigned>(splits)), kThreads, 0, stream>>>(a, splits);
-  apply_kernel<<<dim3(static_cast<unsigned>((kSpatial + kThreads - 1) / kThreads), static_cast<unsigned>(a.batch)), kThreads, 0, stream>>>(a, splits);
+  finalize_kernel<<<static_cast<unsigned>((a.batch * kGroups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits);
+  apply_kernel<<<dim3(static_cast<unsigned>((kSpatial + kThreads - 1) / kThreads), static_cast<unsigned>(a.batch)), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

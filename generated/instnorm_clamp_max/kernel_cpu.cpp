@@ -13,17 +13,21 @@ namespace kgen_instnorm_clamp_max {
 // ==== stage 1: norm, C++ (kgen-template: templates/norm.cpp.j2)
 namespace s1 {
 
-// Sums of (sample, group) pairs [begin, end), one slice each (splits = 1).
+// Statistics of (sample, group) pairs [begin, end), one slice each (splits = 1).
 void stats_cpu(const Args& a, long long begin, long long end) {
   for (long long ng = begin; ng < end; ++ng) {
     const long long n = ng / kGroups;
     const int g = static_cast<int>(ng % kGroups);
-    const float shift = group_shift(a, n, g);
+    float samples[kShiftSamples];
+    for (Index i = 0; i < kShiftSamples; ++i) samples[i] = group_element(a, n, g, i * kShiftStep);
+    const float shift = shift_of(samples);
     kgen::ShiftedSums sums = kgen::sums_empty();
     for (Index e = 0; e < kGroupSize; ++e) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
     a.partial[ng * 3] = sums.count;
     a.partial[ng * 3 + 1] = sums.s1;
     a.partial[ng * 3 + 2] = sums.s2;
+    a.stats[ng * kStatsStride] = shift;
+    finalize_group(a, ng, 1);
   }
 }
 
@@ -35,7 +39,7 @@ void apply_cpu(const Args& a, long long begin, long long end) {
     const long long n = o / kSpatial;
     const Index s = static_cast<Index>(o % kSpatial);
     if (n != stats_of) {
-      for (int g = 0; g < kGroups; ++g) stats[g] = group_stats(a, n, g, 1);
+      for (int g = 0; g < kGroups; ++g) stats[g] = group_stats(a, n, g);
       stats_of = n;
     }
     float acc = identity();

@@ -34,6 +34,7 @@ struct Args {
   const float* multiplier;  // multiplier [16, 1, 1, 1]
   float* out;
   double* partial;  // per-block partial results (statistics)
+  float* stats;  // per (sample, group): shift, mean offset, rstd, unused
   long long batch;
 };
 
@@ -85,28 +86,35 @@ KGEN_HD float group_element(const Args& a, long long n, int g, Index e) {
 }
 
 // The shift of (n, g)'s statistics: the mean of kShiftSamples values spread
-// over the group, in a fixed order. Any value near the mean keeps the
+// over the group, added in index order. Any value near the mean keeps the
 // variance free of cancellation; one outlier as the shift would not.
 constexpr Index kShiftSamples = kGroupSize < 32 ? kGroupSize : 32;
-KGEN_HD float group_shift(const Args& a, long long n, int g) {
+constexpr Index kShiftStep = kGroupSize / kShiftSamples;
+KGEN_HD float shift_of(const float* samples) {
   float s = 0.f;
-  for (Index i = 0; i < kShiftSamples; ++i) s += group_element(a, n, g, i * (kGroupSize / kShiftSamples));
+  for (Index i = 0; i < kShiftSamples; ++i) s += samples[i];
   return s / static_cast<float>(kShiftSamples);
 }
 
-// Statistics of (n, g) from its per-block sums, added in a fixed order.
+// Statistics of one (sample, group), as the apply step reads them.
 struct Stats {
   float shift, mean_offset, rstd;
 };
+constexpr int kStatsStride = 4;  // floats per (sample, group) in `stats`
 
-KGEN_HD Stats group_stats(const Args& a, long long n, int g, int splits) {
+// Adds the per-block sums of (n, g) in a fixed order and stores mean and rstd
+// next to the shift that the statistics step stored.
+KGEN_HD void finalize_group(const Args& a, long long ng, int splits) {
   kgen::ShiftedSums total = kgen::sums_empty();
-  const double* p = a.partial + (n * kGroups + g) * splits * 3LL;
+  const double* p = a.partial + ng * splits * 3LL;
   for (int s = 0; s < splits; ++s) total = kgen::sums_add(total, kgen::ShiftedSums{p[3 * s], p[3 * s + 1], p[3 * s + 2]});
-  Stats st;
-  st.shift = group_shift(a, n, g);
-  kgen::sums_stats(total, kEps, st.mean_offset, st.rstd);
-  return st;
+  float* out = a.stats + ng * kStatsStride;
+  kgen::sums_stats(total, kEps, out[1], out[2]);
+}
+
+KGEN_HD Stats group_stats(const Args& a, long long n, int g) {
+  const float* s = a.stats + (n * kGroups + g) * kStatsStride;
+  return Stats{s[0], s[1], s[2]};
 }
 
 // The input `x` at channel c, spatial index s, normalized, then ops[3].clamp, ops[4].mul.

@@ -36,6 +36,8 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& group_norm_weight, const 
   a.batch = batch;
   if (batch == 0) return out;
   at::Tensor partial;
+  at::Tensor stats = kgen::empty({batch * s1::kGroups * s1::kStatsStride}, like.options());
+  a.stats = stats.data_ptr<float>();
   if (like.is_cuda()) {
 #ifdef KGEN_WITH_CUDA
     const int splits = s1::cuda_splits(batch, kgen::sm_count());

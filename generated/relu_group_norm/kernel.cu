@@ -19,14 +19,21 @@ namespace s1 {
 // Grid (sample x group, split): each block takes one contiguous slice of its
 // group; each thread sums its shifted values (consecutive threads read
 // consecutive values), the block adds the threads' sums in a fixed tree and
-// writes them to `partial`.
+// writes them to `partial`. Every block computes the same shift; the first
+// block of each group stores it.
 __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int splits) {
   __shared__ kgen::ShiftedSums lanes[kThreads];
+  __shared__ float samples[kShiftSamples];
   __shared__ float shift;
   const long long ng = blockIdx.x;
   const long long n = ng / kGroups;
   const int g = static_cast<int>(ng % kGroups);
-  if (threadIdx.x == 0) shift = group_shift(a, n, g);
+  if (threadIdx.x < kShiftSamples) samples[threadIdx.x] = group_element(a, n, g, threadIdx.x * kShiftStep);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    shift = shift_of(samples);
+    if (blockIdx.y == 0) a.stats[ng * kStatsStride] = shift;
+  }
   __syncthreads();
   const Index per_split = (kGroupSize + splits - 1) / splits;
   const Index begin = blockIdx.y * per_split;
@@ -56,6 +63,12 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int split
   }
 }
 
+// One thread per (sample, group): mean and rstd from the blocks' sums.
+__global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int splits) {
+  const long long ng = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  if (ng < a.batch * kGroups) finalize_group(a, ng, splits);
+}
+
 constexpr int kPerThread = 8;  // outputs per thread
 constexpr Index kPerBlock = static_cast<Index>(kThreads) * kPerThread;
 constexpr Index kBlocksPerChannel = (kSpatial + kPerBlock - 1) / kPerBlock;
@@ -63,11 +76,11 @@ constexpr Index kBlocksPerChannel = (kSpatial + kPerBlock - 1) / kPerBlock;
 // Grid (blocks along a channel x channels, sample): each thread writes
 // kPerThread outputs of one channel, kThreads apart so a warp's loads and
 // stores are contiguous; the block's statistics are computed once.
-__global__ void __launch_bounds__(kThreads) apply_kernel(const Args a, int splits) {
+__global__ void __launch_bounds__(kThreads) apply_kernel(const Args a) {
   __shared__ Stats stats;
   const long long n = blockIdx.y;
   const int c = static_cast<int>(blockIdx.x / kBlocksPerChannel);
-  if (threadIdx.x == 0) stats = group_stats(a, n, c / kGroupChannels, splits);
+  if (threadIdx.x == 0) stats = group_stats(a, n, c / kGroupChannels);
   __syncthreads();
   const Index base = static_cast<Index>(blockIdx.x % kBlocksPerChannel) * kPerBlock + threadIdx.x;
   float* out = a.out + (n * kChannels + c) * kSpatial;
@@ -88,7 +101,8 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a, int split
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
   stats_kernel<<<dim3(static_cast<unsigned>(a.batch * kGroups), static_cast<unsigned>(splits)), kThreads, 0, stream>>>(a, splits);
-  apply_kernel<<<dim3(static_cast<unsigned>(kBlocksPerChannel * kChannels), static_cast<unsigned>(a.batch)), kThreads, 0, stream>>>(a, splits);
+  finalize_kernel<<<static_cast<unsigned>((a.batch * kGroups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits);
+  apply_kernel<<<dim3(static_cast<unsigned>(kBlocksPerChannel * kChannels), static_cast<unsigned>(a.batch)), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -13,17 +13,21 @@ namespace kgen_relu_group_norm {
 // ==== stage 1: norm, C++ (kgen-template: templates/norm.cpp.j2)
 namespace s1 {
 
-// Sums of (sample, group) pairs [begin, end), one slice each (splits = 1).
+// Statistics of (sample, group) pairs [begin, end), one slice each (splits = 1).
 void stats_cpu(const Args& a, long long begin, long long end) {
   for (long long ng = begin; ng < end; ++ng) {
     const long long n = ng / kGroups;
     const int g = static_cast<int>(ng % kGroups);
-    const float shift = group_shift(a, n, g);
+    float samples[kShiftSamples];
+    for (Index i = 0; i < kShiftSamples; ++i) samples[i] = group_element(a, n, g, i * kShiftStep);
+    const float shift = shift_of(samples);
     kgen::ShiftedSums sums = kgen::sums_empty();
     for (Index e = 0; e < kGroupSize; ++e) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
     a.partial[ng * 3] = sums.count;
     a.partial[ng * 3 + 1] = sums.s1;
     a.partial[ng * 3 + 2] = sums.s2;
+    a.stats[ng * kStatsStride] = shift;
+    finalize_group(a, ng, 1);
   }
 }
 
@@ -32,7 +36,7 @@ void apply_cpu(const Args& a, long long begin, long long end) {
   for (long long row = begin; row < end; ++row) {
     const long long n = row / kChannels;
     const int c = static_cast<int>(row % kChannels);
-    const Stats stats = group_stats(a, n, c / kGroupChannels, 1);
+    const Stats stats = group_stats(a, n, c / kGroupChannels);
     for (Index s = 0; s < kSpatial; ++s) a.out[row * kSpatial + s] = apply(a, n, c, s, input_at(a, n, c, s), stats);
   }
 }
