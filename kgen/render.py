@@ -239,6 +239,20 @@ class Codegen:
         return "\n".join(lines)
 
     @staticmethod
+    def linear_reduction(stage) -> bool:
+        """No pools, every dim reduced, one dense unpadded tile: element r of a sample lies at r."""
+        buf = stage.input
+        tile = buf.tiles[0]
+        return (
+            len(stage.levels) == 1
+            and not stage.kept_dims
+            and not buf.phased
+            and tile.dims == buf.logical
+            and not any(tile.offset)
+            and [d - 1 for d in stage.reduce_order] == tile.memory_order
+        )
+
+    @staticmethod
     def unroll(stage) -> int:
         """Values of the reduction each thread loads before combining them: about
         16 loads in flight per thread (a window pool already issues its own)."""

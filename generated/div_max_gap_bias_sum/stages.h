@@ -52,11 +52,15 @@ KGEN_HD float sum_of_bias(const Args& a) {
   return s;
 }
 
-// level 0: the input, then ops[0].conv3d
-KGEN_HD float level0(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  float v = load(a, n, c, d0, d1, d2);
+// level 0: the input value `v` at a position, then ops[0].conv3d
+KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
   v = v + a.conv_bias[c];  // ops[0].conv3d: add(conv.bias per channel)
+  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;
+}
+
+KGEN_HD float level0(const Args& a, long long n, int c, int d0, int d1, int d2) {
+  return level0_from(a, n, c, d0, d1, d2, load(a, n, c, d0, d1, d2));
 }
 
 // level 1: max_pool3d(k=2) (ops[2].max_pool3d), [14, 62, 62] -> [7, 31, 31]

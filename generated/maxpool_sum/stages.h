@@ -61,11 +61,15 @@ KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
 }
 
 
-// level 0: the input, then ops[0].conv_transpose3d
-KGEN_HD float level0(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  float v = load(a, n, c, d0, d1, d2);
+// level 0: the input value `v` at a position, then ops[0].conv_transpose3d
+KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
   v = v + a.conv_transpose_bias[c];  // ops[0].conv_transpose3d: add(conv_transpose.bias per channel)
+  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;
+}
+
+KGEN_HD float level0(const Args& a, long long n, int c, int d0, int d1, int d2) {
+  return level0_from(a, n, c, d0, d1, d2, load(a, n, c, d0, d1, d2));
 }
 
 // level 1: max_pool3d(k=6) (ops[1].max_pool3d + ops[2].max_pool3d), [60, 60, 60] -> [10, 10, 10]
