@@ -27,7 +27,21 @@ KGEN_HD float min_nan(float a, float b) { return (is_nan(a) || a < b) ? a : b; }
 KGEN_HD float relu(float x) { return (x > 0.f || is_nan(x)) ? x : 0.f; }
 
 // 1 / (1 + exp(-x)): exact limits 0 and 1 at -inf and +inf, NaN stays NaN.
-KGEN_HD float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// On the GPU the reciprocal is rcp.approx plus one Newton step (within 1 ulp
+// of the rounded quotient): the IEEE division's slow path is a subroutine call
+// that no load may be scheduled across, which halved the bandwidth of a
+// sigmoid-then-sum loop. d = 1 + exp(-x) >= 1, so no denormal needs that path.
+KGEN_HD float sigmoid(float x) {
+  const float d = 1.f + expf(-x);
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  return d == INFINITY ? 0.f : r;  // inf * 0 in the Newton step would give NaN
+#else
+  return 1.f / d;
+#endif
+}
 
 // torch.clamp: NaN stays NaN; with lo > hi every value becomes hi.
 KGEN_HD float clamp(float x, float lo, float hi) { return min_nan(max_nan(x, lo), hi); }

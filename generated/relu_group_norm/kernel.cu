@@ -44,8 +44,16 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int split
     float v[kUnroll];
     KGEN_UNROLL
     for (int u = 0; u < kUnroll; ++u) v[u] = group_element(a, n, g, e + u * kThreads);
+    float s1 = 0.f, s2 = 0.f;  // a batch of kUnroll values in fp32, then one double add each
     KGEN_UNROLL
-    for (int u = 0; u < kUnroll; ++u) kgen::sums_push(sums, v[u] - shift);
+    for (int u = 0; u < kUnroll; ++u) {
+      const float d = v[u] - shift;
+      s1 += d;
+      s2 += d * d;
+    }
+    sums.count += kUnroll;
+    sums.s1 += s1;
+    sums.s2 += s2;
   }
   for (; e < end; e += kThreads) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
   lanes[threadIdx.x] = sums;
