@@ -554,10 +554,6 @@ class Norm(Op):
     eps: float = 1e-5
     affine: bool = True
 
-    @property
-    def group_size(self) -> int:
-        return self.num_channels // self.num_groups
-
     def tensor_names(self):
         return (f"{self.module}.weight", f"{self.module}.bias") if self.affine else ()
 

@@ -216,7 +216,7 @@ class Plan:
 # ---------------------------------------------------------------- planning
 
 
-def _group(ops, types):
+def _group(ops):
     """Split the op chain into [(kind, ops, first_index)] of conv / fused groups."""
     groups, cur, start = [], [], 0
 
@@ -355,7 +355,7 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None) -> Plan:
     rewritten, decisions = apply_rewrites(pipeline, rewrites)
     rewritten = defer_conv_bias(rewritten)
     ops, types = rewritten.ops, rewritten.types
-    groups = _group(ops, types)
+    groups = _group(ops)
     stages: list[Stage] = []
     batch = rewritten.example_batch()
     buf = None  # what the next fused stage reads; None: the (contiguous) input x

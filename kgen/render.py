@@ -14,7 +14,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jinja2
@@ -419,8 +419,6 @@ def render_spec(spec_path, out_root: Path, rewrites: dict | None = None, name: s
     """Load, plan and render one spec (``name`` renames the module, for variants)."""
     pipe = load_pipeline(spec_path)
     if name is not None:
-        from dataclasses import replace
-
         pipe = replace(pipe, name=name)
     plan = make_plan(pipe, rewrites)
     return render_plan(plan, Path(out_root))
