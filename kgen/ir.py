@@ -417,9 +417,11 @@ class Pool(Op):
 
     def infer(self, t):
         _check_rank(t, self.rank, f"{self.kind}_pool{self.rank}d")
-        for k, p, d in zip(self.kernel, self.padding, self.dilation):
-            if 2 * p > d * (k - 1) + 1:
+        for k, p in zip(self.kernel, self.padding):
+            if p > k // 2:  # PyTorch's rule, whatever the dilation
                 raise ShapeError(f"padding {list(self.padding)} must be at most half of the kernel {list(self.kernel)}")
+        if self.kind == "avg" and self.rank == 3 and any(l < k for l, k in zip(t.spatial, self.kernel)):
+            raise ShapeError(f"input {t} is smaller than the kernel {list(self.kernel)} (avg_pool3d needs it unpadded)")
         out = tuple(
             _pool_out(l, k, s, p, d, self.ceil_mode)
             for l, k, s, p, d in zip(t.spatial, self.kernel, self.stride, self.padding, self.dilation)
@@ -565,6 +567,8 @@ class Norm(Op):
     def infer(self, t):
         if self.num_channels != t.channels:
             raise ShapeError(f"normalizes {self.num_channels} channels, got shape {t}")
+        if self.kind == "instance_norm" and math.prod(t.spatial) < 2:
+            raise ShapeError(f"instance_norm needs more than one spatial element, got shape {t}")
         if t.channels % self.num_groups:
             raise ShapeError(f"num_groups={self.num_groups} does not divide the {t.channels} channels")
         return t

@@ -151,7 +151,7 @@ def _dims(v, key, path):
 
 def _ones(rank: int) -> Callable:
     def check(v, key, path):
-        if v == 1 or v == [1] * rank:
+        if (_is_int(v) and v == 1) or (isinstance(v, list) and len(v) == rank and all(_is_int(e) and e == 1 for e in v)):
             return (1,) * rank
         _fail(path, key, f"only global pooling (output_size 1) is supported, got {v!r}")
 
@@ -239,10 +239,15 @@ def _mapping(v, key, path, what="a mapping"):
     return v
 
 
+def _shown(k) -> str:
+    """A key as it appears in a key path: plain names as they are, anything else quoted."""
+    return k if isinstance(k, str) and SYMBOL.match(k) else repr(k)
+
+
 def _no_extra(d: dict, allowed, key, path):
     for k in d:
         if k not in allowed:
-            sub = f"{key}.{k}" if key else str(k)
+            sub = f"{key}.{_shown(k)}" if key else _shown(k)
             _fail(path, sub, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
 
 
@@ -352,9 +357,11 @@ def load_spec(path: str | Path) -> Spec:
     path = Path(path)
     shown = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(shown, "", f"cannot read spec: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(shown, "", f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
     return parse_spec(text, shown)
 
 
