@@ -73,3 +73,23 @@ def test_second_gpu(name, modules):
         ref = model.to("cuda:0")(x.to("cuda:0"))
     assert y.device == torch.device("cuda:1")
     torch.testing.assert_close(y.to("cuda:0"), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_precision_modes(precision, tmp_path):
+    """ieee and split-TF32 convolutions validate at fp32 tolerances (tf32 is the default)."""
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import TOLERANCES, validate
+
+    text = (ROOT / "specs" / "div_max_gap_bias_sum.yaml").read_text()
+    spec = tmp_path / f"dmx_{precision}.yaml"
+    spec.write_text(text.replace("name: div_max_gap_bias_sum", f"name: dmx_{precision}") + f"precision: {precision}\n")
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    build_module(out / f"dmx_{precision}", quiet=True)
+    report = validate(spec, out / f"dmx_{precision}", "cuda", stages=False)
+    assert report.precision == precision
+    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+    assert not failures, failures
+    assert report.worst_rel_l2() <= TOLERANCES[precision][0]
