@@ -113,9 +113,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
                     calls = []
                     for st in fused:
                         op = getattr(torch.ops.kgen, f"{nr_dir.name}_stage{st.index}")
-                        names = st.tensor_names()
-                        args = [params[a.name] for a in pipe.tensor_args() if a.name in names]
-                        calls.append((op, args))
+                        calls.append((op, [params[a.name] for a in plan.stage_args(st)]))
                     packed = pack_buffer(fused[0].input, conv_out)
 
                     def kgen_post():

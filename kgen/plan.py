@@ -182,6 +182,11 @@ class Plan:
     def fused_stages(self) -> list[Stage]:
         return [s for s in self.stages if s.kind != "conv"]
 
+    def stage_args(self, stage: Stage) -> list:
+        """The parameter tensors (TensorArgs) a fused stage's op takes, in the module's argument order."""
+        names = stage.tensor_names()
+        return [a for a in self.pipeline.tensor_args() if a.name in names]
+
     def to_json(self) -> dict:
         def stage_json(s: Stage) -> dict:
             d = {

@@ -157,9 +157,7 @@ class Codegen:
         return "int" if max(sizes) < 2**31 - 1 else "long long"
 
     def stage_params(self, stage) -> list:
-        """TensorArgs of the parameters a fused stage reads, in op order."""
-        names = stage.tensor_names()
-        return [a for a in self.pipe.tensor_args() if a.name in names]
+        return self.plan.stage_args(stage)
 
     # -- small pieces of C++
     @staticmethod

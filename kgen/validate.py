@@ -286,19 +286,30 @@ def validate(
         for label, x in end_to_end_cases(pipe.input, device, full):
             report.cases.append(_case(label, lambda: op(x, *params), lambda: reference(x.double()), lambda: eager(x), tol))
         if stages:
-            named = dict(model.named_parameters())
-            for st in plan.fused_stages():
-                stage_op = getattr(torch.ops.kgen, f"{report.name}_stage{st.index}")
-                stage_params = [named[n].detach() for n in _stage_param_names(pipe, st)]
-                for label, x in stage_cases(st.in_type, device):
-                    report.cases.append(_case(
-                        f"stage {st.index}: {label}",
-                        lambda: stage_op(pack_buffer(st.input, x), *stage_params),
-                        lambda: _run_ops(st.ops, x.double(), named, torch.float64),
-                        lambda: _run_ops(st.ops, x, named, torch.float32),
-                        TOLERANCES["ieee"],
-                    ))
+            report.cases += check_stages(plan, report.name, model, device)
     return report
+
+
+def check_stages(plan: Plan, name: str, model, device: str, reference_device: str | None = None) -> list[CaseResult]:
+    """The per-stage adversarial cases: each fused stage's op ``kgen::NAME_stageK`` on ``device``
+    against its ops run by PyTorch on ``reference_device`` (default: the same device)."""
+    ref_device = reference_device or device
+    params = {n: p.detach().to(ref_device) for n, p in model.named_parameters()}
+    results = []
+    with torch.no_grad():
+        for st in plan.fused_stages():
+            stage_op = getattr(torch.ops.kgen, f"{name}_stage{st.index}")
+            args = [params[a.name].to(device) for a in plan.stage_args(st)]
+            for label, x in stage_cases(st.in_type, ref_device):
+                tiles = [t.to(device) for t in pack_buffer(st.input, x)]
+                results.append(_case(
+                    f"stage {st.index}: {label}",
+                    lambda: stage_op(tiles, *args),
+                    lambda: _run_ops(st.ops, x.double(), params, torch.float64),
+                    lambda: _run_ops(st.ops, x, params, torch.float32),
+                    TOLERANCES["ieee"],
+                ))
+    return results
 
 
 def _run_ops(ops, x, params, dtype):
@@ -315,7 +326,3 @@ def _case(label, run, run_reference, run_eager, tol) -> CaseResult:
         return CaseResult(label, math.inf, math.inf, False, f"raised: {str(e).splitlines()[0]}")
     return compare(label, out, run_reference(), tol, run_eager())
 
-
-def _stage_param_names(pipe: Pipeline, stage) -> list[str]:
-    names = stage.tensor_names()
-    return [a.name for a in pipe.tensor_args() if a.name in names]

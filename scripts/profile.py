@@ -48,7 +48,7 @@ def main():
         params = dict(model.named_parameters())
         for st in plan.fused_stages():
             op = getattr(torch.ops.kgen, f"{d.name}_stage{st.index}")
-            stage_params = [params[a.name] for a in pipe.tensor_args() if a.name in st.tensor_names()]
+            stage_params = [params[a.name] for a in plan.stage_args(st)]
             t = torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda")
             tiles = pack_buffer(st.input, t)
             with torch.no_grad():
@@ -61,7 +61,7 @@ def stage_once(pipe, plan, d, model):
     params = dict(model.named_parameters())
     for st in plan.fused_stages():
         op = getattr(torch.ops.kgen, f"{d.name}_stage{st.index}")
-        stage_params = [params[a.name] for a in pipe.tensor_args() if a.name in st.tensor_names()]
+        stage_params = [params[a.name] for a in plan.stage_args(st)]
         tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda"))
         with torch.no_grad():
             op(tiles, *stage_params)
