@@ -1,0 +1,305 @@
+"""conv_gemm lab: build the implicit-GEMM kernel for a set of problems, check
+each against PyTorch in float64 and time it against cuDNN / eager.
+
+    python3 scripts/conv_lab/lab.py build     # here: nvcc -> scripts/conv_lab/build/liblab.so (+ ptxas report)
+    python3 scripts/conv_lab/lab.py run       # on the GPU: correctness + timing table
+
+A development harness for templates/conv_gemm/conv_gemm.cuh: the problems and
+epilogues are hand-written here; the product renders them from specs.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+BUILD = HERE / "build"
+
+# name: problem (3-D view; unused dims are 1), tile, epilogue
+def conv3(cin, cout, ins, k, s=1, p=0, d=1):
+    ins = tuple(ins)
+    k, s, p, d = [(v,) * len(ins) if isinstance(v, int) else tuple(v) for v in (k, s, p, d)]
+    pad = 3 - len(ins)
+    ins, k, s, d = [(1,) * pad + t for t in (ins, k, s, d)]
+    p = (0,) * pad + p
+    out = tuple((i + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for i, kk, ss, pp, dd in zip(ins, k, s, p, d))
+    return dict(cin=cin, cout=cout, ins=ins, k=k, s=s, p=p, d=d, out=out, rank=3 - pad)
+
+
+def cfg(name, prob, tile, ci, bn, warps, stages, epilogue, mma="kTf32", resident=True, residue=8, tap_major=True,
+        channels_last=False, batch=2, bench_batch=None, extra=None):
+    return dict(name=name, prob=prob, tile=tile, ci=ci, bn=bn, warps=warps, stages=stages, epilogue=epilogue, mma=mma,
+                resident=resident, residue=residue, tap_major=tap_major, channels_last=channels_last, batch=batch,
+                bench_batch=bench_batch, extra=extra or {})
+
+
+CONFIGS = [
+    # correctness over odd shapes (Store epilogue: the conv output itself)
+    cfg("t2d_odd", conv3(3, 33, (37, 29), 3, p=1), (1, 4, 16), 3, 40, (2, 1), 2, "Store", residue=8, batch=3),
+    cfg("t2d_stride", conv3(16, 24, (40, 41), (5, 3), s=2, p=(2, 1)), (1, 8, 8), 8, 24, (2, 1), 3, "Store",
+        resident=False, residue=16, batch=2),
+    cfg("t3d_dil", conv3(9, 16, (9, 12, 13), 3, p=2, d=2), (2, 4, 8), 4, 16, (4, 1), 2, "Store", mma="kTf32x3",
+        residue=8, tap_major=False, batch=1),
+    cfg("t1d", conv3(33, 70, (101,), 7, s=3, p=3), (1, 1, 32), 16, 32, (2, 2), 3, "Store", resident=False, residue=8, batch=3),
+    cfg("t2d_cl", conv3(12, 16, (20, 23), 3, p=1), (1, 4, 16), 12, 16, (2, 1), 2, "Store", channels_last=True, residue=8,
+        batch=2),
+    cfg("t3d_x3", conv3(3, 16, (16, 32, 32), 3), (2, 8, 16), 3, 16, (8, 1), 3, "Store", mma="kTf32x3", residue=8, batch=2),
+    # the shipped pipelines' convolutions with their fused epilogues
+    cfg("avgpool_sigmoid_sum", conv3(8, 64, (384, 384), 6, s=4), (1, 4, 16), 8, 64, (2, 2), 3, "SigmoidSum", residue=1,
+        batch=2, bench_batch=128),
+    cfg("div_max_gap_bias_sum", conv3(8, 16, (16, 64, 64), 3), (2, 8, 16), 8, 16, (8, 1), 3, "MaxPool2Sum", residue=8,
+        batch=2, bench_batch=128),
+    cfg("instnorm_stats", conv3(3, 16, (16, 32, 32), 3), (2, 8, 16), 3, 16, (8, 1), 3, "NormStats", mma="kTf32x3",
+        residue=8, batch=2, bench_batch=128),
+    cfg("instnorm_apply", conv3(3, 16, (16, 32, 32), 3), (2, 8, 16), 3, 16, (8, 1), 3, "NormApplyMax", mma="kTf32x3",
+        residue=8, batch=2, bench_batch=128),
+]
+
+
+def problem_struct(c) -> str:
+    p = c["prob"]
+    t = c["tile"]
+    lines = [f"struct P_{c['name']} {{"]
+    put = lambda n, v: lines.append(f"  static constexpr {'bool' if isinstance(v, bool) else 'int'} {n} = {str(v).lower() if isinstance(v, bool) else v};")  # noqa: E731
+    put("kCin", p["cin"]); put("kCout", p["cout"])
+    for pre, vals in (("kIn", p["ins"]), ("kOut", p["out"])):
+        for ax, v in zip("DHW", vals):
+            put(pre + ax, v)
+    for pre, key in (("kK", "k"), ("kS", "s"), ("kP", "p"), ("kD", "d")):
+        for ax, v in zip("DHW", p[key]):
+            put(pre + ax, v)
+    put("kChannelsLast", c["channels_last"])
+    for ax, v in zip("DHW", t):
+        put("kT" + ax, v)
+    put("kCI", c["ci"]); put("kBN", c["bn"]); put("kWarpsM", c["warps"][0]); put("kWarpsN", c["warps"][1])
+    put("kStages", c["stages"]); put("kResidentWeights", c["resident"]); put("kPlaneResidue", c["residue"])
+    put("kTapMajor", c["tap_major"])
+    lines.append(f"  static constexpr kgen::conv_gemm::Mma kMma = kgen::conv_gemm::Mma::{c['mma']};")
+    lines.append("};")
+    return "\n".join(lines)
+
+
+def gen_source() -> str:
+    out = ['#include "epilogues.cuh"', "using namespace kgen::conv_gemm;", ""]
+    for c in CONFIGS:
+        n, e = c["name"], c["epilogue"]
+        out.append(problem_struct(c))
+        out.append(f'extern "C" long long {n}_packed() {{ return Geometry<P_{n}>::kPackedFloats; }}')
+        out.append(f'extern "C" int {n}_tiles() {{ return Geometry<P_{n}>::kTilesPerSample; }}')
+        out.append(f'extern "C" int {n}_smem() {{ return smem_bytes<P_{n}, lab::{e}>(); }}')
+        out.append(f'extern "C" int {n}_run(const float* x, const float* w, float* packed, lab::{e}::Params* ep, int batch, cudaStream_t s) {{')
+        out.append(f"  return launch<P_{n}, lab::{e}>(x, w, packed, *ep, batch, s);")
+        out.append("}")
+        out.append("")
+    out.append('extern "C" int sum_rows(const float* partial, int cols, float scale, const float* off, int off_n, float* out, int rows, cudaStream_t s) {')
+    out.append("  lab::sum_rows<<<(rows + 127) / 128, 128, 0, s>>>(partial, cols, scale, off, off_n, out, rows); return cudaGetLastError();")
+    out.append("}")
+    out.append('extern "C" int merge_stats(const float* partial, int tiles, float eps, float* stats, int rows, cudaStream_t s) {')
+    out.append("  lab::merge_stats<<<(rows + 127) / 128, 128, 0, s>>>(partial, tiles, eps, stats, rows); return cudaGetLastError();")
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def build():
+    BUILD.mkdir(exist_ok=True)
+    src = BUILD / "lab_gen.cu"
+    src.write_text(gen_source())
+    cmd = ["nvcc", "-O3", "-std=c++17", "-lineinfo", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
+           "-gencode=arch=compute_90a,code=sm_90a", f"-I{ROOT / 'templates'}", f"-I{HERE}", str(src),
+           "-o", str(BUILD / "liblab.so")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (BUILD / "ptxas.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        print(proc.stdout + proc.stderr)
+        sys.exit(1)
+    sys.path.insert(0, str(ROOT))
+    from kgen.build import parse_ptxas, demangle
+    for k in parse_ptxas(proc.stdout + proc.stderr):
+        name = demangle(k.name)
+        if "conv_kernel" in name:
+            short = name.split("P_")[1].split(",")[0] if "P_" in name else name[:40]
+            print(f"{short:24s} regs {k.registers:4d} stack {k.stack} spills {k.spill_stores}/{k.spill_loads}")
+    if shutil.which("cuobjdump"):
+        with open(BUILD / "sass.txt", "w") as fh:
+            subprocess.run(["cuobjdump", "-sass", str(BUILD / "liblab.so")], stdout=fh)
+
+
+# ------------------------------------------------------------------ run (GPU)
+
+
+class P2(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p)]
+
+
+class P3(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("c", ctypes.c_void_p)]
+
+
+class PApply(ctypes.Structure):
+    _fields_ = [("bias", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("stats", ctypes.c_void_p),
+                ("lo", ctypes.c_float), ("hi", ctypes.c_float), ("out", ctypes.c_void_p)]
+
+
+def run(only=None, check_only=False):
+    import torch
+    import torch.nn.functional as F
+
+    lib = ctypes.CDLL(str(BUILD / "liblab.so"))
+    torch.backends.cudnn.allow_tf32 = True
+    dev = "cuda"
+    stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # noqa: E731
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr()) if t is not None else ctypes.c_void_p(0)  # noqa: E731
+    results = []
+
+    def timeit(fn, reps=30):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); fn(); b.record(); b.synchronize()
+            ts.append(a.elapsed_time(b))
+        ts.sort()
+        return ts[len(ts) // 2]
+
+    for c in CONFIGS:
+        if only and c["name"] not in only:
+            continue
+        n, p = c["name"], c["prob"]
+        rank = p["rank"]
+        conv = (F.conv1d, F.conv2d, F.conv3d)[rank - 1]
+        sp = lambda t: t[3 - rank:]  # noqa: E731
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn((p["cout"], p["cin"]) + sp(p["k"]), generator=g) / math.sqrt(p["cin"] * math.prod(p["k"]))
+        bias = torch.randn(p["cout"], generator=g)
+        extra = torch.randn(p["cout"], generator=g)
+        w, bias, extra = w.to(dev), bias.to(dev), extra.to(dev)
+        packed = torch.empty(lib[f"{n}_packed"](), device=dev)
+        tiles = lib[f"{n}_tiles"]()
+        fn = lib[f"{n}_run"]
+        row = dict(name=n, smem=lib[f"{n}_smem"]())
+
+        def make_x(batch, seed=1, nan=False):
+            gg = torch.Generator().manual_seed(seed)
+            x = torch.randn((batch, p["cin"]) + sp(p["ins"]), generator=gg)
+            if nan:
+                x.view(-1)[torch.randint(0, x.numel(), (3,), generator=gg)] = float("nan")
+            x = x.to(dev)
+            if c["channels_last"]:
+                x = x.contiguous(memory_format=torch.channels_last if rank == 2 else torch.channels_last_3d)
+            return x
+
+        def ref_conv(x):
+            return conv(x.double(), w.double(), bias.double(), sp(p["s"]), sp(p["p"]), sp(p["d"]))
+
+        def kgen_forward(x):
+            batch = x.shape[0]
+            e = c["epilogue"]
+            if e == "Store":
+                out = torch.full((batch, p["cout"]) + sp(p["out"]), float("nan"), device=dev)
+                par = P2(ptr(bias), ptr(out))
+                rc = fn(ptr(x), ptr(w), ptr(packed), ctypes.byref(par), batch, stream())
+                assert rc == 0, rc
+                return out
+            if e in ("SigmoidSum", "MaxPool2Sum"):
+                wk = w
+                partial = torch.empty(batch * tiles, device=dev)
+                out = torch.empty(batch, device=dev)
+                par = P2(ptr(bias), ptr(partial))
+                assert fn(ptr(x), ptr(wk), ptr(packed), ctypes.byref(par), batch, stream()) == 0
+                if e == "SigmoidSum":
+                    assert lib.sum_rows(ptr(partial), tiles, ctypes.c_float(1.0), ctypes.c_void_p(0), 0, ptr(out), batch, stream()) == 0
+                else:
+                    count = math.prod(o // 2 for o in p["out"])
+                    assert lib.sum_rows(ptr(partial), tiles, ctypes.c_float(1.0 / count), ptr(extra), p["cout"], ptr(out), batch, stream()) == 0
+                return out
+            if e in ("NormStats", "NormApplyMax"):
+                partial = torch.empty(batch * p["cout"] * tiles * 3, device=dev)
+                stats = torch.empty(batch * p["cout"] * 2, device=dev)
+                out = torch.full((batch,) + sp(p["out"]), float("nan"), device=dev)
+                fs, fa = lib["instnorm_stats_run"], lib["instnorm_apply_run"]
+                par = P3(ptr(bias), ptr(extra), ptr(partial))
+                assert fs(ptr(x), ptr(w), ptr(packed), ctypes.byref(par), batch, stream()) == 0
+                assert lib.merge_stats(ptr(partial), tiles, ctypes.c_float(1e-5), ptr(stats), batch * p["cout"], stream()) == 0
+                pa = PApply(ptr(bias), ptr(extra), ptr(stats), -1.0, 1.0, ptr(out))
+                assert fa(ptr(x), ptr(w), ptr(packed), ctypes.byref(pa), batch, stream()) == 0
+                return out
+            raise ValueError(e)
+
+        def ref_forward(x, dtype=torch.float64):
+            e = c["epilogue"]
+            xx, ww, bb, ee = x.to(dtype), w.to(dtype), bias.to(dtype), extra.to(dtype)
+            y = conv(xx, ww, bb, sp(p["s"]), sp(p["p"]), sp(p["d"]))
+            if e == "Store":
+                return y
+            if e == "SigmoidSum":
+                return torch.sigmoid(y).sum(dim=tuple(range(1, y.dim())))
+            if e == "MaxPool2Sum":
+                y = F.max_pool3d(y, 2) / 2
+                return (y.mean(dim=(2, 3, 4), keepdim=True) + ee.view(-1, 1, 1, 1)).sum(dim=(1, 2, 3, 4))
+            y = y * ee.view(-1, 1, 1, 1)
+            y = F.instance_norm(y, eps=1e-5)
+            y = torch.clamp(y, -1, 1) * ee.view(-1, 1, 1, 1)
+            return torch.amax(y, dim=1)
+
+        errs = []
+        for seed, nan in ((1, False), (2, False), (3, True)):
+            x = make_x(c["batch"], seed, nan)
+            got = kgen_forward(x).double().cpu()
+            ref = ref_forward(x).cpu()
+            eag = ref_forward(x, torch.float32).double().cpu()
+            if not torch.equal(torch.isnan(got), torch.isnan(ref)):
+                errs.append(f"NaN mask differs (seed {seed}: {int(torch.isnan(got).sum())} vs {int(torch.isnan(ref).sum())})")
+                continue
+            fin = torch.isfinite(ref)
+            rel = float((got[fin] - ref[fin]).norm() / ref[fin].norm().clamp_min(1e-30))
+            rel_e = float((eag[fin] - ref[fin]).norm() / ref[fin].norm().clamp_min(1e-30))
+            mx = float((got[fin] - ref[fin]).abs().max()) if fin.any() else 0.0
+            row.setdefault("rel", []).append(rel)
+            row.setdefault("rel_eager", []).append(rel_e)
+            row.setdefault("maxabs", []).append(mx)
+            tol = 2e-5 if c["mma"] == "kTf32x3" else 5e-3
+            if rel > tol:
+                errs.append(f"seed {seed}: rel {rel:.2e} > {tol}")
+            close = torch.allclose(got[fin], ref[fin], atol=1e-4, rtol=1e-4)
+            row.setdefault("allclose_1e-4", []).append(bool(close))
+        row["errors"] = errs
+        if c["bench_batch"] and not check_only:
+            x = make_x(c["bench_batch"], 5)
+            row["kgen_ms"] = timeit(lambda: kgen_forward(x))
+            with torch.no_grad():
+                row["eager_ms"] = timeit(lambda: ref_forward(x, torch.float32))
+                mod = (F.conv1d, F.conv2d, F.conv3d)[rank - 1]
+                row["cudnn_conv_ms"] = timeit(lambda: mod(x, w, bias, sp(p["s"]), sp(p["p"]), sp(p["d"])))
+            flops = 2 * c["bench_batch"] * p["cout"] * p["cin"] * math.prod(p["k"]) * math.prod(p["out"])
+            row["tflops"] = flops / row["kgen_ms"] / 1e9 * (2 if c["epilogue"].startswith("Norm") else 1)
+            row["x_gbps"] = x.numel() * 4 / row["kgen_ms"] / 1e6
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "lab.json").write_text(json.dumps(results, indent=1))
+    print()
+    print(f"{'config':24s} {'rel err':>9s} {'eager rel':>9s} {'allclose':>8s} {'kgen ms':>8s} {'eager ms':>8s} {'cudnn ms':>8s} {'TFLOP/s':>8s} {'x GB/s':>7s} errors")
+    for r in results:
+        print(f"{r['name']:24s} {max(r.get('rel', [math.nan])):9.2e} {max(r.get('rel_eager', [math.nan])):9.2e} "
+              f"{str(all(r.get('allclose_1e-4', [False]))):>8s} {r.get('kgen_ms', math.nan):8.3f} {r.get('eager_ms', math.nan):8.3f} "
+              f"{r.get('cudnn_conv_ms', math.nan):8.3f} {r.get('tflops', math.nan):8.1f} {r.get('x_gbps', math.nan):7.0f} {'; '.join(r['errors'])}")
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "build"
+    if what == "build":
+        build()
+    elif what == "source":
+        print(gen_source())
+    else:
+        run(only=sys.argv[2:] or None, check_only=what == "check")
