@@ -1,6 +1,7 @@
 // Hand-written epilogues for the conv_gemm lab (scripts/conv_lab): the
-// shapes the generated ones will take. Each is a struct with Params,
-// kScratchFloats and apply<P>(params, tile[kBN][kMPad], scratch, tile coord).
+// shapes the generated ones take. Each is a struct with Params, kStaged,
+// kScratchFloats and either apply<P>(params, tile[kBN][kMPad], scratch, coord)
+// (staged) or apply_fragments<P>(params, acc, fragment map, scratch, coord).
 #pragma once
 
 #include "conv_gemm/conv_gemm.cuh"
@@ -9,23 +10,38 @@
 namespace lab {
 using namespace kgen::conv_gemm;
 
-// Sum over the block in a fixed order; the result is valid in thread 0.
-template <int kThreads>
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  float total = 0.f;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
-  }
-  return total;
-}
-
 template <class P>
 __device__ __forceinline__ long long out_index(const TileCoord& c, int co, int m) {
   return (((static_cast<long long>(c.n) * P::kCout + co) * P::kOutD + c.od + row_d<P>(m)) * P::kOutH + c.oh + row_h<P>(m)) *
              P::kOutW + c.ow + row_w<P>(m);
+}
+
+template <class P>
+__device__ __forceinline__ int valid_rows(const TileCoord& c) {
+  auto part = [](int o, int t, int size) { return size - o < t ? size - o : t; };
+  return part(c.od, P::kTD, P::kOutD) * part(c.oh, P::kTH, P::kOutH) * part(c.ow, P::kTW, P::kOutW);
+}
+
+// Per-channel sums over the tile of f(mt, nt, i) (a fixed order): leaves
+// scratch[warp_m * kBN + n] for each warp row; the caller adds those up.
+template <class P, class F>
+__device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratch, F f) {
+  using G = Geometry<P>;
+  const int warp_m = fm.m0 / G::kWarpM;
+#pragma unroll
+  for (int nt = 0; nt < G::kNT; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float s = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) s += f(mt, nt, j) + f(mt, nt, 2 + j);
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 8);
+      s += __shfl_xor_sync(0xffffffffu, s, 16);
+      if (fm.g == 0) scratch[warp_m * P::kBN + fm.n(nt, j)] = s;
+    }
+  }
+  __syncthreads();
 }
 
 // The convolution output (+ bias), NC[D]HW.
@@ -34,6 +50,7 @@ struct Store {
     const float* bias;
     float* out;
   };
+  static constexpr bool kStaged = true;
   static constexpr int kScratchFloats = 0;
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
@@ -51,15 +68,21 @@ struct SigmoidSum {
     const float* bias;
     float* partial;  // [batch][tiles]
   };
+  static constexpr bool kStaged = false;
   static constexpr int kScratchFloats = 32;
-  template <class P>
-  __device__ static void apply(const Params& p, const float* tile, float* scratch, const TileCoord& c) {
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
     float s = 0.f;
-    for (int i = threadIdx.x; i < P::kCout * G::kM; i += G::kThreads) {
-      const int n = i / G::kM, m = i % G::kM;
-      if (row_valid<P>(c, m)) s += kgen::sigmoid(tile[n * G::kMPad + m] + p.bias[n]);
-    }
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = fm.m(mt, i), n = fm.n(nt, i);
+          if (n < P::kCout && row_valid<P>(c, m)) s += kgen::sigmoid(acc[mt][nt][i] + p.bias[n]);
+        }
     s = block_sum<G::kThreads>(s, scratch);
     if (threadIdx.x == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
   }
@@ -71,6 +94,7 @@ struct MaxPool2Sum {
     const float* bias;
     float* partial;
   };
+  static constexpr bool kStaged = true;
   static constexpr int kScratchFloats = 32;
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float* scratch, const TileCoord& c) {
@@ -96,44 +120,41 @@ struct MaxPool2Sum {
   }
 };
 
-// Per (sample, channel) statistics of (conv + bias) * mult over the tile: count, mean, M2.
+// Per (sample, channel) statistics of (conv + bias) * mult over the tile: count, mean, M2 (two passes over the registers).
 struct NormStats {
   struct Params {
     const float* bias;
     const float* mult;
     float* partial;  // [batch][C][tiles][3]
   };
-  static constexpr int kScratchFloats = 0;
-  template <class P>
-  __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
+  static constexpr bool kStaged = false;
+  static constexpr int kScratchFloats = 8 * 64 + 64;  // kWarpsM x kBN sums + kBN means (lab sizes)
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
-    constexpr int kLanes = G::kThreads / P::kCout;  // threads per channel: a power of two <= 32
-    static_assert(kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "threads per channel");
-    const int n = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-    float cnt = 0.f, sum = 0.f;
-    for (int m = lane; m < G::kM; m += kLanes) {
-      if (row_valid<P>(c, m)) {
-        cnt += 1.f;
-        sum += (tile[n * G::kMPad + m] + p.bias[n]) * p.mult[n];
-      }
+    float* means = scratch + P::kWarpsM * P::kBN;
+    auto value = [&](int mt, int nt, int i) {
+      const int n = fm.n(nt, i);
+      return (acc[mt][nt][i] + p.bias[n]) * p.mult[n];
+    };
+    const float count = static_cast<float>(valid_rows<P>(c));
+    channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) { return row_valid<P>(c, fm.m(mt, i)) ? value(mt, nt, i) : 0.f; });
+    if (threadIdx.x < P::kCout) {
+      float s = 0.f;
+      for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + threadIdx.x];
+      means[threadIdx.x] = s / count;
     }
-    for (int o = kLanes / 2; o > 0; o /= 2) {
-      cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-      sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    }
-    const float mean = cnt > 0.f ? sum / cnt : 0.f;
-    float m2 = 0.f;
-    for (int m = lane; m < G::kM; m += kLanes) {
-      if (row_valid<P>(c, m)) {
-        const float d = (tile[n * G::kMPad + m] + p.bias[n]) * p.mult[n] - mean;
-        m2 += d * d;
-      }
-    }
-    for (int o = kLanes / 2; o > 0; o /= 2) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
-    if (lane == 0) {
-      float* out = p.partial + ((static_cast<long long>(c.n) * P::kCout + n) * G::kTilesPerSample + c.index) * 3;
-      out[0] = cnt;
-      out[1] = mean;
+    __syncthreads();
+    channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) {
+      const float d = value(mt, nt, i) - means[fm.n(nt, i)];
+      return row_valid<P>(c, fm.m(mt, i)) ? d * d : 0.f;
+    });
+    if (threadIdx.x < P::kCout) {
+      float m2 = 0.f;
+      for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + threadIdx.x];
+      float* out = p.partial + ((static_cast<long long>(c.n) * P::kCout + threadIdx.x) * G::kTilesPerSample + c.index) * 3;
+      out[0] = count;
+      out[1] = means[threadIdx.x];
       out[2] = m2;
     }
   }
@@ -148,26 +169,40 @@ struct NormApplyMax {
     float lo, hi;
     float* out;  // [batch][OD][OH][OW]
   };
+  static constexpr bool kStaged = false;
   static constexpr int kScratchFloats = 0;
-  template <class P>
-  __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float*, const TileCoord& c) {
     using G = Geometry<P>;
-    for (int m = threadIdx.x; m < G::kM; m += G::kThreads) {
-      if (!row_valid<P>(c, m)) continue;
-      float acc = -INFINITY;
-      for (int n = 0; n < P::kCout; ++n) {
-        const float* st = p.stats + (static_cast<long long>(c.n) * P::kCout + n) * 2;
-        float v = ((tile[n * G::kMPad + m] + p.bias[n]) * p.mult[n] - st[0]) * st[1];
-        v = kgen::clamp(v, p.lo, p.hi) * p.mult[n];
-        acc = kgen::max_nan(acc, v);
+    static_assert(P::kWarpsN == 1 && P::kBN == P::kCout, "one warp column holds every channel");
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float best = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < G::kNT; ++nt) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int n = fm.n(nt, j);
+            const float* st = p.stats + (static_cast<long long>(c.n) * P::kCout + n) * 2;
+            float v = ((acc[mt][nt][2 * h + j] + p.bias[n]) * p.mult[n] - st[0]) * st[1];
+            best = kgen::max_nan(best, kgen::clamp(v, p.lo, p.hi) * p.mult[n]);
+          }
+        }
+        best = kgen::max_nan(best, __shfl_xor_sync(0xffffffffu, best, 1));
+        best = kgen::max_nan(best, __shfl_xor_sync(0xffffffffu, best, 2));
+        const int m = fm.m(mt, 2 * h);
+        if (fm.t == 0 && row_valid<P>(c, m)) {
+          p.out[((static_cast<long long>(c.n) * P::kOutD + c.od + row_d<P>(m)) * P::kOutH + c.oh + row_h<P>(m)) * P::kOutW +
+                c.ow + row_w<P>(m)] = best;
+        }
       }
-      p.out[((static_cast<long long>(c.n) * P::kOutD + c.od + row_d<P>(m)) * P::kOutH + c.oh + row_h<P>(m)) * P::kOutW + c.ow +
-            row_w<P>(m)] = acc;
     }
   }
 };
 
-// partial [rows][cols] -> out[row] = sum of the row (in order) * scale + offset
+// partial [rows][cols] -> out[row] = sum of the row (in order) * scale + sum of offset_vec
 __global__ void sum_rows(const float* partial, int cols, float scale, const float* offset_vec, int offset_n, float* out,
                          int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;

@@ -33,33 +33,45 @@ def conv3(cin, cout, ins, k, s=1, p=0, d=1):
     return dict(cin=cin, cout=cout, ins=ins, k=k, s=s, p=p, d=d, out=out, rank=3 - pad)
 
 
-def cfg(name, prob, tile, ci, bn, warps, stages, epilogue, mma="kTf32", resident=True, residue=8, tap_major=True,
-        channels_last=False, batch=2, bench_batch=None, extra=None):
+def cfg(name, prob, tile, ci, bn, warps, stages, epilogue, mma="kTf32", residue=8, channels_last=False, batch=2,
+        bench_batch=None, kind=None, window=False):
     return dict(name=name, prob=prob, tile=tile, ci=ci, bn=bn, warps=warps, stages=stages, epilogue=epilogue, mma=mma,
-                resident=resident, residue=residue, tap_major=tap_major, channels_last=channels_last, batch=batch,
-                bench_batch=bench_batch, extra=extra or {})
+                residue=residue, channels_last=channels_last, batch=batch, bench_batch=bench_batch, kind=kind or name,
+                window=window)
 
 
+AVG = conv3(8, 64, (384, 384), 6, s=4)
+DIVMAX = conv3(8, 16, (16, 64, 64), 3)
+INST = conv3(3, 16, (16, 32, 32), 3)
 CONFIGS = [
     # correctness over odd shapes (Store epilogue: the conv output itself)
-    cfg("t2d_odd", conv3(3, 33, (37, 29), 3, p=1), (1, 4, 16), 3, 40, (2, 1), 2, "Store", residue=8, batch=3),
-    cfg("t2d_stride", conv3(16, 24, (40, 41), (5, 3), s=2, p=(2, 1)), (1, 8, 8), 8, 24, (2, 1), 3, "Store",
-        resident=False, residue=16, batch=2),
-    cfg("t3d_dil", conv3(9, 16, (9, 12, 13), 3, p=2, d=2), (2, 4, 8), 4, 16, (4, 1), 2, "Store", mma="kTf32x3",
-        residue=8, tap_major=False, batch=1),
-    cfg("t1d", conv3(33, 70, (101,), 7, s=3, p=3), (1, 1, 32), 16, 32, (2, 2), 3, "Store", resident=False, residue=8, batch=3),
-    cfg("t2d_cl", conv3(12, 16, (20, 23), 3, p=1), (1, 4, 16), 12, 16, (2, 1), 2, "Store", channels_last=True, residue=8,
-        batch=2),
-    cfg("t3d_x3", conv3(3, 16, (16, 32, 32), 3), (2, 8, 16), 3, 16, (8, 1), 3, "Store", mma="kTf32x3", residue=8, batch=2),
-    # the shipped pipelines' convolutions with their fused epilogues
-    cfg("avgpool_sigmoid_sum", conv3(8, 64, (384, 384), 6, s=4), (1, 4, 16), 8, 64, (2, 2), 3, "SigmoidSum", residue=1,
-        batch=2, bench_batch=128),
-    cfg("div_max_gap_bias_sum", conv3(8, 16, (16, 64, 64), 3), (2, 8, 16), 8, 16, (8, 1), 3, "MaxPool2Sum", residue=8,
-        batch=2, bench_batch=128),
-    cfg("instnorm_stats", conv3(3, 16, (16, 32, 32), 3), (2, 8, 16), 3, 16, (8, 1), 3, "NormStats", mma="kTf32x3",
-        residue=8, batch=2, bench_batch=128),
-    cfg("instnorm_apply", conv3(3, 16, (16, 32, 32), 3), (2, 8, 16), 3, 16, (8, 1), 3, "NormApplyMax", mma="kTf32x3",
-        residue=8, batch=2, bench_batch=128),
+    cfg("t2d_odd", conv3(3, 33, (37, 29), 3, p=1), (1, 4, 16), 4, 40, (2, 1), 2, "Store", batch=3),
+    cfg("t2d_stride", conv3(16, 24, (40, 41), (5, 3), s=2, p=(2, 1)), (1, 8, 8), 8, 24, (2, 1), 3, "Store", residue=16),
+    cfg("t3d_dil", conv3(9, 16, (9, 12, 13), 3, p=2, d=2), (2, 4, 8), 4, 16, (4, 1), 2, "Store", mma="kTf32x3", batch=1),
+    cfg("t1d", conv3(33, 70, (101,), 7, s=3, p=3), (1, 1, 32), 16, 32, (2, 2), 3, "Store", batch=3),
+    cfg("t2d_cl", conv3(12, 16, (20, 23), 3, p=1), (1, 4, 16), 8, 16, (2, 1), 2, "Store", channels_last=True),
+    cfg("t3d_x3", conv3(3, 16, (16, 32, 32), 3), (2, 8, 16), 4, 16, (8, 1), 3, "Store", mma="kTf32x3"),
+    cfg("w3d_x3", conv3(3, 16, (16, 32, 32), 3), (2, 8, 16), 4, 16, (8, 1), 3, "Store", mma="kTf32x3", window=True),
+    cfg("w2d_odd", conv3(13, 40, (37, 29), (3, 5), p=(1, 2), d=(2, 1)), (1, 8, 32), 8, 40, (4, 1), 2, "Store", batch=3,
+        window=True),
+    cfg("w3d_c4", conv3(5, 8, (7, 19, 35), (2, 3, 3), p=1), (2, 4, 16), 4, 8, (4, 1), 2, "Store", window=True),
+    # the shipped pipelines' convolutions with their fused epilogues, in a few tilings
+    cfg("avg_a", AVG, (1, 4, 16), 8, 64, (4, 1), 2, "SigmoidSum", residue=1, bench_batch=128, kind="avgpool"),
+    cfg("avg_b", AVG, (1, 4, 16), 4, 64, (4, 1), 3, "SigmoidSum", residue=1, bench_batch=128, kind="avgpool"),
+    cfg("avg_c", AVG, (1, 4, 32), 8, 64, (4, 2), 2, "SigmoidSum", residue=8, bench_batch=128, kind="avgpool"),
+    cfg("avg_d", AVG, (1, 8, 16), 4, 64, (4, 2), 2, "SigmoidSum", residue=1, bench_batch=128, kind="avgpool"),
+    cfg("divmax_a", DIVMAX, (2, 8, 16), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax"),
+    cfg("divmax_b", DIVMAX, (2, 4, 16), 8, 16, (4, 1), 3, "MaxPool2Sum", bench_batch=128, kind="divmax"),
+    cfg("divmax_c", DIVMAX, (2, 8, 32), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax"),
+    cfg("divmax_w4", DIVMAX, (2, 8, 16), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
+    cfg("divmax_w2", DIVMAX, (2, 8, 16), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
+    cfg("divmax_w4b", DIVMAX, (2, 16, 16), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
+    cfg("inst_stats", INST, (2, 8, 16), 4, 16, (8, 1), 3, "NormStats", mma="kTf32x3", bench_batch=128, kind="inst"),
+    cfg("inst_apply", INST, (2, 8, 16), 4, 16, (8, 1), 3, "NormApplyMax", mma="kTf32x3", bench_batch=128, kind="inst"),
+    cfg("instw_stats", INST, (2, 8, 16), 4, 16, (8, 1), 3, "NormStats", mma="kTf32x3", bench_batch=128, kind="instw",
+        window=True),
+    cfg("instw_apply", INST, (2, 8, 16), 4, 16, (8, 1), 3, "NormApplyMax", mma="kTf32x3", bench_batch=128, kind="instw",
+        window=True),
 ]
 
 
@@ -79,8 +91,7 @@ def problem_struct(c) -> str:
     for ax, v in zip("DHW", t):
         put("kT" + ax, v)
     put("kCI", c["ci"]); put("kBN", c["bn"]); put("kWarpsM", c["warps"][0]); put("kWarpsN", c["warps"][1])
-    put("kStages", c["stages"]); put("kResidentWeights", c["resident"]); put("kPlaneResidue", c["residue"])
-    put("kTapMajor", c["tap_major"])
+    put("kStages", c["stages"]); put("kPlaneResidue", c["residue"]); put("kWindow", c["window"])
     lines.append(f"  static constexpr kgen::conv_gemm::Mma kMma = kgen::conv_gemm::Mma::{c['mma']};")
     lines.append("};")
     return "\n".join(lines)
@@ -147,7 +158,7 @@ class PApply(ctypes.Structure):
                 ("lo", ctypes.c_float), ("hi", ctypes.c_float), ("out", ctypes.c_void_p)]
 
 
-def run(only=None, check_only=False):
+def run(only=None, check_only=False, profile=False):
     import torch
     import torch.nn.functional as F
 
@@ -215,7 +226,7 @@ def run(only=None, check_only=False):
                 out = torch.empty(batch, device=dev)
                 par = P2(ptr(bias), ptr(partial))
                 assert fn(ptr(x), ptr(wk), ptr(packed), ctypes.byref(par), batch, stream()) == 0
-                if e == "SigmoidSum":
+                if c["kind"] == "avgpool":
                     assert lib.sum_rows(ptr(partial), tiles, ctypes.c_float(1.0), ctypes.c_void_p(0), 0, ptr(out), batch, stream()) == 0
                 else:
                     count = math.prod(o // 2 for o in p["out"])
@@ -225,7 +236,7 @@ def run(only=None, check_only=False):
                 partial = torch.empty(batch * p["cout"] * tiles * 3, device=dev)
                 stats = torch.empty(batch * p["cout"] * 2, device=dev)
                 out = torch.full((batch,) + sp(p["out"]), float("nan"), device=dev)
-                fs, fa = lib["instnorm_stats_run"], lib["instnorm_apply_run"]
+                fs, fa = lib[f"{c['kind']}_stats_run"], lib[f"{c['kind']}_apply_run"]
                 par = P3(ptr(bias), ptr(extra), ptr(partial))
                 assert fs(ptr(x), ptr(w), ptr(packed), ctypes.byref(par), batch, stream()) == 0
                 assert lib.merge_stats(ptr(partial), tiles, ctypes.c_float(1e-5), ptr(stats), batch * p["cout"], stream()) == 0
@@ -250,6 +261,11 @@ def run(only=None, check_only=False):
             y = torch.clamp(y, -1, 1) * ee.view(-1, 1, 1, 1)
             return torch.amax(y, dim=1)
 
+        if profile:  # one call at the bench batch, for ncu
+            x = make_x(c["bench_batch"] or c["batch"], 5)
+            kgen_forward(x)
+            torch.cuda.synchronize()
+            continue
         errs = []
         for seed, nan in ((1, False), (2, False), (3, True)):
             x = make_x(c["batch"], seed, nan)
@@ -302,4 +318,4 @@ if __name__ == "__main__":
     elif what == "source":
         print(gen_source())
     else:
-        run(only=sys.argv[2:] or None, check_only=what == "check")
+        run(only=sys.argv[2:] or None, check_only=what == "check", profile=what == "profile")

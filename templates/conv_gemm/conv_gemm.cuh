@@ -1,24 +1,34 @@
 // conv_gemm.cuh: an implicit-GEMM convolution on tensor cores (TF32 mma.sync
-// m16n8k8, fp32 accumulators), with the next stage fused in as its epilogue.
+// m16n8k8, fp32 accumulators) with the next stage fused in as its epilogue.
 // Ordinary C++ templates: a generated stage supplies a problem struct `P`
-// (every size a compile-time constant, see ConvProblem below for the members)
-// and an epilogue struct `E`; nothing here knows a particular pipeline.
+// (every size a compile-time constant; members listed at Geometry) and an
+// epilogue struct `E`; nothing here knows a particular pipeline.
 //
-// GEMM view: M = output positions of one sample (a box tile of TD x TH x TW),
-// N = output channels, K = input channels x kernel taps. A CTA owns one output
-// box and all (or kBN) output channels. Per input-channel chunk it loads the
-// input box the tile reads (the halo included) into shared memory once, with
-// zero fill outside the tensor, and every tap reads it from there: a 3x3x3
-// kernel reuses each loaded value up to 27 times. K is ordered tap-major,
-// channel-minor inside a chunk; a table maps each k to its shared-memory
-// offset (the im2col offsets, all compile-time), padded entries to a plane of
-// zeros, so padding never multiplies a NaN or inf by a zero weight.
+// GEMM view: M = output positions of one sample (a box tile TD x TH x TW),
+// N = output channels, K = input channels x kernel taps, tap-major inside a
+// chunk of kCI input channels. Per chunk, a CTA loads the input box its tile
+// reads (halo included) into shared memory once, zero-filled outside the
+// tensor, rounds it to TF32 once (tf32x3: splits it into hi and lo), and
+// every tap reads it from there: a 3x3x3 kernel reuses each value 27 times.
+// kCI is 4 or a multiple of 8, so the four k-lanes of an MMA fragment are four
+// channels of one tap: every shared-memory offset is a compile-time constant
+// plus a per-thread register (no index arithmetic in the main loop).
 //
-// The CTAs are persistent: each loads the packed weights once when they fit
-// (else streams them per chunk), then walks its tiles; cp.async stages run
-// kStages deep across chunks and tiles. After a tile's last chunk the
-// accumulators go to a shared-memory tile [kBN][kMPad] and E::apply runs on
-// it (bias, elementwise ops, pools, reductions, statistics).
+// Two main loops. `generic`: each k step loads its A fragments from shared
+// memory. `window` (stride 1 in H and W, kCI 4 or 8): a warp's m-tiles are
+// kMT consecutive rows in H of 16 positions in W, a thread's two fragment
+// rows are the neighbours 2g and 2g + 1, so all the taps of one kd read a
+// small window of the box that the thread loads into registers once
+// ((kMT + KH - 1) x (KW + 1) values per channel lane instead of
+// 2 kMT KH KW): shared-memory traffic drops 3x for a 3x3 kernel.
+//
+// Weights are packed once per call (pack_weights_kernel) into MMA-fragment
+// order and read straight from global memory (L1-resident after the first
+// tile), one 8- or 16-byte load per n-tile and k-step. CTAs are persistent
+// and walk their tiles; cp.async stages run kStages deep across chunks and
+// tiles. After a tile's last chunk the epilogue runs: on the accumulator
+// registers (E::kStaged false: elementwise ops, reductions, statistics) or on
+// a shared-memory copy of the tile (E::kStaged: pools, plain stores).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -53,19 +63,20 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// fp32 -> tf32, round to nearest (ties away), as a 32-bit pattern.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
+// fp32 -> tf32, rounded to nearest (ties away from zero); NaN and inf stay.
+__device__ __forceinline__ float to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
+  return __uint_as_float(r);
 }
 
 // d += a * b for one m16n8k8 tile (a: 4 regs, b: 2 regs, d: 4 fp32).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const float (&a)[4], float b0, float b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+      : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])), "r"(__float_as_uint(a[3])),
+        "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
 // ------------------------------------------------------------------ geometry
@@ -73,61 +84,63 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
 
-// Pads a row length so that `lanes` rows `stride` apart start in distinct
-// bank groups: the smallest p >= n with p % 32 == want.
+// The smallest p >= n with p % 32 == want (spreads rows `p` apart over banks).
 constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32 + 32) % 32; }
 
-// Everything derived from the problem struct P. P's members (all static constexpr):
-//   kCin, kCout                       channels
-//   kInD, kInH, kInW                  input spatial size (1 for missing dims)
-//   kOutD, kOutH, kOutW               output positions computed (from 0)
-//   kKD, kKH, kKW / kSD.. / kPD.. / kDD..  kernel, stride, padding, dilation
-//   kChannelsLast                     input memory format
-//   kTD, kTH, kTW                     output box of one tile
-//   kCI                               input channels per chunk (pipeline step)
-//   kBN                               output channels per CTA (a multiple of 8)
-//   kWarpsM, kWarpsN                  warp grid of a CTA
-//   kStages                           cp.async pipeline depth (>= 2)
-//   kResidentWeights                  all packed weights stay in shared memory
-//   kPlaneResidue                     input plane stride % 32 (bank spread of channels)
-//   kTapMajor                         K order inside a chunk: tap-major (else channel-major)
-//   kMma                              Mma::kTf32 or Mma::kTf32x3
+// Everything derived from the problem struct P, whose members (all static constexpr) are:
+//   kCin, kCout                             channels
+//   kInD, kInH, kInW                        input spatial size (1 for missing dims)
+//   kOutD, kOutH, kOutW                     output positions computed (from 0)
+//   kKD.., kSD.., kPD.., kDD..              kernel, stride, padding, dilation per dim
+//   kChannelsLast                           input memory format (else NC[D]HW)
+//   kTD, kTH, kTW                           output box of one tile
+//   kCI                                     input channels per chunk: 4 or a multiple of 8
+//   kBN                                     output channels per CTA, a multiple of 8
+//   kWarpsM, kWarpsN                        warp grid of a CTA
+//   kStages                                 cp.async pipeline depth (>= 2)
+//   kPlaneResidue                           input channel plane stride % 32 (bank spread)
+//   kMma                                    Mma::kTf32 or Mma::kTf32x3
+//   kWindow                                 the window main loop (else generic)
 template <class P>
 struct Geometry {
-  static constexpr int kTaps = P::kKD * P::kKH * P::kKW;
+  static_assert(P::kCI == 4 || P::kCI % 8 == 0, "the four k-lanes of a fragment are four channels of one tap");
+  // K of a chunk runs over tap slots, kd-major; with kCI == 4 a k step holds
+  // two taps, so each kd's slots are padded to an even count (a padded slot
+  // has zero weights and its A values are compile-time zeros).
+  static constexpr int kTapsHW = P::kKH * P::kKW;
+  static constexpr int kSlotsPerKd = P::kCI == 4 ? round_up(kTapsHW, 2) : kTapsHW;
+  static constexpr int kSlots = P::kKD * kSlotsPerKd;
   static constexpr int kChunks = ceil_div(P::kCin, P::kCI);
-  static constexpr int kKChunk = P::kCI * kTaps;  // K per chunk
-  static constexpr int kKSteps = ceil_div(kKChunk, 8);
-  static constexpr int kKPad = kKSteps * 8;
-  static constexpr bool kHasPadK = kKPad != kKChunk;
+  static constexpr int kKChunk = P::kCI * kSlots;  // K of one chunk, a multiple of 8
+  static constexpr int kKSteps = kKChunk / 8;
+  static constexpr int kStepsPerKd = kKSteps / P::kKD;
   static constexpr int kCBlocks = ceil_div(P::kCout, P::kBN);
-  static constexpr int kBNPad = pad_to_residue(P::kBN, 8);  // weight rows: 4 k x 8 n lanes hit 32 banks
+  static constexpr int kNTiles = P::kBN / 8;  // n-tiles of a CTA
+  static constexpr int kSplits = P::kMma == Mma::kTf32x3 ? 2 : 1;
 
   // The input box a tile reads.
   static constexpr int kBD = (P::kTD - 1) * P::kSD + (P::kKD - 1) * P::kDD + 1;
   static constexpr int kBH = (P::kTH - 1) * P::kSH + (P::kKH - 1) * P::kDH + 1;
   static constexpr int kBW = (P::kTW - 1) * P::kSW + (P::kKW - 1) * P::kDW + 1;
   // Rows are loaded in 16-byte pieces when every piece lies wholly inside or
-  // wholly outside the input (NC[D]HW, W, the tile step and the padding all
-  // multiples of 4).
+  // wholly outside the input: NC[D]HW; W, the tile step and the padding
+  // multiples of 4; channel planes 16-byte aligned.
   static constexpr bool kVecRows = !P::kChannelsLast && P::kInW % 4 == 0 && (P::kTW * P::kSW) % 4 == 0 &&
                                    P::kPW % 4 == 0 && P::kPlaneResidue % 4 == 0;
-  static constexpr int kBWPad = kVecRows ? round_up(kBW, 4) : kBW;
-  static constexpr int kPlaneRaw = kBD * kBH * kBWPad;
-  static constexpr int kPlane = kVecRows ? round_up(pad_to_residue(kPlaneRaw, P::kPlaneResidue), 4)
-                                         : pad_to_residue(kPlaneRaw, P::kPlaneResidue);
-  static constexpr int kPlanes = P::kCI + (kHasPadK ? 1 : 0);  // the last one is zeros, for padded k
-  static constexpr int kInStage = round_up(kPlanes * kPlane, 4);
+  // The window loop reads pairs up to one column past the box.
+  static constexpr int kBWPad = kVecRows ? round_up(kBW + (P::kWindow ? 1 : 0), 4) : round_up(kBW + (P::kWindow ? 1 : 0), 2);
+  static constexpr int kPlane = pad_to_residue(kBD * kBH * kBWPad, P::kPlaneResidue);
+  static constexpr int kInStage = round_up(P::kCI * kPlane, 4);
 
-  // Tiles.
+  // Tiles and warps.
   static constexpr int kM = P::kTD * P::kTH * P::kTW;
-  static constexpr int kMPad = pad_to_residue(kM, 4);  // staged accumulators: 8 rows x 4 col pairs hit 32 banks
+  static constexpr int kMPad = pad_to_residue(kM, 4);  // staged tile rows: 8 rows x 4 column pairs hit 32 banks
   static constexpr int kTilesD = ceil_div(P::kOutD, P::kTD);
   static constexpr int kTilesH = ceil_div(P::kOutH, P::kTH);
   static constexpr int kTilesW = ceil_div(P::kOutW, P::kTW);
   static constexpr int kTilesPerSample = kTilesD * kTilesH * kTilesW;
   static constexpr int kThreads = 32 * P::kWarpsM * P::kWarpsN;
-  static constexpr int kWarpM = kM / P::kWarpsM;  // rows per warp
+  static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp
   static constexpr int kWarpN = P::kBN / P::kWarpsN;  // columns per warp
   static constexpr int kMT = kWarpM / 16;
   static constexpr int kNT = kWarpN / 8;
@@ -135,36 +148,51 @@ struct Geometry {
   static_assert(P::kBN % (8 * P::kWarpsN) == 0, "kBN must split into 8-column MMA tiles per warp");
   static_assert(P::kStages >= 2, "at least double buffering");
 
-  static constexpr int kWeightChunk = kKPad * kBNPad;  // floats of one chunk's packed weights in shared memory
-  static constexpr int kWeightSplits = P::kMma == Mma::kTf32x3 ? 2 : 1;  // hi (and lo) parts
-  static constexpr int kWeightFloats =
-      kWeightSplits * (P::kResidentWeights ? kChunks * kWeightChunk : P::kStages * kWeightChunk);
+  // Window main loop: warp row -> (d, block of kMT rows in H, 16-wide segment in W).
+  static constexpr int kHBlocks = P::kTH / kMT;
+  static constexpr int kWSegs = P::kTW / 16;
+  static constexpr int kWinRows = kMT + (P::kKH - 1) * P::kDH;
+  static constexpr int kWinCols = round_up((P::kKW - 1) * P::kDW + 2, 2);
+  static constexpr int kLanesC = P::kCI == 8 ? 2 : 1;  // channel lanes a thread holds
+  static_assert(!P::kWindow || (P::kSH == 1 && P::kSW == 1 && (P::kCI == 4 || P::kCI == 8) && P::kTW % 16 == 0 &&
+                                P::kPlaneResidue % 2 == 0 &&
+                                P::kTH % kMT == 0 && P::kTD * kHBlocks * kWSegs == P::kWarpsM),
+                "window main loop: stride 1 in H and W, kCI 4 or 8, warps tile (TD, TH / kMT, TW / 16)");
 
-  // Shared memory, in floats: weights | input stages | k offsets | accumulator tile | epilogue scratch.
-  static constexpr int kWeightOffset = 0;
-  static constexpr int kInOffset = round_up(kWeightFloats, 4);
-  static constexpr int kKOffOffset = kInOffset + P::kStages * kInStage;
-  static constexpr int kTileOffset = round_up(kKOffOffset + kKPad, 4);
-  static constexpr int kScratchOffset = kTileOffset + P::kBN * kMPad;
+  // Packed weights: [cblock][chunk][k step][n-tile][lane][split][2] floats.
+  static constexpr int kFragFloats = 2 * kSplits;  // per lane, n-tile and k step
+  static constexpr long long kPackedStep = static_cast<long long>(kNTiles) * 32 * kFragFloats;
+  static constexpr long long kPackedFloats = static_cast<long long>(kCBlocks) * kChunks * kKSteps * kPackedStep;
 
-  // Packed weights in global memory: [cblock][chunk][split][kKPad][kBN].
-  static constexpr int kPackedChunk = kKPad * P::kBN;
-  static constexpr long long kPackedFloats = static_cast<long long>(kCBlocks) * kChunks * kWeightSplits * kPackedChunk;
+  // Shared memory in floats: input stages | lo parts (tf32x3) | staged tile | epilogue scratch.
+  static constexpr int kLoOffset = P::kStages * kInStage;
+  static constexpr int kTileOffset = kLoOffset + (kSplits == 2 ? kInStage : 0);
 };
 
-// k inside a chunk -> (channel in the chunk, tap); the packing and the offset table agree on it.
+// k of a chunk -> its tap (kd, kh, kw) and channel; `real` false for padded slots.
+struct KIndex {
+  int kd, kh, kw, c;
+  bool real;
+};
 template <class P>
-__host__ __device__ constexpr int k_channel(int k) {
-  return P::kTapMajor ? k % P::kCI : k / (P::kKD * P::kKH * P::kKW);
-}
-template <class P>
-__host__ __device__ constexpr int k_tap(int k) {
-  return P::kTapMajor ? k / P::kCI : k % (P::kKD * P::kKH * P::kKW);
+__host__ __device__ constexpr KIndex k_index(int k) {
+  using G = Geometry<P>;
+  const int slot = k / P::kCI, c = k % P::kCI;
+  const int kd = slot / G::kSlotsPerKd, r = slot % G::kSlotsPerKd;
+  return KIndex{kd, r / P::kKW, r % P::kKW, c, r < G::kTapsHW};
 }
 
-// Where a tile lies: sample, output-channel block, and its first output position.
+// The shared-memory offset of k inside a stage, without the thread's channel lane.
+template <class P>
+__host__ __device__ constexpr int k_offset(int k) {
+  using G = Geometry<P>;
+  const KIndex q = k_index<P>(k);
+  return q.c * G::kPlane + (q.kd * P::kDD * G::kBH + q.kh * P::kDH) * G::kBWPad + q.kw * P::kDW;
+}
+
+// Where a tile lies: sample, output-channel block, its number inside the sample, its first output position.
 struct TileCoord {
-  int n, cblock, index;  // index: tile number inside the sample
+  int n, cblock, index;
   int od, oh, ow;
 };
 
@@ -193,15 +221,51 @@ __host__ __device__ constexpr int row_h(int m) { return (m / P::kTW) % P::kTH; }
 template <class P>
 __host__ __device__ constexpr int row_w(int m) { return m % P::kTW; }
 
-// Whether row m of the tile at `c` is an output position (partial tiles at the edges).
+// Whether row m of the tile at `c` is an output position (tiles at the edges are partial).
 template <class P>
 __device__ __forceinline__ bool row_valid(const TileCoord& c, int m) {
   return c.od + row_d<P>(m) < P::kOutD && c.oh + row_h<P>(m) < P::kOutH && c.ow + row_w<P>(m) < P::kOutW;
 }
 
+// Tile row m (linear over (d, h, w), w fastest) and output channel (inside
+// the CTA's block) of each accumulator: acc[mt][nt][i] holds row m(mt, i),
+// column n(nt, i). Generic loop: the warp's rows are m0 + mt * 16 + fragment
+// row. Window loop: m-tile mt is row h0 + mt at depth d0, positions w0 + 2g
+// (fragment row g) and w0 + 2g + 1 (row g + 8).
+template <class P>
+struct FragMap {
+  int m0, n0, g, t;
+  int d0, h0, w0;  // window loop only
+  __device__ __forceinline__ int m(int mt, int i) const {
+    if constexpr (P::kWindow) {
+      return ((d0 * P::kTH) + h0 + mt) * P::kTW + w0 + 2 * g + i / 2;
+    } else {
+      return m0 + mt * 16 + g + (i / 2) * 8;
+    }
+  }
+  __device__ __forceinline__ int n(int nt, int i) const { return n0 + nt * 8 + 2 * t + (i % 2); }
+};
+
+// ------------------------------------------------------------------ reductions
+
+// Sum over the block, in a fixed order whatever the timing; the result is valid in thread 0.
+// `scratch` holds one float per warp; the caller's next __syncthreads guards its reuse.
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+  }
+  return total;
+}
+
 // ------------------------------------------------------------------ loads
 
-// Input box of chunk `chunk` for the tile at `c` into shared memory `dst` (one stage).
+// Input box of chunk `chunk` for the tile at `c` into one shared-memory stage.
 template <class P>
 __device__ __forceinline__ void load_input(float* dst, const float* __restrict__ x, const TileCoord& c, int chunk) {
   using G = Geometry<P>;
@@ -210,15 +274,14 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
   if constexpr (G::kVecRows) {
     constexpr int kPieces = G::kBWPad / 4;
     constexpr int kTotal = P::kCI * G::kBD * G::kBH * kPieces;
-    const float* xs = x + static_cast<long long>(c.n) * P::kCin * P::kInD * P::kInH * P::kInW;
     for (int e = threadIdx.x; e < kTotal; e += G::kThreads) {
       const int piece = e % kPieces;
       const int row = e / kPieces;  // (ci, bd, bh)
       const int bh = row % G::kBH, bd = (row / G::kBH) % G::kBD, ci = row / (G::kBH * G::kBD);
-      const int id = id0 + bd * 1, ih = ih0 + bh, iw = iw0 + piece * 4;
+      const int id = id0 + bd, ih = ih0 + bh, iw = iw0 + piece * 4;
       const bool ok = ci0 + ci < P::kCin && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
-      const float* src = ok ? xs + ((static_cast<long long>(ci0 + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw : x;
-      cp_async16(dst + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad + piece * 4, src, ok);
+      const long long off = (((static_cast<long long>(c.n) * P::kCin + ci0 + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
+      cp_async16(dst + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad + piece * 4, ok ? x + off : x, ok);
     }
   } else {
     constexpr int kTotal = P::kCI * G::kBD * G::kBH * G::kBW;
@@ -249,30 +312,125 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
   }
 }
 
-// One chunk's packed weights [split][kKPad][kBN] into shared rows of kBNPad.
+// Rounds a landed stage to TF32 in place; tf32x3 also writes lo = x - hi
+// (zero for NaN and inf, so that only hi carries them).
 template <class P>
-__device__ __forceinline__ void load_weights(float* dst, const float* __restrict__ packed, int cblock, int chunk) {
+__device__ __forceinline__ void round_stage(float* stage, float* lo) {
   using G = Geometry<P>;
-  constexpr int kRowPieces = P::kBN / 4;
-  constexpr int kTotal = G::kWeightSplits * G::kKPad * kRowPieces;
-  const float* src = packed + (static_cast<long long>(cblock) * G::kChunks + chunk) * G::kWeightSplits * G::kPackedChunk;
-  for (int e = threadIdx.x; e < kTotal; e += G::kThreads) {
-    const int piece = e % kRowPieces, row = e / kRowPieces;  // row: split * kKPad + k
-    const int split = row / G::kKPad, k = row % G::kKPad;
-    cp_async16(dst + split * (G::kWeightChunk) + k * G::kBNPad + piece * 4, src + row * P::kBN + piece * 4, true);
+  float4* s4 = reinterpret_cast<float4*>(stage);
+  float4* l4 = reinterpret_cast<float4*>(lo);
+  for (int e = threadIdx.x; e < G::kInStage / 4; e += G::kThreads) {
+    const float4 v = s4[e];
+    const float4 h = make_float4(to_tf32(v.x), to_tf32(v.y), to_tf32(v.z), to_tf32(v.w));
+    s4[e] = h;
+    if constexpr (G::kSplits == 2) {
+      auto low = [](float x, float hi) { return isfinite(x) ? to_tf32(x - hi) : 0.f; };
+      l4[e] = make_float4(low(v.x, h.x), low(v.y, h.y), low(v.z, h.z), low(v.w, h.w));
+    }
   }
 }
 
 // ------------------------------------------------------------------ the kernel
 
-// Per-thread MMA fragments of a k step: a (hi, hi with non-finite zeroed, lo) and b (hi, lo).
+// One k step: acc += A x B for the warp's kMT x kNT tiles, B from the packed
+// fragments at `wf` (tf32x3: a_lo x b_hi + a x b_lo + a x b_hi).
 template <class P>
-struct Fragments {
+__device__ __forceinline__ void mma_step(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4],
+                                         const float (&a)[Geometry<P>::kMT][4],
+                                         const float (&a_lo)[Geometry<P>::kSplits == 2 ? Geometry<P>::kMT : 1][4],
+                                         const float* wf) {
   using G = Geometry<P>;
-  uint32_t a[G::kMT][4];
-  uint32_t a_lo[P::kMma == Mma::kTf32x3 ? G::kMT : 1][4];
-  uint32_t a_fin[P::kMma == Mma::kTf32x3 ? G::kMT : 1][4];
-};
+#pragma unroll
+  for (int nt = 0; nt < G::kNT; ++nt) {
+    if constexpr (G::kSplits == 2) {
+      const float4 b = __ldg(reinterpret_cast<const float4*>(wf + nt * 32 * G::kFragFloats));  // hi0, hi1, lo0, lo1
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) {
+        mma_tf32(acc[mt][nt], a_lo[mt], b.x, b.y);
+        mma_tf32(acc[mt][nt], a[mt], b.z, b.w);
+        mma_tf32(acc[mt][nt], a[mt], b.x, b.y);
+      }
+    } else {
+      const float2 b = __ldg(reinterpret_cast<const float2*>(wf + nt * 32 * G::kFragFloats));
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) mma_tf32(acc[mt][nt], a[mt], b.x, b.y);
+    }
+  }
+}
+
+// Generic main loop over one chunk: every k step reads its A fragments from shared memory.
+template <class P>
+__device__ __forceinline__ void chunk_generic(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4], const float* in,
+                                              const float* lo, const int (&row_off)[Geometry<P>::kMT][2], const float* w) {
+  using G = Geometry<P>;
+#pragma unroll
+  for (int ks = 0; ks < G::kKSteps; ++ks) {
+    // k-lanes t and t + 4 of this step; a padded slot's values are zeros.
+    const KIndex q0 = k_index<P>(ks * 8), q1 = k_index<P>(ks * 8 + 4);
+    const int off0 = k_offset<P>(ks * 8), off1 = k_offset<P>(ks * 8 + 4);
+    float a[G::kMT][4], a_lo[G::kSplits == 2 ? G::kMT : 1][4];
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt) {
+      a[mt][0] = q0.real ? in[row_off[mt][0] + off0] : 0.f;
+      a[mt][1] = q0.real ? in[row_off[mt][1] + off0] : 0.f;
+      a[mt][2] = q1.real ? in[row_off[mt][0] + off1] : 0.f;
+      a[mt][3] = q1.real ? in[row_off[mt][1] + off1] : 0.f;
+      if constexpr (G::kSplits == 2) {
+        a_lo[mt][0] = q0.real ? lo[row_off[mt][0] + off0] : 0.f;
+        a_lo[mt][1] = q0.real ? lo[row_off[mt][1] + off0] : 0.f;
+        a_lo[mt][2] = q1.real ? lo[row_off[mt][0] + off1] : 0.f;
+        a_lo[mt][3] = q1.real ? lo[row_off[mt][1] + off1] : 0.f;
+      }
+    }
+    mma_step<P>(acc, a, a_lo, w + ks * G::kPackedStep);
+  }
+}
+
+// Window main loop over one chunk: per kd, the thread's window of the box
+// (channel lanes x kWinRows x kWinCols, from `base`) goes to registers, then
+// every tap of that kd takes its fragments from there.
+template <class P>
+__device__ __forceinline__ void chunk_window(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4], const float* in,
+                                             const float* lo, int base, const float* w) {
+  using G = Geometry<P>;
+  constexpr int kLo = G::kSplits == 2 ? 1 : 0;
+#pragma unroll
+  for (int kd = 0; kd < P::kKD; ++kd) {
+    float win[1 + kLo][G::kLanesC][G::kWinRows][G::kWinCols];
+#pragma unroll
+    for (int part = 0; part <= kLo; ++part)
+#pragma unroll
+      for (int l = 0; l < G::kLanesC; ++l)
+#pragma unroll
+        for (int r = 0; r < G::kWinRows; ++r)
+#pragma unroll
+          for (int j = 0; j < G::kWinCols; j += 2) {
+            const float* src = (part ? lo : in) + base + l * 4 * G::kPlane + (kd * P::kDD * G::kBH + r) * G::kBWPad + j;
+            const float2 v = *reinterpret_cast<const float2*>(src);
+            win[part][l][r][j] = v.x;
+            win[part][l][r][j + 1] = v.y;
+          }
+#pragma unroll
+    for (int step = 0; step < G::kStepsPerKd; ++step) {
+      const int ks = kd * G::kStepsPerKd + step;
+      const KIndex q0 = k_index<P>(ks * 8), q1 = k_index<P>(ks * 8 + 4);
+      float a[G::kMT][4], a_lo[G::kSplits == 2 ? G::kMT : 1][4];
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+        for (int part = 0; part <= kLo; ++part) {
+          float* dst = part ? a_lo[mt] : a[mt];
+          const int r0 = mt + q0.kh * P::kDH, c0 = q0.kw * P::kDW, r1 = mt + q1.kh * P::kDH, c1 = q1.kw * P::kDW;
+          dst[0] = q0.real ? win[part][q0.c / 4][r0][c0] : 0.f;
+          dst[1] = q0.real ? win[part][q0.c / 4][r0][c0 + 1] : 0.f;
+          dst[2] = q1.real ? win[part][q1.c / 4][r1][c1] : 0.f;
+          dst[3] = q1.real ? win[part][q1.c / 4][r1][c1 + 1] : 0.f;
+        }
+      }
+      mma_step<P>(acc, a, a_lo, w + ks * G::kPackedStep);
+    }
+  }
+}
 
 template <class P, class E>
 __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float* __restrict__ x,
@@ -280,61 +438,41 @@ __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float
                                                                    const typename E::Params ep, int batch) {
   using G = Geometry<P>;
   extern __shared__ __align__(16) float smem[];
-  float* s_weights = smem + G::kWeightOffset;
-  float* s_in = smem + G::kInOffset;
-  int* s_koff = reinterpret_cast<int*>(smem + G::kKOffOffset);
+  float* s_lo = smem + G::kLoOffset;
   float* s_tile = smem + G::kTileOffset;
-  float* s_scratch = smem + G::kScratchOffset;
+  float* s_scratch = s_tile + (E::kStaged ? P::kBN * G::kMPad : 0);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
   const int warp_m = warp % P::kWarpsM, warp_n = warp / P::kWarpsM;
-
-  // k -> shared-memory offset inside a stage: tap-major, channel-minor; padded k -> the zero plane.
-  for (int k = threadIdx.x; k < G::kKPad; k += G::kThreads) {
-    int off = P::kCI * G::kPlane;  // zero plane
-    if (k < G::kKChunk) {
-      const int tap = k_tap<P>(k), ci = k_channel<P>(k);
-      const int kw = tap % P::kKW, kh = (tap / P::kKW) % P::kKH, kd = tap / (P::kKW * P::kKH);
-      off = ci * G::kPlane + (kd * P::kDD * G::kBH + kh * P::kDH) * G::kBWPad + kw * P::kDW;
-    }
-    s_koff[k] = off;
+  FragMap<P> fm{warp_m * G::kWarpM, warp_n * G::kWarpN, g, t, 0, 0, 0};
+  if constexpr (P::kWindow) {
+    fm.d0 = warp_m / (G::kHBlocks * G::kWSegs);
+    fm.h0 = (warp_m / G::kWSegs) % G::kHBlocks * G::kMT;
+    fm.w0 = warp_m % G::kWSegs * 16;
   }
-  if constexpr (G::kHasPadK) {  // zero planes are never written by the loads
-    for (int s = 0; s < P::kStages; ++s) {
-      for (int i = threadIdx.x; i < G::kPlane; i += G::kThreads) s_in[s * G::kInStage + P::kCI * G::kPlane + i] = 0.f;
-    }
-  }
-  // Row offsets of this thread's fragment rows (g and g + 8 of each 16-row tile).
-  int moff[G::kMT][2];
+  // Generic loop: shared-memory offset of this thread's fragment rows (g and
+  // g + 8 of each 16-row tile) plus its channel lane t; k adds a
+  // compile-time offset. Window loop: the offset of its window.
+  int row_off[G::kMT][2];
 #pragma unroll
   for (int mt = 0; mt < G::kMT; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int m = warp_m * G::kWarpM + mt * 16 + g + 8 * h;
-      moff[mt][h] = (row_d<P>(m) * P::kSD * G::kBH + row_h<P>(m) * P::kSH) * G::kBWPad + row_w<P>(m) * P::kSW;
+      const int m = fm.m(mt, 2 * h);
+      row_off[mt][h] = (row_d<P>(m) * P::kSD * G::kBH + row_h<P>(m) * P::kSH) * G::kBWPad + row_w<P>(m) * P::kSW + t * G::kPlane;
     }
   }
+  const int window_base = t * G::kPlane + (fm.d0 * P::kSD * G::kBH + fm.h0) * G::kBWPad + fm.w0 + 2 * g;
+  // This thread's B fragments: lane `lane` of n-tiles warp_n * kNT + nt.
+  const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
   const long long my_tiles = blockIdx.x < total_tiles ? (total_tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
   auto tile_of_step = [&](long long s) { return tile_coord<P>(blockIdx.x + (s / G::kChunks) * gridDim.x); };
-
-  if constexpr (P::kResidentWeights) {
-    // All chunks of one output-channel block; a CTA keeps one block (kCBlocks == 1 is required).
-    static_assert(!P::kResidentWeights || G::kCBlocks == 1, "resident weights hold one output-channel block");
-    for (int ch = 0; ch < G::kChunks; ++ch) load_weights<P>(s_weights + ch * G::kWeightSplits * G::kWeightChunk, packed, 0, ch);
-  }
   auto issue = [&](long long s) {
-    if (s < steps) {
-      const TileCoord c = tile_of_step(s);
-      const int stage = static_cast<int>(s % P::kStages), chunk = static_cast<int>(s % G::kChunks);
-      load_input<P>(s_in + stage * G::kInStage, x, c, chunk);
-      if constexpr (!P::kResidentWeights) {
-        load_weights<P>(s_weights + stage * G::kWeightSplits * G::kWeightChunk, packed, c.cblock, chunk);
-      }
-    }
+    if (s < steps) load_input<P>(smem + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
     cp_async_commit();  // an empty group keeps the count uniform
   };
 #pragma unroll 1
@@ -351,71 +489,40 @@ __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float
 #pragma unroll 1
   for (long long s = 0; s < steps; ++s) {
     cp_async_wait<P::kStages - 2>();
-    __syncthreads();  // stage s is in; everyone is done with stage s - 1, which the next issue overwrites
+    __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
     issue(s + P::kStages - 1);
-    const int stage = static_cast<int>(s % P::kStages), chunk = static_cast<int>(s % G::kChunks);
-    const float* in = s_in + stage * G::kInStage;
-    const float* w = s_weights + (P::kResidentWeights ? chunk : stage) * G::kWeightSplits * G::kWeightChunk;
-#pragma unroll 2
-    for (int ks = 0; ks < G::kKSteps; ++ks) {
-      const int k0 = ks * 8;
-      const int off_lo = s_koff[k0 + t], off_hi = s_koff[k0 + t + 4];
-      Fragments<P> f;
-#pragma unroll
-      for (int mt = 0; mt < G::kMT; ++mt) {
-        const float v[4] = {in[moff[mt][0] + off_lo], in[moff[mt][1] + off_lo], in[moff[mt][0] + off_hi],
-                            in[moff[mt][1] + off_hi]};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          f.a[mt][i] = to_tf32(v[i]);
-          if constexpr (P::kMma == Mma::kTf32x3) {
-            // v = hi + lo; inf and NaN keep lo = 0, and the hi x b_lo product
-            // uses hi with non-finite values zeroed (inf * 0 would be NaN).
-            const float hi = __uint_as_float(f.a[mt][i]);
-            const bool finite = isfinite(v[i]);
-            f.a_lo[mt][i] = to_tf32(finite ? v[i] - hi : 0.f);
-            f.a_fin[mt][i] = finite ? f.a[mt][i] : 0u;
-          }
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < G::kNT; ++nt) {
-        const int n = warp_n * G::kWarpN + nt * 8 + g;
-        const uint32_t b[2] = {__float_as_uint(w[(k0 + t) * G::kBNPad + n]), __float_as_uint(w[(k0 + t + 4) * G::kBNPad + n])};
-        if constexpr (P::kMma == Mma::kTf32x3) {
-          const float* wl = w + G::kWeightChunk;
-          const uint32_t b_lo[2] = {__float_as_uint(wl[(k0 + t) * G::kBNPad + n]),
-                                    __float_as_uint(wl[(k0 + t + 4) * G::kBNPad + n])};
-#pragma unroll
-          for (int mt = 0; mt < G::kMT; ++mt) {
-            mma_tf32(acc[mt][nt], f.a_lo[mt], b);
-            mma_tf32(acc[mt][nt], f.a_fin[mt], b_lo);
-            mma_tf32(acc[mt][nt], f.a[mt], b);
-          }
-        } else {
-#pragma unroll
-          for (int mt = 0; mt < G::kMT; ++mt) mma_tf32(acc[mt][nt], f.a[mt], b);
-        }
-      }
+    float* in = smem + (s % P::kStages) * G::kInStage;
+    round_stage<P>(in, s_lo);
+    __syncthreads();
+    const TileCoord c = tile_of_step(s);
+    const int chunk = static_cast<int>(s % G::kChunks);
+    const float* w = w_lane + (static_cast<long long>(c.cblock) * G::kChunks + chunk) * G::kKSteps * G::kPackedStep;
+    if constexpr (P::kWindow) {
+      chunk_window<P>(acc, in, s_lo, window_base, w);
+    } else {
+      chunk_generic<P>(acc, in, s_lo, row_off, w);
     }
     if (chunk == G::kChunks - 1) {
-      // Accumulators -> s_tile[n][m], then the epilogue on the whole tile.
+      if constexpr (E::kStaged) {
+        // Accumulators -> s_tile[n][m], then the epilogue on the whole tile.
 #pragma unroll
-      for (int mt = 0; mt < G::kMT; ++mt) {
+        for (int mt = 0; mt < G::kMT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < G::kNT; ++nt) {
-          const int m = warp_m * G::kWarpM + mt * 16 + g, n = warp_n * G::kWarpN + nt * 8 + 2 * t;
-          s_tile[n * G::kMPad + m] = acc[mt][nt][0];
-          s_tile[(n + 1) * G::kMPad + m] = acc[mt][nt][1];
-          s_tile[n * G::kMPad + m + 8] = acc[mt][nt][2];
-          s_tile[(n + 1) * G::kMPad + m + 8] = acc[mt][nt][3];
+          for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s_tile[fm.n(nt, i) * G::kMPad + fm.m(mt, i)] = acc[mt][nt][i];
+        __syncthreads();
+        E::template apply<P>(ep, s_tile, s_scratch, c);
+      } else {
+        E::template apply_fragments<P>(ep, acc, fm, s_scratch, c);
+      }
+      __syncthreads();  // the epilogue's shared memory is reused by the next tile
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-        }
-      }
-      __syncthreads();
-      E::template apply<P>(ep, s_tile, s_scratch, tile_of_step(s));
-      __syncthreads();  // the next tile's accumulators overwrite s_tile
     }
   }
   cp_async_wait<0>();
@@ -423,39 +530,47 @@ __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float
 
 // ------------------------------------------------------------------ weights
 
-// Packs the convolution weight w (Cout, Cin, KD, KH, KW) — or, with `flip`, a
+// Packs the convolution weight w (Cout, Cin, KD, KH, KW) — or, with kFlip, a
 // stride-1 transposed-convolution weight (Cin, Cout, KD, KH, KW), flipped in
-// space — into [cblock][chunk][split][kKPad][kBN], K tap-major inside a chunk,
-// zeros for padded k and n, rounded to TF32 (and split hi/lo for tf32x3).
+// space — into MMA-fragment order: for each (cblock, chunk, k step, n-tile,
+// lane) the lane's b0 = W[k0 + t][n], b1 = W[k0 + t + 4][n] (n = 8 nt + g),
+// TF32-rounded; tf32x3 appends the lo parts. Padding (k, channels) is zero.
+// A real lo part that is exactly zero becomes the smallest normal number with
+// hi's sign, so that inf * w gives inf, not inf * 0 = NaN, in the hi x lo product.
 template <class P, bool kFlip>
 __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restrict__ packed) {
   using G = Geometry<P>;
-  const long long total = static_cast<long long>(G::kCBlocks) * G::kChunks * G::kKPad * P::kBN;
+  const long long total = G::kPackedFloats / G::kSplits;  // (b0, b1) pairs x 2
   for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const int n = static_cast<int>(e % P::kBN);
-    const int k = static_cast<int>((e / P::kBN) % G::kKPad);
-    const int chunk = static_cast<int>((e / (static_cast<long long>(P::kBN) * G::kKPad)) % G::kChunks);
-    const int cblock = static_cast<int>(e / (static_cast<long long>(P::kBN) * G::kKPad * G::kChunks));
-    const int co = cblock * P::kBN + n;
+    const int j = static_cast<int>(e % 2);  // b0 or b1
+    const int lane = static_cast<int>((e / 2) % 32);
+    const int nt = static_cast<int>((e / 64) % G::kNTiles);
+    const long long rest = e / (64LL * G::kNTiles);
+    const int ks = static_cast<int>(rest % G::kKSteps);
+    const int chunk = static_cast<int>((rest / G::kKSteps) % G::kChunks);
+    const int cblock = static_cast<int>(rest / (static_cast<long long>(G::kKSteps) * G::kChunks));
+    const int k = ks * 8 + lane % 4 + 4 * j, co = cblock * P::kBN + nt * 8 + lane / 4;
+    const KIndex q = k_index<P>(k);
+    const int ci = chunk * P::kCI + q.c, kd = q.kd, kh = q.kh, kw = q.kw;
+    const bool real = q.real && co < P::kCout && ci < P::kCin;
     float v = 0.f;
-    if (k < G::kKChunk && co < P::kCout) {
-      const int tap = k_tap<P>(k), ci = chunk * P::kCI + k_channel<P>(k);
-      const int kw = tap % P::kKW, kh = (tap / P::kKW) % P::kKH, kd = tap / (P::kKW * P::kKH);
-      if (ci < P::kCin) {
-        if constexpr (kFlip) {
-          v = w[((((static_cast<long long>(ci) * P::kCout + co) * P::kKD + (P::kKD - 1 - kd)) * P::kKH + (P::kKH - 1 - kh)) *
-                     P::kKW + (P::kKW - 1 - kw))];
-        } else {
-          v = w[(((static_cast<long long>(co) * P::kCin + ci) * P::kKD + kd) * P::kKH + kh) * P::kKW + kw];
-        }
+    if (real) {
+      if constexpr (kFlip) {
+        v = w[(((static_cast<long long>(ci) * P::kCout + co) * P::kKD + (P::kKD - 1 - kd)) * P::kKH + (P::kKH - 1 - kh)) *
+                  P::kKW + (P::kKW - 1 - kw)];
+      } else {
+        v = w[(((static_cast<long long>(co) * P::kCin + ci) * P::kKD + kd) * P::kKH + kh) * P::kKW + kw];
       }
     }
-    const float hi = __uint_as_float(to_tf32(v));
-    float* dst = packed + ((static_cast<long long>(cblock) * G::kChunks + chunk) * G::kWeightSplits) * G::kPackedChunk +
-                 static_cast<long long>(k) * P::kBN + n;
+    const float hi = to_tf32(v);
+    float* dst = packed + (e / 2) * G::kFragFloats + j;
     dst[0] = hi;
-    if constexpr (G::kWeightSplits == 2) dst[G::kPackedChunk] = __uint_as_float(to_tf32(isfinite(v) ? v - hi : 0.f));
+    if constexpr (G::kSplits == 2) {
+      float lo = isfinite(v) ? to_tf32(v - hi) : 0.f;
+      if (real && lo == 0.f) lo = copysignf(1.17549435e-38f, hi);
+      dst[2] = lo;
+    }
   }
 }
 
@@ -463,30 +578,34 @@ __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restri
 
 template <class P, class E>
 constexpr int smem_bytes() {
-  return (Geometry<P>::kScratchOffset + E::kScratchFloats) * static_cast<int>(sizeof(float));
+  using G = Geometry<P>;
+  return (G::kTileOffset + (E::kStaged ? P::kBN * G::kMPad : 0) + E::kScratchFloats) * static_cast<int>(sizeof(float));
 }
 
 // Packs the weights into `packed` (Geometry<P>::kPackedFloats floats) and runs
-// the convolution with epilogue E over `batch` samples.
+// the convolution with epilogue E over `batch` samples on `stream`.
 template <class P, class E, bool kFlip = false>
 cudaError_t launch(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch,
                    cudaStream_t stream) {
   using G = Geometry<P>;
-  pack_weights_kernel<P, kFlip><<<static_cast<unsigned>((G::kPackedFloats / G::kWeightSplits + 255) / 256), 256, 0, stream>>>(w, packed);
+  const long long pairs = G::kPackedFloats / G::kSplits;
+  const long long pack_blocks = (pairs + 255) / 256;
+  pack_weights_kernel<P, kFlip><<<static_cast<unsigned>(pack_blocks < 4096 ? pack_blocks : 4096), 256, 0, stream>>>(w, packed);
   constexpr int kSmem = smem_bytes<P, E>();
-  static int blocks_per_sm = 0, sm_count = 0;  // per process: one device kind
-  if (blocks_per_sm == 0) {
+  static int resident = 0;  // CTAs per device, found on the first call (one device kind per process)
+  if (resident == 0) {
     cudaError_t err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, conv_kernel<P, E>, G::kThreads, kSmem);
+    int per_sm = 0, dev = 0, sms = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_kernel<P, E>, G::kThreads, kSmem);
     if (err != cudaSuccess) return err;
-    int dev = 0;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
     cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev);
-    if (blocks_per_sm < 1) return cudaErrorInvalidConfiguration;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    resident = per_sm * sms;
   }
   const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long grid = tiles < static_cast<long long>(blocks_per_sm) * sm_count ? tiles : static_cast<long long>(blocks_per_sm) * sm_count;
+  const long long grid = tiles < resident ? tiles : resident;
   if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, kSmem, stream>>>(x, packed, ep, batch);
   return cudaGetLastError();
 }
