@@ -11,12 +11,6 @@ namespace lab {
 using namespace kgen::conv_gemm;
 
 template <class P>
-__device__ __forceinline__ long long out_index(const TileCoord& c, int co, int m) {
-  return (((static_cast<long long>(c.n) * P::kCout + co) * P::kOutD + c.od + row_d<P>(m)) * P::kOutH + c.oh + row_h<P>(m)) *
-             P::kOutW + c.ow + row_w<P>(m);
-}
-
-template <class P>
 __device__ __forceinline__ int valid_rows(const TileCoord& c) {
   auto part = [](int o, int t, int size) { return size - o < t ? size - o : t; };
   return part(c.od, P::kTD, P::kOutD) * part(c.oh, P::kTH, P::kOutH) * part(c.ow, P::kTW, P::kOutW);
@@ -57,7 +51,7 @@ struct Store {
     using G = Geometry<P>;
     for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kThreads) {
       const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
-      if (co < P::kCout && row_valid<P>(c, m)) p.out[out_index<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
+      if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
     }
   }
 };

@@ -30,7 +30,33 @@ def conv3(cin, cout, ins, k, s=1, p=0, d=1):
     ins, k, s, d = [(1,) * pad + t for t in (ins, k, s, d)]
     p = (0,) * pad + p
     out = tuple((i + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for i, kk, ss, pp, dd in zip(ins, k, s, p, d))
-    return dict(cin=cin, cout=cout, ins=ins, k=k, s=s, p=p, d=d, out=out, rank=3 - pad)
+    return dict(cin=cin, cout=cout, ins=ins, k=k, s=s, p=p, d=d, out=out, rank=3 - pad, full=out, wk=k,
+                transposed=False, phases=[dict(k=k, p=p, out=out, os=(1, 1, 1), orr=(0, 0, 0), ws=(0, 0, 0), wst=(1, 1, 1))])
+
+
+def tconv3(cin, cout, ins, k, s=1, p=0, op=0):
+    """A transposed convolution as its sub-pixel phases (each an ordinary convolution)."""
+    ins = tuple(ins)
+    k, s, p, op = [(v,) * len(ins) if isinstance(v, int) else tuple(v) for v in (k, s, p, op)]
+    pad = 3 - len(ins)
+    full = tuple((i - 1) * ss - 2 * pp + kk + o for i, kk, ss, pp, o in zip(ins, k, s, p, op))
+    per_dim = []
+    for L, kk, ss, pp, E in zip(ins, k, s, p, full):
+        rows = []
+        for r in range(ss):
+            k0 = (r + pp) % ss
+            T = len(range(k0, kk, ss))
+            c = (r + pp - k0) // ss
+            rows.append(dict(k=T, p=T - 1 - c, out=-(-(E - r) // ss), os=ss, orr=r, ws=k0, wst=ss))
+        per_dim.append(rows)
+    import itertools
+    phases = []
+    for combo in itertools.product(*per_dim):
+        get = lambda key, fill: (fill,) * pad + tuple(r[key] for r in combo)  # noqa: E731
+        phases.append(dict(k=get("k", 1), p=get("p", 0), out=get("out", 1), os=get("os", 1), orr=get("orr", 0),
+                           ws=get("ws", 0), wst=get("wst", 1)))
+    return dict(cin=cin, cout=cout, ins=(1,) * pad + ins, full=(1,) * pad + full, wk=(1,) * pad + k, rank=3 - pad,
+                transposed=True, phases=phases, tk=k, ts=s, tp=p, top=op)
 
 
 def cfg(name, prob, tile, ci, bn, warps, stages, epilogue, mma="kTf32", residue=8, channels_last=False, batch=2,
@@ -55,6 +81,10 @@ CONFIGS = [
     cfg("w2d_odd", conv3(13, 40, (37, 29), (3, 5), p=(1, 2), d=(2, 1)), (1, 8, 32), 8, 40, (4, 1), 2, "Store", batch=3,
         window=True),
     cfg("w3d_c4", conv3(5, 8, (7, 19, 35), (2, 3, 3), p=1), (2, 4, 16), 4, 8, (4, 1), 2, "Store", window=True),
+    cfg("tr3d_s2", tconv3(12, 20, (5, 7, 9), 3, s=2, p=1, op=1), (2, 4, 16), 4, 24, (4, 1), 2, "Store", window=True),
+    cfg("tr2d_s3", tconv3(7, 33, (11, 13), 4, s=3, p=1), (1, 4, 16), 8, 40, (4, 1), 2, "Store", mma="kTf32x3",
+        window=True),
+    cfg("tr3d_s1", tconv3(9, 16, (6, 10, 20), 3, s=1, p=1), (2, 4, 16), 8, 16, (4, 1), 2, "Store"),
     # the shipped pipelines' convolutions with their fused epilogues, in a few tilings
     cfg("avg_a", AVG, (1, 4, 16), 8, 64, (4, 1), 2, "SigmoidSum", residue=1, bench_batch=128, kind="avgpool"),
     cfg("avg_b", AVG, (1, 4, 16), 4, 64, (4, 1), 3, "SigmoidSum", residue=1, bench_batch=128, kind="avgpool"),
@@ -75,18 +105,20 @@ CONFIGS = [
 ]
 
 
-def problem_struct(c) -> str:
+def problem_struct(c, ph, name) -> str:
     p = c["prob"]
     t = c["tile"]
-    lines = [f"struct P_{c['name']} {{"]
+    lines = [f"struct {name} {{"]
     put = lambda n, v: lines.append(f"  static constexpr {'bool' if isinstance(v, bool) else 'int'} {n} = {str(v).lower() if isinstance(v, bool) else v};")  # noqa: E731
     put("kCin", p["cin"]); put("kCout", p["cout"])
-    for pre, vals in (("kIn", p["ins"]), ("kOut", p["out"])):
+    stride = (1, 1, 1) if p["transposed"] else p["s"]
+    dil = (1, 1, 1) if p["transposed"] else p["d"]
+    for pre, vals in (("kIn", p["ins"]), ("kOut", ph["out"]), ("kK", ph["k"]), ("kS", stride), ("kP", ph["p"]),
+                      ("kD", dil), ("kOutStride", ph["os"]), ("kOutResidue", ph["orr"]), ("kFull", p["full"]),
+                      ("kWK", p["wk"]), ("kWStart", ph["ws"]), ("kWStep", ph["wst"])):
         for ax, v in zip("DHW", vals):
             put(pre + ax, v)
-    for pre, key in (("kK", "k"), ("kS", "s"), ("kP", "p"), ("kD", "d")):
-        for ax, v in zip("DHW", p[key]):
-            put(pre + ax, v)
+    put("kWeightTransposed", p["transposed"]); put("kWFlip", p["transposed"])
     put("kChannelsLast", c["channels_last"])
     for ax, v in zip("DHW", t):
         put("kT" + ax, v)
@@ -101,12 +133,23 @@ def gen_source() -> str:
     out = ['#include "epilogues.cuh"', "using namespace kgen::conv_gemm;", ""]
     for c in CONFIGS:
         n, e = c["name"], c["epilogue"]
-        out.append(problem_struct(c))
-        out.append(f'extern "C" long long {n}_packed() {{ return Geometry<P_{n}>::kPackedFloats; }}')
-        out.append(f'extern "C" int {n}_tiles() {{ return Geometry<P_{n}>::kTilesPerSample; }}')
-        out.append(f'extern "C" int {n}_smem() {{ return smem_bytes<P_{n}, lab::{e}>(); }}')
+        phases = c["prob"]["phases"]
+        names = [f"P_{n}" if len(phases) == 1 else f"P_{n}_ph{i}" for i in range(len(phases))]
+        for ph, pn in zip(phases, names):
+            out.append(problem_struct(c, ph, pn))
+        packed = " + ".join(f"Geometry<{pn}>::kPackedFloats" for pn in names)
+        out.append(f'extern "C" long long {n}_packed() {{ return {packed}; }}')
+        out.append(f'extern "C" int {n}_tiles() {{ return Geometry<{names[0]}>::kTilesPerSample; }}')
+        out.append(f'extern "C" int {n}_smem() {{ return smem_bytes<{names[0]}, lab::{e}>(); }}')
         out.append(f'extern "C" int {n}_run(const float* x, const float* w, float* packed, lab::{e}::Params* ep, int batch, cudaStream_t s) {{')
-        out.append(f"  return launch<P_{n}, lab::{e}>(x, w, packed, *ep, batch, s);")
+        if len(names) == 1:
+            out.append(f"  return launch<{names[0]}, lab::{e}>(x, w, packed, *ep, batch, s);")
+        else:
+            out.append(f"  PackedPhases<{len(names)}> pp;")
+            out.append("  float* at = packed;")
+            for i, pn in enumerate(names):
+                out.append(f"  pack_weights<{pn}>(w, at, s); pp.w[{i}] = at; at += Geometry<{pn}>::kPackedFloats;")
+            out.append(f"  return run_phases<lab::{e}, {', '.join(names)}>(x, pp, *ep, batch, s);")
         out.append("}")
         out.append("")
     out.append('extern "C" int sum_rows(const float* partial, int cols, float scale, const float* off, int off_n, float* out, int rows, cudaStream_t s) {')
@@ -189,7 +232,8 @@ def run(only=None, check_only=False, profile=False):
         conv = (F.conv1d, F.conv2d, F.conv3d)[rank - 1]
         sp = lambda t: t[3 - rank:]  # noqa: E731
         g = torch.Generator().manual_seed(0)
-        w = torch.randn((p["cout"], p["cin"]) + sp(p["k"]), generator=g) / math.sqrt(p["cin"] * math.prod(p["k"]))
+        wshape = ((p["cin"], p["cout"]) if p["transposed"] else (p["cout"], p["cin"])) + sp(p["wk"])
+        w = torch.randn(wshape, generator=g) / math.sqrt(p["cin"] * math.prod(p["wk"]))
         bias = torch.randn(p["cout"], generator=g)
         extra = torch.randn(p["cout"], generator=g)
         w, bias, extra = w.to(dev), bias.to(dev), extra.to(dev)
@@ -215,7 +259,7 @@ def run(only=None, check_only=False, profile=False):
             batch = x.shape[0]
             e = c["epilogue"]
             if e == "Store":
-                out = torch.full((batch, p["cout"]) + sp(p["out"]), float("nan"), device=dev)
+                out = torch.full((batch, p["cout"]) + sp(p["full"]), float("nan"), device=dev)
                 par = P2(ptr(bias), ptr(out))
                 rc = fn(ptr(x), ptr(w), ptr(packed), ctypes.byref(par), batch, stream())
                 assert rc == 0, rc
@@ -248,7 +292,11 @@ def run(only=None, check_only=False, profile=False):
         def ref_forward(x, dtype=torch.float64):
             e = c["epilogue"]
             xx, ww, bb, ee = x.to(dtype), w.to(dtype), bias.to(dtype), extra.to(dtype)
-            y = conv(xx, ww, bb, sp(p["s"]), sp(p["p"]), sp(p["d"]))
+            if p["transposed"]:
+                tconv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[rank - 1]
+                y = tconv(xx, ww, bb, p["ts"], p["tp"], p["top"])
+            else:
+                y = conv(xx, ww, bb, sp(p["s"]), sp(p["p"]), sp(p["d"]))
             if e == "Store":
                 return y
             if e == "SigmoidSum":

@@ -34,6 +34,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <tuple>
+#include <utility>
 
 namespace kgen {
 namespace conv_gemm {
@@ -91,7 +93,14 @@ constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32
 //   kCin, kCout                             channels
 //   kInD, kInH, kInW                        input spatial size (1 for missing dims)
 //   kOutD, kOutH, kOutW                     output positions computed (from 0)
-//   kKD.., kSD.., kPD.., kDD..              kernel, stride, padding, dilation per dim
+//   kKD.., kSD.., kPD.., kDD..              kernel, stride, padding (may be negative), dilation per dim
+//   kOutStrideD.., kOutResidueD..           output position o of GEMM position m: o = stride * m + residue
+//                                           (1 and 0, except for a sub-pixel phase of a transposed convolution)
+//   kFullD, kFullH, kFullW                  the output tensor's spatial size (for addressing)
+//   kWeightTransposed                       the weight is (Cin, Cout, K..) (a transposed convolution's), else (Cout, Cin, K..)
+//   kWKD, kWKH, kWKW                        the weight's kernel size
+//   kWStartD.., kWStepD.., kWFlip           tap j of this convolution is weight tap start + step * j
+//                                           (kWFlip: start + step * (taps - 1 - j))
 //   kChannelsLast                           input memory format (else NC[D]HW)
 //   kTD, kTH, kTW                           output box of one tile
 //   kCI                                     input channels per chunk: 4 or a multiple of 8
@@ -225,6 +234,21 @@ __host__ __device__ constexpr int row_w(int m) { return m % P::kTW; }
 template <class P>
 __device__ __forceinline__ bool row_valid(const TileCoord& c, int m) {
   return c.od + row_d<P>(m) < P::kOutD && c.oh + row_h<P>(m) < P::kOutH && c.ow + row_w<P>(m) < P::kOutW;
+}
+
+// Position in the output tensor of row m of the tile at `c`.
+template <class P>
+__device__ __forceinline__ int out_d(const TileCoord& c, int m) { return P::kOutStrideD * (c.od + row_d<P>(m)) + P::kOutResidueD; }
+template <class P>
+__device__ __forceinline__ int out_h(const TileCoord& c, int m) { return P::kOutStrideH * (c.oh + row_h<P>(m)) + P::kOutResidueH; }
+template <class P>
+__device__ __forceinline__ int out_w(const TileCoord& c, int m) { return P::kOutStrideW * (c.ow + row_w<P>(m)) + P::kOutResidueW; }
+
+// Offset of (sample, channel, row m) in an NC[D]HW output tensor.
+template <class P>
+__device__ __forceinline__ long long out_offset(const TileCoord& c, int channel, int m) {
+  return ((static_cast<long long>(c.n) * P::kCout + channel) * P::kFullD + out_d<P>(c, m)) * P::kFullH * P::kFullW +
+         static_cast<long long>(out_h<P>(c, m)) * P::kFullW + out_w<P>(c, m);
 }
 
 // Tile row m (linear over (d, h, w), w fastest) and output channel (inside
@@ -432,10 +456,10 @@ __device__ __forceinline__ void chunk_window(float (&acc)[Geometry<P>::kMT][Geom
   }
 }
 
+// The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...).
 template <class P, class E>
-__global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float* __restrict__ x,
-                                                                   const float* __restrict__ packed,
-                                                                   const typename E::Params ep, int batch) {
+__device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const float* __restrict__ packed,
+                                          const typename E::Params& ep, int batch, int cta, int ctas) {
   using G = Geometry<P>;
   extern __shared__ __align__(16) float smem[];
   float* s_lo = smem + G::kLoOffset;
@@ -468,9 +492,9 @@ __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long my_tiles = blockIdx.x < total_tiles ? (total_tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const long long my_tiles = cta < total_tiles ? (total_tiles - 1 - cta) / ctas + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
-  auto tile_of_step = [&](long long s) { return tile_coord<P>(blockIdx.x + (s / G::kChunks) * gridDim.x); };
+  auto tile_of_step = [&](long long s) { return tile_coord<P>(cta + (s / G::kChunks) * ctas); };
   auto issue = [&](long long s) {
     if (s < steps) load_input<P>(smem + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
     cp_async_commit();  // an empty group keeps the count uniform
@@ -528,16 +552,50 @@ __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float
   cp_async_wait<0>();
 }
 
+template <class P, class E>
+__global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float* __restrict__ x,
+                                                                   const float* __restrict__ packed,
+                                                                   const typename E::Params ep, int batch) {
+  conv_ctas<P, E>(x, packed, ep, batch, blockIdx.x, gridDim.x);
+}
+
+// The sub-pixel phases of a transposed convolution in one launch: blockIdx.y
+// is the phase, each with its own problem struct and packed weights.
+template <int N>
+struct PackedPhases {
+  const float* w[N];
+};
+
+template <class E, class... Ps, int... I>
+__device__ __forceinline__ void phase_dispatch(const float* x, const PackedPhases<sizeof...(Ps)>& packed,
+                                               const typename E::Params& ep, int batch,
+                                               std::integer_sequence<int, I...>) {
+  ((blockIdx.y == I ? conv_ctas<Ps, E>(x, packed.w[I], ep, batch, blockIdx.x, gridDim.x) : void()), ...);
+}
+
+template <class E, class P0, class... Ps>
+__global__ void __launch_bounds__(Geometry<P0>::kThreads) phases_kernel(const float* __restrict__ x,
+                                                                      const PackedPhases<1 + sizeof...(Ps)> packed,
+                                                                      const typename E::Params ep, int batch) {
+  static_assert(((Geometry<Ps>::kThreads == Geometry<P0>::kThreads) && ...), "phases share the block size");
+  phase_dispatch<E, P0, Ps...>(x, packed, ep, batch, std::make_integer_sequence<int, 1 + sizeof...(Ps)>{});
+}
+
 // ------------------------------------------------------------------ weights
 
-// Packs the convolution weight w (Cout, Cin, KD, KH, KW) — or, with kFlip, a
-// stride-1 transposed-convolution weight (Cin, Cout, KD, KH, KW), flipped in
-// space — into MMA-fragment order: for each (cblock, chunk, k step, n-tile,
-// lane) the lane's b0 = W[k0 + t][n], b1 = W[k0 + t + 4][n] (n = 8 nt + g),
+// Packs the weight into MMA-fragment order: for each (cblock, chunk, k step,
+// n-tile, lane) the lane's b0 = W[k0 + t][n], b1 = W[k0 + t + 4][n] (n = 8 nt + g),
 // TF32-rounded; tf32x3 appends the lo parts. Padding (k, channels) is zero.
-// A real lo part that is exactly zero becomes the smallest normal number with
-// hi's sign, so that inf * w gives inf, not inf * 0 = NaN, in the hi x lo product.
-template <class P, bool kFlip>
+// The weight's layout and which of its taps this convolution uses (a flipped
+// kernel, a sub-pixel phase's every stride-th tap) come from P. A real lo
+// part that is exactly zero becomes the smallest normal number with hi's
+// sign, so that inf * w gives inf, not inf * 0 = NaN, in the hi x lo product.
+template <class P>
+__device__ __forceinline__ int weight_tap(int j, int taps, int start, int step) {
+  return start + step * (P::kWFlip ? taps - 1 - j : j);
+}
+
+template <class P>
 __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restrict__ packed) {
   using G = Geometry<P>;
   const long long total = G::kPackedFloats / G::kSplits;  // (b0, b1) pairs x 2
@@ -552,16 +610,16 @@ __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restri
     const int cblock = static_cast<int>(rest / (static_cast<long long>(G::kKSteps) * G::kChunks));
     const int k = ks * 8 + lane % 4 + 4 * j, co = cblock * P::kBN + nt * 8 + lane / 4;
     const KIndex q = k_index<P>(k);
-    const int ci = chunk * P::kCI + q.c, kd = q.kd, kh = q.kh, kw = q.kw;
+    const int ci = chunk * P::kCI + q.c;
     const bool real = q.real && co < P::kCout && ci < P::kCin;
     float v = 0.f;
     if (real) {
-      if constexpr (kFlip) {
-        v = w[(((static_cast<long long>(ci) * P::kCout + co) * P::kKD + (P::kKD - 1 - kd)) * P::kKH + (P::kKH - 1 - kh)) *
-                  P::kKW + (P::kKW - 1 - kw)];
-      } else {
-        v = w[(((static_cast<long long>(co) * P::kCin + ci) * P::kKD + kd) * P::kKH + kh) * P::kKW + kw];
-      }
+      const int kd = weight_tap<P>(q.kd, P::kKD, P::kWStartD, P::kWStepD);
+      const int kh = weight_tap<P>(q.kh, P::kKH, P::kWStartH, P::kWStepH);
+      const int kw = weight_tap<P>(q.kw, P::kKW, P::kWStartW, P::kWStepW);
+      const long long outer = P::kWeightTransposed ? static_cast<long long>(ci) * P::kCout + co
+                                                   : static_cast<long long>(co) * P::kCin + ci;
+      v = w[((outer * P::kWKD + kd) * P::kWKH + kh) * P::kWKW + kw];
     }
     const float hi = to_tf32(v);
     float* dst = packed + (e / 2) * G::kFragFloats + j;
@@ -582,32 +640,81 @@ constexpr int smem_bytes() {
   return (G::kTileOffset + (E::kStaged ? P::kBN * G::kMPad : 0) + E::kScratchFloats) * static_cast<int>(sizeof(float));
 }
 
-// Packs the weights into `packed` (Geometry<P>::kPackedFloats floats) and runs
-// the convolution with epilogue E over `batch` samples on `stream`.
-template <class P, class E, bool kFlip = false>
-cudaError_t launch(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch,
-                   cudaStream_t stream) {
-  using G = Geometry<P>;
-  const long long pairs = G::kPackedFloats / G::kSplits;
-  const long long pack_blocks = (pairs + 255) / 256;
-  pack_weights_kernel<P, kFlip><<<static_cast<unsigned>(pack_blocks < 4096 ? pack_blocks : 4096), 256, 0, stream>>>(w, packed);
+// Shared memory, CTAs per SM x SMs, found once per process (one device kind).
+template <class P, class E>
+cudaError_t resident_ctas(int* resident) {
   constexpr int kSmem = smem_bytes<P, E>();
-  static int resident = 0;  // CTAs per device, found on the first call (one device kind per process)
+  cudaError_t err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  int per_sm = 0, dev = 0, sms = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_kernel<P, E>, Geometry<P>::kThreads, kSmem);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  *resident = per_sm * sms;
+  return cudaSuccess;
+}
+
+// Packs the weights into `packed` (Geometry<P>::kPackedFloats floats).
+template <class P>
+void pack_weights(const float* w, float* packed, cudaStream_t stream) {
+  using G = Geometry<P>;
+  const long long blocks = (G::kPackedFloats / G::kSplits + 255) / 256;
+  pack_weights_kernel<P><<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096), 256, 0, stream>>>(w, packed);
+}
+
+// Runs the convolution with epilogue E over `batch` samples on `stream`, with
+// weights packed by pack_weights<P>.
+template <class P, class E>
+cudaError_t run(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  using G = Geometry<P>;
+  static int resident = 0;
   if (resident == 0) {
-    cudaError_t err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    const cudaError_t err = resident_ctas<P, E>(&resident);
+    if (err != cudaSuccess) return err;
+  }
+  const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
+  const long long grid = tiles < resident ? tiles : resident;
+  if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, smem_bytes<P, E>(), stream>>>(x, packed, ep, batch);
+  return cudaGetLastError();
+}
+
+// Runs every phase of a transposed convolution in one launch (weights packed per phase).
+template <class E, class... Ps>
+cudaError_t run_phases(const float* x, const PackedPhases<sizeof...(Ps)>& packed, const typename E::Params& ep, int batch,
+                       cudaStream_t stream) {
+  constexpr int kSmem = [] {
+    int m = 0;
+    ((m = smem_bytes<Ps, E>() > m ? smem_bytes<Ps, E>() : m), ...);
+    return m;
+  }();
+  constexpr int kThreads = Geometry<std::tuple_element_t<0, std::tuple<Ps...>>>::kThreads;
+  static int grid_x = 0;
+  if (grid_x == 0) {
+    auto kernel = phases_kernel<E, Ps...>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
     int per_sm = 0, dev = 0, sms = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_kernel<P, E>, G::kThreads, kSmem);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem);
     if (err != cudaSuccess) return err;
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    resident = per_sm * sms;
+    grid_x = (per_sm * sms + static_cast<int>(sizeof...(Ps)) - 1) / static_cast<int>(sizeof...(Ps));
   }
-  const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long grid = tiles < resident ? tiles : resident;
-  if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, kSmem, stream>>>(x, packed, ep, batch);
+  if (batch > 0) {
+    phases_kernel<E, Ps...><<<dim3(grid_x, sizeof...(Ps)), kThreads, kSmem, stream>>>(x, packed, ep, batch);
+  }
   return cudaGetLastError();
+}
+
+// pack_weights + run, for a single convolution.
+template <class P, class E>
+cudaError_t launch(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch,
+                   cudaStream_t stream) {
+  pack_weights<P>(w, packed, stream);
+  return run<P, E>(x, packed, ep, batch, stream);
 }
 
 }  // namespace conv_gemm
