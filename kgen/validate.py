@@ -30,7 +30,8 @@ import torch
 
 from .errors import KgenError
 from .ir import Pipeline, TensorType, load_pipeline
-from .plan import Buffer, Plan, make_plan
+from .plan import Plan, make_plan
+from .stage import Buffer
 from .reference import ReferenceModel
 
 POISON_BITS = 0x7FDEAD00  # kgen_runtime.h: kPoisonBits
@@ -297,7 +298,7 @@ def check_stages(plan: Plan, name: str, model, device: str, reference_device: st
     params = {n: p.detach().to(ref_device) for n, p in model.named_parameters()}
     results = []
     with torch.no_grad():
-        for st in plan.fused_stages():
+        for st in plan.kernel_stages():
             stage_op = getattr(torch.ops.kgen, f"{name}_stage{st.index}")
             args = [params[a.name].to(device) for a in plan.stage_args(st)]
             for label, x in stage_cases(st.in_type, ref_device):

@@ -19,6 +19,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace kgen {
@@ -68,6 +69,32 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options)
     else t.view(at::kInt).fill_(kPoisonBits);
   }
   return t;
+}
+
+// A workspace of `count` values of T, allocated as floats (T = float) or as
+// doubles (T a struct of doubles, such as ShiftedSums); `holder` keeps it alive.
+template <typename T>
+T* workspace(at::Tensor& holder, int64_t count, const at::TensorOptions& options) {
+  constexpr bool kDoubles = !std::is_same<T, float>::value;
+  using Elem = typename std::conditional<kDoubles, double, float>::type;
+  static_assert(sizeof(T) % sizeof(Elem) == 0, "a workspace value must be whole floats or doubles");
+  holder = empty({count * static_cast<int64_t>(sizeof(T) / sizeof(Elem))}, options.dtype(kDoubles ? at::kDouble : at::kFloat));
+  return reinterpret_cast<T*>(holder.data_ptr<Elem>());
+}
+
+// Blocks along a split reduction, chosen at run time because it depends on the
+// batch: `blocks` blocks before splitting, and enough splits that the device gets
+// `blocks_per_sm` blocks per SM, each of the `lanes` threads of an output still
+// combining at least `min_per_thread` of its `values`; at most `max_splits`
+// (the grid's y limit). The constants come from the stage's schedule (plan.json).
+inline int cuda_splits(long long blocks, int sm_count, int blocks_per_sm, long long values, int lanes,
+                       int min_per_thread, int max_splits) {
+  const long long target = static_cast<long long>(sm_count) * blocks_per_sm;
+  long long splits = (target + blocks - 1) / blocks;
+  long long cap = values / (static_cast<long long>(lanes) * min_per_thread);
+  if (cap > max_splits) cap = max_splits;
+  if (splits > cap) splits = cap;
+  return splits < 1 ? 1 : static_cast<int>(splits);
 }
 
 // The pointer of a buffer a fused stage reads, after checking that it has the

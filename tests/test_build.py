@@ -53,15 +53,15 @@ def test_compile_error_names_the_template_and_leaves_nothing_importable(tmp_path
     _, mod = _render(tmp_path, "broken")
     src = mod / "kernel_cpu.cpp"
     lines = src.read_text().splitlines()
-    mark = next(i for i, l in enumerate(lines) if "templates/pool_reduce.cpp.j2" in l)
+    mark = next(i for i, l in enumerate(lines) if "templates/pool_reduce/kernel_cpu.cpp.j2" in l)
     lines.insert(mark + 3, "this is not C++;")
     src.write_text("\n".join(lines) + "\n")
-    assert template_of(src, mark + 4) == "templates/pool_reduce.cpp.j2"
+    assert template_of(src, mark + 4) == "templates/pool_reduce/kernel_cpu.cpp.j2"
     with pytest.raises(KgenError) as err:
         build_module(mod, quiet=True)
     msg = str(err.value)
     assert "building tiny_broken failed" in msg and "kernel_cpu.cpp" in msg
-    assert "templates/pool_reduce.cpp.j2" in msg
+    assert "templates/pool_reduce/kernel_cpu.cpp.j2" in msg
     assert not any(p.name.endswith(".so") for p in (mod / "_build").rglob("*.so") if "failed-" not in str(p))
     proc = subprocess.run(
         [sys.executable, "-c", f"from kgen.validate import import_module_dir; import_module_dir({str(mod)!r})"],
