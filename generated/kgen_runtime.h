@@ -3,8 +3,19 @@
 // Copied verbatim into generated/ by `kgen render`; edit templates/kgen_runtime.h.
 #pragma once
 
-#include <ATen/ATen.h>
+// The ATen pieces the bindings use, rather than ATen/ATen.h: declaring every
+// operator was two thirds of a module's build time.
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bitwise_and.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/sub.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -166,7 +177,7 @@ inline at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const st
     CudnnTf32Guard tf32(true);
     auto split = [](const at::Tensor& v, at::MemoryFormat f) {
       at::Tensor hi = tf32_high(v).contiguous(f);
-      at::Tensor lo = at::where(at::isfinite(v), v - hi, at::zeros({}, v.options())).contiguous(f);
+      at::Tensor lo = at::where(at::isfinite(v), at::sub(v, hi), at::zeros({}, v.options())).contiguous(f);
       return std::make_pair(hi, lo);
     };
     auto [xh, xl] = split(xin, format);

@@ -1,12 +1,16 @@
-"""Rendering: deterministic, all-or-nothing, --check, and readable output."""
+"""Rendering: deterministic, all-or-nothing, --check, readable output, and small hand-made plans."""
+import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from conftest import ROOT, SHIPPED, SPECS, write_spec
-from kgen.render import render_spec, stale_files
+from conftest import ROOT, SHIPPED, SPECS, pipeline_of, spec_text, write_spec
+from kgen.render import render_plan, render_spec, stale_files
 
 
 def _kgen(*args, cwd=ROOT):
@@ -65,3 +69,70 @@ def test_spec_path_with_odd_characters_stays_out_of_code(tmp_path):
     shutil.copy(ROOT / "specs" / "avgpool_sigmoid_sum.yaml", odd)
     files = render_spec(odd, tmp_path / "gen").files
     assert all('we"ird' not in text for text in files.values())
+
+
+# ------------------------------------------------------------------ small hand-made plans
+
+
+def _one_stage_plan(ops, shape=(4, 8, 8), name="one"):
+    from kgen.plan import make_plan
+    from kgen.target import DEFAULT
+
+    return make_plan(pipeline_of(spec_text(list(shape), ops, name=name)), target=DEFAULT)
+
+
+def test_pool_reduce_schedule_fields_render_as_named_constants(tmp_path):
+    plan = _one_stage_plan([{"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
+    (st,) = plan.stages
+    st.schedule = replace(st.schedule, cuda_threads=128, r_lanes=8, r_fast=False, unroll=3, min_per_thread=17,
+                          target_blocks_per_sm=5, max_splits=99, cpu_grain=7, cpu_chunk=6, index_type="long long")
+    files = render_plan(plan, tmp_path).files
+    stages, binding = files["one/stages.h"], files["one/binding.cpp"]
+    for line in ("constexpr int kThreads = 128;", "constexpr int kRLanes = 8;", "constexpr bool kRFast = false;",
+                 "constexpr int kUnroll = 3;", "constexpr int kMinPerThread = 17;", "constexpr int kTargetBlocksPerSm = 5;",
+                 "constexpr int kMaxSplits = 99;", "constexpr int kCpuGrain = 7;", "constexpr Index kCpuChunk = 6;",
+                 "using Index = long long;"):
+        assert line in stages, line
+    # the binding and the kernels use the names, never the numbers
+    assert "s0::kCpuGrain" in binding and "s0::kTargetBlocksPerSm" in binding and "s0::kMaxSplits" in binding
+    for number in ("128", "17", "99"):
+        assert not re.search(rf"\b{number}\b", binding + files["one/kernel.cu"] + files["one/kernel_cpu.cpp"]), number
+    assert json.loads(files["one/plan.json"])["stages"][0]["schedule"]["r_lanes"] == 8
+
+
+def test_norm_schedule_fields_render_as_named_constants(tmp_path):
+    plan = _one_stage_plan([{"group_norm": {"num_groups": 2}}])
+    (st,) = plan.stages
+    st.schedule = replace(st.schedule, cuda_threads=64, unroll=5, per_thread=3, shift_samples=9, min_per_thread=11,
+                          cpu_stats_grain=2, cpu_grain=13)
+    files = render_plan(plan, tmp_path).files
+    stages, kernel = files["one/stages.h"], files["one/kernel.cu"]
+    for line in ("constexpr int kThreads = 64;", "constexpr int kUnroll = 5;", "constexpr int kMinPerThread = 11;",
+                 "constexpr int kCpuStatsGrain = 2;", "constexpr int kCpuGrain = 13;",
+                 "constexpr Index kShiftSamples = kGroupSize < 9 ? kGroupSize : 9;"):
+        assert line in stages, line
+    assert "constexpr int kPerThread = 3;" in kernel
+    assert "s0::kCpuStatsGrain" in files["one/binding.cpp"]
+
+
+def test_a_plan_without_kernels_renders_no_stage_code(tmp_path):
+    plan = _one_stage_plan([{"conv2d": {"out_channels": 2, "kernel_size": 3}}])
+    assert [s.family.name for s in plan.stages] == ["conv_aten"]
+    files = render_plan(plan, tmp_path).files
+    assert "namespace s0" not in files["one/stages.h"] + files["one/kernel.cu"]
+    assert "m.def(\"one_stage" not in files["one/binding.cpp"] and "kgen::convolution(" in files["one/binding.cpp"]
+    assert "self.conv = torch.nn.Conv2d(in_channels=4, out_channels=2" in files["one/__init__.py"]
+
+
+def test_shared_templates_know_no_family():
+    """Families are units: the shared templates include a stage's family pieces by folder, never by name."""
+    from kgen.families import FAMILIES
+    from kgen.render import TEMPLATES
+
+    shared = sorted(TEMPLATES.glob("*.j2"))
+    assert {p.name for p in shared} >= {"binding.cpp.j2", "stages.h.j2", "kernel.cu.j2", "kernel_cpu.cpp.j2", "module.py.j2"}
+    for p in shared:
+        text = p.read_text()
+        for word in [f.name for f in FAMILIES] + ["conv"]:
+            assert not re.search(rf"\b{re.escape(word)}\b", text), f"{p.name} names {word!r}"
+        assert not re.search(r"\b(kind|family)\b[\w.]*\s*(==|!=|in\b)", text), f"{p.name} branches on a family"
