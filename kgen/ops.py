@@ -27,8 +27,9 @@ from .fields import REQUIRED
 # Roles: the IR op that computes an entry (kgen.ir builds one per role).
 ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise")
 
-# Families that fuse elementwise ops and reductions into their stages.
-FUSED = ("pool_reduce", "norm")
+# The families that can absorb each kind of op (a new family adds its name here).
+CONV = ("conv_aten",)  # implementations of a convolution stage
+FUSED = ("pool_reduce", "norm")  # families that fuse elementwise ops and reductions
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,8 @@ def _table() -> dict[str, OpDef]:
     entries: list[OpDef] = []
     for r in (1, 2, 3):
         entries += [
-            OpDef(f"conv{r}d", "conv", _conv_fields(r, False), ("conv_aten",), f"nn.Conv{r}d; a submodule named `conv`", rank=r),
-            OpDef(f"conv_transpose{r}d", "conv", _conv_fields(r, True), ("conv_aten",),
+            OpDef(f"conv{r}d", "conv", _conv_fields(r, False), CONV, f"nn.Conv{r}d; a submodule named `conv`", rank=r),
+            OpDef(f"conv_transpose{r}d", "conv", _conv_fields(r, True), CONV,
                   f"nn.ConvTranspose{r}d; a submodule named `conv_transpose`", rank=r, variant="transposed"),
             OpDef(f"max_pool{r}d", "pool", _pool_fields(r, "max"), ("pool_reduce",), f"F.max_pool{r}d", rank=r, variant="max"),
             OpDef(f"avg_pool{r}d", "pool", _pool_fields(r, "avg"), ("pool_reduce",), f"F.avg_pool{r}d", rank=r, variant="avg"),

@@ -30,13 +30,15 @@ class ConvAten(Family):
         """The output's memory format: channels_last when the next stage reads it as fast
         (cuDNN is faster in channels_last, measured on the H100: notes/perf.md), except for
         a transposed convolution run as written."""
+        if conv.conv.rank < 2:
+            return "contiguous"  # ATen has no channels_last format for 1-d convolutions
         layout = req.pipeline.conv_layout
         if layout != "auto":
             return layout
         direct_transposed = conv.conv.transposed and not isinstance(conv.lowering, Subpixel)
         nxt = req.next_family
         fast = nxt is not None and nxt.reads_channels_last
-        return "channels_last" if fast and conv.conv.rank >= 2 and not direct_transposed else "contiguous"
+        return "channels_last" if fast and not direct_transposed else "contiguous"
 
     def make_stage(self, req: StageRequest) -> ConvStage:
         conv = lowered(req.ops[0])
