@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType
+from .errors import SpecError
+from .ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType, infer_types
 from .lowering import Folded, LoweredConv, Subpixel, lowered
 
 # How much of a convolution's output must be dead before the dead-region pass
@@ -288,6 +289,14 @@ def dead_region(pipe: Pipeline):
         cropped = replace(lc, crop=tuple(keep))
         if any(c < k for c, k in zip(cropped.physical_out(types[i].spatial), keep)):
             decisions.append(Decision("dead_region", _site(op), False, "the cropped input would not produce the kept outputs"))
+            continue
+        try:  # the consumers must take the cropped size (avg_pool3d refuses an input smaller than its kernel)
+            after = infer_types(cropped.infer(types[i]), ops[i + 1 :], pipe.path)[-1]
+        except SpecError as e:
+            decisions.append(Decision("dead_region", _site(op), False, f"a consumer refuses the cropped size: {e.message}"))
+            continue
+        if after != types[-1]:
+            decisions.append(Decision("dead_region", _site(op), False, f"the cropped size changes the output to {after}"))
             continue
         dead = 1 - math.prod(keep) / math.prod(full)
         if dead < DEAD_REGION_MIN_FRACTION:

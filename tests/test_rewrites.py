@@ -825,6 +825,17 @@ def test_dead_region_with_a_spatially_varying_parameter():
     check_equivalent(p, q)
 
 
+def test_dead_region_does_not_fire_when_a_consumer_refuses_the_cropped_size():
+    """Found by the random pipelines: the pool reads 2 of 3 rows (its window starts in the
+    padding), but avg_pool3d refuses an input smaller than its kernel."""
+    pool = {"avg_pool3d": {"kernel_size": [3, 2, 2], "stride": [3, 1, 1], "padding": [1, 0, 0]}}
+    p = build(spec_text([5, 5, 4, 4], [{"conv3d": {"out_channels": 2, "kernel_size": 1, "stride": 2}}, pool, {"mean": {"dim": [2, 3, 4]}}]))
+    q, ds = rewrite(p, "dead_region")
+    (d,) = not_fired(ds, "dead_region")
+    assert "refuses the cropped size" in d.reason and "smaller than the kernel" in d.reason
+    assert q.ops == p.ops
+
+
 def test_dead_region_crop_that_reads_only_padding():
     p = build(spec_text([2, 5], [{"conv1d": {"out_channels": 2, "kernel_size": 1, "padding": 2}}, {"max_pool1d": {"kernel_size": 1, "stride": 9}}]))
     q, ds = rewrite(p, "dead_region")
