@@ -44,6 +44,8 @@ KGEN_HD float sigmoid(float x) {
 #endif
 }
 
+KGEN_HD float tanh(float x) { return tanhf(x); }
+
 // torch.clamp: NaN stays NaN; with lo > hi every value becomes hi.
 KGEN_HD float clamp(float x, float lo, float hi) { return min_nan(max_nan(x, lo), hi); }
 

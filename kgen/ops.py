@@ -136,6 +136,7 @@ def _table() -> dict[str, OpDef]:
                       torch_fn=torch.relu, c_fn="kgen::relu"),
         ElementwiseOp("sigmoid", "elementwise", {}, FUSED, "1 / (1 + exp(-x))",
                       torch_fn=torch.sigmoid, c_fn="kgen::sigmoid"),
+        ElementwiseOp("tanh", "elementwise", {}, FUSED, "torch.tanh(x)", torch_fn=torch.tanh, c_fn="kgen::tanh"),
         ElementwiseOp("clamp", "elementwise", {"min": (f.optional(f.number), None), "max": (f.optional(f.number), None)},
                       FUSED, "torch.clamp(x, min, max); at least one bound", _check_clamp,
                       torch_fn=torch.clamp, c_fn="kgen::clamp", consts=(("min", -math.inf), ("max", math.inf)),
