@@ -30,8 +30,8 @@ from .errors import KgenError
 from .ir import load_pipeline
 from .plan import Plan, make_plan
 
-# The templates ship inside the package (kgen/templates, the repository's
-# templates/ folder; pyproject.toml maps it into wheels).
+# The templates ship inside the package: kgen/templates links to the
+# repository's templates/ folder, and wheels carry copies (pyproject.toml).
 TEMPLATES = Path(str(importlib.resources.files("kgen") / "templates"))
 SHARED_FILES = ("kgen_math.h", "kgen_runtime.h")  # copied verbatim into the output root
 MODULE_FILES = {  # output file -> shared template; a family's piece of it: templates/<family>/<piece>.j2

@@ -9,7 +9,7 @@ from conftest import pipeline_of, spec_text
 from kgen import families
 from kgen.families import conv_aten, norm, pool_reduce
 from kgen.families.base import Family
-from kgen.ir import Elementwise, Norm, Pool, Reduce
+from kgen.ir import Elementwise, Norm, Reduce
 from kgen.lowering import Subpixel
 from kgen.plan import make_plan
 from kgen.stage import ConvStage

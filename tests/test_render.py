@@ -1,6 +1,5 @@
 """Rendering: deterministic, all-or-nothing, --check, readable output, and small hand-made plans."""
 import json
-import os
 import re
 import shutil
 import subprocess

@@ -10,7 +10,7 @@ batch leaves the device idle. Templates: ``templates/pool_reduce/``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..ir import Elementwise, Pool, Reduce, TensorType
 from ..stage import Stage, flat_buffer
@@ -166,8 +166,6 @@ class PoolReduce(Family):
         return max(1, min(want, MAX_R_LANES_ACROSS, pow2_floor(st.reduced_count)))
 
     def stage_json(self, st: PoolReduceStage) -> dict:
-        from dataclasses import asdict
-
         return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
 
 
