@@ -129,5 +129,4 @@ class ConvStage(Stage):
     layout: str = "contiguous"  # memory format of the output
     input_extent: tuple = ()  # prefix of the input that is read (dead region)
     phases: list = field(default_factory=list)  # SubpixelPhase, for a sub-pixel lowering
-    out_physical: tuple = ()  # dense lowerings: (C, *S) the convolution produces
     epilogue: Stage | None = None

@@ -59,8 +59,8 @@ class ConvAten(Family):
             st.input_extent = st.phases[0].input_extent
             return st
         st.input_extent = conv.input_extent(t_in.spatial)
-        st.out_physical = (C,) + conv.physical_out(t_in.spatial)
-        st.output = dense_buffer(t_out.shape[1:], st.out_physical, layout)
+        # a cropped output is a view of what the convolution produces from the input prefix
+        st.output = dense_buffer(t_out.shape[1:], (C,) + conv.physical_out(t_in.spatial), layout)
         return st
 
     def stage_json(self, st: ConvStage) -> dict:
