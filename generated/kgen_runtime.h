@@ -3,8 +3,19 @@
 // Copied verbatim into generated/ by `kgen render`; edit templates/kgen_runtime.h.
 #pragma once
 
-#include <ATen/ATen.h>
+// The ATen pieces the bindings use, rather than ATen/ATen.h: declaring every
+// operator was two thirds of a module's build time.
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bitwise_and.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/sub.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -19,6 +30,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace kgen {
@@ -68,6 +80,32 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options)
     else t.view(at::kInt).fill_(kPoisonBits);
   }
   return t;
+}
+
+// A workspace of `count` values of T, allocated as floats (T = float) or as
+// doubles (T a struct of doubles, such as ShiftedSums); `holder` keeps it alive.
+template <typename T>
+T* workspace(at::Tensor& holder, int64_t count, const at::TensorOptions& options) {
+  constexpr bool kDoubles = !std::is_same<T, float>::value;
+  using Elem = typename std::conditional<kDoubles, double, float>::type;
+  static_assert(sizeof(T) % sizeof(Elem) == 0, "a workspace value must be whole floats or doubles");
+  holder = empty({count * static_cast<int64_t>(sizeof(T) / sizeof(Elem))}, options.dtype(kDoubles ? at::kDouble : at::kFloat));
+  return reinterpret_cast<T*>(holder.data_ptr<Elem>());
+}
+
+// Blocks along a split reduction, chosen at run time because it depends on the
+// batch: `blocks` blocks before splitting, and enough splits that the device gets
+// `blocks_per_sm` blocks per SM, each of the `lanes` threads of an output still
+// combining at least `min_per_thread` of its `values`; at most `max_splits`
+// (the grid's y limit). The constants come from the stage's schedule (plan.json).
+inline int cuda_splits(long long blocks, int sm_count, int blocks_per_sm, long long values, int lanes,
+                       int min_per_thread, int max_splits) {
+  const long long target = static_cast<long long>(sm_count) * blocks_per_sm;
+  long long splits = (target + blocks - 1) / blocks;
+  long long cap = values / (static_cast<long long>(lanes) * min_per_thread);
+  if (cap > max_splits) cap = max_splits;
+  if (splits > cap) splits = cap;
+  return splits < 1 ? 1 : static_cast<int>(splits);
 }
 
 // The pointer of a buffer a fused stage reads, after checking that it has the
@@ -139,7 +177,7 @@ inline at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const st
     CudnnTf32Guard tf32(true);
     auto split = [](const at::Tensor& v, at::MemoryFormat f) {
       at::Tensor hi = tf32_high(v).contiguous(f);
-      at::Tensor lo = at::where(at::isfinite(v), v - hi, at::zeros({}, v.options())).contiguous(f);
+      at::Tensor lo = at::where(at::isfinite(v), at::sub(v, hi), at::zeros({}, v.options())).contiguous(f);
       return std::make_pair(hi, lo);
     };
     auto [xh, xl] = split(xin, format);

@@ -107,7 +107,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
             row["kgen_norewrite_ms"] = time_ms(lambda: nr(x), reps)
             if isinstance(first, Conv):
                 plan = make_plan(pipe, {n: False for n in REWRITE_NAMES})
-                fused = plan.fused_stages()
+                fused = plan.kernel_stages()
                 if fused and fused[0].index == 1:
                     params = dict(nr.named_parameters())
                     calls = []

@@ -88,7 +88,7 @@ def main():
     checks them against PyTorch in float64.
 
     \b
-    Typical session:
+    Typical session (`kgen ops` lists the ops a spec may name):
       kgen render specs/maxpool_sum.yaml   # write generated/maxpool_sum/
       kgen build                           # compile every rendered module
       kgen validate                        # compare with the float64 reference
@@ -232,6 +232,22 @@ def explain(spec, no_rewrites, batch):
 
     pipe = load_pipeline(spec)
     click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch))
+
+
+@main.command(name="ops")
+def ops_():
+    """List every op a spec may name, from the op table (kgen/ops.py): its
+    fields with their defaults (* = required), its role (the IR op that
+    computes it) and the template families that can absorb it."""
+    from .fields import REQUIRED
+    from .ops import OPS
+
+    def field(name, default):
+        return f"{name}*" if default is REQUIRED else (name if default is None else f"{name}={default}")
+
+    rows = [[e.name, e.role, ", ".join(field(n, d) for n, (_, d) in e.fields.items()) or "-", ", ".join(e.families), e.doc]
+            for e in OPS.values()]
+    click.echo(format_table(["op", "role", "fields", "families", "what"], rows))
 
 
 @main.command(name="list")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 
 from .ir import Pipeline
-from .plan import ConvStage, Plan, make_plan
+from .plan import Plan, make_plan
+from .stage import ConvStage
 
 # H100 SXM: TF32 tensor-core rate and HBM3 bandwidth used for floors.
 PEAK_FLOPS = 400e12
@@ -16,7 +17,7 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     """(FLOPs, bytes moved) of one stage for ``batch`` samples: each input read once, each output written once."""
     flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in _typed(plan.pipeline, stage)) * batch
     if isinstance(stage, ConvStage):
-        conv = stage.conv
+        conv = stage.conv.conv
         read = batch * conv.in_channels * math.prod(stage.input_extent) + math.prod(conv.weight_shape())
         written = batch * sum(math.prod(t.dims) for t in stage.output.tiles)
     else:
@@ -66,9 +67,10 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     for s in plan.stages:
         flops, nbytes = stage_cost(plan, s, batch)
         fl, bound = floor_ms(flops, nbytes)
-        what = " -> ".join(o.describe() for o in s.ops) or "assemble the convolution output"
-        extra = f" [{s.conv.lowering}, {s.layout}]" if isinstance(s, ConvStage) else ""
+        what = " -> ".join(o.describe() for o in s.ops) or "copy the previous stage's output into a plain tensor"
+        extra = f" [{s.conv.lowering.name}, {s.layout}]" if isinstance(s, ConvStage) else ""
         out.append(f"  stage {s.index} {s.kind}{extra}: {what}")
+        out.append(f"      {s.choice}")
         out.append(f"      {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms ({bound})")
     for label, p in (("total", plan), ("without rewrites", baseline)):
         flops, nbytes, fl = plan_totals(p, batch)

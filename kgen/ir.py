@@ -1,17 +1,19 @@
 """The pipeline IR: typed ops, PyTorch's shape rules, and a torch implementation of each op.
 
-``Op.run`` is the semantics of an op in eager PyTorch. The reference model
-(``kgen.reference``) is the spec's ops run through it in float64, and the
-rewrite tests compare a rewritten pipeline with the original through it, so a
-rewritten op (a folded or sub-pixel convolution, a reduction with a summed
-parameter) carries its own ``run`` that computes the rewritten arithmetic.
+Each op of a spec is built from its entry in the op table (``kgen.ops``), by
+the entry's role: a convolution, a window pool, a global pool, a reduction, a
+normalization or an elementwise op. An IR op says what is computed, as
+written: ``Op.infer`` is its shape rule and ``Op.run`` its semantics in eager
+PyTorch. The reference model (``kgen.reference``) is the spec's ops run
+through ``run`` in float64, and the rewrite tests compare a rewritten pipeline
+with the original through it, so a rewritten op (``kgen.lowering.LoweredConv``,
+a reduction with a summed parameter) carries its own ``run``.
 
 Shapes are ``(batch, channels, *spatial)``; the batch may be a run-time symbol
 (a string), everything else is a compile-time constant.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SpecError
-from .spec import Spec, load_spec
+from .ops import OPS, ElementwiseOp
+from .spec import OpSpec, Spec, load_spec
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -56,7 +59,8 @@ class TensorType:
         return "[" + ", ".join(str(d) for d in self.shape) + "]"
 
 
-def _conv_out(L, k, s, p, d):
+def conv_out(L, k, s, p, d):
+    """Output size of a convolution along one dim."""
     return (L + 2 * p - d * (k - 1) - 1) // s + 1
 
 
@@ -69,13 +73,39 @@ def _pool_out(L, k, s, p, d, ceil_mode):
     return out
 
 
-def _spatial_rank(kind: str) -> int:
-    return int(kind[-2])
-
-
 def _check_rank(t: TensorType, rank: int, kind: str):
     if len(t.spatial) != rank:
         raise ShapeError(f"{kind} needs a {rank + 2}-d input (batch, channels, {rank} spatial), got shape {t}")
+
+
+def _ident(name: str) -> str:
+    """The C/Python identifier of a state_dict name: conv.weight -> conv_weight."""
+    return name.replace(".", "_")
+
+
+# ---------------------------------------------------------------- members
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A parameter tensor the op takes: state_dict name, C/Python identifier, shape."""
+
+    name: str  # "conv.weight"
+    ident: str  # "conv_weight"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Member:
+    """What a model of the pipeline creates: a ``torch.nn`` submodule (``nn_class`` with
+    ``kwargs``) or a free parameter (``init``: randn | ones | zeros). The reference model
+    instantiates members; the generated module's ``Model`` prints the same lines."""
+
+    attr: str  # attribute name on the model
+    tensors: tuple[TensorArg, ...]  # the state_dict entries it holds, in order
+    nn_class: str | None = None
+    kwargs: tuple = ()  # ((name, value), ...) for nn_class
+    init: str | None = None
 
 
 # ---------------------------------------------------------------- ops
@@ -84,6 +114,11 @@ def _check_rank(t: TensorType, rank: int, kind: str):
 @dataclass(frozen=True)
 class Op:
     key: str  # where it came from in the spec, e.g. "ops[1].max_pool3d"
+
+    @property
+    def op_name(self) -> str:
+        """Its entry in the op table (kgen.ops.OPS)."""
+        raise NotImplementedError
 
     def infer(self, t: TensorType) -> TensorType:
         raise NotImplementedError
@@ -95,6 +130,10 @@ class Op:
         """Names of the parameters (state_dict keys) this op reads."""
         return ()
 
+    def member(self) -> Member | None:
+        """The submodule this op owns, if any."""
+        return None
+
     def flops(self, t_in: TensorType, t_out: TensorType) -> int:
         """Floating-point operations per sample (multiply-adds count 2)."""
         return t_in.sample_numel
@@ -105,16 +144,11 @@ class Op:
 
 @dataclass(frozen=True)
 class Conv(Op):
-    """convNd / conv_transposeNd. ``lowering`` says how it is computed:
+    """convNd / conv_transposeNd, as written in the spec.
 
-    - ``direct``: one ATen convolution, as written.
-    - ``folded``: ``fold_kernel``/``fold_stride`` name an average pool folded into
-      the weights (box-filtered kernel, multiplied stride).
-    - ``subpixel``: a transposed convolution computed as stride^d ordinary
-      convolutions, one per output phase (see ``subpixel_phases``).
-
-    ``crop`` (dead-region rewrite) is the prefix of the output, per spatial dim,
-    that consumers read; only that region is computed.
+    How it is computed (a folded average pool, sub-pixel phases, a cropped
+    output, the bias added by the next stage) is the rewrites' and the plan's
+    business: ``kgen.lowering.LoweredConv`` wraps this op with that.
     """
 
     kind: str = "conv3d"
@@ -128,11 +162,10 @@ class Conv(Op):
     output_padding: tuple = (0,)
     groups: int = 1
     bias: bool = True
-    lowering: str = "direct"
-    bias_deferred: bool = False  # the next fused stage adds the bias (plan step)
-    fold_kernel: tuple | None = None
-    fold_stride: tuple | None = None
-    crop: tuple | None = None
+
+    @property
+    def op_name(self) -> str:
+        return self.kind
 
     @property
     def transposed(self) -> bool:
@@ -158,8 +191,7 @@ class Conv(Op):
             return (self.in_channels, self.out_channels // self.groups) + self.kernel
         return (self.out_channels, self.in_channels // self.groups) + self.kernel
 
-    def module_ctor(self) -> tuple[str, dict]:
-        """The torch.nn class and keyword arguments of the reference model's submodule."""
+    def member(self) -> "Member":
         cls = ("ConvTranspose" if self.transposed else "Conv") + f"{self.rank}d"
         kw = dict(
             in_channels=self.in_channels,
@@ -171,48 +203,21 @@ class Conv(Op):
         if self.transposed:
             kw["output_padding"] = self.output_padding
         kw.update(groups=self.groups, bias=self.bias, dilation=self.dilation)
-        return cls, kw
+        tensors = (TensorArg(self.weight_name, _ident(self.weight_name), self.weight_shape()),)
+        if self.bias:
+            tensors += (TensorArg(self.bias_name, _ident(self.bias_name), (self.out_channels,)),)
+        return Member(self.module, tensors, nn_class=cls, kwargs=tuple(kw.items()))
 
-    # -- geometry
-    def full_out(self, L: tuple[int, ...]) -> tuple[int, ...]:
-        """Output spatial size of the convolution as written (no rewrite)."""
+    def out_size(self, L: tuple[int, ...]) -> tuple[int, ...]:
+        """Output spatial size for input spatial size ``L``."""
         if self.transposed:
             return tuple(
                 (l - 1) * s - 2 * p + d * (k - 1) + op + 1
                 for l, k, s, p, d, op in zip(L, self.kernel, self.stride, self.padding, self.dilation, self.output_padding)
             )
-        return tuple(_conv_out(*a) for a in zip(L, self.kernel, self.stride, self.padding, self.dilation))
+        return tuple(conv_out(*a) for a in zip(L, self.kernel, self.stride, self.padding, self.dilation))
 
-    def eff_kernel(self) -> tuple[int, ...]:
-        """Kernel extent of the convolution that is actually run (folded: box-widened)."""
-        if self.lowering == "folded":
-            return tuple((kp - 1) * s + k for k, s, kp in zip(self.kernel, self.stride, self.fold_kernel))
-        return self.kernel
-
-    def eff_stride(self) -> tuple[int, ...]:
-        if self.lowering == "folded":
-            return tuple(s * sp for s, sp in zip(self.stride, self.fold_stride))
-        return self.stride
-
-    def computed_out(self, L: tuple[int, ...]) -> tuple[int, ...]:
-        """Logical output size after the lowering (folded pools shrink it)."""
-        if self.lowering == "folded":
-            return tuple(
-                _conv_out(l, k, s, p, 1) for l, k, s, p in zip(L, self.eff_kernel(), self.eff_stride(), self.padding)
-            )
-        return self.full_out(L)
-
-    def input_extent(self, L: tuple[int, ...]) -> tuple[int, ...]:
-        """The prefix of the input that the cropped output needs (direct/folded); at least
-        one element, also when the kept outputs read only padding."""
-        if self.crop is None:
-            return tuple(L)
-        return tuple(
-            max(1, min(l, (e - 1) * s - p + d * (k - 1) + 1))
-            for l, e, k, s, p, d in zip(L, self.crop, self.eff_kernel(), self.eff_stride(), self.padding, self.dilation)
-        )
-
-    def infer(self, t):
+    def check_input(self, t: TensorType) -> None:
         _check_rank(t, self.rank, self.kind)
         if t.channels != self.in_channels:
             raise ShapeError(f"expects {self.in_channels} input channels, got shape {t}")
@@ -222,171 +227,47 @@ class Conv(Op):
             )
         if self.transposed and any(op >= max(s, d) for op, s, d in zip(self.output_padding, self.stride, self.dilation)):
             raise ShapeError("output_padding must be smaller than stride or dilation")
-        out = self.computed_out(t.spatial)
+
+    def infer(self, t):
+        self.check_input(t)
+        return self.output_type(t, self.out_size(t.spatial))
+
+    def output_type(self, t: TensorType, out: tuple[int, ...]) -> TensorType:
         if any(o < 1 for o in out):
             raise ShapeError(f"output would be empty: input {t} gives spatial size {list(out)}")
-        if self.crop is not None:
-            out = self.crop
         return TensorType((t.shape[0], self.out_channels) + tuple(out))
 
     def flops(self, t_in, t_out):
-        if self.lowering == "subpixel":
-            taps = sum(
-                math.prod(ph.taps) * math.prod(ph.count) for ph in subpixel_phases(self, t_in.spatial)
-            )
-            return 2 * taps * self.out_channels * self.in_channels // self.groups
         if self.transposed:
             return 2 * t_in.sample_numel * self.out_channels // self.groups * math.prod(self.kernel)
-        per_out = 2 * self.in_channels // self.groups * math.prod(self.eff_kernel())
-        return per_out * t_out.sample_numel
+        return 2 * self.in_channels // self.groups * math.prod(self.kernel) * t_out.sample_numel
 
-    # -- torch semantics
-    def fold_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """Box-filter the kernel: w'[u] = mean over pool taps t of w[u - t*stride]."""
-        kp = self.fold_kernel
-        co, ci = w.shape[:2]
-        box = torch.full((1, 1) + kp, 1.0 / math.prod(kp), dtype=w.dtype, device=w.device)
-        conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[self.rank - 1]
-        wf = conv_t(w.reshape((co * ci, 1) + self.kernel), box, dilation=self.stride)
-        return wf.reshape((co, ci) + self.eff_kernel())
-
-    def run(self, x, tensors):
-        w = tensors[self.weight_name]
-        b = tensors[self.bias_name] if self.bias and not self.bias_deferred else None
-        if self.lowering == "subpixel":
-            return self._run_subpixel(x, w, b)
-        if self.crop is not None:
-            for d, e in enumerate(self.input_extent(tuple(x.shape[2:]))):
-                x = x.narrow(2 + d, 0, e)
+    def apply(self, x, w, b, kernel_stride: tuple | None = None) -> torch.Tensor:
+        """The torch convolution with this op's geometry; ``kernel_stride`` overrides the stride
+        (a folded convolution runs a wider kernel with a larger stride)."""
+        stride = kernel_stride or self.stride
         if self.transposed:
             fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[self.rank - 1]
-            y = fn(x, w, b, self.stride, self.padding, self.output_padding, self.groups, self.dilation)
-        else:
-            fn = (F.conv1d, F.conv2d, F.conv3d)[self.rank - 1]
-            if self.lowering == "folded":
-                w = self.fold_weight(w)
-            y = fn(x, w, b, self.eff_stride(), self.padding, self.dilation, self.groups)
-        if self.crop is not None:
-            for d, e in enumerate(self.crop):
-                y = y.narrow(2 + d, 0, e)
-        return y
+            return fn(x, w, b, stride, self.padding, self.output_padding, self.groups, self.dilation)
+        fn = (F.conv1d, F.conv2d, F.conv3d)[self.rank - 1]
+        return fn(x, w, b, stride, self.padding, self.dilation, self.groups)
 
-    def _run_subpixel(self, x, w, b):
-        L = tuple(x.shape[2:])
-        phases = subpixel_phases(self, L)
-        out_size = self.crop or self.full_out(L)
-        y = x.new_empty((x.shape[0], self.out_channels) + tuple(out_size))
-        conv = (F.conv1d, F.conv2d, F.conv3d)[self.rank - 1]
-        xin = x
-        for d, e in enumerate(phases[0].input_extent):
-            xin = xin.narrow(2 + d, 0, e)
-        for ph in phases:
-            yp = conv(xin, ph.weight(w), b, 1, ph.padding)
-            index = [slice(None), slice(None)]
-            for d in range(self.rank):
-                yp = yp.narrow(2 + d, ph.offset[d], ph.count[d])
-                index.append(slice(ph.residue[d], None, self.stride[d]))
-            y[tuple(index)] = yp
-        return y
+    def run(self, x, tensors):
+        return self.apply(x, tensors[self.weight_name], tensors[self.bias_name] if self.bias else None)
 
     def describe(self):
-        args = f"{self.in_channels}->{self.out_channels}, k={_fmt(self.kernel)}"
+        args = f"{self.in_channels}->{self.out_channels}, k={fmt(self.kernel)}"
         if any(s != 1 for s in self.stride):
-            args += f", s={_fmt(self.stride)}"
+            args += f", s={fmt(self.stride)}"
         if any(self.padding):
-            args += f", p={_fmt(self.padding)}"
+            args += f", p={fmt(self.padding)}"
         if any(d != 1 for d in self.dilation):
-            args += f", dilation={_fmt(self.dilation)}"
+            args += f", dilation={fmt(self.dilation)}"
         if self.transposed and any(self.output_padding):
-            args += f", output_padding={_fmt(self.output_padding)}"
+            args += f", output_padding={fmt(self.output_padding)}"
         if self.groups != 1:
             args += f", groups={self.groups}"
-        text = f"{self.kind}({args})"
-        if self.lowering == "folded":
-            text += f" folded with avg_pool(k={_fmt(self.fold_kernel)}) -> k={_fmt(self.eff_kernel())}, s={_fmt(self.eff_stride())}"
-        if self.lowering == "subpixel":
-            text += f" as {math.prod(self.stride)} sub-pixel conv{self.rank}d"
-        if self.crop is not None:
-            text += f", computing only the first {_fmt(self.crop)}"
-        if self.bias_deferred:
-            text += ", bias added by the next stage"
-        return text
-
-
-@dataclass(frozen=True)
-class SubpixelPhase:
-    """One output phase of a transposed convolution, as an ordinary convolution.
-
-    Output positions o = stride*m + residue (per dim), m < count, equal
-    ``conv(x[:input_extent], weight, padding)[offset + m]`` where ``weight`` is the
-    flipped kernel sampled every stride taps from ``weight_start``.
-    """
-
-    residue: tuple[int, ...]
-    taps: tuple[int, ...]
-    weight_start: tuple[int, ...]  # into the flipped kernel, step = stride
-    padding: tuple[int, ...]
-    offset: tuple[int, ...]  # first used position of the phase conv's output
-    count: tuple[int, ...]  # outputs of this phase that are used
-    conv_out: tuple[int, ...]  # full size of the phase conv's output
-    input_extent: tuple[int, ...]  # prefix of the input all phases read
-    stride: tuple[int, ...]
-
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """(Cin, Cout, K...) transposed-conv weight -> (Cout, Cin, T...) phase conv weight."""
-        rank = len(self.taps)
-        wf = w.flip(tuple(range(2, 2 + rank)))
-        index = [slice(None), slice(None)] + [
-            slice(st, st + s * (t - 1) + 1, s) for st, s, t in zip(self.weight_start, self.stride, self.taps)
-        ]
-        return wf[tuple(index)].transpose(0, 1)
-
-
-def subpixel_phases(conv: Conv, L: tuple[int, ...]) -> list[SubpixelPhase]:
-    """Split conv_transpose (stride s, padding p, kernel K) into s^d ordinary convolutions.
-
-    Per dim, output o = s*m + r receives the taps k = k0 + s*t (k0 = (r+p) mod s)
-    from inputs i = m + c - t with c = (r+p-k0)/s; as a cross-correlation this is
-    kernel W_r[j] = w[k0 + s*(T-1-j)] over inputs m + (c-T+1) + j.
-    """
-    E = conv.crop or conv.full_out(L)
-    per_dim = []  # per dim: list over residues of dicts
-    extent = []
-    for l, e, k, s, p in zip(L, E, conv.kernel, conv.stride, conv.padding):
-        rows = []
-        for r in range(s):
-            k0 = (r + p) % s
-            taps = len(range(k0, k, s))
-            c = (r + p - k0) // s
-            off = c - taps + 1
-            count = -(-(e - r) // s)
-            rows.append(dict(r=r, k0=k0, taps=taps, off=off, count=count, start=k - 1 - k0 - s * (taps - 1)))
-        need = max(row["count"] - 1 + row["off"] + row["taps"] - 1 for row in rows) + 1
-        extent.append(min(l, need))
-        per_dim.append(rows)
-    phases = []
-    for combo in itertools.product(*per_dim):
-        pad, offset, conv_out = [], [], []
-        for row, l in zip(combo, extent):
-            last = row["count"] - 1 + row["off"] + row["taps"] - 1
-            P = max(0, -row["off"], last - (l - 1))
-            pad.append(P)
-            offset.append(row["off"] + P)
-            conv_out.append(l + 2 * P - row["taps"] + 1)
-        phases.append(
-            SubpixelPhase(
-                residue=tuple(r["r"] for r in combo),
-                taps=tuple(r["taps"] for r in combo),
-                weight_start=tuple(r["start"] for r in combo),
-                padding=tuple(pad),
-                offset=tuple(offset),
-                count=tuple(r["count"] for r in combo),
-                conv_out=tuple(conv_out),
-                input_extent=tuple(extent),
-                stride=conv.stride,
-            )
-        )
-    return phases
+        return f"{self.kind}({args})"
 
 
 @dataclass(frozen=True)
@@ -401,6 +282,10 @@ class Pool(Op):
     ceil_mode: bool = False
     count_include_pad: bool = True
     sources: tuple = ()  # spec keys of the pools composed into this one
+
+    @property
+    def op_name(self) -> str:
+        return f"{self.kind}_pool{self.rank}d"
 
     @property
     def rank(self) -> int:
@@ -441,13 +326,13 @@ class Pool(Op):
         return fn(x, self.kernel, self.stride, self.padding, self.ceil_mode, self.count_include_pad)
 
     def describe(self):
-        args = f"k={_fmt(self.kernel)}"
+        args = f"k={fmt(self.kernel)}"
         if self.stride != self.kernel:
-            args += f", s={_fmt(self.stride)}"
+            args += f", s={fmt(self.stride)}"
         if any(self.padding):
-            args += f", p={_fmt(self.padding)}"
+            args += f", p={fmt(self.padding)}"
         if self.kind == "max" and any(d != 1 for d in self.dilation):
-            args += f", dilation={_fmt(self.dilation)}"
+            args += f", dilation={fmt(self.dilation)}"
         if self.ceil_mode:
             args += ", ceil_mode"
         if self.kind == "avg" and any(self.padding) and not self.count_include_pad:
@@ -455,27 +340,32 @@ class Pool(Op):
         return f"{self.kind}_pool{self.rank}d({args})"
 
 
-UNARY = ("relu", "sigmoid", "clamp")
-BINARY = ("add", "sub", "mul", "div")
-
-
 @dataclass(frozen=True)
 class Elementwise(Op):
-    """relu, sigmoid, clamp, or add/sub/mul/div by a scalar or a broadcast parameter.
+    """An elementwise op of the op table (``fn``): ``consts`` are its constant arguments
+    (e.g. clamp's min and max, None where the spec leaves one out); an op with an
+    operand takes a ``scalar`` or a broadcast parameter ``param``.
 
     ``param_sum_dims`` (reduction algebra): the parameter enters summed over these
     dims of the activation (e.g. ``(1,)``: sum over channels of a per-channel bias).
     """
 
     fn: str = "relu"
+    consts: tuple = ()
     scalar: float | None = None
     param: str | None = None
-    lo: float | None = None
-    hi: float | None = None
     param_sum_dims: tuple = ()
     param_rank: int = 0  # activation rank that param_sum_dims refer to
     param_view: tuple = ()  # shape to view the parameter as (a conv bias [C] as [C, 1, 1])
     param_sum_scale: int = 1  # times the summed parameter counts (it broadcasts along summed dims)
+
+    @property
+    def op_name(self) -> str:
+        return self.fn
+
+    @property
+    def entry(self) -> ElementwiseOp:
+        return OPS[self.fn]
 
     def tensor_names(self):
         return (self.param,) if self.param else ()
@@ -493,19 +383,15 @@ class Elementwise(Op):
         return p.reshape((1,) * (rank - p.dim()) + tuple(p.shape))
 
     def run(self, x, tensors):
-        if self.fn == "relu":
-            return torch.relu(x)
-        if self.fn == "sigmoid":
-            return torch.sigmoid(x)
-        if self.fn == "clamp":
-            return torch.clamp(x, self.lo, self.hi)
+        if not self.entry.operand:
+            return self.entry.torch_fn(x, *self.consts)
         other = self.scalar if self.param is None else self.aligned_param(tensors[self.param], x.dim())
-        return {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[self.fn](x, other)
+        return self.entry.torch_fn(x, other)
 
     def describe(self):
-        if self.fn == "clamp":
-            return f"clamp({self.lo}, {self.hi})"
-        if self.fn in UNARY:
+        if self.consts:
+            return f"{self.fn}({', '.join(str(c) for c in self.consts)})"
+        if not self.entry.operand:
             return self.fn
         if self.param is None:
             return f"{self.fn}({self.scalar:g})"
@@ -524,6 +410,10 @@ class Reduce(Op):
     dims: tuple = ()
     kept: tuple = ()
     origin: str = ""  # e.g. "adaptive_avg_pool3d" when it came from global pooling
+
+    @property
+    def op_name(self) -> str:
+        return self.origin or self.fn
 
     def infer(self, t):
         return TensorType(tuple(1 if d in self.kept else n for d, n in enumerate(t.shape) if d not in self.dims or d in self.kept))
@@ -555,14 +445,22 @@ class Norm(Op):
     num_channels: int = 1
     eps: float = 1e-5
     affine: bool = True
+    rank: int = 1  # spatial dims of its input (InstanceNorm{rank}d)
+
+    @property
+    def op_name(self) -> str:
+        return self.kind
 
     def tensor_names(self):
         return (f"{self.module}.weight", f"{self.module}.bias") if self.affine else ()
 
-    def module_ctor(self, rank: int) -> tuple[str, dict]:
+    def member(self) -> Member:
         if self.kind == "group_norm":
-            return "GroupNorm", dict(num_groups=self.num_groups, num_channels=self.num_channels, eps=self.eps, affine=self.affine)
-        return f"InstanceNorm{rank}d", dict(num_features=self.num_channels, eps=self.eps, affine=self.affine)
+            cls, kw = "GroupNorm", dict(num_groups=self.num_groups, num_channels=self.num_channels, eps=self.eps, affine=self.affine)
+        else:
+            cls, kw = f"InstanceNorm{self.rank}d", dict(num_features=self.num_channels, eps=self.eps, affine=self.affine)
+        tensors = tuple(TensorArg(n, _ident(n), (self.num_channels,)) for n in self.tensor_names())
+        return Member(self.module, tensors, nn_class=cls, kwargs=tuple(kw.items()))
 
     def infer(self, t):
         if self.num_channels != t.channels:
@@ -589,7 +487,8 @@ class Norm(Op):
         return f"group_norm(groups={self.num_groups}, eps={self.eps:g}{'' if self.affine else ', affine=False'})"
 
 
-def _fmt(t: tuple) -> str:
+def fmt(t: tuple) -> str:
+    """Sizes for describe(): one number when all are equal, else 2x3x4."""
     return str(t[0]) if len(set(t)) == 1 else "x".join(str(v) for v in t)
 
 
@@ -601,15 +500,6 @@ class Param:
     name: str
     shape: tuple[int, ...]
     init: str
-
-
-@dataclass(frozen=True)
-class TensorArg:
-    """A parameter tensor the op takes: state_dict name, C/Python identifier, shape."""
-
-    name: str  # "conv.weight"
-    ident: str  # "conv_weight"
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -646,37 +536,29 @@ class Pipeline:
             raise AssertionError(f"rewrite changed the output type {self.output} -> {types[-1]}")
         return replace(self, ops=tuple(ops), types=types)
 
-    def creation_order(self) -> list[tuple[str, object]]:
-        """Submodules and free parameters in the order the reference model creates them.
+    def members(self) -> list[Member]:
+        """Submodules and free parameters in the order a model of the pipeline creates them.
 
         The order of first use in the ops; it matches a hand-written model that
         declares them in forward order, so the same seed gives the same init.
+        The reference model instantiates these; the generated Model prints them.
         """
-        seen, order = set(), []
+        seen, out = set(), []
         for op in self.ops:
-            if isinstance(op, (Conv, Norm)) and op.module not in seen:
-                seen.add(op.module)
-                order.append(("module", op))
+            m = op.member()
+            if m is not None and m.attr not in seen:
+                seen.add(m.attr)
+                out.append(m)
             for name in op.tensor_names():
                 if name in self.params and name not in seen:
                     seen.add(name)
-                    order.append(("param", self.params[name]))
-        return order
+                    p = self.params[name]
+                    out.append(Member(name, (TensorArg(name, name, p.shape),), init=p.init))
+        return out
 
     def tensor_args(self) -> list[TensorArg]:
         """Parameter tensors of the op, in creation order (the functional forward's order)."""
-        args = []
-        for kind, item in self.creation_order():
-            if kind == "param":
-                args.append(TensorArg(item.name, item.name, item.shape))
-                continue
-            for name in item.tensor_names():
-                if isinstance(item, Conv):
-                    shape = item.weight_shape() if name.endswith(".weight") else (item.out_channels,)
-                else:
-                    shape = (item.num_channels,)
-                args.append(TensorArg(name, name.replace(".", "_"), shape))
-        return args
+        return [t for m in self.members() for t in m.tensors]
 
     def run(self, x: torch.Tensor, tensors: Tensors) -> torch.Tensor:
         for op in self.ops:
@@ -721,89 +603,106 @@ def _check_broadcast(pshape, t: TensorType, key, path, name):
             )
 
 
-_DEFAULT_MODULE = {"conv": "conv", "conv_transpose": "conv_transpose", "group_norm": "group_norm", "instance_norm": "instance_norm"}
+# ---------------------------------------------------------------- building
+
+
+class _Builder:
+    """Builds each spec op's IR op from its op-table entry, one method per role."""
+
+    def __init__(self, spec: Spec):
+        self.spec, self.path = spec, spec.path
+        self.modules: dict[str, str] = {}  # module name -> key of the op that owns it
+        self.used: set[str] = set()  # free parameters some op reads
+
+    def module_name(self, o: OpSpec, default: str) -> str:
+        name = o.args["name"] or default
+        if name in self.modules:
+            hint = "" if o.args["name"] else "; give this op a 'name'"
+            raise SpecError(self.path, f"{o.key}.name", f"module name '{name}' is already used by {self.modules[name]}{hint}")
+        if name in self.spec.params:
+            raise SpecError(self.path, f"{o.key}.name", f"module name '{name}' clashes with the parameter '{name}'")
+        self.modules[name] = o.key
+        return name
+
+    def conv(self, o: OpSpec, entry, t: TensorType) -> Op:
+        a = o.args
+        transposed = entry.variant == "transposed"
+        return Conv(
+            key=o.key,
+            kind=o.kind,
+            module=self.module_name(o, "conv_transpose" if transposed else "conv"),
+            in_channels=t.channels,
+            out_channels=a["out_channels"],
+            kernel=a["kernel_size"],
+            stride=a["stride"],
+            padding=a["padding"],
+            dilation=a["dilation"],
+            output_padding=a.get("output_padding") or (0,) * entry.rank,
+            groups=a["groups"],
+            bias=a["bias"],
+        )
+
+    def pool(self, o: OpSpec, entry, t: TensorType) -> Op:
+        a = o.args
+        return Pool(
+            key=o.key,
+            kind=entry.variant,
+            kernel=a["kernel_size"],
+            stride=a["stride"] or a["kernel_size"],
+            padding=a["padding"],
+            dilation=a.get("dilation") or (1,) * entry.rank,
+            ceil_mode=a["ceil_mode"],
+            count_include_pad=a.get("count_include_pad", True),
+            sources=(o.key,),
+        )
+
+    def global_pool(self, o: OpSpec, entry, t: TensorType) -> Op:
+        try:
+            _check_rank(t, entry.rank, o.kind)
+        except ShapeError as e:
+            raise SpecError(self.path, o.key, str(e)) from None
+        spatial = tuple(range(2, 2 + entry.rank))
+        return Reduce(key=o.key, fn="mean", dims=spatial, kept=spatial, origin=o.kind)
+
+    def elementwise(self, o: OpSpec, entry: ElementwiseOp, t: TensorType) -> Op:
+        a = o.args
+        pname = a.get("param")
+        if pname:
+            if pname not in self.spec.params:
+                known = ", ".join(sorted(self.spec.params)) or "none declared"
+                raise SpecError(self.path, f"{o.key}.param", f"unknown parameter '{pname}' (params: {known})")
+            _check_broadcast(self.spec.params[pname].shape, t, f"{o.key}.param", self.path, pname)
+            self.used.add(pname)
+        consts = tuple(a[name] for name, _ in entry.consts)
+        return Elementwise(key=o.key, fn=o.kind, consts=consts, scalar=a.get("scalar"), param=pname)
+
+    def reduce(self, o: OpSpec, entry, t: TensorType) -> Op:
+        dims = _norm_dims(o.args["dim"], t, o.key, self.path)
+        return Reduce(key=o.key, fn=o.kind, dims=dims, kept=dims if o.args["keepdim"] else ())
+
+    def norm(self, o: OpSpec, entry, t: TensorType) -> Op:
+        a = o.args
+        return Norm(
+            key=o.key,
+            kind=o.kind,
+            module=self.module_name(o, o.kind),
+            num_groups=a.get("num_groups") or t.channels,  # instance_norm: one channel per group
+            num_channels=t.channels,
+            eps=a["eps"],
+            affine=a["affine"],
+            rank=len(t.spatial),
+        )
 
 
 def build_pipeline(spec: Spec) -> Pipeline:
     """Spec -> Pipeline with inferred types; semantic errors name the op's key."""
     path = spec.path
+    b = _Builder(spec)
     t = TensorType(spec.input_shape)
-    ops, types, modules, used = [], [t], {}, set()
-
-    def module_name(o, default):
-        name = o.args["name"] or default
-        if name in modules:
-            hint = "" if o.args["name"] else "; give this op a 'name'"
-            raise SpecError(path, f"{o.key}.name", f"module name '{name}' is already used by {modules[name]}{hint}")
-        if name in spec.params:
-            raise SpecError(path, f"{o.key}.name", f"module name '{name}' clashes with the parameter '{name}'")
-        modules[name] = o.key
-        return name
-
+    ops, types = [], [t]
     for o in spec.ops:
-        a, kind = o.args, o.kind
-        if kind.startswith("conv"):
-            base = "conv_transpose" if "transpose" in kind else "conv"
-            op = Conv(
-                key=o.key,
-                kind=kind,
-                module=module_name(o, _DEFAULT_MODULE[base]),
-                in_channels=t.channels,
-                out_channels=a["out_channels"],
-                kernel=a["kernel_size"],
-                stride=a["stride"],
-                padding=a["padding"],
-                dilation=a["dilation"],
-                output_padding=a.get("output_padding") or (0,) * len(a["kernel_size"]),
-                groups=a["groups"],
-                bias=a["bias"],
-            )
-        elif kind.startswith(("max_pool", "avg_pool")):
-            op = Pool(
-                key=o.key,
-                kind=kind[:3],
-                kernel=a["kernel_size"],
-                stride=a["stride"] or a["kernel_size"],
-                padding=a["padding"],
-                dilation=a.get("dilation") or (1,) * len(a["kernel_size"]),
-                ceil_mode=a["ceil_mode"],
-                count_include_pad=a.get("count_include_pad", True),
-                sources=(o.key,),
-            )
-        elif kind.startswith("adaptive_avg_pool"):
-            rank = _spatial_rank(kind)
-            try:
-                _check_rank(t, rank, kind)
-            except ShapeError as e:
-                raise SpecError(path, o.key, str(e)) from None
-            spatial = tuple(range(2, 2 + rank))
-            op = Reduce(key=o.key, fn="mean", dims=spatial, kept=spatial, origin=kind)
-        elif kind in UNARY or kind in BINARY:
-            if a.get("param"):
-                pname = a["param"]
-                if pname not in spec.params:
-                    known = ", ".join(sorted(spec.params)) or "none declared"
-                    raise SpecError(path, f"{o.key}.param", f"unknown parameter '{pname}' (params: {known})")
-                _check_broadcast(spec.params[pname].shape, t, f"{o.key}.param", path, pname)
-                used.add(pname)
-            op = Elementwise(
-                key=o.key, fn=kind, scalar=a.get("scalar"), param=a.get("param"), lo=a.get("min"), hi=a.get("max")
-            )
-        elif kind in ("sum", "mean", "max"):
-            dims = _norm_dims(a["dim"], t, o.key, path)
-            op = Reduce(key=o.key, fn=kind, dims=dims, kept=dims if a["keepdim"] else ())
-        elif kind in ("group_norm", "instance_norm"):
-            op = Norm(
-                key=o.key,
-                kind=kind,
-                module=module_name(o, _DEFAULT_MODULE[kind]),
-                num_groups=a["num_groups"] if kind == "group_norm" else t.channels,
-                num_channels=t.channels,
-                eps=a["eps"],
-                affine=a["affine"],
-            )
-        else:  # pragma: no cover - the spec loader only lets known kinds through
-            raise SpecError(path, o.key, f"op {kind!r} has no IR")
+        entry = OPS[o.kind]
+        op = getattr(b, entry.role)(o, entry, t)
         try:
             t = op.infer(t)
         except ShapeError as e:
@@ -812,7 +711,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
         types.append(t)
 
     for name, p in spec.params.items():
-        if name not in used:
+        if name not in b.used:
             raise SpecError(path, p.key, f"parameter '{name}' is declared but no op uses it")
     pipe = Pipeline(
         name=spec.name,

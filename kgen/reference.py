@@ -2,33 +2,26 @@
 
 Its submodules and parameters have the names, shapes and default
 initialization a hand-written model would have (``nn.Conv3d`` as ``conv``, a
-free parameter as a direct attribute), created in the order of first use, so
-with the same seed it initializes exactly like the hand-written model and
-``state_dict``s load both ways.
+free parameter as a direct attribute), created in the order of first use
+(``Pipeline.members``), so with the same seed it initializes exactly like the
+hand-written model and ``state_dict``s load both ways. The generated module's
+``Model`` creates the same members (rendered from the same list).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .ir import Conv, Pipeline
+from .ir import Member, Pipeline
 
 PARAM_INIT = {"randn": torch.randn, "ones": torch.ones, "zeros": torch.zeros}
 
 
-def make_submodule(op, rank: int) -> nn.Module:
-    cls, kwargs = op.module_ctor() if isinstance(op, Conv) else op.module_ctor(rank)
-    return getattr(nn, cls)(**kwargs)
-
-
-def init_reference_members(module: nn.Module, pipeline: Pipeline) -> None:
-    """Create the submodules and free parameters of ``pipeline`` on ``module``."""
-    rank = len(pipeline.input.spatial)
-    for kind, item in pipeline.creation_order():
-        if kind == "module":
-            setattr(module, item.module, make_submodule(item, rank))
-        else:
-            setattr(module, item.name, nn.Parameter(PARAM_INIT[item.init](*item.shape)))
+def instantiate(member: Member) -> nn.Module | nn.Parameter:
+    if member.nn_class is not None:
+        return getattr(nn, member.nn_class)(**dict(member.kwargs))
+    (tensor,) = member.tensors
+    return nn.Parameter(PARAM_INIT[member.init](*tensor.shape))
 
 
 class ReferenceModel(nn.Module):
@@ -37,7 +30,8 @@ class ReferenceModel(nn.Module):
     def __init__(self, pipeline: Pipeline):
         super().__init__()
         self.pipeline = pipeline
-        init_reference_members(self, pipeline)
+        for m in pipeline.members():
+            setattr(self, m.attr, instantiate(m))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.pipeline.run(x, dict(self.named_parameters()))

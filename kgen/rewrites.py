@@ -18,7 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType
+from .errors import SpecError
+from .ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType, infer_types
+from .lowering import Folded, LoweredConv, Subpixel, lowered
 
 # How much of a convolution's output must be dead before the dead-region pass
 # crops it: cropping copies the input once, which a sliver does not pay for.
@@ -138,8 +140,10 @@ def avg_pool_folding(pipe: Pipeline):
     """
     ops, decisions = list(pipe.ops), []
     for i, op in enumerate(ops):
-        if not isinstance(op, Conv):
+        lc = lowered(op)
+        if lc is None:
             continue
+        conv = lc.conv
         j = i + 1
         while j < len(ops) and isinstance(ops[j], Elementwise):
             j += 1
@@ -149,18 +153,18 @@ def avg_pool_folding(pipe: Pipeline):
         why = None
         if j != i + 1:
             why = f"{ops[i + 1].describe()} between the convolution and the pool"
-        elif op.transposed:
+        elif conv.transposed:
             why = "transposed convolution"
-        elif op.lowering != "direct":
-            why = f"convolution is already {op.lowering}"
-        elif any(d != 1 for d in op.dilation):
-            why = f"dilated convolution (dilation {list(op.dilation)})"
+        elif op is not conv:
+            why = f"convolution is already {lc.lowering.name}"
+        elif any(d != 1 for d in conv.dilation):
+            why = f"dilated convolution (dilation {list(conv.dilation)})"
         elif any(pool.padding):
             why = f"pool pads (padding {list(pool.padding)})"
         elif pool.ceil_mode:
             why = "pool uses ceil_mode"
         if why is None:
-            folded = replace(op, lowering="folded", fold_kernel=pool.kernel, fold_stride=pool.stride)
+            folded = LoweredConv(key=conv.key, conv=conv, lowering=Folded(pool.kernel, pool.stride))
             t = _type_at(pipe, op)
             if folded.infer(t) != pipe.types[j + 1]:
                 why = "folded output size differs from the pool's"
@@ -172,7 +176,7 @@ def avg_pool_folding(pipe: Pipeline):
                 "avg_pool_folding",
                 _site(op, pool),
                 True,
-                f"kernel {list(op.kernel)} stride {list(op.stride)} + avg_pool {list(pool.kernel)} -> kernel {list(folded.eff_kernel())} stride {list(folded.eff_stride())}",
+                f"kernel {list(conv.kernel)} stride {list(conv.stride)} + avg_pool {list(pool.kernel)} -> kernel {list(folded.kernel)} stride {list(folded.stride)}",
             )
         )
         ops[i], ops[j] = folded, None
@@ -209,7 +213,7 @@ def subpixel_conv_transpose(pipe: Pipeline):
             decisions.append(Decision("subpixel_conv_transpose", _site(op), False, why))
             continue
         n = math.prod(op.stride)
-        ops[i] = replace(op, lowering="subpixel")
+        ops[i] = LoweredConv(key=op.key, conv=op, lowering=Subpixel())
         taps = "x".join("/".join(str(t) for t in sorted({-(-(k - r) // s) for r in range(s)}, reverse=True)) for k, s in zip(op.kernel, op.stride))
         what = f"{n} phase convolutions" if n > 1 else "one convolution with the flipped kernel"
         decisions.append(Decision("subpixel_conv_transpose", _site(op), True, f"{what}, {taps} taps per dim"))
@@ -236,11 +240,12 @@ def _needed_input(op: Op, t_in: TensorType, t_out: TensorType, need: tuple) -> t
             else:
                 out.append(next(it))
         return tuple(out)
-    if isinstance(op, Pool) or (isinstance(op, Conv) and not op.transposed):
+    lc = lowered(op)
+    if isinstance(op, Pool) or (lc is not None and not lc.conv.transposed):
         if isinstance(op, Pool):
             k, s, p, d = op.kernel, op.stride, op.padding, op.dilation
         else:
-            k, s, p, d = op.eff_kernel(), op.eff_stride(), op.padding, op.dilation
+            k, s, p, d = lc.kernel, lc.stride, lc.conv.padding, lc.conv.dilation
         spatial = tuple(
             min(l, (n - 1) * st - pp + dd * (kk - 1) + 1)
             for l, n, kk, st, pp, dd in zip(t_in.spatial, need[1:], k, s, p, d)
@@ -265,27 +270,33 @@ def dead_region(pipe: Pipeline):
         need = _needed_input(ops[i], types[i], types[i + 1], need)
     decisions = []
     for i, op in enumerate(ops):
-        if not isinstance(op, Conv):
+        lc = lowered(op)
+        if lc is None:
             continue
         full = types[i + 1].spatial
         keep = needs[i][1:]
         if keep == full:
             decisions.append(Decision("dead_region", _site(op), False, "consumers read the whole output"))
             continue
-        if op.transposed and op.lowering != "subpixel":
+        if not lc.lowering.can_crop(lc.conv):
             decisions.append(Decision("dead_region", _site(op), False, "transposed convolution not in sub-pixel form computes everything"))
             continue
-        if op.lowering == "subpixel":  # every phase keeps at least one output
-            keep = tuple(min(f, max(k, s)) for f, k, s in zip(full, keep, op.stride))
+        keep = tuple(min(f, max(k, m)) for f, k, m in zip(full, keep, lc.lowering.min_kept(lc.conv)))
         varying = _spatially_varying_param(pipe, i)
         if varying:
             decisions.append(Decision("dead_region", _site(op), False, f"parameter '{varying}' varies along the spatial dims of the cropped tensor"))
             continue
-        cropped = replace(op, crop=tuple(keep))
-        if op.lowering != "subpixel" and any(
-            c < k for c, k in zip(cropped.computed_out(cropped.input_extent(types[i].spatial)), keep)
-        ):
+        cropped = replace(lc, crop=tuple(keep))
+        if any(c < k for c, k in zip(cropped.physical_out(types[i].spatial), keep)):
             decisions.append(Decision("dead_region", _site(op), False, "the cropped input would not produce the kept outputs"))
+            continue
+        try:  # the consumers must take the cropped size (avg_pool3d refuses an input smaller than its kernel)
+            after = infer_types(cropped.infer(types[i]), ops[i + 1 :], pipe.path)[-1]
+        except SpecError as e:
+            decisions.append(Decision("dead_region", _site(op), False, f"a consumer refuses the cropped size: {e.message}"))
+            continue
+        if after != types[-1]:
+            decisions.append(Decision("dead_region", _site(op), False, f"the cropped size changes the output to {after}"))
             continue
         dead = 1 - math.prod(keep) / math.prod(full)
         if dead < DEAD_REGION_MIN_FRACTION:

@@ -7,21 +7,22 @@ path, so every problem in a spec reads the same way:
     specs/foo.yaml: ops[2].max_pool3d.kernel_size: expected a positive integer ...
 
 Nothing from a spec reaches generated code except identifiers that match
-``[a-z][a-z0-9_]*`` and numbers that passed the checks below.
+``[a-z][a-z0-9_]*`` and numbers that passed the checks (``kgen.fields``). The
+fields of each op and their defaults come from the op table (``kgen.ops``).
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from .errors import SpecError
+from .fields import REQUIRED, boolean, fail, ident, integer, is_int
+from .ops import OPS
 
-IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 SYMBOL = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 PRECISIONS = ("ieee", "tf32", "tf32x3")
 DTYPES = ("float32",)
@@ -73,169 +74,12 @@ class Spec:
         return SpecError(self.path, key, message)
 
 
-# --------------------------------------------------------------------------
-# field checkers: each takes (value, key, path) and returns the clean value
-
-
-class _Req:
-    """Marks a field without default."""
-
-
-REQUIRED = _Req()
-
-
-def _fail(path, key, msg):
-    raise SpecError(path, key, msg)
-
-
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(lo: int) -> Callable:
-    what = "a positive integer" if lo == 1 else "a non-negative integer"
-
-    def check(v, key, path):
-        if not _is_int(v) or v < lo:
-            _fail(path, key, f"expected {what}, got {v!r}")
-        return v
-
-    return check
-
-
-def _ints(rank: int, lo: int) -> Callable:
-    """An int, or a list of ``rank`` ints, each >= lo; returns a tuple of length rank."""
-    what = "positive" if lo == 1 else "non-negative"
-
-    def check(v, key, path):
-        if _is_int(v) and v >= lo:
-            return (v,) * rank
-        if isinstance(v, list) and len(v) == rank and all(_is_int(e) and e >= lo for e in v):
-            return tuple(v)
-        _fail(path, key, f"expected a {what} integer or a list of {rank} {what} integers, got {v!r}")
-
-    return check
-
-
-def _optional(check: Callable) -> Callable:
-    return lambda v, key, path: None if v is None else check(v, key, path)
-
-
-def _bool(v, key, path):
-    if not isinstance(v, bool):
-        _fail(path, key, f"expected true or false, got {v!r}")
-    return v
-
-
-def _number(v, key, path):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        _fail(path, key, f"expected a finite number, got {v!r}")
-    return float(v)
-
-
-def _ident(v, key, path):
-    if not isinstance(v, str) or not IDENT.match(v):
-        _fail(path, key, f"expected an identifier matching [a-z][a-z0-9_]*, got {v!r}")
-    return v
-
-
-def _dims(v, key, path):
-    if _is_int(v):
-        return (v,)
-    if isinstance(v, list) and v and all(_is_int(e) for e in v):
-        if len(set(v)) != len(v):
-            _fail(path, key, f"repeated dimension in {v!r}")
-        return tuple(v)
-    _fail(path, key, f"expected a dimension index or a non-empty list of them, got {v!r}")
-
-
-def _ones(rank: int) -> Callable:
-    def check(v, key, path):
-        if (_is_int(v) and v == 1) or (isinstance(v, list) and len(v) == rank and all(_is_int(e) and e == 1 for e in v)):
-            return (1,) * rank
-        _fail(path, key, f"only global pooling (output_size 1) is supported, got {v!r}")
-
-    return check
-
-
-# --------------------------------------------------------------------------
-# the op catalog: kind -> {field: (checker, default)}
-
-
-def _conv_fields(rank: int, transposed: bool) -> dict:
-    f = {
-        "out_channels": (_int(1), REQUIRED),
-        "kernel_size": (_ints(rank, 1), REQUIRED),
-        "stride": (_ints(rank, 1), 1),
-        "padding": (_ints(rank, 0), 0),
-        "dilation": (_ints(rank, 1), 1),
-        "groups": (_int(1), 1),
-        "bias": (_bool, True),
-        "name": (_optional(_ident), None),
-    }
-    if transposed:
-        f["output_padding"] = (_ints(rank, 0), 0)
-    return f
-
-
-def _pool_fields(rank: int, kind: str) -> dict:
-    f = {
-        "kernel_size": (_ints(rank, 1), REQUIRED),
-        "stride": (_optional(_ints(rank, 1)), None),  # None: the kernel size
-        "padding": (_ints(rank, 0), 0),
-        "ceil_mode": (_bool, False),
-    }
-    if kind == "max":
-        f["dilation"] = (_ints(rank, 1), 1)
-    else:
-        f["count_include_pad"] = (_bool, True)
-    return f
-
-
-def _binary_fields() -> dict:
-    return {"scalar": (_optional(_number), None), "param": (_optional(_ident), None)}
-
-
-OP_FIELDS: dict[str, dict] = {}
-for _r in (1, 2, 3):
-    OP_FIELDS[f"conv{_r}d"] = _conv_fields(_r, False)
-    OP_FIELDS[f"conv_transpose{_r}d"] = _conv_fields(_r, True)
-    OP_FIELDS[f"max_pool{_r}d"] = _pool_fields(_r, "max")
-    OP_FIELDS[f"avg_pool{_r}d"] = _pool_fields(_r, "avg")
-    OP_FIELDS[f"adaptive_avg_pool{_r}d"] = {"output_size": (_ones(_r), REQUIRED)}
-OP_FIELDS.update(
-    {
-        "relu": {},
-        "sigmoid": {},
-        "clamp": {"min": (_optional(_number), None), "max": (_optional(_number), None)},
-        "add": _binary_fields(),
-        "sub": _binary_fields(),
-        "mul": _binary_fields(),
-        "div": _binary_fields(),
-        "sum": {"dim": (_dims, REQUIRED), "keepdim": (_bool, False)},
-        "mean": {"dim": (_dims, REQUIRED), "keepdim": (_bool, False)},
-        "max": {"dim": (_dims, REQUIRED), "keepdim": (_bool, False)},
-        "group_norm": {
-            "num_groups": (_int(1), REQUIRED),
-            "eps": (_number, 1e-5),
-            "affine": (_bool, True),
-            "name": (_optional(_ident), None),
-        },
-        "instance_norm": {
-            "eps": (_number, 1e-5),
-            "affine": (_bool, False),
-            "track_running_stats": (_bool, False),
-            "name": (_optional(_ident), None),
-        },
-    }
-)
-
 TOP_KEYS = {"name", "description", "input", "params", "ops", "precision", "rewrites", "plan"}
 
 
 def _mapping(v, key, path, what="a mapping"):
     if not isinstance(v, dict):
-        _fail(path, key, f"expected {what}, got {type(v).__name__}")
+        fail(path, key, f"expected {what}, got {type(v).__name__}")
     return v
 
 
@@ -248,7 +92,7 @@ def _no_extra(d: dict, allowed, key, path):
     for k in d:
         if k not in allowed:
             sub = f"{key}.{_shown(k)}" if key else _shown(k)
-            _fail(path, sub, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
+            fail(path, sub, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
 
 
 def _fields(raw: dict, schema: dict, key: str, path: str) -> dict:
@@ -258,25 +102,10 @@ def _fields(raw: dict, schema: dict, key: str, path: str) -> dict:
         if name in raw:
             out[name] = check(raw[name], f"{key}.{name}", path)
         elif default is REQUIRED:
-            _fail(path, f"{key}.{name}", "missing required field")
+            fail(path, f"{key}.{name}", "missing required field")
         else:  # defaults go through the checker too, so 1 becomes (1, 1, 1)
             out[name] = None if default is None else check(default, f"{key}.{name}", path)
     return out
-
-
-def _check_op_args(kind: str, args: dict, key: str, path: str):
-    """Cross-field rules that a single field checker cannot see."""
-    if kind in ("add", "sub", "mul", "div"):
-        if (args["scalar"] is None) == (args["param"] is None):
-            _fail(path, key, "give exactly one of 'scalar' or 'param'")
-        if kind == "div" and args["scalar"] == 0.0:
-            _fail(path, f"{key}.scalar", "division by zero")
-    if kind == "clamp" and args["min"] is None and args["max"] is None:
-        _fail(path, key, "give at least one of 'min' or 'max'")
-    if kind == "clamp" and None not in (args["min"], args["max"]) and args["min"] > args["max"]:
-        _fail(path, key, f"min ({args['min']}) is larger than max ({args['max']})")
-    if kind == "instance_norm" and args["track_running_stats"]:
-        _fail(path, f"{key}.track_running_stats", "running statistics are not supported; use false")
 
 
 def _load_op(raw, i: int, path: str) -> OpSpec:
@@ -284,16 +113,18 @@ def _load_op(raw, i: int, path: str) -> OpSpec:
     if isinstance(raw, str):
         raw = {raw: None}
     if not isinstance(raw, dict) or len(raw) != 1:
-        _fail(path, key, "each op is a mapping with exactly one key, the op name (e.g. '- max_pool3d: {kernel_size: 2}')")
+        fail(path, key, "each op is a mapping with exactly one key, the op name (e.g. '- max_pool3d: {kernel_size: 2}')")
     (kind, fields), = raw.items()
-    if kind not in OP_FIELDS:
-        _fail(path, key, f"unknown op {kind!r}; known ops: {', '.join(sorted(OP_FIELDS))}")
+    if kind not in OPS:
+        fail(path, key, f"unknown op {kind!r}; known ops: {', '.join(sorted(OPS))}")
     key = f"{key}.{kind}"
     if fields is None:
         fields = {}
     _mapping(fields, key, path)
-    args = _fields(fields, OP_FIELDS[kind], key, path)
-    _check_op_args(kind, args, key, path)
+    entry = OPS[kind]
+    args = _fields(fields, entry.fields, key, path)
+    if entry.check:
+        entry.check(args, key, path)
     return OpSpec(kind, args, key, i)
 
 
@@ -301,28 +132,28 @@ def _load_input(raw, path):
     _mapping(raw, "input", path)
     _no_extra(raw, {"shape", "dtype", "example"}, "input", path)
     if "shape" not in raw:
-        _fail(path, "input.shape", "missing required field")
+        fail(path, "input.shape", "missing required field")
     shape = raw["shape"]
     if not isinstance(shape, list) or len(shape) < 3 or len(shape) > 5:
-        _fail(path, "input.shape", f"expected a list of 3 to 5 sizes [batch, channels, spatial...], got {shape!r}")
+        fail(path, "input.shape", f"expected a list of 3 to 5 sizes [batch, channels, spatial...], got {shape!r}")
     clean = []
     for d, v in enumerate(shape):
         k = f"input.shape[{d}]"
         if d == 0 and isinstance(v, str):
             if not SYMBOL.match(v):
-                _fail(path, k, f"expected a positive integer or a symbol name like N, got {v!r}")
+                fail(path, k, f"expected a positive integer or a symbol name like N, got {v!r}")
             clean.append(v)
         elif isinstance(v, str):
-            _fail(path, k, "only the batch dimension (position 0) may be a run-time symbol")
+            fail(path, k, "only the batch dimension (position 0) may be a run-time symbol")
         else:
-            clean.append(_int(1)(v, k, path))
+            clean.append(integer(1)(v, k, path))
     dtype = raw.get("dtype", "float32")
     if dtype not in DTYPES:
-        _fail(path, "input.dtype", f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+        fail(path, "input.dtype", f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     example = _mapping(raw.get("example", {}) or {}, "input.example", path)
     symbols = [v for v in clean if isinstance(v, str)]
     _no_extra(example, set(symbols), "input.example", path)
-    example = {s: _int(1)(example.get(s, 1), f"input.example.{s}", path) for s in symbols}
+    example = {s: integer(1)(example.get(s, 1), f"input.example.{s}", path) for s in symbols}
     return tuple(clean), dtype, example
 
 
@@ -330,15 +161,15 @@ def _load_params(raw, path):
     params = {}
     for name, p in _mapping(raw or {}, "params", path).items():
         key = f"params.{name}"
-        _ident(name, key, path)
+        ident(name, key, path)
         _mapping(p, key, path)
         _no_extra(p, {"shape", "init"}, key, path)
         shape = p.get("shape")
-        if not isinstance(shape, list) or not shape or not all(_is_int(v) and v >= 1 for v in shape):
-            _fail(path, f"{key}.shape", f"expected a non-empty list of positive integers, got {shape!r}")
+        if not isinstance(shape, list) or not shape or not all(is_int(v) and v >= 1 for v in shape):
+            fail(path, f"{key}.shape", f"expected a non-empty list of positive integers, got {shape!r}")
         init = p.get("init", "randn")
         if init not in PARAM_INITS:
-            _fail(path, f"{key}.init", f"expected one of {', '.join(PARAM_INITS)}, got {init!r}")
+            fail(path, f"{key}.init", f"expected one of {', '.join(PARAM_INITS)}, got {init!r}")
         params[name] = ParamSpec(name, tuple(shape), init, key)
     return params
 
@@ -349,7 +180,7 @@ def _load_rewrites(raw, path):
         return {n: on for n in REWRITE_NAMES}
     _mapping(raw, "rewrites", path, "true, false, or a mapping of rewrite name to true/false")
     _no_extra(raw, REWRITE_NAMES, "rewrites", path)
-    return {n: _bool(raw.get(n, True), f"rewrites.{n}", path) for n in REWRITE_NAMES}
+    return {n: boolean(raw.get(n, True), f"rewrites.{n}", path) for n in REWRITE_NAMES}
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -377,25 +208,25 @@ def parse_spec(text: str, path: str = "<spec>") -> Spec:
     _no_extra(raw, TOP_KEYS, "", path)
     for k in ("name", "input", "ops"):
         if k not in raw:
-            _fail(path, k, "missing required field")
-    name = _ident(raw["name"], "name", path)
+            fail(path, k, "missing required field")
+    name = ident(raw["name"], "name", path)
     description = raw.get("description", "")
     if not isinstance(description, str):
-        _fail(path, "description", "expected a string")
+        fail(path, "description", "expected a string")
     shape, dtype, example = _load_input(raw["input"], path)
     params = _load_params(raw.get("params"), path)
     ops_raw = raw["ops"]
     if not isinstance(ops_raw, list) or not ops_raw:
-        _fail(path, "ops", "expected a non-empty list of ops")
+        fail(path, "ops", "expected a non-empty list of ops")
     ops = tuple(_load_op(o, i, path) for i, o in enumerate(ops_raw))
     precision = raw.get("precision", "tf32")
     if precision not in PRECISIONS:
-        _fail(path, "precision", f"expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+        fail(path, "precision", f"expected one of {', '.join(PRECISIONS)}, got {precision!r}")
     plan = _mapping(raw.get("plan", {}) or {}, "plan", path)
     _no_extra(plan, {"conv_layout"}, "plan", path)
     conv_layout = plan.get("conv_layout", "auto")
     if conv_layout not in CONV_LAYOUTS:
-        _fail(path, "plan.conv_layout", f"expected one of {', '.join(CONV_LAYOUTS)}, got {conv_layout!r}")
+        fail(path, "plan.conv_layout", f"expected one of {', '.join(CONV_LAYOUTS)}, got {conv_layout!r}")
     return Spec(
         path=path,
         name=name,

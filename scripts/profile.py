@@ -46,7 +46,7 @@ def main():
         print(f"==== {d.name}: {total:.3f} ms per call")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
         params = dict(model.named_parameters())
-        for st in plan.fused_stages():
+        for st in plan.kernel_stages():
             op = getattr(torch.ops.kgen, f"{d.name}_stage{st.index}")
             stage_params = [params[a.name] for a in plan.stage_args(st)]
             t = torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda")
@@ -59,7 +59,7 @@ def main():
 
 def stage_once(pipe, plan, d, model):
     params = dict(model.named_parameters())
-    for st in plan.fused_stages():
+    for st in plan.kernel_stages():
         op = getattr(torch.ops.kgen, f"{d.name}_stage{st.index}")
         stage_params = [params[a.name] for a in plan.stage_args(st)]
         tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda"))

@@ -1,5 +1,6 @@
 // kgen_math.h: scalar math shared by the CUDA and the C++ kernels of every
-// generated module, so both backends compute the same function.
+// generated module, so both backends compute the same function. Each
+// elementwise op of the op table (kgen/ops.py) is one function here.
 // Copied verbatim into generated/ by `kgen render`; edit templates/kgen_math.h.
 #pragma once
 
@@ -43,8 +44,17 @@ KGEN_HD float sigmoid(float x) {
 #endif
 }
 
+KGEN_HD float tanh(float x) { return tanhf(x); }
+
 // torch.clamp: NaN stays NaN; with lo > hi every value becomes hi.
 KGEN_HD float clamp(float x, float lo, float hi) { return min_nan(max_nan(x, lo), hi); }
+
+// The arithmetic ops, as functions like every elementwise op of the op table
+// (kgen/ops.py): one rounding each, as in PyTorch.
+KGEN_HD float add(float x, float y) { return x + y; }
+KGEN_HD float sub(float x, float y) { return x - y; }
+KGEN_HD float mul(float x, float y) { return x * y; }
+KGEN_HD float div(float x, float y) { return x / y; }
 
 // Statistics of a normalization: count, sum of d and sum of d*d, where
 // d = v - shift and the shift is a value near the group's mean. Every thread,

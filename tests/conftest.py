@@ -1,8 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Plan for the default target (an H100) on any machine, so that rendering gives
+# the committed generated/ files on a GPU with another SM count too.
+os.environ.setdefault("KGEN_TARGET", "default")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.yaml"))
@@ -34,3 +39,24 @@ def write_spec(dir_path: Path, text: str, name: str = "spec.yaml") -> Path:
     path = Path(dir_path) / name
     path.write_text(text)
     return path
+
+
+def spec_text(shape, ops, params=None, rewrites=None, batch=2, name="t", plan=None) -> str:
+    """A spec as YAML text: input [N] + shape with a symbolic batch N (example value ``batch``)."""
+    import yaml
+
+    raw = {"name": name, "input": {"shape": ["N"] + list(shape), "dtype": "float32", "example": {"N": batch}}, "ops": ops}
+    if params:
+        raw["params"] = params
+    if rewrites is not None:
+        raw["rewrites"] = rewrites
+    if plan:
+        raw["plan"] = plan
+    return yaml.safe_dump(raw, sort_keys=False)
+
+
+def pipeline_of(text: str, path: str = "t.yaml"):
+    from kgen.ir import build_pipeline
+    from kgen.spec import parse_spec
+
+    return build_pipeline(parse_spec(text, path))

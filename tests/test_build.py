@@ -1,4 +1,4 @@
-"""ninja builds: content-hash cache, concurrent builders, errors traced to templates."""
+"""ninja builds: content-hash cache, progress lines, concurrent builders, errors traced to templates."""
 import subprocess
 import sys
 
@@ -26,10 +26,12 @@ def _render(tmp_path, tag, k=2):
     return spec, out / f"tiny_{tag}"
 
 
-def test_cache_hit_and_new_key_on_change(tmp_path):
+def test_cache_hit_and_new_key_on_change(tmp_path, capfd):
     spec, mod = _render(tmp_path, "cache")
-    first = build_module(mod, quiet=True)
+    first = build_module(mod)
     assert first.built and first.library.exists()
+    err = capfd.readouterr().err  # progress lines
+    assert "kgen: building tiny_cache" in err and "compile binding.cpp" in err and "kgen: built tiny_cache" in err
     again = build_module(mod, quiet=True)
     assert not again.built and again.library == first.library
     spec.write_text(TINY.format(tag="cache", k=4))
@@ -53,25 +55,18 @@ def test_compile_error_names_the_template_and_leaves_nothing_importable(tmp_path
     _, mod = _render(tmp_path, "broken")
     src = mod / "kernel_cpu.cpp"
     lines = src.read_text().splitlines()
-    mark = next(i for i, l in enumerate(lines) if "templates/pool_reduce.cpp.j2" in l)
+    mark = next(i for i, l in enumerate(lines) if "templates/pool_reduce/kernel_cpu.cpp.j2" in l)
     lines.insert(mark + 3, "this is not C++;")
     src.write_text("\n".join(lines) + "\n")
-    assert template_of(src, mark + 4) == "templates/pool_reduce.cpp.j2"
+    assert template_of(src, mark + 4) == "templates/pool_reduce/kernel_cpu.cpp.j2"
     with pytest.raises(KgenError) as err:
         build_module(mod, quiet=True)
     msg = str(err.value)
     assert "building tiny_broken failed" in msg and "kernel_cpu.cpp" in msg
-    assert "templates/pool_reduce.cpp.j2" in msg
+    assert "templates/pool_reduce/kernel_cpu.cpp.j2" in msg
     assert not any(p.name.endswith(".so") for p in (mod / "_build").rglob("*.so") if "failed-" not in str(p))
     proc = subprocess.run(
         [sys.executable, "-c", f"from kgen.validate import import_module_dir; import_module_dir({str(mod)!r})"],
         cwd=ROOT, capture_output=True, text=True,
     )
     assert proc.returncode != 0 and "building tiny_broken failed" in proc.stderr
-
-
-def test_progress_lines(tmp_path, capfd):
-    _, mod = _render(tmp_path, "progress")
-    build_module(mod)
-    err = capfd.readouterr().err
-    assert "kgen: building tiny_progress" in err and "compile binding.cpp" in err and "kgen: built tiny_progress" in err

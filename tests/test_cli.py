@@ -11,7 +11,7 @@ def _kgen(*args):
     return subprocess.run([sys.executable, "-m", "kgen", *args], cwd=ROOT, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("command", ["render", "build", "validate", "bench", "explain", "list", "ptxas", "all"])
+@pytest.mark.parametrize("command", ["render", "build", "validate", "bench", "explain", "list", "ptxas", "all", "ops"])
 def test_help(command):
     proc = _kgen(command, "--help")
     assert proc.returncode == 0 and "Usage: " in proc.stdout and len(proc.stdout.splitlines()) > 5
@@ -35,6 +35,17 @@ def test_explain_shows_rewrites_stages_and_floor():
     assert "stage 1 pool_reduce" in out and "floor" in out and "without rewrites" in out
     off = _kgen("explain", "--no-rewrites", "specs/maxpool_sum.yaml").stdout
     assert "fired" not in off and "switched off" in off
+
+
+def test_ops_lists_the_op_table():
+    from kgen.ops import OPS
+
+    out = _kgen("ops").stdout.splitlines()
+    names = [line.split()[0] for line in out[2:]]
+    assert names == list(OPS)
+    clamp = next(line for line in out if line.startswith("clamp "))
+    assert "min, max" in clamp and "pool_reduce, norm" in clamp
+    assert "kernel_size*" in next(line for line in out if line.startswith("conv2d "))
 
 
 def test_unknown_module_is_a_one_line_error():

@@ -1,4 +1,4 @@
-"""The five shipped modules: render -> build -> validate, drop-in Model, errors, tracing."""
+"""The shipped modules: render -> build -> validate, drop-in Model, errors, tracing."""
 import math
 
 import pytest
@@ -12,8 +12,11 @@ from kgen.validate import compare, validate
 SPEC = {n: ROOT / "specs" / f"{n}.yaml" for n in SHIPPED}
 
 
-def test_the_five_pipelines_are_shipped():
-    assert sorted(SHIPPED) == sorted(MODELS)
+HANDWRITTEN = sorted(MODELS)  # shipped specs with a hand-written model to compare with
+
+
+def test_every_handwritten_model_has_its_shipped_spec():
+    assert set(HANDWRITTEN) <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -28,7 +31,7 @@ def test_validates_against_float64_reference(name, device, built):
     assert any(s.startswith("stage") and "inf" in s for s in labels)
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", HANDWRITTEN)
 def test_model_initializes_like_the_handwritten_model(name, modules):
     torch.manual_seed(7)
     hand = MODELS[name]()
@@ -40,7 +43,7 @@ def test_model_initializes_like_the_handwritten_model(name, modules):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", HANDWRITTEN)
 def test_state_dict_round_trip_with_handwritten_model(name, modules):
     torch.manual_seed(1)
     hand = MODELS[name]()

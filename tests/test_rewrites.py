@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from kgen.ir import Conv, Elementwise, Pool, Reduce, build_pipeline, load_pipeline, subpixel_phases
+from kgen.ir import Conv, Elementwise, Pool, Reduce, build_pipeline, load_pipeline
+from kgen.lowering import Folded, LoweredConv, Subpixel
 from kgen.reference import ReferenceModel
 from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites
 from kgen.spec import REWRITE_NAMES, parse_spec
@@ -160,6 +161,15 @@ def ops_of(pipe, cls):
     return [o for o in pipe.ops if isinstance(o, cls)]
 
 
+def crop_of(op):
+    """The crop of a lowered convolution; None for a convolution as written."""
+    return op.crop if isinstance(op, LoweredConv) else None
+
+
+def is_subpixel(op):
+    return isinstance(op, LoweredConv) and isinstance(op.lowering, Subpixel)
+
+
 def conv_fn(rank, transposed=False):
     if transposed:
         return (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[rank - 1]
@@ -170,10 +180,7 @@ def check_input_extent(conv, cropped, x, t):
     """The input prefix a cropped conv reads (``input_extent``) suffices and is no larger than needed:
     NaN past it leaves the kept outputs of the uncropped ``conv`` finite, NaN in its last row reaches them."""
     L = tuple(x.shape[2:])
-    if cropped.lowering == "subpixel":
-        ext = subpixel_phases(cropped, L)[0].input_extent
-    else:
-        ext = cropped.input_extent(L)
+    ext = cropped.input_extent(L)
     assert all(1 <= e <= l for e, l in zip(ext, L)), (ext, L)
     kept = (slice(None), slice(None)) + tuple(slice(0, c) for c in cropped.crop)
     with torch.no_grad():
@@ -416,9 +423,10 @@ def test_avg_pool_folding_fires(shape, conv, pool):
     assert d.site == f"{p.ops[0].key} + {p.ops[1].key}"
     assert not ops_of(q, Pool) and len(q.ops) == len(p.ops) - 1
     c, pl = q.ops[0], p.ops[1]
-    assert c.lowering == "folded" and c.fold_kernel == pl.kernel and c.fold_stride == pl.stride
-    assert c.eff_kernel() == tuple((kp - 1) * s + k for k, s, kp in zip(p.ops[0].kernel, p.ops[0].stride, pl.kernel))
-    assert c.eff_stride() == tuple(s * sp for s, sp in zip(p.ops[0].stride, pl.stride))
+    assert isinstance(c.lowering, Folded) and c.lowering.pool_kernel == pl.kernel and c.lowering.pool_stride == pl.stride
+    assert c.conv == p.ops[0]  # the convolution as written stays as it was
+    assert c.kernel == tuple((kp - 1) * s + k for k, s, kp in zip(p.ops[0].kernel, p.ops[0].stride, pl.kernel))
+    assert c.stride == tuple(s * sp for s, sp in zip(p.ops[0].stride, pl.stride))
     # independent expectation for the conv + pool part
     t, x = tensors(p, 4), randn(p, 4)
     r = len(shape) - 1
@@ -447,7 +455,7 @@ def test_avg_pool_folding_does_not_fire(ops, why):
     (d,) = not_fired(ds, "avg_pool_folding")
     assert why in d.reason
     assert q.ops == p.ops
-    assert all(c.lowering == "direct" for c in ops_of(q, Conv))
+    assert not ops_of(q, LoweredConv)
 
 
 def test_avg_pool_folding_ignores_a_max_pool():
@@ -492,9 +500,10 @@ def _convt_pipeline(c, tail=(), rewrites=None):
 
 def _check_phases(conv, L, out):
     """Independent invariants of the phase split: every output written once, every kernel tap used once per dim."""
-    phases = subpixel_phases(conv, tuple(L))
-    assert sorted(ph.residue for ph in phases) == sorted(itertools.product(*(range(s) for s in conv.stride)))
-    for d, (k, s, e) in enumerate(zip(conv.kernel, conv.stride, out)):
+    phases = conv.phases(tuple(L))
+    written = conv.conv
+    assert sorted(ph.residue for ph in phases) == sorted(itertools.product(*(range(s) for s in written.stride)))
+    for d, (k, s, e) in enumerate(zip(written.kernel, written.stride, out)):
         by_r = {ph.residue[d]: ph for ph in phases}
         assert sum(by_r[r].taps[d] for r in range(s)) == k
         for r in range(s):
@@ -511,7 +520,7 @@ def test_subpixel_random_configurations(c):
     n = math.prod(c["s"])
     assert (f"{n} phase" in d.reason) if n > 1 else ("one convolution" in d.reason)
     (conv,) = q.ops
-    assert conv.lowering == "subpixel" and conv.crop is None
+    assert is_subpixel(conv) and conv.crop is None
     assert q.output == p.output and list(q.output.spatial) == c["out"]
     _check_phases(conv, c["L"], c["out"])
     # against torch's transposed convolution directly
@@ -543,7 +552,7 @@ def test_subpixel_with_dead_region_crop(c):
     q, ds = rewrite(p, "subpixel_conv_transpose", "dead_region")
     assert fired(ds, "subpixel_conv_transpose")
     conv = q.ops[0]
-    assert conv.lowering == "subpixel"
+    assert is_subpixel(conv)
     # independently: a floor-mode pool with stride = kernel reads the first (out // k) * k rows,
     # and the crop keeps at least one output per phase (stride rows)
     keep = tuple(min(o, max((o // k) * k, s)) for o, k, s in zip(c["out"], c["pk"], c["s"]))
@@ -566,7 +575,7 @@ def test_subpixel_crop_never_below_the_stride():
     assert p.types[1].spatial == (4, 5)
     q, ds = rewrite(p, "subpixel_conv_transpose", "dead_region")
     conv = q.ops[0]
-    assert conv.lowering == "subpixel" and conv.crop is None
+    assert is_subpixel(conv) and conv.crop is None
     assert not fired(ds, "dead_region")
     check_equivalent(p, q)
 
@@ -576,7 +585,7 @@ def test_subpixel_does_not_fire_when_a_phase_would_have_no_output():
     p_ = _convt_pipeline(dict(cin=2, cout=2, k=[5], s=[3], p=[2], L=[1], bias=True))
     q, ds = rewrite(p_, "subpixel_conv_transpose", "dead_region")
     (d,) = not_fired(ds, "subpixel_conv_transpose")
-    assert "shorter than the stride" in d.reason and q.ops[0].lowering == "direct"
+    assert "shorter than the stride" in d.reason and isinstance(q.ops[0], Conv)
     check_equivalent(p_, q)
 
 
@@ -585,7 +594,7 @@ def test_dead_region_keeps_one_output_per_subpixel_phase():
     tail = [{"max_pool1d": {"kernel_size": 1, "stride": 9}}]
     p_ = _convt_pipeline(dict(cin=2, cout=2, k=[4], s=[3], p=[2], L=[4], bias=True), tail=tail)
     q, ds = rewrite(p_, "subpixel_conv_transpose", "dead_region")
-    assert q.ops[0].lowering == "subpixel" and q.ops[0].crop == (3,)
+    assert is_subpixel(q.ops[0]) and q.ops[0].crop == (3,)
     check_equivalent(p_, q)
 
 
@@ -606,7 +615,7 @@ def test_subpixel_does_not_fire(extra, why):
     assert not fired(ds, "subpixel_conv_transpose")
     (d,) = not_fired(ds, "subpixel_conv_transpose")
     assert why in d.reason
-    assert q.ops == p.ops and q.ops[0].lowering == "direct"
+    assert q.ops == p.ops and isinstance(q.ops[0], Conv)
 
 
 def test_subpixel_leaves_ordinary_convs_alone():
@@ -662,7 +671,7 @@ def test_dead_region_below_the_threshold():
     q, ds = rewrite(p, "dead_region")
     assert not fired(ds, "dead_region")
     (d,) = not_fired(ds, "dead_region")
-    assert "threshold" in d.reason and q.ops == p.ops and q.ops[0].crop is None
+    assert "threshold" in d.reason and q.ops == p.ops and crop_of(q.ops[0]) is None
 
 
 @pytest.mark.parametrize(
@@ -708,7 +717,7 @@ def test_dead_region_with_a_folded_conv():
     )
     q, ds = rewrite(p, "avg_pool_folding", "dead_region")
     assert fired(ds, "avg_pool_folding") and fired(ds, "dead_region")
-    assert q.ops[0].lowering == "folded" and q.ops[0].crop == (3, 3)
+    assert isinstance(q.ops[0].lowering, Folded) and q.ops[0].crop == (3, 3)
     # 3 folded outputs with stride 1*2 and kernel (2-1)*1 + 3 = 4 read the first (3-1)*2 + 4 = 8 input rows
     assert q.ops[0].input_extent((11, 11)) == (8, 8)
     check_input_extent(replace(q.ops[0], crop=None), q.ops[0], randn(p, 0), tensors(p))
@@ -790,7 +799,7 @@ def test_dead_region_random_pool_chains(shape, ops):
     dead = 1 - math.prod(keep) / math.prod(full)
     should = keep != full and dead >= DEAD_REGION_MIN_FRACTION
     q, ds = rewrite(p, "dead_region")
-    crop = q.ops[0].crop
+    crop = crop_of(q.ops[0])
     assert bool(fired(ds, "dead_region")) == (crop is not None)
     if all(all(d == 1 for d in o.dilation) for o in ops_of(p, Pool)):
         # contiguous windows: the extent the pass computes is exactly what the consumers read
@@ -814,6 +823,17 @@ def test_dead_region_with_a_spatially_varying_parameter():
     (d,) = not_fired(ds, "dead_region")
     assert "parameter 'b' varies along the spatial dims" in d.reason
     check_equivalent(p, q)
+
+
+def test_dead_region_does_not_fire_when_a_consumer_refuses_the_cropped_size():
+    """Found by the random pipelines: the pool reads 2 of 3 rows (its window starts in the
+    padding), but avg_pool3d refuses an input smaller than its kernel."""
+    pool = {"avg_pool3d": {"kernel_size": [3, 2, 2], "stride": [3, 1, 1], "padding": [1, 0, 0]}}
+    p = build(spec_text([5, 5, 4, 4], [{"conv3d": {"out_channels": 2, "kernel_size": 1, "stride": 2}}, pool, {"mean": {"dim": [2, 3, 4]}}]))
+    q, ds = rewrite(p, "dead_region")
+    (d,) = not_fired(ds, "dead_region")
+    assert "refuses the cropped size" in d.reason and "smaller than the kernel" in d.reason
+    assert q.ops == p.ops
 
 
 def test_dead_region_crop_that_reads_only_padding():
@@ -940,15 +960,15 @@ def test_shipped_spec_rewrites(name):
         assert q.ops == p.ops
     if name == "relu_group_norm":
         conv = q.ops[0]
-        assert conv.stride == (1, 1, 1) and conv.lowering == "subpixel"
-        (phase,) = subpixel_phases(conv, p.types[0].spatial)
-        assert phase.taps == conv.kernel
+        assert conv.conv.stride == (1, 1, 1) and is_subpixel(conv)
+        (phase,) = conv.phases(p.types[0].spatial)
+        assert phase.taps == conv.conv.kernel
     if name == "maxpool_sum":
         conv, pool = q.ops[0], q.ops[1]
         full = (32 - 1) * 2 - 2 * 2 + 5  # conv_transpose3d k=5 s=2 p=2 on 32: 63
         keep = (full // 2 // 3) * 3 * 2  # max_pool 2 then 3 (floor) read 60 of the 63
         assert p.types[1].spatial == (full,) * 3
-        assert conv.lowering == "subpixel" and conv.crop == (keep,) * 3
+        assert is_subpixel(conv) and conv.crop == (keep,) * 3
         assert pool.kernel == (6, 6, 6)
     # float64 equivalence at batch 1
     with torch.no_grad():
@@ -993,7 +1013,7 @@ def test_one_rewrite_switched_off():
     (off,) = [d for d in ds if d.rewrite == "avg_pool_folding"]
     assert not off.fired and "switched off" in off.reason and "avg_pool_folding" in off.reason
     assert {d.rewrite for d in ds if d.fired} == {"pool_composition"}
-    assert q.ops[0] == p.ops[0] and q.ops[0].lowering == "direct"
+    assert q.ops[0] == p.ops[0] and isinstance(q.ops[0], Conv)
     assert q.ops[1] == p.ops[1]  # the avg pool is still there
     assert [o.kernel for o in ops_of(q, Pool)] == [(2, 2), (4, 4)]
     check_equivalent(p, q, inf=True)

@@ -346,16 +346,11 @@ def test_unknown_key_with_a_newline_is_still_one_line():
 
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_shipped_specs_load(path):
-    assert path.exists()
     pipe = load_pipeline(path)
     assert pipe.name == path.stem
     assert pipe.types[0].shape == tuple(load_spec(path).input_shape)
     assert len(pipe.types) == len(pipe.ops) + 1
     assert pipe.output.shape[0] == "N"
-
-
-def test_five_specs_are_shipped():
-    assert len(SPECS) == 5
 
 
 def test_rewrite_names_match_the_rewrite_table():

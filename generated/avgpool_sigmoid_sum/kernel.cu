@@ -13,7 +13,7 @@
 
 namespace kgen_avgpool_sigmoid_sum {
 
-// ==== stage 1: pool_reduce, CUDA (kgen-template: templates/pool_reduce.cu.j2)
+// ==== stage 1: pool_reduce, CUDA (kgen-template: templates/pool_reduce/kernel.cu.j2)
 namespace s1 {
 
 // Block = kOLanes outputs x kRLanes lanes; blockIdx.y picks a slice of the

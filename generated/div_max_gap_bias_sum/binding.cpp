@@ -5,9 +5,9 @@
 // kgen-template: templates/binding.cpp.j2
 
 // The torch op kgen::div_max_gap_bias_sum (CPU and CUDA): checks its arguments, then runs
-// the stages of the plan. Each fused stage is also registered on its own as
-// kgen::div_max_gap_bias_sum_stageK(Tensor[] inputs, params...), which validation uses
-// to feed adversarial values straight into the generated kernels.
+// the stages of the plan. Each stage with a generated kernel is also registered
+// on its own as kgen::div_max_gap_bias_sum_stageK(Tensor[] inputs, params...), which
+// validation uses to feed adversarial values straight into the kernels.
 #include "kgen_runtime.h"
 #include "stages.h"
 
@@ -17,6 +17,7 @@ constexpr const char* kOp = "kgen::div_max_gap_bias_sum";
 constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 }  // namespace
 
+// ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/binding.cpp.j2)
 // Stage 1 (pool_reduce): ops[0].conv3d, ops[2].max_pool3d, ops[1].div, ops[3].adaptive_avg_pool3d, ops[3].adaptive_avg_pool3d, ops[4].add
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tensor& bias) {
   TORCH_CHECK(in.size() == 1, kOp, " stage 1: expected 1 input buffer(s), got ", in.size());
@@ -38,21 +39,20 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tens
   at::Tensor partial;
   if (like.is_cuda()) {
 #ifdef KGEN_WITH_CUDA
-    const int splits = s1::cuda_splits(batch, kgen::sm_count());
-    if (splits > 1) {
-      partial = kgen::empty({batch * s1::kKept * splits}, like.options());
-      a.partial = partial.data_ptr<float>();
-    }
+    const int splits = kgen::cuda_splits((batch * s1::kKept + s1::kOLanes - 1) / s1::kOLanes, kgen::sm_count(), s1::kTargetBlocksPerSm,
+                                         s1::kReduced, s1::kRLanes, s1::kMinPerThread, s1::kMaxSplits);
+    if (splits > 1) a.partial = kgen::workspace<float>(partial, batch * s1::kKept * splits, like.options());
     kgen::check_launch(s1::launch(a, splits, at::cuda::getCurrentCUDAStream()), kOp, "stage 1");
 #else
     TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
 #endif
   } else {
-    at::parallel_for(0, batch * s1::kKept, 1, [&](int64_t b, int64_t e) { s1::run_cpu(a, b, e); });
+    at::parallel_for(0, batch * s1::kKept, s1::kCpuGrain, [&](int64_t b, int64_t e) { s1::run_cpu(a, b, e); });
   }
   return out;
 }
 
+// ==== the op: each stage in order (kgen-template: templates/binding.cpp.j2)
 at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias, const at::Tensor& bias) {
   kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 8, 16, 64, 64});
   kgen::check_arg(kOp, "conv_weight", conv_weight, {16, 8, 3, 3, 3}, &x);

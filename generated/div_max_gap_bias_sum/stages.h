@@ -18,7 +18,7 @@
 
 namespace kgen_div_max_gap_bias_sum {
 
-// ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce.h.j2)
+// ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
 //   ops[0].conv3d: add(conv.bias per channel)
 //   ops[2].max_pool3d: max_pool3d(k=2)
 //   ops[1].div: div(2)
@@ -54,7 +54,7 @@ KGEN_HD float sum_of_bias(const Args& a) {
 
 // level 0: the input value `v` at a position, then ops[0].conv3d
 KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
-  v = v + a.conv_bias[c];  // ops[0].conv3d: add(conv.bias per channel)
+  v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv3d: add(conv.bias per channel)
   (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;
 }
@@ -80,19 +80,25 @@ KGEN_HD float level1(const Args& a, long long n, int c, int d0, int d1, int d2) 
     }
   }
   float v = acc;
-  v = v / 2.0f;  // ops[1].div: div(2)
+  v = kgen::div(v, 2.0f);  // ops[1].div: div(2)
   return v;
 }
 
 // The reduction: each output (n, k) combines kReduced values of the last level.
 constexpr Index kKept = 1;  // outputs per sample
 constexpr Index kReduced = 107632;  // values combined into one output
+
+// Schedule (plan.json: stages[1].schedule).
 constexpr int kThreads = 256;  // CUDA threads per block
 constexpr int kRLanes = 256;  // threads sharing one output
 constexpr int kOLanes = kThreads / kRLanes;  // outputs per block
 constexpr bool kRFast = true;  // lanes walk the reduction (adjacent in memory)
 constexpr int kUnroll = 2;  // values loaded before they are combined (loads in flight)
-constexpr long long kMinPerThread = 32;  // values per thread before a reduction is split
+constexpr int kMinPerThread = 32;  // values per thread before a reduction is split
+constexpr int kTargetBlocksPerSm = 16;  // a split reduction aims for this many blocks per SM
+constexpr int kMaxSplits = 65535;  // the grid's y limit
+constexpr int kCpuGrain = 1;  // outputs per ATen task on the CPU
+constexpr Index kCpuChunk = 328;  // values per partial sum on the CPU
 
 KGEN_HD float identity() { return 0.f; }
 KGEN_HD float combine(float acc, float v) { return acc + v; }
@@ -113,22 +119,9 @@ KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
 KGEN_HD float finish(const Args& a, long long n, Index k, float acc) {
   float v = acc;
   (void)(k);
-  v = v / 6727.0f;  // ops[3].adaptive_avg_pool3d: div(6727)
-  v = v + sum_of_bias(a);  // ops[4].add: add(sum over dims [1] of bias)
+  v = kgen::div(v, 6727.0f);  // ops[3].adaptive_avg_pool3d: div(6727)
+  v = kgen::add(v, sum_of_bias(a));  // ops[4].add: add(sum over dims [1] of bias)
   return v;
-}
-
-// Blocks along the reduction (a second kernel combines their partials in a
-// fixed order): enough blocks to fill the device, each thread >= kMinPerThread values.
-inline int cuda_splits(long long batch, int sm_count) {
-  if (kReduced <= kRLanes * kMinPerThread) return 1;
-  const long long blocks = (batch * kKept + kOLanes - 1) / kOLanes;
-  const long long target = 2LL * sm_count * (2048 / kThreads);
-  long long splits = (target + blocks - 1) / blocks;
-  long long cap = kReduced / (kRLanes * kMinPerThread);
-  if (cap > 65535) cap = 65535;
-  if (splits > cap) splits = cap;
-  return splits < 1 ? 1 : static_cast<int>(splits);
 }
 
 #ifdef KGEN_STAGES_CUDA

@@ -5,9 +5,9 @@
 // kgen-template: templates/binding.cpp.j2
 
 // The torch op kgen::instnorm_clamp_max (CPU and CUDA): checks its arguments, then runs
-// the stages of the plan. Each fused stage is also registered on its own as
-// kgen::instnorm_clamp_max_stageK(Tensor[] inputs, params...), which validation uses
-// to feed adversarial values straight into the generated kernels.
+// the stages of the plan. Each stage with a generated kernel is also registered
+// on its own as kgen::instnorm_clamp_max_stageK(Tensor[] inputs, params...), which
+// validation uses to feed adversarial values straight into the kernels.
 #include "kgen_runtime.h"
 #include "stages.h"
 
@@ -17,6 +17,7 @@ constexpr const char* kOp = "kgen::instnorm_clamp_max";
 constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 }  // namespace
 
+// ==== stage 1: norm (kgen-template: templates/norm/binding.cpp.j2)
 // Stage 1 (norm): ops[0].conv3d, ops[1].mul, ops[2].instance_norm, ops[3].clamp, ops[4].mul, ops[5].max
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tensor& multiplier) {
   TORCH_CHECK(in.size() == 1, kOp, " stage 1: expected 1 input buffer(s), got ", in.size());
@@ -40,22 +41,22 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tens
   a.stats = stats.data_ptr<float>();
   if (like.is_cuda()) {
 #ifdef KGEN_WITH_CUDA
-    const int splits = s1::cuda_splits(batch, kgen::sm_count());
-    partial = kgen::empty({batch * s1::kGroups * splits * 3}, like.options().dtype(at::kDouble));
-    a.partial = partial.data_ptr<double>();
+    const int splits = kgen::cuda_splits(batch * s1::kGroups, kgen::sm_count(), s1::kTargetBlocksPerSm,
+                                         s1::kGroupSize, s1::kThreads, s1::kMinPerThread, s1::kMaxSplits);
+    a.partial = kgen::workspace<kgen::ShiftedSums>(partial, batch * s1::kGroups * splits, like.options());
     kgen::check_launch(s1::launch(a, splits, at::cuda::getCurrentCUDAStream()), kOp, "stage 1");
 #else
     TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
 #endif
   } else {
-    partial = kgen::empty({batch * s1::kGroups * 3}, like.options().dtype(at::kDouble));
-    a.partial = partial.data_ptr<double>();
-    at::parallel_for(0, batch * s1::kGroups, 1, [&](int64_t b, int64_t e) { s1::stats_cpu(a, b, e); });
-    at::parallel_for(0, batch * s1::kSpatial, 256, [&](int64_t b, int64_t e) { s1::apply_cpu(a, b, e); });
+    a.partial = kgen::workspace<kgen::ShiftedSums>(partial, batch * s1::kGroups, like.options());
+    at::parallel_for(0, batch * s1::kGroups, s1::kCpuStatsGrain, [&](int64_t b, int64_t e) { s1::stats_cpu(a, b, e); });
+    at::parallel_for(0, batch * s1::kSpatial, s1::kCpuGrain, [&](int64_t b, int64_t e) { s1::apply_cpu(a, b, e); });
   }
   return out;
 }
 
+// ==== the op: each stage in order (kgen-template: templates/binding.cpp.j2)
 at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias, const at::Tensor& multiplier) {
   kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 3, 16, 32, 32});
   kgen::check_arg(kOp, "conv_weight", conv_weight, {16, 3, 3, 3, 3}, &x);

@@ -18,7 +18,7 @@
 
 namespace kgen_instnorm_clamp_max {
 
-// ==== stage 1: norm (kgen-template: templates/norm.h.j2)
+// ==== stage 1: norm (kgen-template: templates/norm/stage.h.j2)
 //   ops[0].conv3d: add(conv.bias per channel)
 //   ops[1].mul: mul(multiplier)
 //   ops[2].instance_norm: instance_norm(eps=1e-05)
@@ -33,7 +33,7 @@ struct Args {
   const float* conv_bias;  // conv.bias [16]
   const float* multiplier;  // multiplier [16, 1, 1, 1]
   float* out;
-  double* partial;  // per-block partial results (statistics)
+  kgen::ShiftedSums* partial;  // per (sample, group, split): the statistics' sums
   float* stats;  // per (sample, group): shift, mean offset, rstd, unused
   long long batch;
 };
@@ -57,14 +57,20 @@ constexpr int kGroupChannels = kChannels / kGroups;
 constexpr Index kSpatial = 12600;
 constexpr Index kGroupSize = kGroupChannels * kSpatial;  // values per (sample, group)
 constexpr float kEps = 1e-05f;
-constexpr int kThreads = 256;
-constexpr long long kMinPerThread = 32;  // values per thread before statistics are split
+
+// Schedule (plan.json: stages[1].schedule).
+constexpr int kThreads = 256;  // CUDA threads per block
+constexpr int kMinPerThread = 32;  // values per thread before statistics are split
 constexpr int kUnroll = 8;  // values a thread loads before it uses them (loads in flight)
+constexpr int kTargetBlocksPerSm = 16;  // a split reduction aims for this many blocks per SM
+constexpr int kMaxSplits = 65535;  // the grid's y limit
+constexpr int kCpuStatsGrain = 1;  // (sample, group) pairs per ATen task of the statistics
+constexpr int kCpuGrain = 256;  // outputs per ATen task of the apply step
 
 // The input value `v` at (n, c, position) as the norm sees it: after ops[0].conv3d, ops[1].mul.
 KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
-  v = v + a.conv_bias[c];  // ops[0].conv3d: add(conv.bias per channel)
-  v = v * a.multiplier[c];  // ops[1].mul: mul(multiplier)
+  v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv3d: add(conv.bias per channel)
+  v = kgen::mul(v, a.multiplier[c]);  // ops[1].mul: mul(multiplier)
   (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;
 }
@@ -96,6 +102,33 @@ KGEN_HD float shift_of(const float* samples) {
   return s / static_cast<float>(kShiftSamples);
 }
 
+// The statistics step, both schedules (CUDA: a thread's share of a block's
+// slice; C++: a whole group): sums of the shifted values e = first, first +
+// step, ... < end of group (n, g). kUnroll values are loaded before any is
+// used, added in fp32, then once into the double sums. (`shift` by reference:
+// the CUDA kernel passes its shared-memory copy, a value would hold a register.)
+KGEN_HD kgen::ShiftedSums group_sums(const Args& a, long long n, int g, const float& shift, Index first, Index end, Index step) {
+  kgen::ShiftedSums sums = kgen::sums_empty();
+  Index e = first;
+  for (; e + (kUnroll - 1) * step < end; e += kUnroll * step) {
+    float v[kUnroll];
+    KGEN_UNROLL
+    for (int u = 0; u < kUnroll; ++u) v[u] = group_element(a, n, g, e + u * step);
+    float s1 = 0.f, s2 = 0.f;
+    KGEN_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const float d = v[u] - shift;
+      s1 += d;
+      s2 += d * d;
+    }
+    sums.count += kUnroll;
+    sums.s1 += s1;
+    sums.s2 += s2;
+  }
+  for (; e < end; e += step) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
+  return sums;
+}
+
 // Statistics of one (sample, group), as the apply step reads them.
 struct Stats {
   float shift, mean_offset, rstd;
@@ -106,8 +139,8 @@ constexpr int kStatsStride = 4;  // floats per (sample, group) in `stats`
 // next to the shift that the statistics step stored.
 KGEN_HD void finalize_group(const Args& a, long long ng, int splits) {
   kgen::ShiftedSums total = kgen::sums_empty();
-  const double* p = a.partial + ng * splits * 3LL;
-  for (int s = 0; s < splits; ++s) total = kgen::sums_add(total, kgen::ShiftedSums{p[3 * s], p[3 * s + 1], p[3 * s + 2]});
+  const kgen::ShiftedSums* p = a.partial + ng * splits;
+  for (int s = 0; s < splits; ++s) total = kgen::sums_add(total, p[s]);
   float* out = a.stats + ng * kStatsStride;
   kgen::sums_stats(total, kEps, out[1], out[2]);
 }
@@ -125,7 +158,7 @@ KGEN_HD float apply(const Args& a, long long n, int c, Index s, float x, const S
   const int d0 = static_cast<int>(ts);
   float v = ((pre(a, n, c, d0, d1, d2, x) - stats.shift) - stats.mean_offset) * stats.rstd;
   v = kgen::clamp(v, -1.0f, 1.0f);  // ops[3].clamp: clamp(-1.0, 1.0)
-  v = v * a.multiplier[c];  // ops[4].mul: mul(multiplier)
+  v = kgen::mul(v, a.multiplier[c]);  // ops[4].mul: mul(multiplier)
   return v;
 }
 
@@ -137,17 +170,6 @@ KGEN_HD float finish(const Args& a, long long n, Index s, float acc) {
   float v = acc;
   (void)a; (void)n; (void)s;
   return v;
-}
-
-// Blocks per (sample, group) for the statistics: enough to fill the device.
-inline int cuda_splits(long long batch, int sm_count) {
-  const long long groups = batch * kGroups;
-  const long long target = 2LL * sm_count * (2048 / kThreads);
-  long long splits = (target + groups - 1) / groups;
-  long long cap = kGroupSize / (kThreads * kMinPerThread);
-  if (cap > 65535) cap = 65535;
-  if (splits > cap) splits = cap;
-  return splits < 1 ? 1 : static_cast<int>(splits);
 }
 
 #ifdef KGEN_STAGES_CUDA

@@ -5,9 +5,9 @@
 // kgen-template: templates/binding.cpp.j2
 
 // The torch op kgen::maxpool_sum (CPU and CUDA): checks its arguments, then runs
-// the stages of the plan. Each fused stage is also registered on its own as
-// kgen::maxpool_sum_stageK(Tensor[] inputs, params...), which validation uses
-// to feed adversarial values straight into the generated kernels.
+// the stages of the plan. Each stage with a generated kernel is also registered
+// on its own as kgen::maxpool_sum_stageK(Tensor[] inputs, params...), which
+// validation uses to feed adversarial values straight into the kernels.
 #include "kgen_runtime.h"
 #include "stages.h"
 
@@ -17,6 +17,7 @@ constexpr const char* kOp = "kgen::maxpool_sum";
 constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 }  // namespace
 
+// ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/binding.cpp.j2)
 // Stage 1 (pool_reduce): ops[0].conv_transpose3d, ops[1].max_pool3d, ops[3].sum
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_transpose_bias) {
   TORCH_CHECK(in.size() == 8, kOp, " stage 1: expected 8 input buffer(s), got ", in.size());
@@ -42,21 +43,20 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& conv_transpose_bias) {
   at::Tensor partial;
   if (like.is_cuda()) {
 #ifdef KGEN_WITH_CUDA
-    const int splits = s1::cuda_splits(batch, kgen::sm_count());
-    if (splits > 1) {
-      partial = kgen::empty({batch * s1::kKept * splits}, like.options());
-      a.partial = partial.data_ptr<float>();
-    }
+    const int splits = kgen::cuda_splits((batch * s1::kKept + s1::kOLanes - 1) / s1::kOLanes, kgen::sm_count(), s1::kTargetBlocksPerSm,
+                                         s1::kReduced, s1::kRLanes, s1::kMinPerThread, s1::kMaxSplits);
+    if (splits > 1) a.partial = kgen::workspace<float>(partial, batch * s1::kKept * splits, like.options());
     kgen::check_launch(s1::launch(a, splits, at::cuda::getCurrentCUDAStream()), kOp, "stage 1");
 #else
     TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
 #endif
   } else {
-    at::parallel_for(0, batch * s1::kKept, 1, [&](int64_t b, int64_t e) { s1::run_cpu(a, b, e); });
+    at::parallel_for(0, batch * s1::kKept, s1::kCpuGrain, [&](int64_t b, int64_t e) { s1::run_cpu(a, b, e); });
   }
   return out;
 }
 
+// ==== the op: each stage in order (kgen-template: templates/binding.cpp.j2)
 at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight, const at::Tensor& conv_transpose_bias) {
   kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 32, 32, 32, 32});
   kgen::check_arg(kOp, "conv_transpose_weight", conv_transpose_weight, {32, 64, 5, 5, 5}, &x);
@@ -93,7 +93,7 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
   t0.push_back(kgen::convolution(  // phase 1,1,1: 2x2x2 taps
       x0, kgen::subpixel_weight(w0, {1, 1, 1}, {2, 2, 2}, {2, 2, 2}), std::nullopt,
       {1, 1, 1}, {0, 0, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
-  const at::Tensor t1 = stage1(t0, conv_transpose_bias);
+  const at::Tensor t1 = stage1({t0}, conv_transpose_bias);
   return t1;
 }
 

@@ -13,7 +13,7 @@
 
 namespace kgen_relu_group_norm {
 
-// ==== stage 1: norm, CUDA (kgen-template: templates/norm.cu.j2)
+// ==== stage 1: norm, CUDA (kgen-template: templates/norm/kernel.cu.j2)
 namespace s1 {
 
 // Grid (sample x group, split): each block takes one contiguous slice of its
@@ -38,37 +38,14 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int split
   const Index per_split = (kGroupSize + splits - 1) / splits;
   const Index begin = blockIdx.y * per_split;
   const Index end = begin + per_split < kGroupSize ? begin + per_split : kGroupSize;
-  kgen::ShiftedSums sums = kgen::sums_empty();
-  Index e = begin + threadIdx.x;
-  for (; e + (kUnroll - 1) * kThreads < end; e += kUnroll * kThreads) {
-    float v[kUnroll];
-    KGEN_UNROLL
-    for (int u = 0; u < kUnroll; ++u) v[u] = group_element(a, n, g, e + u * kThreads);
-    float s1 = 0.f, s2 = 0.f;  // a batch of kUnroll values in fp32, then one double add each
-    KGEN_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      const float d = v[u] - shift;
-      s1 += d;
-      s2 += d * d;
-    }
-    sums.count += kUnroll;
-    sums.s1 += s1;
-    sums.s2 += s2;
-  }
-  for (; e < end; e += kThreads) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
-  lanes[threadIdx.x] = sums;
+  lanes[threadIdx.x] = group_sums(a, n, g, shift, begin + threadIdx.x, end, kThreads);
   __syncthreads();
 #pragma unroll
   for (int half = kThreads / 2; half > 0; half /= 2) {
     if (threadIdx.x < half) lanes[threadIdx.x] = kgen::sums_add(lanes[threadIdx.x], lanes[threadIdx.x + half]);
     __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    double* p = a.partial + (ng * splits + blockIdx.y) * 3LL;
-    p[0] = lanes[0].count;
-    p[1] = lanes[0].s1;
-    p[2] = lanes[0].s2;
-  }
+  if (threadIdx.x == 0) a.partial[ng * splits + blockIdx.y] = lanes[0];
 }
 
 // One thread per (sample, group): mean and rstd from the blocks' sums.
@@ -77,7 +54,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int sp
   if (ng < a.batch * kGroups) finalize_group(a, ng, splits);
 }
 
-constexpr int kPerThread = 8;  // outputs per thread
+constexpr int kPerThread = 8;  // outputs per thread (plan.json: stages[1].schedule)
 constexpr Index kPerBlock = static_cast<Index>(kThreads) * kPerThread;
 constexpr Index kBlocksPerChannel = (kSpatial + kPerBlock - 1) / kPerBlock;
 
@@ -107,10 +84,15 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a) {
   }
 }
 
+// Blocks of the apply step: (blocks along a channel x channels, sample).
+dim3 apply_grid(long long batch) {
+  return dim3(static_cast<unsigned>(kBlocksPerChannel * kChannels), static_cast<unsigned>(batch));
+}
+
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
   stats_kernel<<<dim3(static_cast<unsigned>(a.batch * kGroups), static_cast<unsigned>(splits)), kThreads, 0, stream>>>(a, splits);
   finalize_kernel<<<static_cast<unsigned>((a.batch * kGroups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits);
-  apply_kernel<<<dim3(static_cast<unsigned>(kBlocksPerChannel * kChannels), static_cast<unsigned>(a.batch)), kThreads, 0, stream>>>(a);
+  apply_kernel<<<apply_grid(a.batch), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

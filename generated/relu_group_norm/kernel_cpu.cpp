@@ -10,7 +10,7 @@
 
 namespace kgen_relu_group_norm {
 
-// ==== stage 1: norm, C++ (kgen-template: templates/norm.cpp.j2)
+// ==== stage 1: norm, C++ (kgen-template: templates/norm/kernel_cpu.cpp.j2)
 namespace s1 {
 
 // Statistics of (sample, group) pairs [begin, end), one slice each (splits = 1).
@@ -21,11 +21,7 @@ void stats_cpu(const Args& a, long long begin, long long end) {
     float samples[kShiftSamples];
     for (Index i = 0; i < kShiftSamples; ++i) samples[i] = group_element(a, n, g, i * kShiftStep);
     const float shift = shift_of(samples);
-    kgen::ShiftedSums sums = kgen::sums_empty();
-    for (Index e = 0; e < kGroupSize; ++e) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
-    a.partial[ng * 3] = sums.count;
-    a.partial[ng * 3 + 1] = sums.s1;
-    a.partial[ng * 3 + 2] = sums.s2;
+    a.partial[ng] = group_sums(a, n, g, shift, 0, kGroupSize, 1);
     a.stats[ng * kStatsStride] = shift;
     finalize_group(a, ng, 1);
   }

@@ -18,7 +18,7 @@
 
 namespace kgen_relu_group_norm {
 
-// ==== stage 1: norm (kgen-template: templates/norm.h.j2)
+// ==== stage 1: norm (kgen-template: templates/norm/stage.h.j2)
 //   ops[1].relu: relu
 //   ops[2].group_norm: group_norm(groups=8, eps=1e-05)
 namespace s1 {
@@ -29,7 +29,7 @@ struct Args {
   const float* group_norm_weight;  // group_norm.weight [128]
   const float* group_norm_bias;  // group_norm.bias [128]
   float* out;
-  double* partial;  // per-block partial results (statistics)
+  kgen::ShiftedSums* partial;  // per (sample, group, split): the statistics' sums
   float* stats;  // per (sample, group): shift, mean offset, rstd, unused
   long long batch;
 };
@@ -53,9 +53,15 @@ constexpr int kGroupChannels = kChannels / kGroups;
 constexpr Index kSpatial = 39304;
 constexpr Index kGroupSize = kGroupChannels * kSpatial;  // values per (sample, group)
 constexpr float kEps = 1e-05f;
-constexpr int kThreads = 256;
-constexpr long long kMinPerThread = 32;  // values per thread before statistics are split
+
+// Schedule (plan.json: stages[1].schedule).
+constexpr int kThreads = 256;  // CUDA threads per block
+constexpr int kMinPerThread = 32;  // values per thread before statistics are split
 constexpr int kUnroll = 8;  // values a thread loads before it uses them (loads in flight)
+constexpr int kTargetBlocksPerSm = 16;  // a split reduction aims for this many blocks per SM
+constexpr int kMaxSplits = 65535;  // the grid's y limit
+constexpr int kCpuStatsGrain = 1;  // (sample, group) pairs per ATen task of the statistics
+constexpr int kCpuGrain = 1;  // rows (sample, channel) per ATen task of the apply step
 
 // The input value `v` at (n, c, position) as the norm sees it: after ops[1].relu.
 KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
@@ -91,6 +97,33 @@ KGEN_HD float shift_of(const float* samples) {
   return s / static_cast<float>(kShiftSamples);
 }
 
+// The statistics step, both schedules (CUDA: a thread's share of a block's
+// slice; C++: a whole group): sums of the shifted values e = first, first +
+// step, ... < end of group (n, g). kUnroll values are loaded before any is
+// used, added in fp32, then once into the double sums. (`shift` by reference:
+// the CUDA kernel passes its shared-memory copy, a value would hold a register.)
+KGEN_HD kgen::ShiftedSums group_sums(const Args& a, long long n, int g, const float& shift, Index first, Index end, Index step) {
+  kgen::ShiftedSums sums = kgen::sums_empty();
+  Index e = first;
+  for (; e + (kUnroll - 1) * step < end; e += kUnroll * step) {
+    float v[kUnroll];
+    KGEN_UNROLL
+    for (int u = 0; u < kUnroll; ++u) v[u] = group_element(a, n, g, e + u * step);
+    float s1 = 0.f, s2 = 0.f;
+    KGEN_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const float d = v[u] - shift;
+      s1 += d;
+      s2 += d * d;
+    }
+    sums.count += kUnroll;
+    sums.s1 += s1;
+    sums.s2 += s2;
+  }
+  for (; e < end; e += step) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
+  return sums;
+}
+
 // Statistics of one (sample, group), as the apply step reads them.
 struct Stats {
   float shift, mean_offset, rstd;
@@ -101,8 +134,8 @@ constexpr int kStatsStride = 4;  // floats per (sample, group) in `stats`
 // next to the shift that the statistics step stored.
 KGEN_HD void finalize_group(const Args& a, long long ng, int splits) {
   kgen::ShiftedSums total = kgen::sums_empty();
-  const double* p = a.partial + ng * splits * 3LL;
-  for (int s = 0; s < splits; ++s) total = kgen::sums_add(total, kgen::ShiftedSums{p[3 * s], p[3 * s + 1], p[3 * s + 2]});
+  const kgen::ShiftedSums* p = a.partial + ng * splits;
+  for (int s = 0; s < splits; ++s) total = kgen::sums_add(total, p[s]);
   float* out = a.stats + ng * kStatsStride;
   kgen::sums_stats(total, kEps, out[1], out[2]);
 }
@@ -121,17 +154,6 @@ KGEN_HD float apply(const Args& a, long long n, int c, Index s, float x, const S
   float v = ((pre(a, n, c, d0, d1, d2, x) - stats.shift) - stats.mean_offset) * stats.rstd;
   v = v * a.group_norm_weight[c] + a.group_norm_bias[c];
   return v;
-}
-
-// Blocks per (sample, group) for the statistics: enough to fill the device.
-inline int cuda_splits(long long batch, int sm_count) {
-  const long long groups = batch * kGroups;
-  const long long target = 2LL * sm_count * (2048 / kThreads);
-  long long splits = (target + groups - 1) / groups;
-  long long cap = kGroupSize / (kThreads * kMinPerThread);
-  if (cap > 65535) cap = 65535;
-  if (splits > cap) splits = cap;
-  return splits < 1 ? 1 : static_cast<int>(splits);
 }
 
 #ifdef KGEN_STAGES_CUDA

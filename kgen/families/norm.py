@@ -1,0 +1,104 @@
+"""The norm family: group_norm / instance_norm with the elementwise ops around it
+and an optional reduction over the channels fused in.
+
+Three steps: per-(sample, group) statistics of shifted values (split across
+blocks at run time when the batch leaves the device idle), a finalize step that
+turns the partial sums into (shift, mean, rstd), and the apply step.
+Templates: ``templates/norm/``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..ir import Elementwise, Norm, Reduce
+from ..stage import Stage, flat_buffer
+from .base import Family, StageRequest, index_type, target_blocks_per_sm
+
+CUDA_THREADS = 256  # threads per block
+MIN_PER_THREAD = 32  # values per thread before the statistics of a group are split across blocks
+WAVES = 2  # a split aims for this many times the blocks the device holds at once
+UNROLL = 8  # values a thread loads before it uses them (loads in flight)
+PER_THREAD = 8  # outputs per thread of the apply step without a channel reduction
+SHIFT_SAMPLES = 32  # values averaged into the shift of a group's statistics
+CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
+
+
+@dataclass(frozen=True)
+class Schedule:
+    cuda_threads: int
+    min_per_thread: int
+    unroll: int
+    per_thread: int
+    shift_samples: int
+    target_blocks_per_sm: int  # what a split aims for (the split itself is chosen at run time)
+    max_splits: int  # the grid's y limit
+    cpu_stats_grain: int  # (sample, group) pairs per ATen task of the statistics step
+    cpu_grain: int  # outputs (rows without a reduction) per ATen task of the apply step
+    index_type: str
+
+
+@dataclass
+class NormStage(Stage):
+    prologue: list[Elementwise] = field(default_factory=list)
+    norm: Norm = None
+    post: list[Elementwise] = field(default_factory=list)
+    reduce: Reduce | None = None  # over channels only
+    epilogue: list[Elementwise] = field(default_factory=list)
+    schedule: Schedule = None
+
+
+class NormFamily(Family):
+    name = "norm"
+    stage_kind = "norm"
+    generates_kernel = True
+    pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
+    summary = "statistics, then normalize, with elementwise ops and a channel reduction fused in"
+
+    def fits(self, ops):
+        """elementwise* norm elementwise* [reduction-over-channels elementwise*]."""
+        norms = reduces = 0
+        for op in ops:
+            if isinstance(op, Elementwise):
+                continue
+            if isinstance(op, Norm) and norms == 0:
+                norms += 1
+            elif isinstance(op, Reduce) and norms == 1 and reduces == 0 and op.dims == (1,):
+                reduces += 1
+            else:
+                return False
+        return norms == 1
+
+    def make_stage(self, req: StageRequest) -> NormStage:
+        types = req.types
+        st = NormStage(req.index, list(req.ops), types[0], types[-1], input=req.input, output=flat_buffer(types[-1]))
+        for op in req.ops:
+            if isinstance(op, Norm):
+                st.norm = op
+            elif isinstance(op, Reduce):
+                st.reduce = op
+            elif st.reduce is not None:
+                st.epilogue.append(op)
+            elif st.norm is not None:
+                st.post.append(op)
+            else:
+                st.prologue.append(op)
+        st.schedule = Schedule(
+            cuda_threads=CUDA_THREADS,
+            min_per_thread=MIN_PER_THREAD,
+            unroll=UNROLL,
+            per_thread=PER_THREAD,
+            shift_samples=SHIFT_SAMPLES,
+            target_blocks_per_sm=target_blocks_per_sm(req.target, CUDA_THREADS, WAVES),
+            max_splits=req.target.max_grid_y,
+            cpu_stats_grain=1,  # a group is thousands of values
+            # with a reduction an output combines every channel; without, a task is a whole row
+            cpu_grain=max(1, CPU_TASK_VALUES // st.norm.num_channels) if st.reduce else 1,
+            index_type=index_type(st),
+        )
+        return st
+
+    def stage_json(self, st: NormStage) -> dict:
+        return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
+
+
+FAMILY = NormFamily()

@@ -1,0 +1,172 @@
+"""The pool_reduce family: elementwise prologue -> a chain of window pools, each
+followed by elementwise ops -> an optional reduction -> an elementwise epilogue,
+in one pass over its input.
+
+Each output (n, k) of the stage combines ``kReduced`` values of the last pool
+level; on CUDA ``r_lanes`` threads share one output's reduction, and a long
+reduction is split across blocks at run time (``kgen::cuda_splits``) when the
+batch leaves the device idle. Templates: ``templates/pool_reduce/``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..ir import Elementwise, Pool, Reduce, TensorType
+from ..stage import Stage, flat_buffer
+from .base import Family, StageRequest, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
+
+CUDA_THREADS = 256  # threads per block
+MIN_PER_THREAD = 32  # values a thread combines before a reduction is split across blocks
+WAVES = 2  # a split reduction aims for this many times the blocks the device holds at once
+MAX_R_LANES_ACROSS = 32  # lanes of one output when threads walk the outputs: >= 8 adjacent outputs per block
+LOADS_IN_FLIGHT = 16  # loads per thread before their values are combined (a window pool issues its own)
+MAX_UNROLL = 8
+MAX_UNROLLED_WINDOW = 512  # window taps up to which the window loops are unrolled
+CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
+
+
+@dataclass(frozen=True)
+class Schedule:
+    cuda_threads: int  # threads per block
+    r_lanes: int  # threads that share one output's reduction
+    r_fast: bool  # consecutive threads walk the reduction (else the outputs)
+    unroll: int  # values a thread loads before it combines them
+    min_per_thread: int  # values per thread before a reduction is split across blocks
+    target_blocks_per_sm: int  # what a split reduction aims for (the split itself is chosen at run time)
+    max_splits: int  # the grid's y limit
+    cpu_grain: int  # outputs per ATen task
+    cpu_chunk: int  # values per partial sum on the CPU (rounding does not grow with the reduction)
+    index_type: str  # of per-sample indices: int when they fit in 32 bits
+
+
+@dataclass
+class Level:
+    """A pool (None for level 0, the load) followed by elementwise ops."""
+
+    pool: Pool | None
+    ew: list[Elementwise]
+    in_type: TensorType  # type of the pool's input
+    out_type: TensorType
+    unroll_window: bool = False  # unroll the window loops
+    clipped: tuple[bool, ...] = ()  # per spatial dim: a window can leave the input (bounds check)
+
+
+@dataclass
+class PoolReduceStage(Stage):
+    levels: list[Level] = field(default_factory=list)
+    reduce: Reduce | None = None
+    epilogue: list[Elementwise] = field(default_factory=list)
+    reduce_order: tuple = ()  # reduced dims, outermost first (input memory order)
+    kept_dims: tuple = ()  # non-reduced dims of the last level, row-major
+    flat_reduction: bool = False  # no pools, every dim reduced, one dense tile: value r of a sample lies at r
+    schedule: Schedule = None
+
+    @property
+    def pooled_type(self) -> TensorType:
+        return self.levels[-1].out_type
+
+    @property
+    def reduced_count(self) -> int:
+        return math.prod(self.pooled_type.shape[d] for d in self.reduce_order) if self.reduce else 1
+
+    @property
+    def kept_count(self) -> int:
+        return math.prod(self.pooled_type.shape[d] for d in self.kept_dims)
+
+    @property
+    def window_loads(self) -> int:
+        """Input values one element of the reduction reads."""
+        return math.prod(math.prod(lv.pool.kernel) for lv in self.levels if lv.pool)
+
+
+def _clipped(pool: Pool, L: int, O: int, d: int) -> bool:
+    """Whether a window of ``pool`` can leave the input along spatial dim ``d``."""
+    last = (O - 1) * pool.stride[d] - pool.padding[d] + (pool.kernel[d] - 1) * pool.dilation[d]
+    return pool.padding[d] > 0 or last >= L
+
+
+class PoolReduce(Family):
+    name = "pool_reduce"
+    stage_kind = "pool_reduce"
+    generates_kernel = True
+    reads_channels_last = True  # measured on the H100: notes/perf.md
+    pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
+    summary = "elementwise -> window pools -> reduction -> elementwise, one pass"
+
+    def fits(self, ops):
+        """(elementwise | pool)* [reduction elementwise*]."""
+        reduced = False
+        for op in ops:
+            if isinstance(op, Elementwise) or (isinstance(op, Pool) and not reduced):
+                continue
+            if isinstance(op, Reduce) and not reduced:
+                reduced = True
+                continue
+            return False
+        return True
+
+    def make_stage(self, req: StageRequest) -> PoolReduceStage:
+        types = req.types
+        levels = [Level(None, [], types[0], types[0])]
+        reduce, epilogue = None, []
+        for op, t_in, t_out in zip(req.ops, types, types[1:]):
+            if isinstance(op, Pool):
+                levels.append(Level(op, [], t_in, t_out))
+            elif isinstance(op, Reduce):
+                reduce = op
+            elif reduce is not None:
+                epilogue.append(op)
+            else:
+                levels[-1].ew.append(op)
+                levels[-1].out_type = t_out
+        for lv in levels[1:]:
+            p = lv.pool
+            lv.unroll_window = math.prod(p.kernel) <= MAX_UNROLLED_WINDOW
+            lv.clipped = tuple(_clipped(p, L, O, d) for d, (L, O) in enumerate(zip(lv.in_type.spatial, lv.out_type.spatial)))
+        buf = req.input
+        st = PoolReduceStage(req.index, list(req.ops), types[0], types[-1], input=buf, output=flat_buffer(types[-1]),
+                             levels=levels, reduce=reduce, epilogue=epilogue)
+        pooled = st.pooled_type
+        red = set(reduce.dims) if reduce else set()
+        # reduced dims in the input's memory order, so consecutive r are adjacent in memory
+        mem = [d + 1 for d in buf.tiles[0].memory_order]
+        st.reduce_order = tuple(d for d in mem if d in red)
+        st.kept_dims = tuple(d for d in range(1, pooled.rank) if d not in red)
+        tile = buf.tiles[0]
+        st.flat_reduction = (
+            len(levels) == 1 and not st.kept_dims and not buf.phased and tile.dims == buf.logical
+            and not any(tile.offset) and [d - 1 for d in st.reduce_order] == tile.memory_order
+        )
+        r_fast = (buf.innermost + 1) in red
+        st.schedule = Schedule(
+            cuda_threads=CUDA_THREADS,
+            r_lanes=self._r_lanes(st, r_fast, req),
+            r_fast=r_fast,
+            unroll=max(1, min(MAX_UNROLL, LOADS_IN_FLIGHT // st.window_loads)),
+            min_per_thread=MIN_PER_THREAD,
+            target_blocks_per_sm=target_blocks_per_sm(req.target, CUDA_THREADS, WAVES),
+            max_splits=req.target.max_grid_y,
+            cpu_grain=max(1, CPU_TASK_VALUES // max(1, st.reduced_count * st.window_loads)),
+            cpu_chunk=max(1, math.isqrt(st.reduced_count)),
+            index_type=index_type(st),
+        )
+        return st
+
+    @staticmethod
+    def _r_lanes(st: PoolReduceStage, r_fast: bool, req: StageRequest) -> int:
+        """Threads per output: a whole block walks a reduction that is adjacent in memory;
+        otherwise enough lanes that the example batch fills the device."""
+        if st.reduced_count == 1:
+            return 1
+        if r_fast:
+            return min(CUDA_THREADS, pow2_floor(st.reduced_count))
+        outputs = req.batch * st.kept_count
+        want = pow2_ceil(max(1, req.target.resident_threads // max(outputs, 1)))
+        return max(1, min(want, MAX_R_LANES_ACROSS, pow2_floor(st.reduced_count)))
+
+    def stage_json(self, st: PoolReduceStage) -> dict:
+        return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
+
+
+FAMILY = PoolReduce()

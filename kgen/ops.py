@@ -1,0 +1,173 @@
+"""The op table: one entry per op a spec may name, read by every layer.
+
+An entry holds what kgen knows about an op:
+
+- its spec fields and their defaults, and cross-field rules (read by ``kgen.spec``);
+- its role: which IR op computes it, and with it the shape rule and the torch
+  semantics (``kgen.ir`` builds the op from the entry);
+- which template families can absorb it into a stage (``kgen.plan`` asks them);
+- for an elementwise op, the whole op: its torch function (the reference) and
+  its C function in ``templates/kgen_math.h`` (used by the CUDA and the C++
+  kernels alike).
+
+Adding an elementwise op is one ``ElementwiseOp`` entry below plus one function
+in ``templates/kgen_math.h`` (see CONTRIBUTING.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import fields as f
+from .fields import REQUIRED
+
+# Roles: the IR op that computes an entry (kgen.ir builds one per role).
+ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise")
+
+# The families that can absorb each kind of op (a new family adds its name here).
+CONV = ("conv_aten",)  # implementations of a convolution stage
+FUSED = ("pool_reduce", "norm")  # families that fuse elementwise ops and reductions
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    role: str
+    fields: dict  # field -> (checker, default); REQUIRED marks a field without default
+    families: tuple[str, ...]  # template families that can absorb the op
+    doc: str
+    check: Callable | None = None  # cross-field rule: check(args, key, path) raises SpecError
+    rank: int = 0  # spatial rank of an N-d op (conv2d: 2)
+    variant: str = ""  # within the role: "max" | "avg" for a pool, "transposed" for a convolution
+
+
+@dataclass(frozen=True)
+class ElementwiseOp(OpDef):
+    """``v = c_fn(v, *consts)``, or ``v = c_fn(v, operand)`` with a scalar or a parameter operand."""
+
+    torch_fn: Callable | None = None  # torch_fn(x, *consts) or torch_fn(x, operand): the reference
+    c_fn: str = ""  # the function in kgen_math.h
+    consts: tuple = ()  # ((field, value when the field is omitted), ...): float arguments after v
+    operand: bool = False  # takes exactly one of the fields `scalar` or `param`
+    example: dict = field(default_factory=dict)  # fields of a valid use (tests, docs)
+
+
+def _conv_fields(rank: int, transposed: bool) -> dict:
+    out = {
+        "out_channels": (f.integer(1), REQUIRED),
+        "kernel_size": (f.ints(rank, 1), REQUIRED),
+        "stride": (f.ints(rank, 1), 1),
+        "padding": (f.ints(rank, 0), 0),
+        "dilation": (f.ints(rank, 1), 1),
+        "groups": (f.integer(1), 1),
+        "bias": (f.boolean, True),
+        "name": (f.optional(f.ident), None),
+    }
+    if transposed:
+        out["output_padding"] = (f.ints(rank, 0), 0)
+    return out
+
+
+def _pool_fields(rank: int, kind: str) -> dict:
+    out = {
+        "kernel_size": (f.ints(rank, 1), REQUIRED),
+        "stride": (f.optional(f.ints(rank, 1)), None),  # None: the kernel size
+        "padding": (f.ints(rank, 0), 0),
+        "ceil_mode": (f.boolean, False),
+    }
+    if kind == "max":
+        out["dilation"] = (f.ints(rank, 1), 1)
+    else:
+        out["count_include_pad"] = (f.boolean, True)
+    return out
+
+
+_REDUCE_FIELDS = {"dim": (f.dims, REQUIRED), "keepdim": (f.boolean, False)}
+
+
+def _check_operand(args, key, path):
+    if (args["scalar"] is None) == (args["param"] is None):
+        f.fail(path, key, "give exactly one of 'scalar' or 'param'")
+
+
+def _check_div(args, key, path):
+    _check_operand(args, key, path)
+    if args["scalar"] == 0.0:
+        f.fail(path, f"{key}.scalar", "division by zero")
+
+
+def _check_clamp(args, key, path):
+    lo, hi = args["min"], args["max"]
+    if lo is None and hi is None:
+        f.fail(path, key, "give at least one of 'min' or 'max'")
+    if None not in (lo, hi) and lo > hi:
+        f.fail(path, key, f"min ({lo}) is larger than max ({hi})")
+
+
+def _check_instance_norm(args, key, path):
+    if args["track_running_stats"]:
+        f.fail(path, f"{key}.track_running_stats", "running statistics are not supported; use false")
+
+
+def _binary(name: str, torch_fn, c_fn: str, doc: str, example: dict, check=_check_operand) -> ElementwiseOp:
+    return ElementwiseOp(
+        name, "elementwise", {"scalar": (f.optional(f.number), None), "param": (f.optional(f.ident), None)},
+        FUSED, doc, check, torch_fn=torch_fn, c_fn=c_fn, operand=True, example=example,
+    )
+
+
+def _table() -> dict[str, OpDef]:
+    entries: list[OpDef] = []
+    for r in (1, 2, 3):
+        entries += [
+            OpDef(f"conv{r}d", "conv", _conv_fields(r, False), CONV, f"nn.Conv{r}d; a submodule named `conv`", rank=r),
+            OpDef(f"conv_transpose{r}d", "conv", _conv_fields(r, True), CONV,
+                  f"nn.ConvTranspose{r}d; a submodule named `conv_transpose`", rank=r, variant="transposed"),
+            OpDef(f"max_pool{r}d", "pool", _pool_fields(r, "max"), ("pool_reduce",), f"F.max_pool{r}d", rank=r, variant="max"),
+            OpDef(f"avg_pool{r}d", "pool", _pool_fields(r, "avg"), ("pool_reduce",), f"F.avg_pool{r}d", rank=r, variant="avg"),
+            OpDef(f"adaptive_avg_pool{r}d", "global_pool", {"output_size": (f.ones(r), REQUIRED)}, ("pool_reduce",),
+                  "global average pooling (output_size 1): a mean over the spatial dims", rank=r),
+        ]
+    entries += [
+        ElementwiseOp("relu", "elementwise", {}, FUSED, "max(x, 0); NaN stays NaN",
+                      torch_fn=torch.relu, c_fn="kgen::relu"),
+        ElementwiseOp("sigmoid", "elementwise", {}, FUSED, "1 / (1 + exp(-x))",
+                      torch_fn=torch.sigmoid, c_fn="kgen::sigmoid"),
+        ElementwiseOp("tanh", "elementwise", {}, FUSED, "torch.tanh(x)", torch_fn=torch.tanh, c_fn="kgen::tanh"),
+        ElementwiseOp("clamp", "elementwise", {"min": (f.optional(f.number), None), "max": (f.optional(f.number), None)},
+                      FUSED, "torch.clamp(x, min, max); at least one bound", _check_clamp,
+                      torch_fn=torch.clamp, c_fn="kgen::clamp", consts=(("min", -math.inf), ("max", math.inf)),
+                      example={"min": -0.5, "max": 0.75}),
+        _binary("add", torch.add, "kgen::add", "x + operand", {"scalar": 1.5}),
+        _binary("sub", torch.sub, "kgen::sub", "x - operand", {"scalar": 0.25}),
+        _binary("mul", torch.mul, "kgen::mul", "x * operand", {"scalar": -1.25}),
+        _binary("div", torch.div, "kgen::div", "x / operand", {"scalar": 3.0}, _check_div),
+        OpDef("sum", "reduce", _REDUCE_FIELDS, FUSED, "torch.sum(x, dim, keepdim)"),
+        OpDef("mean", "reduce", _REDUCE_FIELDS, FUSED, "torch.mean(x, dim, keepdim)"),
+        OpDef("max", "reduce", _REDUCE_FIELDS, FUSED, "torch.max(x, dim, keepdim)[0] (the values)"),
+        OpDef("group_norm", "norm", {
+            "num_groups": (f.integer(1), REQUIRED),
+            "eps": (f.number, 1e-5),
+            "affine": (f.boolean, True),
+            "name": (f.optional(f.ident), None),
+        }, ("norm",), "nn.GroupNorm; a submodule named `group_norm`"),
+        OpDef("instance_norm", "norm", {
+            "eps": (f.number, 1e-5),
+            "affine": (f.boolean, False),
+            "track_running_stats": (f.boolean, False),
+            "name": (f.optional(f.ident), None),
+        }, ("norm",), "nn.InstanceNormNd; a submodule named `instance_norm`", _check_instance_norm),
+    ]
+    for e in entries:
+        assert e.role in ROLES, e
+    return {e.name: e for e in entries}
+
+
+OPS: dict[str, OpDef] = _table()
+
+
+def elementwise_ops() -> list[ElementwiseOp]:
+    return [e for e in OPS.values() if isinstance(e, ElementwiseOp)]

@@ -1,0 +1,105 @@
+"""The op table (kgen/ops.py) is the only list of ops: spec loading, the IR, the
+reference model, the planner and rendering all take every entry, and a new
+elementwise entry (plus its kgen_math.h function) needs nothing else."""
+import re
+
+import pytest
+import torch
+
+from conftest import pipeline_of, spec_text, write_spec
+from kgen.errors import SpecError
+from kgen.ir import Elementwise
+from kgen.ops import FUSED, OPS, ElementwiseOp, elementwise_ops
+from kgen.plan import make_plan
+from kgen.reference import ReferenceModel
+from kgen.render import TEMPLATES, render_plan
+from kgen.spec import parse_spec
+from kgen.target import DEFAULT
+
+ELEMENTWISE = elementwise_ops()
+MATH = (TEMPLATES / "kgen_math.h").read_text()
+
+
+def _use(entry: ElementwiseOp, **fields):
+    """The entry as a spec op: a bare name, or name: {fields}."""
+    args = dict(entry.example, **fields)
+    return {entry.name: args} if args else entry.name
+
+
+def _math_functions() -> set[str]:
+    return set(re.findall(r"KGEN_HD float (\w+)\(", MATH))
+
+
+def test_the_table_has_the_ops_the_spec_loader_knows():
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_text([2, 4], ["no_such_op"]), "t.yaml")
+    listed = str(e.value).split("known ops: ")[1].split(", ")
+    assert listed == sorted(OPS)
+    assert {e.name for e in ELEMENTWISE} >= {"relu", "sigmoid", "clamp", "add", "sub", "mul", "div"}
+
+
+@pytest.mark.parametrize("entry", ELEMENTWISE, ids=lambda e: e.name)
+def test_every_elementwise_entry_goes_through_every_layer(entry, tmp_path):
+    assert entry.families and set(entry.families) <= set(FUSED)
+    assert entry.c_fn.startswith("kgen::") and entry.c_fn[len("kgen::"):] in _math_functions(), entry.c_fn
+    text = spec_text([3, 4, 5], [_use(entry), {"sum": {"dim": [1, 2]}}], name="one_op")
+    spec = parse_spec(text, "t.yaml")
+    assert set(spec.ops[0].args) == set(entry.fields)  # every field, defaults filled in
+    pipe = pipeline_of(text)
+    op = pipe.ops[0]
+    assert isinstance(op, Elementwise) and op.fn == entry.name and entry.name in op.describe()
+    # the reference is the entry's torch function
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    with torch.no_grad():
+        got = ReferenceModel(pipe)(x)
+    operand = [entry.example["scalar"]] if entry.operand else [entry.example.get(f) for f, _ in entry.consts]
+    torch.testing.assert_close(got, entry.torch_fn(x, *operand).sum(dim=(1, 2)))
+    # the planner puts it in a family the entry lists; rendering calls its C function
+    plan = make_plan(pipe, target=DEFAULT)
+    assert plan.stages[0].family.name in entry.families
+    stages_h = render_plan(plan, tmp_path).files["one_op/stages.h"]
+    assert re.search(rf"v = {re.escape(entry.c_fn)}\(v[,)]", stages_h), entry.c_fn
+
+
+@pytest.mark.parametrize("entry", [e for e in ELEMENTWISE if e.operand], ids=lambda e: e.name)
+def test_operand_ops_take_a_broadcast_parameter(entry, tmp_path):
+    text = spec_text([3, 4, 5], [{entry.name: {"param": "p"}}, {"max": {"dim": 1}}], params={"p": {"shape": [3, 1, 5], "init": "ones"}})
+    pipe = pipeline_of(text)
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    p = torch.rand(3, 1, 5, dtype=torch.float64) + 0.5
+    torch.testing.assert_close(pipe.run(x, {"p": p}), entry.torch_fn(x, p).amax(dim=1))
+    stages_h = render_plan(make_plan(pipe, target=DEFAULT), tmp_path).files["t/stages.h"]
+    assert f"v = {entry.c_fn}(v, a.p[c * 5 + d1]);" in stages_h
+
+
+def test_a_new_elementwise_entry_needs_nothing_else(monkeypatch, tmp_path):
+    """What CONTRIBUTING.md promises: one table entry (+ its kgen_math.h function, not needed to render)."""
+    square = ElementwiseOp("square", "elementwise", {}, FUSED, "x * x", torch_fn=torch.square, c_fn="kgen::square")
+    monkeypatch.setitem(OPS, "square", square)
+    text = spec_text([3, 6, 6], ["square", {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], name="sq")
+    pipe = pipeline_of(text)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ReferenceModel(pipe)(x), torch.nn.functional.max_pool2d(x * x, 2).sum(dim=1))
+    files = render_plan(make_plan(pipe, target=DEFAULT), tmp_path).files
+    assert "v = kgen::square(v);  // ops[0].square: square" in files["sq/stages.h"]
+    with pytest.raises(SpecError, match="known ops:.*square"):
+        parse_spec(spec_text([3, 6, 6], ["cube"]), "t.yaml")
+
+
+def test_every_elementwise_op_in_one_module_builds_and_validates(tmp_path):
+    """Each entry's C function against its torch function, end to end on the CPU build."""
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
+
+    ops = [_use(e) for e in ELEMENTWISE]
+    ops += [{e.name: {"param": "p"}} for e in ELEMENTWISE if e.operand and e.name != "div"]
+    ops += [{"mean": {"dim": [2, 3]}}]
+    spec = write_spec(tmp_path, spec_text([3, 5, 6], ops, params={"p": {"shape": [3, 1, 1]}}, name="all_elementwise"))
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    build_module(out / "all_elementwise", "cpu", quiet=True)
+    report = validate(spec, out / "all_elementwise", "cpu")
+    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+    assert report.cases and not failures, failures

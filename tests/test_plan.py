@@ -1,0 +1,241 @@
+"""The planner: grouping ops into stages and families, the choice among implementations,
+schedules (from the target), buffers and tiles. No builds: plans only."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from conftest import pipeline_of, spec_text
+from kgen import families
+from kgen.families import conv_aten, norm, pool_reduce
+from kgen.families.base import Family
+from kgen.ir import Elementwise, Norm, Reduce
+from kgen.lowering import Subpixel
+from kgen.plan import make_plan
+from kgen.stage import ConvStage
+from kgen.target import DEFAULT, Target, current
+
+CONV2 = {"conv2d": {"out_channels": 4, "kernel_size": 3}}
+
+
+def plan_of(shape, ops, target=DEFAULT, **kw):
+    return make_plan(pipeline_of(spec_text(shape, ops, **kw)), target=target)
+
+
+def families_of(plan):
+    return [s.family.name for s in plan.stages]
+
+
+# ------------------------------------------------------------------ grouping
+
+
+@pytest.mark.parametrize(
+    "shape,ops,expected",
+    [
+        ([3, 10, 10], [CONV2, "relu", {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], ["conv_aten", "pool_reduce"]),
+        ([4, 6, 6], ["relu", {"group_norm": {"num_groups": 2}}, {"sum": {"dim": 1}}, "sigmoid"], ["norm"]),
+        ([4, 6, 6], [{"group_norm": {"num_groups": 2}}, {"max_pool2d": {"kernel_size": 2}}], ["norm", "pool_reduce"]),
+        # a reduction over space is not the norm family's: the norm ends its stage
+        ([4, 6, 6], [{"group_norm": {"num_groups": 2}}, {"sum": {"dim": [2, 3]}}], ["norm", "pool_reduce"]),
+        # a reduction before a norm ends the pool_reduce stage
+        ([4, 6, 6], [{"sum": {"dim": 2, "keepdim": True}}, {"group_norm": {"num_groups": 2}}], ["pool_reduce", "norm"]),
+        ([4, 6, 6], [{"max_pool2d": {"kernel_size": 2}}, {"group_norm": {"num_groups": 4}}], ["pool_reduce", "norm"]),
+        ([4, 6, 6], [{"sum": {"dim": 1}}, {"max": {"dim": 1}}], ["pool_reduce", "pool_reduce"]),
+        ([4, 8, 8], [{"max_pool2d": {"kernel_size": 2}}, "relu", {"avg_pool2d": {"kernel_size": 2}}, {"mean": {"dim": 1}}, "relu"],
+         ["pool_reduce"]),
+        ([2, 6], ["relu"], ["pool_reduce"]),
+    ],
+)
+def test_grouping(shape, ops, expected):
+    plan = plan_of(shape, ops, rewrites=False)
+    assert families_of(plan) == expected
+    # every op of the (rewritten) pipeline is in exactly one stage, in order
+    assert [o for s in plan.stages for o in s.ops] == list(plan.pipeline.ops)
+    for s in plan.stages:
+        assert s.candidates == (s.family.name,)
+        assert s.family.name in s.choice
+
+
+def test_norm_stage_parts():
+    plan = plan_of([4, 6, 6], ["relu", {"group_norm": {"num_groups": 2}}, "sigmoid", {"sum": {"dim": 1}}, {"mul": {"scalar": 2.0}}])
+    (st,) = plan.stages
+    assert [o.fn for o in st.prologue] == ["relu"] and isinstance(st.norm, Norm)
+    assert [o.fn for o in st.post] == ["sigmoid"] and isinstance(st.reduce, Reduce)
+    assert [o.fn for o in st.epilogue] == ["mul"]
+
+
+def test_pool_reduce_levels():
+    plan = plan_of([4, 12, 12], ["relu", {"max_pool2d": {"kernel_size": 2}}, "sigmoid",
+                                 {"avg_pool2d": {"kernel_size": 3, "padding": 1}}, {"sum": {"dim": [1, 3]}}, "relu"], rewrites=False)
+    (st,) = plan.stages
+    assert [lv.pool.kind if lv.pool else None for lv in st.levels] == [None, "max", "avg"]
+    assert [[o.fn for o in lv.ew] for lv in st.levels] == [["relu"], ["sigmoid"], []]
+    assert [o.fn for o in st.epilogue] == ["relu"]
+    assert st.levels[1].clipped == (False, False) and st.levels[2].clipped == (True, True)  # padding needs bounds checks
+    assert st.kept_dims == (2,) and st.kept_count == 2 and st.reduced_count == 4 * 2
+
+
+def test_conv_bias_moves_into_the_next_stage():
+    plan = plan_of([3, 10, 10], [CONV2, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], rewrites=False)
+    conv, fused = plan.stages
+    assert conv.conv.bias_deferred and "bias added by the next stage" in conv.conv.describe()
+    first = fused.ops[0]
+    assert isinstance(first, Elementwise) and first.fn == "add" and first.param == "conv.bias"
+    assert [a.name for a in plan.stage_args(fused)] == ["conv.bias"]
+    # a convolution at the end keeps its bias
+    last = plan_of([3, 10, 10], ["relu", CONV2], rewrites=False)
+    assert not last.stages[1].conv.bias_deferred
+
+
+# ------------------------------------------------------------------ buffers and copies
+
+
+def test_conv_layout_follows_the_reader():
+    to_pool = plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}])
+    assert to_pool.stages[0].layout == "channels_last"  # pool_reduce reads channels_last as fast
+    assert to_pool.stages[1].input.layout == "channels_last"
+    assert to_pool.stages[1].input.tiles[0].strides == (1, 8 * 4, 4)  # (C, H, W) of [4, 8, 8] channels_last
+    to_norm = plan_of([3, 10, 10], [CONV2, {"group_norm": {"num_groups": 2}}])
+    assert to_norm.stages[0].layout == "contiguous" and to_norm.stages[1].input.flat
+    forced = plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], plan={"conv_layout": "contiguous"})
+    assert forced.stages[0].layout == "contiguous"
+
+
+def test_subpixel_phases_are_tiles_read_in_place():
+    op = {"conv_transpose2d": {"out_channels": 3, "kernel_size": 4, "stride": 2, "padding": 1}}
+    plan = plan_of([2, 5, 5], [op, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
+    conv, fused = plan.stages
+    assert isinstance(conv.conv.lowering, Subpixel) and len(conv.phases) == 4
+    assert fused.input is conv.output and fused.input.phase_stride == (2, 2) and len(fused.input.tiles) == 4
+    assert sorted(t.residue for t in fused.input.tiles) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_copy_stage_where_a_conv_output_is_read_as_a_tensor():
+    op = {"conv_transpose2d": {"out_channels": 3, "kernel_size": 4, "stride": 2, "padding": 1}}
+    alone = plan_of([2, 5, 5], [op])  # phase tiles at the end: copied into one tensor
+    assert families_of(alone) == ["conv_aten", "pool_reduce"] and alone.stages[1].ops == []
+    assert alone.stages[1].output.flat and "copy" not in alone.stages[1].choice  # chosen like any other stage
+    conv_b = {"conv2d": {"out_channels": 4, "kernel_size": 3, "name": "conv_b"}}
+    two = plan_of([2, 5, 5], [op, conv_b])  # the second conv reads a tensor
+    assert families_of(two) == ["conv_aten", "pool_reduce", "conv_aten"]
+    plain = plan_of([3, 10, 10], [CONV2, {"conv2d": {"out_channels": 2, "kernel_size": 3, "name": "conv_b"}}], rewrites=False)  # dense outputs need no copy
+    assert families_of(plain) == ["conv_aten", "conv_aten"]
+    assert [s.index for s in two.stages] == [0, 1, 2]
+
+
+def test_cropped_conv_buffer_is_larger_than_the_logical_tensor():
+    plan = plan_of([2, 9, 9], [CONV2, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
+    conv, fused = plan.stages
+    assert conv.conv.crop == (6, 6) and conv.input_extent == (8, 8)
+    assert fused.input.logical == (4, 6, 6) and fused.input.tiles[0].dims == (4, 6, 6)
+    assert any(d.rewrite == "dead_region" and d.fired for d in plan.decisions)
+
+
+# ------------------------------------------------------------------ schedules and the target
+
+
+def test_schedule_fields_come_from_the_family_and_the_target():
+    ops = [{"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": [2, 3]}}]
+    big = plan_of([64, 64, 64], ops, batch=1, target=DEFAULT).stages[0].schedule
+    small = plan_of([64, 64, 64], ops, batch=1, target=Target(sm_count=2, max_threads_per_sm=1024)).stages[0].schedule
+    assert big.cuda_threads == pool_reduce.CUDA_THREADS and big.min_per_thread == pool_reduce.MIN_PER_THREAD
+    # contiguous input, spatial reduction innermost: lanes walk the reduction
+    assert big.r_fast and big.r_lanes == 256
+    # reducing channels of a contiguous tensor: threads walk the outputs, lanes fill the device
+    chans = [{"sum": {"dim": 1}}]
+    lanes_big = plan_of([64, 32, 32], chans, batch=1, target=DEFAULT).stages[0].schedule
+    lanes_small = plan_of([64, 32, 32], chans, batch=1, target=Target(sm_count=2, max_threads_per_sm=1024)).stages[0].schedule
+    assert not lanes_big.r_fast and lanes_big.r_lanes == 32 and lanes_small.r_lanes == 2
+    assert big.target_blocks_per_sm == pool_reduce.WAVES * 2048 // 256 and small.target_blocks_per_sm == 2 * 1024 // 256
+    assert big.unroll == 4  # 16 loads in flight over a 2x2 window
+    assert big.index_type == "int"
+    norm_sc = plan_of([8, 4, 4], [{"group_norm": {"num_groups": 2}}, {"sum": {"dim": 1}}]).stages[0].schedule
+    assert norm_sc.cpu_grain == norm.CPU_TASK_VALUES // 8 and norm_sc.unroll == norm.UNROLL
+
+
+def test_plan_json_records_target_family_and_schedule():
+    target = Target(sm_count=7, max_threads_per_sm=1536)
+    data = json.loads(json.dumps(plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], target=target).to_json()))
+    assert data["target"] == {"sm_count": 7, "max_threads_per_sm": 1536, "max_grid_y": 65535}
+    conv, fused = data["stages"]
+    assert conv["family"] == "conv_aten" and conv["candidates"] == ["conv_aten"] and conv["lowering"] == "direct"
+    assert fused["family"] == "pool_reduce" and fused["schedule"]["target_blocks_per_sm"] == 2 * (1536 // 256)
+    assert set(fused["schedule"]) >= {"cuda_threads", "r_lanes", "unroll", "min_per_thread", "cpu_grain", "cpu_chunk", "index_type"}
+
+
+def test_target_is_the_default_without_a_gpu_or_when_forced(monkeypatch):
+    monkeypatch.setenv("KGEN_TARGET", "default")
+    assert current() == DEFAULT == Target(132, 2048)
+    monkeypatch.setenv("KGEN_TARGET", "h100x")
+    with pytest.raises(Exception, match="KGEN_TARGET"):
+        current()
+    monkeypatch.delenv("KGEN_TARGET")
+    import torch
+
+    if not torch.cuda.is_available():
+        assert current() == DEFAULT
+
+
+# ------------------------------------------------------------------ implementations to choose between
+
+
+class _GeneratedConv(Family):
+    """A stand-in for a generated convolution (conv_gemm): a peer of conv_aten that takes
+    the next pool_reduce stage as its epilogue."""
+
+    name = "test_conv_gemm"
+    stage_kind = "conv"
+    generates_kernel = True
+    pieces = ()
+    summary = "test"
+
+    def fits(self, ops):
+        return conv_aten.FAMILY.fits(ops)
+
+    def accepts(self, ops):  # the op table does not list this family; it takes what conv_aten takes
+        return conv_aten.FAMILY.accepts(ops)
+
+    def make_stage(self, req):
+        st = conv_aten.FAMILY.make_stage(req)
+        st.layout = "contiguous"
+        return st
+
+    def absorbs_epilogue(self, stage, nxt):
+        return nxt.family is pool_reduce.FAMILY
+
+
+def test_a_peer_implementation_is_a_candidate_and_may_absorb_the_next_stage(monkeypatch):
+    ops = [CONV2, "relu", {"sum": {"dim": 1}}]
+    peer = _GeneratedConv()
+    monkeypatch.setattr(families, "FAMILIES", (conv_aten.FAMILY, peer, norm.FAMILY, pool_reduce.FAMILY))
+    plan = plan_of([3, 10, 10], ops)
+    assert families_of(plan) == ["conv_aten", "pool_reduce"]  # ATen stays the choice
+    assert plan.stages[0].candidates == ("conv_aten", "test_conv_gemm")
+    assert "conv_aten" in plan.stages[0].choice and "test_conv_gemm" in plan.stages[0].choice
+    monkeypatch.setattr(families, "FAMILIES", (peer, conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY))
+    plan = plan_of([3, 10, 10], ops)
+    (st,) = plan.stages  # the generated convolution took the reduction as its epilogue
+    assert isinstance(st, ConvStage) and st.family is peer and st.epilogue.family is pool_reduce.FAMILY
+    assert [o.fn for o in st.epilogue.ops if isinstance(o, Elementwise)] == ["add", "relu"]
+    assert st.output is st.epilogue.output and st.index == 0
+    assert plan.kernel_stages() == [st]
+
+
+def test_every_family_is_registered_once_with_its_template_folder():
+    from kgen.render import TEMPLATES
+
+    names = [f.name for f in families.FAMILIES]
+    assert len(set(names)) == len(names)
+    for f in families.FAMILIES:
+        for piece in f.pieces:
+            assert (TEMPLATES / f.template(piece)).is_file(), f.template(piece)
+        assert f.generates_kernel == ("stage.h" in f.pieces)
+
+
+def test_an_op_no_family_takes_is_a_clear_error(monkeypatch):
+    from kgen.errors import KgenError
+    from kgen.ops import OPS
+
+    monkeypatch.setitem(OPS, "sigmoid", replace(OPS["sigmoid"], families=()))
+    with pytest.raises(KgenError, match=r"t.yaml: ops\[1\].sigmoid: no template family computes sigmoid"):
+        plan_of([2, 6], ["relu", "sigmoid"])
