@@ -22,6 +22,7 @@ import jinja2
 from .errors import KgenError
 from .ir import Elementwise, Pipeline, TensorType, load_pipeline
 from .plan import CUDA_THREADS, Buffer, Plan, make_plan
+from .spec import spec_to_data
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "templates"
@@ -392,6 +393,7 @@ def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Re
         spec_path=spec_shown,
         plan_summary=plan_summary(plan),
         cuda_threads=CUDA_THREADS,
+        spec_data=spec_data_literal(plan),
     )
     files = {}
     for out, tpl in MODULE_FILES.items():
@@ -406,6 +408,22 @@ def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Re
         files[f] = (TEMPLATES / f).read_text()
     files["__init__.py"] = env.get_template("package_init.py.j2").render()
     return Rendered(name, files)
+
+
+def spec_data_literal(plan: Plan) -> str:
+    """The module's spec as a Python literal (``spec_to_data``: checked identifiers and numbers only)."""
+    spec = plan.original.spec
+    if spec is None:
+        raise KgenError(f"{plan.name}: the plan's pipeline was not built from a spec")
+    data = spec_to_data(spec)
+    data["name"] = plan.name
+    lines = ["{"]
+    for key, value in data.items():
+        if key == "ops":  # one op a line
+            lines += [f"    {key!r}: ["] + [f"        {op!r}," for op in value] + ["    ],"]
+        else:
+            lines.append(f"    {key!r}: {value!r},")
+    return "\n".join(lines + ["}"])
 
 
 def plan_summary(plan: Plan) -> str:
