@@ -441,19 +441,30 @@ def render_spec(spec_path, out_root: Path, rewrites: dict | None = None, name: s
 
 
 def write_rendered(rendered: Rendered, out_root: Path) -> list[str]:
-    """Write the files that changed; returns their paths (relative to out_root)."""
+    """Write the files that changed; returns their paths (relative to out_root).
+
+    Every changed file is first written beside its target, then all are renamed
+    into place; a file system error (a read-only directory) is one KgenError line
+    and leaves nothing half-written.
+    """
     out_root = Path(out_root)
-    changed = []
-    for rel, content in rendered.files.items():
-        path = out_root / rel
-        if path.exists() and path.read_text() == content:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(content)
-        os.replace(tmp, path)
-        changed.append(rel)
-    return changed
+    staged = []  # (temporary file, target, relative path)
+    try:
+        for rel, content in rendered.files.items():
+            path = out_root / rel
+            if path.is_file() and path.read_text() == content:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            staged.append((tmp, path, rel))
+            tmp.write_text(content)
+        for tmp, path, _ in staged:
+            os.replace(tmp, path)
+    except OSError as e:
+        for tmp, _, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise KgenError(f"{rendered.name}: cannot write {e.filename or out_root}: {e.strerror or e}") from None
+    return [rel for _, _, rel in staged]
 
 
 def stale_files(rendered: Rendered, out_root: Path) -> list[str]:
