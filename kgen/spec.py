@@ -570,8 +570,9 @@ def _check_yaml_tree(loader: _SpecLoader, root, path: str) -> None:
 
 def load_yaml(text: str, path: str = "<spec>"):
     """Parse ``text`` as YAML with the spec loader's limits; problems are SpecErrors."""
-    loader = _SpecLoader(text)
+    loader = None
     try:
+        loader = _SpecLoader(text)  # reads the text: it may refuse a character already
         node = loader.get_single_node()
         if node is None:
             return None
@@ -585,7 +586,8 @@ def load_yaml(text: str, path: str = "<spec>"):
     except ValueError:  # an integer with more digits than Python converts
         raise SpecError(path, "", "not valid YAML: a number with too many digits") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def read_spec_text(path: str | Path) -> str:
