@@ -14,11 +14,15 @@ from kgen.validate import TOLERANCES, check_model, compare, run_with_magnitude, 
 
 # The mean over all non-batch dims of a GroupNorm output is exactly 0 (weight 1,
 # bias 0): the float64 reference is rounding noise, the kernel's error ~1e-9.
+# Its names shadow Python builtins, which is allowed (not reserved).
 GN_MEAN = """
 name: gn_mean
 input: {shape: [N, 8, 6, 6]}
+params:
+  input: {shape: [8, 1, 1]}
 ops:
-  - group_norm: {num_groups: 2}
+  - add: {param: input}
+  - group_norm: {num_groups: 2, name: min}
   - mean: {dim: [1, 2, 3]}
 """
 
@@ -35,7 +39,8 @@ def test_cancelling_reduction_validates_and_real_errors_still_fail(tmp_path):
     # the same measure on this pipeline: an error of 1e-3 of the normalized values fails
     pipe = build_pipeline(parse_spec(GN_MEAN))
     x = torch.randn(3, 8, 6, 6, dtype=torch.float64)
-    tensors = {"group_norm.weight": torch.ones(8, dtype=torch.float64), "group_norm.bias": torch.zeros(8, dtype=torch.float64)}
+    tensors = {"input": torch.randn(8, 1, 1, dtype=torch.float64),
+               "min.weight": torch.ones(8, dtype=torch.float64), "min.bias": torch.zeros(8, dtype=torch.float64)}
     ref, magnitude = run_with_magnitude(pipe.ops, x, tensors)
     assert float(ref.abs().max()) < 1e-12 < 0.1 < float(magnitude.min())
     assert compare("exact", ref.float(), ref, TOLERANCES["ieee"], magnitude=magnitude).passed
