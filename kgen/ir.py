@@ -750,7 +750,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
     path = spec.path
     t = TensorType(spec.input_shape)
     _check_bounds(None, t, t, "input.shape", path)
-    for name, p in spec.params.items():
+    for p in spec.params.values():
         if math.prod(p.shape) > max_elements():
             raise SpecError(path, f"{p.key}.shape", f"{math.prod(p.shape)} elements; at most {max_elements()} "
                             "(KGEN_MAX_ELEMENTS) are allowed")

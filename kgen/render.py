@@ -10,6 +10,7 @@ all of them rendered, each through a temporary file and an atomic rename.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -415,8 +416,7 @@ def spec_data_literal(plan: Plan) -> str:
     spec = plan.original.spec
     if spec is None:
         raise KgenError(f"{plan.name}: the plan's pipeline was not built from a spec")
-    data = spec_to_data(spec)
-    data["name"] = plan.name
+    data = spec_to_data(spec)  # with the spec's own name: a variant (NAME_norewrite) is the same spec
     lines = ["{"]
     for key, value in data.items():
         if key == "ops":  # one op a line
@@ -462,7 +462,8 @@ def write_rendered(rendered: Rendered, out_root: Path) -> list[str]:
             os.replace(tmp, path)
     except OSError as e:
         for tmp, _, _ in staged:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         raise KgenError(f"{rendered.name}: cannot write {e.filename or out_root}: {e.strerror or e}") from None
     return [rel for _, _, rel in staged]
 

@@ -136,15 +136,16 @@ CPP_MACROS_AND_TYPES = frozenset("""
     half dim3 std at c10 kgen torch cuda
 """.split())
 # Locals, arguments and struct members of the generated binding and module
-# (a parameter named `x` or `torch` would shadow them; `name` is an attribute
-# of torch.ops.kgen, so no op may be called that).
-GENERATED_NAMES = frozenset("x self torch forward in out like guard batch a partial stats splits name".split())
+# (a parameter named `x` or `torch` would shadow them).
+GENERATED_NAMES = frozenset("x self torch forward in out like guard batch a partial stats splits".split())
 GENERATED_PATTERN = re.compile(
     r"(t|x|w|s|stage|level)[0-9]+\Z"  # per-stage locals and namespaces of the binding
     r"|.*_c\Z"  # the binding's contiguous copy of parameter P is P_c
-    r"|.*_(stage[0-9]+|norewrite)\Z"  # kgen's own ops and variants of a module
     r"|(u?(char|short|int|long|longlong)|float|double)[1-4]\Z"  # CUDA vector types
 )
+# kgen's own ops (NAME_stageK), variants (NAME_norewrite), and `name`, an
+# attribute of torch.ops.kgen (no op can be reached under it)
+OWN_OPS_PATTERN = re.compile(r"name\Z|.*_(stage[0-9]+|norewrite)\Z")
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,7 +161,7 @@ def module_name_reason(name: str) -> str | None:
         return "a Python keyword"
     if name in CPP_KEYWORDS:
         return "a C++ keyword"
-    if name == "name" or re.match(r".*_(stage[0-9]+|norewrite)\Z", name):
+    if OWN_OPS_PATTERN.match(name):
         return "a name kgen's own ops use"
     return None
 

@@ -102,11 +102,11 @@ def _mutated_text(text: str, rng: random.Random) -> str:
     return text[:pos] + "[" * 40 + "1" + "]" * 40 + text[pos:]
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_mutated_spec_data(seed):
     rng = random.Random(seed)
     outcomes = {"ok": 0, "error": 0}
-    for i in range(300):
+    for i in range(250):
         data = _mutate(yaml.safe_load(yaml.safe_dump(rng.choice(ORIGINALS))), rng)
         outcomes[_check(lambda: spec_from_data(data, f"fuzz-{seed}-{i}.yaml"))] += 1
         if i % 10 == 0:  # through YAML text too (values YAML can carry)
@@ -121,6 +121,6 @@ def test_mutated_spec_data(seed):
 @pytest.mark.parametrize("seed", range(2))
 def test_mutated_spec_text(seed):
     rng = random.Random(100 + seed)
-    for i in range(200):
+    for i in range(150):
         text = _mutated_text(rng.choice(TEXTS), rng)
         _check(lambda: parse_spec(text, f"fuzz-{seed}-{i}.yaml"))
