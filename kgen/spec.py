@@ -264,13 +264,13 @@ def _ident(v, key, path, reserved=None):
 
 
 def _dims(v, key, path):
-    if _is_int(v):
+    if _is_int(v) and abs(v) <= MAX_SIZE:
         return (v,)
-    if isinstance(v, list) and v and all(_is_int(e) for e in v):
+    if isinstance(v, list) and 0 < len(v) <= 5 and all(_is_int(e) and abs(e) <= MAX_SIZE for e in v):
         if len(set(v)) != len(v):
             _fail(path, key, f"repeated dimension in {_show(v)}")
         return tuple(v)
-    _fail(path, key, f"expected a dimension index or a non-empty list of them, got {_show(v)}")
+    _fail(path, key, f"expected a dimension index or a non-empty list of at most 5 of them, got {_show(v)}")
 
 
 def _ones(rank: int) -> Callable:
@@ -458,8 +458,8 @@ def _load_params(raw, path):
         _mapping(p, key, path)
         _no_extra(p, {"shape", "init"}, key, path)
         shape = p.get("shape")
-        if not isinstance(shape, list) or not shape or not all(_size_ok(v, 1) for v in shape):
-            _fail(path, f"{key}.shape", f"expected a non-empty list of positive integers, got {_show(shape)}")
+        if not isinstance(shape, list) or not 0 < len(shape) <= 5 or not all(_size_ok(v, 1) for v in shape):
+            _fail(path, f"{key}.shape", f"expected a non-empty list of at most 5 positive integers, got {_show(shape)}")
         init = p.get("init", "randn")
         if not isinstance(init, str) or init not in PARAM_INITS:
             _fail(path, f"{key}.init", f"expected one of {', '.join(PARAM_INITS)}, got {_show(init)}")

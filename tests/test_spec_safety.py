@@ -88,6 +88,9 @@ CASES = [
     ("recursive_alias", "name: t\ninput: {shape: [N, 4, 8, 8]}\nops: &o [relu, *o]\n", PARSE, "ops[1]", ["alias"]),
     ("long_value_echo", "name: t\ninput: {shape: [N, 4, 8, 8], dtype: " + "f" * 5000 + "}\nops: [relu]\n", PARSE,
      "input.dtype", ["unsupported dtype 'fff", "..."]),
+    ("huge_dim_index", HEAD4 + "ops:\n  - sum: {dim: 1" + "0" * 3000 + "}\n", PARSE, "ops[0].sum.dim", ["dimension index", "..."]),
+    ("param_with_many_dims", HEAD4 + "params:\n  p: {shape: [" + ", ".join(["1"] * 3000) + "]}\nops:\n  - mul: {param: p}\n", PARSE,
+     "params.p.shape", ["at most 5", "..."]),
     ("nul_character", "name: t\ninput: {shape: [N, 4, 8, 8]}\nops: [relu]\x00\n", PARSE, "", ["not valid YAML"]),
 ]
 
