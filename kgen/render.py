@@ -440,6 +440,13 @@ def render_spec(spec_path, out_root: Path, rewrites: dict | None = None, name: s
     return render_plan(plan, Path(out_root))
 
 
+def _same_text(path: Path, content: str) -> bool:
+    try:
+        return path.is_file() and path.read_text() == content
+    except UnicodeDecodeError:  # not what kgen wrote: replace it
+        return False
+
+
 def write_rendered(rendered: Rendered, out_root: Path) -> list[str]:
     """Write the files that changed; returns their paths (relative to out_root).
 
@@ -452,7 +459,7 @@ def write_rendered(rendered: Rendered, out_root: Path) -> list[str]:
     try:
         for rel, content in rendered.files.items():
             path = out_root / rel
-            if path.is_file() and path.read_text() == content:
+            if _same_text(path, content):
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

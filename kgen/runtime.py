@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import KgenError
 
 def load_library(module_file: str) -> str:
     """Build (if needed) and load the library of the generated module at ``module_file``.
@@ -35,6 +36,9 @@ def register_autograd(op: str, spec_data: dict, param_names) -> None:
     from .spec import spec_from_data
 
     pipe = build_pipeline(spec_from_data(spec_data, f"{op} (embedded spec)"))
+    missing = sorted({a.name for a in pipe.tensor_args()} - set(param_names))
+    if missing:  # the op must take every tensor the spec's ops read
+        raise KgenError(f"{op}: the op takes no argument for {', '.join(missing)}; run `kgen render` again")
     first = op not in _PIPELINES
     _PIPELINES[op] = (pipe, tuple(param_names))
     if first:

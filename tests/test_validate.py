@@ -4,7 +4,7 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, write_spec
+from conftest import HAS_CUDA, write_spec
 from kgen.build import build_module
 from kgen.ir import build_pipeline
 from kgen.reference import init_reference_members
@@ -27,12 +27,19 @@ ops:
 """
 
 
-def test_cancelling_reduction_validates_and_real_errors_still_fail(tmp_path):
-    spec = write_spec(tmp_path, GN_MEAN, "gn_mean.yaml")
-    out = tmp_path / "gen"
-    write_rendered(render_spec(spec, out), out)
-    build_module(out / "gn_mean", quiet=True)
-    report = validate(spec, out / "gn_mean", "cpu")
+@pytest.fixture(scope="module")
+def gn_mean(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gn_mean")
+    spec = write_spec(tmp, GN_MEAN, "gn_mean.yaml")
+    write_rendered(render_spec(spec, tmp / "gen"), tmp / "gen")
+    build_module(tmp / "gen" / "gn_mean", quiet=True)
+    return spec, tmp / "gen" / "gn_mean"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+def test_cancelling_reduction_validates_and_real_errors_still_fail(gn_mean, device):
+    report = validate(*gn_mean, device)
     failures = [f"{c.case}: rel L2 {c.rel_l2:.3g}, {c.problem}" for c in report.cases if not c.passed]
     assert not failures, failures
     assert any(c.case.startswith("Model()") for c in report.cases)
