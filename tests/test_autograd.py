@@ -140,7 +140,7 @@ def test_op_backward_equals_eager(name, device, modules):
     assert [k for k, _ in hand.named_parameters()] == names[1:]
     for k, g, e in zip(names, got, expected):
         assert g is not None, f"{k} got no gradient"
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * float(e.abs().max()), msg=k)
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()), msg=k)
 
 
 def test_only_requested_gradients(modules):
@@ -157,7 +157,7 @@ def test_only_requested_gradients(modules):
 
 def _training_step(model, x, weight, opt):
     opt.zero_grad()
-    loss = (model(x) * weight).sum()
+    loss = (model(x) * weight).mean()
     loss.backward()
     opt.step()
     return loss.detach()
@@ -176,9 +176,9 @@ def _compiled_step_matches_eager(module, name, device, backend):
         for _ in range(2):
             loss = _training_step(compiled, x, weight, opt)
             loss_eager = _training_step(eager, x, weight, opt_eager)
-            torch.testing.assert_close(loss, loss_eager, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(loss, loss_eager, rtol=1e-4, atol=1e-6)
     for (k, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * float(q.grad.abs().max()), msg=k)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4 * float(q.grad.abs().max()), msg=k)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
 
 
