@@ -5,7 +5,12 @@ module's sources, the shared headers, the flags, the torch version and the
 CUDA architecture: any change gives a new directory, an unchanged module is
 never rebuilt. A build runs in a temporary directory under a per-key file
 lock and is renamed into place only when it succeeded, so two processes
-building one module are safe and nothing half-built is ever importable.
+building one module are safe and nothing half-built is ever importable. The
+installed library's size and sha256 are recorded in ``manifest.json`` beside
+it and checked before it is reported up to date or loaded; one that does not
+match is rebuilt. ninja runs in its own process group, stopped with its
+compilers when the build is interrupted (Ctrl-C, SIGTERM); temporary
+directories of builders that died anyway are removed by the next build.
 
 Include and library paths come from ``torch.utils.cpp_extension``; the ninja
 file is kgen's own so that building never loads the library into the builder.
@@ -18,8 +23,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +42,7 @@ BUILD_FORMAT = 1  # bump when the build recipe changes in a way the flags do not
 CPU_SOURCES = ("binding.cpp", "kernel_cpu.cpp")
 CUDA_SOURCES = ("kernel.cu",)
 HEADERS = ("stages.h",)
+MANIFEST = "manifest.json"  # beside the installed library: its size and sha256
 
 
 def _log(msg: str) -> None:
@@ -136,6 +144,16 @@ def build_key(module_dir: Path, tc: Toolchain) -> str:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     h.update(json.dumps(tc.fingerprint(), sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+@contextmanager
+def _writable(root: Path, name: str):
+    """A file system error while preparing or installing a build, as one line."""
+    try:
+        yield
+    except OSError as e:
+        where = e.filename or root
+        raise KgenError(f"building {name}: cannot write {where}: {e.strerror or e}") from None
 
 
 @contextmanager
@@ -267,6 +285,144 @@ def demangle(name: str) -> str:
         return name
 
 
+# ------------------------------------------------------------ installed libraries
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(build_dir: Path, lib_name: str) -> None:
+    lib = build_dir / lib_name
+    data = {"library": lib_name, "size": lib.stat().st_size, "sha256": _sha256(lib)}
+    tmp = build_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, build_dir / MANIFEST)
+
+
+def install_problem(build_dir: Path, lib_name: str) -> str | None:
+    """What is wrong with the library installed in ``build_dir``, or None if it is as built."""
+    lib = build_dir / lib_name
+    try:
+        size = lib.stat().st_size
+    except OSError:
+        return "the library is missing"
+    try:
+        data = json.loads((build_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "its manifest is missing or unreadable"
+    if not isinstance(data, dict) or data.get("library") != lib_name:
+        return "its manifest is corrupt"
+    if size != data.get("size"):
+        return f"it has {size} bytes, the manifest records {data.get('size')}"
+    if _sha256(lib) != data.get("sha256"):
+        return "its sha256 differs from the manifest's"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_dead_temp_dirs(build_root: Path) -> None:
+    """Remove ``tmp-*-PID`` build directories whose builder process is gone."""
+    for d in build_root.glob("tmp-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------ running ninja
+
+_RUNNING: set = set()  # ninja processes this process started and has not reaped
+_RUNNING_LOCK = threading.Lock()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a ninja started in its own process group; ninja stops its compile jobs on SIGTERM."""
+    proc.kgen_stopped = True
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def stop_all_builds() -> None:
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        _stop(proc)
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def _interruptible():
+    """On the main thread, run builds so that an interruption stops them: SIGTERM
+    becomes SystemExit meanwhile (by default it would end the process at once and
+    leave ninja compiling), and Ctrl-C or SIGTERM stops every running ninja, also
+    those of worker threads. Elsewhere a no-op: signals reach the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    installed = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if installed:
+        signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        stop_all_builds()
+        raise
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run_ninja(build_dir: Path, name: str, quiet: bool) -> tuple[int, str]:
+    """Run ninja in ``build_dir`` in a process group of its own; returns (exit status, output)."""
+    proc = subprocess.Popen(
+        [_ninja(), "-C", str(build_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # Ctrl-C reaches kgen only; kgen stops ninja and its jobs (_stop)
+    )
+    with _RUNNING_LOCK:
+        _RUNNING.add(proc)
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if not quiet and re.match(r"^\[\d+/\d+\] ", line):
+                _log(f"  {name}: {line.strip()}")
+        proc.wait()
+    except BaseException:
+        _stop(proc)
+        raise
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
+        proc.stdout.close()
+    if getattr(proc, "kgen_stopped", False):  # stopped by an interruption on the main thread
+        raise KgenError(f"building {name} was interrupted")
+    return proc.returncode, "".join(log)
+
+
 @dataclass
 class BuildResult:
     name: str
@@ -293,35 +449,38 @@ def build_module(module_dir: Path, variant: str | None = None, quiet: bool = Fal
         kernels = parse_ptxas(ptx.read_text()) if ptx.exists() else []
         return BuildResult(name, final / lib_name, built, time.monotonic() - start, kernels)
 
-    if (final / lib_name).exists():
+    if install_problem(final, lib_name) is None:
         return done(False)
-    with _file_lock(root / f"{variant}-{key}.lock"):
-        if (final / lib_name).exists():  # another process built it while we waited
+    with _interruptible(), _writable(root, name), _file_lock(root / f"{variant}-{key}.lock"):
+        remove_dead_temp_dirs(root)
+        problem = install_problem(final, lib_name)  # another process may have built it meanwhile
+        if problem is None:
             return done(False)
+        if final.exists():
+            _log(f"note: {name}: the installed {final / lib_name} does not match what was built ({problem}); rebuilding")
+            stale = root / f"tmp-stale-{variant}-{key}-{os.getpid()}"
+            os.replace(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f"tmp-{variant}-{key}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        (tmp / "build.ninja").write_text(_ninja_file(module_dir, tc, lib_name))
-        if not quiet:
-            _log(f"building {name} ({variant}{', ' + ' '.join(cuda_arch_flags()) if variant == 'cuda' else ''}) ...")
-        proc = subprocess.Popen(
-            [_ninja(), "-C", str(tmp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        log = []
-        for line in proc.stdout:
-            log.append(line)
-            if not quiet and re.match(r"^\[\d+/\d+\] ", line):
-                _log(f"  {name}: {line.strip()}")
-        proc.wait()
-        output = "".join(log)
+        try:
+            (tmp / "build.ninja").write_text(_ninja_file(module_dir, tc, lib_name))
+            if not quiet:
+                _log(f"building {name} ({variant}{', ' + ' '.join(cuda_arch_flags()) if variant == 'cuda' else ''}) ...")
+            returncode, output = _run_ninja(tmp, name, quiet)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         (tmp / "build.log").write_text(output)
-        if proc.returncode != 0:
+        if returncode != 0:
             failed = root / f"failed-{variant}-{key}"
             shutil.rmtree(failed, ignore_errors=True)
             os.replace(tmp, failed)
             detail = explain_compile_errors(output) or "\n".join(output.strip().splitlines()[-15:])
             raise KgenError(f"building {name} failed (full log: {failed / 'build.log'}):\n{detail}")
         (tmp / "ptxas.txt").write_text(output)
+        write_manifest(tmp, lib_name)
         os.replace(tmp, final)
     result = done(True)
     if not quiet:
@@ -336,7 +495,8 @@ def build_modules(module_dirs, variant: str | None = None) -> list[BuildResult]:
     """Build several modules at once (each ninja runs its own jobs); the first failure is raised."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(module_dirs), os.cpu_count() or 1))) as pool:
+    # _interruptible inside: an interruption stops the builds before the pool waits for its threads
+    with ThreadPoolExecutor(max_workers=max(1, min(len(module_dirs), os.cpu_count() or 1))) as pool, _interruptible():
         futures = [pool.submit(build_module, d, variant) for d in module_dirs]
         return [f.result() for f in futures]
 

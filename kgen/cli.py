@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from .errors import KgenError
+from . import __version__
+from .errors import KgenError, one_line
 
 DEFAULT_SPECS = Path("specs")
 DEFAULT_OUT = Path("generated")
@@ -71,13 +72,55 @@ def _spec_of(module_dir: Path) -> Path:
     return spec
 
 
-def _default_device() -> str:
+def _device(device: str | None) -> str:
+    """``--device`` checked against this machine (default: cuda if available, else cpu)."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    shown = one_line(device, 80)
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise KgenError(f"--device {shown}: not a device; use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise KgenError(f"--device {shown}: no CUDA device is available (torch {torch.__version__}, {build})")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise KgenError(f"--device {shown}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type != "cpu":
+        raise KgenError(f"--device {shown}: kgen runs on cpu or cuda")
+    return device
+
+
+def _positive(value: int | None, option: str) -> None:
+    if value is not None and value < 1:
+        raise KgenError(f"{option} must be a positive integer, got {value}")
+
+
+def _render_specs(specs: tuple[str, ...], out: Path):
+    """Render every spec in memory (all or nothing); two specs with one name are an error."""
+    from .render import render_spec
+
+    paths, seen_files = [], set()
+    for p in _spec_paths(specs):
+        key = Path(p).resolve() if Path(p).exists() else p
+        if key not in seen_files:  # the same file named twice renders once
+            seen_files.add(key)
+            paths.append(p)
+    rendered = [render_spec(p, out) for p in paths]
+    owner = {}
+    for p, r in zip(paths, rendered):
+        if r.name in owner:
+            raise KgenError(f"{one_line(owner[r.name], 160)} and {one_line(p, 160)} both have name '{r.name}'; "
+                            "rendered together one would overwrite the other")
+        owner[r.name] = p
+    return paths, rendered
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="kgen", message="%(prog)s %(version)s")
 def main():
     """Render fused GPU/CPU kernels from YAML pipeline specs.
 
@@ -94,6 +137,20 @@ def main():
       kgen validate                        # compare with the float64 reference
       python -c "from generated import maxpool_sum"
     or all of it at once: kgen all
+
+    \b
+    Environment:
+      KGEN_DEVICE=cpu|cuda      build variant when --device is not given
+                                (default: cuda when torch has CUDA and nvcc is found)
+      TORCH_CUDA_ARCH_LIST      GPU architectures to build for, e.g. "9.0a;8.0"
+                                (default: the GPU's own; sm_90a on Hopper)
+      KGEN_TARGET=default       plan for the default target (an H100) instead of this GPU,
+                                so that rendering gives the committed files on any machine
+      KGEN_MAX_ELEMENTS=N       largest activation sample or weight a spec may make
+                                (default 2**34 elements)
+      KGEN_POISON_OUTPUTS=1     fill outputs with a NaN pattern before the kernels run
+                                (kgen validate sets it, to catch unwritten elements)
+      CUDA_HOME, CXX            the CUDA toolkit and the C++ compiler to build with
     """
 
 
@@ -110,9 +167,9 @@ def render(specs, check, out):
     kernel_cpu.cpp (C++ schedule), binding.cpp (the torch op), __init__.py and
     plan.json. With --check nothing is written and stale files are listed.
     """
-    from .render import render_spec, stale_files, write_rendered
+    from .render import stale_files, write_rendered
 
-    rendered = [render_spec(p, out) for p in _spec_paths(specs)]  # all or nothing: render everything first
+    _, rendered = _render_specs(specs, out)  # all or nothing: render everything first
     if check:
         stale = [f"{out}/{f}" for r in rendered for f in stale_files(r, out)]
         if stale:
@@ -142,12 +199,13 @@ def build(names, out, device):
         click.echo(f"{r.name}: {'built' if r.built else 'up to date'} -> {r.library}")
 
 
-def _run_validation(module_dirs, device, full, baseline, verbose):
+def _run_validation(module_dirs, device, full, baseline, verbose, specs=None):
+    """Validate each module against its spec (``specs``: the spec paths, else read from plan.json)."""
     from .validate import validate
 
     rows, failed = [], []
-    for d in module_dirs:
-        spec = _spec_of(d)
+    for i, d in enumerate(module_dirs):
+        spec = specs[i] if specs else _spec_of(d)
         reports = [("rewritten", validate(spec, d, device, full=full))]
         if baseline:
             from .variants import baseline_module
@@ -187,7 +245,7 @@ def validate(names, out, device, full, baseline, verbose):
     cases (+-inf, NaN, ties, data far from zero, constants) with poisoned
     outputs. Tolerances follow the spec's precision (tf32 on CUDA).
     """
-    failed = _run_validation(_module_dirs(out, names), device or _default_device(), full, baseline, verbose)
+    failed = _run_validation(_module_dirs(out, names), _device(device), full, baseline, verbose)
     if failed:
         raise KgenError(f"validation failed: {', '.join(failed)}")
 
@@ -204,15 +262,15 @@ def all_(specs, out, device):
     (`from generated import NAME`) and exits 1 if any check fails.
     """
     from .build import build_modules
-    from .render import render_spec, write_rendered
+    from .render import write_rendered
 
-    rendered = [render_spec(p, out) for p in _spec_paths(specs)]
+    device = _device(device)
+    paths, rendered = _render_specs(specs, out)
     for r in rendered:
         write_rendered(r, out)
-    device = device or _default_device()
     dirs = [out / r.name for r in rendered]
     build_modules(dirs, "cuda" if device.startswith("cuda") else "cpu")
-    failed = _run_validation(dirs, device, False, False, False)
+    failed = _run_validation(dirs, device, False, False, False, specs=paths)
     if failed:
         raise KgenError(f"validation failed: {', '.join(failed)}")
 
@@ -230,6 +288,7 @@ def explain(spec, no_rewrites, batch):
     from .ir import load_pipeline
     from .spec import REWRITE_NAMES
 
+    _positive(batch, "--batch")
     pipe = load_pipeline(spec)
     click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch))
 
@@ -306,6 +365,7 @@ def bench(names, out, json_path, md_path, reps, baseline):
     torch.compile in the same process: CUDA events, warm-up, median of REPS."""
     from .bench import run_bench, write_reports
 
+    _positive(reps, "--reps")
     results = run_bench(_module_dirs(out, names), _spec_of, reps=reps, baseline=baseline)
     write_reports(results, json_path, md_path)
 

@@ -3,17 +3,26 @@
 A field schema is ``{field: (checker, default)}``; ``REQUIRED`` marks a field
 without default. ``kgen.spec`` applies them to the top-level keys and
 ``kgen.ops`` declares each op's fields with them. A bad value raises
-``SpecError`` naming the file and the key path.
+``SpecError`` naming the file and the key path; a message quotes at most a
+short prefix of the value (``show``). Sizes are bounded so that every
+compile-time constant fits the kernels' 32-bit indices; scalars must be
+finite in float32.
 """
 from __future__ import annotations
 
 import math
 import re
+import reprlib
 from typing import Callable
 
 from .errors import SpecError
+from .names import reserved_reason
 
 IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
+MAX_NAME = 64  # characters of a name (module, parameter, submodule, symbol)
+MAX_SIZE = 2**31 - 1  # any one size, stride, padding...: kernels index single dims with 32-bit ints
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_SHOWN = 80  # characters of a value an error message shows
 
 
 class _Required:
@@ -25,6 +34,15 @@ class _Required:
 
 REQUIRED = _Required()
 
+_repr = reprlib.Repr()
+_repr.maxstring, _repr.maxother, _repr.maxlong, _repr.maxlevel = MAX_SHOWN, MAX_SHOWN, 40, 3
+
+
+def show(v) -> str:
+    """A value as an error message quotes it: its repr, cut to a short prefix."""
+    text = _repr.repr(v)
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
+
 
 def fail(path, key, msg):
     raise SpecError(path, key, msg)
@@ -34,27 +52,32 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def size_ok(v, lo: int) -> bool:
+    return is_int(v) and lo <= v <= MAX_SIZE
+
+
 def integer(lo: int) -> Callable:
     what = "a positive integer" if lo == 1 else "a non-negative integer"
 
     def check(v, key, path):
-        if not is_int(v) or v < lo:
-            fail(path, key, f"expected {what}, got {v!r}")
+        if not size_ok(v, lo):
+            too_big = " (at most 2**31 - 1)" if is_int(v) and v > MAX_SIZE else ""
+            fail(path, key, f"expected {what}{too_big}, got {show(v)}")
         return v
 
     return check
 
 
 def ints(rank: int, lo: int) -> Callable:
-    """An int, or a list of ``rank`` ints, each >= lo; returns a tuple of length rank."""
+    """An int, or a list of ``rank`` ints, each in [lo, 2**31 - 1]; returns a tuple of length rank."""
     what = "positive" if lo == 1 else "non-negative"
 
     def check(v, key, path):
-        if is_int(v) and v >= lo:
+        if size_ok(v, lo):
             return (v,) * rank
-        if isinstance(v, list) and len(v) == rank and all(is_int(e) and e >= lo for e in v):
+        if isinstance(v, list) and len(v) == rank and all(size_ok(e, lo) for e in v):
             return tuple(v)
-        fail(path, key, f"expected a {what} integer or a list of {rank} {what} integers, got {v!r}")
+        fail(path, key, f"expected a {what} integer or a list of {rank} {what} integers, each at most 2**31 - 1, got {show(v)}")
 
     return check
 
@@ -65,36 +88,48 @@ def optional(check: Callable) -> Callable:
 
 def boolean(v, key, path):
     if not isinstance(v, bool):
-        fail(path, key, f"expected true or false, got {v!r}")
+        fail(path, key, f"expected true or false, got {show(v)}")
     return v
 
 
 def number(v, key, path):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        fail(path, key, f"expected a finite number, got {v!r}")
-    return float(v)
+    """A number the kernels can use: finite in float32 (compared exactly, so 10**400 is refused, not an overflow)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+        fail(path, key, f"expected a finite number, got {show(v)}")
+    if abs(v) > FLOAT32_MAX:
+        fail(path, key, f"{show(v)} is not finite in float32 (largest: 3.4028235e38)")
+    v = float(v)
+    if v != 0 and abs(v) <= 2.0**-150:  # half the smallest float32 or less: it would become 0
+        fail(path, key, f"{show(v)} rounds to 0 in float32")
+    return v
 
 
-def ident(v, key, path):
+def ident(v, key, path, reserved=reserved_reason):
+    """A parameter or submodule name (``reserved``: the rule for the module's own name)."""
     if not isinstance(v, str) or not IDENT.match(v):
-        fail(path, key, f"expected an identifier matching [a-z][a-z0-9_]*, got {v!r}")
+        fail(path, key, f"expected an identifier matching [a-z][a-z0-9_]*, got {show(v)}")
+    if len(v) > MAX_NAME:
+        fail(path, key, f"name is {len(v)} characters long; at most {MAX_NAME} are allowed")
+    reason = reserved(v)
+    if reason:
+        fail(path, key, f"'{v}' is {reason}; choose another name")
     return v
 
 
 def dims(v, key, path):
-    if is_int(v):
+    if is_int(v) and abs(v) <= MAX_SIZE:
         return (v,)
-    if isinstance(v, list) and v and all(is_int(e) for e in v):
+    if isinstance(v, list) and 0 < len(v) <= 5 and all(is_int(e) and abs(e) <= MAX_SIZE for e in v):
         if len(set(v)) != len(v):
-            fail(path, key, f"repeated dimension in {v!r}")
+            fail(path, key, f"repeated dimension in {show(v)}")
         return tuple(v)
-    fail(path, key, f"expected a dimension index or a non-empty list of them, got {v!r}")
+    fail(path, key, f"expected a dimension index or a non-empty list of at most 5 of them, got {show(v)}")
 
 
 def ones(rank: int) -> Callable:
     def check(v, key, path):
         if (is_int(v) and v == 1) or (isinstance(v, list) and len(v) == rank and all(is_int(e) and e == 1 for e in v)):
             return (1,) * rank
-        fail(path, key, f"only global pooling (output_size 1) is supported, got {v!r}")
+        fail(path, key, f"only global pooling (output_size 1) is supported, got {show(v)}")
 
     return check

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SpecError
+from .fields import MAX_SIZE
 from .ops import OPS, ElementwiseOp
-from .spec import OpSpec, Spec, load_spec
+from .spec import OpSpec, Spec, load_spec, max_elements
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -515,6 +516,7 @@ class Pipeline:
     conv_layout: str = "auto"
     example: dict = field(default_factory=dict)
     description: str = ""
+    spec: Spec | None = field(default=None, compare=False, repr=False)  # what it was built from
 
     @property
     def output(self) -> TensorType:
@@ -601,6 +603,26 @@ def _check_broadcast(pshape, t: TensorType, key, path, name):
             raise SpecError(
                 path, key, f"parameter '{name}' of shape {list(pshape)} does not broadcast to the activation {t}"
             )
+
+
+def _check_bounds(op: Op | None, t_in: TensorType, t: TensorType, key: str, path: str) -> None:
+    """Sizes the kernels can index: every size and window position within 32 bits, and no
+    activation sample or weight above ``max_elements()`` (KGEN_MAX_ELEMENTS)."""
+    cap = max_elements()
+    if isinstance(op, (Conv, Pool)):
+        for d, L in enumerate(t_in.spatial):
+            reach = L + 2 * op.padding[d] + op.dilation[d] * (op.kernel[d] - 1) + op.stride[d]
+            if reach > MAX_SIZE:
+                raise SpecError(path, key, f"input size {L} with its padding, kernel and stride along spatial dim {d} "
+                                "exceeds the kernels' 32-bit index range")
+    if any(n > MAX_SIZE for n in t.shape[1:]):
+        raise SpecError(path, key, f"shape {t} has a size above 2**31 - 1")
+    if t.sample_numel > cap:
+        raise SpecError(path, key, f"shape {t} has {t.sample_numel} elements per sample; at most {cap} "
+                        "(KGEN_MAX_ELEMENTS) are allowed")
+    if isinstance(op, Conv) and math.prod(op.weight_shape()) > cap:
+        raise SpecError(path, key, f"the weight {list(op.weight_shape())} has {math.prod(op.weight_shape())} "
+                        f"elements; at most {cap} (KGEN_MAX_ELEMENTS) are allowed")
 
 
 # ---------------------------------------------------------------- building
@@ -699,6 +721,11 @@ def build_pipeline(spec: Spec) -> Pipeline:
     path = spec.path
     b = _Builder(spec)
     t = TensorType(spec.input_shape)
+    _check_bounds(None, t, t, "input.shape", path)
+    for p in spec.params.values():
+        if math.prod(p.shape) > max_elements():
+            raise SpecError(path, f"{p.key}.shape", f"{math.prod(p.shape)} elements; at most {max_elements()} "
+                            "(KGEN_MAX_ELEMENTS) are allowed")
     ops, types = [], [t]
     for o in spec.ops:
         entry = OPS[o.kind]
@@ -707,6 +734,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
             t = op.infer(t)
         except ShapeError as e:
             raise SpecError(path, o.key, str(e)) from None
+        _check_bounds(op, types[-1], t, o.key, path)
         ops.append(op)
         types.append(t)
 
@@ -725,6 +753,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
         conv_layout=spec.conv_layout,
         example=dict(spec.example),
         description=spec.description,
+        spec=spec,
     )
     idents = {}
     for arg in pipe.tensor_args():

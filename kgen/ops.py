@@ -53,6 +53,7 @@ class ElementwiseOp(OpDef):
     consts: tuple = ()  # ((field, value when the field is omitted), ...): float arguments after v
     operand: bool = False  # takes exactly one of the fields `scalar` or `param`
     example: dict = field(default_factory=dict)  # fields of a valid use (tests, docs)
+    slope: float = 1.0  # largest |f'| (validation scales the input's rounding by it)
 
 
 def _conv_fields(rank: int, transposed: bool) -> dict:
@@ -135,7 +136,7 @@ def _table() -> dict[str, OpDef]:
         ElementwiseOp("relu", "elementwise", {}, FUSED, "max(x, 0); NaN stays NaN",
                       torch_fn=torch.relu, c_fn="kgen::relu"),
         ElementwiseOp("sigmoid", "elementwise", {}, FUSED, "1 / (1 + exp(-x))",
-                      torch_fn=torch.sigmoid, c_fn="kgen::sigmoid"),
+                      torch_fn=torch.sigmoid, c_fn="kgen::sigmoid", slope=0.25),
         ElementwiseOp("tanh", "elementwise", {}, FUSED, "torch.tanh(x)", torch_fn=torch.tanh, c_fn="kgen::tanh"),
         ElementwiseOp("clamp", "elementwise", {"min": (f.optional(f.number), None), "max": (f.optional(f.number), None)},
                       FUSED, "torch.clamp(x, min, max); at least one bound", _check_clamp,

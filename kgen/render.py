@@ -15,6 +15,7 @@ all of them rendered, each through a temporary file and an atomic rename.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import json
 import math
@@ -29,6 +30,7 @@ from . import cexpr
 from .errors import KgenError
 from .ir import load_pipeline
 from .plan import Plan, make_plan
+from .spec import spec_to_data
 
 # The templates ship inside the package: kgen/templates links to the
 # repository's templates/ folder, and wheels carry copies (pyproject.toml).
@@ -102,6 +104,7 @@ def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Re
         ident=lambda n: tensors[n].ident,
         ew=lambda op, act, coords: cexpr.elementwise(op, act, coords, tensors),
         summed=lambda ops: cexpr.summed_params(ops, tensors),
+        spec_data=spec_data_literal(plan),
     )
     files = {}
     for out, tpl in MODULE_FILES.items():
@@ -119,6 +122,21 @@ def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Re
     return Rendered(name, files)
 
 
+def spec_data_literal(plan: Plan) -> str:
+    """The module's spec as a Python literal (``spec_to_data``: checked identifiers and numbers only)."""
+    spec = plan.original.spec
+    if spec is None:
+        raise KgenError(f"{plan.name}: the plan's pipeline was not built from a spec")
+    data = spec_to_data(spec)  # with the spec's own name: a variant (NAME_norewrite) is the same spec
+    lines = ["{"]
+    for key, value in data.items():
+        if key == "ops":  # one op a line
+            lines += [f"    {key!r}: ["] + [f"        {op!r}," for op in value] + ["    ],"]
+        else:
+            lines.append(f"    {key!r}: {value!r},")
+    return "\n".join(lines + ["}"])
+
+
 def plan_summary(plan: Plan) -> str:
     """One line per stage, for the headers of generated files."""
     return "\n".join(f"stage {s.index} ({s.kind}): " + " -> ".join(o.describe() for o in s.ops) for s in plan.stages)
@@ -133,20 +151,39 @@ def render_spec(spec_path, out_root: Path, rewrites: dict | None = None, name: s
     return render_plan(plan, Path(out_root))
 
 
+def _same_text(path: Path, content: str) -> bool:
+    try:
+        return path.is_file() and path.read_text() == content
+    except UnicodeDecodeError:  # not what kgen wrote: replace it
+        return False
+
+
 def write_rendered(rendered: Rendered, out_root: Path) -> list[str]:
-    """Write the files that changed; returns their paths (relative to out_root)."""
+    """Write the files that changed; returns their paths (relative to out_root).
+
+    Every changed file is first written beside its target, then all are renamed
+    into place; a file system error (a read-only directory) is one KgenError line
+    and leaves nothing half-written.
+    """
     out_root = Path(out_root)
-    changed = []
-    for rel, content in rendered.files.items():
-        path = out_root / rel
-        if path.exists() and path.read_text() == content:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(content)
-        os.replace(tmp, path)
-        changed.append(rel)
-    return changed
+    staged = []  # (temporary file, target, relative path)
+    try:
+        for rel, content in rendered.files.items():
+            path = out_root / rel
+            if _same_text(path, content):
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            staged.append((tmp, path, rel))
+            tmp.write_text(content)
+        for tmp, path, _ in staged:
+            os.replace(tmp, path)
+    except OSError as e:
+        for tmp, _, _ in staged:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        raise KgenError(f"{rendered.name}: cannot write {e.filename or out_root}: {e.strerror or e}") from None
+    return [rel for _, _, rel in staged]
 
 
 def stale_files(rendered: Rendered, out_root: Path) -> list[str]:

@@ -14,6 +14,15 @@ Two kinds of cases:
 Outputs and workspaces are poisoned (``KGEN_POISON_OUTPUTS=1``): an element no
 kernel wrote keeps a NaN bit pattern that no computation produces, and fails
 the case. NaN and +-inf must sit exactly where the reference has them.
+
+Errors are measured against a float64 *magnitude reference* computed beside
+the reference (``run_with_magnitude``): where the pipeline sums or adds, the
+size of the terms, not of a result that cancels to (nearly) zero. A mean of a
+normalized tensor is 0 up to rounding; its error is judged against the size
+of the normalized values, not against that rounding noise.
+
+Besides the op, the generated ``Model`` is exercised as a user calls it:
+constructed, ``.eval()``/``.train()``, ``state_dict`` loaded both ways, forward.
 """
 from __future__ import annotations
 
@@ -23,13 +32,14 @@ import importlib.util
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from .errors import KgenError
-from .ir import Pipeline, TensorType, load_pipeline
+from .ir import Conv, Norm, Pipeline, Pool, Reduce, TensorType, load_pipeline
+from .ops import OPS
 from .plan import Plan, make_plan
 from .stage import Buffer
 from .reference import ReferenceModel
@@ -79,29 +89,32 @@ class Report:
 # ------------------------------------------------------------ comparing
 
 
-def _errors(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
-    """(max abs error, relative L2 error) of o against r over r's finite elements."""
+def _errors(o: torch.Tensor, r: torch.Tensor, m: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, L2 error relative to the magnitude m) of o against r over r's finite elements."""
     finite = torch.isfinite(r)
     if not finite.any():
         return 0.0, 0.0
     # where() rather than boolean indexing, which copies and was most of a large module's validation time
     diff = torch.where(finite, o - r, 0.0)
     max_abs = float(diff.abs().max())
-    norm = float(torch.where(finite, r, 0.0).norm())
+    norm = float(torch.where(finite, m, 0.0).norm())
     if norm == 0:
         return max_abs, 0.0 if max_abs == 0 else math.inf
     return max_abs, float(diff.norm()) / norm
 
 
 def compare(
-    case: str, out: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float], eager: torch.Tensor | None = None
+    case: str, out: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float], eager: torch.Tensor | None = None,
+    magnitude: torch.Tensor | None = None,
 ) -> CaseResult:
     """``out`` (float32) against ``ref`` (float64): shapes, poison, non-finite masks, then errors.
 
-    The error may reach the tolerance of the precision mode, or twice what
-    PyTorch's own float32 eager (``eager``) makes on this input, whichever is
-    larger: on ill-conditioned inputs (data at 1e4 with std 1 through x * m)
-    no float32 computation gets within a fixed tolerance.
+    Errors are relative to ``magnitude`` (``run_with_magnitude``; default |ref|,
+    and never less than it): the L2 error over its L2 norm, the max abs error
+    over its max. The error may reach the tolerance of the precision mode, or
+    twice what PyTorch's own float32 eager (``eager``) makes on this input,
+    whichever is larger: on ill-conditioned inputs (data at 1e4 with std 1
+    through x * m) no float32 computation gets within a fixed tolerance.
     """
     if tuple(out.shape) != tuple(ref.shape):
         return CaseResult(case, math.inf, math.inf, False, f"shape {list(out.shape)} != reference {list(ref.shape)}")
@@ -119,19 +132,56 @@ def compare(
                 case, math.inf, math.inf, False,
                 f"{what} at {int((mo & ~mr).sum())} places the reference has none and missing at {int((mr & ~mo).sum())}",
             )
-    max_abs, rel_l2 = _errors(o, r)
+    m = r.abs()
+    if magnitude is not None:
+        mag = magnitude.detach().cpu().double()
+        m = torch.where(torch.isfinite(mag), torch.maximum(mag, m), m)
+    max_abs, rel_l2 = _errors(o, r, m)
     finite = torch.isfinite(r)
-    scale = float(torch.where(finite, r, 0.0).abs().max()) if finite.any() else 0.0
+    scale = float(torch.where(finite, m, 0.0).max()) if finite.any() else 0.0
     allowed_rel, allowed_abs = tol[0], tol[1] * scale
     eager_rel = math.nan
     if eager is not None:
         e = eager.detach().cpu().double()
         if torch.equal(torch.isfinite(e), finite):
-            eager_abs, eager_rel = _errors(e, r)
+            eager_abs, eager_rel = _errors(e, r, m)
             allowed_rel, allowed_abs = max(allowed_rel, 2 * eager_rel), max(allowed_abs, 2 * eager_abs)
     ok = rel_l2 <= allowed_rel and max_abs <= allowed_abs
     problem = "" if ok else f"error above the allowed rel L2 {allowed_rel:.3g} / max abs {allowed_abs:.3g}"
     return CaseResult(case, max_abs, rel_l2, ok, problem, eager_rel)
+
+
+def run_with_magnitude(ops, x: torch.Tensor, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops`` on ``x`` (the reference), and beside it a magnitude m >= |value| that
+    rounding errors scale with: sums (reductions, pools, add/sub) and scalings
+    propagate the magnitudes of their terms, so a result that cancels keeps the
+    size of what was summed; a convolution or a norm restarts it from its own
+    output (their rounding is relative to that; a norm's affine part still adds
+    |w*x| + |b|); relu, clamp and sigmoid keep it where the output depends on the input.
+    """
+    absolute = {k: v.abs() for k, v in tensors.items()}
+    v, m = x, x.abs()
+    for op in ops:
+        out = op.run(v, tensors)
+        if isinstance(op, (Pool, Reduce)):
+            m = op.run(m, absolute)
+        elif isinstance(op, Conv):
+            m = out.abs()
+        elif isinstance(op, Norm):
+            m = replace(op, affine=False).run(v, {}).abs()
+            if op.affine:
+                shape = (1, -1) + (1,) * (v.dim() - 2)
+                w, b = (absolute[f"{op.module}.{k}"].reshape(shape) for k in ("weight", "bias"))
+                m = m * w + b
+        elif op.fn in ("relu", "clamp"):
+            m = torch.where(out == v, m, out.abs())  # where the op cut the value off, only the bound is left
+        elif not OPS[op.fn].operand:  # a unary function: the input's rounding times its largest slope
+            m = torch.where(torch.isfinite(v), out.abs() + OPS[op.fn].slope * m, out.abs())
+        else:  # add/sub/mul/div: the same op on the magnitudes, sub as add
+            scalar = None if op.scalar is None else abs(op.scalar)
+            m = replace(op, fn="add" if op.fn == "sub" else op.fn, scalar=scalar).run(m, absolute)
+        v = out
+    return v, m
 
 
 # ------------------------------------------------------------ inputs
@@ -281,15 +331,47 @@ def validate(
     reference = ReferenceModel(pipe).to(device)
     reference.load_state_dict(model.state_dict())
     eager = copy.deepcopy(reference)  # float32, PyTorch's default TF32 settings
-    reference = reference.double()
+    tensors64 = {k: v.detach().double() for k, v in reference.named_parameters()}
     params = [dict(model.named_parameters())[a.name].detach() for a in pipe.tensor_args()]
     tol = TOLERANCES[precision]
     with torch.no_grad(), poisoned_outputs():
         for label, x in end_to_end_cases(pipe.input, device, full):
-            report.cases.append(_case(label, lambda: op(x, *params), lambda: reference(x.double()), lambda: eager(x), tol))
+            report.cases.append(_case(
+                label, lambda: op(x, *params), lambda: run_with_magnitude(pipe.ops, x.double(), tensors64),
+                lambda: eager(x), tol,
+            ))
+        report.cases.append(check_model(mod, model, pipe, device, op, tol))
         if stages:
             report.cases += check_stages(plan, report.name, model, device)
     return report
+
+
+def check_model(mod, validated, pipe: Pipeline, device: str, op, tol) -> CaseResult:
+    """The module's ``Model`` used as a user would: construct, move, ``.train()`` and
+    ``.eval()``, load the validated model's ``state_dict``, forward; its output must
+    match the (validated) op on the same parameters, and a second Model loaded from
+    the first one's ``state_dict`` must compute the same."""
+    label = "Model(): construct, eval, state_dict, forward"
+    try:
+        model = mod.Model().to(device)
+        if model.train() is not model or model.eval() is not model or model.training:
+            return CaseResult(label, math.inf, math.inf, False, ".train()/.eval() do not behave like torch.nn.Module's")
+        expected = {k: tuple(v.shape) for k, v in validated.state_dict().items()}
+        if {k: tuple(v.shape) for k, v in model.state_dict().items()} != expected:
+            return CaseResult(label, math.inf, math.inf, False, "state_dict keys or shapes differ from the reference model's")
+        model.load_state_dict(validated.state_dict())
+        x = _randn(pipe.input.concrete(1), 30, device)
+        out = model(x)
+        again = mod.Model().to(device).eval()
+        again.load_state_dict(model.state_dict())
+        if not torch.equal(again(x), out):
+            return CaseResult(label, math.inf, math.inf, False, "a Model loaded from another's state_dict computes differently")
+        params = dict(validated.named_parameters())
+        reference = op(x, *[params[a.name].detach() for a in pipe.tensor_args()])
+    except Exception as e:  # noqa: BLE001 - whatever breaks, it is this case's failure
+        first = (str(e).splitlines() or [""])[0]
+        return CaseResult(label, math.inf, math.inf, False, f"raised {type(e).__name__}: {first}")
+    return compare(label, out, reference.double(), tol)
 
 
 def check_stages(plan: Plan, name: str, model, device: str, reference_device: str | None = None) -> list[CaseResult]:
@@ -307,7 +389,7 @@ def check_stages(plan: Plan, name: str, model, device: str, reference_device: st
                 results.append(_case(
                     f"stage {st.index}: {label}",
                     lambda: stage_op(tiles, *args),
-                    lambda: _run_ops(st.ops, x.double(), params, torch.float64),
+                    lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()}),
                     lambda: _run_ops(st.ops, x, params, torch.float32),
                     TOLERANCES["ieee"],
                 ))
@@ -322,9 +404,11 @@ def _run_ops(ops, x, params, dtype):
 
 
 def _case(label, run, run_reference, run_eager, tol) -> CaseResult:
+    """``run_reference`` gives (float64 reference, magnitude) (``run_with_magnitude``)."""
     try:
         out = run()
     except RuntimeError as e:  # a check or a launch failed: report it as this case's failure
         return CaseResult(label, math.inf, math.inf, False, f"raised: {str(e).splitlines()[0]}")
-    return compare(label, out, run_reference(), tol, run_eager())
+    ref, magnitude = run_reference()
+    return compare(label, out, ref, tol, run_eager(), magnitude)
 

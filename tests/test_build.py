@@ -1,11 +1,17 @@
-"""ninja builds: content-hash cache, progress lines, concurrent builders, errors traced to templates."""
+"""ninja builds: content-hash cache, progress lines, concurrent builders, errors traced to templates,
+verified installs, interrupted builds, unwritable output."""
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+import kgen.build
 from conftest import ROOT, write_spec
-from kgen.build import build_module, default_variant, template_of
+from kgen.build import build_module, default_variant, install_problem, template_of, write_manifest
 from kgen.errors import KgenError
 from kgen.render import render_spec, write_rendered
 
@@ -70,3 +76,136 @@ def test_compile_error_names_the_template_and_leaves_nothing_importable(tmp_path
         cwd=ROOT, capture_output=True, text=True,
     )
     assert proc.returncode != 0 and "building tiny_broken failed" in proc.stderr
+
+
+# ---- safety: verified installs, interrupted builds, unwritable output
+
+
+def _kgen_build(out, name, **kw):
+    return subprocess.run([sys.executable, "-m", "kgen", "build", "--out", str(out), name], cwd=ROOT,
+                          capture_output=True, text=True, **kw)
+
+
+def test_manifest_records_and_checks_the_library(tmp_path):
+    d = tmp_path / "cpu-0123"
+    d.mkdir()
+    lib = d / "libm.so"
+    lib.write_bytes(b"\x7fELF" + bytes(range(256)) * 40)
+    assert install_problem(d, "libm.so") == "its manifest is missing or unreadable"
+    write_manifest(d, "libm.so")
+    assert install_problem(d, "libm.so") is None
+    data = bytearray(lib.read_bytes())
+    data[100] ^= 1
+    lib.write_bytes(bytes(data))  # same size, other content
+    assert "sha256" in install_problem(d, "libm.so")
+    lib.write_bytes(bytes(data[:50]))  # truncated
+    assert "50 bytes" in install_problem(d, "libm.so")
+    (d / "manifest.json").write_text("{not json")
+    assert "unreadable" in install_problem(d, "libm.so")
+    (d / "manifest.json").write_text('["libm.so"]')
+    assert install_problem(d, "libm.so") == "its manifest is corrupt"
+    lib.unlink()
+    assert install_problem(d, "libm.so") == "the library is missing"
+
+
+def _fake_ninja(build_dir, name, quiet):
+    """Stands in for ninja: 'builds' a library of fixed content, without compiling."""
+    (build_dir / f"lib{name}.so").write_bytes(b"\x7fELF" * 999)
+    return 0, ""
+
+
+def test_corrupted_library_is_rebuilt_and_dead_builders_are_cleaned_up(tmp_path, monkeypatch, capfd):
+    _, mod = _render(tmp_path, "corrupt")
+    monkeypatch.setattr(kgen.build, "_run_ninja", _fake_ninja)
+    lib = build_module(mod, quiet=True).library
+    assert (lib.parent / "manifest.json").exists() and install_problem(lib.parent, lib.name) is None
+    assert not build_module(mod, quiet=True).built
+    lib.write_bytes(lib.read_bytes()[:1000])  # truncated in place
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (mod / "_build" / f"tmp-cpu-0000-{dead.pid}").mkdir()  # a builder that died
+    (mod / "_build" / f"tmp-cpu-0000-{os.getpid()}").mkdir()  # one still running
+    capfd.readouterr()
+    again = build_module(mod, quiet=True)
+    assert again.built and again.library == lib and install_problem(lib.parent, lib.name) is None
+    note = [l for l in capfd.readouterr().err.splitlines() if "note:" in l]
+    assert len(note) == 1 and "does not match" in note[0] and "rebuilding" in note[0]
+    assert not (mod / "_build" / f"tmp-cpu-0000-{dead.pid}").exists()
+    assert (mod / "_build" / f"tmp-cpu-0000-{os.getpid()}").exists()
+    (lib.parent / "manifest.json").unlink()
+    assert build_module(mod, quiet=True).built  # no manifest: rebuilt too
+    assert not build_module(mod, quiet=True).built
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                found.append(f"{p.name}: {cmd}")
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_killed_build_leaves_no_compiler_running(tmp_path, sig):
+    _, mod = _render(tmp_path, f"killed_{sig.name.lower()}")
+    proc = subprocess.Popen([sys.executable, "-m", "kgen", "build", "--out", str(mod.parent), mod.name],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any("binding.cpp" in c for c in _processes_mentioning(str(mod))):  # the compiler runs
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "Traceback" not in err
+    # Stopped compilers exit at once; orphans would run on and write their objects.
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(mod)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [c[:200] for c in _processes_mentioning(str(mod))] == []
+    assert not list(mod.rglob("*.o")), "a compiler went on after kgen was stopped"
+    assert not list((mod / "_build").glob("tmp-*")), "the stopped build left its temporary directory"
+    assert not [d for d in (mod / "_build").glob(f"{default_variant()}-*") if d.is_dir()], "the build went on after the signal"
+
+
+def test_unwritable_build_directory_is_one_line(tmp_path):
+    _, mod = _render(tmp_path, "unwritable")
+    (mod / "_build").write_text("a file where the build directory goes\n")
+    proc = _kgen_build(mod.parent, mod.name)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("kgen: error: building tiny_unwritable: cannot write ") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_unwritable_render_output_is_one_line_and_writes_nothing(tmp_path):
+    spec = write_spec(tmp_path, TINY.format(tag="ro", k=2), "ro.yaml")
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "kgen", "render", str(spec), "--out", str(blocker / "gen")],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.startswith("kgen: error: tiny_ro: cannot write ")
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_generated_directory_is_one_line(tmp_path):
+    spec = write_spec(tmp_path, TINY.format(tag="readonly", k=2), "readonly.yaml")
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    for d in (out, out / "tiny_readonly"):
+        d.chmod(0o555)
+    try:
+        rendered = subprocess.run([sys.executable, "-m", "kgen", "render", str(spec.with_name("x.yaml")), "--out", str(out)],
+                                  cwd=ROOT, capture_output=True, text=True)
+        proc = _kgen_build(out, "tiny_readonly")
+    finally:
+        for d in (out, out / "tiny_readonly"):
+            d.chmod(0o755)
+    assert rendered.returncode == 1
+    assert proc.returncode == 1 and "Permission denied" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

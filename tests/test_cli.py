@@ -2,9 +2,15 @@
 import subprocess
 import sys
 
-import pytest
+import types
 
+import pytest
+import torch
+from click.testing import CliRunner
+
+import kgen
 from conftest import ROOT, SHIPPED
+from kgen.cli import main
 
 
 def _kgen(*args):
@@ -53,3 +59,53 @@ def test_unknown_module_is_a_one_line_error():
     assert proc.returncode == 1
     assert proc.stderr.startswith("kgen: error: no rendered module 'no_such_module'")
     assert "Traceback" not in proc.stderr
+
+
+def _run(*args):
+    """kgen in this process (no interpreter start); stdout, stderr and the exit status."""
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return types.SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
+
+
+def test_version():
+    proc = _run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"kgen {kgen.__version__}"
+
+
+def test_environment_variables_are_documented():
+    out = _run("--help").stdout
+    for var in ("KGEN_DEVICE", "TORCH_CUDA_ARCH_LIST", "KGEN_POISON_OUTPUTS", "KGEN_MAX_ELEMENTS"):
+        assert var in out, var
+
+
+def _one_line_error(proc, *contains):
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("kgen: error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    for c in contains:
+        assert c in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["validate", "all"])
+def test_unavailable_device_is_one_line(command, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    missing = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    _one_line_error(_run(command, "--device", missing), f"--device {missing}")
+    _one_line_error(_run(command, "--device", "nonsense"), "--device nonsense")
+
+
+@pytest.mark.parametrize("batch", ["-5", "0"])
+def test_non_positive_batch_is_one_line(batch):
+    _one_line_error(_run("explain", "--batch", batch, ROOT / "specs/maxpool_sum.yaml"), f"--batch must be a positive integer, got {batch}")
+
+
+@pytest.mark.parametrize("command", ["render", "all"])
+def test_two_specs_with_one_name_are_an_error(tmp_path, command):
+    text = (ROOT / "specs" / "instnorm_clamp_max.yaml").read_text()
+    a, b = tmp_path / "a.yaml", tmp_path / "b dir" / "b.yaml"
+    b.parent.mkdir()
+    a.write_text(text)
+    b.write_text(text.replace("kernel_size: 3", "kernel_size: 2"))
+    out = tmp_path / "gen"
+    args = [command, a, b, "--out", out] + (["--device", "cpu"] if command == "all" else [])
+    _one_line_error(_run(*args), str(a), str(b), "both have name 'instnorm_clamp_max'")
+    assert not out.exists()

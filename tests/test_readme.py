@@ -16,7 +16,8 @@ def _example_spec() -> str:
 
 
 def test_readme_example_spec_renders_builds_and_validates(tmp_path):
-    spec = tmp_path / "my_pool_pipeline.yaml"
+    spec = tmp_path / "my specs" / "my pool pipeline.yaml"  # a path with spaces
+    spec.parent.mkdir()
     spec.write_text(_example_spec())
     out = tmp_path / "gen"
     proc = subprocess.run(

@@ -17,7 +17,7 @@
 """
 import torch
 
-from kgen.runtime import load_library
+from kgen.runtime import load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
@@ -28,6 +28,22 @@ PARAMETERS = {
     "conv.weight": (64, 8, 3, 3),
     "conv.bias": (64,),
 }
+# The spec as data, defaults filled in: the backward recomputes its ops (as written) through PyTorch.
+SPEC_DATA = {
+    'name': 'avgpool_sigmoid_sum',
+    'input': {'shape': ['N', 8, 384, 384], 'dtype': 'float32', 'example': {'N': 128}},
+    'params': {},
+    'ops': [
+        {'conv2d': {'out_channels': 64, 'kernel_size': [3, 3], 'stride': [1, 1], 'padding': [0, 0], 'dilation': [1, 1], 'groups': 1, 'bias': True, 'name': None}},
+        {'avg_pool2d': {'kernel_size': [4, 4], 'stride': None, 'padding': [0, 0], 'ceil_mode': False, 'count_include_pad': True}},
+        {'sigmoid': {}},
+        {'sum': {'dim': [1, 2, 3], 'keepdim': False}},
+    ],
+    'precision': 'tf32',
+    'rewrites': {'scalar_through_max': True, 'pool_composition': True, 'avg_pool_folding': True, 'subpixel_conv_transpose': True, 'dead_region': True, 'reduction_algebra': True},
+    'plan': {'conv_layout': 'auto'},
+}
+register_autograd("kgen::avgpool_sigmoid_sum", SPEC_DATA, PARAMETERS)
 
 
 @torch.library.register_fake("kgen::avgpool_sigmoid_sum")

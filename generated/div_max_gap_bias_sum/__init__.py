@@ -17,7 +17,7 @@
 """
 import torch
 
-from kgen.runtime import load_library
+from kgen.runtime import load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
@@ -29,6 +29,24 @@ PARAMETERS = {
     "conv.bias": (16,),
     "bias": (16, 1, 1, 1),
 }
+# The spec as data, defaults filled in: the backward recomputes its ops (as written) through PyTorch.
+SPEC_DATA = {
+    'name': 'div_max_gap_bias_sum',
+    'input': {'shape': ['N', 8, 16, 64, 64], 'dtype': 'float32', 'example': {'N': 128}},
+    'params': {'bias': {'shape': [16, 1, 1, 1], 'init': 'randn'}},
+    'ops': [
+        {'conv3d': {'out_channels': 16, 'kernel_size': [3, 3, 3], 'stride': [1, 1, 1], 'padding': [0, 0, 0], 'dilation': [1, 1, 1], 'groups': 1, 'bias': True, 'name': None}},
+        {'div': {'scalar': 2.0, 'param': None}},
+        {'max_pool3d': {'kernel_size': [2, 2, 2], 'stride': None, 'padding': [0, 0, 0], 'ceil_mode': False, 'dilation': [1, 1, 1]}},
+        {'adaptive_avg_pool3d': {'output_size': [1, 1, 1]}},
+        {'add': {'scalar': None, 'param': 'bias'}},
+        {'sum': {'dim': [1], 'keepdim': False}},
+    ],
+    'precision': 'tf32',
+    'rewrites': {'scalar_through_max': True, 'pool_composition': True, 'avg_pool_folding': True, 'subpixel_conv_transpose': True, 'dead_region': True, 'reduction_algebra': True},
+    'plan': {'conv_layout': 'auto'},
+}
+register_autograd("kgen::div_max_gap_bias_sum", SPEC_DATA, PARAMETERS)
 
 
 @torch.library.register_fake("kgen::div_max_gap_bias_sum")

@@ -17,7 +17,7 @@
 """
 import torch
 
-from kgen.runtime import load_library
+from kgen.runtime import load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
@@ -29,6 +29,24 @@ PARAMETERS = {
     "conv.bias": (16,),
     "multiplier": (16, 1, 1, 1),
 }
+# The spec as data, defaults filled in: the backward recomputes its ops (as written) through PyTorch.
+SPEC_DATA = {
+    'name': 'instnorm_clamp_max',
+    'input': {'shape': ['N', 3, 16, 32, 32], 'dtype': 'float32', 'example': {'N': 128}},
+    'params': {'multiplier': {'shape': [16, 1, 1, 1], 'init': 'randn'}},
+    'ops': [
+        {'conv3d': {'out_channels': 16, 'kernel_size': [3, 3, 3], 'stride': [1, 1, 1], 'padding': [0, 0, 0], 'dilation': [1, 1, 1], 'groups': 1, 'bias': True, 'name': None}},
+        {'mul': {'scalar': None, 'param': 'multiplier'}},
+        {'instance_norm': {'eps': 1e-05, 'affine': False, 'track_running_stats': False, 'name': None}},
+        {'clamp': {'min': -1.0, 'max': 1.0}},
+        {'mul': {'scalar': None, 'param': 'multiplier'}},
+        {'max': {'dim': [1], 'keepdim': False}},
+    ],
+    'precision': 'tf32',
+    'rewrites': {'scalar_through_max': True, 'pool_composition': True, 'avg_pool_folding': True, 'subpixel_conv_transpose': True, 'dead_region': True, 'reduction_algebra': True},
+    'plan': {'conv_layout': 'auto'},
+}
+register_autograd("kgen::instnorm_clamp_max", SPEC_DATA, PARAMETERS)
 
 
 @torch.library.register_fake("kgen::instnorm_clamp_max")

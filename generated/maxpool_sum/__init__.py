@@ -17,7 +17,7 @@
 """
 import torch
 
-from kgen.runtime import load_library
+from kgen.runtime import load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
@@ -28,6 +28,22 @@ PARAMETERS = {
     "conv_transpose.weight": (32, 64, 5, 5, 5),
     "conv_transpose.bias": (64,),
 }
+# The spec as data, defaults filled in: the backward recomputes its ops (as written) through PyTorch.
+SPEC_DATA = {
+    'name': 'maxpool_sum',
+    'input': {'shape': ['N', 32, 32, 32, 32], 'dtype': 'float32', 'example': {'N': 16}},
+    'params': {},
+    'ops': [
+        {'conv_transpose3d': {'out_channels': 64, 'kernel_size': [5, 5, 5], 'stride': [2, 2, 2], 'padding': [2, 2, 2], 'dilation': [1, 1, 1], 'groups': 1, 'bias': True, 'name': None, 'output_padding': [0, 0, 0]}},
+        {'max_pool3d': {'kernel_size': [2, 2, 2], 'stride': None, 'padding': [0, 0, 0], 'ceil_mode': False, 'dilation': [1, 1, 1]}},
+        {'max_pool3d': {'kernel_size': [3, 3, 3], 'stride': None, 'padding': [0, 0, 0], 'ceil_mode': False, 'dilation': [1, 1, 1]}},
+        {'sum': {'dim': [1], 'keepdim': True}},
+    ],
+    'precision': 'tf32',
+    'rewrites': {'scalar_through_max': True, 'pool_composition': True, 'avg_pool_folding': True, 'subpixel_conv_transpose': True, 'dead_region': True, 'reduction_algebra': True},
+    'plan': {'conv_layout': 'auto'},
+}
+register_autograd("kgen::maxpool_sum", SPEC_DATA, PARAMETERS)
 
 
 @torch.library.register_fake("kgen::maxpool_sum")

@@ -17,7 +17,7 @@
 """
 import torch
 
-from kgen.runtime import load_library
+from kgen.runtime import load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
@@ -29,6 +29,21 @@ PARAMETERS = {
     "group_norm.weight": (128,),
     "group_norm.bias": (128,),
 }
+# The spec as data, defaults filled in: the backward recomputes its ops (as written) through PyTorch.
+SPEC_DATA = {
+    'name': 'relu_group_norm',
+    'input': {'shape': ['N', 64, 32, 32, 32], 'dtype': 'float32', 'example': {'N': 16}},
+    'params': {},
+    'ops': [
+        {'conv_transpose3d': {'out_channels': 128, 'kernel_size': [3, 3, 3], 'stride': [1, 1, 1], 'padding': [0, 0, 0], 'dilation': [1, 1, 1], 'groups': 1, 'bias': False, 'name': None, 'output_padding': [0, 0, 0]}},
+        {'relu': {}},
+        {'group_norm': {'num_groups': 8, 'eps': 1e-05, 'affine': True, 'name': None}},
+    ],
+    'precision': 'tf32',
+    'rewrites': {'scalar_through_max': True, 'pool_composition': True, 'avg_pool_folding': True, 'subpixel_conv_transpose': True, 'dead_region': True, 'reduction_algebra': True},
+    'plan': {'conv_layout': 'auto'},
+}
+register_autograd("kgen::relu_group_norm", SPEC_DATA, PARAMETERS)
 
 
 @torch.library.register_fake("kgen::relu_group_norm")

@@ -1,0 +1,124 @@
+"""Validation's error measure (the magnitude reference) and its check of Model as a user calls it."""
+import types
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, write_spec
+from kgen.build import build_module
+from kgen.ir import build_pipeline
+from kgen.reference import init_reference_members
+from kgen.render import render_spec, write_rendered
+from kgen.spec import parse_spec
+from kgen.validate import TOLERANCES, check_model, compare, run_with_magnitude, validate
+
+# The mean over all non-batch dims of a GroupNorm output is exactly 0 (weight 1,
+# bias 0): the float64 reference is rounding noise, the kernel's error ~1e-9.
+# Its names shadow Python builtins, which is allowed (not reserved).
+GN_MEAN = """
+name: gn_mean
+input: {shape: [N, 8, 6, 6]}
+params:
+  input: {shape: [8, 1, 1]}
+ops:
+  - add: {param: input}
+  - group_norm: {num_groups: 2, name: min}
+  - mean: {dim: [1, 2, 3]}
+"""
+
+
+@pytest.fixture(scope="module")
+def gn_mean(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gn_mean")
+    spec = write_spec(tmp, GN_MEAN, "gn_mean.yaml")
+    write_rendered(render_spec(spec, tmp / "gen"), tmp / "gen")
+    build_module(tmp / "gen" / "gn_mean", quiet=True)
+    return spec, tmp / "gen" / "gn_mean"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+def test_cancelling_reduction_validates_and_real_errors_still_fail(gn_mean, device):
+    report = validate(*gn_mean, device)
+    failures = [f"{c.case}: rel L2 {c.rel_l2:.3g}, {c.problem}" for c in report.cases if not c.passed]
+    assert not failures, failures
+    assert any(c.case.startswith("Model()") for c in report.cases)
+    # the same measure on this pipeline: an error of 1e-3 of the normalized values fails
+    pipe = build_pipeline(parse_spec(GN_MEAN))
+    x = torch.randn(3, 8, 6, 6, dtype=torch.float64)
+    tensors = {"input": torch.randn(8, 1, 1, dtype=torch.float64),
+               "min.weight": torch.ones(8, dtype=torch.float64), "min.bias": torch.zeros(8, dtype=torch.float64)}
+    ref, magnitude = run_with_magnitude(pipe.ops, x, tensors)
+    assert float(ref.abs().max()) < 1e-12 < 0.1 < float(magnitude.min())
+    assert compare("exact", ref.float(), ref, TOLERANCES["ieee"], magnitude=magnitude).passed
+    assert not compare("off", (ref + 1e-3 * magnitude).float(), ref, TOLERANCES["ieee"], magnitude=magnitude).passed
+
+
+MAGNITUDE_CASES = [
+    ("[N, 3, 6, 6]", "", ["conv2d: {out_channels: 4, kernel_size: 3}", "sum: {dim: [1, 2, 3]}"]),
+    ("[N, 3, 6, 6]", "b: {shape: [3, 1, 1]}", ["sub: {param: b}", "relu", "avg_pool2d: {kernel_size: 2}", "max: {dim: 1}"]),
+    ("[N, 4, 5]", "", ["group_norm: {num_groups: 2}", "sigmoid", "mul: {scalar: -2.0}", "clamp: {min: -1.5}", "mean: {dim: 2}"]),
+    ("[N, 4, 5, 3]", "s: {shape: [4, 1, 1]}", ["instance_norm: {affine: true}", "div: {param: s}", "add: {scalar: -0.5}"]),
+]
+
+
+@pytest.mark.parametrize("shape, params, ops", MAGNITUDE_CASES)
+def test_magnitude_reference_bounds_the_reference(shape, params, ops):
+    text = f"name: t\ninput: {{shape: {shape}}}\nparams: {{{params}}}\nops:\n" + "".join(f"  - {o}\n" for o in ops)
+    pipe = build_pipeline(parse_spec(text))
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    init_reference_members(model, pipe)
+    tensors = {k: v.detach().double() for k, v in model.named_parameters()}
+    x = torch.randn(pipe.input.concrete(2), dtype=torch.float64)
+    ref, magnitude = run_with_magnitude(pipe.ops, x, tensors)
+    assert torch.equal(ref, pipe.run(x, tensors))
+    assert bool((magnitude >= ref.abs() * (1 - 1e-12)).all())
+
+
+def test_compare_is_never_stricter_than_the_reference_itself():
+    ref = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    out = (ref * (1 + 3e-6)).float()
+    assert compare("plain", out, ref, TOLERANCES["ieee"]).passed
+    assert compare("tiny magnitude", out, ref, TOLERANCES["ieee"], magnitude=torch.zeros(3)).passed
+
+
+# ---- Model as a user calls it
+
+PIPE = build_pipeline(parse_spec(
+    "name: t\ninput: {shape: [N, 3, 6, 6]}\nparams: {scale: {shape: [4, 1, 1]}}\n"
+    "ops:\n  - conv2d: {out_channels: 4, kernel_size: 3}\n  - mul: {param: scale}\n  - sum: {dim: [2, 3]}\n"
+))
+
+
+def _module(breaks=None):
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            init_reference_members(self, PIPE)
+            if breaks == "training":  # what a parameter named `training` does
+                self.training = torch.nn.Parameter(torch.zeros(1))
+            if breaks == "extra_key":
+                self.extra = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            y = PIPE.run(x, dict(self.named_parameters()))
+            return y * 1.01 if breaks == "wrong" else y
+
+    return types.SimpleNamespace(Model=Model)
+
+
+@pytest.mark.parametrize("breaks, problem", [
+    (None, ""),
+    ("training", "raised TypeError"),
+    ("extra_key", "state_dict keys or shapes differ"),
+    ("wrong", "error above the allowed"),
+])
+def test_validation_uses_model_as_a_user_would(breaks, problem):
+    torch.manual_seed(0)
+    validated = _module().Model()
+    names = [a.name for a in PIPE.tensor_args()]
+    op = lambda x, *params: PIPE.run(x, dict(zip(names, params)))  # noqa: E731 - stands in for the validated op
+    result = check_model(_module(breaks), validated, PIPE, "cpu", op, TOLERANCES["ieee"])
+    assert result.passed == (breaks is None)
+    assert problem in result.problem
