@@ -9,7 +9,8 @@
 4. The chosen family makes the stage with its schedule, for the plan's
    ``Target`` (``kgen.target``); every tunable number is a field of a stage.
 5. A convolution output that is not a plain tensor where it is read gets a
-   copy stage; an implementation may absorb the next stage as its epilogue.
+   copy stage; an implementation may absorb the next stage as its epilogue
+   (the absorbed stage stays in the plan, marked ``absorbed_by``).
 
 ``plan.json`` records all of it; ``kgen explain`` prints it.
 """
@@ -22,7 +23,7 @@ from .errors import KgenError
 from .ir import Elementwise, Op, Pipeline
 from .lowering import lowered
 from .rewrites import Decision, apply_rewrites
-from .stage import Stage, flat_buffer
+from .stage import ConvStage, Stage, flat_buffer
 from .target import Target
 
 
@@ -60,6 +61,10 @@ class Plan:
                 "candidates": list(s.candidates),
                 "choice": s.choice,
             }
+            if isinstance(s, ConvStage) and s.epilogue is not None:
+                d["epilogue_stage"] = s.epilogue.index
+            if s.absorbed_by is not None:
+                d["absorbed_by_stage"] = s.absorbed_by.index
             d.update(s.family.stage_json(s))
             return d
 
@@ -125,6 +130,20 @@ def choose(candidates: list[families.Family]) -> tuple[families.Family, str]:
     return chosen, f"{chosen.name}: first in the registry (also possible: {others}; no tuning data or cost model yet)"
 
 
+def _available(family, why: str, candidates, req) -> tuple:
+    """``family`` unless it declines the request (``Family.unsupported``, which sees the
+    input buffer and the pipeline): then the next candidate that takes it, and why."""
+    declined = []
+    for f in [family] + [c for c in candidates if c is not family]:
+        reason = f.unsupported(req)
+        if reason is None:
+            if not declined:
+                return f, why
+            return f, f"{f.name}: " + "; ".join(declined)
+        declined.append(f"{f.name} declined ({reason})")
+    raise KgenError(f"{req.pipeline.path}: {req.ops[0].key}: no family computes it here: " + "; ".join(declined))
+
+
 def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target | None = None) -> Plan:
     """Rewrite ``pipeline`` (per the spec's switches, or ``rewrites``) and split it into stages."""
     target = target or targets.current()
@@ -148,6 +167,7 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
             target=target,
             batch=batch,
         )
+        family, why = _available(family, why, cands, req)
         st = family.make_stage(req)
         st.family, st.candidates, st.choice = family, tuple(c.name for c in cands), why
         buf = st.output
@@ -179,11 +199,8 @@ def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch:
 
 
 def _absorb_epilogues(stages: list[Stage]) -> None:
-    """Let a stage's family take the next stage as its epilogue (a generated convolution may)."""
-    i = 0
-    while i + 1 < len(stages):
-        st, nxt = stages[i], stages[i + 1]
-        if st.family.absorbs_epilogue(st, nxt):
-            st.epilogue, st.output = nxt, nxt.output
-            del stages[i + 1]
-        i += 1
+    """Let a stage's family take the next stage as its epilogue (a generated convolution may).
+    The absorbed stage keeps its place: its math and its own op are still rendered."""
+    for st, nxt in zip(stages, stages[1:]):
+        if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
+            st.epilogue, nxt.absorbed_by = nxt, st

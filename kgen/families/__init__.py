@@ -8,11 +8,12 @@ table (``kgen.ops``) for the ops it absorbs.
 """
 from __future__ import annotations
 
-from . import conv_aten, norm, pool_reduce
+from . import conv_aten, conv_gemm, norm, pool_reduce
 from .base import Family, StageRequest
 
 # Registry order is the order of preference when several families accept the same ops.
-FAMILIES: tuple[Family, ...] = (conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY)
+# The generated convolution comes first; it declines (Family.unsupported) what cuDNN does better.
+FAMILIES: tuple[Family, ...] = (conv_gemm.FAMILY, conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY)
 
 
 def claimants(ops) -> list[Family]:
