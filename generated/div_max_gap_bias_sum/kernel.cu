@@ -96,8 +96,8 @@ struct TileInput {
 struct Fused {
   using Params = s1::Args;
   static constexpr bool kStaged = true;
-  static constexpr int kScratchFloats = 0;
-  static constexpr int kLanes = 32;  // threads per output
+  static constexpr int kLanes = 128;  // threads per output
+  static constexpr int kScratchFloats = 32;  // one partial per warp, when an output's lanes span warps
   static constexpr int kKeptLocal = 1;  // outputs per tile: one
   static constexpr int kReducedLocal = 512;  // values per output and tile: c x d x h x w
   static constexpr int kWindowD = 2, kWindowH = 2, kWindowW = 2;  // the composed pool window
@@ -105,9 +105,9 @@ struct Fused {
   static constexpr int kTilePD = 1, kTilePH = 4, kTilePW = 8;  // pooled positions per tile
 
   template <class P>
-  __device__ static void apply(const Params& a, const float* tile, float*, const TileCoord& c) {
+  __device__ static void apply(const Params& a, const float* tile, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
-    static_assert(G::kThreads % kLanes == 0 && 32 % kLanes == 0, "lanes of an output share a warp");
+    static_assert(G::kThreads % kLanes == 0 && (32 % kLanes == 0 || kLanes % 32 == 0), "an output's lanes: part of a warp or whole warps");
     constexpr int kGroups = G::kThreads / kLanes;
     const TileInput in{tile, c.od, c.oh, c.ow, c.cblock * P::kBN};
     const int group = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
@@ -128,7 +128,16 @@ struct Fused {
           acc = s1::combine(acc, s1::level1(a, in, c.n, ch, pd, ph, pw));
         }
       }
-      for (int o = kLanes / 2; o > 0; o /= 2) acc = s1::combine(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+      for (int o = (kLanes < 32 ? kLanes : 32) / 2; o > 0; o /= 2) acc = s1::combine(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+      if constexpr (kLanes > 32) {  // the output's warps, in order
+        if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = acc;
+        __syncthreads();
+        if (lane == 0) {
+          acc = s1::identity();
+          for (int w = 0; w < kLanes / 32; ++w) acc = s1::combine(acc, scratch[threadIdx.x / 32 + w]);
+        }
+        __syncthreads();
+      }
       {
         const int lc = 0;
         const int ld = 0;

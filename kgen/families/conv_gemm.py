@@ -345,7 +345,8 @@ class ConvGemm(Family):
         local_kept = math.prod((sc.block_n if n == "c" else pooled_tile["dhw".index(n)]) for n in kept)
         local_reduced = math.prod((sc.block_n if n == "c" else pooled_tile["dhw".index(n)]) for n in reduced)
         threads = 32 * sc.warps_m * sc.warps_n
-        lanes = 1 if local_reduced == 1 else min(32, pow2_floor(local_reduced), max(1, pow2_floor(threads // max(1, local_kept))))
+        # threads per output: enough that every thread has work (whole warps combine through shared memory)
+        lanes = 1 if local_reduced == 1 else min(threads, pow2_floor(local_reduced), max(1, pow2_floor(threads // max(1, local_kept))))
         st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes)
         return True
 
