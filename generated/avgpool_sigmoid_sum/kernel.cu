@@ -91,63 +91,36 @@ struct TileInput {
   }
 };
 
-// Each output of stage 1 inside the tile: kLanes threads combine its
-// values (a fixed order), lane 0 writes it (a partial: stage 1's finalize kernel combines them).
+// Stage 1 has no pools and reduces everything: each thread applies its
+// level-0 ops to its own accumulators and combines them, then the CTA combines
+// the threads' values in a fixed order into one partial per tile (stage 1's finalize kernel combines them).
 struct Fused {
   using Params = s1::Args;
-  static constexpr bool kStaged = true;
-  static constexpr int kLanes = 256;  // threads per output
-  static constexpr int kScratchFloats = 32;  // one partial per warp, when an output's lanes span warps
-  static constexpr int kKeptLocal = 1;  // outputs per tile: one
-  static constexpr int kReducedLocal = 8192;  // values per output and tile: c x h x w
-  static constexpr int kWindowD = 1, kWindowH = 1, kWindowW = 1;  // the composed pool window
-  static constexpr int kPooledD = 1, kPooledH = 95, kPooledW = 95;  // stage 1's pooled size
-  static constexpr int kTilePD = 1, kTilePH = 4, kTilePW = 32;  // pooled positions per tile
+  static constexpr bool kStaged = false;
+  static constexpr int kScratchFloats = 32;  // one value per warp
 
-  template <class P>
-  __device__ static void apply(const Params& a, const float* tile, float* scratch, const TileCoord& c) {
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& a, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
-    static_assert(G::kThreads % kLanes == 0 && (32 % kLanes == 0 || kLanes % 32 == 0), "an output's lanes: part of a warp or whole warps");
-    constexpr int kGroups = G::kThreads / kLanes;
-    const TileInput in{tile, c.od, c.oh, c.ow, c.cblock * P::kBN};
-    const int group = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-    const int pd0 = c.od / kWindowD, ph0 = c.oh / kWindowH, pw0 = c.ow / kWindowW;  // the tile's first pooled position
-    const int ld = 0;
-    for (int k0 = 0; k0 < kKeptLocal; k0 += kGroups) {  // the same trip count in every lane of a warp
-      const int kl = k0 + group;
-      (void)kl;
-      float acc = s1::identity();
-      for (int rl = lane; rl < kReducedLocal; rl += kLanes) {
-        int tr = rl;
-        const int lw = tr % 32; tr /= 32;
-        const int lh = tr % 4; tr /= 4;
-        const int lc = tr;
-        const int ch = c.cblock * P::kBN + lc, pd = pd0 + ld, ph = ph0 + lh, pw = pw0 + lw;
-        if (kl < kKeptLocal && ch < P::kCout && pd < kPooledD && ph < kPooledH && pw < kPooledW) {
-          acc = s1::combine(acc, s1::level0(a, in, c.n, ch, ph, pw));
+    float s = s1::identity();
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = fm.m(mt, i), ch = c.cblock * P::kBN + fm.n(nt, i);
+          const int pd = c.od + row_d<P>(m), ph = c.oh + row_h<P>(m), pw = c.ow + row_w<P>(m);
+          if (ch < P::kCout && row_valid<P>(c, m)) s = s1::combine(s, s1::level0_from(a, c.n, ch, ph, pw, acc[mt][nt][i]));
         }
-      }
-      for (int o = (kLanes < 32 ? kLanes : 32) / 2; o > 0; o /= 2) acc = s1::combine(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-      if constexpr (kLanes > 32) {  // the output's warps, in order
-        if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = acc;
-        __syncthreads();
-        if (lane == 0) {
-          acc = s1::identity();
-          for (int w = 0; w < kLanes / 32; ++w) acc = s1::combine(acc, scratch[threadIdx.x / 32 + w]);
-        }
-        __syncthreads();
-      }
-      {
-        const int lc = 0;
-        const int lh = 0;
-        const int lw = 0;
-        const int ch = c.cblock * P::kBN + lc, pd = pd0 + ld, ph = ph0 + lh, pw = pw0 + lw;
-        if (lane == 0 && kl < kKeptLocal && ch < P::kCout && pd < kPooledD && ph < kPooledH && pw < kPooledW) {
-          const long long k = 0LL;  // stage 1's output index inside the sample
-          const int j = (ph0 / kTilePH) * 3 + pw0 / kTilePW;  // the tile's place along the reduced dims
-          a.partial[(c.n * s1::kKept + k) * kSplits + j] = acc;
-        }
-      }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) s = s1::combine(s, __shfl_xor_sync(0xffffffffu, s, o));
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      s = s1::identity();
+      for (int w = 0; w < G::kThreads / 32; ++w) s = s1::combine(s, scratch[w]);
+      a.partial[c.n * s1::kKept * kSplits + c.index] = s;  // tile c.index of the sample
     }
   }
 };

@@ -154,6 +154,7 @@ struct Fused {
   }
 };
 
+
 cudaError_t launch_fused(const float* x, const float* w, float* packed, const s1::Args& a, int batch, cudaStream_t stream) {
   const cudaError_t err = run<Fused>(x, w, packed, a, batch, stream);
   if (err != cudaSuccess || kSplits == 1) return err;

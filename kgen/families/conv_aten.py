@@ -26,6 +26,11 @@ class ConvAten(Family):
     def fits(self, ops):
         return len(ops) == 1 and lowered(ops[0]) is not None
 
+    def unsupported(self, req: StageRequest) -> str | None:
+        if req.pipeline.conv_impl == "gemm":
+            return "the spec asks for the generated convolution (plan.conv: gemm)"
+        return None
+
     def layout(self, req: StageRequest, conv) -> str:
         """The output's memory format: channels_last when the next stage reads it as fast
         (cuDNN is faster in channels_last, measured on the H100: notes/perf.md), except for

@@ -21,7 +21,7 @@ C++ code. Templates: ``templates/conv_gemm/``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..ir import Pool
 from ..lowering import Direct, Folded, Subpixel, lowered
@@ -82,6 +82,7 @@ class Fused:
     reduced: tuple  # dims it reduces
     splits: int  # tiles along the reduced spatial dims: partials per output
     lanes: int  # threads that share one output's reduction inside a tile
+    registers: bool  # no pools, everything reduced: the epilogue works on the accumulators (no staged tile)
 
 
 @dataclass
@@ -200,6 +201,8 @@ class ConvGemm(Family):
 
     def unsupported(self, req: StageRequest) -> str | None:
         """Why this family cannot (or should not) compute the request's convolution; None if it can."""
+        if req.pipeline.conv_impl == "aten":
+            return "the spec asks for ATen (plan.conv: aten)"
         if req.pipeline.precision == "ieee":
             return "precision ieee: plain fp32 (FFMA) convolutions run through ATen"
         if not req.input.dense:
@@ -208,7 +211,8 @@ class ConvGemm(Family):
         c = lc.conv
         taps = math.prod(lc.kernel) if not isinstance(lc.lowering, Subpixel) else max(
             math.prod(ph.taps) for ph in lc.phases(req.types[0].spatial))
-        if c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT:
+        forced = req.pipeline.conv_impl == "gemm"
+        if not forced and (c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT):
             return (f"K = {c.in_channels} channels x {taps} taps, {c.out_channels} output channels: "
                     "large enough for cuDNN's tensor-core GEMMs")
         return None
@@ -347,7 +351,10 @@ class ConvGemm(Family):
         threads = 32 * sc.warps_m * sc.warps_n
         # threads per output: enough that every thread has work (whole warps combine through shared memory)
         lanes = 1 if local_reduced == 1 else min(threads, pow2_floor(local_reduced), max(1, pow2_floor(threads // max(1, local_kept))))
-        st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes)
+        registers = len(nxt.levels) == 1 and not kept
+        if registers:  # the accumulator tile is never staged: less shared memory
+            st.schedule = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, False) for q in st.problems))
+        st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers)
         return True
 
     def stage_json(self, st: ConvGemmStage) -> dict:
