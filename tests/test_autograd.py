@@ -177,8 +177,11 @@ def _compiled_step_matches_eager(module, name, device, backend):
             loss = _training_step(compiled, x, weight, opt)
             loss_eager = _training_step(eager, x, weight, opt_eager)
             torch.testing.assert_close(loss, loss_eager, rtol=1e-4, atol=1e-6)
+    # a gradient that is zero in exact arithmetic (a bias before a norm without affine) is rounding
+    # noise in both: judge every gradient against the model's largest one
+    scale = max(float(q.grad.abs().max()) for q in eager.parameters())
     for (k, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4 * float(q.grad.abs().max()), msg=k)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5 * scale, msg=k)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=k)
 
 

@@ -88,6 +88,34 @@ def test_transposed_convolution_runs_as_its_phases():
     assert covered == [(h, w) for h in range(full[0]) for w in range(full[1])]
 
 
+def test_schedules_keep_the_kernels_static_rules_over_many_shapes():
+    """Plan many random convolutions; every schedule passes ConvGemm.check (the kernel's
+    static_asserts, at plan time): a broken one would fail to compile on the GPU machine."""
+    import random
+
+    rng = random.Random(7)
+    planned = 0
+    for _ in range(150):
+        rank = rng.choice((1, 2, 3))
+        cin, cout = rng.randint(1, 40), rng.randint(1, 130)
+        spatial = [rng.randint(5, 14) for _ in range(rank)]
+        k = rng.randint(1, 4)
+        transposed = rng.random() < 0.3
+        op = {f"conv_transpose{rank}d" if transposed else f"conv{rank}d": {
+            "out_channels": cout, "kernel_size": k, "stride": rng.randint(1, min(k, 3) if transposed else 3),
+            "padding": rng.randint(0, k // 2)} | ({} if transposed else {"dilation": rng.randint(1, 2)})}
+        ops = [op] + rng.choice([[], ["relu"], [{"sum": {"dim": 1}}], [{f"max_pool{rank}d": {"kernel_size": 2}}, {"mean": {"dim": list(range(2, 2 + rank))}}]])
+        try:
+            pipe = pipeline_of(spec_text([cin] + spatial, ops))
+        except Exception:  # noqa: BLE001 - a shape that does not fit: draw again
+            continue
+        st = make_plan(pipe, target=DEFAULT).stages[0]  # ConvGemm.check runs inside; it raises on a broken schedule
+        planned += 1
+        if st.family is conv_gemm.FAMILY:
+            conv_gemm.FAMILY.check(st.schedule, st.problems)
+    assert planned > 100
+
+
 # ------------------------------------------------------------------ rendering and CPU builds
 
 SPECS = {
@@ -103,6 +131,8 @@ SPECS = {
                                            {"group_norm": {"num_groups": 3}}], name="cg_transposed"),
     "cg_conv1d": spec_text([9, 40], [{"conv1d": {"out_channels": 13, "kernel_size": 5, "dilation": 2}},
                                      {"max": {"dim": 1}}], name="cg_conv1d"),
+    "cg_odd": spec_text([3, 17, 29], [{"conv2d": {"out_channels": 33, "kernel_size": 3, "padding": 1}}, "relu"],
+                        name="cg_odd"),
 }
 
 
@@ -137,7 +167,7 @@ def test_cpu_builds_validate(cg_modules):
 
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
-    for name in ("cg_transposed", "cg_conv1d"):
+    for name in ("cg_transposed", "cg_conv1d", "cg_odd"):
         kernels = ptxas_report(cg_modules[name][1], "9.0a")
         assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
         bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}" for k in kernels if not k.clean]

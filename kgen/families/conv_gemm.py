@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from ..errors import KgenError
 from ..ir import Pool
 from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import ConvStage, Stage, flat_buffer
@@ -211,6 +212,10 @@ class ConvGemm(Family):
         c = lc.conv
         taps = math.prod(lc.kernel) if not isinstance(lc.lowering, Subpixel) else max(
             math.prod(ph.taps) for ph in lc.phases(req.types[0].spatial))
+        try:
+            self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, "tf32x3")
+        except KgenError as e:
+            return f"no tile fits: {e}"
         forced = req.pipeline.conv_impl == "gemm"
         if not forced and (c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT):
             return (f"K = {c.in_channels} channels x {taps} taps, {c.out_channels} output channels: "
@@ -274,23 +279,43 @@ class ConvGemm(Family):
         cin_chunk = 4 if c.in_channels <= 4 else 8
         block_n = min(-(-c.out_channels // 8) * 8, 64)
         window = all(q.stride[1] == 1 and q.stride[2] == 1 for q in problems)
-        warps_n = 1 if block_n <= 32 else 2
+        warps_n = 2 if block_n > 32 and block_n % 16 == 0 else 1  # each warp column takes whole 8-column tiles
         rank = c.rank
-        if window:
+        if window:  # (tile, warps_m), largest first; kMT rows in H per warp
             mt = WINDOW_M_TILES if rank >= 2 else 1
-            if rank == 3:
-                tile = (2, 2 * mt, 16)
-            elif rank == 2:
-                tile = (1, 2 * mt, 32)
-            else:
-                tile = (1, 1, 64)
-            warps_m = tile[0] * (tile[1] // mt) * (tile[2] // 16)
+            tiles = {3: [((2, 2 * mt, 16), 4), ((1, 2 * mt, 16), 2), ((1, mt, 16), 1)],
+                     2: [((1, 2 * mt, 32), 4), ((1, 2 * mt, 16), 2), ((1, mt, 16), 1)],
+                     1: [((1, 1, 64), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)]}[rank]
         else:
-            tile = (1, 4, 32) if rank >= 2 else (1, 1, 128)
-            warps_m = 4
-        sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, window, mma, 0)
-        smem = max(self.smem_bytes(q, sc, staged) for q in problems)
-        return Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, window, mma, smem)
+            tiles = ([((1, 4, 32), 4), ((1, 2, 32), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)] if rank >= 2
+                     else [((1, 1, 128), 4), ((1, 1, 64), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)])
+        for tile, warps_m in tiles:  # the largest tile whose input box fits in shared memory
+            sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, window, mma, 0)
+            sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
+            if sc.smem_bytes <= SMEM_LIMIT:
+                break
+        self.check(sc, problems)
+        return sc
+
+    @staticmethod
+    def check(sc: Schedule, problems: list[Problem]) -> None:
+        """The kernel's static constraints (conv_gemm.cuh's static_asserts), at plan time."""
+        m = math.prod(sc.tile)
+        mt = m // sc.warps_m // 16
+        rules = {
+            "kCI is 4 or a multiple of 8": sc.cin_chunk == 4 or sc.cin_chunk % 8 == 0,
+            "tile rows split into 16-row MMA tiles per warp": m % (16 * sc.warps_m) == 0,
+            "kBN splits into 8-column MMA tiles per warp": sc.block_n % (8 * sc.warps_n) == 0,
+            f"shared memory within {SMEM_LIMIT} bytes": sc.smem_bytes <= SMEM_LIMIT,
+        }
+        if sc.window:
+            rules["window loop: stride 1 in H and W, kCI 4 or 8, warps tile (TD, TH / kMT, TW / 16)"] = (
+                all(p.stride[1] == p.stride[2] == 1 for p in problems) and sc.cin_chunk in (4, 8)
+                and sc.tile[2] % 16 == 0 and mt > 0 and sc.tile[1] % mt == 0 and sc.plane_residue % 2 == 0
+                and sc.tile[0] * (sc.tile[1] // mt) * (sc.tile[2] // 16) == sc.warps_m)
+        broken = [rule for rule, ok in rules.items() if not ok]
+        if broken:
+            raise KgenError(f"conv_gemm schedule {sc} breaks: {'; '.join(broken)}")
 
     @staticmethod
     def mma(req: StageRequest) -> tuple[str, str]:
