@@ -1,9 +1,12 @@
 """Drive only kgen's own kernels, for compute-sanitizer (racecheck trips over
 some of PyTorch's kernels on the H100, so nothing else may run on the GPU here).
 
-Every fused stage of every module under generated/ gets the per-stage
-adversarial cases of `kgen validate`; inputs are built and checked on the CPU
-(float64 reference), the GPU only runs the stage op and copies.
+Every stage with a generated kernel of every module under generated/ gets the
+per-stage adversarial cases of `kgen validate`; inputs are built and checked on
+the CPU (float64 reference), the GPU only runs the stage op and copies. A
+module whose whole op runs on kgen's kernels (a generated convolution with its
+epilogue fused in, no ATen convolution) also runs end to end, against the CPU
+build of the same module: that covers the fused kernels.
 
     compute-sanitizer --tool racecheck --kernel-name kns=kgen_ python scripts/sanitize_stages.py
 """
@@ -27,6 +30,16 @@ def main(root="generated"):
         for r in check_stages(plan, d.name, model, "cuda", reference_device="cpu"):
             failed += not r.passed
             print(f"{'ok  ' if r.passed else 'FAIL'} {d.name} {r.case} {r.problem}", flush=True)
+        if all(st.family.generates_kernel for st in plan.stages):
+            x = torch.randn(plan.pipeline.input.concrete(2))
+            op = getattr(torch.ops.kgen, d.name)
+            params = [p.detach() for p in model.parameters()]
+            with torch.no_grad():
+                ours = op(x.cuda(), *[p.cuda() for p in params]).cpu()
+                cpu = op(x, *params)
+            ok = torch.allclose(ours, cpu, rtol=1e-3, atol=1e-3 * float(cpu.abs().max()))
+            failed += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {d.name} whole op (fused kernels) against its CPU build", flush=True)
     return failed
 
 
