@@ -109,7 +109,10 @@ def _render_specs(specs: tuple[str, ...], out: Path):
         if key not in seen_files:  # the same file named twice renders once
             seen_files.add(key)
             paths.append(p)
-    rendered = [render_spec(p, out) for p in paths]
+    notes: list[str] = []
+    rendered = [render_spec(p, out, notes=notes) for p in paths]
+    for n in notes:  # a tuning file that does not apply, and why
+        click.echo(f"kgen: {n}", err=True)
     owner = {}
     for p, r in zip(paths, rendered):
         if r.name in owner:

@@ -18,6 +18,9 @@
 
 namespace kgen_div_max_gap_bias_sum {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
 //   ops[0].conv3d: add(conv.bias per channel)
 //   ops[2].max_pool3d: max_pool3d(k=2)
@@ -130,5 +133,7 @@ cudaError_t launch(const Args& a, int splits, cudaStream_t stream);
 void run_cpu(const Args& a, long long begin, long long end);
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_div_max_gap_bias_sum

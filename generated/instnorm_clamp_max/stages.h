@@ -18,6 +18,9 @@
 
 namespace kgen_instnorm_clamp_max {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: norm (kgen-template: templates/norm/stage.h.j2)
 //   ops[0].conv3d: add(conv.bias per channel)
 //   ops[1].mul: mul(multiplier)
@@ -179,5 +182,7 @@ void stats_cpu(const Args& a, long long begin, long long end);
 void apply_cpu(const Args& a, long long begin, long long end);
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_instnorm_clamp_max

@@ -8,11 +8,14 @@ table (``kgen.ops``) for the ops it absorbs.
 """
 from __future__ import annotations
 
-from . import conv_aten, norm, pool_reduce
+from . import conv_aten, eager, norm, pool_reduce
 from .base import Family, StageRequest
 
 # Registry order is the order of preference when several families accept the same ops.
 FAMILIES: tuple[Family, ...] = (conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY)
+# The whole pipeline as written, one ATen call per op: a candidate for every pipeline
+# (kgen.plan), not a family the planner groups ops with.
+EAGER = eager.FAMILY
 
 
 def claimants(ops) -> list[Family]:
@@ -24,4 +27,4 @@ def by_name(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 
 
-__all__ = ["FAMILIES", "Family", "StageRequest", "by_name", "claimants"]
+__all__ = ["EAGER", "FAMILIES", "Family", "StageRequest", "by_name", "claimants"]
