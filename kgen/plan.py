@@ -294,6 +294,7 @@ class Selection:
     source: str  # what chose the plans
     notes: list[str] = field(default_factory=list)  # e.g. a tuning file that does not apply, and why
     candidates: list[Plan] = field(default_factory=list)  # every candidate plan considered
+    tuning: object = None  # the kgen.tunefile.Entry that chose the plans, if one did
 
     @property
     def name(self) -> str:
@@ -333,7 +334,7 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
             if plan.choices != r.choices:
                 raise KgenError(f"{entry.path}: the choices {r.choices} do not make a plan kgen offers; run `kgen tune` again")
             variants.append(Variant(plan, r.lo, r.hi, why))
-        return Selection(pipeline, variants, f"tuning file {entry.path.name} ({entry.device})", notes, cands)
+        return Selection(pipeline, variants, f"tuning file {entry.path.name} ({entry.device})", notes, cands, entry)
     batch = pipeline.example_batch()
     estimates = [cost.estimate_ms(p, batch) for p in cands]
     best = min(range(len(cands)), key=lambda i: estimates[i])  # ties: the earlier (nearer the default)
@@ -351,3 +352,18 @@ def stage_scope_name(module: str, variant: int, variants: int, stage: Stage) -> 
     """The profiler range around a stage's calls in the op (kgen bench reads these)."""
     plan = "" if variants == 1 else f" plan {variant}"
     return f"kgen::{module}{plan} stage {stage.index} ({stage.family.name})"
+
+
+def describe_choices(choices: dict) -> str:
+    """A plan's choices in one line: ``eager``, or each rewrite's on/off and each stage's
+    candidate at the op that starts it (``ops[i]``)."""
+    if choices.get(PIPELINE) == EAGER:
+        return "eager (the spec's ops through ATen)"
+    parts = []
+    for key, option in choices.items():
+        if key == PIPELINE:
+            continue
+        what, _, site = key.partition(" @ ")
+        where = site.split(".")[0]
+        parts.append(f"{option}@{where}" if what == "implementation" else f"{what}@{where}={option}")
+    return " ".join(parts) or "kgen (no choices)"

@@ -121,6 +121,12 @@ def applicable_entry(pipe, target, cand_hash: str) -> tuple[Entry | None, list[s
     return Entry(path, target.name, _ranges(path, entry), entry), []
 
 
+def measured(entry: Entry) -> dict[str, dict[int, float]]:
+    """Measured times of an entry's candidates: json of their choices -> {batch: ms}."""
+    return {json.dumps(c["choices"], sort_keys=True): {int(b): float(ms) for b, ms in c.get("measured_ms", {}).items()}
+            for c in entry.data.get("candidates", [])}
+
+
 def write_entry(spec_path, entry: dict) -> Path:
     """Store ``entry`` in the spec's tuning file, replacing the one for its device."""
     path = path_for(spec_path)
