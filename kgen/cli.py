@@ -321,17 +321,18 @@ def ops_():
 def list_(out):
     """List the specs under specs/ with their stages and whether generated/ is fresh."""
     from .ir import load_pipeline
-    from .plan import make_plan
+    from .plan import choose_plans
     from .render import render_plan, stale_files
 
     rows = []
     for p in _spec_paths(()):
         pipe = load_pipeline(p)
-        plan = make_plan(pipe)
-        stale = stale_files(render_plan(plan, out), out)
+        sel = choose_plans(pipe)
+        stale = stale_files(render_plan(sel, out), out)
         state = "missing" if not (out / pipe.name).exists() else ("stale" if stale else "fresh")
-        rows.append([pipe.name, str(pipe.input), str(pipe.output), " + ".join(s.kind for s in plan.stages), state])
-    click.echo(format_table(["name", "input", "output", "stages", "generated/"], rows))
+        stages = " | ".join(" + ".join(s.kind for s in plan.stages) for plan in sel.plans)
+        rows.append([pipe.name, str(pipe.input), str(pipe.output), stages, sel.source, state])
+    click.echo(format_table(["name", "input", "output", "stages (per batch range)", "chosen by", "generated/"], rows))
 
 
 @main.command()
