@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import torch
 
 from . import cost, tunefile
 from .bench import WARMUP, _commit, time_ms
-from .build import build_modules
+from .build import build_module
 from .errors import KgenError
 from .ir import Pipeline, load_pipeline
 from .plan import EAGER, PIPELINE, Plan, Selection, Variant, candidate_plans, describe_choices, make_plan
@@ -109,7 +110,23 @@ def wall_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(t: SpecTuning, reps: int, device: str = "cuda") -> None:
+def build_candidates(dirs) -> dict[Path, str]:
+    """Build the candidate modules at once; a candidate that does not build is left out of the
+    measuring (returned: module directory -> the error's first line), not the end of the tuning."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(d):
+        try:
+            build_module(d)
+        except KgenError as e:
+            return d, str(e).splitlines()[0]
+        return d, None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(dirs), os.cpu_count() or 1))) as pool:
+        return {d: err for d, err in pool.map(one, dirs) if err}
+
+
+def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None = None) -> None:
     """Time every candidate module of ``t`` at each batch, after checking its output
     (on the CPU by wall time: for tests of the flow, not for choices)."""
     from .validate import import_module_dir
@@ -128,6 +145,10 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda") -> None:
             t.eager_pytorch_ms[b] = time_ms_(lambda: reference(x), reps)
             for m in t.measured:
                 i += 1
+                if m.modules[b] in (failed or {}):
+                    m.ms[b], m.problem = math.inf, f"does not build: {failed[m.modules[b]]}"
+                    _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.problem}")
+                    continue
                 model = import_module_dir(m.modules[b]).Model().to(device).eval()
                 model.load_state_dict(state)
                 err = _rel_l2(model(x), expected)
@@ -193,10 +214,10 @@ def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MA
         tunings.append(t)
     dirs = sorted({d for t in tunings for m in t.measured for d in m.modules.values()})
     _log(f"tune: building {len(dirs)} candidate module(s) under {root}/ ...")
-    build_modules(dirs)
+    failed = build_candidates(dirs)
     rows = []
     for t in tunings:
-        measure(t, reps)
+        measure(t, reps, failed=failed)
         e = entry(t, reps, torch.cuda.get_device_name())
         path = tunefile.write_entry(t.spec, e)
         _log(f"tune {t.pipe.name}: wrote {path}")
