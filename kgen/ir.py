@@ -514,6 +514,7 @@ class Pipeline:
     precision: str = "tf32"
     rewrites: dict = field(default_factory=dict)
     conv_layout: str = "auto"
+    conv_impl: str = "auto"  # plan.conv: aten | gemm forces who computes the convolutions
     example: dict = field(default_factory=dict)
     description: str = ""
     spec: Spec | None = field(default=None, compare=False, repr=False)  # what it was built from
@@ -751,6 +752,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
         precision=spec.precision,
         rewrites=dict(spec.rewrites),
         conv_layout=spec.conv_layout,
+        conv_impl=spec.conv_impl,
         example=dict(spec.example),
         description=spec.description,
         spec=spec,

@@ -28,7 +28,7 @@ from .fields import REQUIRED
 ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise")
 
 # The families that can absorb each kind of op (a new family adds its name here).
-CONV = ("conv_aten",)  # implementations of a convolution stage
+CONV = ("conv_gemm", "conv_aten")  # implementations of a convolution stage
 FUSED = ("pool_reduce", "norm")  # families that fuse elementwise ops and reductions
 
 

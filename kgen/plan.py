@@ -5,11 +5,13 @@
 2. The op chain is grouped greedily: an op joins the current group while some
    template family accepts the longer group (``kgen.families.claimants``).
 3. Each family that accepts a group lists its candidates for it
-   (``Family.candidates``: its layouts or configurations); the plan takes the
-   one its choices name. Every tunable number is a field of a stage, made for
-   the plan's ``Target`` (``kgen.target``).
+   (``Family.candidates``: its layouts or configurations), unless it declines
+   the request (``Family.unsupported``); the plan takes the one its choices
+   name. Every tunable number is a field of a stage, made for the plan's
+   ``Target`` (``kgen.target``).
 4. A convolution output that is not a plain tensor where it is read gets a
-   copy stage; an implementation may absorb the next stage as its epilogue.
+   copy stage; an implementation may absorb the next stage as its epilogue
+   (the absorbed stage stays in the plan, marked ``absorbed_by``).
 
 Choices: a plan is made for an assignment of options to decision points
 (``make_plan(choices=...)``): the whole pipeline as kgen's stages or as the
@@ -33,8 +35,8 @@ from . import families, target as targets
 from .errors import KgenError
 from .ir import Elementwise, Op, Pipeline
 from .lowering import lowered
-from .rewrites import TUNABLE, Decision, apply_rewrites
-from .stage import Stage, flat_buffer
+from .rewrites import Decision, apply_rewrites
+from .stage import ConvStage, Stage, flat_buffer
 from .target import Target
 
 # Decision points: the keys of a plan's choices.
@@ -109,6 +111,10 @@ class Plan:
                 "candidates": list(s.candidates),
                 "choice": s.choice,
             }
+            if isinstance(s, ConvStage) and s.epilogue is not None:
+                d["epilogue_stage"] = s.epilogue.index
+            if s.absorbed_by is not None:
+                d["absorbed_by_stage"] = s.absorbed_by.index
             d.update(s.family.stage_json(s))
             return d
 
@@ -197,16 +203,24 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
             target=target,
             batch=batch,
         )
-        # the chosen family's candidates lead, so that a label naming it picks one of them
-        offered = [c for f in [chosen[gi]] + [f for f in cands if f is not chosen[gi]] for c in f.candidates(req)]
+        # the candidates of every family that takes the request, in registry order
+        declined, offered = [], []
+        for f in cands:
+            why_not = f.unsupported(req)
+            if why_not is None:
+                offered += f.candidates(req)
+            else:
+                declined.append(f"{f.name} declined ({why_not})")
         if not offered:
-            raise KgenError(f"{rewritten.path}: {gops[0].key}: no family offers a candidate for {gops[0].describe()}")
+            raise KgenError(f"{req.pipeline.path}: {gops[0].key}: no family computes it here: " + "; ".join(declined))
         labels = [c.label for c in offered]
         label = picker.pick(implementation_key(gops[0]), labels)
         st = next(c.stage for c in offered if c.label == label)
         st.family = next(f for f in cands if f.name == label.split(":")[0])
         st.candidates = tuple(labels)
         st.choice = f"{label}: " + ("the only candidate" if len(labels) == 1 else reason)
+        if declined:
+            st.choice += f" ({'; '.join(declined)})"
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)
@@ -241,14 +255,11 @@ def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch:
 
 
 def _absorb_epilogues(stages: list[Stage]) -> None:
-    """Let a stage's family take the next stage as its epilogue (a generated convolution may)."""
-    i = 0
-    while i + 1 < len(stages):
-        st, nxt = stages[i], stages[i + 1]
-        if st.family.absorbs_epilogue(st, nxt):
-            st.epilogue, st.output = nxt, nxt.output
-            del stages[i + 1]
-        i += 1
+    """Let a stage's family take the next stage as its epilogue (a generated convolution may).
+    The absorbed stage keeps its place: its math and its own op are still rendered."""
+    for st, nxt in zip(stages, stages[1:]):
+        if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
+            st.epilogue, nxt.absorbed_by = nxt, st
 
 
 # ---------------------------------------------------------------- the choice
@@ -261,7 +272,13 @@ def candidate_plans(pipeline: Pipeline, target: Target | None = None, batch: int
     found: dict[str, Plan] = {}
     queue: list[dict] = [{}]
     while queue and len(found) < MAX_CANDIDATES:
-        plan = make_plan(pipeline, None, target, queue.pop(0), batch)
+        given = queue.pop(0)
+        try:
+            plan = make_plan(pipeline, None, target, given, batch)
+        except KgenError:
+            if not given:
+                raise  # the default plan must exist
+            continue  # e.g. a rewrite declined leaves an op that no family the spec allows computes
         key = json.dumps(plan.choices, sort_keys=True)
         if key in found:
             continue

@@ -24,14 +24,19 @@ def instantiate(member: Member) -> nn.Module | nn.Parameter:
     return nn.Parameter(PARAM_INIT[member.init](*tensor.shape))
 
 
+def add_members(module: nn.Module, pipeline: Pipeline) -> None:
+    """Create the submodules and free parameters of ``pipeline`` on ``module``, in order."""
+    for m in pipeline.members():
+        setattr(module, m.attr, instantiate(m))
+
+
 class ReferenceModel(nn.Module):
     """Eager PyTorch semantics of a pipeline (run it in float64 for validation)."""
 
     def __init__(self, pipeline: Pipeline):
         super().__init__()
         self.pipeline = pipeline
-        for m in pipeline.members():
-            setattr(self, m.attr, instantiate(m))
+        add_members(self, pipeline)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.pipeline.run(x, dict(self.named_parameters()))

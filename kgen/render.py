@@ -35,7 +35,9 @@ from .spec import spec_to_data
 # The templates ship inside the package: kgen/templates links to the
 # repository's templates/ folder, and wheels carry copies (pyproject.toml).
 TEMPLATES = Path(str(importlib.resources.files("kgen") / "templates"))
-SHARED_FILES = ("kgen_math.h", "kgen_runtime.h")  # copied verbatim into the output root
+# Copied verbatim into the output root, under the same relative path (a family's
+# kernel.cu piece includes its headers from there: Family.cuda_includes).
+SHARED_FILES = ("kgen_math.h", "kgen_runtime.h", "conv_gemm/conv_gemm.cuh")
 MODULE_FILES = {  # output file -> shared template; a family's piece of it: templates/<family>/<piece>.j2
     "stages.h": "stages.h.j2",
     "kernel.cu": "kernel.cu.j2",
@@ -122,6 +124,8 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         ew=lambda op, act, coords: cexpr.elementwise(op, act, coords, tensors),
         summed=lambda ops: cexpr.summed_params(ops, tensors),
         spec_data=spec_data_literal(first),
+        cuda_includes=sorted({h for v in sel.variants for st in v.plan.stages for h in st.family.cuda_includes}),
+        zip=zip,
     )
     files = {}
     for out, tpl in MODULE_FILES.items():

@@ -38,6 +38,7 @@ PRECISIONS = ("ieee", "tf32", "tf32x3")
 DTYPES = ("float32",)
 PARAM_INITS = ("randn", "ones", "zeros")
 CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
+CONV_IMPLS = ("auto", "aten", "gemm")  # plan.conv: who computes a convolution (auto: the planner chooses)
 DEFAULT_MAX_ELEMENTS = 2**34  # per sample of an activation, per parameter tensor (KGEN_MAX_ELEMENTS)
 MAX_FILE_BYTES = 1 << 20
 MAX_YAML_DEPTH = 32  # nested collections
@@ -84,6 +85,7 @@ class Spec:
     precision: str
     rewrites: dict[str, bool] = field(default_factory=dict)  # name -> enabled
     conv_layout: str = "auto"
+    conv_impl: str = "auto"
 
     def error(self, key: str, message: str) -> SpecError:
         return SpecError(self.path, key, message)
@@ -383,10 +385,13 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
     if not isinstance(precision, str) or precision not in PRECISIONS:
         fail(path, "precision", f"expected one of {', '.join(PRECISIONS)}, got {show(precision)}")
     plan = _mapping(raw.get("plan", {}) or {}, "plan", path)
-    _no_extra(plan, {"conv_layout"}, "plan", path)
+    _no_extra(plan, {"conv_layout", "conv"}, "plan", path)
     conv_layout = plan.get("conv_layout", "auto")
     if not isinstance(conv_layout, str) or conv_layout not in CONV_LAYOUTS:
         fail(path, "plan.conv_layout", f"expected one of {', '.join(CONV_LAYOUTS)}, got {show(conv_layout)}")
+    conv_impl = plan.get("conv", "auto")
+    if not isinstance(conv_impl, str) or conv_impl not in CONV_IMPLS:
+        fail(path, "plan.conv", f"expected one of {', '.join(CONV_IMPLS)}, got {show(conv_impl)}")
     return Spec(
         path=path,
         name=name,
@@ -399,6 +404,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         precision=precision,
         rewrites=_load_rewrites(raw.get("rewrites"), path),
         conv_layout=conv_layout,
+        conv_impl=conv_impl,
     )
 
 
@@ -417,5 +423,5 @@ def spec_to_data(spec: Spec) -> dict:
         "ops": [{o.kind: {k: plain(v) for k, v in o.args.items()}} for o in spec.ops],
         "precision": spec.precision,
         "rewrites": dict(spec.rewrites),
-        "plan": {"conv_layout": spec.conv_layout},
+        "plan": {"conv_layout": spec.conv_layout, "conv": spec.conv_impl},
     }

@@ -101,6 +101,7 @@ class Stage:
     family: "Family" = None  # the family (implementation) that computes it; set by the plan
     candidates: tuple[str, ...] = ()  # the families that could have
     choice: str = ""  # why this family
+    absorbed_by: "Stage | None" = None  # the stage that runs this one as its epilogue (forward skips it)
 
     @property
     def kind(self) -> str:
@@ -123,7 +124,9 @@ class Stage:
 class ConvStage(Stage):
     """A convolution, whatever implements it. The implementation fills in how it
     lies in memory; an implementation that generates the convolution may absorb
-    the next stage as its ``epilogue`` (applied to its output tile)."""
+    the next stage as its ``epilogue`` (applied to its output tile). The
+    absorbed stage stays in the plan (its math, its own op and its CPU code are
+    still rendered; forward runs it through the convolution)."""
 
     conv: "LoweredConv" = None
     layout: str = "contiguous"  # memory format of the output

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from .errors import KgenError
-from .ir import Conv, Norm, Pipeline, Pool, Reduce, TensorType, load_pipeline
+from .ir import Norm, Pipeline, Pool, Reduce, TensorType, load_pipeline
+from .lowering import lowered
 from .ops import OPS
 from .plan import Selection, choose_plans, stage_op_name
 from .stage import Buffer
@@ -165,7 +166,7 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors) -> tuple[torch.Tensor, tor
         out = op.run(v, tensors)
         if isinstance(op, (Pool, Reduce)):
             m = op.run(m, absolute)
-        elif isinstance(op, Conv):
+        elif lowered(op) is not None:  # a convolution, in any lowering
             m = out.abs()
         elif isinstance(op, Norm):
             m = replace(op, affine=False).run(v, {}).abs()
@@ -399,9 +400,15 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
                     lambda: stage_op(tiles, *args),
                     lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()}),
                     lambda: _run_ops(st.ops, x, params, torch.float32),
-                    TOLERANCES["ieee"],
+                    TOLERANCES[stage_precision(st, device)],
                 ))
     return results
+
+
+def stage_precision(st, device: str) -> str:
+    """The precision a stage computes in: a generated convolution's products on the GPU, else fp32."""
+    mma = getattr(getattr(st, "schedule", None), "mma", None)
+    return mma if mma and device.startswith("cuda") else "ieee"
 
 
 def _run_ops(ops, x, params, dtype):

@@ -12,13 +12,13 @@
 # from $OUT/specs (copy them into specs/) or, on a machine that stayed warm, from
 # .kgen-cache/gpu_tune/ (ignored by git, so it survives): phase bench restores a
 # missing one from there and says so.
-# Environment: OUT (default gpu-out), REPS (30), SHIPPED_BATCHES ("1"),
+# Environment: OUT (default gpu-out), REPS (30), SHIPPED_BATCHES (""),
 # VARIANT_BATCHES ("1 8"): the batches tuned besides each spec's example.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 PHASE=${PHASE:-all}
 REPS=${REPS:-30}
-SHIPPED_BATCHES=${SHIPPED_BATCHES:-1}
+SHIPPED_BATCHES=${SHIPPED_BATCHES:-}
 VARIANT_BATCHES=${VARIANT_BATCHES:-1 8}
 CACHE=.kgen-cache/gpu_tune
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KGEN_COMMIT=${KGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -40,7 +40,7 @@ save_tune_files() {  # in place -> $OUT and the cache
 if [ "$PHASE" = all ] || [ "$PHASE" = tune ]; then
   log "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
   python -c "import torch; print('[gpu_tune] torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
-  log "tune: ${#SHIPPED[@]} shipped specs at their example batch and $SHIPPED_BATCHES"
+  log "tune: ${#SHIPPED[@]} shipped specs at their example batch ${SHIPPED_BATCHES:+and $SHIPPED_BATCHES}"
   python -m kgen tune "${SHIPPED[@]}" --reps "$REPS" $(batch_flags "$SHIPPED_BATCHES") 2>&1 | quiet | tee "$OUT/tune-shipped.txt"
   log "tune: ${#VARIANTS[@]} variant specs at their example batch and $VARIANT_BATCHES"
   python -m kgen tune "${VARIANTS[@]}" --reps "$REPS" $(batch_flags "$VARIANT_BATCHES") 2>&1 | quiet | tee "$OUT/tune-variants.txt"

@@ -22,6 +22,9 @@ def plan_of(shape, ops, target=DEFAULT, choices=None, **kw):
     return make_plan(pipeline_of(spec_text(shape, ops, **kw)), target=target, choices=choices)
 
 
+ATEN = {"conv": "aten"}  # plan.conv: the ATen convolution (what these tests check), not the generated one
+
+
 def families_of(plan):
     return [s.family.name for s in plan.stages]
 
@@ -32,7 +35,7 @@ def families_of(plan):
 @pytest.mark.parametrize(
     "shape,ops,expected",
     [
-        ([3, 10, 10], [CONV2, "relu", {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], ["conv_aten", "pool_reduce"]),
+        ([3, 10, 10], [CONV2, "relu", {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], ["conv_gemm", "pool_reduce"]),
         ([4, 6, 6], ["relu", {"group_norm": {"num_groups": 2}}, {"sum": {"dim": 1}}, "sigmoid"], ["norm"]),
         ([4, 6, 6], [{"group_norm": {"num_groups": 2}}, {"max_pool2d": {"kernel_size": 2}}], ["norm", "pool_reduce"]),
         # a reduction over space is not the norm family's: the norm ends its stage
@@ -51,9 +54,10 @@ def test_grouping(shape, ops, expected):
     assert families_of(plan) == expected
     # every op of the (rewritten) pipeline is in exactly one stage, in order
     assert [o for s in plan.stages for o in s.ops] == list(plan.pipeline.ops)
-    for s in plan.stages:  # each stage's candidates are its family's (conv_aten: one per layout)
-        assert {c.split(":")[0] for c in s.candidates} == {s.family.name}
-        assert s.choice.startswith(s.family.name)
+    for s in plan.stages:  # each stage's candidates: the conv families' (conv_aten: one per layout), else its family
+        assert s.family.name in {c.split(":")[0] for c in s.candidates} and s.choice.startswith(s.family.name)
+        expected_families = ("conv_gemm", "conv_aten") if s.kind == "conv" else (s.family.name,)
+        assert tuple(dict.fromkeys(c.split(":")[0] for c in s.candidates)) == expected_families
 
 
 def test_norm_stage_parts():
@@ -91,19 +95,19 @@ def test_conv_bias_moves_into_the_next_stage():
 
 
 def test_conv_layout_follows_the_reader():
-    to_pool = plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}])
+    to_pool = plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], plan=ATEN)
     assert to_pool.stages[0].layout == "channels_last"  # pool_reduce reads channels_last as fast
     assert to_pool.stages[1].input.layout == "channels_last"
     assert to_pool.stages[1].input.tiles[0].strides == (1, 8 * 4, 4)  # (C, H, W) of [4, 8, 8] channels_last
-    to_norm = plan_of([3, 10, 10], [CONV2, {"group_norm": {"num_groups": 2}}])
+    to_norm = plan_of([3, 10, 10], [CONV2, {"group_norm": {"num_groups": 2}}], plan=ATEN)
     assert to_norm.stages[0].layout == "contiguous" and to_norm.stages[1].input.flat
-    forced = plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], plan={"conv_layout": "contiguous"})
+    forced = plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], plan={"conv_layout": "contiguous", "conv": "aten"})
     assert forced.stages[0].layout == "contiguous"
 
 
 def test_subpixel_phases_are_tiles_read_in_place():
     op = {"conv_transpose2d": {"out_channels": 3, "kernel_size": 4, "stride": 2, "padding": 1}}
-    plan = plan_of([2, 5, 5], [op, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
+    plan = plan_of([2, 5, 5], [op, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], plan=ATEN)
     conv, fused = plan.stages
     assert isinstance(conv.conv.lowering, Subpixel) and len(conv.phases) == 4
     assert fused.input is conv.output and fused.input.phase_stride == (2, 2) and len(fused.input.tiles) == 4
@@ -112,19 +116,19 @@ def test_subpixel_phases_are_tiles_read_in_place():
 
 def test_copy_stage_where_a_conv_output_is_read_as_a_tensor():
     op = {"conv_transpose2d": {"out_channels": 3, "kernel_size": 4, "stride": 2, "padding": 1}}
-    alone = plan_of([2, 5, 5], [op])  # phase tiles at the end: copied into one tensor
+    alone = plan_of([2, 5, 5], [op], plan=ATEN)  # phase tiles at the end: copied into one tensor
     assert families_of(alone) == ["conv_aten", "pool_reduce"] and alone.stages[1].ops == []
     assert alone.stages[1].output.flat and "copy" not in alone.stages[1].choice  # chosen like any other stage
     conv_b = {"conv2d": {"out_channels": 4, "kernel_size": 3, "name": "conv_b"}}
-    two = plan_of([2, 5, 5], [op, conv_b])  # the second conv reads a tensor
+    two = plan_of([2, 5, 5], [op, conv_b], plan=ATEN)  # the second conv reads a tensor
     assert families_of(two) == ["conv_aten", "pool_reduce", "conv_aten"]
-    plain = plan_of([3, 10, 10], [CONV2, {"conv2d": {"out_channels": 2, "kernel_size": 3, "name": "conv_b"}}], rewrites=False)  # dense outputs need no copy
+    plain = plan_of([3, 10, 10], [CONV2, {"conv2d": {"out_channels": 2, "kernel_size": 3, "name": "conv_b"}}], rewrites=False, plan=ATEN)  # dense outputs need no copy
     assert families_of(plain) == ["conv_aten", "conv_aten"]
     assert [s.index for s in two.stages] == [0, 1, 2]
 
 
 def test_cropped_conv_buffer_is_larger_than_the_logical_tensor():
-    plan = plan_of([2, 9, 9], [CONV2, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
+    plan = plan_of([2, 9, 9], [CONV2, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], plan=ATEN)
     conv, fused = plan.stages
     assert conv.conv.crop == (6, 6) and conv.input_extent == (8, 8)
     assert fused.input.logical == (4, 6, 6) and fused.input.tiles[0].dims == (4, 6, 6)
@@ -155,13 +159,14 @@ def test_schedule_fields_come_from_the_family_and_the_target():
 
 def test_plan_json_records_target_family_and_schedule():
     target = Target(sm_count=7, max_threads_per_sm=1536)
-    data = json.loads(json.dumps(plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], target=target).to_json()))
+    data = json.loads(json.dumps(plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], target=target, plan=ATEN).to_json()))
     assert {k: data["target"][k] for k in ("sm_count", "max_threads_per_sm", "max_grid_y")} == {"sm_count": 7, "max_threads_per_sm": 1536, "max_grid_y": 65535}
     conv, fused = data["stages"]
     assert conv["family"] == "conv_aten" and conv["lowering"] == "direct"
     assert conv["candidates"] == ["conv_aten:channels_last", "conv_aten:contiguous"]  # the reader takes channels_last fast
-    assert data["choices"] == [{"decision": "pipeline", "options": ["kgen", "eager"], "chosen": "kgen"},
-                               {"decision": "implementation @ ops[0].conv2d", "options": conv["candidates"],
+    assert "conv_gemm declined (the spec asks for ATen (plan.conv: aten))" in conv["choice"]
+    # a spec that pins its convolution (plan.conv) has no eager candidate: one decision point
+    assert data["choices"] == [{"decision": "implementation @ ops[0].conv2d", "options": conv["candidates"],
                                 "chosen": "conv_aten:channels_last"}]
     assert fused["family"] == "pool_reduce" and fused["schedule"]["target_blocks_per_sm"] == 2 * (1536 // 256)
     assert set(fused["schedule"]) >= {"cuda_threads", "r_lanes", "unroll", "min_per_thread", "cpu_grain", "cpu_chunk", "index_type"}
@@ -219,11 +224,10 @@ def test_a_peer_implementation_is_a_candidate_and_may_absorb_the_next_stage(monk
     assert chosen.stages[0].family is peer  # a plan's choices name any candidate
     monkeypatch.setattr(families, "FAMILIES", (peer, conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY))
     plan = plan_of([3, 10, 10], ops)
-    (st,) = plan.stages  # the generated convolution took the reduction as its epilogue
-    assert isinstance(st, ConvStage) and st.family is peer and st.epilogue.family is pool_reduce.FAMILY
-    assert [o.fn for o in st.epilogue.ops if isinstance(o, Elementwise)] == ["add", "relu"]
-    assert st.output is st.epilogue.output and st.index == 0
-    assert plan.kernel_stages() == [st]
+    st, epi = plan.stages  # the generated convolution took the reduction as its epilogue; it keeps its place
+    assert isinstance(st, ConvStage) and st.family is peer and st.epilogue is epi and epi.absorbed_by is st
+    assert [o.fn for o in epi.ops if isinstance(o, Elementwise)] == ["add", "relu"]
+    assert [s.index for s in plan.stages] == [0, 1] and plan.kernel_stages() == [st, epi]
 
 
 def test_every_family_is_registered_once_with_its_template_folder():

@@ -1,7 +1,7 @@
 """Seeded random pipelines through render, the CPU build and validation.
 
 Each pipeline is a small spec drawn from a fixed seed: an optional leading
-convolution (plain, strided, transposed), then one or two fused segments of
+convolution (plain, strided, transposed; generated or ATen's), then one or two fused segments of
 elementwise ops (drawn from the op table), window pools, a norm, and a
 reduction at the end. The modules are built together once; each test
 validates one of them against the float64 reference. A failure names the seed
@@ -51,7 +51,7 @@ def _pool(rng, spatial) -> dict:
 def random_spec(seed: int, index: int) -> str:
     """A valid random spec (drawn again until it is valid); the structure and the
     elementwise ops come from two streams of ``seed``."""
-    rng, ew = random.Random(seed), random.Random(seed + 1_000_003)
+    rng, ew, impl = random.Random(seed), random.Random(seed + 1_000_003), random.Random(seed + 2_000_003)
     while True:
         rank = rng.choice((1, 2, 2, 3))
         channels = rng.randint(1, 5)
@@ -88,7 +88,9 @@ def random_spec(seed: int, index: int) -> str:
         ops.append({rng.choice(("sum", "mean", "max")): {"dim": dims, "keepdim": rng.random() < 0.5}})
         if rng.random() < 0.5:
             ops.append(_elementwise(ew, params))
-        text = spec_text([channels] + spatial, ops, params=params, name=f"random_{index}")
+        # who computes a convolution: the planner (the generated one, mostly), or ATen
+        plan = {"conv": impl.choice(("auto", "aten"))} if ops[0] and next(iter(ops[0])).startswith("conv") else None
+        text = spec_text([channels] + spatial, ops, params=params, name=f"random_{index}", plan=plan)
         try:
             pipeline_of(text)
         except KgenError:
@@ -136,7 +138,8 @@ def test_the_draws_cover_the_layers():
     assert any(o in ("sum", "mean", "max") for o in ops)
     assert len({o for o in ops if o in {e.name for e in elementwise_ops()}}) >= 4
     plans = [make_plan(pipeline_of(text), target=DEFAULT) for text in SPECS]
-    assert any(p.stages[0].family.name != "conv_aten" for p in plans)  # some start without a convolution
+    assert any(p.stages[0].kind != "conv" for p in plans)  # some start without a convolution
+    assert any(p.stages[0].family.name == "conv_gemm" for p in plans) and any(p.stages[0].family.name == "conv_aten" for p in plans)
     assert any(len(p.stages) >= 3 for p in plans)
     assert any(s.input.phased for p in plans for s in p.kernel_stages())  # sub-pixel tiles read in place
     assert any(s.input.layout == "channels_last" for p in plans for s in p.kernel_stages())

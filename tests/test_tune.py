@@ -61,14 +61,19 @@ def test_candidates_cover_every_choice_once():
 
 
 def test_cost_model_prefers_the_direct_form_for_a_tiny_transposed_conv():
-    tiny = pipeline_of(spec_text([12, 6, 6, 6], TINY_TRANSPOSED, batch=2))
+    # through cuDNN (plan.conv: aten): one direct call, not eight sub-pixel phase calls
+    tiny = pipeline_of(spec_text([12, 6, 6, 6], TINY_TRANSPOSED, batch=2, plan={"conv": "aten"}))
     sel = choose_plans(tiny, DEFAULT)
     assert sel.source == "cost model"
     assert sel.plans[0].choices["subpixel_conv_transpose @ ops[0].conv_transpose3d"] == "off"
-    by = {p.choices.get("subpixel_conv_transpose @ ops[0].conv_transpose3d"): cost.estimate_ms(p, 2)
-          for p in sel.candidates if p.choices.get(PIPELINE) == KGEN}
+    by = {p.choices["subpixel_conv_transpose @ ops[0].conv_transpose3d"]: cost.estimate_ms(p, 2) for p in sel.candidates
+          if p.choices["implementation @ ops[0].conv_transpose3d"] == "conv_aten:contiguous"}
     assert by["off"] < by["on"]  # eight phase calls cost more than the math they save
-    # a large one: the phases win (cuDNN's direct strided transposed convolution is slow)
+    # unpinned, the generated convolution runs all phases in one launch: never eight cuDNN calls
+    auto = choose_plans(pipeline_of(spec_text([12, 6, 6, 6], TINY_TRANSPOSED, batch=2)), DEFAULT).plans[0]
+    assert not (auto.choices.get("subpixel_conv_transpose @ ops[0].conv_transpose3d") == "on"
+                and auto.stages[0].family.name == "conv_aten")
+    # a large one through cuDNN: the phases win (cuDNN's direct strided transposed convolution is slow)
     big = choose_plans(load_pipeline(ROOT / "specs" / "maxpool_sum.yaml"), DEFAULT)
     if big.tuning is None:
         assert big.plans[0].choices["subpixel_conv_transpose @ ops[0].conv_transpose3d"] == "on"

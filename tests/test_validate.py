@@ -7,7 +7,7 @@ import torch
 from conftest import HAS_CUDA, write_spec
 from kgen.build import build_module
 from kgen.ir import build_pipeline
-from kgen.reference import init_reference_members
+from kgen.reference import add_members
 from kgen.render import render_spec, write_rendered
 from kgen.spec import parse_spec
 from kgen.validate import TOLERANCES, check_model, compare, run_with_magnitude, validate
@@ -68,7 +68,7 @@ def test_magnitude_reference_bounds_the_reference(shape, params, ops):
     pipe = build_pipeline(parse_spec(text))
     torch.manual_seed(0)
     model = torch.nn.Module()
-    init_reference_members(model, pipe)
+    add_members(model, pipe)
     tensors = {k: v.detach().double() for k, v in model.named_parameters()}
     x = torch.randn(pipe.input.concrete(2), dtype=torch.float64)
     ref, magnitude = run_with_magnitude(pipe.ops, x, tensors)
@@ -95,7 +95,7 @@ def _module(breaks=None):
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            init_reference_members(self, PIPE)
+            add_members(self, PIPE)
             if breaks == "training":  # what a parameter named `training` does
                 self.training = torch.nn.Parameter(torch.zeros(1))
             if breaks == "extra_key":

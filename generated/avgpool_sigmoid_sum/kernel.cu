@@ -10,11 +10,133 @@
 #include <cuda_runtime.h>
 
 #include "stages.h"
+#include "conv_gemm/conv_gemm.cuh"
 
 namespace kgen_avgpool_sigmoid_sum {
 
 // ==== plan 0: batches 1..
 namespace v0 {
+
+// ==== stage 0: conv_gemm, CUDA (kgen-template: templates/conv_gemm/kernel.cu.j2)
+namespace s1 {
+__global__ void finalize_kernel(const Args a, int splits);  // stage 1's, below
+}  // namespace s1
+namespace s0 {
+
+using namespace kgen::conv_gemm;
+
+// The convolution, 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Problem {
+  static constexpr int kCin = 8, kCout = 64;
+  static constexpr int kInD = 1, kInH = 384, kInW = 384;
+  static constexpr int kOutD = 1, kOutH = 95, kOutW = 95;
+  static constexpr int kKD = 1, kKH = 6, kKW = 6;
+  static constexpr int kSD = 1, kSH = 4, kSW = 4;
+  static constexpr int kPD = 0, kPH = 0, kPW = 0;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 1, kOutStrideH = 1, kOutStrideW = 1;
+  static constexpr int kOutResidueD = 0, kOutResidueH = 0, kOutResidueW = 0;
+  static constexpr int kFullD = 1, kFullH = 95, kFullW = 95;
+  static constexpr int kWKD = 1, kWKH = 6, kWKW = 6;
+  static constexpr int kWStartD = 0, kWStartH = 0, kWStartW = 0;
+  static constexpr int kWStepD = 1, kWStepH = 1, kWStepW = 1;
+  static constexpr bool kWeightTransposed = false, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 1, kTH = 4, kTW = 32;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kStages = 2;  // cp.async pipeline depth
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr bool kWindow = false;  // register-window main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
+
+// The convolution output (+ bias), NC[D]HW.
+struct Store {
+  struct Params {
+    const float* bias;
+    float* out;
+  };
+  static constexpr bool kStaged = true;
+  static constexpr int kScratchFloats = 0;
+  template <class P>
+  __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
+    using G = Geometry<P>;
+    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kThreads) {
+      const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
+      if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
+    }
+  }
+};
+
+// Packs the weights, then runs the convolution.
+template <class E>
+cudaError_t run(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  return kgen::conv_gemm::launch<Problem, E>(x, w, packed, ep, batch, stream);
+}
+
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream) {
+  return run<Store>(x, w, packed, Store::Params{bias, out}, batch, stream);
+}
+
+// ---- stage 1 (pool_reduce) fused in: its math (stages.h) on the output tile.
+
+// The tile as stage 1's input: channel c, position (d0, d1) of the convolution output.
+struct TileInput {
+  const float* tile;
+  int od, oh, ow, c0;
+  __device__ float operator()(const s1::Args&, long long, int c, int d0, int d1) const {
+    using G = Geometry<Problem>;
+    const int m = ((0 - od) * Problem::kTH + (d0 - oh)) * Problem::kTW + (d1 - ow);
+    return tile[(c - c0) * G::kMPad + m];
+  }
+};
+
+// Stage 1 has no pools and reduces everything: each thread applies its
+// level-0 ops to its own accumulators and combines them, then the CTA combines
+// the threads' values in a fixed order into one partial per tile (stage 1's finalize kernel combines them).
+struct Fused {
+  using Params = s1::Args;
+  static constexpr bool kStaged = false;
+  static constexpr int kScratchFloats = 32;  // one value per warp
+
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& a, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
+    using G = Geometry<P>;
+    float s = s1::identity();
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = fm.m(mt, i), ch = c.cblock * P::kBN + fm.n(nt, i);
+          const int pd = c.od + row_d<P>(m), ph = c.oh + row_h<P>(m), pw = c.ow + row_w<P>(m);
+          if (ch < P::kCout && row_valid<P>(c, m)) s = s1::combine(s, s1::level0_from(a, c.n, ch, ph, pw, acc[mt][nt][i]));
+        }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) s = s1::combine(s, __shfl_xor_sync(0xffffffffu, s, o));
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      s = s1::identity();
+      for (int w = 0; w < G::kThreads / 32; ++w) s = s1::combine(s, scratch[w]);
+      a.partial[c.n * s1::kKept * kSplits + c.index] = s;  // tile c.index of the sample
+    }
+  }
+};
+
+cudaError_t launch_fused(const float* x, const float* w, float* packed, const s1::Args& a, int batch, cudaStream_t stream) {
+  const cudaError_t err = run<Fused>(x, w, packed, a, batch, stream);
+  if (err != cudaSuccess || kSplits == 1) return err;
+  const long long outputs = static_cast<long long>(batch) * s1::kKept;
+  s1::finalize_kernel<<<static_cast<unsigned>((outputs + s1::kThreads - 1) / s1::kThreads), s1::kThreads, 0, stream>>>(a, kSplits);
+  return cudaGetLastError();
+}
+
+}  // namespace s0
 
 // ==== stage 1: pool_reduce, CUDA (kgen-template: templates/pool_reduce/kernel.cu.j2)
 namespace s1 {

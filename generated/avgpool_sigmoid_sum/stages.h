@@ -21,6 +21,27 @@ namespace kgen_avgpool_sigmoid_sum {
 // ==== plan 0: batches 1..
 namespace v0 {
 
+// ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
+//   ops[0].conv2d: conv2d(8->64, k=3) folded with avg_pool(k=4) -> k=6, s=4, bias added by the next stage
+//   implicit GEMM on tensor cores (tf32: pools and reductions follow: TF32 products), stage 1 fused in as its epilogue
+namespace s1 {
+struct Args;
+}  // namespace s1
+namespace s0 {
+
+// Packed weights (MMA-fragment order) of all 1 problem(s): a workspace per call.
+constexpr long long kPackedFloats = 18432;
+
+#ifdef KGEN_STAGES_CUDA
+// The convolution (without its bias: the next stage adds it) into `out` [batch, 64, 95, 95].
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream);
+// The convolution with stage 1 as its epilogue: writes `a.out` (and `a.partial`: 72 per output).
+cudaError_t launch_fused(const float* x, const float* w, float* packed, const s1::Args& a, int batch, cudaStream_t stream);
+constexpr int kSplits = 72;  // partials per output of stage 1: tiles along its reduced dims
+#endif
+
+}  // namespace s0
+
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
 //   ops[0].conv2d: add(conv.bias per channel)
 //   ops[2].sigmoid: sigmoid
@@ -39,11 +60,22 @@ struct Args {
 // Per-sample indices fit in 32 bits.
 using Index = int;
 
-// Input: logical (C, *S) = [64, 95, 95] in a [64, 95, 95] channels_last buffer.
+// Input: logical (C, *S) = [64, 95, 95] in a [64, 95, 95] contiguous buffer.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1) {
-  return a.in[0][n * 577600LL + c + d0 * 6080 + d1 * 64];
+  return a.in[0][n * 577600LL + c * 9025 + d0 * 95 + d1];
 }
 
+// The same input as a flat (C, *S) sample: element e lies at e.
+constexpr Index kSampleSize = 577600;
+KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
+
+
+// The input as this stage's own kernels read it. The levels below take their
+// input as a parameter, so that a convolution with this stage fused in as its
+// epilogue can run them on its output tile instead.
+struct Input {
+  KGEN_HD float operator()(const Args& a, long long n, int c, int d0, int d1) const { return load(a, n, c, d0, d1); }
+};
 
 // level 0: the input value `v` at a position, then ops[0].conv2d, ops[2].sigmoid
 KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, float v) {
@@ -53,8 +85,9 @@ KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, flo
   return v;
 }
 
-KGEN_HD float level0(const Args& a, long long n, int c, int d0, int d1) {
-  return level0_from(a, n, c, d0, d1, load(a, n, c, d0, d1));
+template <class In>
+KGEN_HD float level0(const Args& a, const In& in, long long n, int c, int d0, int d1) {
+  return level0_from(a, n, c, d0, d1, in(a, n, c, d0, d1));
 }
 
 // The reduction: each output (n, k) combines kReduced values of the last level.
@@ -81,10 +114,10 @@ KGEN_HD float combine(float acc, float v) { return acc + v; }
 KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   (void)(k);
   Index tr = r;
-  const int c = static_cast<int>(tr % 64); tr /= 64;
   const int d1 = static_cast<int>(tr % 95); tr /= 95;
-  const int d0 = static_cast<int>(tr);
-  return level0(a, n, c, d0, d1);
+  const int d0 = static_cast<int>(tr % 95); tr /= 95;
+  const int c = static_cast<int>(tr);
+  return level0(a, Input{}, n, c, d0, d1);
 }
 
 // Without pools an element is one load and some math: the loops load several
@@ -99,9 +132,9 @@ KGEN_HD float element_input(const Args& a, long long n, Index k, Index r) {
 KGEN_HD float element_from(const Args& a, long long n, Index k, Index r, float x) {
   (void)(k);
   Index tr = r;
-  const int c = static_cast<int>(tr % 64); tr /= 64;
   const int d1 = static_cast<int>(tr % 95); tr /= 95;
-  const int d0 = static_cast<int>(tr);
+  const int d0 = static_cast<int>(tr % 95); tr /= 95;
+  const int c = static_cast<int>(tr);
   return level0_from(a, n, c, d0, d1, x);
 }
 

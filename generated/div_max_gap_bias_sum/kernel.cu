@@ -10,11 +10,163 @@
 #include <cuda_runtime.h>
 
 #include "stages.h"
+#include "conv_gemm/conv_gemm.cuh"
 
 namespace kgen_div_max_gap_bias_sum {
 
 // ==== plan 0: batches 1..
 namespace v0 {
+
+// ==== stage 0: conv_gemm, CUDA (kgen-template: templates/conv_gemm/kernel.cu.j2)
+namespace s1 {
+__global__ void finalize_kernel(const Args a, int splits);  // stage 1's, below
+}  // namespace s1
+namespace s0 {
+
+using namespace kgen::conv_gemm;
+
+// The convolution, 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Problem {
+  static constexpr int kCin = 8, kCout = 16;
+  static constexpr int kInD = 16, kInH = 64, kInW = 64;
+  static constexpr int kOutD = 14, kOutH = 62, kOutW = 62;
+  static constexpr int kKD = 3, kKH = 3, kKW = 3;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 0, kPH = 0, kPW = 0;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 1, kOutStrideH = 1, kOutStrideW = 1;
+  static constexpr int kOutResidueD = 0, kOutResidueH = 0, kOutResidueW = 0;
+  static constexpr int kFullD = 14, kFullH = 62, kFullW = 62;
+  static constexpr int kWKD = 3, kWKH = 3, kWKW = 3;
+  static constexpr int kWStartD = 0, kWStartH = 0, kWStartW = 0;
+  static constexpr int kWStepD = 1, kWStepH = 1, kWStepW = 1;
+  static constexpr bool kWeightTransposed = false, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 16;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 1;
+  static constexpr int kStages = 2;  // cp.async pipeline depth
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr bool kWindow = true;  // register-window main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
+
+// The convolution output (+ bias), NC[D]HW.
+struct Store {
+  struct Params {
+    const float* bias;
+    float* out;
+  };
+  static constexpr bool kStaged = true;
+  static constexpr int kScratchFloats = 0;
+  template <class P>
+  __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
+    using G = Geometry<P>;
+    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kThreads) {
+      const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
+      if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
+    }
+  }
+};
+
+// Packs the weights, then runs the convolution.
+template <class E>
+cudaError_t run(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  return kgen::conv_gemm::launch<Problem, E>(x, w, packed, ep, batch, stream);
+}
+
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream) {
+  return run<Store>(x, w, packed, Store::Params{bias, out}, batch, stream);
+}
+
+// ---- stage 1 (pool_reduce) fused in: its math (stages.h) on the output tile.
+
+// The tile as stage 1's input: channel c, position (d0, d1, d2) of the convolution output.
+struct TileInput {
+  const float* tile;
+  int od, oh, ow, c0;
+  __device__ float operator()(const s1::Args&, long long, int c, int d0, int d1, int d2) const {
+    using G = Geometry<Problem>;
+    const int m = ((d0 - od) * Problem::kTH + (d1 - oh)) * Problem::kTW + (d2 - ow);
+    return tile[(c - c0) * G::kMPad + m];
+  }
+};
+
+// Each output of stage 1 inside the tile: kLanes threads combine its
+// values (a fixed order), lane 0 writes it (a partial: stage 1's finalize kernel combines them).
+struct Fused {
+  using Params = s1::Args;
+  static constexpr bool kStaged = true;
+  static constexpr int kLanes = 128;  // threads per output
+  static constexpr int kScratchFloats = 32;  // one partial per warp, when an output's lanes span warps
+  static constexpr int kKeptLocal = 1;  // outputs per tile: one
+  static constexpr int kReducedLocal = 512;  // values per output and tile: c x d x h x w
+  static constexpr int kWindowD = 2, kWindowH = 2, kWindowW = 2;  // the composed pool window
+  static constexpr int kPooledD = 7, kPooledH = 31, kPooledW = 31;  // stage 1's pooled size
+  static constexpr int kTilePD = 1, kTilePH = 4, kTilePW = 8;  // pooled positions per tile
+
+  template <class P>
+  __device__ static void apply(const Params& a, const float* tile, float* scratch, const TileCoord& c) {
+    using G = Geometry<P>;
+    static_assert(G::kThreads % kLanes == 0 && (32 % kLanes == 0 || kLanes % 32 == 0), "an output's lanes: part of a warp or whole warps");
+    constexpr int kGroups = G::kThreads / kLanes;
+    const TileInput in{tile, c.od, c.oh, c.ow, c.cblock * P::kBN};
+    const int group = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+    const int pd0 = c.od / kWindowD, ph0 = c.oh / kWindowH, pw0 = c.ow / kWindowW;  // the tile's first pooled position
+    // (every dim present)
+    for (int k0 = 0; k0 < kKeptLocal; k0 += kGroups) {  // the same trip count in every lane of a warp
+      const int kl = k0 + group;
+      (void)kl;
+      float acc = s1::identity();
+      for (int rl = lane; rl < kReducedLocal; rl += kLanes) {
+        int tr = rl;
+        const int lw = tr % 8; tr /= 8;
+        const int lh = tr % 4; tr /= 4;
+        const int ld = tr % 1; tr /= 1;
+        const int lc = tr;
+        const int ch = c.cblock * P::kBN + lc, pd = pd0 + ld, ph = ph0 + lh, pw = pw0 + lw;
+        if (kl < kKeptLocal && ch < P::kCout && pd < kPooledD && ph < kPooledH && pw < kPooledW) {
+          acc = s1::combine(acc, s1::level1(a, in, c.n, ch, pd, ph, pw));
+        }
+      }
+      for (int o = (kLanes < 32 ? kLanes : 32) / 2; o > 0; o /= 2) acc = s1::combine(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+      if constexpr (kLanes > 32) {  // the output's warps, in order
+        if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = acc;
+        __syncthreads();
+        if (lane == 0) {
+          acc = s1::identity();
+          for (int w = 0; w < kLanes / 32; ++w) acc = s1::combine(acc, scratch[threadIdx.x / 32 + w]);
+        }
+        __syncthreads();
+      }
+      {
+        const int lc = 0;
+        const int ld = 0;
+        const int lh = 0;
+        const int lw = 0;
+        const int ch = c.cblock * P::kBN + lc, pd = pd0 + ld, ph = ph0 + lh, pw = pw0 + lw;
+        if (lane == 0 && kl < kKeptLocal && ch < P::kCout && pd < kPooledD && ph < kPooledH && pw < kPooledW) {
+          const long long k = 0LL;  // stage 1's output index inside the sample
+          const int j = ((pd0 / kTilePD) * 8 + ph0 / kTilePH) * 4 + pw0 / kTilePW;  // the tile's place along the reduced dims
+          a.partial[(c.n * s1::kKept + k) * kSplits + j] = acc;
+        }
+      }
+    }
+  }
+};
+
+
+cudaError_t launch_fused(const float* x, const float* w, float* packed, const s1::Args& a, int batch, cudaStream_t stream) {
+  const cudaError_t err = run<Fused>(x, w, packed, a, batch, stream);
+  if (err != cudaSuccess || kSplits == 1) return err;
+  const long long outputs = static_cast<long long>(batch) * s1::kKept;
+  s1::finalize_kernel<<<static_cast<unsigned>((outputs + s1::kThreads - 1) / s1::kThreads), s1::kThreads, 0, stream>>>(a, kSplits);
+  return cudaGetLastError();
+}
+
+}  // namespace s0
 
 // ==== stage 1: pool_reduce, CUDA (kgen-template: templates/pool_reduce/kernel.cu.j2)
 namespace s1 {

@@ -21,6 +21,27 @@ namespace kgen_div_max_gap_bias_sum {
 // ==== plan 0: batches 1..
 namespace v0 {
 
+// ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
+//   ops[0].conv3d: conv3d(8->16, k=3), bias added by the next stage
+//   implicit GEMM on tensor cores (tf32: pools and reductions follow: TF32 products), stage 1 fused in as its epilogue
+namespace s1 {
+struct Args;
+}  // namespace s1
+namespace s0 {
+
+// Packed weights (MMA-fragment order) of all 1 problem(s): a workspace per call.
+constexpr long long kPackedFloats = 3456;
+
+#ifdef KGEN_STAGES_CUDA
+// The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 62, 62].
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream);
+// The convolution with stage 1 as its epilogue: writes `a.out` (and `a.partial`: 224 per output).
+cudaError_t launch_fused(const float* x, const float* w, float* packed, const s1::Args& a, int batch, cudaStream_t stream);
+constexpr int kSplits = 224;  // partials per output of stage 1: tiles along its reduced dims
+#endif
+
+}  // namespace s0
+
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
 //   ops[0].conv3d: add(conv.bias per channel)
 //   ops[2].max_pool3d: max_pool3d(k=2)
@@ -43,10 +64,14 @@ struct Args {
 // Per-sample indices fit in 32 bits.
 using Index = int;
 
-// Input: logical (C, *S) = [16, 14, 62, 62] in a [16, 14, 62, 62] channels_last buffer.
+// Input: logical (C, *S) = [16, 14, 62, 62] in a [16, 14, 62, 62] contiguous buffer.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  return a.in[0][n * 861056LL + c + d0 * 61504 + d1 * 992 + d2 * 16];
+  return a.in[0][n * 861056LL + c * 53816 + d0 * 3844 + d1 * 62 + d2];
 }
+
+// The same input as a flat (C, *S) sample: element e lies at e.
+constexpr Index kSampleSize = 861056;
+KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
 
 // Sum of all of bias (it varies only along the dims the reduction summed).
 KGEN_HD float sum_of_bias(const Args& a) {
@@ -55,6 +80,13 @@ KGEN_HD float sum_of_bias(const Args& a) {
   return s;
 }
 
+// The input as this stage's own kernels read it. The levels below take their
+// input as a parameter, so that a convolution with this stage fused in as its
+// epilogue can run them on its output tile instead.
+struct Input {
+  KGEN_HD float operator()(const Args& a, long long n, int c, int d0, int d1, int d2) const { return load(a, n, c, d0, d1, d2); }
+};
+
 // level 0: the input value `v` at a position, then ops[0].conv3d
 KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
   v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv3d: add(conv.bias per channel)
@@ -62,12 +94,14 @@ KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int
   return v;
 }
 
-KGEN_HD float level0(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  return level0_from(a, n, c, d0, d1, d2, load(a, n, c, d0, d1, d2));
+template <class In>
+KGEN_HD float level0(const Args& a, const In& in, long long n, int c, int d0, int d1, int d2) {
+  return level0_from(a, n, c, d0, d1, d2, in(a, n, c, d0, d1, d2));
 }
 
 // level 1: max_pool3d(k=2) (ops[2].max_pool3d), [14, 62, 62] -> [7, 31, 31]
-KGEN_HD float level1(const Args& a, long long n, int c, int d0, int d1, int d2) {
+template <class In>
+KGEN_HD float level1(const Args& a, const In& in, long long n, int c, int d0, int d1, int d2) {
   float acc = -INFINITY;
   KGEN_UNROLL
   for (int k0 = 0; k0 < 2; ++k0) {
@@ -78,7 +112,7 @@ KGEN_HD float level1(const Args& a, long long n, int c, int d0, int d1, int d2) 
       KGEN_UNROLL
       for (int k2 = 0; k2 < 2; ++k2) {
         const int j2 = d2 * 2 + k2;
-        acc = kgen::max_nan(acc, level0(a, n, c, j0, j1, j2));
+        acc = kgen::max_nan(acc, level0(a, in, n, c, j0, j1, j2));
       }
     }
   }
@@ -111,11 +145,11 @@ KGEN_HD float combine(float acc, float v) { return acc + v; }
 KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   (void)(k);
   Index tr = r;
-  const int c = static_cast<int>(tr % 16); tr /= 16;
   const int d2 = static_cast<int>(tr % 31); tr /= 31;
   const int d1 = static_cast<int>(tr % 31); tr /= 31;
-  const int d0 = static_cast<int>(tr);
-  return level1(a, n, c, d0, d1, d2);
+  const int d0 = static_cast<int>(tr % 7); tr /= 7;
+  const int c = static_cast<int>(tr);
+  return level1(a, Input{}, n, c, d0, d1, d2);
 }
 
 // Output k from its combined value: then the epilogue.

@@ -44,7 +44,7 @@ SPEC_DATA = {
     ],
     'precision': 'tf32',
     'rewrites': {'scalar_through_max': True, 'pool_composition': True, 'avg_pool_folding': True, 'subpixel_conv_transpose': True, 'dead_region': True, 'reduction_algebra': True},
-    'plan': {'conv_layout': 'auto'},
+    'plan': {'conv_layout': 'auto', 'conv': 'auto'},
 }
 register_autograd("kgen::instnorm_clamp_max", SPEC_DATA, PARAMETERS)
 

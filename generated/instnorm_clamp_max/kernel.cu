@@ -10,11 +10,75 @@
 #include <cuda_runtime.h>
 
 #include "stages.h"
+#include "conv_gemm/conv_gemm.cuh"
 
 namespace kgen_instnorm_clamp_max {
 
 // ==== plan 0: batches 1..
 namespace v0 {
+
+// ==== stage 0: conv_gemm, CUDA (kgen-template: templates/conv_gemm/kernel.cu.j2)
+namespace s0 {
+
+using namespace kgen::conv_gemm;
+
+// The convolution, 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Problem {
+  static constexpr int kCin = 3, kCout = 16;
+  static constexpr int kInD = 16, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 14, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 3, kKH = 3, kKW = 3;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 0, kPH = 0, kPW = 0;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 1, kOutStrideH = 1, kOutStrideW = 1;
+  static constexpr int kOutResidueD = 0, kOutResidueH = 0, kOutResidueW = 0;
+  static constexpr int kFullD = 14, kFullH = 30, kFullW = 30;
+  static constexpr int kWKD = 3, kWKH = 3, kWKW = 3;
+  static constexpr int kWStartD = 0, kWStartH = 0, kWStartW = 0;
+  static constexpr int kWStepD = 1, kWStepH = 1, kWStepW = 1;
+  static constexpr bool kWeightTransposed = false, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 4;  // input channels per pipeline step
+  static constexpr int kBN = 16;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 1;
+  static constexpr int kStages = 2;  // cp.async pipeline depth
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr bool kWindow = true;  // register-window main loop
+  static constexpr Mma kMma = Mma::kTf32x3;
+};
+static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
+
+// The convolution output (+ bias), NC[D]HW.
+struct Store {
+  struct Params {
+    const float* bias;
+    float* out;
+  };
+  static constexpr bool kStaged = true;
+  static constexpr int kScratchFloats = 0;
+  template <class P>
+  __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
+    using G = Geometry<P>;
+    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kThreads) {
+      const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
+      if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
+    }
+  }
+};
+
+// Packs the weights, then runs the convolution.
+template <class E>
+cudaError_t run(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  return kgen::conv_gemm::launch<Problem, E>(x, w, packed, ep, batch, stream);
+}
+
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream) {
+  return run<Store>(x, w, packed, Store::Params{bias, out}, batch, stream);
+}
+
+}  // namespace s0
 
 // ==== stage 1: norm, CUDA (kgen-template: templates/norm/kernel.cu.j2)
 namespace s1 {

@@ -21,6 +21,21 @@ namespace kgen_instnorm_clamp_max {
 // ==== plan 0: batches 1..
 namespace v0 {
 
+// ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
+//   ops[0].conv3d: conv3d(3->16, k=3), bias added by the next stage
+//   implicit GEMM on tensor cores (tf32x3: a normalization follows (or the output is the convolution): fp32-level accuracy)
+namespace s0 {
+
+// Packed weights (MMA-fragment order) of all 1 problem(s): a workspace per call.
+constexpr long long kPackedFloats = 3840;
+
+#ifdef KGEN_STAGES_CUDA
+// The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 30, 30].
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream);
+#endif
+
+}  // namespace s0
+
 // ==== stage 1: norm (kgen-template: templates/norm/stage.h.j2)
 //   ops[0].conv3d: add(conv.bias per channel)
 //   ops[1].mul: mul(multiplier)

@@ -64,6 +64,13 @@ KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
 }
 
 
+// The input as this stage's own kernels read it. The levels below take their
+// input as a parameter, so that a convolution with this stage fused in as its
+// epilogue can run them on its output tile instead.
+struct Input {
+  KGEN_HD float operator()(const Args& a, long long n, int c, int d0, int d1, int d2) const { return load(a, n, c, d0, d1, d2); }
+};
+
 // level 0: the input value `v` at a position, then ops[0].conv_transpose3d
 KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
   v = kgen::add(v, a.conv_transpose_bias[c]);  // ops[0].conv_transpose3d: add(conv_transpose.bias per channel)
@@ -71,12 +78,14 @@ KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int
   return v;
 }
 
-KGEN_HD float level0(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  return level0_from(a, n, c, d0, d1, d2, load(a, n, c, d0, d1, d2));
+template <class In>
+KGEN_HD float level0(const Args& a, const In& in, long long n, int c, int d0, int d1, int d2) {
+  return level0_from(a, n, c, d0, d1, d2, in(a, n, c, d0, d1, d2));
 }
 
 // level 1: max_pool3d(k=6) (ops[1].max_pool3d + ops[2].max_pool3d), [60, 60, 60] -> [10, 10, 10]
-KGEN_HD float level1(const Args& a, long long n, int c, int d0, int d1, int d2) {
+template <class In>
+KGEN_HD float level1(const Args& a, const In& in, long long n, int c, int d0, int d1, int d2) {
   float acc = -INFINITY;
   KGEN_UNROLL
   for (int k0 = 0; k0 < 6; ++k0) {
@@ -87,7 +96,7 @@ KGEN_HD float level1(const Args& a, long long n, int c, int d0, int d1, int d2) 
       KGEN_UNROLL
       for (int k2 = 0; k2 < 6; ++k2) {
         const int j2 = d2 * 6 + k2;
-        acc = kgen::max_nan(acc, level0(a, n, c, j0, j1, j2));
+        acc = kgen::max_nan(acc, level0(a, in, n, c, j0, j1, j2));
       }
     }
   }
@@ -123,7 +132,7 @@ KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   const int d0 = static_cast<int>(tk);
   Index tr = r;
   const int c = static_cast<int>(tr);
-  return level1(a, n, c, d0, d1, d2);
+  return level1(a, Input{}, n, c, d0, d1, d2);
 }
 
 // Output k from its combined value: then the epilogue.

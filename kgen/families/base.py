@@ -74,6 +74,7 @@ class Family:
     generates_kernel: ClassVar[bool]  # renders kernels; its stage is also the op kgen::NAME_stageK
     reads_channels_last: ClassVar[bool] = False  # reads a channels_last input as fast as a contiguous one
     pieces: ClassVar[tuple[str, ...]]  # generated files it contributes to, from templates/<name>/<piece>.j2
+    cuda_includes: ClassVar[tuple[str, ...]] = ()  # headers (under the output root) its kernel.cu piece needs
     summary: ClassVar[str]
 
     def accepts(self, ops: list[Op]) -> bool:
@@ -83,6 +84,11 @@ class Family:
     def fits(self, ops: list[Op]) -> bool:
         """The family's pattern over the kinds of ops (their order, how many of each)."""
         raise NotImplementedError
+
+    def unsupported(self, req: StageRequest) -> str | None:
+        """Why this family declines a request it accepts by its ops (its input buffer, the
+        precision, sizes it is not made for); None when it takes it."""
+        return None
 
     def make_stage(self, req: StageRequest) -> Stage:
         raise NotImplementedError

@@ -51,6 +51,11 @@ class ConvAten(Family):
     def fits(self, ops):
         return len(ops) == 1 and lowered(ops[0]) is not None
 
+    def unsupported(self, req: StageRequest) -> str | None:
+        if req.pipeline.conv_impl == "gemm":
+            return "the spec asks for the generated convolution (plan.conv: gemm)"
+        return None
+
     def layouts(self, req: StageRequest, conv) -> tuple[str, ...]:
         """Memory formats of the output, preferred first: channels_last when the next stage
         reads it as fast (cuDNN is faster in channels_last, measured on the H100:

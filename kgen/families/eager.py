@@ -10,7 +10,8 @@ op). Templates: ``templates/eager/``.
 
 An elementwise op needs an ATen function for it (the op table's ``aten``, by
 default ``at::`` and the name of its torch function); a pipeline with an op
-that has none has no eager candidate.
+that has none has no eager candidate, and so has a spec that pins who computes
+its convolutions (``plan.conv: aten | gemm``).
 """
 from __future__ import annotations
 
@@ -119,8 +120,9 @@ class Eager(Family):
         return self.fits(ops)
 
     def whole(self, pipe: Pipeline) -> EagerStage | None:
-        """The eager stage of the whole pipeline as written, or None when an op has no ATen call."""
-        if not self.accepts(list(pipe.ops)):
+        """The eager stage of the whole pipeline as written; None when an op has no ATen call
+        or the spec pins who computes its convolutions (plan.conv)."""
+        if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto":
             return None
         st = EagerStage(0, list(pipe.ops), pipe.input, pipe.output, input=flat_buffer(pipe.input), output=flat_buffer(pipe.output))
         st.family, st.candidates = self, ("eager",)

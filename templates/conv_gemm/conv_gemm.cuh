@@ -588,8 +588,9 @@ __global__ void __launch_bounds__(Geometry<P0>::kThreads) phases_kernel(const fl
 // TF32-rounded; tf32x3 appends the lo parts. Padding (k, channels) is zero.
 // The weight's layout and which of its taps this convolution uses (a flipped
 // kernel, a sub-pixel phase's every stride-th tap) come from P. A real lo
-// part that is exactly zero becomes the smallest normal number with hi's
-// sign, so that inf * w gives inf, not inf * 0 = NaN, in the hi x lo product.
+// part that is exactly zero becomes the smallest normal number with the
+// weight's sign, so that inf * w gives inf, not inf * 0 = NaN, in the hi x lo
+// product.
 template <class P>
 __device__ __forceinline__ int weight_tap(int j, int taps, int start, int step) {
   return start + step * (P::kWFlip ? taps - 1 - j : j);
@@ -621,13 +622,17 @@ __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restri
                                                    : static_cast<long long>(co) * P::kCin + ci;
       v = w[((outer * P::kWKD + kd) * P::kWKH + kh) * P::kWKW + kw];
     }
-    const float hi = to_tf32(v);
     float* dst = packed + (e / 2) * G::kFragFloats + j;
-    dst[0] = hi;
     if constexpr (G::kSplits == 2) {
+      // hi is v truncated to TF32, so lo = v - hi has v's sign: an inf input
+      // meets hi and lo of one sign (inf * w), never inf - inf.
+      const float hi = isfinite(v) ? __uint_as_float(__float_as_uint(v) & 0xffffe000u) : v;
       float lo = isfinite(v) ? to_tf32(v - hi) : 0.f;
-      if (real && lo == 0.f) lo = copysignf(1.17549435e-38f, hi);
+      if (real && lo == 0.f) lo = copysignf(1.17549435e-38f, v);
+      dst[0] = hi;
       dst[2] = lo;
+    } else {
+      dst[0] = to_tf32(v);
     }
   }
 }

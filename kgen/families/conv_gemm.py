@@ -1,0 +1,387 @@
+"""conv_gemm: the convolution itself, generated as an implicit GEMM on TF32 tensor cores.
+
+The kernel is ``templates/conv_gemm/conv_gemm.cuh`` (ordinary C++ templates);
+this family renders its problem structs (every size a compile-time constant,
+in a 3-D view: a 1-d or 2-d convolution has leading sizes of 1), its schedule
+and its epilogue. Lowerings: direct and folded convolutions, and a strided
+transposed convolution as its sub-pixel phases (all in one launch); a stride-1
+transposed convolution is the single-phase case (the flipped kernel).
+
+Epilogue: a ``pool_reduce`` stage right after the convolution is fused in when
+its pools are non-overlapping windows that tiles of the convolution output
+hold whole (and the convolution has one phase): the stage's math runs on the
+output tile in shared memory, and the convolution output is never written. A
+reduction over spatial dims leaves one partial per tile along them, combined
+in index order by the stage's own finalize kernel (deterministic). Otherwise
+the convolution output is written (NC[D]HW) and the next stage reads it.
+
+On the CPU the stage runs ATen's convolution, then the epilogue stage's own
+C++ code. Templates: ``templates/conv_gemm/``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from ..ir import Pool
+from ..lowering import Direct, Folded, Subpixel, lowered
+from ..stage import ConvStage, Stage, flat_buffer
+from ..target import Target
+from .base import FLOAT_BYTES, Family, StageRequest, Work, pow2_floor
+from .conv_aten import CUDNN_CALL_S
+
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
+MAX_K_PER_CHUNK_TAPS = 512  # K = Cin x taps above which ATen/cuDNN's large-GEMM kernels win (notes/perf.md)
+MAX_COUT = 128  # output channels above which cuDNN wins
+WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
+STAGES = 2  # cp.async pipeline depth
+PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
+# Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
+# about 45% of that on the shipped convolutions (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
+GEMM_TENSOR_FRACTION = 0.22
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One convolution as the kernel sees it (3-D view). A sub-pixel phase is one Problem."""
+
+    cin: int
+    cout: int
+    input: tuple  # (D, H, W) of the input tensor
+    out: tuple  # positions computed per dim (a phase: its count)
+    kernel: tuple
+    stride: tuple
+    padding: tuple  # may be negative (a phase's offset)
+    dilation: tuple
+    out_stride: tuple  # output position = out_stride * m + out_residue
+    out_residue: tuple
+    full: tuple  # the output tensor's spatial size
+    weight_transposed: bool  # the weight is (Cin, Cout, K..)
+    weight_kernel: tuple  # its kernel size
+    weight_start: tuple  # tap j of this problem is weight tap start + step * j
+    weight_step: tuple
+
+
+@dataclass(frozen=True)
+class Schedule:
+    tile: tuple  # output box of a CTA tile (D, H, W)
+    cin_chunk: int  # input channels per pipeline step: 4 or a multiple of 8
+    block_n: int  # output channels per CTA
+    warps_m: int
+    warps_n: int
+    stages: int  # cp.async pipeline depth
+    plane_residue: int  # channel plane stride % 32
+    window: bool  # the register-window main loop (stride 1 in H and W)
+    mma: str  # tf32 | tf32x3
+    smem_bytes: int  # what the CTA needs (checked against the limit)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """How the epilogue stage (pool_reduce) runs on an output tile, per spatial dim (D, H, W)."""
+
+    window: tuple  # the composed pool window (= its stride)
+    pooled_tile: tuple  # pooled positions per tile
+    pooled: tuple  # the pooled output's spatial size
+    kept: tuple  # dims the reduction keeps: "c", "d", "h", "w"
+    reduced: tuple  # dims it reduces
+    splits: int  # tiles along the reduced spatial dims: partials per output
+    lanes: int  # threads that share one output's reduction inside a tile
+    registers: bool  # no pools, everything reduced: the epilogue works on the accumulators (no staged tile)
+
+
+@dataclass
+class ConvGemmStage(ConvStage):
+    problems: list = field(default_factory=list)
+    schedule: Schedule = None
+    fused: Fused | None = None
+    x3_reason: str = ""
+
+    # ---- what the templates need (text only; the decisions are above)
+
+    @property
+    def rank(self) -> int:
+        return self.conv.conv.rank
+
+    def problem_names(self) -> list[str]:
+        return ["Problem"] if len(self.problems) == 1 else [f"Phase{i}" for i in range(len(self.problems))]
+
+    def packed_floats(self) -> int:
+        """Packed weight floats of all problems (conv_gemm.cuh: Geometry::kPackedFloats)."""
+        sc = self.schedule
+        total = 0
+        for p in self.problems:
+            taps_hw = p.kernel[1] * p.kernel[2]
+            slots = p.kernel[0] * (taps_hw + taps_hw % 2 if sc.cin_chunk == 4 else taps_hw)
+            k_steps = sc.cin_chunk * slots // 8
+            chunks = -(-p.cin // sc.cin_chunk)
+            cblocks = -(-p.cout // sc.block_n)
+            splits = 2 if sc.mma == "tf32x3" else 1
+            total += cblocks * chunks * k_steps * (sc.block_n // 8) * 32 * 2 * splits
+        return total
+
+    def tile_coords(self) -> list[str]:
+        """Coordinate names of a position of the convolution output (the epilogue stage's level functions)."""
+        return [f"d{i}" for i in range(self.rank)]
+
+    def tile_coord_or_zero(self, dim3: int) -> str:
+        """The coordinate of 3-D view dim ``dim3`` (0 = D), or 0 where the convolution has no such dim."""
+        i = dim3 - (3 - self.rank)
+        return f"d{i}" if i >= 0 else "0"
+
+    def _extent(self, dim: str) -> int:
+        f = self.fused
+        return self.schedule.block_n if dim == "c" else f.pooled_tile["dhw".index(dim)]
+
+    def local_count(self, dims) -> int:
+        return math.prod(self._extent(d) for d in dims)
+
+    def unravel_local(self, var: str, dims, tmp: str) -> str:
+        """C statements: ``var`` row-major over the tile-local ranges of ``dims`` as l<dim>."""
+        if not dims:
+            return f"(void){var};"
+        lines, rest = [f"int {tmp} = {var};"], list(dims)
+        for i, d in enumerate(reversed(rest)):
+            n = self._extent(d)
+            if i == len(rest) - 1:
+                lines.append(f"const int l{d} = {tmp};")
+            else:
+                lines.append(f"const int l{d} = {tmp} % {n}; {tmp} /= {n};")
+        return "\n".join(lines)
+
+    def zero_locals(self, dims) -> str:
+        return "\n".join(f"const int l{d} = 0;" for d in dims) or "// (nothing reduced)"
+
+    def absent_locals(self) -> str:
+        """Dims the convolution does not have (a 2-d one has no depth): always 0."""
+        return "\n".join(f"const int l{d} = 0;" for d in "dhw"[: 3 - self.rank]) or "// (every dim present)"
+
+    def pooled_args(self) -> list[str]:
+        return ["pd", "ph", "pw"][3 - self.rank:]
+
+    def kept_index(self) -> str:
+        """Row-major index over the epilogue stage's kept dims of its pooled type."""
+        f = self.fused
+        sizes = {"c": self.conv.conv.out_channels, "d": f.pooled[0], "h": f.pooled[1], "w": f.pooled[2]}
+        coord = {"c": "ch", "d": "pd", "h": "ph", "w": "pw"}
+        expr = None
+        for d in f.kept:
+            expr = f"static_cast<long long>({coord[d]})" if expr is None else f"({expr}) * {sizes[d]} + {coord[d]}"
+        return expr or "0LL"
+
+    def split_index(self) -> str:
+        """The tile's row-major place along the reduced spatial dims."""
+        f = self.fused
+        expr = "0"
+        for i, d in enumerate("dhw"):
+            if d not in f.reduced:
+                continue
+            tiles = -(-f.pooled[i] // f.pooled_tile[i])
+            term = f"p{d}0 / kTileP{d.upper()}"
+            expr = term if expr == "0" else f"({expr}) * {tiles} + {term}"
+        return expr
+
+
+def _view3(t: tuple, fill) -> tuple:
+    return (fill,) * (3 - len(t)) + tuple(t)
+
+
+class ConvGemm(Family):
+    name = "conv_gemm"
+    stage_kind = "conv"
+    generates_kernel = True
+    pieces = ("stage.h", "kernel.cu", "binding.cpp")
+    cuda_includes = ("conv_gemm/conv_gemm.cuh",)
+    summary = "generated implicit-GEMM convolution on TF32 tensor cores, the next stage fused in"
+
+    def fits(self, ops):
+        if len(ops) != 1:
+            return False
+        lc = lowered(ops[0])
+        if lc is None or lc.conv.groups != 1:
+            return False
+        if isinstance(lc.lowering, Subpixel):
+            return True
+        return not lc.conv.transposed  # a transposed convolution runs as its phases
+
+    def unsupported(self, req: StageRequest) -> str | None:
+        """Why this family cannot (or should not) compute the request's convolution; None if it can."""
+        if req.pipeline.conv_impl == "aten":
+            return "the spec asks for ATen (plan.conv: aten)"
+        if req.pipeline.precision == "ieee":
+            return "precision ieee: plain fp32 (FFMA) convolutions run through ATen"
+        if not req.input.dense:
+            return "its input is not a dense tensor"
+        lc = lowered(req.ops[0])
+        c = lc.conv
+        taps = math.prod(lc.kernel) if not isinstance(lc.lowering, Subpixel) else max(
+            math.prod(ph.taps) for ph in lc.phases(req.types[0].spatial))
+        forced = req.pipeline.conv_impl == "gemm"
+        if not forced and (c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT):
+            return (f"K = {c.in_channels} channels x {taps} taps, {c.out_channels} output channels: "
+                    "large enough for cuDNN's tensor-core GEMMs")
+        return None
+
+    # ------------------------------------------------------------ problems
+
+    def problems(self, lc, t_in, t_out) -> list[Problem]:
+        c = lc.conv
+        L, full = _view3(t_in.spatial, 1), _view3(t_out.spatial, 1)
+        ones, zeros = (1, 1, 1), (0, 0, 0)
+        if isinstance(lc.lowering, Subpixel):
+            out = []
+            for ph in lc.phases(t_in.spatial):
+                K = c.kernel
+                out.append(Problem(
+                    cin=c.in_channels, cout=c.out_channels, input=L, out=_view3(ph.count, 1), kernel=_view3(ph.taps, 1),
+                    stride=ones, padding=_view3(tuple(p - o for p, o in zip(ph.padding, ph.offset)), 0), dilation=ones,
+                    out_stride=_view3(c.stride, 1), out_residue=_view3(ph.residue, 0), full=full,
+                    weight_transposed=True, weight_kernel=_view3(K, 1),
+                    weight_start=_view3(tuple(k - 1 - s for k, s in zip(K, ph.weight_start)), 0),
+                    weight_step=_view3(tuple(-s for s in c.stride), 1),
+                ))
+            return out
+        kernel = lc.kernel
+        return [Problem(
+            cin=c.in_channels, cout=c.out_channels, input=L, out=full, kernel=_view3(kernel, 1),
+            stride=_view3(lc.stride, 1), padding=_view3(c.padding, 0),
+            dilation=_view3(c.dilation if isinstance(lc.lowering, Direct) and not isinstance(lc.lowering, Folded) else (1,) * c.rank, 1),
+            out_stride=ones, out_residue=zeros, full=full, weight_transposed=False,
+            weight_kernel=_view3(kernel, 1), weight_start=zeros, weight_step=ones,
+        )]
+
+    # ------------------------------------------------------------ schedule
+
+    @staticmethod
+    def smem_bytes(p: Problem, sc: Schedule, staged: bool) -> int:
+        """Shared memory of a CTA, as conv_gemm.cuh's Geometry lays it out."""
+        tile = sc.tile
+        box = [(t - 1) * s + (k - 1) * d + 1 for t, s, k, d in zip(tile, p.stride, p.kernel, p.dilation)]
+        vec = (p.input[2] % 4 == 0 and (tile[2] * p.stride[2]) % 4 == 0 and p.padding[2] % 4 == 0
+               and sc.plane_residue % 4 == 0)
+        row = box[2] + (1 if sc.window else 0)
+        row = -(-row // 4) * 4 if vec else -(-row // 2) * 2
+        plane = box[0] * box[1] * row
+        plane += (sc.plane_residue - plane % 32) % 32
+        stage = -(-sc.cin_chunk * plane // 4) * 4
+        floats = sc.stages * stage + (stage if sc.mma == "tf32x3" else 0)
+        m = math.prod(tile)
+        mpad = m + (4 - m % 32) % 32
+        if staged:
+            floats += sc.block_n * mpad
+        return 4 * floats
+
+    def schedule(self, lc, problems: list[Problem], staged: bool, mma: str) -> Schedule:
+        """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the window loop
+        with 4 m-tiles of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise."""
+        p = problems[0]
+        c = lc.conv
+        cin_chunk = 4 if c.in_channels <= 4 else 8
+        block_n = min(-(-c.out_channels // 8) * 8, 64)
+        window = all(q.stride[1] == 1 and q.stride[2] == 1 for q in problems)
+        warps_n = 1 if block_n <= 32 else 2
+        rank = c.rank
+        if window:
+            mt = WINDOW_M_TILES if rank >= 2 else 1
+            if rank == 3:
+                tile = (2, 2 * mt, 16)
+            elif rank == 2:
+                tile = (1, 2 * mt, 32)
+            else:
+                tile = (1, 1, 64)
+            warps_m = tile[0] * (tile[1] // mt) * (tile[2] // 16)
+        else:
+            tile = (1, 4, 32) if rank >= 2 else (1, 1, 128)
+            warps_m = 4
+        sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, window, mma, 0)
+        smem = max(self.smem_bytes(q, sc, staged) for q in problems)
+        return Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, window, mma, smem)
+
+    @staticmethod
+    def mma(req: StageRequest) -> tuple[str, str]:
+        """TF32 products, or split TF32 (about fp32 accuracy) where the result must match
+        a plain fp32 convolution: before a normalization (it removes the scale and leaves the
+        relative error) or when the convolution is the output. cuDNN itself often runs such
+        small convolutions in fp32 even where TF32 is allowed."""
+        if req.pipeline.precision == "tf32x3":
+            return "tf32x3", "the spec asks for tf32x3"
+        later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
+        if not later or any(o.op_name in ("group_norm", "instance_norm") for o in later):
+            return "tf32x3", "a normalization follows (or the output is the convolution): fp32-level accuracy"
+        return "tf32", "pools and reductions follow: TF32 products"
+
+    def make_stage(self, req: StageRequest) -> ConvGemmStage:
+        lc = lowered(req.ops[0])
+        t_in, t_out = req.types
+        st = ConvGemmStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=lc, layout="contiguous")
+        st.problems = self.problems(lc, t_in, t_out)
+        mma, st.x3_reason = self.mma(req)
+        st.schedule = self.schedule(lc, st.problems, True, mma)  # the plain epilogue stores a staged tile
+        st.input_extent = tuple(t_in.spatial)
+        st.output = flat_buffer(t_out)
+        return st
+
+    # ------------------------------------------------------------ epilogue
+
+    def absorbs_epilogue(self, st: Stage, nxt: Stage) -> bool:
+        """A pool_reduce stage whose pools tile the convolution output in whole windows."""
+        if nxt.family.name != "pool_reduce" or len(st.problems) != 1 or nxt.input != st.output:
+            return False
+        window = [1, 1, 1]
+        for lv in nxt.levels[1:]:
+            p: Pool = lv.pool
+            if not p.non_overlapping:
+                return False
+            for d, k in enumerate(_view3(p.kernel, 1)):
+                window[d] *= k
+        window = tuple(window)
+        red = nxt.reduce
+        rank = st.conv.conv.rank
+        names = ("c",) + ("d", "h", "w")[3 - rank:]
+        reduced = tuple(names[d - 1] for d in (red.dims if red else ()))
+        kept = tuple(n for n in names if n not in reduced)
+        if "c" in reduced and st.conv.conv.out_channels > st.schedule.block_n:
+            return False  # a channel reduction needs every channel in the CTA
+        sc = st.schedule
+        if any(t % w for t, w in zip(sc.tile, window)) or sc.smem_bytes > SMEM_LIMIT:
+            return False  # a tile must hold whole windows
+        pooled = _view3(nxt.pooled_type.spatial, 1)
+        pooled_tile = tuple(t // w for t, w in zip(sc.tile, window))
+        splits = 1
+        for d, n in enumerate(("d", "h", "w")):
+            if n in reduced:
+                splits *= -(-pooled[d] // pooled_tile[d])
+        local_kept = math.prod((sc.block_n if n == "c" else pooled_tile["dhw".index(n)]) for n in kept)
+        local_reduced = math.prod((sc.block_n if n == "c" else pooled_tile["dhw".index(n)]) for n in reduced)
+        threads = 32 * sc.warps_m * sc.warps_n
+        # threads per output: enough that every thread has work (whole warps combine through shared memory)
+        lanes = 1 if local_reduced == 1 else min(threads, pow2_floor(local_reduced), max(1, pow2_floor(threads // max(1, local_kept))))
+        registers = len(nxt.levels) == 1 and not kept
+        if registers:  # the accumulator tile is never staged: less shared memory
+            st.schedule = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, False) for q in st.problems))
+        st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers)
+        return True
+
+    def work(self, st: ConvGemmStage, batch: int, target: Target) -> list[Work]:
+        """The weight pack, then one launch: the input read once, the output (or, with an
+        epilogue fused in, the epilogue's output) written once; split TF32 triples the MMAs."""
+        lc, c = st.conv, st.conv.conv
+        flops = batch * lc.flops(st.in_type, st.out_type) * (3 if st.schedule.mma == "tf32x3" else 1)
+        out_type = st.epilogue.out_type if st.epilogue is not None else st.out_type
+        nbytes = FLOAT_BYTES * (batch * (st.in_type.sample_numel + out_type.sample_numel) + math.prod(c.weight_shape()))
+        out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape())),
+               Work("implicit GEMM", flops, nbytes, target.tensor_flops * GEMM_TENSOR_FRACTION,
+                    launches=2 if st.fused is not None and st.fused.splits > 1 else 1)]
+        if isinstance(lc.lowering, Folded):
+            out.insert(0, Work("fold weight", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()), calls=1, call_s=CUDNN_CALL_S))
+        return out
+
+    def stage_json(self, st: ConvGemmStage) -> dict:
+        d = dict(lowering=st.conv.lowering.name, layout=st.layout, schedule=asdict(st.schedule), mma_reason=st.x3_reason,
+                 problems=[asdict(p) for p in st.problems])
+        if st.fused:
+            d["fused_epilogue"] = asdict(st.fused)
+        return d
+
+
+FAMILY = ConvGemm()

@@ -1,0 +1,208 @@
+"""The conv_gemm family: when the plan takes the generated convolution, what it fuses in,
+what it renders; CPU builds (ATen's convolution, then the epilogue stage) and, on a GPU,
+the generated kernels against float64 over many convolution shapes."""
+import math
+import shutil
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, ROOT, pipeline_of, spec_text, write_spec
+from kgen.build import build_modules, cuda_home, demangle, ptxas_report
+from kgen.families import conv_gemm
+from kgen.plan import make_plan
+from kgen.render import render_spec, write_rendered
+from kgen.target import DEFAULT
+from kgen.validate import TOLERANCES, compare, import_module_dir, validate
+
+
+def plan_of(shape, ops, **kw):
+    return make_plan(pipeline_of(spec_text(shape, ops, **kw)), target=DEFAULT)
+
+
+CONV3 = {"conv3d": {"out_channels": 16, "kernel_size": 3}}
+GEMM = {"conv": "gemm"}  # plan.conv: rendered specs pin the generated convolution (else tuning or the cost model chooses)
+
+
+# ------------------------------------------------------------------ planning
+
+
+def test_small_convolution_is_generated_and_absorbs_aligned_pools():
+    plan = plan_of([8, 10, 20, 20], [CONV3, {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}])
+    conv, epi = plan.stages
+    assert conv.family is conv_gemm.FAMILY and conv.epilogue is epi and epi.absorbed_by is conv
+    f = conv.fused
+    assert f.window == (2, 2, 2) and f.kept == () and f.reduced == ("c", "d", "h", "w")
+    assert all(t % w == 0 for t, w in zip(conv.schedule.tile, f.window))
+    # one partial per tile along the reduced dims, combined by the pool_reduce stage's finalize
+    pooled = (4, 9, 9)
+    assert f.splits == math.prod(-(-p // t) for p, t in zip(pooled, f.pooled_tile))
+    assert not f.registers and conv.schedule.window  # stride 1: the register-window main loop
+
+
+def test_pools_that_do_not_tile_the_output_are_not_fused():
+    plan = plan_of([8, 10, 20, 20], [CONV3, {"max_pool3d": {"kernel_size": 3}}, {"sum": {"dim": 1}}])
+    conv, epi = plan.stages
+    assert conv.family is conv_gemm.FAMILY and conv.epilogue is None and epi.absorbed_by is None
+
+
+def test_reduction_without_pools_runs_on_the_accumulators():
+    plan = plan_of([3, 24, 24], [{"conv2d": {"out_channels": 8, "kernel_size": 3, "stride": 2}}, "sigmoid",
+                                 {"sum": {"dim": [1, 2, 3]}}])
+    conv = plan.stages[0]
+    assert conv.fused.registers and not conv.schedule.window  # stride 2: the generic main loop
+
+
+@pytest.mark.parametrize("ops,kw,why", [
+    ([{"conv3d": {"out_channels": 256, "kernel_size": 3}}, "relu"], {}, "large enough for cuDNN"),
+    ([CONV3, "relu"], {"precision": "ieee"}, "precision ieee"),
+    ([{"conv3d": {"out_channels": 8, "kernel_size": 3, "groups": 2}}, "relu"], {}, None),
+])
+def test_aten_where_the_generated_convolution_declines(ops, kw, why):
+    text = spec_text([8, 8, 12, 12], ops)
+    if kw.get("precision"):
+        text += f"precision: {kw['precision']}\n"
+    plan = make_plan(pipeline_of(text), target=DEFAULT)
+    st = plan.stages[0]
+    assert st.family.name == "conv_aten"
+    if why:  # declined after accepting the op (its reason is recorded)
+        assert "conv_gemm declined" in st.choice and why in st.choice
+    else:  # grouped convolutions: conv_gemm does not take the op at all
+        assert "conv_gemm" not in st.candidates
+
+
+def test_mma_precision_follows_what_comes_after_the_convolution():
+    normed = plan_of([3, 8, 16, 16], [CONV3, {"instance_norm": {}}])
+    pooled = plan_of([3, 8, 16, 16], [CONV3, {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
+    assert normed.stages[0].schedule.mma == "tf32x3" and pooled.stages[0].schedule.mma == "tf32"
+
+
+def test_transposed_convolution_runs_as_its_phases():
+    plan = plan_of([6, 9, 11], [{"conv_transpose2d": {"out_channels": 10, "kernel_size": 3, "stride": 2, "padding": 1}}, "relu"])
+    st = plan.stages[0]
+    assert st.family is conv_gemm.FAMILY and len(st.problems) == 4
+    assert {p.out_residue[1:] for p in st.problems} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    # every output position belongs to exactly one phase
+    full = st.out_type.spatial
+    covered = sorted((r_h + 2 * i, r_w + 2 * j) for p in st.problems for r_h, r_w in [p.out_residue[1:]]
+                     for i in range(p.out[1]) for j in range(p.out[2]))
+    assert covered == [(h, w) for h in range(full[0]) for w in range(full[1])]
+
+
+# ------------------------------------------------------------------ rendering and CPU builds
+
+SPECS = {
+    # a fused 3-d pool + reduction; a 2-d stride-2 sigmoid-sum on the accumulators; a transposed 2-d
+    # convolution (phases, its output written) feeding a norm; a 1-d convolution feeding a channel max
+    "cg_pool3d": spec_text([5, 6, 10, 18], [{"conv3d": {"out_channels": 12, "kernel_size": 3, "padding": 1}},
+                                           {"max_pool3d": {"kernel_size": 2}}, {"add": {"scalar": 0.5}},
+                                           {"sum": {"dim": [1, 3]}}], name="cg_pool3d", plan=GEMM),
+    "cg_sigsum": spec_text([3, 21, 26], [{"conv2d": {"out_channels": 8, "kernel_size": 3, "stride": 2}}, "sigmoid",
+                                        {"sum": {"dim": [1, 2, 3]}}], name="cg_sigsum", plan=GEMM),
+    "cg_transposed": spec_text([7, 6, 9], [{"conv_transpose2d": {"out_channels": 9, "kernel_size": 4, "stride": 2,
+                                                                 "padding": 1}},
+                                           {"group_norm": {"num_groups": 3}}], name="cg_transposed", plan=GEMM),
+    "cg_conv1d": spec_text([9, 40], [{"conv1d": {"out_channels": 13, "kernel_size": 5, "dilation": 2}},
+                                     {"max": {"dim": 1}}], name="cg_conv1d", plan=GEMM),
+}
+
+
+@pytest.fixture(scope="module")
+def cg_modules(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cg")
+    dirs = {}
+    for name, text in SPECS.items():
+        spec = write_spec(out, text, f"{name}.yaml")
+        write_rendered(render_spec(spec, out / "gen"), out / "gen")
+        dirs[name] = (spec, out / "gen" / name)
+    return dirs
+
+
+def test_rendered_sources_carry_the_plan(cg_modules):
+    spec, d = cg_modules["cg_pool3d"]
+    kernel = (d / "kernel.cu").read_text()
+    binding = (d / "binding.cpp").read_text()
+    assert '#include "conv_gemm/conv_gemm.cuh"' in kernel and "static constexpr int kCin = 5, kCout = 12;" in kernel
+    assert "stage0_fused(x.contiguous()" in binding and "// stage 1: the epilogue of stage 0" in binding
+    spec, d = cg_modules["cg_transposed"]
+    assert (d / "kernel.cu").read_text().count("struct Phase") == 4
+
+
+def test_cpu_builds_validate(cg_modules):
+    build_modules([d for _, d in cg_modules.values()], "cpu")
+    for name, (spec, d) in cg_modules.items():
+        report = validate(spec, d, "cpu")
+        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+        assert report.passed, f"{name}: {bad}"
+
+
+@pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
+def test_generated_kernels_compile_without_spills(cg_modules):
+    for name in ("cg_transposed", "cg_conv1d"):
+        kernels = ptxas_report(cg_modules[name][1], "9.0a")
+        assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
+        bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}" for k in kernels if not k.clean]
+        assert not bad, bad
+
+
+# ------------------------------------------------------------------ GPU: many convolutions against float64
+
+RANDOM_CONVS = [
+    # (input shape [C, *S], conv op, precision)
+    ([3, 37, 29], {"conv2d": {"out_channels": 33, "kernel_size": 3, "padding": 1}}, "tf32"),
+    ([16, 40, 41], {"conv2d": {"out_channels": 24, "kernel_size": [5, 3], "stride": 2, "padding": [2, 1]}}, "tf32"),
+    ([9, 9, 12, 13], {"conv3d": {"out_channels": 16, "kernel_size": 3, "padding": 2, "dilation": 2}}, "tf32x3"),
+    ([33, 101], {"conv1d": {"out_channels": 70, "kernel_size": 7, "stride": 3, "padding": 3}}, "tf32"),
+    ([13, 37, 29], {"conv2d": {"out_channels": 40, "kernel_size": [3, 5], "padding": [1, 2], "dilation": [2, 1]}}, "tf32x3"),
+    ([5, 7, 19, 35], {"conv3d": {"out_channels": 8, "kernel_size": [2, 3, 3], "padding": 1}}, "tf32"),
+    ([12, 5, 7, 9], {"conv_transpose3d": {"out_channels": 20, "kernel_size": 3, "stride": 2, "padding": 1}}, "tf32"),
+    ([7, 11, 13], {"conv_transpose2d": {"out_channels": 33, "kernel_size": 4, "stride": 3, "padding": 1}}, "tf32x3"),
+    ([9, 6, 10, 20], {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "padding": 1}}, "tf32"),
+    ([6, 50], {"conv_transpose1d": {"out_channels": 11, "kernel_size": 5, "stride": 2}}, "tf32x3"),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_random_convolutions_match_float64(tmp_path):
+    """Each convolution built in parallel and validated (batches 1 to 3, NaN, large values,
+    +-inf into the kernel) against float64 at its precision's tolerance, NaN masks exact.
+    tf32: the convolution then a ReLU (fused in as its epilogue, TF32 products); tf32x3:
+    the convolution is the output (split TF32)."""
+    out = tmp_path / "gen"
+    cases = []
+    for i, (shape, op, precision) in enumerate(RANDOM_CONVS):
+        name = f"cg_rand{i}"
+        ops = [op, "relu"] if precision == "tf32" else [op]
+        spec = write_spec(tmp_path, spec_text(shape, ops, name=name, plan=GEMM) + f"precision: {precision}\n", f"{name}.yaml")
+        rendered = render_spec(spec, out)
+        write_rendered(rendered, out)
+        cases.append((spec, out / name, precision))
+    build_modules([d for _, d, _ in cases], "cuda")
+    for spec, d, precision in cases:
+        pipe_text = spec.read_text()
+        report = validate(spec, d, "cuda")
+        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+        assert report.passed, f"{d.name} ({pipe_text.splitlines()[-2]}): {bad}"
+        assert make_plan(pipeline_of(pipe_text)).stages[0].family is conv_gemm.FAMILY
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["avgpool_sigmoid_sum", "div_max_gap_bias_sum", "instnorm_clamp_max", "maxpool_sum", "relu_group_norm"])
+def test_kernelbench_style_check(name, modules):
+    """What KernelBench's evaluator does: the same seed for both models' weights, 5 inputs
+    from torch.rand, torch.allclose at atol = rtol = 1e-4 against eager PyTorch."""
+    from handwritten import MODELS
+    from kgen.ir import load_pipeline
+
+    shape = load_pipeline(ROOT / "specs" / f"{name}.yaml").input.concrete(2)
+    torch.manual_seed(42)
+    eager = MODELS[name]().cuda()
+    torch.manual_seed(42)
+    ours = modules[name].Model().cuda()
+    with torch.no_grad():
+        for trial in range(5):
+            x = torch.rand(shape, device="cuda")
+            a, b = ours(x), eager(x)
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"trial {trial}: max abs diff {float((a - b).abs().max()):.3g}"
