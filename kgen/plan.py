@@ -345,9 +345,9 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
     entry, notes = tunefile.applicable_entry(pipeline, target, tunefile.candidates_hash(cands))
     if entry is not None:
         variants = []
-        for r in entry.ranges:
+        for r in entry.ranges:  # schedules for the example batch, as kgen tune measured them
             why = f"measured fastest at batch {r.tuned_at} on {entry.device}: {r.ms:.3f} ms ({entry.path.name})"
-            plan = make_plan(pipeline, None, target, r.choices, r.tuned_at, reason=why)
+            plan = make_plan(pipeline, None, target, r.choices, reason=why)
             if plan.choices != r.choices:
                 raise KgenError(f"{entry.path}: the choices {r.choices} do not make a plan kgen offers; run `kgen tune` again")
             variants.append(Variant(plan, r.lo, r.hi, why))

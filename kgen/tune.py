@@ -6,9 +6,9 @@ For each spec, at its example batch and the batches asked for:
    size-dependent rewrites, each stage's candidates, and the eager pipeline),
    ranked by the cost model; all of them are measured, or the model's best
    ``max_candidates - 1`` and the eager candidate when there are more;
-2. each is rendered as a module of its own under ``generated/_tune/`` (plans
-   whose code is the same at two batches share one module), and all are built
-   at once;
+2. each is rendered as a module of its own under ``generated/_tune/`` (its
+   schedules made for the example batch, as `kgen render` makes every plan of
+   a module), and all are built at once;
 3. each is timed like `kgen bench` times a module (CUDA events, warm-up, the
    median of ``reps`` runs), after a check that it computes what eager PyTorch
    does (a candidate that does not is reported and never chosen);
@@ -35,7 +35,7 @@ from .bench import WARMUP, _commit, time_ms
 from .build import build_module
 from .errors import KgenError
 from .ir import Pipeline, load_pipeline
-from .plan import EAGER, PIPELINE, Plan, Selection, Variant, candidate_plans, describe_choices, make_plan
+from .plan import EAGER, PIPELINE, Plan, Selection, Variant, candidate_plans, describe_choices
 from .reference import ReferenceModel
 from .render import render_plan, rename, write_rendered
 
@@ -46,10 +46,10 @@ CHECK_TOLERANCE = 2e-2  # relative L2 error against eager PyTorch in float32 (TF
 
 @dataclass
 class Measured:
-    plan: Plan  # made at the example batch (its choices name it)
+    plan: Plan  # made at the example batch, as render makes it (its choices name it)
+    module: Path = None  # where it is rendered
     model_ms: dict = field(default_factory=dict)  # batch -> the cost model's estimate
     ms: dict = field(default_factory=dict)  # batch -> measured median (inf: it failed its check)
-    modules: dict = field(default_factory=dict)  # batch -> module directory
     problem: str = ""
 
 
@@ -69,7 +69,7 @@ def _log(msg: str) -> None:
 
 def _module_name(pipe: Pipeline, plan: Plan) -> str:
     """A candidate module's name: the spec's and a digest of what is rendered (choices and
-    stage fields; the same code at two batches gives the same name, built once)."""
+    stage fields): the same candidate tuned again reuses its build."""
     stages = [{k: v for k, v in s.items() if k != "choice"} for s in plan.to_json()["stages"]]
     digest = hashlib.sha256(json.dumps({"c": plan.choices, "s": stages}, sort_keys=True, default=str).encode())
     return f"{pipe.name}__t{digest.hexdigest()[:10]}"
@@ -88,13 +88,10 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
         chosen = [p for p in ranked if p not in eager][: max_candidates - len(eager)] + eager
     tuning = SpecTuning(Path(spec), pipe, batches, cands, [Measured(p) for p in chosen])
     for m in tuning.measured:
-        for b in batches:
-            plan = make_plan(pipe, None, None, m.plan.choices, b, reason=f"kgen tune candidate at batch {b}")
-            m.model_ms[b] = cost.estimate_ms(plan, b)
-            name = _module_name(pipe, plan)
-            sel = rename(Selection(pipe, [Variant(plan)], "kgen tune"), name)
-            write_rendered(render_plan(sel, root), root)
-            m.modules[b] = root / name
+        m.model_ms = {b: cost.estimate_ms(m.plan, b) for b in batches}
+        name = _module_name(pipe, m.plan)
+        write_rendered(render_plan(rename(Selection(pipe, [Variant(m.plan)], "kgen tune"), name), root), root)
+        m.module = root / name
     return tuning
 
 
@@ -145,11 +142,11 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
             t.eager_pytorch_ms[b] = time_ms_(lambda: reference(x), reps)
             for m in t.measured:
                 i += 1
-                if m.modules[b] in (failed or {}):
-                    m.ms[b], m.problem = math.inf, f"does not build: {failed[m.modules[b]]}"
+                if m.module in (failed or {}):
+                    m.ms[b], m.problem = math.inf, f"does not build: {failed[m.module]}"
                     _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.problem}")
                     continue
-                model = import_module_dir(m.modules[b]).Model().to(device).eval()
+                model = import_module_dir(m.module).Model().to(device).eval()
                 model.load_state_dict(state)
                 err = _rel_l2(model(x), expected)
                 if not err <= CHECK_TOLERANCE:
@@ -212,7 +209,7 @@ def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MA
         _log(f"tune {t.pipe.name}: {len(t.measured)} of {len(t.candidates)} candidate(s) at batch(es) "
              f"{', '.join(map(str, t.batches))}")
         tunings.append(t)
-    dirs = sorted({d for t in tunings for m in t.measured for d in m.modules.values()})
+    dirs = sorted({m.module for t in tunings for m in t.measured})
     _log(f"tune: building {len(dirs)} candidate module(s) under {root}/ ...")
     failed = build_candidates(dirs)
     rows = []

@@ -60,7 +60,7 @@ def _digest(data) -> str:
 class Range:
     lo: int
     hi: int | None  # None: no upper bound
-    tuned_at: int  # the batch it was measured at (its schedules are made for it)
+    tuned_at: int  # the measured batch it was chosen at
     choices: dict
     ms: float
 
