@@ -27,7 +27,6 @@ different plans for ranges of the batch, which the op dispatches between.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 

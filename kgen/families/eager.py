@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..cexpr import braces, cfloat
+from ..cexpr import braces
 from ..ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType
 from ..ops import OPS, ElementwiseOp
 from ..stage import Stage, flat_buffer
