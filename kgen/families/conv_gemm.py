@@ -279,7 +279,7 @@ class ConvGemm(Family):
         cin_chunk = 4 if c.in_channels <= 4 else 8
         block_n = min(-(-c.out_channels // 8) * 8, 64)
         window = all(q.stride[1] == 1 and q.stride[2] == 1 for q in problems)
-        warps_n = 1 if block_n <= 32 else 2
+        warps_n = 2 if block_n > 32 and block_n % 16 == 0 else 1  # each warp's columns: whole 8-column MMA tiles
         rank = c.rank
         if window:
             mt = WINDOW_M_TILES if rank >= 2 else 1
