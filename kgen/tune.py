@@ -22,7 +22,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ import torch
 
 from . import cost, tunefile
 from .bench import WARMUP, _commit, time_ms
-from .build import build_module
+from .build import build_modules
 from .errors import KgenError
 from .ir import Pipeline, load_pipeline
 from .plan import EAGER, PIPELINE, Plan, Selection, Variant, candidate_plans, describe_choices
@@ -105,22 +104,6 @@ def wall_ms(fn, reps: int) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
-
-
-def build_candidates(dirs) -> dict[Path, str]:
-    """Build the candidate modules at once; a candidate that does not build is left out of the
-    measuring (returned: module directory -> the error's first line), not the end of the tuning."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(d):
-        try:
-            build_module(d)
-        except KgenError as e:
-            return d, str(e).splitlines()[0]
-        return d, None
-
-    with ThreadPoolExecutor(max_workers=max(1, min(len(dirs), os.cpu_count() or 1))) as pool:
-        return {d: err for d, err in pool.map(one, dirs) if err}
 
 
 def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None = None) -> None:
@@ -211,7 +194,8 @@ def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MA
         tunings.append(t)
     dirs = sorted({m.module for t in tunings for m in t.measured})
     _log(f"tune: building {len(dirs)} candidate module(s) under {root}/ ...")
-    failed = build_candidates(dirs)
+    failed: dict = {}  # a candidate that does not build is left out, not the end of the tuning
+    build_modules(dirs, failures=failed)
     rows = []
     for t in tunings:
         measure(t, reps, failed=failed)

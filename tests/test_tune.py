@@ -102,12 +102,16 @@ def test_tuning_file_round_trip(tmp_path):
     spec = write_spec(tmp_path, SMALL, "tuned.yaml")
     t = _fake_tuning(spec, [1, 16], {1: _is_eager, 4: _is_default_kgen, 16: _is_default_kgen}, tmp_path / "tune")
     assert t.batches == [1, 4, 16] and any(_is_eager(m.plan.choices) for m in t.measured)
+    broken = next(m for m in t.measured if not _is_eager(m.plan.choices) and not _is_default_kgen(m.plan.choices))
+    broken.ms, broken.problem = {b: math.inf for b in t.batches}, "does not build: (a stand-in)"
     path = tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
     assert path == tmp_path / "tuned.tune.json"
     data = json.loads(path.read_text())
     (e,) = data["entries"]
     assert e["device"] == DEFAULT.name and e["reps"] == 30 and len(e["candidates"]) == len(t.measured)
     assert [(r["min"], r["max"], r["tuned_at"]) for r in e["ranges"]] == [(1, 2, 1), (3, None, 4)]
+    failed = [c for c in e["candidates"] if "problem" in c]  # reported, never chosen
+    assert len(failed) == 1 and set(failed[0]["measured_ms"].values()) == {None}
     sel = choose_plans(load_pipeline(spec), DEFAULT)
     assert sel.source.startswith("tuning file tuned.tune.json") and not sel.notes
     assert [(v.lo, v.hi) for v in sel.variants] == [(1, 2), (3, None)]
@@ -203,6 +207,18 @@ def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_pat
     assert ran[3] == ran[9] == ["kgen::tuned plan 1 stage 0 (conv_aten)", "kgen::tuned plan 1 stage 1 (pool_reduce)"]
     y = model(torch.randn(0, 3, 9, 10))
     assert tuple(y.shape) == (0, 3, 4)  # batch 0 returns before any plan
+
+
+def test_a_module_that_does_not_build_is_recorded_not_raised(tmp_path):
+    from kgen.build import build_modules
+
+    broken = tmp_path / "gen" / "broken"
+    broken.mkdir(parents=True)
+    failures = {}
+    assert build_modules([broken], "cpu", failures=failures) == []
+    assert "missing rendered sources" in failures[broken]
+    with pytest.raises(KgenError, match="missing rendered sources"):
+        build_modules([broken], "cpu")
 
 
 # ------------------------------------------------------------------ commands
