@@ -5,18 +5,17 @@ import json
 import math
 
 from . import cost, tunefile
+from .families.base import FLOAT_BYTES, typed_ops
 from .ir import Pipeline
 from .plan import KGEN, PIPELINE, Plan, choose_plans, describe_choices, make_plan
 from .stage import ConvStage
 from .target import Target
 
-FLOAT_BYTES = 4
-
 
 def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     """(FLOPs, bytes moved) of one stage for ``batch`` samples at best: each input read once,
     each output written once (the floor's measure; the cost model's is ``Family.work``)."""
-    flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in _typed(stage)) * batch
+    flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(stage)) * batch
     if isinstance(stage, ConvStage):
         conv = stage.conv.conv
         read = batch * conv.in_channels * math.prod(stage.input_extent) + math.prod(conv.weight_shape())
@@ -25,13 +24,6 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
         read = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
         written = batch * stage.out_type.sample_numel
     return flops, FLOAT_BYTES * (read + written)
-
-
-def _typed(stage):
-    types = [stage.in_type]
-    for op in stage.ops:
-        types.append(op.infer(types[-1]))
-    return list(zip(stage.ops, types, types[1:]))
 
 
 def floor_ms(flops: int, nbytes: int, target: Target) -> tuple[float, str]:
