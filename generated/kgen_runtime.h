@@ -8,6 +8,7 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
 #include <ATen/ops/bitwise_and.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/empty.h>
@@ -36,6 +37,19 @@
 namespace kgen {
 
 enum class Precision { kIeee, kTf32, kTf32x3 };
+
+// A named range around one stage's calls: torch.profiler shows it with the
+// device time of the kernels launched inside (kgen bench times stages so).
+// Without a profiler it costs a flag check.
+class StageScope {
+ public:
+  explicit StageScope(const char* name) : record_(at::RecordScope::USER_SCOPE) {
+    if (record_.isActive()) record_.before(name);
+  }
+
+ private:
+  at::RecordFunction record_;
+};
 
 // A dimension that is only known at run time (the batch).
 constexpr int64_t kAnySize = -1;

@@ -6,7 +6,11 @@ per pipeline: eager (the reference model in float32, PyTorch's default cuDNN
 settings), torch.compile (default mode), the convolution alone (eager), kgen,
 and kgen with every rewrite off; and the post-convolution part alone: eager's
 ops after the conv vs kgen's fused stages (no-rewrite plan) on the same conv
-output.
+output. Each of kgen's stages is timed too (torch.profiler: the device time
+of the kernels inside the stage's named range), for the roofline plot.
+
+Each row has the floor ratio (kgen's time over the fused pipeline's floor,
+``kgen.explain.fused_floor_ms``) and is marked where kgen is slower than eager.
 """
 from __future__ import annotations
 
@@ -22,12 +26,15 @@ import torch
 
 from .errors import KgenError
 from .ir import Conv, load_pipeline
-from .plan import make_plan
+from .explain import fused_floor_ms, stage_cost
+from .plan import choose_plans, make_plan, stage_scope_name
 from .reference import ReferenceModel
 from .spec import REWRITE_NAMES
+from .target import current
 from .validate import import_module_dir, pack_buffer
 
 WARMUP = 5
+PROFILED_CALLS = 10  # calls under torch.profiler for the per-stage times
 
 
 def time_ms(fn, reps: int) -> float:
@@ -85,6 +92,12 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
         compiled = torch.compile(ref)
         row["compile_ms"] = time_ms(lambda: compiled(x), reps)
         row["kgen_ms"] = time_ms(lambda: model(x), reps)
+        row["floor_ms"] = fused_floor_ms(pipe, batch, current())
+        try:
+            row["stages"] = stage_times(module_dir.name, pipe, model, x)
+        except RuntimeError as e:  # the profiler is unavailable here (CUPTI): the plot goes without stages
+            print(f"kgen: bench {pipe.name}: no per-stage times ({str(e).splitlines()[0][:120]})", flush=True)
+            row["stages"] = []
         first = pipe.ops[0]
         if isinstance(first, Conv):
             conv = getattr(ref, first.module)
@@ -128,6 +141,29 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     return row
 
 
+def stage_times(name: str, pipe, model, x) -> list[dict]:
+    """Per stage of the plan that runs at x's batch: its device time (torch.profiler, the
+    kernels launched inside its named range), FLOPs and bytes at best (``stage_cost``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sel = choose_plans(pipe)
+    variant = sel.variant_for(x.shape[0])
+    index, plan = sel.variants.index(variant), variant.plan
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_CALLS):
+            model(x)
+        torch.cuda.synchronize()
+    events = {e.key: e for e in prof.key_averages()}
+    out = []
+    for st in plan.stages:
+        e = events.get(stage_scope_name(name, index, len(sel.variants), st))
+        device_us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) if e else 0.0
+        flops, nbytes = stage_cost(plan, st, x.shape[0])
+        out.append(dict(stage=st.index, kind=st.kind, family=st.family.name, ms=device_us / 1e3 / PROFILED_CALLS,
+                        flops=flops, bytes=nbytes))
+    return out
+
+
 def run_bench(module_dirs, spec_of, reps: int = 30, baseline: bool = True) -> dict:
     if not torch.cuda.is_available():
         raise KgenError("kgen bench needs a CUDA GPU")
@@ -137,7 +173,8 @@ def run_bench(module_dirs, spec_of, reps: int = 30, baseline: bool = True) -> di
     for d in module_dirs:
         row = bench_one(d, spec_of(d), reps, baseline)
         rows.append(row)
-        print(f"kgen: bench {row['name']}: eager {row['eager_ms']:.3f} ms, compile {row['compile_ms']:.3f} ms, kgen {row['kgen_ms']:.3f} ms", flush=True)
+        print(f"kgen: bench {row['name']}: eager {row['eager_ms']:.3f} ms, compile {row['compile_ms']:.3f} ms, "
+              f"kgen {row['kgen_ms']:.3f} ms{'  SLOWER than eager' if slower(row) else ''}", flush=True)
     result = dict(environment=environment(), reps=reps, warmup=WARMUP, rows=rows)
     print(markdown_table(result))
     return result
@@ -147,17 +184,28 @@ def _f(v, digits=3):
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def slower(row: dict) -> bool:
+    """kgen slower than eager PyTorch on this row."""
+    return row["kgen_ms"] > row["eager_ms"]
+
+
 def markdown_table(result: dict) -> str:
-    head = ("| pipeline | eager ms | torch.compile ms | conv alone ms | kgen ms | vs eager | vs compile "
-            "| kgen no-rewrites ms | post-conv eager ms | post-conv kgen ms | post-conv speedup |")
+    head = ("| pipeline | batch | eager ms | torch.compile ms | conv alone ms | kgen ms | vs eager | vs compile | floor ms "
+            "| kgen / floor | kgen no-rewrites ms | post-conv eager ms | post-conv kgen ms | post-conv speedup |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["rows"]:
         post_e, post_k = r.get("eager_post_ms"), r.get("kgen_post_ms")
+        floor = r.get("floor_ms")
+        ratio = f"{r['kgen_ms'] / floor:.1f}x" if floor else "-"
+        vs_eager = f"{r['eager_ms'] / r['kgen_ms']:.2f}x" + (" **slower**" if slower(r) else "")
         lines.append(
-            f"| {r['name']} | {_f(r['eager_ms'])} | {_f(r['compile_ms'])} | {_f(r.get('conv_ms'))} | {_f(r['kgen_ms'])} "
-            f"| {r['eager_ms'] / r['kgen_ms']:.2f}x | {r['compile_ms'] / r['kgen_ms']:.2f}x | {_f(r.get('kgen_norewrite_ms'))} "
+            f"| {r['name']} | {r.get('batch', '-')} | {_f(r['eager_ms'])} | {_f(r['compile_ms'])} | {_f(r.get('conv_ms'))} "
+            f"| {_f(r['kgen_ms'])} | {vs_eager} | {r['compile_ms'] / r['kgen_ms']:.2f}x | {_f(floor)} "
+            f"| {ratio} | {_f(r.get('kgen_norewrite_ms'))} "
             f"| {_f(post_e)} | {_f(post_k)} | {'-' if not (post_e and post_k) else f'{post_e / post_k:.2f}x'} |"
         )
+    behind = [r["name"] for r in result["rows"] if slower(r)]
+    lines += ["", f"kgen slower than eager: {', '.join(behind)}" if behind else "kgen is at least as fast as eager on every row."]
     return "\n".join(lines)
 
 

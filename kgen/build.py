@@ -491,14 +491,25 @@ def build_module(module_dir: Path, variant: str | None = None, quiet: bool = Fal
     return result
 
 
-def build_modules(module_dirs, variant: str | None = None) -> list[BuildResult]:
-    """Build several modules at once (each ninja runs its own jobs); the first failure is raised."""
+def build_modules(module_dirs, variant: str | None = None, failures: dict | None = None) -> list[BuildResult]:
+    """Build several modules at once (each ninja runs its own jobs); the first failure is raised,
+    or, given ``failures``, recorded there (module directory -> the error's first line) and the
+    others still built (kgen tune)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    def one(d):
+        try:
+            return build_module(d, variant)
+        except KgenError as e:
+            if failures is None:
+                raise
+            failures[d] = str(e).splitlines()[0]
+            return None
 
     # _interruptible inside: an interruption stops the builds before the pool waits for its threads
     with ThreadPoolExecutor(max_workers=max(1, min(len(module_dirs), os.cpu_count() or 1))) as pool, _interruptible():
-        futures = [pool.submit(build_module, d, variant) for d in module_dirs]
-        return [f.result() for f in futures]
+        futures = [pool.submit(one, d) for d in module_dirs]
+        return [r for r in (f.result() for f in futures) if r is not None]
 
 
 def ensure_built(module_dir: Path) -> Path:

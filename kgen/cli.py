@@ -109,7 +109,10 @@ def _render_specs(specs: tuple[str, ...], out: Path):
         if key not in seen_files:  # the same file named twice renders once
             seen_files.add(key)
             paths.append(p)
-    rendered = [render_spec(p, out) for p in paths]
+    notes: list[str] = []
+    rendered = [render_spec(p, out, notes=notes) for p in paths]
+    for n in notes:  # a tuning file that does not apply, and why
+        click.echo(f"kgen: {n}", err=True)
     owner = {}
     for p, r in zip(paths, rendered):
         if r.name in owner:
@@ -281,9 +284,12 @@ def all_(specs, out, device):
 @click.option("--batch", type=int, default=None, help="Batch for FLOPs and bytes (default: the spec's example).")
 @_fail_cleanly
 def explain(spec, no_rewrites, batch):
-    """Show how SPEC is planned: ops before and after rewrites, which
-    rewrites fired and why others did not, the stages, FLOPs, bytes moved and
-    the H100 floor (FLOPs / 400 TFLOP/s TF32, bytes / 3.0 TB/s)."""
+    """Show how SPEC is planned: what chose the plan (the spec's tuning file
+    for this target, else the cost model), every candidate plan with the
+    model's estimate and the measured time, ops before and after rewrites,
+    which rewrites fired and why others did not, the stages, FLOPs, bytes
+    moved, the H100 floor (FLOPs / 400 TFLOP/s TF32, bytes / 3.0 TB/s) and the
+    model's estimate per stage."""
     from .explain import explain_text
     from .ir import load_pipeline
     from .spec import REWRITE_NAMES
@@ -315,17 +321,18 @@ def ops_():
 def list_(out):
     """List the specs under specs/ with their stages and whether generated/ is fresh."""
     from .ir import load_pipeline
-    from .plan import make_plan
+    from .plan import choose_plans
     from .render import render_plan, stale_files
 
     rows = []
     for p in _spec_paths(()):
         pipe = load_pipeline(p)
-        plan = make_plan(pipe)
-        stale = stale_files(render_plan(plan, out), out)
+        sel = choose_plans(pipe)
+        stale = stale_files(render_plan(sel, out), out)
         state = "missing" if not (out / pipe.name).exists() else ("stale" if stale else "fresh")
-        rows.append([pipe.name, str(pipe.input), str(pipe.output), " + ".join(s.kind for s in plan.stages), state])
-    click.echo(format_table(["name", "input", "output", "stages", "generated/"], rows))
+        stages = " | ".join(" + ".join(s.kind for s in plan.stages) for plan in sel.plans)
+        rows.append([pipe.name, str(pipe.input), str(pipe.output), stages, sel.source, state])
+    click.echo(format_table(["name", "input", "output", "stages (per batch range)", "chosen by", "generated/"], rows))
 
 
 @main.command()
@@ -359,15 +366,66 @@ def ptxas(names, out, arch):
 @click.option("--reps", type=int, default=30, show_default=True, help="Timed runs per measurement (median).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also time each spec with every rewrite off.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also draw a roofline of each stage and kgen vs eager vs torch.compile (needs matplotlib: kgen[plot]).")
 @_fail_cleanly
-def bench(names, out, json_path, md_path, reps, baseline):
+def bench(names, out, json_path, md_path, reps, baseline, plot_path):
     """Time modules NAMES (default: all) on the GPU against eager PyTorch and
-    torch.compile in the same process: CUDA events, warm-up, median of REPS."""
+    torch.compile in the same process: CUDA events, warm-up, median of REPS.
+
+    Each row has kgen's floor ratio (its time over the fully fused pipeline's
+    floor: FLOPs / 400 TFLOP/s TF32 + bytes / 3.0 TB/s per stage) and is
+    marked where kgen is slower than eager. Each stage is timed too
+    (torch.profiler), for the roofline of --plot.
+    """
     from .bench import run_bench, write_reports
 
     _positive(reps, "--reps")
+    if plot_path:  # fail before the measuring, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise KgenError("--plot needs matplotlib: pip install 'kgen[plot]'") from None
     results = run_bench(_module_dirs(out, names), _spec_of, reps=reps, baseline=baseline)
     write_reports(results, json_path, md_path)
+    if plot_path:
+        from .plot import plot
+
+        click.echo(f"plot: {plot(results, plot_path)}")
+
+
+@main.command()
+@click.argument("specs", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--batch", "batches", type=int, multiple=True,
+              help="Also tune at this batch (repeatable); the spec's example batch is always tuned.")
+@click.option("--reps", type=int, default=30, show_default=True, help="Timed runs per candidate (median).")
+@click.option("--max-candidates", type=int, default=None,
+              help="Candidates measured per spec at most: the cost model's best and the eager one (default 8).")
+@_fail_cleanly
+def tune(specs, batches, reps, max_candidates):
+    """Measure the candidate plans of SPECS (default: specs/*.yaml) on this GPU
+    and write each spec's tuning file (specs/NAME.tune.json), which
+    `kgen render` reads.
+
+    \b
+    Candidates: each size-dependent rewrite on or off where it applies
+    (sub-pixel or direct transposed convolution, dead-region cropping,
+    avg-pool folding), each stage's implementations (a convolution's output
+    layouts), and the spec's ops run eagerly through ATen. Each is rendered
+    under generated/_tune/, built, checked against eager PyTorch and timed
+    (CUDA events, median of REPS). The fastest at each batch wins; where the
+    winner changes with the batch, the module dispatches between plans by
+    batch range. A file keeps one entry per device; an entry for another
+    device, or one made before the spec or kgen's candidates changed, is
+    ignored by render (with a note), and the cost model decides.
+    """
+    from .tune import MAX_CANDIDATES, TABLE_HEADERS, run_tune
+
+    for b in batches:
+        _positive(b, "--batch")
+    _positive(reps, "--reps")
+    rows = run_tune(_spec_paths(specs), list(batches), reps, max_candidates or MAX_CANDIDATES)
+    click.echo(format_table(TABLE_HEADERS, rows))
 
 
 if __name__ == "__main__":

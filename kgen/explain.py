@@ -1,21 +1,21 @@
-"""`kgen explain`: what the planner did with a spec, and the floor it can reach."""
+"""`kgen explain`: what the planner did with a spec, the candidates it chose among, and the floor."""
 from __future__ import annotations
 
+import json
 import math
 
+from . import cost, tunefile
+from .families.base import FLOAT_BYTES, typed_ops
 from .ir import Pipeline
-from .plan import Plan, make_plan
+from .plan import KGEN, PIPELINE, Plan, choose_plans, describe_choices, make_plan
 from .stage import ConvStage
-
-# H100 SXM: TF32 tensor-core rate and HBM3 bandwidth used for floors.
-PEAK_FLOPS = 400e12
-PEAK_BYTES_PER_S = 3.0e12
-FLOAT_BYTES = 4
+from .target import Target
 
 
 def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
-    """(FLOPs, bytes moved) of one stage for ``batch`` samples: each input read once, each output written once."""
-    flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in _typed(plan.pipeline, stage)) * batch
+    """(FLOPs, bytes moved) of one stage for ``batch`` samples at best: each input read once,
+    each output written once (the floor's measure; the cost model's is ``Family.work``)."""
+    flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(stage)) * batch
     if isinstance(stage, ConvStage):
         conv = stage.conv.conv
         read = batch * conv.in_channels * math.prod(stage.input_extent) + math.prod(conv.weight_shape())
@@ -26,54 +26,90 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     return flops, FLOAT_BYTES * (read + written)
 
 
-def _typed(pipe: Pipeline, stage):
-    by_id = {id(o): (t_in, t_out) for o, t_in, t_out in zip(pipe.ops, pipe.types, pipe.types[1:])}
-    return [(op,) + by_id[id(op)] for op in stage.ops]
-
-
-def floor_ms(flops: int, nbytes: int) -> tuple[float, str]:
-    compute, memory = flops / PEAK_FLOPS * 1e3, nbytes / PEAK_BYTES_PER_S * 1e3
+def floor_ms(flops: int, nbytes: int, target: Target) -> tuple[float, str]:
+    compute, memory = flops / target.tensor_flops * 1e3, nbytes / target.dram_bytes_per_s * 1e3
     return (compute, "compute") if compute >= memory else (memory, "memory")
 
 
 def plan_totals(plan: Plan, batch: int) -> tuple[int, int, float]:
     """FLOPs, bytes, and the floor in ms: stages run one after another, so their floors add."""
     costs = [stage_cost(plan, s, batch) for s in plan.stages]
-    return sum(c[0] for c in costs), sum(c[1] for c in costs), sum(floor_ms(*c)[0] for c in costs)
+    return sum(c[0] for c in costs), sum(c[1] for c in costs), sum(floor_ms(*c, plan.target)[0] for c in costs)
+
+
+def fused_floor_ms(pipe: Pipeline, batch: int, target: Target) -> float:
+    """The floor of the fully fused pipeline: the kgen plan with every rewrite the choices
+    allow and the default candidates (bench's floor ratio divides by it)."""
+    return plan_totals(make_plan(pipe, None, target, {PIPELINE: KGEN}), batch)[2]
 
 
 def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None = None) -> str:
-    plan = make_plan(pipe, rewrites)
-    baseline = make_plan(pipe, {n: False for n in pipe.rewrites})
+    sel = choose_plans(pipe, rewrites=rewrites)
     batch = batch or pipe.example_batch()
+    variant = sel.variant_for(batch)
+    plan = variant.plan
+    target = plan.target
+    baseline = make_plan(pipe, {n: False for n in pipe.rewrites}, target, {PIPELINE: KGEN})
     sym = pipe.batch_symbol
     out = [
         f"{pipe.name} ({pipe.path}): {pipe.input} -> {pipe.output}, precision {pipe.precision}",
-        f"counts below are for {sym or 'batch'} = {batch}",
+        f"counts below are for {sym or 'batch'} = {batch}; target {target.name}",
         "",
         "ops as written:",
     ]
     for op, t in zip(pipe.ops, pipe.types[1:]):
         out.append(f"  {op.key:28s} {op.describe():55s} -> {t}")
-    out += ["", "rewrites:"]
+    out += ["", "choices:"]
+    out.append(f"  chosen by {sel.source}")
+    for n in sel.notes:
+        out.append(f"  note: {n}")
+    if len(sel.variants) > 1:
+        for i, v in enumerate(sel.variants):
+            out.append(f"  plan {i} for batches {v.batches}: {describe_choices(v.plan.choices)}")
+    out += _candidates(sel, batch)
+    out += ["", "rewrites:" + ("" if len(sel.variants) == 1 else f" (the plan for {sym or 'batch'} = {batch})")]
     for d in plan.decisions:
         out.append(f"  {'fired  ' if d.fired else 'skipped'}  {d.rewrite:24s} {d.site}: {d.reason}")
     if not plan.decisions:
-        out.append("  (no rewrite applies)")
+        out.append("  (none: the plan runs the ops as written)" if plan.choices.get(PIPELINE) != KGEN else "  (no rewrite applies)")
     out += ["", "ops after rewrites:"]
     for op, t in zip(plan.pipeline.ops, plan.pipeline.types[1:]):
         out.append(f"  {op.describe():84s} -> {t}")
-    out += ["", "kernels of the plan:"]
+    out += ["", "kernels of the plan (floor: at best; model: the cost model's estimate):"]
+    estimates = {id(e.stage): e for e in cost.estimate(plan, batch)}
     for s in plan.stages:
         flops, nbytes = stage_cost(plan, s, batch)
-        fl, bound = floor_ms(flops, nbytes)
+        fl, bound = floor_ms(flops, nbytes, target)
         what = " -> ".join(o.describe() for o in s.ops) or "copy the previous stage's output into a plain tensor"
         extra = f" [{s.conv.lowering.name}, {s.layout}]" if isinstance(s, ConvStage) else ""
         out.append(f"  stage {s.index} {s.kind}{extra}: {what}")
         out.append(f"      {s.choice}")
-        out.append(f"      {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms ({bound})")
+        e = estimates.get(id(s))
+        model = f"   model {e.ms:.3f} ms ({e.launches} launches)" if e else ""
+        out.append(f"      {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms ({bound}){model}")
     for label, p in (("total", plan), ("without rewrites", baseline)):
         flops, nbytes, fl = plan_totals(p, batch)
-        out.append(f"  {label:17s}: {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms (sum over stages)")
-    out.append(f"  (H100 floor: FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s TF32, bytes / {PEAK_BYTES_PER_S / 1e12:.1f} TB/s)")
+        model = cost.estimate_ms(p, batch)
+        out.append(f"  {label:17s}: {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms   model {model:.3f} ms")
+    out.append(f"  (floor: FLOPs / {target.tensor_flops / 1e12:.0f} TFLOP/s TF32, bytes / {target.dram_bytes_per_s / 1e12:.1f} TB/s, "
+               "summed over stages)")
     return "\n".join(out)
+
+
+def _candidates(sel, batch: int) -> list[str]:
+    """The candidate plans with the model's estimate and, from the tuning file, the measured time."""
+    if len(sel.candidates) < 2:
+        return []
+    chosen = json.dumps(sel.variant_for(batch).plan.choices, sort_keys=True)
+    measured = tunefile.measured(sel.tuning) if sel.tuning is not None else {}
+    rows = []
+    for p in sel.candidates:
+        key = json.dumps(p.choices, sort_keys=True)
+        ms = measured.get(key, {}).get(batch)
+        rows.append((cost.estimate_ms(p, batch), ms, key == chosen, describe_choices(p.choices)))
+    rows.sort(key=lambda r: (r[1] is None, r[1] if r[1] is not None else r[0]))
+    out = [f"  candidates at batch {batch} (* = chosen; measured: the tuning file's times on this target):",
+           f"    {'model ms':>10s} {'measured ms':>12s}  plan"]
+    for est, ms, mark, text in rows:
+        out.append(f"  {'*' if mark else ' '} {est:10.3f} {'-' if ms is None else f'{ms:.3f}':>12s}  {text}")
+    return out

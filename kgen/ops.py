@@ -54,6 +54,7 @@ class ElementwiseOp(OpDef):
     operand: bool = False  # takes exactly one of the fields `scalar` or `param`
     example: dict = field(default_factory=dict)  # fields of a valid use (tests, docs)
     slope: float = 1.0  # largest |f'| (validation scales the input's rounding by it)
+    aten: str = ""  # the ATen function the eager candidate calls (default: at:: and torch_fn's name)
 
 
 def _conv_fields(rank: int, transposed: bool) -> dict:

@@ -4,19 +4,31 @@
    the stage that reads the convolution (``defer_conv_bias``).
 2. The op chain is grouped greedily: an op joins the current group while some
    template family accepts the longer group (``kgen.families.claimants``).
-3. ``choose`` picks one of the families that accept a group (for a
-   convolution: its implementations) and records why.
-4. The chosen family makes the stage with its schedule, for the plan's
-   ``Target`` (``kgen.target``); every tunable number is a field of a stage.
-5. A convolution output that is not a plain tensor where it is read gets a
+3. Each family that accepts a group lists its candidates for it
+   (``Family.candidates``: its layouts or configurations), unless it declines
+   the request (``Family.unsupported``); the plan takes the one its choices
+   name. Every tunable number is a field of a stage, made for the plan's
+   ``Target`` (``kgen.target``).
+4. A convolution output that is not a plain tensor where it is read gets a
    copy stage; an implementation may absorb the next stage as its epilogue
    (the absorbed stage stays in the plan, marked ``absorbed_by``).
+
+Choices: a plan is made for an assignment of options to decision points
+(``make_plan(choices=...)``): the whole pipeline as kgen's stages or as the
+spec's eager ops (``pipeline``), each size-dependent rewrite at each site
+where its side conditions hold (``on``/``off``), and the candidate of each
+stage with several. ``candidate_plans`` enumerates every plan the decision
+points allow. ``choose_plans`` is where the choice is made: from the spec's
+tuning file (``kgen.tunefile``, measured by `kgen tune`) when it has an entry
+for the target, else by the cost model (``kgen.cost``); a tuning file may give
+different plans for ranges of the batch, which the op dispatches between.
 
 ``plan.json`` records all of it; ``kgen explain`` prints it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import json
+from dataclasses import asdict, dataclass, field, replace
 
 from . import families, target as targets
 from .errors import KgenError
@@ -26,6 +38,40 @@ from .rewrites import Decision, apply_rewrites
 from .stage import ConvStage, Stage, flat_buffer
 from .target import Target
 
+# Decision points: the keys of a plan's choices.
+PIPELINE = "pipeline"  # options KGEN, EAGER: kgen's stages or the spec's ops through ATen
+KGEN, EAGER = "kgen", "eager"
+ON, OFF = "on", "off"
+MAX_CANDIDATES = 64  # plans candidate_plans enumerates at most (in order from the default)
+DEFAULT_REASON = "the default: the first candidate"
+
+
+def rewrite_key(rewrite: str, site: str) -> str:
+    return f"{rewrite} @ {site}"
+
+
+def implementation_key(op: Op) -> str:
+    """The decision point of the stage that starts with ``op`` (its spec key is stable under rewrites)."""
+    return f"implementation @ {op.key}"
+
+
+class _Picker:
+    """Answers the planner's questions from ``given`` (default: the first option) and
+    records each decision point it was asked about with its options."""
+
+    def __init__(self, given: dict | None):
+        self.given = dict(given or {})
+        self.options: dict[str, tuple[str, ...]] = {}
+        self.chosen: dict[str, str] = {}
+
+    def pick(self, key: str, options) -> str:
+        options = tuple(options)
+        choice = self.given.get(key)
+        choice = choice if choice in options else options[0]
+        if len(options) > 1:
+            self.options[key], self.chosen[key] = options, choice
+        return choice
+
 
 @dataclass
 class Plan:
@@ -34,6 +80,9 @@ class Plan:
     decisions: list[Decision]
     stages: list[Stage]
     target: Target
+    choices: dict = field(default_factory=dict)  # decision point -> the option this plan was made with
+    options: dict = field(default_factory=dict)  # decision point -> its options (the first is the default)
+    batch: int = 1  # the batch its schedules were made for
 
     @property
     def name(self) -> str:
@@ -73,6 +122,8 @@ class Plan:
             "spec": self.pipeline.path,
             "precision": self.pipeline.precision,
             "target": asdict(self.target),
+            "batch": self.batch,
+            "choices": [{"decision": k, "options": list(self.options[k]), "chosen": v} for k, v in self.choices.items()],
             "rewrites": [asdict(d) for d in self.decisions],
             "ops_before": [o.describe() for o in self.original.ops],
             "ops_after": [o.describe() for o in self.pipeline.ops],
@@ -117,66 +168,70 @@ def group_ops(pipe: Pipeline) -> list[tuple[int, list[Op], list[families.Family]
     return [(start, ops, families.claimants(ops)) for start, ops in groups]
 
 
-def choose(candidates: list[families.Family]) -> tuple[families.Family, str]:
-    """The family that computes a group, among those that accept it, and why.
-
-    For now the first in registry order: there is no tuning file or cost model
-    to compare candidates by yet (a convolution: ATen is the only implementation).
-    """
-    chosen = candidates[0]
-    if len(candidates) == 1:
-        return chosen, f"{chosen.name}: the only family that computes these ops"
-    others = ", ".join(c.name for c in candidates[1:])
-    return chosen, f"{chosen.name}: first in the registry (also possible: {others}; no tuning data or cost model yet)"
-
-
-def _available(family, why: str, candidates, req) -> tuple:
-    """``family`` unless it declines the request (``Family.unsupported``, which sees the
-    input buffer and the pipeline): then the next candidate that takes it, and why."""
-    declined = []
-    for f in [family] + [c for c in candidates if c is not family]:
-        reason = f.unsupported(req)
-        if reason is None:
-            if not declined:
-                return f, why
-            return f, f"{f.name}: " + "; ".join(declined)
-        declined.append(f"{f.name} declined ({reason})")
-    raise KgenError(f"{req.pipeline.path}: {req.ops[0].key}: no family computes it here: " + "; ".join(declined))
-
-
-def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target | None = None) -> Plan:
-    """Rewrite ``pipeline`` (per the spec's switches, or ``rewrites``) and split it into stages."""
+def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target | None = None,
+              choices: dict | None = None, batch: int | None = None, reason: str = DEFAULT_REASON) -> Plan:
+    """The plan of ``pipeline`` for ``choices`` (decision point -> option; a point not
+    named takes its first option: every rewrite whose side conditions hold fires, each
+    stage takes its family's preferred candidate). ``rewrites`` overrides the spec's
+    switches; ``batch`` (default: the spec's example) is what schedules are made for;
+    ``reason`` says why these choices (for each stage's ``choice``)."""
     target = target or targets.current()
-    rewritten, decisions = apply_rewrites(pipeline, rewrites)
+    batch = batch or pipeline.example_batch()
+    picker = _Picker(choices)
+    eager = families.EAGER.whole(pipeline)
+    if picker.pick(PIPELINE, (KGEN, EAGER) if eager else (KGEN,)) == EAGER:
+        eager.choice = f"eager: the spec's ops through ATen ({reason})"
+        return Plan(pipeline, pipeline, [], [eager], target, picker.chosen, picker.options, batch)
+    fire = lambda rewrite, site: picker.pick(rewrite_key(rewrite, site), (ON, OFF)) == ON  # noqa: E731
+    rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
     rewritten = defer_conv_bias(rewritten)
     types = rewritten.types
     groups = group_ops(rewritten)
-    chosen = [choose(cands) for _, _, cands in groups]
-    batch = rewritten.example_batch()
+    # the family of each group first (a stage's request names the next stage's family)
+    chosen = [_family_named(picker.given.get(implementation_key(gops[0]), ""), cands) for _, gops, cands in groups]
     stages: list[Stage] = []
     buf = flat_buffer(rewritten.input)  # what the next stage reads
     for gi, (start, gops, cands) in enumerate(groups):
-        family, why = chosen[gi]
         req = families.StageRequest(
             index=len(stages),
             ops=gops,
             types=types[start : start + len(gops) + 1],
             input=buf,
-            next_family=chosen[gi + 1][0] if gi + 1 < len(groups) else None,
+            next_family=chosen[gi + 1] if gi + 1 < len(groups) else None,
             pipeline=rewritten,
             target=target,
             batch=batch,
         )
-        family, why = _available(family, why, cands, req)
-        st = family.make_stage(req)
-        st.family, st.candidates, st.choice = family, tuple(c.name for c in cands), why
+        # the candidates of every family that takes the request, in registry order
+        declined, offered = [], []
+        for f in cands:
+            why_not = f.unsupported(req)
+            if why_not is None:
+                offered += f.candidates(req)
+            else:
+                declined.append(f"{f.name} declined ({why_not})")
+        if not offered:
+            raise KgenError(f"{req.pipeline.path}: {gops[0].key}: no family computes it here: " + "; ".join(declined))
+        labels = [c.label for c in offered]
+        label = picker.pick(implementation_key(gops[0]), labels)
+        st = next(c.stage for c in offered if c.label == label)
+        st.family = next(f for f in cands if f.name == label.split(":")[0])
+        st.candidates = tuple(labels)
+        st.choice = f"{label}: " + ("the only candidate" if len(labels) == 1 else reason)
+        if declined:
+            st.choice += f" ({'; '.join(declined)})"
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)
     _absorb_epilogues(stages)
     for i, st in enumerate(stages):
         st.index = i
-    return Plan(rewritten, pipeline, decisions, stages, target)
+    return Plan(rewritten, pipeline, decisions, stages, target, picker.chosen, picker.options, batch)
+
+
+def _family_named(label: str, cands: list[families.Family]) -> families.Family:
+    """The family a candidate label names (``family`` or ``family:config``), else the first."""
+    return next((f for f in cands if f.name == label.split(":")[0]), cands[0])
 
 
 def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch: int) -> None:
@@ -190,11 +245,11 @@ def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch:
             continue  # generated kernels read any buffer in place
         if st.output.flat or (nxt is not None and st.output.dense):
             continue
-        family, why = choose(families.claimants([]))  # a stage of no ops: a copy
+        family = families.claimants([])[0]  # a stage of no ops: a copy
         t = st.out_type
         req = families.StageRequest(i + 1, [], (t,), st.output, nxt.family if nxt else None, pipe, target, batch)
-        copy = family.make_stage(req)
-        copy.family, copy.candidates, copy.choice = family, (family.name,), why
+        copy = family.candidates(req)[0].stage
+        copy.family, copy.candidates, copy.choice = family, (family.name,), f"{family.name}: the first family that copies"
         stages.insert(i + 1, copy)
 
 
@@ -204,3 +259,127 @@ def _absorb_epilogues(stages: list[Stage]) -> None:
     for st, nxt in zip(stages, stages[1:]):
         if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
             st.epilogue, nxt.absorbed_by = nxt, st
+
+
+# ---------------------------------------------------------------- the choice
+
+
+def candidate_plans(pipeline: Pipeline, target: Target | None = None, batch: int | None = None) -> list[Plan]:
+    """Every plan the decision points allow, each once (by the choices it was made with),
+    in breadth-first order from the default plan; at most MAX_CANDIDATES."""
+    target = target or targets.current()
+    found: dict[str, Plan] = {}
+    queue: list[dict] = [{}]
+    while queue and len(found) < MAX_CANDIDATES:
+        given = queue.pop(0)
+        try:
+            plan = make_plan(pipeline, None, target, given, batch)
+        except KgenError:
+            if not given:
+                raise  # the default plan must exist
+            continue  # e.g. a rewrite declined leaves an op that no family the spec allows computes
+        key = json.dumps(plan.choices, sort_keys=True)
+        if key in found:
+            continue
+        found[key] = plan
+        for point, options in plan.options.items():
+            queue += [{**plan.choices, point: o} for o in options if o != plan.choices[point]]
+    return list(found.values())
+
+
+@dataclass
+class Variant:
+    """A plan and the batches it runs (``lo`` to ``hi`` inclusive; ``hi`` None: no bound)."""
+
+    plan: Plan
+    lo: int = 1
+    hi: int | None = None
+    why: str = DEFAULT_REASON  # why this plan for these batches
+
+    @property
+    def batches(self) -> str:
+        return f"{self.lo}.." + ("" if self.hi is None else str(self.hi))
+
+
+@dataclass
+class Selection:
+    """What a module is rendered from: one plan per batch range, and how they were chosen."""
+
+    pipeline: Pipeline  # as written
+    variants: list[Variant]
+    source: str  # what chose the plans
+    notes: list[str] = field(default_factory=list)  # e.g. a tuning file that does not apply, and why
+    candidates: list[Plan] = field(default_factory=list)  # every candidate plan considered
+    tuning: object = None  # the kgen.tunefile.Entry that chose the plans, if one did
+
+    @property
+    def name(self) -> str:
+        return self.pipeline.name
+
+    @property
+    def plans(self) -> list[Plan]:
+        return [v.plan for v in self.variants]
+
+    def variant_for(self, batch: int) -> Variant:
+        """The variant the op runs for ``batch`` (batch 0 returns early, before any variant)."""
+        return next(v for v in self.variants if v.hi is None or batch <= v.hi)
+
+
+def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dict | None = None) -> Selection:
+    """The choice, made here and nowhere else: the plans of ``pipeline`` for ``target``.
+
+    From the spec's tuning file when it has an entry for the target that is not stale
+    (one plan per measured batch range), else the candidate the cost model estimates
+    fastest at the spec's example batch. ``rewrites`` (overriding the spec's switches,
+    e.g. the no-rewrite baseline) gives kgen's default plan under those switches.
+    """
+    from . import cost, tunefile
+
+    target = target or targets.current()
+    if rewrites is not None:
+        why = "rewrites overridden: the default candidates"
+        plan = make_plan(pipeline, rewrites, target, {PIPELINE: KGEN}, reason=why)
+        return Selection(pipeline, [Variant(plan, why=why)], f"fixed ({why})", candidates=[plan])
+    cands = candidate_plans(pipeline, target)
+    entry, notes = tunefile.applicable_entry(pipeline, target, tunefile.candidates_hash(cands))
+    if entry is not None:
+        variants = []
+        for r in entry.ranges:  # schedules for the example batch, as kgen tune measured them
+            why = f"measured fastest at batch {r.tuned_at} on {entry.device}: {r.ms:.3f} ms ({entry.path.name})"
+            plan = make_plan(pipeline, None, target, r.choices, reason=why)
+            if plan.choices != r.choices:
+                raise KgenError(f"{entry.path}: the choices {r.choices} do not make a plan kgen offers; run `kgen tune` again")
+            variants.append(Variant(plan, r.lo, r.hi, why))
+        return Selection(pipeline, variants, f"tuning file {entry.path.name} ({entry.device})", notes, cands, entry)
+    batch = pipeline.example_batch()
+    estimates = [cost.estimate_ms(p, batch) for p in cands]
+    best = min(range(len(cands)), key=lambda i: estimates[i])  # ties: the earlier (nearer the default)
+    why = f"cost model: {estimates[best]:.3f} ms at batch {batch}, the lowest of {len(cands)} candidate(s)"
+    plan = make_plan(pipeline, None, target, cands[best].choices, batch, reason=why)
+    return Selection(pipeline, [Variant(plan, why=why)], "cost model", notes, cands)
+
+
+def stage_op_name(module: str, variant: int, variants: int, stage: int) -> str:
+    """The op ``kgen::<this>`` of a stage with a generated kernel (plan ``variant`` of ``variants``)."""
+    return f"{module}_stage{stage}" if variants == 1 else f"{module}_v{variant}_stage{stage}"
+
+
+def stage_scope_name(module: str, variant: int, variants: int, stage: Stage) -> str:
+    """The profiler range around a stage's calls in the op (kgen bench reads these)."""
+    plan = "" if variants == 1 else f" plan {variant}"
+    return f"kgen::{module}{plan} stage {stage.index} ({stage.family.name})"
+
+
+def describe_choices(choices: dict) -> str:
+    """A plan's choices in one line: ``eager``, or each rewrite's on/off and each stage's
+    candidate at the op that starts it (``ops[i]``)."""
+    if choices.get(PIPELINE) == EAGER:
+        return "eager (the spec's ops through ATen)"
+    parts = []
+    for key, option in choices.items():
+        if key == PIPELINE:
+            continue
+        what, _, site = key.partition(" @ ")
+        where = site.split(".")[0]
+        parts.append(f"{option}@{where}" if what == "implementation" else f"{what}@{where}={option}")
+    return " ".join(parts) or "kgen (no choices)"

@@ -29,7 +29,7 @@ import jinja2
 from . import cexpr
 from .errors import KgenError
 from .ir import load_pipeline
-from .plan import Plan, make_plan
+from .plan import Plan, Selection, Variant, choose_plans, stage_op_name, stage_scope_name
 from .spec import spec_to_data
 
 # The templates ship inside the package: kgen/templates links to the
@@ -85,29 +85,46 @@ class Rendered:
     files: dict[str, str]  # path relative to out_root -> content
 
 
-def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Rendered:
+def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None = None) -> Rendered:
+    """Render one plan, or a selection of plans by batch range (one module, the op
+    dispatches by batch), into the files of ``out_root``."""
+    sel = plan if isinstance(plan, Selection) else Selection(plan.original, [Variant(plan)], "given")
     env = _environment()
-    name = plan.name
-    spec_shown = spec_shown or spec_display_path(plan.pipeline.path, out_root)
-    tensors = {a.name: a for a in plan.pipeline.tensor_args()}
-    def pieces(piece: str) -> list:
-        """(stage, template) of each stage whose family renders ``piece``, in stage order."""
-        return [(st, st.family.template(piece)) for st in plan.stages if piece in st.family.pieces]
+    name = sel.name
+    first = sel.variants[0].plan
+    spec_shown = spec_shown or spec_display_path(first.pipeline.path, out_root)
+    args = [a.name for a in sel.pipeline.tensor_args()]
+    for v in sel.variants:  # every plan takes the op's arguments, in the op's order
+        assert [a.name for a in v.plan.pipeline.tensor_args()] == args, (name, v.plan.choices)
+    tensors = {a.name: a for a in first.pipeline.tensor_args()}
+    n = len(sel.variants)
 
+    def variant(i: int, v: Variant) -> dict:
+        plan = v.plan
+
+        def pieces(piece: str) -> list:
+            """(stage, template) of each stage whose family renders ``piece``, in stage order."""
+            return [(st, st.family.template(piece)) for st in plan.stages if piece in st.family.pieces]
+
+        return dict(index=i, plan=plan, lo=v.lo, hi=v.hi, batches=v.batches, kernels=plan.kernel_stages(), pieces=pieces,
+                    why=v.why,
+                    op=lambda st: stage_op_name(name, i, n, st.index),
+                    scope=lambda st: stage_scope_name(name, i, n, st))
+
+    variants = [variant(i, v) for i, v in enumerate(sel.variants)]
     ctx = dict(
-        plan=plan,
         name=name,
-        pipe=plan.pipeline,
-        stages=plan.stages,
-        kernels=plan.kernel_stages(),
-        pieces=pieces,
+        pipe=sel.pipeline,
+        plan=first,  # the header's and common macros' plan outside a variant
+        variants=variants,
         spec_path=spec_shown,
-        plan_summary=plan_summary(plan),
+        plan_summary=plan_summary(sel),
+        binding_includes=sorted({h for v in sel.variants for st in v.plan.stages for h in st.family.binding_includes(st)}),
         ident=lambda n: tensors[n].ident,
         ew=lambda op, act, coords: cexpr.elementwise(op, act, coords, tensors),
         summed=lambda ops: cexpr.summed_params(ops, tensors),
-        spec_data=spec_data_literal(plan),
-        cuda_includes=sorted({h for st in plan.stages for h in st.family.cuda_includes}),
+        spec_data=spec_data_literal(first),
+        cuda_includes=sorted({h for v in sel.variants for st in v.plan.stages for h in st.family.cuda_includes}),
         zip=zip,
     )
     files = {}
@@ -117,13 +134,23 @@ def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Re
         except jinja2.TemplateError as e:  # a template bug, not a user error: say where
             where = getattr(e, "filename", None) or tpl
             raise KgenError(f"rendering templates/{tpl} for {name} failed in {where}: {type(e).__name__}: {e}") from None
-    data = plan.to_json()
-    data["spec"] = spec_shown
-    files[f"{name}/plan.json"] = json.dumps(data, indent=1) + "\n"
+    files[f"{name}/plan.json"] = json.dumps(selection_json(sel, spec_shown), indent=1) + "\n"
     for f in SHARED_FILES:
         files[f] = (TEMPLATES / f).read_text()
     files["__init__.py"] = env.get_template("package_init.py.j2").render()
     return Rendered(name, files)
+
+
+def selection_json(sel: Selection, spec_shown: str) -> dict:
+    """plan.json: how the plans were chosen, then each plan with the batches it runs."""
+    return {
+        "name": sel.name,
+        "spec": spec_shown,
+        "chosen_by": sel.source,
+        "notes": sel.notes,
+        "plans": [{"batches": [v.lo, v.hi]} | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
+                  for v in sel.variants],
+    }
 
 
 def spec_data_literal(plan: Plan) -> str:
@@ -141,18 +168,34 @@ def spec_data_literal(plan: Plan) -> str:
     return "\n".join(lines + ["}"])
 
 
-def plan_summary(plan: Plan) -> str:
-    """One line per stage, for the headers of generated files."""
-    return "\n".join(f"stage {s.index} ({s.kind}): " + " -> ".join(o.describe() for o in s.ops) for s in plan.stages)
+def plan_summary(sel: Selection) -> str:
+    """One line per stage (per plan when there are several), for the headers of generated files."""
+    lines = []
+    for i, v in enumerate(sel.variants):
+        if len(sel.variants) > 1:
+            lines.append(f"plan {i}, batches {v.batches}:")
+        lines += [f"stage {s.index} ({s.kind}): " + " -> ".join(o.describe() for o in s.ops) for s in v.plan.stages]
+    return "\n".join(lines)
 
 
-def render_spec(spec_path, out_root: Path, rewrites: dict | None = None, name: str | None = None) -> Rendered:
-    """Load, plan and render one spec (``name`` renames the module, for variants)."""
+def render_spec(spec_path, out_root: Path, rewrites: dict | None = None, name: str | None = None,
+                notes: list | None = None) -> Rendered:
+    """Load, plan and render one spec (``name`` renames the module, for variants); the
+    choice's notes (a tuning file that does not apply) are appended to ``notes``."""
     pipe = load_pipeline(spec_path)
+    sel = choose_plans(pipe, rewrites=rewrites)
+    if notes is not None:
+        notes += [f"{pipe.name}: note: {n}" for n in sel.notes]
     if name is not None:
-        pipe = replace(pipe, name=name)
-    plan = make_plan(pipe, rewrites)
-    return render_plan(plan, Path(out_root))
+        sel = rename(sel, name)
+    return render_plan(sel, Path(out_root))
+
+
+def rename(sel: Selection, name: str) -> Selection:
+    """The same plans as module ``name`` (the spec keeps its own name: SPEC_DATA)."""
+    def plan(p: Plan) -> Plan:
+        return replace(p, pipeline=replace(p.pipeline, name=name), original=replace(p.original, name=name))
+    return replace(sel, pipeline=replace(sel.pipeline, name=name), variants=[replace(v, plan=plan(v.plan)) for v in sel.variants])
 
 
 def _same_text(path: Path, content: str) -> bool:

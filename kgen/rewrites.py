@@ -26,6 +26,19 @@ from .lowering import Folded, LoweredConv, Subpixel, lowered
 # crops it: cropping copies the input once, which a sliver does not pay for.
 DEAD_REGION_MIN_FRACTION = 0.05
 
+# Rewrites whose value depends on the sizes: where their side conditions hold
+# they are candidates, and the plan chooses (``fire``; kgen.plan), measured by
+# `kgen tune` or estimated by the cost model. A tiny strided transposed
+# convolution is faster as one cuDNN call than as stride^d phase calls; folding
+# and cropping cost a weight transform or an input copy.
+TUNABLE = ("avg_pool_folding", "subpixel_conv_transpose", "dead_region")
+NOT_CHOSEN = "not chosen: the plan computes it without this rewrite (kgen explain: choices)"
+
+
+def always(rewrite: str, site: str) -> bool:
+    """The default ``fire``: every tunable rewrite whose side conditions hold fires."""
+    return True
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -129,7 +142,7 @@ def _dedupe(decisions):
 # ------------------------------------------------------------ avg pool folding
 
 
-def avg_pool_folding(pipe: Pipeline):
+def avg_pool_folding(pipe: Pipeline, fire=always):
     """conv then avg_pool -> one conv with box-filtered weights and multiplied stride.
 
     Average pooling is linear, so pool(conv(x, w) + b) = conv(x, box * w) + b
@@ -168,6 +181,8 @@ def avg_pool_folding(pipe: Pipeline):
             t = _type_at(pipe, op)
             if folded.infer(t) != pipe.types[j + 1]:
                 why = "folded output size differs from the pool's"
+        if why is None and not fire("avg_pool_folding", _site(op, pool)):
+            why = NOT_CHOSEN
         if why:
             decisions.append(Decision("avg_pool_folding", _site(op, pool), False, why))
             continue
@@ -186,7 +201,7 @@ def avg_pool_folding(pipe: Pipeline):
 # ------------------------------------------------------------ sub-pixel
 
 
-def subpixel_conv_transpose(pipe: Pipeline):
+def subpixel_conv_transpose(pipe: Pipeline, fire=always):
     """conv_transpose with stride s -> s^d ordinary convolutions, one per output phase.
 
     Each phase uses only the kernel taps that reach it, so no multiplications by
@@ -209,6 +224,8 @@ def subpixel_conv_transpose(pipe: Pipeline):
             why = f"stride {list(op.stride)} exceeds kernel {list(op.kernel)}: some phases get no tap"
         elif any(o < s for o, s in zip(pipe.types[i + 1].spatial, op.stride)):
             why = f"output {list(pipe.types[i + 1].spatial)} is shorter than the stride {list(op.stride)}: some phases get no output"
+        elif not fire("subpixel_conv_transpose", _site(op)):
+            why = NOT_CHOSEN
         if why:
             decisions.append(Decision("subpixel_conv_transpose", _site(op), False, why))
             continue
@@ -254,7 +271,7 @@ def _needed_input(op: Op, t_in: TensorType, t_out: TensorType, need: tuple) -> t
     return tuple(t_in.shape[1:])  # transposed convolution: everything
 
 
-def dead_region(pipe: Pipeline):
+def dead_region(pipe: Pipeline, fire=always):
     """Compute only the part of a convolution's output that some consumer reads.
 
     Floor-mode pooling drops trailing rows (63 -> 31 -> 10 reads 60 of 63); the
@@ -303,6 +320,9 @@ def dead_region(pipe: Pipeline):
             decisions.append(
                 Decision("dead_region", _site(op), False, f"only {dead:.1%} of the output is dead (threshold {DEAD_REGION_MIN_FRACTION:.0%})")
             )
+            continue
+        if not fire("dead_region", _site(op)):
+            decisions.append(Decision("dead_region", _site(op), False, NOT_CHOSEN))
             continue
         ops[i] = cropped
         decisions.append(Decision("dead_region", _site(op), True, f"computes {list(keep)} of {list(full)} ({dead:.1%} of the output was dead)"))
@@ -409,15 +429,19 @@ REWRITES = (
 )
 
 
-def apply_rewrites(pipe: Pipeline, enabled: dict | None = None) -> tuple[Pipeline, list[Decision]]:
-    """Run the enabled rewrites in order; returns the rewritten pipeline and every decision."""
+def apply_rewrites(pipe: Pipeline, enabled: dict | None = None, fire=always) -> tuple[Pipeline, list[Decision]]:
+    """Run the enabled rewrites in order; returns the rewritten pipeline and every decision.
+
+    ``fire(rewrite, site)`` decides, at each site where a ``TUNABLE`` rewrite's side
+    conditions hold, whether it fires there (the plan's choice).
+    """
     enabled = pipe.rewrites if enabled is None else enabled
     decisions = []
     for name, fn in REWRITES:
         if not enabled.get(name, True):
             decisions.append(Decision(name, "*", False, f"switched off in the spec (rewrites.{name}: false)"))
             continue
-        ops, ds = fn(pipe)
+        ops, ds = fn(pipe, fire) if name in TUNABLE else fn(pipe)
         decisions += ds
         if list(ops) != list(pipe.ops):
             pipe = pipe.with_ops(ops)

@@ -41,7 +41,7 @@ from .errors import KgenError
 from .ir import Norm, Pipeline, Pool, Reduce, TensorType, load_pipeline
 from .lowering import lowered
 from .ops import OPS
-from .plan import Plan, make_plan
+from .plan import Selection, choose_plans, stage_op_name
 from .stage import Buffer
 from .reference import ReferenceModel
 
@@ -318,11 +318,13 @@ def effective_precision(pipe: Pipeline, device: str) -> str:
 
 
 def validate(
-    spec_path, module_dir: Path, device: str = "cpu", full: bool = False, stages: bool = True, plan: Plan | None = None
+    spec_path, module_dir: Path, device: str = "cpu", full: bool = False, stages: bool = True,
+    selection: Selection | None = None,
 ) -> Report:
-    """Run every case of one module on ``device``; returns the report (it does not raise on failure)."""
+    """Run every case of one module on ``device``; returns the report (it does not raise on failure).
+    ``selection``: the plans the module was rendered from (default: as `kgen render` chooses them)."""
     pipe = load_pipeline(spec_path)
-    plan = plan or make_plan(pipe)
+    sel = selection or choose_plans(pipe)
     mod = import_module_dir(module_dir)
     op = getattr(torch.ops.kgen, Path(module_dir).name)
     precision = effective_precision(pipe, device)
@@ -335,15 +337,19 @@ def validate(
     tensors64 = {k: v.detach().double() for k, v in reference.named_parameters()}
     params = [dict(model.named_parameters())[a.name].detach() for a in pipe.tensor_args()]
     tol = TOLERANCES[precision]
+    cases = end_to_end_cases(pipe.input, device, full)
+    if len(sel.variants) > 1:  # each plan of the batch dispatch runs once at least
+        cases += [(f"normal N={v.lo} (plan {i}: batches {v.batches})", _randn(pipe.input.concrete(v.lo), 40 + i, device))
+                  for i, v in enumerate(sel.variants)]
     with torch.no_grad(), poisoned_outputs():
-        for label, x in end_to_end_cases(pipe.input, device, full):
+        for label, x in cases:
             report.cases.append(_case(
                 label, lambda: op(x, *params), lambda: run_with_magnitude(pipe.ops, x.double(), tensors64),
                 lambda: eager(x), tol,
             ))
         report.cases.append(check_model(mod, model, pipe, device, op, tol))
         if stages:
-            report.cases += check_stages(plan, report.name, model, device)
+            report.cases += check_stages(sel, report.name, model, device)
     return report
 
 
@@ -376,20 +382,22 @@ def check_model(mod, validated, pipe: Pipeline, device: str, op, tol) -> CaseRes
     return compare(label, out, reference.double(), tol)
 
 
-def check_stages(plan: Plan, name: str, model, device: str, reference_device: str | None = None) -> list[CaseResult]:
-    """The per-stage adversarial cases: each fused stage's op ``kgen::NAME_stageK`` on ``device``
-    against its ops run by PyTorch on ``reference_device`` (default: the same device)."""
+def check_stages(sel: Selection, name: str, model, device: str, reference_device: str | None = None) -> list[CaseResult]:
+    """The per-stage adversarial cases: each fused stage's op ``kgen::NAME_stageK`` (of each
+    plan) on ``device`` against its ops run by PyTorch on ``reference_device`` (default: the same)."""
     ref_device = reference_device or device
     params = {n: p.detach().to(ref_device) for n, p in model.named_parameters()}
     results = []
+    count = len(sel.variants)
+    stages = [(i, plan, st) for i, plan in enumerate(sel.plans) for st in plan.kernel_stages()]
     with torch.no_grad():
-        for st in plan.kernel_stages():
-            stage_op = getattr(torch.ops.kgen, f"{name}_stage{st.index}")
+        for i, plan, st in stages:
+            stage_op = getattr(torch.ops.kgen, stage_op_name(name, i, count, st.index))
             args = [params[a.name].to(device) for a in plan.stage_args(st)]
             for label, x in stage_cases(st.in_type, ref_device):
                 tiles = [t.to(device) for t in pack_buffer(st.input, x)]
                 results.append(_case(
-                    f"stage {st.index}: {label}",
+                    f"stage {st.index}{'' if count == 1 else f' of plan {i}'}: {label}",
                     lambda: stage_op(tiles, *args),
                     lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()}),
                     lambda: _run_ops(st.ops, x, params, torch.float32),

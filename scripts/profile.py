@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from kgen.bench import time_ms
 from kgen.cli import _spec_of
 from kgen.ir import load_pipeline
-from kgen.plan import make_plan
+from kgen.plan import choose_plans, stage_op_name
 from kgen.spec import REWRITE_NAMES
 from kgen.validate import import_module_dir, pack_buffer
 from kgen.variants import baseline_module
@@ -29,13 +29,16 @@ def main():
         spec = _spec_of(Path("generated") / name)
         pipe = load_pipeline(spec)
         d = baseline_module(spec) if args.norewrite else Path("generated") / name
-        plan = make_plan(pipe, {n: False for n in REWRITE_NAMES} if args.norewrite else None)
+        sel = choose_plans(pipe, rewrites={n: False for n in REWRITE_NAMES} if args.norewrite else None)
+        index = sel.variants.index(sel.variant_for(pipe.example_batch()))
+        plan = sel.plans[index]
+        op_of = lambda st: getattr(torch.ops.kgen, stage_op_name(d.name, index, len(sel.variants), st.index))  # noqa: E731
         mod = import_module_dir(d)
         torch.manual_seed(0)
         model = mod.Model().cuda()
         x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda")
         if args.once:
-            stage_once(pipe, plan, d, model)
+            stage_once(pipe, plan, op_of, model)
             continue
         with torch.no_grad():
             total = time_ms(lambda: model(x), 20)
@@ -47,7 +50,7 @@ def main():
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
         params = dict(model.named_parameters())
         for st in plan.kernel_stages():
-            op = getattr(torch.ops.kgen, f"{d.name}_stage{st.index}")
+            op = op_of(st)
             stage_params = [params[a.name] for a in plan.stage_args(st)]
             t = torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda")
             tiles = pack_buffer(st.input, t)
@@ -57,10 +60,10 @@ def main():
             print(f"  stage {st.index} ({st.kind}) alone: {ms:.3f} ms, {nbytes / 1e6:.0f} MB -> {nbytes / ms / 1e9:.2f} TB/s")
 
 
-def stage_once(pipe, plan, d, model):
+def stage_once(pipe, plan, op_of, model):
     params = dict(model.named_parameters())
     for st in plan.kernel_stages():
-        op = getattr(torch.ops.kgen, f"{d.name}_stage{st.index}")
+        op = op_of(st)
         stage_params = [params[a.name] for a in plan.stage_args(st)]
         tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda"))
         with torch.no_grad():

@@ -17,17 +17,17 @@ import torch
 
 from kgen.cli import _spec_of
 from kgen.ir import load_pipeline
-from kgen.plan import make_plan
+from kgen.plan import choose_plans
 from kgen.validate import check_stages, import_module_dir
 
 
 def main(root="generated"):
     failed = 0
     for d in sorted(p for p in Path(root).iterdir() if (p / "binding.cpp").exists()):
-        plan = make_plan(load_pipeline(_spec_of(d)))
+        sel = choose_plans(load_pipeline(_spec_of(d)))
         torch.manual_seed(0)
         model = import_module_dir(d).Model()
-        for r in check_stages(plan, d.name, model, "cuda", reference_device="cpu"):
+        for r in check_stages(sel, d.name, model, "cuda", reference_device="cpu"):
             failed += not r.passed
             print(f"{'ok  ' if r.passed else 'FAIL'} {d.name} {r.case} {r.problem}", flush=True)
         if all(st.family.generates_kernel for st in plan.stages):

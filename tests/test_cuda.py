@@ -93,3 +93,35 @@ def test_precision_modes(precision, tmp_path):
     failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
     assert not failures, failures
     assert report.worst_rel_l2() <= TOLERANCES[precision][0]
+
+
+def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
+    """`kgen tune` end to end on a small spec: every candidate measured at two batches, the
+    tuning file written beside the spec for this GPU, and the module rendered from it validates."""
+    import json
+
+    from conftest import spec_text
+    from kgen.build import build_module
+    from kgen.plan import choose_plans
+    from kgen.render import render_spec, write_rendered
+    from kgen.tune import run_tune
+    from kgen.validate import validate
+
+    monkeypatch.setenv("KGEN_TARGET", "device")  # the entry is for this GPU, whatever it is
+    spec = tmp_path / "tiny_tuned.yaml"
+    spec.write_text(spec_text([6, 9, 10, 11], [{"conv_transpose3d": {"out_channels": 8, "kernel_size": 3, "stride": 2}},
+                                               {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}],
+                              batch=3, name="tiny_tuned"))
+    rows = run_tune([spec], [1], reps=20, root=tmp_path / "tune")
+    assert [r[1] for r in rows] == [1, 3]
+    (entry,) = json.loads((tmp_path / "tiny_tuned.tune.json").read_text())["entries"]
+    assert entry["device"] == torch.cuda.get_device_name()
+    assert all(set(c["measured_ms"]) == {"1", "3"} for c in entry["candidates"])
+    assert any(c["choices"] == {"pipeline": "eager"} for c in entry["candidates"])
+    sel = choose_plans(load_pipeline(spec))
+    assert sel.source.startswith("tuning file") and not sel.notes
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    build_module(out / "tiny_tuned", quiet=True)
+    report = validate(spec, out / "tiny_tuned", "cuda")
+    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]

@@ -18,8 +18,8 @@ from kgen.target import DEFAULT, Target, current
 CONV2 = {"conv2d": {"out_channels": 4, "kernel_size": 3}}
 
 
-def plan_of(shape, ops, target=DEFAULT, **kw):
-    return make_plan(pipeline_of(spec_text(shape, ops, **kw)), target=target)
+def plan_of(shape, ops, target=DEFAULT, choices=None, **kw):
+    return make_plan(pipeline_of(spec_text(shape, ops, **kw)), target=target, choices=choices)
 
 
 ATEN = {"conv": "aten"}  # plan.conv: the ATen convolution (what these tests check), not the generated one
@@ -54,9 +54,10 @@ def test_grouping(shape, ops, expected):
     assert families_of(plan) == expected
     # every op of the (rewritten) pipeline is in exactly one stage, in order
     assert [o for s in plan.stages for o in s.ops] == list(plan.pipeline.ops)
-    for s in plan.stages:
-        assert s.family.name in s.candidates and s.family.name in s.choice
-        assert s.candidates == (("conv_gemm", "conv_aten") if s.kind == "conv" else (s.family.name,))
+    for s in plan.stages:  # each stage's candidates: the conv families' (conv_aten: one per layout), else its family
+        assert s.family.name in {c.split(":")[0] for c in s.candidates} and s.choice.startswith(s.family.name)
+        expected_families = ("conv_gemm", "conv_aten") if s.kind == "conv" else (s.family.name,)
+        assert tuple(dict.fromkeys(c.split(":")[0] for c in s.candidates)) == expected_families
 
 
 def test_norm_stage_parts():
@@ -159,10 +160,14 @@ def test_schedule_fields_come_from_the_family_and_the_target():
 def test_plan_json_records_target_family_and_schedule():
     target = Target(sm_count=7, max_threads_per_sm=1536)
     data = json.loads(json.dumps(plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], target=target, plan=ATEN).to_json()))
-    assert data["target"] == {"sm_count": 7, "max_threads_per_sm": 1536, "max_grid_y": 65535}
+    assert {k: data["target"][k] for k in ("sm_count", "max_threads_per_sm", "max_grid_y")} == {"sm_count": 7, "max_threads_per_sm": 1536, "max_grid_y": 65535}
     conv, fused = data["stages"]
-    assert conv["family"] == "conv_aten" and conv["candidates"] == ["conv_gemm", "conv_aten"] and conv["lowering"] == "direct"
-    assert "plan.conv: aten" in conv["choice"]
+    assert conv["family"] == "conv_aten" and conv["lowering"] == "direct"
+    assert conv["candidates"] == ["conv_aten:channels_last", "conv_aten:contiguous"]  # the reader takes channels_last fast
+    assert "conv_gemm declined (the spec asks for ATen (plan.conv: aten))" in conv["choice"]
+    # a spec that pins its convolution (plan.conv) has no eager candidate: one decision point
+    assert data["choices"] == [{"decision": "implementation @ ops[0].conv2d", "options": conv["candidates"],
+                                "chosen": "conv_aten:channels_last"}]
     assert fused["family"] == "pool_reduce" and fused["schedule"]["target_blocks_per_sm"] == 2 * (1536 // 256)
     assert set(fused["schedule"]) >= {"cuda_threads", "r_lanes", "unroll", "min_per_thread", "cpu_grain", "cpu_chunk", "index_type"}
 
@@ -213,9 +218,10 @@ def test_a_peer_implementation_is_a_candidate_and_may_absorb_the_next_stage(monk
     peer = _GeneratedConv()
     monkeypatch.setattr(families, "FAMILIES", (conv_aten.FAMILY, peer, norm.FAMILY, pool_reduce.FAMILY))
     plan = plan_of([3, 10, 10], ops)
-    assert families_of(plan) == ["conv_aten", "pool_reduce"]  # ATen stays the choice
-    assert plan.stages[0].candidates == ("conv_aten", "test_conv_gemm")
-    assert "conv_aten" in plan.stages[0].choice and "test_conv_gemm" in plan.stages[0].choice
+    assert families_of(plan) == ["conv_aten", "pool_reduce"]  # ATen stays the default
+    assert plan.stages[0].candidates == ("conv_aten:channels_last", "conv_aten:contiguous", "test_conv_gemm")
+    chosen = plan_of([3, 10, 10], ops, choices={"implementation @ ops[0].conv2d": "test_conv_gemm"})
+    assert chosen.stages[0].family is peer  # a plan's choices name any candidate
     monkeypatch.setattr(families, "FAMILIES", (peer, conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY))
     plan = plan_of([3, 10, 10], ops)
     st, epi = plan.stages  # the generated convolution took the reduction as its epilogue; it keeps its place

@@ -96,7 +96,7 @@ def test_pool_reduce_schedule_fields_render_as_named_constants(tmp_path):
     assert "s0::kCpuGrain" in binding and "s0::kTargetBlocksPerSm" in binding and "s0::kMaxSplits" in binding
     for number in ("128", "17", "99"):
         assert not re.search(rf"\b{number}\b", binding + files["one/kernel.cu"] + files["one/kernel_cpu.cpp"]), number
-    assert json.loads(files["one/plan.json"])["stages"][0]["schedule"]["r_lanes"] == 8
+    assert json.loads(files["one/plan.json"])["plans"][0]["stages"][0]["schedule"]["r_lanes"] == 8
 
 
 def test_norm_schedule_fields_render_as_named_constants(tmp_path):

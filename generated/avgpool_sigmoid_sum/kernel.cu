@@ -14,6 +14,9 @@
 
 namespace kgen_avgpool_sigmoid_sum {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 0: conv_gemm, CUDA (kgen-template: templates/conv_gemm/kernel.cu.j2)
 namespace s1 {
 __global__ void finalize_kernel(const Args a, int splits);  // stage 1's, below
@@ -202,5 +205,7 @@ cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
 }
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_avgpool_sigmoid_sum

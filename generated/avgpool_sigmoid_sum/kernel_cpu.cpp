@@ -10,6 +10,9 @@
 
 namespace kgen_avgpool_sigmoid_sum {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: pool_reduce, C++ (kgen-template: templates/pool_reduce/kernel_cpu.cpp.j2)
 namespace s1 {
 
@@ -32,5 +35,7 @@ void run_cpu(const Args& a, long long begin, long long end) {
 }
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_avgpool_sigmoid_sum

@@ -18,6 +18,9 @@
 
 namespace kgen_avgpool_sigmoid_sum {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
 //   ops[0].conv2d: conv2d(8->64, k=3) folded with avg_pool(k=4) -> k=6, s=4, bias added by the next stage
 //   implicit GEMM on tensor cores (tf32: pools and reductions follow: TF32 products), stage 1 fused in as its epilogue
@@ -148,5 +151,7 @@ cudaError_t launch(const Args& a, int splits, cudaStream_t stream);
 void run_cpu(const Args& a, long long begin, long long end);
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_avgpool_sigmoid_sum

@@ -18,6 +18,9 @@
 
 namespace kgen_div_max_gap_bias_sum {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
 //   ops[0].conv3d: conv3d(8->16, k=3), bias added by the next stage
 //   implicit GEMM on tensor cores (tf32: pools and reductions follow: TF32 products), stage 1 fused in as its epilogue
@@ -164,5 +167,7 @@ cudaError_t launch(const Args& a, int splits, cudaStream_t stream);
 void run_cpu(const Args& a, long long begin, long long end);
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_div_max_gap_bias_sum

@@ -14,6 +14,9 @@
 
 namespace kgen_instnorm_clamp_max {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 0: conv_gemm, CUDA (kgen-template: templates/conv_gemm/kernel.cu.j2)
 namespace s0 {
 
@@ -152,5 +155,7 @@ cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
 }
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_instnorm_clamp_max

@@ -10,6 +10,9 @@
 
 namespace kgen_instnorm_clamp_max {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: norm, C++ (kgen-template: templates/norm/kernel_cpu.cpp.j2)
 namespace s1 {
 
@@ -45,5 +48,7 @@ void apply_cpu(const Args& a, long long begin, long long end) {
 }
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_instnorm_clamp_max

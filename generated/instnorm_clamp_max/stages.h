@@ -18,6 +18,9 @@
 
 namespace kgen_instnorm_clamp_max {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
 //   ops[0].conv3d: conv3d(3->16, k=3), bias added by the next stage
 //   implicit GEMM on tensor cores (tf32x3: a normalization follows (or the output is the convolution): fp32-level accuracy)
@@ -194,5 +197,7 @@ void stats_cpu(const Args& a, long long begin, long long end);
 void apply_cpu(const Args& a, long long begin, long long end);
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_instnorm_clamp_max

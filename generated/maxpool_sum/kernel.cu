@@ -13,6 +13,9 @@
 
 namespace kgen_maxpool_sum {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: pool_reduce, CUDA (kgen-template: templates/pool_reduce/kernel.cu.j2)
 namespace s1 {
 
@@ -80,5 +83,7 @@ cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
 }
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_maxpool_sum

@@ -18,6 +18,9 @@
 
 namespace kgen_maxpool_sum {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
 //   ops[0].conv_transpose3d: add(conv_transpose.bias per channel)
 //   ops[1].max_pool3d: max_pool3d(k=6)
@@ -145,5 +148,7 @@ cudaError_t launch(const Args& a, int splits, cudaStream_t stream);
 void run_cpu(const Args& a, long long begin, long long end);
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_maxpool_sum

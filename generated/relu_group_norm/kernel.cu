@@ -13,6 +13,9 @@
 
 namespace kgen_relu_group_norm {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: norm, CUDA (kgen-template: templates/norm/kernel.cu.j2)
 namespace s1 {
 
@@ -97,5 +100,7 @@ cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
 }
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_relu_group_norm

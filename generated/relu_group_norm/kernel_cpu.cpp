@@ -10,6 +10,9 @@
 
 namespace kgen_relu_group_norm {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: norm, C++ (kgen-template: templates/norm/kernel_cpu.cpp.j2)
 namespace s1 {
 
@@ -38,5 +41,7 @@ void apply_cpu(const Args& a, long long begin, long long end) {
 }
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_relu_group_norm

@@ -18,6 +18,9 @@
 
 namespace kgen_relu_group_norm {
 
+// ==== plan 0: batches 1..
+namespace v0 {
+
 // ==== stage 1: norm (kgen-template: templates/norm/stage.h.j2)
 //   ops[1].relu: relu
 //   ops[2].group_norm: group_norm(groups=8, eps=1e-05)
@@ -163,5 +166,7 @@ void stats_cpu(const Args& a, long long begin, long long end);
 void apply_cpu(const Args& a, long long begin, long long end);
 
 }  // namespace s1
+
+}  // namespace v0
 
 }  // namespace kgen_relu_group_norm

@@ -8,12 +8,16 @@ table (``kgen.ops``) for the ops it absorbs.
 """
 from __future__ import annotations
 
-from . import conv_aten, conv_gemm, norm, pool_reduce
+from . import conv_aten, conv_gemm, eager, norm, pool_reduce
 from .base import Family, StageRequest
 
-# Registry order is the order of preference when several families accept the same ops.
+# Registry order is the order of preference when several families accept the same ops
+# (the default candidate; the tuning file or the cost model chooses among them).
 # The generated convolution comes first; it declines (Family.unsupported) what cuDNN does better.
 FAMILIES: tuple[Family, ...] = (conv_gemm.FAMILY, conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY)
+# The whole pipeline as written, one ATen call per op: a candidate for every pipeline
+# (kgen.plan), not a family the planner groups ops with.
+EAGER = eager.FAMILY
 
 
 def claimants(ops) -> list[Family]:
@@ -25,4 +29,4 @@ def by_name(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 
 
-__all__ = ["FAMILIES", "Family", "StageRequest", "by_name", "claimants"]
+__all__ = ["EAGER", "FAMILIES", "Family", "StageRequest", "by_name", "claimants"]

@@ -7,6 +7,11 @@ A family computes one kind of stage. It declares:
   pattern (``fits``);
 - its stage type and how a stage is made, with its schedule, at plan time
   (``make_stage``); every tunable number is a field of the stage's schedule;
+- its candidates for a request (``candidates``): one stage by default; a family
+  with several ways to compute the same stage (memory layouts, tile
+  configurations) lists each under its own label, and the plan chooses;
+- the work of one of its stages for the cost model (``work``): FLOPs, bytes
+  moved, launches (``kgen.cost`` turns it into time);
 - its templates: ``templates/<name>/<piece>.j2`` for each generated file it
   contributes to (``pieces``). ``binding.cpp.j2`` defines the macros
   ``host(st)`` (code before ``forward``, e.g. the stage's own op) and
@@ -24,6 +29,29 @@ from ..ir import Op, Pipeline, TensorType
 from ..ops import OPS
 from ..stage import Buffer, Stage
 from ..target import Target
+
+
+@dataclass(frozen=True)
+class Work:
+    """One piece of a stage's work for the cost model: time = launches * launch cost
+    + calls * call_s + max(flops / flop_rate, bytes / bandwidth)."""
+
+    what: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    flop_rate: float = 0.0  # FLOP/s these FLOPs run at (0: the target's FP32 rate)
+    launches: int = 1  # kernel launches (each costs the target's launch_s)
+    calls: int = 0  # library calls with a host-side cost of their own (a cuDNN convolution)
+    call_s: float = 0.0  # seconds per such call
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way a family computes a request: ``label`` names it in plans, explain and
+    tuning files (``family`` or ``family:variant``)."""
+
+    label: str
+    stage: Stage
 
 
 @dataclass
@@ -65,6 +93,26 @@ class Family:
     def make_stage(self, req: StageRequest) -> Stage:
         raise NotImplementedError
 
+    def candidates(self, req: StageRequest) -> list[Candidate]:
+        """The ways this family computes ``req``, its preferred one first. By default one:
+        ``make_stage``. A family with schedules or layouts to choose between returns one
+        candidate per configuration (labels ``NAME:config``), or none where it declines."""
+        return [Candidate(self.name, self.make_stage(req))]
+
+    def work(self, stage: Stage, batch: int, target: Target) -> list[Work]:
+        """The stage's work at ``batch`` for the cost model. By default one kernel that
+        reads its input tiles and writes its output once, FLOPs on the CUDA cores."""
+        flops = batch * sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(stage))
+        nbytes = self.read_bytes(stage, batch) + FLOAT_BYTES * batch * stage.out_type.sample_numel
+        return [Work(self.name, flops, nbytes)]
+
+    def read_bytes(self, stage: Stage, batch: int) -> float:
+        """Bytes one pass over the stage's input costs: a channels_last input read by a
+        family that walks it in contiguous order wastes part of each memory sector."""
+        elements = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
+        wasted = stage.input.layout == "channels_last" and not self.reads_channels_last
+        return FLOAT_BYTES * elements * (STRIDED_READ_FACTOR if wasted else 1)
+
     def absorbs_epilogue(self, stage: Stage, nxt: Stage) -> bool:
         """Whether ``stage`` takes the next stage as its epilogue (a generated convolution may)."""
         return False
@@ -73,6 +121,10 @@ class Family:
         """The family's fields of a stage for plan.json."""
         return {}
 
+    def binding_includes(self, stage: Stage) -> list[str]:
+        """Headers binding.cpp includes for the stage (beyond kgen_runtime.h)."""
+        return []
+
     def template(self, piece: str) -> str:
         return f"{self.name}/{piece}.j2"
 
@@ -80,7 +132,19 @@ class Family:
         return f"<family {self.name}>"
 
 
-# ---------------------------------------------------------------- shared schedule helpers
+# ---------------------------------------------------------------- shared helpers
+
+FLOAT_BYTES = 4
+STRIDED_READ_FACTOR = 4  # a channels_last input read in contiguous order: each warp load touches a sector per thread (cost model)
+
+
+def typed_ops(stage: Stage):
+    """(op, input type, output type) of each op of a stage."""
+    types = [stage.in_type]
+    for op in stage.ops:
+        types.append(op.infer(types[-1]))
+    return list(zip(stage.ops, types, types[1:]))
+
 
 
 def index_type(stage: Stage) -> str:

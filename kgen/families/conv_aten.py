@@ -3,17 +3,42 @@
 One implementation of the conv stage (``kgen.stage.ConvStage``), in every
 lowering: direct (also transposed), folded (the box-filtered weight is made at
 run time) and sub-pixel (one ATen convolution per phase, each writing its own
-tile, which the next fused stage reads in place). It picks the memory format
-of its output and narrows its input to the prefix a cropped output needs.
+tile, which the next fused stage reads in place). It narrows its input to the
+prefix a cropped output needs. Its candidates are the memory formats of its
+output (channels_last, contiguous); the plan chooses.
 Templates: ``templates/conv_aten/``.
+
+The cost of a cuDNN convolution (``conv_work``; the eager family uses it too),
+calibrated roughly on the H100 (notes/perf.md, issue #10): tensor cores at
+``CUDNN_FRACTION`` of their peak on large problems, less when the GEMM's N
+(output channels) or K (input channels x taps) leaves cuDNN's tiles partly
+empty; a transposed convolution run as written (cuDNN's data-gradient kernels)
+at a fraction of that; tens of microseconds per call on top of the math
+(small problems); NCHW costs a forward convolution a conversion of its input
+and output (a transposed one run as written is faster in NCHW: notes/perf.md).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 
 from ..lowering import Subpixel, lowered
 from ..stage import Buffer, ConvStage, Tile, dense_buffer, strides_of
-from .base import Family, StageRequest
+from ..target import Target
+from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work
+
+LAYOUTS = ("channels_last", "contiguous")
+CUDNN_FRACTION = 0.75  # of the tensor-core peak on large convolutions (~300 of 400 TFLOP/s)
+CUDNN_FULL_N = 128  # output channels (per group) that fill cuDNN's tensor-core tiles
+CUDNN_FULL_K = 128  # input channels x taps that fill them
+# cuDNN's data-gradient kernels for a transposed convolution run as written, against the
+# equivalent forward convolution (H100: ConvTranspose3d k3 s1 2.83 ms vs 1.17 ms as a
+# flipped-kernel conv; k5 s2 46.8 ms vs 2.37 ms as eight phase convs)
+TRANSPOSED_STRIDE1_EFFICIENCY = 0.4
+TRANSPOSED_STRIDED_EFFICIENCY = 0.05
+# Host and setup cost of one cuDNN convolution call beyond its math: small sub-pixel
+# phase convolutions took 45-60 us each on the H100 (issue #10's 8 and 9 phase cases)
+CUDNN_CALL_S = 30e-6
 
 
 class ConvAten(Family):
@@ -31,24 +56,27 @@ class ConvAten(Family):
             return "the spec asks for the generated convolution (plan.conv: gemm)"
         return None
 
-    def layout(self, req: StageRequest, conv) -> str:
-        """The output's memory format: channels_last when the next stage reads it as fast
-        (cuDNN is faster in channels_last, measured on the H100: notes/perf.md), except for
-        a transposed convolution run as written."""
+    def layouts(self, req: StageRequest, conv) -> tuple[str, ...]:
+        """Memory formats of the output, preferred first: channels_last when the next stage
+        reads it as fast (cuDNN is faster in channels_last, measured on the H100:
+        notes/perf.md), except for a transposed convolution run as written."""
         if conv.conv.rank < 2:
-            return "contiguous"  # ATen has no channels_last format for 1-d convolutions
-        layout = req.pipeline.conv_layout
-        if layout != "auto":
-            return layout
+            return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions
+        if req.pipeline.conv_layout != "auto":
+            return (req.pipeline.conv_layout,)
         direct_transposed = conv.conv.transposed and not isinstance(conv.lowering, Subpixel)
         nxt = req.next_family
         fast = nxt is not None and nxt.reads_channels_last
-        return "channels_last" if fast and not direct_transposed else "contiguous"
+        return LAYOUTS if fast and not direct_transposed else LAYOUTS[::-1]
 
-    def make_stage(self, req: StageRequest) -> ConvStage:
+    def candidates(self, req: StageRequest) -> list[Candidate]:
+        conv = lowered(req.ops[0])
+        return [Candidate(f"{self.name}:{layout}", self.make_stage(req, layout)) for layout in self.layouts(req, conv)]
+
+    def make_stage(self, req: StageRequest, layout: str | None = None) -> ConvStage:
         conv = lowered(req.ops[0])
         t_in, t_out = req.types
-        layout = self.layout(req, conv)
+        layout = layout or self.layouts(req, conv)[0]
         C = conv.conv.out_channels
         st = ConvStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=conv, layout=layout)
         if isinstance(conv.lowering, Subpixel):
@@ -68,11 +96,53 @@ class ConvAten(Family):
         st.output = dense_buffer(t_out.shape[1:], (C,) + conv.physical_out(t_in.spatial), layout)
         return st
 
+    def work(self, st: ConvStage, batch: int, target: Target) -> list[Work]:
+        lc, c = st.conv, st.conv.conv
+        read = batch * c.in_channels * math.prod(st.input_extent)
+        out = []
+        if st.layout != st.input.layout or tuple(st.input_extent) != tuple(st.in_type.spatial):
+            out.append(Work("input copy", 0, 2 * FLOAT_BYTES * read))  # narrow and/or change the format
+        weight = math.prod(c.weight_shape())
+        if st.phases:
+            out.append(Work("flip weight", 0, 2 * FLOAT_BYTES * weight))
+            for ph in st.phases:
+                taps = math.prod(ph.taps)
+                flops = 2 * batch * c.in_channels * c.out_channels * taps * math.prod(ph.count)
+                out.append(Work("phase weight", 0, 2 * FLOAT_BYTES * weight * taps // math.prod(c.kernel)))
+                out += conv_work(f"phase {ph.residue}", flops, read, batch * c.out_channels * math.prod(ph.conv_out),
+                                 c.out_channels, c.in_channels * taps, st.layout, target)
+            return out
+        if lc.lowering.name == "folded":
+            out.append(Work("fold weight", 0, 2 * FLOAT_BYTES * weight, calls=1, call_s=CUDNN_CALL_S))
+        flops = batch * lc.flops(st.in_type, st.out_type)
+        written = batch * sum(math.prod(t.dims) for t in st.output.tiles)
+        K = c.in_channels // c.groups * math.prod(lc.kernel)
+        out += conv_work("convolution", flops, read, written, c.out_channels // c.groups, K, st.layout, target,
+                         transposed_stride=c.stride if c.transposed else None)
+        return out
+
     def stage_json(self, st: ConvStage) -> dict:
         d = dict(lowering=st.conv.lowering.name, layout=st.layout, input_extent=list(st.input_extent))
         if st.phases:
             d["phases"] = [asdict(p) for p in st.phases]
         return d
+
+
+def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, layout: str, target: Target,
+              transposed_stride: tuple | None = None) -> list[Work]:
+    """One cuDNN convolution call: ``read`` input and ``written`` output elements, a GEMM of
+    N = ``n`` output channels and K = ``k`` (input channels x taps); ``transposed_stride``:
+    the stride of a transposed convolution run as written."""
+    fill = min(1.0, n / CUDNN_FULL_N) * min(1.0, k / CUDNN_FULL_K)
+    rate = target.tensor_flops * CUDNN_FRACTION * fill
+    conv = lambda rate: Work(what, flops, FLOAT_BYTES * (read + written), rate, calls=1, call_s=CUDNN_CALL_S)  # noqa: E731
+    if transposed_stride is not None:
+        strided = any(s > 1 for s in transposed_stride)
+        return [conv(rate * (TRANSPOSED_STRIDED_EFFICIENCY if strided else TRANSPOSED_STRIDE1_EFFICIENCY))]
+    if layout == "contiguous":  # cuDNN's forward tensor-core kernels are NHWC: it converts in and out
+        return [Work(f"{what}: NCHW to NHWC", 0, 2 * FLOAT_BYTES * read), conv(rate),
+                Work(f"{what}: NHWC to NCHW", 0, 2 * FLOAT_BYTES * written)]
+    return [conv(rate)]
 
 
 FAMILY = ConvAten()

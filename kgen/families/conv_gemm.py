@@ -27,7 +27,9 @@ from ..errors import KgenError
 from ..ir import Pool
 from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import ConvStage, Stage, flat_buffer
-from .base import Family, StageRequest, pow2_floor
+from ..target import Target
+from .base import FLOAT_BYTES, Family, StageRequest, Work, pow2_floor
+from .conv_aten import CUDNN_CALL_S
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
 MAX_K_PER_CHUNK_TAPS = 512  # K = Cin x taps above which ATen/cuDNN's large-GEMM kernels win (notes/perf.md)
@@ -35,6 +37,9 @@ MAX_COUT = 128  # output channels above which cuDNN wins
 WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
 STAGES = 2  # cp.async pipeline depth
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
+# Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
+# about 45% of that on the shipped convolutions (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
+GEMM_TENSOR_FRACTION = 0.22
 
 
 @dataclass(frozen=True)
@@ -381,6 +386,20 @@ class ConvGemm(Family):
             st.schedule = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, False) for q in st.problems))
         st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers)
         return True
+
+    def work(self, st: ConvGemmStage, batch: int, target: Target) -> list[Work]:
+        """The weight pack, then one launch: the input read once, the output (or, with an
+        epilogue fused in, the epilogue's output) written once; split TF32 triples the MMAs."""
+        lc, c = st.conv, st.conv.conv
+        flops = batch * lc.flops(st.in_type, st.out_type) * (3 if st.schedule.mma == "tf32x3" else 1)
+        out_type = st.epilogue.out_type if st.epilogue is not None else st.out_type
+        nbytes = FLOAT_BYTES * (batch * (st.in_type.sample_numel + out_type.sample_numel) + math.prod(c.weight_shape()))
+        out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape())),
+               Work("implicit GEMM", flops, nbytes, target.tensor_flops * GEMM_TENSOR_FRACTION,
+                    launches=2 if st.fused is not None and st.fused.splits > 1 else 1)]
+        if isinstance(lc.lowering, Folded):
+            out.insert(0, Work("fold weight", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()), calls=1, call_s=CUDNN_CALL_S))
+        return out
 
     def stage_json(self, st: ConvGemmStage) -> dict:
         d = dict(lowering=st.conv.lowering.name, layout=st.layout, schedule=asdict(st.schedule), mma_reason=st.x3_reason,

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..ir import Elementwise, Norm, Reduce
 from ..stage import Stage, flat_buffer
-from .base import Family, StageRequest, index_type, target_blocks_per_sm
+from ..target import Target
+from .base import FLOAT_BYTES, Family, StageRequest, Work, index_type, target_blocks_per_sm, typed_ops
 
 CUDA_THREADS = 256  # threads per block
 MIN_PER_THREAD = 32  # values per thread before the statistics of a group are split across blocks
@@ -96,6 +97,13 @@ class NormFamily(Family):
             index_type=index_type(st),
         )
         return st
+
+    def work(self, st: NormStage, batch: int, target: Target) -> list[Work]:
+        """Statistics (one pass over the input), finalize, apply (a second pass, and the output)."""
+        flops = batch * sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(st))
+        read = self.read_bytes(st, batch)
+        return [Work("statistics", 0, read, launches=2),
+                Work("apply", flops, read + FLOAT_BYTES * batch * st.out_type.sample_numel)]
 
     def stage_json(self, st: NormStage) -> dict:
         return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}

@@ -1,0 +1,63 @@
+"""The cost model: a plan's time on the target, estimated from its stages' work.
+
+Each family says what one of its stages does at a batch (``Family.work``):
+FLOPs and the rate they run at, bytes moved, kernel launches and library
+calls. A piece of work takes
+
+    launches * launch_s + calls * call_s + max(FLOPs / rate, bytes / DRAM bandwidth)
+
+and a plan's stages run one after another, so their times add. The device
+facts come from the target (``kgen.target``: the H100's ~3.0 TB/s, TF32 tensor
+cores at ~400 TFLOP/s, a few microseconds per launch); what is particular to a
+library (cuDNN reaching ~300 TFLOP/s on large convolutions, much less on small
+ones, and tens of microseconds per call) is in its family. The model decides
+where a spec's tuning file has no entry for the target (``kgen.plan.choose_plans``);
+`kgen explain` prints its estimates next to the measured times.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .families.base import Work
+from .stage import Stage
+from .target import Target
+
+
+def work_s(w: Work, target: Target) -> float:
+    rate = w.flop_rate or target.fp32_flops
+    return w.launches * target.launch_s + w.calls * w.call_s + max(w.flops / rate, w.bytes / target.dram_bytes_per_s)
+
+
+@dataclass
+class StageEstimate:
+    stage: Stage
+    work: list[Work]
+    ms: float
+
+    @property
+    def flops(self) -> float:
+        return sum(w.flops for w in self.work)
+
+    @property
+    def bytes(self) -> float:
+        return sum(w.bytes for w in self.work)
+
+    @property
+    def launches(self) -> int:
+        return sum(w.launches for w in self.work)
+
+
+def estimate(plan, batch: int) -> list[StageEstimate]:
+    """Per stage of ``plan`` (a kgen.plan.Plan) at ``batch``: its work and estimated time.
+    A stage another one runs as its epilogue costs nothing of its own."""
+    out = []
+    for st in plan.stages:
+        if getattr(st, "absorbed_by", None) is not None:
+            continue
+        work = st.family.work(st, batch, plan.target)
+        out.append(StageEstimate(st, work, 1e3 * sum(work_s(w, plan.target) for w in work)))
+    return out
+
+
+def estimate_ms(plan, batch: int) -> float:
+    return sum(e.ms for e in estimate(plan, batch))

@@ -1,0 +1,158 @@
+"""eager: the whole pipeline as the spec wrote it, one ATen call per op.
+
+The candidate that is always there: the same kernels eager PyTorch runs
+(cuDNN for the convolution, ATen's pools, reductions, norms and elementwise
+ops), called from the generated op in C++, so without Python between the
+calls. The plan offers it for the whole pipeline (``kgen.plan``), never for a
+group of ops: it is not in the registry the planner groups ops with. It works
+wherever the op does (CPU, CUDA graphs, torch.compile: it is the same custom
+op). Templates: ``templates/eager/``.
+
+An elementwise op needs an ATen function for it (the op table's ``aten``, by
+default ``at::`` and the name of its torch function); a pipeline with an op
+that has none has no eager candidate, and so has a spec that pins who computes
+its convolutions (``plan.conv: aten | gemm``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..cexpr import braces
+from ..ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType
+from ..ops import OPS, ElementwiseOp
+from ..stage import Stage, flat_buffer
+from ..target import Target
+from .base import FLOAT_BYTES, Family, Work, typed_ops
+from .conv_aten import conv_work
+
+NORM_LAUNCHES = 3  # ATen's group and instance norms: statistics, (finalize), apply
+
+
+def aten_function(entry: ElementwiseOp) -> str | None:
+    """The ATen C++ function of an elementwise op, or None when it has none."""
+    if entry.aten:
+        return entry.aten
+    import torch
+
+    fn = entry.torch_fn
+    name = getattr(fn, "__name__", "")
+    return f"at::{name}" if name and getattr(torch, name, None) is fn else None
+
+
+@dataclass
+class EagerStage(Stage):
+    """Every op of the pipeline as written; ``y`` is the running value in ``calls``."""
+
+    def calls(self, ident) -> list[tuple[str, str]]:
+        """(comment, C++ expression of the op applied to ``y``) per op; ``ident`` maps a
+        parameter's state_dict name to its C++ argument."""
+        return [(f"{op.key}: {op.describe()}", _call(op, t, ident)) for op, t, _ in typed_ops(self)]
+
+    def includes(self) -> list[str]:
+        return sorted({h for op in self.ops for h in _headers(op)})
+
+
+def _opt(v) -> str:
+    return "std::nullopt" if v is None else f"std::optional<at::Tensor>({v})"
+
+
+def _scalar(v) -> str:
+    return "std::nullopt" if v is None or math.isinf(v) else f"std::optional<at::Scalar>({float(v)!r})"
+
+
+def _call(op: Op, t: TensorType, ident) -> str:
+    r = len(t.spatial)
+    if isinstance(op, Conv):
+        bias = _opt(ident(op.bias_name)) if op.bias else "std::nullopt"
+        return (f"kgen::convolution(y, {ident(op.weight_name)}, {bias}, {braces(op.stride)}, {braces(op.padding)}, "
+                f"{braces(op.dilation)}, {'true' if op.transposed else 'false'}, {braces(op.output_padding)}, {op.groups}, "
+                "kPrecision, y.suggest_memory_format())")
+    if isinstance(op, Pool):
+        k, s, p = braces(op.kernel), braces(op.stride), braces(op.padding)
+        ceil = "true" if op.ceil_mode else "false"
+        if op.kind == "max":
+            return f"at::max_pool{r}d(y, {k}, {s}, {p}, {braces(op.dilation)}, {ceil})"
+        return f"at::avg_pool{r}d(y, {k}, {s}, {p}, {ceil}, {'true' if op.count_include_pad else 'false'})"
+    if isinstance(op, Reduce):
+        if op.origin.startswith("adaptive_avg_pool"):
+            return f"at::{op.origin}(y, {braces([1] * r)})"
+        fn = {"sum": "at::sum", "mean": "at::mean", "max": "at::amax"}[op.fn]
+        return f"{fn}(y, at::IntArrayRef{braces(op.dims)}, {'true' if op.kept else 'false'})"
+    if isinstance(op, Norm):
+        w, b = (_opt(ident(n)) for n in op.tensor_names()) if op.affine else ("std::nullopt", "std::nullopt")
+        if op.kind == "instance_norm":
+            return (f"at::instance_norm(y, {w}, {b}, std::nullopt, std::nullopt, true, 0.1, {op.eps!r}, "
+                    "at::globalContext().userEnabledCuDNN())")
+        return f"at::group_norm(y, {op.num_groups}, {w}, {b}, {op.eps!r}, at::globalContext().userEnabledCuDNN())"
+    assert isinstance(op, Elementwise), op
+    fn = aten_function(OPS[op.fn])
+    if op.entry.operand:
+        other = ident(op.param) if op.param else f"at::Scalar({float(op.scalar)!r})"
+        return f"{fn}(y, {other})"
+    return f"{fn}(y{''.join(', ' + _scalar(c) for c in op.consts)})"
+
+
+def _headers(op: Op) -> list[str]:
+    if isinstance(op, Conv):
+        return []  # kgen_runtime.h has the convolution
+    if isinstance(op, Pool):
+        return [f"ATen/ops/{op.kind}_pool{op.rank}d.h"]
+    if isinstance(op, Reduce):
+        name = op.origin if op.origin.startswith("adaptive_avg_pool") else {"max": "amax"}.get(op.fn, op.fn)
+        return [f"ATen/ops/{name}.h"]
+    if isinstance(op, Norm):
+        return [f"ATen/ops/{op.kind}.h"]
+    return [f"ATen/ops/{aten_function(OPS[op.fn]).removeprefix('at::')}.h"]
+
+
+class Eager(Family):
+    name = "eager"
+    stage_kind = "eager"
+    generates_kernel = False
+    pieces = ("binding.cpp",)
+    summary = "the spec's ops as written, one ATen call each (eager PyTorch's kernels)"
+
+    def fits(self, ops):
+        return all(not isinstance(op, Elementwise) or aten_function(OPS[op.fn]) for op in ops)
+
+    def accepts(self, ops):  # every op of the table has its ATen call here (elementwise ops: if they name one)
+        return self.fits(ops)
+
+    def whole(self, pipe: Pipeline) -> EagerStage | None:
+        """The eager stage of the whole pipeline as written; None when an op has no ATen call
+        or the spec pins who computes its convolutions (plan.conv)."""
+        if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto":
+            return None
+        st = EagerStage(0, list(pipe.ops), pipe.input, pipe.output, input=flat_buffer(pipe.input), output=flat_buffer(pipe.output))
+        st.family, st.candidates = self, ("eager",)
+        return st
+
+    def make_stage(self, req):
+        raise NotImplementedError("the eager stage is made for a whole pipeline (Eager.whole)")
+
+    def work(self, st: EagerStage, batch: int, target: Target) -> list[Work]:
+        """Each op reads its input and writes its output; the convolution as in conv_aten,
+        its bias added by ATen in a pass of its own."""
+        out = []
+        for op, t_in, t_out in typed_ops(st):
+            n_in, n_out = batch * t_in.sample_numel, batch * t_out.sample_numel
+            flops = batch * op.flops(t_in, t_out)
+            if isinstance(op, Conv):
+                K = op.in_channels // op.groups * math.prod(op.kernel)
+                read = n_in + math.prod(op.weight_shape())
+                out += conv_work(op.key, flops, read, n_out, op.out_channels // op.groups, K, "contiguous", target,
+                                 transposed_stride=op.stride if op.transposed else None)
+                if op.bias:
+                    out.append(Work(f"{op.key} bias", n_out, 2 * FLOAT_BYTES * n_out))
+            elif isinstance(op, Norm):
+                out.append(Work(op.key, flops, FLOAT_BYTES * (2 * n_in + n_out), launches=NORM_LAUNCHES))
+            else:
+                out.append(Work(op.key, flops, FLOAT_BYTES * (n_in + n_out)))
+        return out
+
+    def binding_includes(self, st: EagerStage) -> list[str]:
+        return st.includes()
+
+
+FAMILY = Eager()

@@ -1,0 +1,227 @@
+"""`kgen tune`: measure a spec's candidate plans on the GPU and record the fastest per batch.
+
+For each spec, at its example batch and the batches asked for:
+
+1. the candidate plans (``kgen.plan.candidate_plans``: every combination of the
+   size-dependent rewrites, each stage's candidates, and the eager pipeline),
+   ranked by the cost model; all of them are measured, or the model's best
+   ``max_candidates - 1`` and the eager candidate when there are more;
+2. each is rendered as a module of its own under ``generated/_tune/`` (its
+   schedules made for the example batch, as `kgen render` makes every plan of
+   a module), and all are built at once;
+3. each is timed like `kgen bench` times a module (CUDA events, warm-up, the
+   median of ``reps`` runs), after a check that it computes what eager PyTorch
+   does (a candidate that does not is reported and never chosen);
+4. the fastest at each batch wins; batch ranges follow from them
+   (``kgen.tunefile.ranges_from``) and the entry for this device is written to
+   ``specs/NAME.tune.json``, which `kgen render` reads.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import cost, tunefile
+from .bench import WARMUP, _commit, time_ms
+from .build import build_modules
+from .errors import KgenError
+from .ir import Pipeline, load_pipeline
+from .plan import EAGER, PIPELINE, Plan, Selection, Variant, candidate_plans, describe_choices
+from .reference import ReferenceModel
+from .render import render_plan, rename, write_rendered
+
+TUNE_ROOT = Path("generated") / "_tune"  # candidate modules (not committed)
+MAX_CANDIDATES = 8  # plans measured per spec and batch at most (the eager one among them)
+CHECK_TOLERANCE = 2e-2  # relative L2 error against eager PyTorch in float32 (TF32 convolutions round)
+
+
+@dataclass
+class Measured:
+    plan: Plan  # made at the example batch, as render makes it (its choices name it)
+    module: Path = None  # where it is rendered
+    model_ms: dict = field(default_factory=dict)  # batch -> the cost model's estimate
+    ms: dict = field(default_factory=dict)  # batch -> measured median (inf: it failed its check)
+    problem: str = ""
+
+
+@dataclass
+class SpecTuning:
+    spec: Path
+    pipe: Pipeline
+    batches: list[int]
+    candidates: list[Plan]  # all of them (for the hash)
+    measured: list[Measured]
+    eager_pytorch_ms: dict = field(default_factory=dict)  # batch -> the reference model in float32
+
+
+def _log(msg: str) -> None:
+    print(f"kgen: {msg}", flush=True)
+
+
+def _module_name(pipe: Pipeline, plan: Plan) -> str:
+    """A candidate module's name: the spec's and a digest of what is rendered (choices and
+    stage fields): the same candidate tuned again reuses its build."""
+    stages = [{k: v for k, v in s.items() if k != "choice"} for s in plan.to_json()["stages"]]
+    digest = hashlib.sha256(json.dumps({"c": plan.choices, "s": stages}, sort_keys=True, default=str).encode())
+    return f"{pipe.name}__t{digest.hexdigest()[:10]}"
+
+
+def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTuning:
+    """Plan, rank and render the candidates of one spec (nothing is built or run)."""
+    pipe = load_pipeline(spec)
+    example = pipe.example_batch()
+    batches = sorted({example, *batches})
+    cands = candidate_plans(pipe)
+    ranked = sorted(cands, key=lambda p: cost.estimate_ms(p, example))
+    chosen = ranked
+    if len(ranked) > max_candidates:
+        eager = [p for p in ranked if p.choices.get(PIPELINE) == EAGER]
+        chosen = [p for p in ranked if p not in eager][: max_candidates - len(eager)] + eager
+    tuning = SpecTuning(Path(spec), pipe, batches, cands, [Measured(p) for p in chosen])
+    for m in tuning.measured:
+        m.model_ms = {b: cost.estimate_ms(m.plan, b) for b in batches}
+        name = _module_name(pipe, m.plan)
+        write_rendered(render_plan(rename(Selection(pipe, [Variant(m.plan)], "kgen tune"), name), root), root)
+        m.module = root / name
+    return tuning
+
+
+def wall_ms(fn, reps: int) -> float:
+    """Median wall time of fn() in ms after warm-up: the CPU's stand-in for CUDA events."""
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None = None) -> None:
+    """Time every candidate module of ``t`` at each batch, after checking its output
+    (on the CPU by wall time: for tests of the flow, not for choices)."""
+    from .validate import import_module_dir
+
+    time_ms_ = time_ms if device.startswith("cuda") else wall_ms
+    pipe = t.pipe
+    torch.manual_seed(0)
+    reference = ReferenceModel(pipe).to(device).eval()
+    state = reference.state_dict()
+    n = len(t.measured) * len(t.batches)
+    i = 0
+    with torch.no_grad():
+        for b in t.batches:
+            x = torch.randn(pipe.input.concrete(b), device=device)
+            expected = reference(x)
+            t.eager_pytorch_ms[b] = time_ms_(lambda: reference(x), reps)
+            for m in t.measured:
+                i += 1
+                if m.module in (failed or {}):
+                    m.ms[b], m.problem = math.inf, f"does not build: {failed[m.module]}"
+                    _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.problem}")
+                    continue
+                model = import_module_dir(m.module).Model().to(device).eval()
+                model.load_state_dict(state)
+                err = _rel_l2(model(x), expected)
+                if not err <= CHECK_TOLERANCE:
+                    m.ms[b], m.problem = math.inf, f"output differs from eager PyTorch at batch {b} (rel L2 {err:.2e})"
+                else:
+                    m.ms[b] = time_ms_(lambda: model(x), reps)
+                _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.ms[b]:.3f} ms, model {m.model_ms[b]:.3f} ms: "
+                     f"{describe_choices(m.plan.choices)}{'  ' + m.problem if m.problem else ''}")
+
+
+def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    finite = torch.isfinite(ref)
+    if not torch.equal(finite, torch.isfinite(out)):
+        return math.inf
+    return float((out[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
+
+
+def entry(t: SpecTuning, reps: int, device: str) -> dict:
+    """The tuning file entry of a measured spec for ``device`` (its name, as Target.name)."""
+    example = t.pipe.example_batch()
+    ok = [m for m in t.measured if all(math.isfinite(v) for v in m.ms.values())]
+    if not ok:
+        raise KgenError(f"{t.spec}: no candidate passed its check; nothing to choose from")
+    ids = {id(m): f"c{i}" for i, m in enumerate(t.measured)}
+    best = {b: ids[id(min(ok, key=lambda m: m.ms[b]))] for b in t.batches}
+    by_id = {ids[id(m)]: m for m in t.measured}
+    ranges = [dict(min=lo, max=hi, tuned_at=at, candidate=c, choices=by_id[c].plan.choices, ms=round(by_id[c].ms[at], 4))
+              for lo, hi, at, c in tunefile.ranges_from(best, example)]
+    return {
+        "device": device,
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+                     "kgen": _commit()},
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "reps": reps,
+        "spec_hash": tunefile.spec_hash(t.pipe),
+        "candidates_hash": tunefile.candidates_hash(t.candidates),
+        "eager_pytorch_ms": {str(b): round(v, 4) for b, v in t.eager_pytorch_ms.items()},
+        "candidates": [dict(id=ids[id(m)], choices=m.plan.choices,
+                            model_ms={str(b): round(v, 4) for b, v in m.model_ms.items()},
+                            measured_ms={str(b): (round(v, 4) if math.isfinite(v) else None) for b, v in m.ms.items()},
+                            **({"problem": m.problem} if m.problem else {}))
+                       for m in t.measured],
+        "ranges": ranges,
+    }
+
+
+def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MAX_CANDIDATES,
+             root: Path = TUNE_ROOT) -> list[list]:
+    """Tune ``specs`` on this GPU: write each one's tuning file; returns the summary table's rows."""
+    if not torch.cuda.is_available():
+        raise KgenError("kgen tune needs a CUDA GPU: it measures the candidates")
+    if reps < 20:
+        raise KgenError("--reps must be at least 20 for a meaningful median")
+    if max_candidates < 2:
+        raise KgenError("--max-candidates must be at least 2 (the eager candidate and one more)")
+    tunings = []
+    for s in specs:
+        t = prepare(s, batches, max_candidates, root)
+        _log(f"tune {t.pipe.name}: {len(t.measured)} of {len(t.candidates)} candidate(s) at batch(es) "
+             f"{', '.join(map(str, t.batches))}")
+        tunings.append(t)
+    dirs = sorted({m.module for t in tunings for m in t.measured})
+    _log(f"tune: building {len(dirs)} candidate module(s) under {root}/ ...")
+    failed: dict = {}  # a candidate that does not build is left out, not the end of the tuning
+    build_modules(dirs, failures=failed)
+    rows = []
+    for t in tunings:
+        measure(t, reps, failed=failed)
+        e = entry(t, reps, torch.cuda.get_device_name())
+        path = tunefile.write_entry(t.spec, e)
+        _log(f"tune {t.pipe.name}: wrote {path}")
+        rows += _rows(t, e)
+    return rows
+
+
+def _rows(t: SpecTuning, e: dict) -> list[list]:
+    """Per batch: the fastest candidate, its time, eager's (the candidate and PyTorch), the model's pick."""
+    rows = []
+    eager = next((m for m in t.measured if m.plan.choices.get(PIPELINE) == EAGER), None)
+    for b in t.batches:
+        r = next(r for r in e["ranges"] if r["min"] <= b and (r["max"] is None or b <= r["max"]))
+        best = min((m for m in t.measured if math.isfinite(m.ms[b])), key=lambda m: m.ms[b])
+        model_pick = min(t.measured, key=lambda m: m.model_ms[b])
+        rows.append([
+            t.pipe.name, b, len(t.measured), f"{best.ms[b]:.3f}", f"{t.eager_pytorch_ms[b]:.3f}",
+            "-" if eager is None else f"{eager.ms[b]:.3f}", f"{t.eager_pytorch_ms[b] / best.ms[b]:.2f}x",
+            f"{model_pick.ms[b]:.3f}", f"{r['min']}..{'' if r['max'] is None else r['max']}",
+            describe_choices(best.plan.choices),
+        ])
+    return rows
+
+
+TABLE_HEADERS = ["spec", "batch", "measured", "best ms", "eager PyTorch ms", "eager candidate ms", "vs eager",
+                 "model's pick ms", "range", "best plan"]

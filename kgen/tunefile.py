@@ -1,0 +1,165 @@
+"""Tuning files: ``specs/NAME.tune.json`` beside the spec, written by `kgen tune`.
+
+This module is their only reader and writer. A file holds one entry per
+device it was tuned on:
+
+    {"format": 1, "spec": "specs/NAME.yaml", "entries": [{
+        "device": "NVIDIA H100 80GB HBM3",       # torch.cuda.get_device_name()
+        "versions": {"torch": ..., "cuda": ..., "cudnn": ..., "kgen": commit},
+        "date": ..., "reps": 30,
+        "spec_hash": ...,                         # the spec as data (its example batch left out)
+        "candidates_hash": ...,                   # the candidate plans kgen offered for it
+        "candidates": [{"id": "c0", "choices": {decision: option},
+                        "model_ms": {batch: ms}, "measured_ms": {batch: ms}}, ...],
+        "ranges": [{"min": 1, "max": 11, "tuned_at": 8, "candidate": "c3", "choices": {...}, "ms": ...},
+                   {"min": 12, "max": null, ...}]}]}
+
+An entry applies when its device is the render target's (``Target.name``; the
+default target is the H100, so the committed H100 entries give the committed
+``generated/`` files on a CPU-only machine too) and both hashes match what
+kgen computes now; otherwise it is ignored with a note saying why (another
+device, the spec changed, kgen's candidates changed: retune).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import KgenError, one_line
+from .spec import spec_to_data
+
+FORMAT = 1
+SUFFIX = ".tune.json"
+
+
+def path_for(spec_path) -> Path:
+    p = Path(spec_path)
+    return p.with_name(p.name.removesuffix(".yaml").removesuffix(".yml") + SUFFIX)
+
+
+def spec_hash(pipe) -> str:
+    """What the spec computes, as data: its example batch (what bench and tune default to) is left out."""
+    data = spec_to_data(pipe.spec)
+    data["input"] = {k: v for k, v in data["input"].items() if k != "example"}
+    return _digest(data)
+
+
+def candidates_hash(plans) -> str:
+    """The candidate plans kgen offers, each by its choices."""
+    return _digest(sorted(json.dumps(p.choices, sort_keys=True) for p in plans))
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: int
+    hi: int | None  # None: no upper bound
+    tuned_at: int  # the measured batch it was chosen at
+    choices: dict
+    ms: float
+
+    def covers(self, batch: int) -> bool:
+        return batch >= self.lo and (self.hi is None or batch <= self.hi)
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    device: str
+    ranges: tuple[Range, ...]
+    data: dict  # the whole entry, as stored
+
+
+def read(path: Path) -> dict | None:
+    """The file's data, None when there is none; a malformed file is a one-line error."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KgenError(f"{path}: not a readable tuning file ({one_line(str(e), 80)}); run `kgen tune` again or delete it") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
+        raise KgenError(f"{path}: not a kgen tuning file of format {FORMAT}; run `kgen tune` again or delete it")
+    return data
+
+
+def _ranges(path: Path, e: dict) -> tuple[Range, ...]:
+    try:
+        ranges = tuple(Range(int(r["min"]), None if r["max"] is None else int(r["max"]), int(r["tuned_at"]),
+                             dict(r["choices"]), float(r["ms"])) for r in e["ranges"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise KgenError(f"{path}: an entry's ranges are malformed ({one_line(repr(err), 80)}); run `kgen tune` again") from None
+    if not ranges or ranges[0].lo != 1 or ranges[-1].hi is not None or any(
+            a.hi is None or a.hi + 1 != b.lo for a, b in zip(ranges, ranges[1:])):
+        raise KgenError(f"{path}: an entry's batch ranges do not cover 1.. without gaps; run `kgen tune` again")
+    return ranges
+
+
+def applicable_entry(pipe, target, cand_hash: str) -> tuple[Entry | None, list[str]]:
+    """The entry of ``pipe``'s tuning file for ``target``, if it applies, and notes on
+    any that does not (another device, a changed spec, changed candidates)."""
+    path = path_for(pipe.path)
+    data = read(path)
+    if data is None:
+        return None, []
+    shown = os.path.relpath(path) if path.is_absolute() else str(path)
+    devices = [e.get("device") for e in data["entries"]]
+    entry = next((e for e in data["entries"] if e.get("device") == target.name), None)
+    if entry is None:
+        return None, [f"{shown}: tuned on {', '.join(map(str, devices)) or 'nothing'}, not on {target.name}: ignored"]
+    if entry.get("spec_hash") != spec_hash(pipe):
+        return None, [f"{shown}: stale for {target.name}: the spec changed since it was tuned (run `kgen tune`): ignored"]
+    if entry.get("candidates_hash") != cand_hash:
+        return None, [f"{shown}: stale for {target.name}: kgen's candidates for this spec changed since it was tuned "
+                      "(run `kgen tune`): ignored"]
+    return Entry(path, target.name, _ranges(path, entry), entry), []
+
+
+def measured(entry: Entry) -> dict[str, dict[int, float]]:
+    """Measured times of an entry's candidates: json of their choices -> {batch: ms}."""
+    return {json.dumps(c["choices"], sort_keys=True): {int(b): float(ms) for b, ms in c.get("measured_ms", {}).items()}
+            for c in entry.data.get("candidates", [])}
+
+
+def write_entry(spec_path, entry: dict) -> Path:
+    """Store ``entry`` in the spec's tuning file, replacing the one for its device."""
+    path = path_for(spec_path)
+    data = read(path) or {"format": FORMAT, "spec": str(spec_path), "entries": []}
+    data["entries"] = [e for e in data["entries"] if e.get("device") != entry["device"]] + [entry]
+    data["entries"].sort(key=lambda e: str(e.get("device")))
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise KgenError(f"cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
+def ranges_from(best: dict[int, str], prefer: int) -> list[tuple[int, int | None, int, str]]:
+    """Batch ranges from the best candidate measured at each batch: (min, max, tuned_at,
+    candidate). Neighbouring batches with the same best share a range, tuned at the
+    measured batch nearest ``prefer`` (the spec's example); where the best changes, the
+    boundary is the geometric mean of the two measured batches (times scale with the batch)."""
+    batches = sorted(best)
+    runs: list[list[int]] = []
+    for b in batches:
+        if runs and best[runs[-1][-1]] == best[b]:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    out = []
+    for i, run in enumerate(runs):
+        lo = 1 if i == 0 else out[-1][1] + 1
+        hi = None
+        if i + 1 < len(runs):
+            hi = min(max(run[-1], int((run[-1] * runs[i + 1][0]) ** 0.5)), runs[i + 1][0] - 1)
+        tuned_at = min(run, key=lambda b: (abs(b - prefer), b))
+        out.append((lo, hi, tuned_at, best[run[0]]))
+    return out

@@ -1,0 +1,294 @@
+"""Choices: the candidates, tuning files (round trip, foreign and stale entries), the cost
+model, the eager candidate and the batch-range dispatch. CPU only; `kgen tune`'s
+measuring on a GPU is in test_cuda.py."""
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT, pipeline_of, spec_text, write_spec
+from kgen import cost, tune, tunefile
+from kgen.errors import KgenError
+from kgen.ir import load_pipeline
+from kgen.plan import EAGER, KGEN, PIPELINE, candidate_plans, choose_plans, make_plan
+from kgen.target import DEFAULT, Target
+
+# a conv with a parameter, a pool, an elementwise op and a reduction: every role the eager candidate calls
+SMALL = spec_text([3, 9, 10], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, {"mul": {"param": "scale"}},
+                               {"max_pool2d": {"kernel_size": 2}}, "sigmoid", {"sum": {"dim": 1}}],
+                  params={"scale": {"shape": [4, 1, 1], "init": "randn"}}, batch=4, name="tuned")
+TINY_TRANSPOSED = [{"conv_transpose3d": {"out_channels": 20, "kernel_size": 3, "stride": 2}},
+                   {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}]
+
+
+def _fake_tuning(spec, batches, fastest, root):
+    """``tune.prepare`` for real (candidates planned and rendered), then invented times:
+    ``fastest[batch]`` picks the winner at each batch (a predicate on its choices)."""
+    t = tune.prepare(spec, batches, tune.MAX_CANDIDATES, root)
+    for m in t.measured:
+        for b in t.batches:
+            m.ms[b] = 1.0 if fastest[b](m.plan.choices) else 2.0 + len(json.dumps(m.plan.choices)) / 1e3
+    t.eager_pytorch_ms = {b: 3.0 for b in t.batches}
+    return t
+
+
+def _is_eager(choices):
+    return choices.get(PIPELINE) == EAGER
+
+
+def _is_default_kgen(choices):
+    """kgen's default plan: every rewrite on, each stage's first candidate (SMALL: channels_last)."""
+    return choices.get(PIPELINE) == KGEN and set(choices.values()) <= {KGEN, "on", "conv_aten:channels_last"}
+
+
+# ------------------------------------------------------------------ candidates
+
+
+def test_candidates_cover_every_choice_once():
+    pipe = pipeline_of(spec_text([12, 6, 6, 6], TINY_TRANSPOSED, batch=4))
+    plans = candidate_plans(pipe, DEFAULT)
+    keys = [json.dumps(p.choices, sort_keys=True) for p in plans]
+    assert len(set(keys)) == len(keys)
+    assert plans[0].choices[PIPELINE] == KGEN  # the default comes first
+    assert sum(_is_eager(p.choices) for p in plans) == 1
+    direct = [p for p in plans if p.choices.get("subpixel_conv_transpose @ ops[0].conv_transpose3d") == "off"]
+    assert direct and all("dead_region @ ops[0].conv_transpose3d" not in p.choices for p in direct)  # no crop without phases
+    assert {p.stages[0].layout for p in direct} == {"contiguous", "channels_last"}
+    # a plan made for the same choices is the same plan
+    again = make_plan(pipe, target=DEFAULT, choices=direct[0].choices)
+    assert again.choices == direct[0].choices and again.stages[0].conv.lowering.name == "direct"
+
+
+def test_cost_model_prefers_the_direct_form_for_a_tiny_transposed_conv():
+    # through cuDNN (plan.conv: aten): one direct call, not eight sub-pixel phase calls
+    tiny = pipeline_of(spec_text([12, 6, 6, 6], TINY_TRANSPOSED, batch=2, plan={"conv": "aten"}))
+    sel = choose_plans(tiny, DEFAULT)
+    assert sel.source == "cost model"
+    assert sel.plans[0].choices["subpixel_conv_transpose @ ops[0].conv_transpose3d"] == "off"
+    by = {p.choices["subpixel_conv_transpose @ ops[0].conv_transpose3d"]: cost.estimate_ms(p, 2) for p in sel.candidates
+          if p.choices["implementation @ ops[0].conv_transpose3d"] == "conv_aten:contiguous"}
+    assert by["off"] < by["on"]  # eight phase calls cost more than the math they save
+    # unpinned, the generated convolution runs all phases in one launch: never eight cuDNN calls
+    auto = choose_plans(pipeline_of(spec_text([12, 6, 6, 6], TINY_TRANSPOSED, batch=2)), DEFAULT).plans[0]
+    assert not (auto.choices.get("subpixel_conv_transpose @ ops[0].conv_transpose3d") == "on"
+                and auto.stages[0].family.name == "conv_aten")
+    # a large one through cuDNN: the phases win (cuDNN's direct strided transposed convolution is slow)
+    big = choose_plans(load_pipeline(ROOT / "specs" / "maxpool_sum.yaml"), DEFAULT)
+    if big.tuning is None:
+        assert big.plans[0].choices["subpixel_conv_transpose @ ops[0].conv_transpose3d"] == "on"
+
+
+def test_cost_model_counts_launches_bytes_and_flops():
+    pipe = pipeline_of(SMALL)
+    kgen_plan, eager_plan = make_plan(pipe, target=DEFAULT), make_plan(pipe, target=DEFAULT, choices={PIPELINE: EAGER})
+    k, e = cost.estimate(kgen_plan, 4), cost.estimate(eager_plan, 4)
+    assert sum(s.launches for s in e) > sum(s.launches for s in k)  # eager: a launch per op
+    assert sum(s.bytes for s in e) > sum(s.bytes for s in k)  # and a round trip through memory per op
+    assert cost.estimate_ms(kgen_plan, 400) > cost.estimate_ms(kgen_plan, 4)
+
+
+# ------------------------------------------------------------------ tuning files
+
+
+def test_ranges_follow_the_best_candidate_per_batch():
+    assert tunefile.ranges_from({16: "a"}, 16) == [(1, None, 16, "a")]
+    assert tunefile.ranges_from({1: "e", 16: "k"}, 16) == [(1, 4, 1, "e"), (5, None, 16, "k")]
+    assert tunefile.ranges_from({1: "e", 2: "e", 64: "k", 128: "k"}, 64) == [(1, 11, 2, "e"), (12, None, 64, "k")]  # tuned nearest the example
+    assert tunefile.ranges_from({1: "a", 2: "b"}, 2) == [(1, 1, 1, "a"), (2, None, 2, "b")]
+
+
+def test_tuning_file_round_trip(tmp_path):
+    spec = write_spec(tmp_path, SMALL, "tuned.yaml")
+    t = _fake_tuning(spec, [1, 16], {1: _is_eager, 4: _is_default_kgen, 16: _is_default_kgen}, tmp_path / "tune")
+    assert t.batches == [1, 4, 16] and any(_is_eager(m.plan.choices) for m in t.measured)
+    broken = next(m for m in t.measured if not _is_eager(m.plan.choices) and not _is_default_kgen(m.plan.choices))
+    broken.ms, broken.problem = {b: math.inf for b in t.batches}, "does not build: (a stand-in)"
+    path = tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
+    assert path == tmp_path / "tuned.tune.json"
+    data = json.loads(path.read_text())
+    (e,) = data["entries"]
+    assert e["device"] == DEFAULT.name and e["reps"] == 30 and len(e["candidates"]) == len(t.measured)
+    assert [(r["min"], r["max"], r["tuned_at"]) for r in e["ranges"]] == [(1, 2, 1), (3, None, 4)]
+    failed = [c for c in e["candidates"] if "problem" in c]  # reported, never chosen
+    assert len(failed) == 1 and set(failed[0]["measured_ms"].values()) == {None}
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source.startswith("tuning file tuned.tune.json") and not sel.notes
+    assert [(v.lo, v.hi) for v in sel.variants] == [(1, 2), (3, None)]
+    assert _is_eager(sel.variants[0].plan.choices) and sel.variants[1].plan.choices == e["ranges"][1]["choices"]
+    assert all(v.plan.batch == 4 for v in sel.variants)  # schedules made for the example batch, as tune measured them
+    assert "measured fastest at batch 4" in sel.variants[1].plan.stages[0].choice
+    # another device's entry joins the file; this device's is replaced
+    tunefile.write_entry(spec, dict(e, device="Another GPU"))
+    tunefile.write_entry(spec, e)
+    assert sorted(x["device"] for x in json.loads(path.read_text())["entries"]) == ["Another GPU", DEFAULT.name]
+    assert choose_plans(load_pipeline(spec), DEFAULT).source.startswith("tuning file")
+
+
+def test_foreign_and_stale_entries_are_ignored_with_a_note(tmp_path):
+    spec = write_spec(tmp_path, SMALL, "tuned.yaml")
+    t = _fake_tuning(spec, [], {4: _is_eager}, tmp_path / "tune")
+    entry = tune.entry(t, 30, DEFAULT.name)
+    # another device: the cost model decides, and says why
+    tunefile.write_entry(spec, dict(entry, device="NVIDIA H200"))
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source == "cost model" and sel.tuning is None
+    (note,) = sel.notes
+    assert note.endswith("tuned.tune.json: tuned on NVIDIA H200, not on NVIDIA H100 80GB HBM3: ignored")
+    h200 = choose_plans(load_pipeline(spec), Target(name="NVIDIA H200"))  # that device uses it
+    assert h200.source.startswith("tuning file") and _is_eager(h200.plans[0].choices)
+    # the same device, but the spec changed since
+    tunefile.write_entry(spec, entry)
+    assert _is_eager(choose_plans(load_pipeline(spec), DEFAULT).plans[0].choices)
+    spec.write_text(SMALL.replace("kernel_size: 3", "kernel_size: 2"))
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source == "cost model" and "the spec changed since it was tuned" in sel.notes[0]
+    # kgen's candidates changed (a family offers another configuration, say)
+    spec.write_text(SMALL)
+    tunefile.write_entry(spec, dict(entry, candidates_hash="0" * 16))
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source == "cost model" and "kgen's candidates for this spec changed" in sel.notes[0]
+    # the example batch is not part of what a spec computes
+    tunefile.write_entry(spec, entry)
+    spec.write_text(SMALL.replace("N: 4", "N: 7"))
+    assert choose_plans(load_pipeline(spec), DEFAULT).source.startswith("tuning file")
+
+
+def test_render_prints_the_note_and_a_broken_file_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from kgen.cli import main
+
+    spec = write_spec(tmp_path, SMALL, "tuned.yaml")
+    t = _fake_tuning(spec, [], {4: _is_eager}, tmp_path / "tune")
+    tunefile.write_entry(spec, dict(tune.entry(t, 30, DEFAULT.name), device="NVIDIA H200"))
+    result = CliRunner().invoke(main, ["render", str(spec), "--out", str(tmp_path / "gen")])
+    assert result.exit_code == 0 and "not on NVIDIA H100 80GB HBM3: ignored" in result.stderr
+    tunefile.path_for(spec).write_text("{not json")
+    result = CliRunner().invoke(main, ["render", str(spec), "--out", str(tmp_path / "gen")])
+    assert result.exit_code == 1 and result.stderr.startswith("kgen: error: ") and len(result.stderr.splitlines()) == 1
+    assert "not a readable tuning file" in result.stderr
+
+
+# ------------------------------------------------------------------ the eager candidate and the dispatch
+
+
+@pytest.mark.slow
+def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_path):
+    """A tuning file that picks the eager plan for batches 1..2 and kgen's for 3..: the module
+    holds both, validates on the CPU (each plan at a batch of its range), and the op runs
+    the plan of the batch (seen through the stages' profiler ranges)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import import_module_dir, validate
+
+    spec = write_spec(tmp_path, SMALL, "tuned.yaml")
+    t = _fake_tuning(spec, [1], {1: _is_eager, 4: _is_default_kgen}, tmp_path / "tune")
+    tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    binding = (out / "tuned" / "binding.cpp").read_text()
+    assert "at::max_pool2d(y, {2, 2}" in binding and "at::sigmoid(y)" in binding  # the eager plan's ATen calls
+    assert "if (batch <= 2) return v0::forward(" in binding
+    build_module(out / "tuned")
+    report = validate(spec, out / "tuned", "cpu")
+    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert any("(plan 0: batches 1..2)" in c.case for c in report.cases)
+    assert any(c.case.startswith("stage 1 of plan 1") for c in report.cases)
+    model = import_module_dir(out / "tuned").Model()
+    ran = {}
+    for batch in (1, 2, 3, 9):
+        with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+            model(torch.randn(batch, 3, 9, 10))
+        ran[batch] = sorted(e.key for e in prof.key_averages() if e.key.startswith("kgen::tuned "))
+    assert ran[1] == ran[2] == ["kgen::tuned plan 0 stage 0 (eager)"]
+    assert ran[3] == ran[9] == ["kgen::tuned plan 1 stage 0 (conv_aten)", "kgen::tuned plan 1 stage 1 (pool_reduce)"]
+    y = model(torch.randn(0, 3, 9, 10))
+    assert tuple(y.shape) == (0, 3, 4)  # batch 0 returns before any plan
+
+
+def test_a_module_that_does_not_build_is_recorded_not_raised(tmp_path):
+    from kgen.build import build_modules
+
+    broken = tmp_path / "gen" / "broken"
+    broken.mkdir(parents=True)
+    failures = {}
+    assert build_modules([broken], "cpu", failures=failures) == []
+    assert "missing rendered sources" in failures[broken]
+    with pytest.raises(KgenError, match="missing rendered sources"):
+        build_modules([broken], "cpu")
+
+
+# ------------------------------------------------------------------ commands
+
+
+def test_tune_without_a_gpu_is_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: kgen tune runs")
+    from click.testing import CliRunner
+
+    from kgen.cli import main
+
+    result = CliRunner().invoke(main, ["tune", str(ROOT / "specs" / "maxpool_sum.yaml")])
+    assert result.exit_code == 1 and result.stderr.strip() == "kgen: error: kgen tune needs a CUDA GPU: it measures the candidates"
+
+
+def test_explain_shows_the_candidates_estimates_and_choice():
+    from kgen.explain import explain_text
+
+    text = explain_text(load_pipeline(ROOT / "specs" / "maxpool_sum.yaml"))
+    assert "chosen by " in text and "candidates at batch 16" in text
+    table = text.split("candidates at batch 16")[1].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == len(candidate_plans(load_pipeline(ROOT / "specs" / "maxpool_sum.yaml"))) == 7
+    assert sum(line.startswith("  *") for line in table) == 1
+    assert any("eager (the spec's ops through ATen)" in line for line in table)
+    assert all(math.isfinite(float(line.split()[1 if line.startswith("  *") else 0])) for line in table)
+    assert "model" in text.split("kernels of the plan")[1]
+
+
+def _bench_result(rows):
+    return dict(environment=dict(device="NVIDIA H100 80GB HBM3"), reps=30, warmup=5, rows=rows)
+
+
+def _row(name, eager, kgen):
+    stages = [dict(stage=0, kind="conv", family="conv_aten", ms=kgen / 2, flops=1e10, bytes=1e8),
+              dict(stage=1, kind="pool_reduce", family="pool_reduce", ms=kgen / 2, flops=1e7, bytes=4e8)]
+    return dict(name=name, batch=4, eager_ms=eager, compile_ms=eager, kgen_ms=kgen, floor_ms=0.05, stages=stages)
+
+
+def test_bench_table_marks_rows_slower_than_eager_and_gives_the_floor_ratio():
+    from kgen.bench import markdown_table
+
+    table = markdown_table(_bench_result([_row("fast", 1.0, 0.5), _row("behind", 1.0, 1.25)]))
+    fast = next(line for line in table.splitlines() if line.startswith("| fast "))
+    behind = next(line for line in table.splitlines() if line.startswith("| behind "))
+    assert "2.00x |" in fast and "slower" not in fast and "| 10.0x |" in fast  # 0.5 ms over a 0.05 ms floor
+    assert "0.80x **slower**" in behind
+    assert table.rstrip().endswith("kgen slower than eager: behind")
+
+
+def test_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kgen.plot import plot
+
+    path = plot(_bench_result([_row("a", 1.0, 0.5), _row("b", 2.0, 2.5)]), tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    from kgen.plot import plot
+
+    with pytest.raises(KgenError, match=r"needs matplotlib: pip install 'kgen\[plot\]'"):
+        plot(_bench_result([_row("a", 1.0, 0.5)]), tmp_path / "plot.png")
