@@ -1,0 +1,726 @@
+// conv_gemm.cuh: an implicit-GEMM convolution on tensor cores (TF32 mma.sync
+// m16n8k8, fp32 accumulators) with the next stage fused in as its epilogue.
+// Ordinary C++ templates: a generated stage supplies a problem struct `P`
+// (every size a compile-time constant; members listed at Geometry) and an
+// epilogue struct `E`; nothing here knows a particular pipeline.
+//
+// GEMM view: M = output positions of one sample (a box tile TD x TH x TW),
+// N = output channels, K = input channels x kernel taps, tap-major inside a
+// chunk of kCI input channels. Per chunk, a CTA loads the input box its tile
+// reads (halo included) into shared memory once, zero-filled outside the
+// tensor, rounds it to TF32 once (tf32x3: splits it into hi and lo), and
+// every tap reads it from there: a 3x3x3 kernel reuses each value 27 times.
+// kCI is 4 or a multiple of 8, so the four k-lanes of an MMA fragment are four
+// channels of one tap: every shared-memory offset is a compile-time constant
+// plus a per-thread register (no index arithmetic in the main loop).
+//
+// Two main loops. `generic`: each k step loads its A fragments from shared
+// memory. `window` (stride 1 in H and W, kCI 4 or 8): a warp's m-tiles are
+// kMT consecutive rows in H of 16 positions in W, a thread's two fragment
+// rows are the neighbours 2g and 2g + 1, so all the taps of one kd read a
+// small window of the box that the thread loads into registers once
+// ((kMT + KH - 1) x (KW + 1) values per channel lane instead of
+// 2 kMT KH KW): shared-memory traffic drops 3x for a 3x3 kernel.
+//
+// Weights are packed once per call (pack_weights_kernel) into MMA-fragment
+// order and read straight from global memory (L1-resident after the first
+// tile), one 8- or 16-byte load per n-tile and k-step. CTAs are persistent
+// and walk their tiles; cp.async stages run kStages deep across chunks and
+// tiles. After a tile's last chunk the epilogue runs: on the accumulator
+// registers (E::kStaged false: elementwise ops, reductions, statistics) or on
+// a shared-memory copy of the tile (E::kStaged: pools, plain stores).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <tuple>
+#include <utility>
+
+namespace kgen {
+namespace conv_gemm {
+
+enum class Mma { kTf32, kTf32x3 };
+
+// ------------------------------------------------------------------ PTX
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 4-byte copy global -> shared; `valid` false writes a zero instead.
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+
+// 16-byte copy global -> shared (both 16-byte aligned); `valid` false writes zeros.
+__device__ __forceinline__ void cp_async16(float* dst, const float* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// fp32 -> tf32, rounded to nearest (ties away from zero); NaN and inf stay.
+__device__ __forceinline__ float to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+
+// d += a * b for one m16n8k8 tile (a: 4 regs, b: 2 regs, d: 4 fp32).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const float (&a)[4], float b0, float b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])), "r"(__float_as_uint(a[3])),
+        "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// ------------------------------------------------------------------ geometry
+
+constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
+
+// The smallest p >= n with p % 32 == want (spreads rows `p` apart over banks).
+constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32 + 32) % 32; }
+
+// Everything derived from the problem struct P, whose members (all static constexpr) are:
+//   kCin, kCout                             channels
+//   kInD, kInH, kInW                        input spatial size (1 for missing dims)
+//   kOutD, kOutH, kOutW                     output positions computed (from 0)
+//   kKD.., kSD.., kPD.., kDD..              kernel, stride, padding (may be negative), dilation per dim
+//   kOutStrideD.., kOutResidueD..           output position o of GEMM position m: o = stride * m + residue
+//                                           (1 and 0, except for a sub-pixel phase of a transposed convolution)
+//   kFullD, kFullH, kFullW                  the output tensor's spatial size (for addressing)
+//   kWeightTransposed                       the weight is (Cin, Cout, K..) (a transposed convolution's), else (Cout, Cin, K..)
+//   kWKD, kWKH, kWKW                        the weight's kernel size
+//   kWStartD.., kWStepD.., kWFlip           tap j of this convolution is weight tap start + step * j
+//                                           (kWFlip: start + step * (taps - 1 - j))
+//   kChannelsLast                           input memory format (else NC[D]HW)
+//   kTD, kTH, kTW                           output box of one tile
+//   kCI                                     input channels per chunk: 4 or a multiple of 8
+//   kBN                                     output channels per CTA, a multiple of 8
+//   kWarpsM, kWarpsN                        warp grid of a CTA
+//   kStages                                 cp.async pipeline depth (>= 2)
+//   kPlaneResidue                           input channel plane stride % 32 (bank spread)
+//   kMma                                    Mma::kTf32 or Mma::kTf32x3
+//   kWindow                                 the window main loop (else generic)
+template <class P>
+struct Geometry {
+  static_assert(P::kCI == 4 || P::kCI % 8 == 0, "the four k-lanes of a fragment are four channels of one tap");
+  // K of a chunk runs over tap slots, kd-major; with kCI == 4 a k step holds
+  // two taps, so each kd's slots are padded to an even count (a padded slot
+  // has zero weights and its A values are compile-time zeros).
+  static constexpr int kTapsHW = P::kKH * P::kKW;
+  static constexpr int kSlotsPerKd = P::kCI == 4 ? round_up(kTapsHW, 2) : kTapsHW;
+  static constexpr int kSlots = P::kKD * kSlotsPerKd;
+  static constexpr int kChunks = ceil_div(P::kCin, P::kCI);
+  static constexpr int kKChunk = P::kCI * kSlots;  // K of one chunk, a multiple of 8
+  static constexpr int kKSteps = kKChunk / 8;
+  static constexpr int kStepsPerKd = kKSteps / P::kKD;
+  static constexpr int kCBlocks = ceil_div(P::kCout, P::kBN);
+  static constexpr int kNTiles = P::kBN / 8;  // n-tiles of a CTA
+  static constexpr int kSplits = P::kMma == Mma::kTf32x3 ? 2 : 1;
+
+  // The input box a tile reads.
+  static constexpr int kBD = (P::kTD - 1) * P::kSD + (P::kKD - 1) * P::kDD + 1;
+  static constexpr int kBH = (P::kTH - 1) * P::kSH + (P::kKH - 1) * P::kDH + 1;
+  static constexpr int kBW = (P::kTW - 1) * P::kSW + (P::kKW - 1) * P::kDW + 1;
+  // Rows are loaded in 16-byte pieces when every piece lies wholly inside or
+  // wholly outside the input: NC[D]HW; W, the tile step and the padding
+  // multiples of 4; channel planes 16-byte aligned.
+  static constexpr bool kVecRows = !P::kChannelsLast && P::kInW % 4 == 0 && (P::kTW * P::kSW) % 4 == 0 &&
+                                   P::kPW % 4 == 0 && P::kPlaneResidue % 4 == 0;
+  // The window loop reads pairs up to one column past the box.
+  static constexpr int kBWPad = kVecRows ? round_up(kBW + (P::kWindow ? 1 : 0), 4) : round_up(kBW + (P::kWindow ? 1 : 0), 2);
+  static constexpr int kPlane = pad_to_residue(kBD * kBH * kBWPad, P::kPlaneResidue);
+  static constexpr int kInStage = round_up(P::kCI * kPlane, 4);
+
+  // Tiles and warps.
+  static constexpr int kM = P::kTD * P::kTH * P::kTW;
+  static constexpr int kMPad = pad_to_residue(kM, 4);  // staged tile rows: 8 rows x 4 column pairs hit 32 banks
+  static constexpr int kTilesD = ceil_div(P::kOutD, P::kTD);
+  static constexpr int kTilesH = ceil_div(P::kOutH, P::kTH);
+  static constexpr int kTilesW = ceil_div(P::kOutW, P::kTW);
+  static constexpr int kTilesPerSample = kTilesD * kTilesH * kTilesW;
+  static constexpr int kThreads = 32 * P::kWarpsM * P::kWarpsN;
+  static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp
+  static constexpr int kWarpN = P::kBN / P::kWarpsN;  // columns per warp
+  static constexpr int kMT = kWarpM / 16;
+  static constexpr int kNT = kWarpN / 8;
+  static_assert(kM % (16 * P::kWarpsM) == 0, "tile rows must split into 16-row MMA tiles per warp");
+  static_assert(P::kBN % (8 * P::kWarpsN) == 0, "kBN must split into 8-column MMA tiles per warp");
+  static_assert(P::kStages >= 2, "at least double buffering");
+
+  // Window main loop: warp row -> (d, block of kMT rows in H, 16-wide segment in W).
+  static constexpr int kHBlocks = P::kTH / kMT;
+  static constexpr int kWSegs = P::kTW / 16;
+  static constexpr int kWinRows = kMT + (P::kKH - 1) * P::kDH;
+  static constexpr int kWinCols = round_up((P::kKW - 1) * P::kDW + 2, 2);
+  static constexpr int kLanesC = P::kCI == 8 ? 2 : 1;  // channel lanes a thread holds
+  static_assert(!P::kWindow || (P::kSH == 1 && P::kSW == 1 && (P::kCI == 4 || P::kCI == 8) && P::kTW % 16 == 0 &&
+                                P::kPlaneResidue % 2 == 0 &&
+                                P::kTH % kMT == 0 && P::kTD * kHBlocks * kWSegs == P::kWarpsM),
+                "window main loop: stride 1 in H and W, kCI 4 or 8, warps tile (TD, TH / kMT, TW / 16)");
+
+  // Packed weights: [cblock][chunk][k step][n-tile][lane][split][2] floats.
+  static constexpr int kFragFloats = 2 * kSplits;  // per lane, n-tile and k step
+  static constexpr long long kPackedStep = static_cast<long long>(kNTiles) * 32 * kFragFloats;
+  static constexpr long long kPackedFloats = static_cast<long long>(kCBlocks) * kChunks * kKSteps * kPackedStep;
+
+  // Shared memory in floats: input stages | lo parts (tf32x3) | staged tile | epilogue scratch.
+  static constexpr int kLoOffset = P::kStages * kInStage;
+  static constexpr int kTileOffset = kLoOffset + (kSplits == 2 ? kInStage : 0);
+};
+
+// k of a chunk -> its tap (kd, kh, kw) and channel; `real` false for padded slots.
+struct KIndex {
+  int kd, kh, kw, c;
+  bool real;
+};
+template <class P>
+__host__ __device__ constexpr KIndex k_index(int k) {
+  using G = Geometry<P>;
+  const int slot = k / P::kCI, c = k % P::kCI;
+  const int kd = slot / G::kSlotsPerKd, r = slot % G::kSlotsPerKd;
+  return KIndex{kd, r / P::kKW, r % P::kKW, c, r < G::kTapsHW};
+}
+
+// The shared-memory offset of k inside a stage, without the thread's channel lane.
+template <class P>
+__host__ __device__ constexpr int k_offset(int k) {
+  using G = Geometry<P>;
+  const KIndex q = k_index<P>(k);
+  return q.c * G::kPlane + (q.kd * P::kDD * G::kBH + q.kh * P::kDH) * G::kBWPad + q.kw * P::kDW;
+}
+
+// Where a tile lies: sample, output-channel block, its number inside the sample, its first output position.
+struct TileCoord {
+  int n, cblock, index;
+  int od, oh, ow;
+};
+
+template <class P>
+__device__ __forceinline__ TileCoord tile_coord(long long t) {
+  using G = Geometry<P>;
+  TileCoord c;
+  c.index = static_cast<int>(t % G::kTilesPerSample);
+  const long long rest = t / G::kTilesPerSample;
+  c.cblock = static_cast<int>(rest % G::kCBlocks);
+  c.n = static_cast<int>(rest / G::kCBlocks);
+  const int tw = c.index % G::kTilesW;
+  const int th = (c.index / G::kTilesW) % G::kTilesH;
+  const int td = c.index / (G::kTilesW * G::kTilesH);
+  c.od = td * P::kTD;
+  c.oh = th * P::kTH;
+  c.ow = tw * P::kTW;
+  return c;
+}
+
+// Row m of a tile -> (d, h, w) inside the box, W fastest.
+template <class P>
+__host__ __device__ constexpr int row_d(int m) { return m / (P::kTH * P::kTW); }
+template <class P>
+__host__ __device__ constexpr int row_h(int m) { return (m / P::kTW) % P::kTH; }
+template <class P>
+__host__ __device__ constexpr int row_w(int m) { return m % P::kTW; }
+
+// Whether row m of the tile at `c` is an output position (tiles at the edges are partial).
+template <class P>
+__device__ __forceinline__ bool row_valid(const TileCoord& c, int m) {
+  return c.od + row_d<P>(m) < P::kOutD && c.oh + row_h<P>(m) < P::kOutH && c.ow + row_w<P>(m) < P::kOutW;
+}
+
+// Position in the output tensor of row m of the tile at `c`.
+template <class P>
+__device__ __forceinline__ int out_d(const TileCoord& c, int m) { return P::kOutStrideD * (c.od + row_d<P>(m)) + P::kOutResidueD; }
+template <class P>
+__device__ __forceinline__ int out_h(const TileCoord& c, int m) { return P::kOutStrideH * (c.oh + row_h<P>(m)) + P::kOutResidueH; }
+template <class P>
+__device__ __forceinline__ int out_w(const TileCoord& c, int m) { return P::kOutStrideW * (c.ow + row_w<P>(m)) + P::kOutResidueW; }
+
+// Offset of (sample, channel, row m) in an NC[D]HW output tensor.
+template <class P>
+__device__ __forceinline__ long long out_offset(const TileCoord& c, int channel, int m) {
+  return ((static_cast<long long>(c.n) * P::kCout + channel) * P::kFullD + out_d<P>(c, m)) * P::kFullH * P::kFullW +
+         static_cast<long long>(out_h<P>(c, m)) * P::kFullW + out_w<P>(c, m);
+}
+
+// Tile row m (linear over (d, h, w), w fastest) and output channel (inside
+// the CTA's block) of each accumulator: acc[mt][nt][i] holds row m(mt, i),
+// column n(nt, i). Generic loop: the warp's rows are m0 + mt * 16 + fragment
+// row. Window loop: m-tile mt is row h0 + mt at depth d0, positions w0 + 2g
+// (fragment row g) and w0 + 2g + 1 (row g + 8).
+template <class P>
+struct FragMap {
+  int m0, n0, g, t;
+  int d0, h0, w0;  // window loop only
+  __device__ __forceinline__ int m(int mt, int i) const {
+    if constexpr (P::kWindow) {
+      return ((d0 * P::kTH) + h0 + mt) * P::kTW + w0 + 2 * g + i / 2;
+    } else {
+      return m0 + mt * 16 + g + (i / 2) * 8;
+    }
+  }
+  __device__ __forceinline__ int n(int nt, int i) const { return n0 + nt * 8 + 2 * t + (i % 2); }
+};
+
+// ------------------------------------------------------------------ reductions
+
+// Sum over the block, in a fixed order whatever the timing; the result is valid in thread 0.
+// `scratch` holds one float per warp; the caller's next __syncthreads guards its reuse.
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+  }
+  return total;
+}
+
+// ------------------------------------------------------------------ loads
+
+// Input box of chunk `chunk` for the tile at `c` into one shared-memory stage.
+template <class P>
+__device__ __forceinline__ void load_input(float* dst, const float* __restrict__ x, const TileCoord& c, int chunk) {
+  using G = Geometry<P>;
+  const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
+  const int ci0 = chunk * P::kCI;
+  if constexpr (G::kVecRows) {
+    constexpr int kPieces = G::kBWPad / 4;
+    constexpr int kTotal = P::kCI * G::kBD * G::kBH * kPieces;
+    for (int e = threadIdx.x; e < kTotal; e += G::kThreads) {
+      const int piece = e % kPieces;
+      const int row = e / kPieces;  // (ci, bd, bh)
+      const int bh = row % G::kBH, bd = (row / G::kBH) % G::kBD, ci = row / (G::kBH * G::kBD);
+      const int id = id0 + bd, ih = ih0 + bh, iw = iw0 + piece * 4;
+      const bool ok = ci0 + ci < P::kCin && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
+      const long long off = (((static_cast<long long>(c.n) * P::kCin + ci0 + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
+      cp_async16(dst + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad + piece * 4, ok ? x + off : x, ok);
+    }
+  } else {
+    constexpr int kTotal = P::kCI * G::kBD * G::kBH * G::kBW;
+    for (int e = threadIdx.x; e < kTotal; e += G::kThreads) {
+      int ci, bd, bh, bw;
+      if constexpr (P::kChannelsLast) {  // consecutive threads: consecutive channels
+        ci = e % P::kCI;
+        const int pos = e / P::kCI;
+        bw = pos % G::kBW;
+        bh = (pos / G::kBW) % G::kBH;
+        bd = pos / (G::kBW * G::kBH);
+      } else {  // consecutive threads: consecutive positions along W
+        bw = e % G::kBW;
+        bh = (e / G::kBW) % G::kBH;
+        bd = (e / (G::kBW * G::kBH)) % G::kBD;
+        ci = e / (G::kBW * G::kBH * G::kBD);
+      }
+      const int id = id0 + bd, ih = ih0 + bh, iw = iw0 + bw;
+      const bool ok = ci0 + ci < P::kCin && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
+      long long off;
+      if constexpr (P::kChannelsLast) {
+        off = (((static_cast<long long>(c.n) * P::kInD + id) * P::kInH + ih) * P::kInW + iw) * P::kCin + ci0 + ci;
+      } else {
+        off = (((static_cast<long long>(c.n) * P::kCin + ci0 + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
+      }
+      cp_async4(dst + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad + bw, ok ? x + off : x, ok);
+    }
+  }
+}
+
+// Rounds a landed stage to TF32 in place; tf32x3 also writes lo = x - hi
+// (zero for NaN and inf, so that only hi carries them).
+template <class P>
+__device__ __forceinline__ void round_stage(float* stage, float* lo) {
+  using G = Geometry<P>;
+  float4* s4 = reinterpret_cast<float4*>(stage);
+  float4* l4 = reinterpret_cast<float4*>(lo);
+  for (int e = threadIdx.x; e < G::kInStage / 4; e += G::kThreads) {
+    const float4 v = s4[e];
+    const float4 h = make_float4(to_tf32(v.x), to_tf32(v.y), to_tf32(v.z), to_tf32(v.w));
+    s4[e] = h;
+    if constexpr (G::kSplits == 2) {
+      auto low = [](float x, float hi) { return isfinite(x) ? to_tf32(x - hi) : 0.f; };
+      l4[e] = make_float4(low(v.x, h.x), low(v.y, h.y), low(v.z, h.z), low(v.w, h.w));
+    }
+  }
+}
+
+// ------------------------------------------------------------------ the kernel
+
+// One k step: acc += A x B for the warp's kMT x kNT tiles, B from the packed
+// fragments at `wf` (tf32x3: a_lo x b_hi + a x b_lo + a x b_hi).
+template <class P>
+__device__ __forceinline__ void mma_step(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4],
+                                         const float (&a)[Geometry<P>::kMT][4],
+                                         const float (&a_lo)[Geometry<P>::kSplits == 2 ? Geometry<P>::kMT : 1][4],
+                                         const float* wf) {
+  using G = Geometry<P>;
+#pragma unroll
+  for (int nt = 0; nt < G::kNT; ++nt) {
+    if constexpr (G::kSplits == 2) {
+      const float4 b = __ldg(reinterpret_cast<const float4*>(wf + nt * 32 * G::kFragFloats));  // hi0, hi1, lo0, lo1
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) {
+        mma_tf32(acc[mt][nt], a_lo[mt], b.x, b.y);
+        mma_tf32(acc[mt][nt], a[mt], b.z, b.w);
+        mma_tf32(acc[mt][nt], a[mt], b.x, b.y);
+      }
+    } else {
+      const float2 b = __ldg(reinterpret_cast<const float2*>(wf + nt * 32 * G::kFragFloats));
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) mma_tf32(acc[mt][nt], a[mt], b.x, b.y);
+    }
+  }
+}
+
+// Generic main loop over one chunk: every k step reads its A fragments from shared memory.
+template <class P>
+__device__ __forceinline__ void chunk_generic(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4], const float* in,
+                                              const float* lo, const int (&row_off)[Geometry<P>::kMT][2], const float* w) {
+  using G = Geometry<P>;
+#pragma unroll
+  for (int ks = 0; ks < G::kKSteps; ++ks) {
+    // k-lanes t and t + 4 of this step; a padded slot's values are zeros.
+    const KIndex q0 = k_index<P>(ks * 8), q1 = k_index<P>(ks * 8 + 4);
+    const int off0 = k_offset<P>(ks * 8), off1 = k_offset<P>(ks * 8 + 4);
+    float a[G::kMT][4], a_lo[G::kSplits == 2 ? G::kMT : 1][4];
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt) {
+      a[mt][0] = q0.real ? in[row_off[mt][0] + off0] : 0.f;
+      a[mt][1] = q0.real ? in[row_off[mt][1] + off0] : 0.f;
+      a[mt][2] = q1.real ? in[row_off[mt][0] + off1] : 0.f;
+      a[mt][3] = q1.real ? in[row_off[mt][1] + off1] : 0.f;
+      if constexpr (G::kSplits == 2) {
+        a_lo[mt][0] = q0.real ? lo[row_off[mt][0] + off0] : 0.f;
+        a_lo[mt][1] = q0.real ? lo[row_off[mt][1] + off0] : 0.f;
+        a_lo[mt][2] = q1.real ? lo[row_off[mt][0] + off1] : 0.f;
+        a_lo[mt][3] = q1.real ? lo[row_off[mt][1] + off1] : 0.f;
+      }
+    }
+    mma_step<P>(acc, a, a_lo, w + ks * G::kPackedStep);
+  }
+}
+
+// Window main loop over one chunk: per kd, the thread's window of the box
+// (channel lanes x kWinRows x kWinCols, from `base`) goes to registers, then
+// every tap of that kd takes its fragments from there.
+template <class P>
+__device__ __forceinline__ void chunk_window(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4], const float* in,
+                                             const float* lo, int base, const float* w) {
+  using G = Geometry<P>;
+  constexpr int kLo = G::kSplits == 2 ? 1 : 0;
+#pragma unroll
+  for (int kd = 0; kd < P::kKD; ++kd) {
+    float win[1 + kLo][G::kLanesC][G::kWinRows][G::kWinCols];
+#pragma unroll
+    for (int part = 0; part <= kLo; ++part)
+#pragma unroll
+      for (int l = 0; l < G::kLanesC; ++l)
+#pragma unroll
+        for (int r = 0; r < G::kWinRows; ++r)
+#pragma unroll
+          for (int j = 0; j < G::kWinCols; j += 2) {
+            const float* src = (part ? lo : in) + base + l * 4 * G::kPlane + (kd * P::kDD * G::kBH + r) * G::kBWPad + j;
+            const float2 v = *reinterpret_cast<const float2*>(src);
+            win[part][l][r][j] = v.x;
+            win[part][l][r][j + 1] = v.y;
+          }
+#pragma unroll
+    for (int step = 0; step < G::kStepsPerKd; ++step) {
+      const int ks = kd * G::kStepsPerKd + step;
+      const KIndex q0 = k_index<P>(ks * 8), q1 = k_index<P>(ks * 8 + 4);
+      float a[G::kMT][4], a_lo[G::kSplits == 2 ? G::kMT : 1][4];
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+        for (int part = 0; part <= kLo; ++part) {
+          float* dst = part ? a_lo[mt] : a[mt];
+          const int r0 = mt + q0.kh * P::kDH, c0 = q0.kw * P::kDW, r1 = mt + q1.kh * P::kDH, c1 = q1.kw * P::kDW;
+          dst[0] = q0.real ? win[part][q0.c / 4][r0][c0] : 0.f;
+          dst[1] = q0.real ? win[part][q0.c / 4][r0][c0 + 1] : 0.f;
+          dst[2] = q1.real ? win[part][q1.c / 4][r1][c1] : 0.f;
+          dst[3] = q1.real ? win[part][q1.c / 4][r1][c1 + 1] : 0.f;
+        }
+      }
+      mma_step<P>(acc, a, a_lo, w + ks * G::kPackedStep);
+    }
+  }
+}
+
+// The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...).
+template <class P, class E>
+__device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const float* __restrict__ packed,
+                                          const typename E::Params& ep, int batch, int cta, int ctas) {
+  using G = Geometry<P>;
+  extern __shared__ __align__(16) float smem[];
+  float* s_lo = smem + G::kLoOffset;
+  float* s_tile = smem + G::kTileOffset;
+  float* s_scratch = s_tile + (E::kStaged ? P::kBN * G::kMPad : 0);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
+  const int warp_m = warp % P::kWarpsM, warp_n = warp / P::kWarpsM;
+  FragMap<P> fm{warp_m * G::kWarpM, warp_n * G::kWarpN, g, t, 0, 0, 0};
+  if constexpr (P::kWindow) {
+    fm.d0 = warp_m / (G::kHBlocks * G::kWSegs);
+    fm.h0 = (warp_m / G::kWSegs) % G::kHBlocks * G::kMT;
+    fm.w0 = warp_m % G::kWSegs * 16;
+  }
+  // Generic loop: shared-memory offset of this thread's fragment rows (g and
+  // g + 8 of each 16-row tile) plus its channel lane t; k adds a
+  // compile-time offset. Window loop: the offset of its window.
+  int row_off[G::kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = fm.m(mt, 2 * h);
+      row_off[mt][h] = (row_d<P>(m) * P::kSD * G::kBH + row_h<P>(m) * P::kSH) * G::kBWPad + row_w<P>(m) * P::kSW + t * G::kPlane;
+    }
+  }
+  const int window_base = t * G::kPlane + (fm.d0 * P::kSD * G::kBH + fm.h0) * G::kBWPad + fm.w0 + 2 * g;
+  // This thread's B fragments: lane `lane` of n-tiles warp_n * kNT + nt.
+  const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
+
+  const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
+  const long long my_tiles = cta < total_tiles ? (total_tiles - 1 - cta) / ctas + 1 : 0;
+  const long long steps = my_tiles * G::kChunks;
+  auto tile_of_step = [&](long long s) { return tile_coord<P>(cta + (s / G::kChunks) * ctas); };
+  auto issue = [&](long long s) {
+    if (s < steps) load_input<P>(smem + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
+    cp_async_commit();  // an empty group keeps the count uniform
+  };
+#pragma unroll 1
+  for (int s = 0; s < P::kStages - 1; ++s) issue(s);
+
+  float acc[G::kMT][G::kNT][4];
+#pragma unroll
+  for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+#pragma unroll 1
+  for (long long s = 0; s < steps; ++s) {
+    cp_async_wait<P::kStages - 2>();
+    __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
+    issue(s + P::kStages - 1);
+    float* in = smem + (s % P::kStages) * G::kInStage;
+    round_stage<P>(in, s_lo);
+    __syncthreads();
+    const TileCoord c = tile_of_step(s);
+    const int chunk = static_cast<int>(s % G::kChunks);
+    const float* w = w_lane + (static_cast<long long>(c.cblock) * G::kChunks + chunk) * G::kKSteps * G::kPackedStep;
+    if constexpr (P::kWindow) {
+      chunk_window<P>(acc, in, s_lo, window_base, w);
+    } else {
+      chunk_generic<P>(acc, in, s_lo, row_off, w);
+    }
+    if (chunk == G::kChunks - 1) {
+      if constexpr (E::kStaged) {
+        // Accumulators -> s_tile[n][m], then the epilogue on the whole tile.
+#pragma unroll
+        for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s_tile[fm.n(nt, i) * G::kMPad + fm.m(mt, i)] = acc[mt][nt][i];
+        __syncthreads();
+        E::template apply<P>(ep, s_tile, s_scratch, c);
+      } else {
+        E::template apply_fragments<P>(ep, acc, fm, s_scratch, c);
+      }
+      __syncthreads();  // the epilogue's shared memory is reused by the next tile
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+    }
+  }
+  cp_async_wait<0>();
+}
+
+template <class P, class E>
+__global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float* __restrict__ x,
+                                                                   const float* __restrict__ packed,
+                                                                   const typename E::Params ep, int batch) {
+  conv_ctas<P, E>(x, packed, ep, batch, blockIdx.x, gridDim.x);
+}
+
+// The sub-pixel phases of a transposed convolution in one launch: blockIdx.y
+// is the phase, each with its own problem struct and packed weights.
+template <int N>
+struct PackedPhases {
+  const float* w[N];
+};
+
+template <class E, class... Ps, int... I>
+__device__ __forceinline__ void phase_dispatch(const float* x, const PackedPhases<sizeof...(Ps)>& packed,
+                                               const typename E::Params& ep, int batch,
+                                               std::integer_sequence<int, I...>) {
+  ((blockIdx.y == I ? conv_ctas<Ps, E>(x, packed.w[I], ep, batch, blockIdx.x, gridDim.x) : void()), ...);
+}
+
+template <class E, class P0, class... Ps>
+__global__ void __launch_bounds__(Geometry<P0>::kThreads) phases_kernel(const float* __restrict__ x,
+                                                                      const PackedPhases<1 + sizeof...(Ps)> packed,
+                                                                      const typename E::Params ep, int batch) {
+  static_assert(((Geometry<Ps>::kThreads == Geometry<P0>::kThreads) && ...), "phases share the block size");
+  phase_dispatch<E, P0, Ps...>(x, packed, ep, batch, std::make_integer_sequence<int, 1 + sizeof...(Ps)>{});
+}
+
+// ------------------------------------------------------------------ weights
+
+// Packs the weight into MMA-fragment order: for each (cblock, chunk, k step,
+// n-tile, lane) the lane's b0 = W[k0 + t][n], b1 = W[k0 + t + 4][n] (n = 8 nt + g),
+// TF32-rounded; tf32x3 appends the lo parts. Padding (k, channels) is zero.
+// The weight's layout and which of its taps this convolution uses (a flipped
+// kernel, a sub-pixel phase's every stride-th tap) come from P. A real lo
+// part that is exactly zero becomes the smallest normal number with the
+// weight's sign, so that inf * w gives inf, not inf * 0 = NaN, in the hi x lo
+// product.
+template <class P>
+__device__ __forceinline__ int weight_tap(int j, int taps, int start, int step) {
+  return start + step * (P::kWFlip ? taps - 1 - j : j);
+}
+
+template <class P>
+__global__ void pack_weights_kernel(const float* __restrict__ w, float* __restrict__ packed) {
+  using G = Geometry<P>;
+  const long long total = G::kPackedFloats / G::kSplits;  // (b0, b1) pairs x 2
+  for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const int j = static_cast<int>(e % 2);  // b0 or b1
+    const int lane = static_cast<int>((e / 2) % 32);
+    const int nt = static_cast<int>((e / 64) % G::kNTiles);
+    const long long rest = e / (64LL * G::kNTiles);
+    const int ks = static_cast<int>(rest % G::kKSteps);
+    const int chunk = static_cast<int>((rest / G::kKSteps) % G::kChunks);
+    const int cblock = static_cast<int>(rest / (static_cast<long long>(G::kKSteps) * G::kChunks));
+    const int k = ks * 8 + lane % 4 + 4 * j, co = cblock * P::kBN + nt * 8 + lane / 4;
+    const KIndex q = k_index<P>(k);
+    const int ci = chunk * P::kCI + q.c;
+    const bool real = q.real && co < P::kCout && ci < P::kCin;
+    float v = 0.f;
+    if (real) {
+      const int kd = weight_tap<P>(q.kd, P::kKD, P::kWStartD, P::kWStepD);
+      const int kh = weight_tap<P>(q.kh, P::kKH, P::kWStartH, P::kWStepH);
+      const int kw = weight_tap<P>(q.kw, P::kKW, P::kWStartW, P::kWStepW);
+      const long long outer = P::kWeightTransposed ? static_cast<long long>(ci) * P::kCout + co
+                                                   : static_cast<long long>(co) * P::kCin + ci;
+      v = w[((outer * P::kWKD + kd) * P::kWKH + kh) * P::kWKW + kw];
+    }
+    float* dst = packed + (e / 2) * G::kFragFloats + j;
+    if constexpr (G::kSplits == 2) {
+      // hi is v truncated to TF32, so lo = v - hi has v's sign: an inf input
+      // meets hi and lo of one sign (inf * w), never inf - inf.
+      const float hi = isfinite(v) ? __uint_as_float(__float_as_uint(v) & 0xffffe000u) : v;
+      float lo = isfinite(v) ? to_tf32(v - hi) : 0.f;
+      if (real && lo == 0.f) lo = copysignf(1.17549435e-38f, v);
+      dst[0] = hi;
+      dst[2] = lo;
+    } else {
+      dst[0] = to_tf32(v);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ launch
+
+template <class P, class E>
+constexpr int smem_bytes() {
+  using G = Geometry<P>;
+  return (G::kTileOffset + (E::kStaged ? P::kBN * G::kMPad : 0) + E::kScratchFloats) * static_cast<int>(sizeof(float));
+}
+
+// Shared memory, CTAs per SM x SMs, found once per process (one device kind).
+template <class P, class E>
+cudaError_t resident_ctas(int* resident) {
+  constexpr int kSmem = smem_bytes<P, E>();
+  cudaError_t err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  int per_sm = 0, dev = 0, sms = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_kernel<P, E>, Geometry<P>::kThreads, kSmem);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  *resident = per_sm * sms;
+  return cudaSuccess;
+}
+
+// Packs the weights into `packed` (Geometry<P>::kPackedFloats floats).
+template <class P>
+void pack_weights(const float* w, float* packed, cudaStream_t stream) {
+  using G = Geometry<P>;
+  const long long blocks = (G::kPackedFloats / G::kSplits + 255) / 256;
+  pack_weights_kernel<P><<<static_cast<unsigned>(blocks < 4096 ? blocks : 4096), 256, 0, stream>>>(w, packed);
+}
+
+// Runs the convolution with epilogue E over `batch` samples on `stream`, with
+// weights packed by pack_weights<P>.
+template <class P, class E>
+cudaError_t run(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  using G = Geometry<P>;
+  static int resident = 0;
+  if (resident == 0) {
+    const cudaError_t err = resident_ctas<P, E>(&resident);
+    if (err != cudaSuccess) return err;
+  }
+  const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
+  const long long grid = tiles < resident ? tiles : resident;
+  if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, smem_bytes<P, E>(), stream>>>(x, packed, ep, batch);
+  return cudaGetLastError();
+}
+
+// Runs every phase of a transposed convolution in one launch (weights packed per phase).
+template <class E, class... Ps>
+cudaError_t run_phases(const float* x, const PackedPhases<sizeof...(Ps)>& packed, const typename E::Params& ep, int batch,
+                       cudaStream_t stream) {
+  constexpr int kSmem = [] {
+    int m = 0;
+    ((m = smem_bytes<Ps, E>() > m ? smem_bytes<Ps, E>() : m), ...);
+    return m;
+  }();
+  constexpr int kThreads = Geometry<std::tuple_element_t<0, std::tuple<Ps...>>>::kThreads;
+  static int grid_x = 0;
+  if (grid_x == 0) {
+    auto kernel = phases_kernel<E, Ps...>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+    int per_sm = 0, dev = 0, sms = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    grid_x = (per_sm * sms + static_cast<int>(sizeof...(Ps)) - 1) / static_cast<int>(sizeof...(Ps));
+  }
+  if (batch > 0) {
+    phases_kernel<E, Ps...><<<dim3(grid_x, sizeof...(Ps)), kThreads, kSmem, stream>>>(x, packed, ep, batch);
+  }
+  return cudaGetLastError();
+}
+
+// pack_weights + run, for a single convolution.
+template <class P, class E>
+cudaError_t launch(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch,
+                   cudaStream_t stream) {
+  pack_weights<P>(w, packed, stream);
+  return run<P, E>(x, packed, ep, batch, stream);
+}
+
+}  // namespace conv_gemm
+}  // namespace kgen
