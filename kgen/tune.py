@@ -129,13 +129,16 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                     m.ms[b], m.problem = math.inf, f"does not build: {failed[m.module]}"
                     _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.problem}")
                     continue
-                model = import_module_dir(m.module).Model().to(device).eval()
-                model.load_state_dict(state)
-                err = _rel_l2(model(x), expected)
-                if not err <= CHECK_TOLERANCE:
-                    m.ms[b], m.problem = math.inf, f"output differs from eager PyTorch at batch {b} (rel L2 {err:.2e})"
-                else:
-                    m.ms[b] = time_ms_(lambda: model(x), reps)
+                try:
+                    model = import_module_dir(m.module).Model().to(device).eval()
+                    model.load_state_dict(state)
+                    err = _rel_l2(model(x), expected)
+                    if not err <= CHECK_TOLERANCE:
+                        m.ms[b], m.problem = math.inf, f"output differs from eager PyTorch at batch {b} (rel L2 {err:.2e})"
+                    else:
+                        m.ms[b] = time_ms_(lambda: model(x), reps)
+                except RuntimeError as e:  # a launch that fails (resources): this candidate is out
+                    m.ms[b], m.problem = math.inf, f"fails at batch {b}: {str(e).splitlines()[0][:160]}"
                 _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.ms[b]:.3f} ms, model {m.model_ms[b]:.3f} ms: "
                      f"{describe_choices(m.plan.choices)}{'  ' + m.problem if m.problem else ''}")
 
