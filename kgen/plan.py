@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from . import families, target as targets
+from . import families, target as targets, values
 from .errors import KgenError
-from .ir import Elementwise, Op, Pipeline
+from .ir import Capture, Elementwise, Op, Pipeline
 from .lowering import lowered
+from .ops import FUSED, OPS
 from .rewrites import Decision, apply_rewrites
 from .stage import Stage, flat_buffer
 from .target import Target
@@ -33,6 +34,7 @@ class Plan:
     decisions: list[Decision]
     stages: list[Stage]
     target: Target
+    value_exprs: dict = None  # value name -> the binding's tensor holding it (kgen.values.materialized)
 
     @property
     def name(self) -> str:
@@ -46,6 +48,11 @@ class Plan:
         """The parameter tensors (TensorArgs) a stage takes, in the module's argument order."""
         names = stage.tensor_names()
         return [a for a in self.pipeline.tensor_args() if a.name in names]
+
+    def stage_values(self, stage: Stage) -> list[str]:
+        """The values a stage reads as tensors (operands not in a register), in definition order."""
+        names = {n for op in stage.ops for n in op.value_names() if not getattr(op, "register", False)}
+        return [n for n in self.pipeline.values if n in names]
 
     def to_json(self) -> dict:
         def stage_json(s: Stage) -> dict:
@@ -86,10 +93,15 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
     nothing there, and the value is the same (conv, then one rounded add).
     """
     ops = []
+    local = values.local_captures(pipe)
     for i, op in enumerate(pipe.ops):
         lc = lowered(op)
         nxt = pipe.ops[i + 1] if i + 1 < len(pipe.ops) else None
-        if lc is not None and lc.conv.bias and nxt is not None and lowered(nxt) is None:
+        # only into a fused stage; a conv output named for a later stage stays the conv stage's output
+        fused_next = nxt is not None and any(f in FUSED for f in OPS[nxt.op_name].families) and nxt.src is None
+        if isinstance(nxt, Capture) and i + 1 not in local:
+            fused_next = False
+        if lc is not None and lc.conv.bias and fused_next:
             ops.append(replace(lc, bias_deferred=True))
             view = (lc.conv.out_channels,) + (1,) * lc.conv.rank
             ops.append(Elementwise(key=op.key, fn="add", param=lc.conv.bias_name, param_view=view))
@@ -98,12 +110,13 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
     return pipe.with_ops(ops) if len(ops) != len(pipe.ops) else pipe
 
 
-def group_ops(pipe: Pipeline) -> list[tuple[int, list[Op], list[families.Family]]]:
+def group_ops(pipe: Pipeline, cuts: set[int] = frozenset()) -> list[tuple[int, list[Op], list[families.Family]]]:
     """Split the op chain into (first op index, ops, families that accept them); an op
-    joins the current group while some family accepts the longer group."""
+    joins the current group while some family accepts the longer group, and a group
+    starts at every cut (``kgen.values``: where a value must be a tensor)."""
     groups: list[tuple[int, list[Op]]] = []
     for i, op in enumerate(pipe.ops):
-        if groups and families.claimants(groups[-1][1] + [op]):
+        if groups and i not in cuts and families.claimants(groups[-1][1] + [op]):
             groups[-1][1].append(op)
             continue
         if not families.claimants([op]):
@@ -130,18 +143,22 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
     target = target or targets.current()
     rewritten, decisions = apply_rewrites(pipeline, rewrites)
     rewritten = defer_conv_bias(rewritten)
+    resolved, cuts = values.resolve(rewritten.ops)
+    rewritten = rewritten.with_ops(resolved)
     types = rewritten.types
-    groups = group_ops(rewritten)
+    groups = group_ops(rewritten, cuts)
     chosen = [choose(cands) for _, _, cands in groups]
     batch = rewritten.example_batch()
     stages: list[Stage] = []
     buf = flat_buffer(rewritten.input)  # what the next stage reads
     for gi, (start, gops, cands) in enumerate(groups):
         family, why = chosen[gi]
+        if gops[0].src is not None:  # it reads a value: a plain tensor
+            buf = flat_buffer(rewritten.in_type(start))
         req = families.StageRequest(
             index=len(stages),
             ops=gops,
-            types=types[start : start + len(gops) + 1],
+            types=(rewritten.in_type(start),) + types[start + 1 : start + len(gops) + 1],
             input=buf,
             next_family=chosen[gi + 1][0] if gi + 1 < len(groups) else None,
             pipeline=rewritten,
@@ -156,7 +173,9 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
     _absorb_epilogues(stages)
     for i, st in enumerate(stages):
         st.index = i
-    return Plan(rewritten, pipeline, decisions, stages, target)
+    plan = Plan(rewritten, pipeline, decisions, stages, target)
+    plan.value_exprs = values.materialized(plan)
+    return plan
 
 
 def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch: int) -> None:

@@ -28,9 +28,9 @@ import jinja2
 
 from . import cexpr
 from .errors import KgenError
-from .ir import load_pipeline
+from .ir import dropout_refusal, load_pipeline
 from .plan import Plan, make_plan
-from .spec import spec_to_data
+from .spec import NO_DEFAULT, spec_to_data
 
 # The templates ship inside the package: kgen/templates links to the
 # repository's templates/ folder, and wheels carry copies (pyproject.toml).
@@ -57,8 +57,15 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
     )
     env.filters["cfloat"] = cexpr.cfloat
-    env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod)
+    env.filters["pyrepr"] = repr  # checked values only: None, bools, numbers, tuples of them
+    env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod, dropout_refusal=dropout_refusal,
+                       fail=_fail, NO_DEFAULT=NO_DEFAULT, constructor_call=constructor_call)
     return env
+
+
+def _fail(message: str):
+    """For templates: a case they do not handle (a template bug, reported by render_plan)."""
+    raise jinja2.TemplateError(message)
 
 
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+\Z")
@@ -87,7 +94,7 @@ def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Re
     env = _environment()
     name = plan.name
     spec_shown = spec_shown or spec_display_path(plan.pipeline.path, out_root)
-    tensors = {a.name: a for a in plan.pipeline.tensor_args()}
+    tensors = {a.name: a for a in plan.pipeline.tensor_args() + plan.pipeline.buffer_args()}
     def pieces(piece: str) -> list:
         """(stage, template) of each stage whose family renders ``piece``, in stage order."""
         return [(st, st.family.template(piece)) for st in plan.stages if piece in st.family.pieces]
@@ -102,9 +109,12 @@ def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Re
         spec_path=spec_shown,
         plan_summary=plan_summary(plan),
         ident=lambda n: tensors[n].ident,
-        ew=lambda op, act, coords: cexpr.elementwise(op, act, coords, tensors),
+        ew=lambda op, act, coords: cexpr.elementwise(op, act, coords, tensors, plan.pipeline.values),
         summed=lambda ops: cexpr.summed_params(ops, tensors),
         spec_data=spec_data_literal(plan),
+        op_args_cpp=lambda: ", ".join(a[0] for a in op_arguments(plan.pipeline)),
+        op_schema_args=lambda: ", ".join(a[1] for a in op_arguments(plan.pipeline)),
+        op_args_py=[a[2] for a in op_arguments(plan.pipeline)],
     )
     files = {}
     for out, tpl in MODULE_FILES.items():
@@ -120,6 +130,26 @@ def render_plan(plan: Plan, out_root: Path, spec_shown: str | None = None) -> Re
         files[f] = (TEMPLATES / f).read_text()
     files["__init__.py"] = env.get_template("package_init.py.j2").render()
     return Rendered(name, files)
+
+
+def constructor_call(args) -> list[str]:
+    """The positional arguments (reprs) that rebuild the reference model: every argument up to
+    the last one without a default or with a value other than its default."""
+    n = max((i + 1 for i, a in enumerate(args) if a.default is NO_DEFAULT or a.value != a.default), default=0)
+    return [repr(a.value) for a in args[:n]]
+
+
+def op_arguments(pipe) -> list[tuple[str, str, str]]:
+    """(C++ parameter, schema argument, Python name) of each argument of the op kgen::NAME:
+    the inputs (the first is x), parameters, running statistics, then the mode
+    (pipelines with batch norm or dropout) and the running statistics' update weights."""
+    args = [(f"const at::Tensor& {n}", f"Tensor {n}", n) for n in ["x"] + pipe.input_names[1:]]
+    args += [(f"const at::Tensor& {t.ident}", f"Tensor {t.ident}", t.ident) for t in pipe.tensor_args() + pipe.buffer_args()]
+    if pipe.training_dependent:
+        args.append(("bool training", "bool training", "training"))
+    if pipe.buffer_args():
+        args.append(("at::ArrayRef<double> factors", "float[] factors", "factors"))
+    return args
 
 
 def spec_data_literal(plan: Plan) -> str:

@@ -291,7 +291,7 @@ def dead_region(pipe: Pipeline):
             decisions.append(Decision("dead_region", _site(op), False, "the cropped input would not produce the kept outputs"))
             continue
         try:  # the consumers must take the cropped size (avg_pool3d refuses an input smaller than its kernel)
-            after = infer_types(cropped.infer(types[i]), ops[i + 1 :], pipe.path)[-1]
+            after = infer_types(cropped.infer(types[i]), ops[i + 1 :], pipe.path, pipe.values)[0][-1]
         except SpecError as e:
             decisions.append(Decision("dead_region", _site(op), False, f"a consumer refuses the cropped size: {e.message}"))
             continue

@@ -101,6 +101,7 @@ class Stage:
     family: "Family" = None  # the family (implementation) that computes it; set by the plan
     candidates: tuple[str, ...] = ()  # the families that could have
     choice: str = ""  # why this family
+    source: str = "x"  # the binding's tensor it reads (the previous stage's output, an input, a value)
 
     @property
     def kind(self) -> str:

@@ -8,11 +8,11 @@ table (``kgen.ops``) for the ops it absorbs.
 """
 from __future__ import annotations
 
-from . import conv_aten, norm, pool_reduce
+from . import aten, conv_aten, linear_aten, norm, pool_reduce
 from .base import Family, StageRequest
 
 # Registry order is the order of preference when several families accept the same ops.
-FAMILIES: tuple[Family, ...] = (conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY)
+FAMILIES: tuple[Family, ...] = (conv_aten.FAMILY, norm.FAMILY, pool_reduce.FAMILY, linear_aten.FAMILY, aten.FAMILY)
 
 
 def claimants(ops) -> list[Family]:
