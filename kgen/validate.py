@@ -396,13 +396,15 @@ def op_call(op, pipe: Pipeline, x, inputs: dict, params: dict, training: bool | 
 
 
 def validate(
-    spec_path, module_dir: Path, device: str = "cpu", full: bool = False, stages: bool = True, plan: Plan | None = None
+    spec_path, module_dir: Path, device: str = "cpu", full: bool = False, stages: bool = True, plan: Plan | None = None,
+    example_batch: bool = False,
 ) -> Report:
     """Run every case of one module on ``device``; returns the report (it does not raise on failure).
 
     A pipeline that computes differently in training and eval mode (batch norm,
     dropout) is checked in both (dropout with p > 0: eval only); in training mode the
     running statistics the op returns are checked against PyTorch's update too.
+    ``example_batch`` adds a case at the spec's example batch (a model's own size).
     """
     pipe = load_pipeline(spec_path)
     plan = plan or make_plan(pipe)
@@ -420,7 +422,11 @@ def validate(
     with torch.no_grad(), poisoned_outputs():
         for mode in modes(pipe):
             suffix = "" if mode is None else (" (training mode)" if mode else " (eval mode)")
-            for label, x in end_to_end_cases(pipe.input, device, full):
+            cases = end_to_end_cases(pipe.input, device, full)
+            if example_batch:
+                b = pipe.example_batch()
+                cases.append((f"normal N={b} (the example batch)", _randn(pipe.input.concrete(b), 8, device)))
+            for label, x in cases:
                 if mode and x.shape[0] == 1 and _batch_norm_over_batch_only(pipe):
                     continue  # PyTorch refuses batch statistics of one value per channel
                 inputs = other_inputs(pipe, x.shape[0], len(label), device)
@@ -516,8 +522,10 @@ def check_stages(plan: Plan, name: str, model, device: str, reference_device: st
             stage_op = getattr(torch.ops.kgen, f"{name}_stage{st.index}")
             args = [params[a.name].to(device) for a in plan.stage_args(st)]
             names = plan.stage_values(st)
+            inside = {op.name for op in st.ops if isinstance(op, Capture)}  # a value of the stage's input itself
             for label, x in stage_cases(st.in_type, ref_device):
-                vals = {n: _randn(plan.pipeline.values[n].concrete(x.shape[0]), 40 + i, ref_device) for i, n in enumerate(names)}
+                vals = {n: x if n in inside else _randn(plan.pipeline.values[n].concrete(x.shape[0]), 40 + i, ref_device)
+                        for i, n in enumerate(names)}
                 tiles = [t.to(device) for t in pack_buffer(st.input, x)]
                 vargs = [vals[n].to(device) for n in names]
                 results.append(_case(
