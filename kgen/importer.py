@@ -308,7 +308,7 @@ class Importer:
         one plain name other than the chain's usual ``x``."""
         line = self._source_line(n)
         m = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=[^=]", line or "")
-        if m and m.group(1) not in ("x", "out", "y"):
+        if m and m.group(1) not in self.taken and m.group(1) not in ("x", "out"):
             return m.group(1)
         return None
 

@@ -147,6 +147,14 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
     rewritten = rewritten.with_ops(resolved)
     types = rewritten.types
     groups = group_ops(rewritten, cuts)
+    # a group of nothing but names (after a standalone op, before a cut) names that op's output: no stage
+    named_after, kept = {}, []
+    for group in groups:
+        if kept and all(isinstance(o, Capture) for o in group[1]):
+            named_after.setdefault(len(kept) - 1, []).extend(o.name for o in group[1])
+        else:
+            kept.append(group)
+    groups = kept
     chosen = [choose(cands) for _, _, cands in groups]
     batch = rewritten.example_batch()
     stages: list[Stage] = []
@@ -167,6 +175,7 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
         )
         st = family.make_stage(req)
         st.family, st.candidates, st.choice = family, tuple(c.name for c in cands), why
+        st.names = named_after.get(gi, [])
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)

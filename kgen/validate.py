@@ -469,7 +469,8 @@ def _end_to_end(label, op, pipe, reference, state, x, inputs, training, tol) -> 
 
     results = [_case(
         label, run,
-        lambda: run_with_magnitude(pipe.ops, x.double(), tensors64, {n: t.double() for n, t in inputs.items()}, training),
+        lambda: run_with_magnitude(pipe.ops, x.double(), tensors64,
+                                   {pipe.input_names[0]: x.double(), **{n: t.double() for n, t in inputs.items()}}, training),
         lambda: eager(x, *inputs.values()), tol,
     )]
     if new:
@@ -526,14 +527,15 @@ def check_stages(plan: Plan, name: str, model, device: str, reference_device: st
             for label, x in stage_cases(st.in_type, ref_device):
                 vals = {n: x if n in inside else _randn(plan.pipeline.values[n].concrete(x.shape[0]), 40 + i, ref_device)
                         for i, n in enumerate(names)}
+                source = {st.ops[0].src: x} if st.ops and st.ops[0].src else {}  # the value the stage reads
                 tiles = [t.to(device) for t in pack_buffer(st.input, x)]
                 vargs = [vals[n].to(device) for n in names]
                 results.append(_case(
                     f"stage {st.index}: {label}",
                     lambda: stage_op(tiles, *args, *vargs),
                     lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()},
-                                               {n: v.double() for n, v in vals.items()}),
-                    lambda: _run_ops(st.ops, x, params, torch.float32, vals),
+                                               {n: v.double() for n, v in {**vals, **source}.items()}),
+                    lambda: _run_ops(st.ops, x, params, torch.float32, {**vals, **source}),
                     TOLERANCES["ieee"],
                 ))
     return results

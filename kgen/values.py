@@ -100,5 +100,7 @@ def materialized(plan) -> dict[str, str]:
                     exprs[op.name] = f"t{st.index}"
                 elif k == 0:
                     exprs[op.name] = source
+        for name in st.names:
+            exprs[name] = f"t{st.index}"
         prev = f"t{st.index}"
     return exprs
