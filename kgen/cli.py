@@ -199,14 +199,14 @@ def build(names, out, device):
         click.echo(f"{r.name}: {'built' if r.built else 'up to date'} -> {r.library}")
 
 
-def _run_validation(module_dirs, device, full, baseline, verbose, specs=None, example_batch=False):
+def _run_validation(module_dirs, device, full, baseline, verbose, specs=None, example_batch=False, batch=None):
     """Validate each module against its spec (``specs``: the spec paths, else read from plan.json)."""
     from .validate import validate
 
     rows, failed = [], []
     for i, d in enumerate(module_dirs):
         spec = specs[i] if specs else _spec_of(d)
-        reports = [("rewritten", validate(spec, d, device, full=full, example_batch=example_batch))]
+        reports = [("rewritten", validate(spec, d, device, full=full, example_batch=example_batch, batch=batch))]
         if baseline:
             from .variants import baseline_module
 
@@ -235,10 +235,11 @@ def _run_validation(module_dirs, device, full, baseline, verbose, specs=None, ex
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available).")
 @click.option("--full", is_flag=True, help="More random seeds.")
 @click.option("--example-batch", is_flag=True, help="Also check at each spec's example batch (a model's own size).")
+@click.option("--batch", type=int, default=None, help="Run the end-to-end cases at this batch only (e.g. 1 for huge models on the CPU).")
 @click.option("--baseline", is_flag=True, help="Also build and check the same spec with every rewrite off.")
 @click.option("-v", "--verbose", is_flag=True, help="Print every case, not only failures.")
 @_fail_cleanly
-def validate(names, out, device, full, example_batch, baseline, verbose):
+def validate(names, out, device, full, example_batch, batch, baseline, verbose):
     """Check modules NAMES (default: all) against the float64 reference.
 
     End-to-end cases (normal data, batch 1, odd batch, NaN, large values,
@@ -246,8 +247,9 @@ def validate(names, out, device, full, example_batch, baseline, verbose):
     cases (+-inf, NaN, ties, data far from zero, constants) with poisoned
     outputs. Tolerances follow the spec's precision (tf32 on CUDA).
     """
+    _positive(batch, "--batch")
     failed = _run_validation(_module_dirs(out, names), _device(device), full, baseline, verbose,
-                             example_batch=example_batch)
+                             example_batch=example_batch, batch=batch)
     if failed:
         raise KgenError(f"validation failed: {', '.join(failed)}")
 
@@ -257,8 +259,9 @@ def validate(names, out, device, full, example_batch, baseline, verbose):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available).")
 @click.option("--example-batch", is_flag=True, help="Also check at each spec's example batch (a model's own size).")
+@click.option("--batch", type=int, default=None, help="Run the end-to-end cases at this batch only (e.g. 1 for huge models on the CPU).")
 @_fail_cleanly
-def all_(specs, out, device, example_batch):
+def all_(specs, out, device, example_batch, batch):
     """Render, build and validate SPECS (default: specs/*.yaml) and print a table.
 
     This is the main job: it leaves every module importable
@@ -273,7 +276,8 @@ def all_(specs, out, device, example_batch):
         write_rendered(r, out)
     dirs = [out / r.name for r in rendered]
     build_modules(dirs, "cuda" if device.startswith("cuda") else "cpu")
-    failed = _run_validation(dirs, device, False, False, False, specs=paths, example_batch=example_batch)
+    _positive(batch, "--batch")
+    failed = _run_validation(dirs, device, False, False, False, specs=paths, example_batch=example_batch, batch=batch)
     if failed:
         raise KgenError(f"validation failed: {', '.join(failed)}")
 

@@ -90,6 +90,8 @@ def one(path: Path, args, env: dict) -> dict:
         cmd += ["--device", args.device]
     if args.example_batch:
         cmd += ["--example-batch"]
+    if args.batch:
+        cmd += ["--batch", str(args.batch)]
     rc, out, secs = _run(cmd, args.timeout, env)
     row["all_s"] = round(secs, 1)
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
@@ -132,7 +134,7 @@ def write_report(rows: list[dict], args, started: str) -> None:
         f"commit {_commit()}; `python3 scripts/kernelbench_import.py --kernelbench DIR --jobs {args.jobs}`.",
         "",
         "Validation is `kgen all`'s: the float64 reference built from the imported spec, on normal, NaN, "
-        "large, tied, non-contiguous inputs (batches 1 to 3; with --example-batch also the file's own), "
+        f"large, tied, non-contiguous inputs (batch {args.batch or '1 to 3'}; with --example-batch also the file's own), "
         "in training and eval mode where batch norm or dropout make them differ, plus the drop-in "
         "`Model(*get_init_inputs())` check and each fused stage on adversarial values.",
         "",
@@ -175,7 +177,12 @@ def main() -> None:
     ap.add_argument("--no-import", dest="import_", action="store_false", help="reuse the specs already imported")
     ap.add_argument("--device", default=None, help="kgen all --device (default: cpu here, cuda where there is one)")
     ap.add_argument("--example-batch", action="store_true", help="also validate at each file's own batch")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="kgen all --batch: every end-to-end case at this batch (default: 1 on the CPU, batches 1 to 3 "
+                         "on a GPU)")
     args = ap.parse_args()
+    if args.batch is None and (args.device or "cpu").startswith("cpu"):
+        args.batch = 1
     files = problems(args.kernelbench.expanduser())
     if args.only:
         wanted = {int(v) for v in args.only.split(",")}
