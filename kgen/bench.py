@@ -25,7 +25,7 @@ from .ir import Conv, load_pipeline
 from .plan import make_plan
 from .reference import ReferenceModel
 from .spec import REWRITE_NAMES
-from .validate import import_module_dir, pack_buffer
+from .validate import import_module_dir, init_args, pack_buffer
 
 WARMUP = 5
 
@@ -75,16 +75,17 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     batch = pipe.example_batch()
     mod = import_module_dir(module_dir)
     torch.manual_seed(0)
-    model = mod.Model().cuda().eval()
+    model = mod.Model(*init_args(mod)).cuda().eval()
     ref = ReferenceModel(pipe).cuda().eval()
     ref.load_state_dict(model.state_dict())
     x = torch.randn(pipe.input.concrete(batch), device="cuda")
+    others = [torch.randn(pipe.inputs[n].concrete(batch), device="cuda") for n in pipe.input_names[1:]]
     row = dict(name=pipe.name, batch=batch, input=list(pipe.input.concrete(batch)))
     with torch.no_grad():
-        row["eager_ms"] = time_ms(lambda: ref(x), reps)
+        row["eager_ms"] = time_ms(lambda: ref(x, *others), reps)
         compiled = torch.compile(ref)
-        row["compile_ms"] = time_ms(lambda: compiled(x), reps)
-        row["kgen_ms"] = time_ms(lambda: model(x), reps)
+        row["compile_ms"] = time_ms(lambda: compiled(x, *others), reps)
+        row["kgen_ms"] = time_ms(lambda: model(x, *others), reps)
         first = pipe.ops[0]
         if isinstance(first, Conv):
             conv = getattr(ref, first.module)
@@ -102,9 +103,9 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
             row["eager_post_ms"] = time_ms(eager_post, reps)
         if baseline:
             nr_dir = baseline_module(spec)
-            nr = import_module_dir(nr_dir).Model().cuda().eval()
+            nr = import_module_dir(nr_dir).Model(*init_args(mod)).cuda().eval()
             nr.load_state_dict(model.state_dict())
-            row["kgen_norewrite_ms"] = time_ms(lambda: nr(x), reps)
+            row["kgen_norewrite_ms"] = time_ms(lambda: nr(x, *others), reps)
             if isinstance(first, Conv):
                 plan = make_plan(pipe, {n: False for n in REWRITE_NAMES})
                 fused = plan.kernel_stages()
