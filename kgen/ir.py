@@ -585,11 +585,27 @@ class Linear(Op):
         return 2 * self.in_features * t_out.sample_numel
 
     def run(self, x, tensors):
-        b = tensors[f"{self.module}.bias"] if self.bias else None
-        return F.linear(x, tensors[f"{self.module}.weight"], b)
+        return blocked_linear(x, tensors[f"{self.module}.weight"], tensors[f"{self.module}.bias"] if self.bias else None)
 
     def describe(self):
         return f"linear({self.in_features}->{self.out_features}{'' if self.bias else ', no bias'})"
+
+
+BLOCK_ELEMENTS = 2**22  # weight elements converted at a time when the weight's dtype is not x's
+
+
+def blocked_linear(x, w, b, absolute: bool = False):
+    """F.linear(x, w, b) (``absolute``: with |w| and |b|); a weight of another dtype than x (a
+    float32 weight too large to hold in float64 too) is converted a block of rows at a time."""
+    def part(t):
+        t = t.to(x.dtype)
+        return t.abs() if absolute else t
+
+    if w.dtype == x.dtype and not absolute:
+        return F.linear(x, w, b)
+    rows = max(1, BLOCK_ELEMENTS // max(1, w.shape[1]))
+    return torch.cat([F.linear(x, part(w[i:i + rows]), None if b is None else part(b[i:i + rows]))
+                      for i in range(0, w.shape[0], rows)], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -629,7 +645,7 @@ class Matmul(Op):
         return 2 * self._k_m()[0] * t_out.sample_numel
 
     def run(self, x, tensors):
-        w = tensors[self.param if self.param is not None else self.tensor]
+        w = tensors[self.param if self.param is not None else self.tensor].to(x.dtype)
         return torch.matmul(x, w.transpose(-1, -2) if self.transpose else w)
 
     def describe(self):

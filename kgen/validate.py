@@ -39,7 +39,7 @@ import torch
 
 from .errors import KgenError
 from .ir import (BatchNorm, Capture, Conv, Dropout, Env, LayerNorm, Linear, Matmul, Norm, Pipeline, Pool, Reduce,
-                 Reshape, Softmax, TensorType, load_pipeline, run_ops)
+                 Reshape, Softmax, TensorType, blocked_linear, load_pipeline, run_ops)
 from .ops import OPS
 from .plan import Plan, make_plan
 from .stage import Buffer
@@ -175,7 +175,7 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
     env = Env(tensors)
     env.training = training
     env.update(inputs or {})
-    menv = {k: v.abs() for k, v in env.items()}  # magnitudes of parameters and values
+    menv = _Magnitudes(env)  # |t| of parameters and values, computed where read
     v, m = x, x.abs()
     for op in ops:
         if op.src is not None:
@@ -187,7 +187,10 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
             m = replace(op, fn="max").run(m, menv)  # the selected value's size is at most the largest
         elif isinstance(op, (Pool, Reduce, Reshape)):
             m = op.run(m, menv)
-        elif isinstance(op, (Linear, Matmul)):
+        elif isinstance(op, Linear):
+            bias = env[f"{op.module}.bias"] if op.bias else None
+            m = blocked_linear(m, env[f"{op.module}.weight"], bias, absolute=True)
+        elif isinstance(op, Matmul):
             m = op.run(m, menv)
         elif isinstance(op, (Conv, Softmax, Dropout)):
             m = out.abs()
@@ -214,6 +217,25 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
             m = replace(op, fn="add" if op.fn == "sub" else op.fn, scalar=scalar, reverse=False).run(m, menv)
         v = out
     return v, m
+
+
+class _Magnitudes(dict):
+    """|t| of each tensor of ``env``, computed the first time it is read."""
+
+    def __init__(self, env):
+        super().__init__()
+        self.env = env
+
+    def __missing__(self, key):
+        value = self.env[key].abs()
+        self[key] = value
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self or key in self.env else default
+
+    def __contains__(self, key):
+        return dict.__contains__(self, key) or key in self.env
 
 
 def _normalized(op, v, env):
@@ -420,10 +442,11 @@ def validate(
     report = Report(Path(module_dir).name, device, precision)
     torch.manual_seed(0)
     model = mod.Model(*init_args(mod)).to(device)
-    reference = ReferenceModel(pipe).to(device)
-    reference.load_state_dict(model.state_dict())
+    reference = _sharing(pipe, model.state_dict())  # the reference's tensors are the model's: no copy
     _randomize_running_stats(reference)
     state = {k: v.detach() for k, v in reference.state_dict().items()}
+    buffers = {k for k, _ in reference.named_buffers()}
+    params64 = {k: _to64(v) for k, v in state.items() if k not in buffers}  # once: the cases share them
     tol = TOLERANCES[precision]
     with torch.no_grad(), poisoned_outputs():
         for mode in modes(pipe):
@@ -439,7 +462,7 @@ def validate(
                 if mode and x.shape[0] == 1 and _batch_norm_over_batch_only(pipe):
                     continue  # PyTorch refuses batch statistics of one value per channel
                 inputs = other_inputs(pipe, x.shape[0], len(label), device)
-                report.cases += _end_to_end(label + suffix, op, pipe, reference, state, x, inputs, bool(mode), tol)
+                report.cases += _end_to_end(label + suffix, op, pipe, state, params64, buffers, x, inputs, bool(mode), tol)
         report.cases.append(check_model(mod, model, pipe, device, op, tol))
         if stages:
             report.cases += check_stages(plan, report.name, model, device)
@@ -461,13 +484,28 @@ def _randomize_running_stats(model: torch.nn.Module) -> None:
             b.copy_(torch.rand(b.shape, generator=g) + 0.5)
 
 
-def _end_to_end(label, op, pipe, reference, state, x, inputs, training, tol) -> list[CaseResult]:
+LARGE_MODEL = 2**26  # parameter elements above which check_model builds its Models on the meta device
+LARGE = 2**24  # elements of a parameter kept in float32 for the float64 reference (converted in blocks where used)
+
+
+def _to64(t: torch.Tensor) -> torch.Tensor:
+    return t.double() if t.numel() <= LARGE or not t.is_floating_point() else t
+
+
+def _sharing(pipe: Pipeline, state: dict) -> ReferenceModel:
+    """The reference model holding ``state``'s tensors themselves (built on the meta device, then assigned)."""
+    with torch.device("meta"):
+        reference = ReferenceModel(pipe)
+    reference.load_state_dict(state, assign=True)
+    return reference
+
+
+def _end_to_end(label, op, pipe, state, params64, buffers, x, inputs, training, tol) -> list[CaseResult]:
     """One input case: the op against the float64 reference (and, in training mode, the running
     statistics it returns against PyTorch's update of them)."""
-    fresh = {k: v.clone() for k, v in state.items()}  # every case starts from the same statistics
-    tensors64 = {k: v.double() for k, v in fresh.items()}
-    eager = copy.deepcopy(reference)  # float32, PyTorch's default TF32 settings
-    eager.load_state_dict(fresh)
+    fresh = {k: (v.clone() if k in buffers else v) for k, v in state.items()}  # each case starts from the same statistics
+    tensors64 = {**params64, **{k: fresh[k].double() for k in buffers}}
+    eager = _sharing(pipe, {k: (v.clone() if k in buffers else v) for k, v in fresh.items()})  # float32, PyTorch's defaults
     eager.train(training)
     new = {}
 
@@ -496,19 +534,28 @@ def check_model(mod, validated, pipe: Pipeline, device: str, op, tol) -> CaseRes
     same parameters, and a second Model loaded from the first one's ``state_dict`` must
     compute the same."""
     label = "Model(): construct, eval, state_dict, forward"
+    big = sum(p.numel() for p in validated.parameters()) > LARGE_MODEL
+
+    def construct():
+        """A Model; a large one on the meta device, to take the validated model's tensors (no copy)."""
+        if not big:
+            return mod.Model(*init_args(mod)).to(device)
+        with torch.device("meta"):
+            return mod.Model(*init_args(mod))
+
     try:
-        model = mod.Model(*init_args(mod)).to(device)
+        model = construct()
         if model.train() is not model or model.eval() is not model or model.training:
             return CaseResult(label, math.inf, math.inf, False, ".train()/.eval() do not behave like torch.nn.Module's")
         expected = {k: tuple(v.shape) for k, v in validated.state_dict().items()}
         if {k: tuple(v.shape) for k, v in model.state_dict().items()} != expected:
             return CaseResult(label, math.inf, math.inf, False, "state_dict keys or shapes differ from the reference model's")
-        model.load_state_dict(validated.state_dict())
+        model.load_state_dict(validated.state_dict(), assign=big)
         x = _randn(pipe.input.concrete(1), 30, device)
         inputs = other_inputs(pipe, 1, 30, device)
         out = model(x, *inputs.values())
-        again = mod.Model(*init_args(mod)).to(device).eval()
-        again.load_state_dict(model.state_dict())
+        again = construct().eval()
+        again.load_state_dict(model.state_dict(), assign=big)
         if not torch.equal(again(x, *inputs.values()), out):
             return CaseResult(label, math.inf, math.inf, False, "a Model loaded from another's state_dict computes differently")
         tensors = dict(validated.named_parameters())
