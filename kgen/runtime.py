@@ -45,14 +45,24 @@ def register_autograd(op: str, spec_data: dict, param_names) -> None:
     first = op not in _PIPELINES
     _PIPELINES[op] = (pipe, tuple(param_names))
     if first:
-        torch.library.register_autograd(op, _Backward(op), setup_context=_setup_context)
+        torch.library.register_autograd(op, _Backward(op), setup_context=_SetupContext(op))
 
 
-def _setup_context(ctx, inputs, output):
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    ctx.training = any(v is True for v in inputs if isinstance(v, bool))
-    ctx.extra = [v for v in inputs if not isinstance(v, torch.Tensor)]
-    ctx.save_for_backward(*tensors)
+class _SetupContext:
+    """Saves the inputs and parameters for the backward, and copies of the running statistics
+    (the module updates its buffers in place after the op, which saving them would refuse)."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def __call__(self, ctx, inputs, output):
+        pipe, names = _PIPELINES[self.op]
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        k = len(pipe.input_names) + len(names)
+        ctx.training = any(v is True for v in inputs if isinstance(v, bool))
+        ctx.extra = [v for v in inputs if not isinstance(v, torch.Tensor)]
+        ctx.buffers = [t.detach().clone() for t in tensors[k:]]
+        ctx.save_for_backward(*tensors[:k])
 
 
 class _Backward:
@@ -64,7 +74,7 @@ class _Backward:
         saved = ctx.saved_tensors
         k = len(pipe.input_names)
         inputs, params = saved[:k], saved[k : k + len(names)]
-        buffers = saved[k + len(names):]
+        buffers = ctx.buffers
         buffer_names = [b.name for b in pipe.buffer_args()]
         needs = ctx.needs_input_grad
         grads = pipeline_vjp(pipe, names, inputs[0], params, grad, needs[: k + len(names)], inputs=inputs[1:],
