@@ -30,6 +30,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def checkout(kernelbench: Path, work: Path) -> Path:
+    """A bare git repository of KernelBench (a mirror) is read with `git archive` into the
+    work folder (outside the repository); a folder is used as it is."""
+    if (kernelbench / "HEAD").is_file() and (kernelbench / "objects").is_dir():
+        dest = work / "kernelbench_src"
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(kernelbench), "archive", "HEAD", "KernelBench/level2"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+        return dest
+    return kernelbench
+
+
 def problems(kernelbench: Path) -> list[Path]:
     """The level-2 files, ordered by problem number."""
     folder = kernelbench
@@ -167,7 +180,8 @@ def _commit() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernelbench", type=Path, required=True, help="KernelBench checkout, or its level2 folder")
+    ap.add_argument("--kernelbench", type=Path, required=True,
+                    help="KernelBench checkout, its level2 folder, or a bare git mirror of it")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "kernelbench", help="specs, modules and logs")
     ap.add_argument("--report", type=Path, default=ROOT / "reports" / "kernelbench_level2.md")
     ap.add_argument("--jobs", type=int, default=2, help="problems at a time")
@@ -183,7 +197,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch is None and (args.device or "cpu").startswith("cpu"):
         args.batch = 1
-    files = problems(args.kernelbench.expanduser())
+    args.work = args.work.resolve()
+    files = problems(checkout(args.kernelbench.expanduser(), args.work))
     if args.only:
         wanted = {int(v) for v in args.only.split(",")}
         files = [f for f in files if int(f.name.split("_")[0]) in wanted]
