@@ -56,6 +56,37 @@ KGEN_HD float sub(float x, float y) { return x - y; }
 KGEN_HD float mul(float x, float y) { return x * y; }
 KGEN_HD float div(float x, float y) { return x / y; }
 
+// torch.minimum / torch.maximum (torch.min/max with a tensor): NaN on either side wins.
+KGEN_HD float minimum(float x, float y) { return min_nan(x, y); }
+KGEN_HD float maximum(float x, float y) { return max_nan(x, y); }
+
+// Activations, each as PyTorch computes it in float (aten/src/ATen/native/cpu and
+// cuda kernels), so NaN and +-inf come out where PyTorch's float64 puts them:
+// gelu(-inf), silu(-inf), mish(-inf) and hardswish(-inf) are NaN (-inf * 0).
+constexpr float kSqrtHalf = 0.70710678118654752440f;  // 1 / sqrt(2)
+constexpr float kSqrtTwoOverPi = 0.79788456080286535588f;  // sqrt(2 / pi)
+constexpr float kGeluTanhCubic = 0.044715f;  // the cubic term of the tanh form
+
+KGEN_HD float gelu(float x) { return x * 0.5f * (1.f + erff(x * kSqrtHalf)); }
+KGEN_HD float gelu_tanh(float x) {
+  const float inner = kSqrtTwoOverPi * (x + kGeluTanhCubic * x * x * x);
+  return 0.5f * x * (1.f + tanhf(inner));
+}
+KGEN_HD float silu(float x) { return x / (1.f + expf(-x)); }
+KGEN_HD float mish(float x) { return x * tanhf(log1pf(expf(x))); }
+KGEN_HD float softplus(float x, float beta, float threshold) {
+  return x * beta > threshold ? x : log1pf(expf(x * beta)) / beta;
+}
+KGEN_HD float hardsigmoid(float x) { return min_nan(max_nan(x + 3.f, 0.f), 6.f) / 6.f; }
+KGEN_HD float hardswish(float x) { return x * min_nan(max_nan(x + 3.f, 0.f), 6.f) / 6.f; }
+KGEN_HD float hardtanh(float x, float lo, float hi) { return min_nan(max_nan(x, lo), hi); }
+KGEN_HD float leaky_relu(float x, float negative_slope) { return x > 0.f ? x : x * negative_slope; }
+KGEN_HD float elu(float x, float alpha) { return x > 0.f || is_nan(x) ? x : alpha * expm1f(x); }
+KGEN_HD float exp(float x) { return expf(x); }
+KGEN_HD float log(float x) { return logf(x); }
+KGEN_HD float abs(float x) { return fabsf(x); }
+KGEN_HD float neg(float x) { return -x; }
+
 // Statistics of a normalization: count, sum of d and sum of d*d, where
 // d = v - shift and the shift is a value near the group's mean. Every thread,
 // block and split only adds these sums, and the normalized value is

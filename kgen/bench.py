@@ -31,7 +31,7 @@ from .plan import choose_plans, make_plan, stage_scope_name
 from .reference import ReferenceModel
 from .spec import REWRITE_NAMES
 from .target import current
-from .validate import import_module_dir, pack_buffer
+from .validate import import_module_dir, init_args, pack_buffer
 
 WARMUP = 5
 PROFILED_CALLS = 10  # calls under torch.profiler for the per-stage times
@@ -82,19 +82,20 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     batch = pipe.example_batch()
     mod = import_module_dir(module_dir)
     torch.manual_seed(0)
-    model = mod.Model().cuda().eval()
+    model = mod.Model(*init_args(mod)).cuda().eval()
     ref = ReferenceModel(pipe).cuda().eval()
     ref.load_state_dict(model.state_dict())
     x = torch.randn(pipe.input.concrete(batch), device="cuda")
+    others = [torch.randn(pipe.inputs[n].concrete(batch), device="cuda") for n in pipe.input_names[1:]]
     row = dict(name=pipe.name, batch=batch, input=list(pipe.input.concrete(batch)))
     with torch.no_grad():
-        row["eager_ms"] = time_ms(lambda: ref(x), reps)
+        row["eager_ms"] = time_ms(lambda: ref(x, *others), reps)
         compiled = torch.compile(ref)
-        row["compile_ms"] = time_ms(lambda: compiled(x), reps)
-        row["kgen_ms"] = time_ms(lambda: model(x), reps)
+        row["compile_ms"] = time_ms(lambda: compiled(x, *others), reps)
+        row["kgen_ms"] = time_ms(lambda: model(x, *others), reps)
         row["floor_ms"] = fused_floor_ms(pipe, batch, current())
         try:
-            row["stages"] = stage_times(module_dir.name, pipe, model, x)
+            row["stages"] = stage_times(module_dir.name, pipe, model, x, *others)
         except RuntimeError as e:  # the profiler is unavailable here (CUPTI): the plot goes without stages
             print(f"kgen: bench {pipe.name}: no per-stage times ({str(e).splitlines()[0][:120]})", flush=True)
             row["stages"] = []
@@ -115,9 +116,9 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
             row["eager_post_ms"] = time_ms(eager_post, reps)
         if baseline:
             nr_dir = baseline_module(spec)
-            nr = import_module_dir(nr_dir).Model().cuda().eval()
+            nr = import_module_dir(nr_dir).Model(*init_args(mod)).cuda().eval()
             nr.load_state_dict(model.state_dict())
-            row["kgen_norewrite_ms"] = time_ms(lambda: nr(x), reps)
+            row["kgen_norewrite_ms"] = time_ms(lambda: nr(x, *others), reps)
             if isinstance(first, Conv):
                 plan = make_plan(pipe, {n: False for n in REWRITE_NAMES})
                 fused = plan.kernel_stages()
@@ -141,7 +142,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     return row
 
 
-def stage_times(name: str, pipe, model, x) -> list[dict]:
+def stage_times(name: str, pipe, model, x, *others) -> list[dict]:
     """Per stage of the plan that runs at x's batch: its device time (torch.profiler, the
     kernels launched inside its named range), FLOPs and bytes at best (``stage_cost``)."""
     from torch.profiler import ProfilerActivity, profile
@@ -151,7 +152,7 @@ def stage_times(name: str, pipe, model, x) -> list[dict]:
     index, plan = sel.variants.index(variant), variant.plan
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILED_CALLS):
-            model(x)
+            model(x, *others)
         torch.cuda.synchronize()
     events = {e.key: e for e in prof.key_averages()}
     out = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .ir import Elementwise, TensorArg, TensorType
+from .ir import Capture, Elementwise, TensorArg, TensorType
 from .ops import OPS
 from .stage import Buffer
 
@@ -95,13 +95,31 @@ def param_index(shape: tuple[int, ...], act: TensorType, coords: list[str]) -> s
     return " + ".join(reversed(terms)) or "0"
 
 
-def elementwise(op: Elementwise, act: TensorType, coords: list[str], tensors: dict[str, TensorArg]) -> str:
+def register(name: str) -> str:
+    """The C local holding value ``name`` inside a stage function."""
+    return f"val_{name}"
+
+
+def elementwise(op: Elementwise, act: TensorType, coords: list[str], tensors: dict[str, TensorArg],
+                values: dict[str, TensorType] | None = None) -> str:
     """C statement applying ``op`` to the float ``v`` through its kgen_math.h function;
-    ``coords`` index act's dims 1.., ``tensors`` are the plan's parameters by name."""
+    ``coords`` index act's dims 1.., ``tensors`` are the plan's parameters by name,
+    ``values`` the pipeline's values (inputs, named results) by name. A named result
+    (``as``) is kept in a local; a value operand is read from it or from its tensor
+    (batch ``n``, broadcast like a parameter)."""
+    if isinstance(op, Capture):
+        return f"const float {register(op.name)} = v; (void){register(op.name)};"
     entry = OPS[op.fn]
     args = ["v"] + [cfloat(default if value is None else value) for value, (_, default) in zip(op.consts, entry.consts)]
     if entry.operand:
-        if op.param is None:
+        if op.tensor is not None:
+            if op.register:
+                args.append(register(op.tensor))
+            else:
+                vt = values[op.tensor]
+                index = param_index(tuple(vt.shape[1:]), act, coords)
+                args.append(f"a.{op.tensor}[n * {vt.sample_numel}LL + {index}]")
+        elif op.param is None:
             args.append(cfloat(op.scalar))
         elif op.param_sum_dims:  # reduction algebra: the parameter summed (it varies only there)
             scale = f" * {cfloat(op.param_sum_scale)}" if op.param_sum_scale != 1 else ""
@@ -109,6 +127,8 @@ def elementwise(op: Elementwise, act: TensorType, coords: list[str], tensors: di
         else:
             t = tensors[op.param]
             args.append(f"a.{t.ident}[{param_index(op.param_view or t.shape, act, coords)}]")
+        if op.reverse:
+            args[0], args[1] = args[1], args[0]
     return f"v = {entry.c_fn}({', '.join(args)});"
 
 

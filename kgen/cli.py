@@ -202,14 +202,14 @@ def build(names, out, device):
         click.echo(f"{r.name}: {'built' if r.built else 'up to date'} -> {r.library}")
 
 
-def _run_validation(module_dirs, device, full, baseline, verbose, specs=None):
+def _run_validation(module_dirs, device, full, baseline, verbose, specs=None, example_batch=False, batch=None):
     """Validate each module against its spec (``specs``: the spec paths, else read from plan.json)."""
     from .validate import validate
 
     rows, failed = [], []
     for i, d in enumerate(module_dirs):
         spec = specs[i] if specs else _spec_of(d)
-        reports = [("rewritten", validate(spec, d, device, full=full))]
+        reports = [("rewritten", validate(spec, d, device, full=full, example_batch=example_batch, batch=batch))]
         if baseline:
             from .variants import baseline_module
 
@@ -237,10 +237,12 @@ def _run_validation(module_dirs, device, full, baseline, verbose, specs=None):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available).")
 @click.option("--full", is_flag=True, help="More random seeds.")
+@click.option("--example-batch", is_flag=True, help="Also check at each spec's example batch (a model's own size).")
+@click.option("--batch", type=int, default=None, help="Run the end-to-end cases at this batch only (e.g. 1 for huge models on the CPU).")
 @click.option("--baseline", is_flag=True, help="Also build and check the same spec with every rewrite off.")
 @click.option("-v", "--verbose", is_flag=True, help="Print every case, not only failures.")
 @_fail_cleanly
-def validate(names, out, device, full, baseline, verbose):
+def validate(names, out, device, full, example_batch, batch, baseline, verbose):
     """Check modules NAMES (default: all) against the float64 reference.
 
     End-to-end cases (normal data, batch 1, odd batch, NaN, large values,
@@ -248,7 +250,9 @@ def validate(names, out, device, full, baseline, verbose):
     cases (+-inf, NaN, ties, data far from zero, constants) with poisoned
     outputs. Tolerances follow the spec's precision (tf32 on CUDA).
     """
-    failed = _run_validation(_module_dirs(out, names), _device(device), full, baseline, verbose)
+    _positive(batch, "--batch")
+    failed = _run_validation(_module_dirs(out, names), _device(device), full, baseline, verbose,
+                             example_batch=example_batch, batch=batch)
     if failed:
         raise KgenError(f"validation failed: {', '.join(failed)}")
 
@@ -257,8 +261,10 @@ def validate(names, out, device, full, baseline, verbose):
 @click.argument("specs", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT, show_default=True)
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available).")
+@click.option("--example-batch", is_flag=True, help="Also check at each spec's example batch (a model's own size).")
+@click.option("--batch", type=int, default=None, help="Run the end-to-end cases at this batch only (e.g. 1 for huge models on the CPU).")
 @_fail_cleanly
-def all_(specs, out, device):
+def all_(specs, out, device, example_batch, batch):
     """Render, build and validate SPECS (default: specs/*.yaml) and print a table.
 
     This is the main job: it leaves every module importable
@@ -273,9 +279,46 @@ def all_(specs, out, device):
         write_rendered(r, out)
     dirs = [out / r.name for r in rendered]
     build_modules(dirs, "cuda" if device.startswith("cuda") else "cpu")
-    failed = _run_validation(dirs, device, False, False, False, specs=paths)
+    _positive(batch, "--batch")
+    failed = _run_validation(dirs, device, False, False, False, specs=paths, example_batch=example_batch, batch=batch)
     if failed:
         raise KgenError(f"validation failed: {', '.join(failed)}")
+
+
+def _shape_option(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if not 2 <= len(shape) <= 5 or min(shape) < 1:
+        raise KgenError(f"--input-shape {one_line(text, 80)}: expected 2 to 5 positive sizes like 128,3,32,32")
+    return shape
+
+
+@main.command(name="import")
+@click.argument("source")
+@click.option("--name", default=None, help="Module name (default: from the file name).")
+@click.option("--input-shape", "input_shapes", multiple=True,
+              help="An input's shape, batch first, e.g. 128,3,32,32 (repeat for each input); needed for "
+                   "package.module:Class without get_inputs().")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("specs"),
+              show_default=True, help="Where the spec goes.")
+@_fail_cleanly
+def import_(source, name, input_shapes, out_dir):
+    """Import a PyTorch model as specs/NAME.yaml, ready for `kgen all`.
+
+    SOURCE is a file in KernelBench's layout (class Model, get_inputs(),
+    get_init_inputs()) or package.module:Class. The model is traced with
+    torch.fx; every call becomes a spec op. The spec records the constructor
+    arguments (the generated Model takes the same ones) and the inputs, the
+    batch as the run-time symbol N. An unsupported call is one error naming it
+    and its file:line, and nothing is written.
+    """
+    from .importer import import_model
+
+    shapes = [_shape_option(s) for s in input_shapes] or None
+    path = import_model(source, name, shapes, out_dir)
+    click.echo(f"{path}: written; next: kgen all {path}")
 
 
 @main.command()

@@ -16,7 +16,7 @@ import reprlib
 from typing import Callable
 
 from .errors import SpecError
-from .names import reserved_reason
+from .names import reserved_reason, value_reserved_reason
 
 IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 MAX_NAME = 64  # characters of a name (module, parameter, submodule, symbol)
@@ -114,6 +114,30 @@ def ident(v, key, path, reserved=reserved_reason):
     if reason:
         fail(path, key, f"'{v}' is {reason}; choose another name")
     return v
+
+
+def value_name(v, key, path):
+    """The name of a value of the pipeline: an input, or an op's result named with `as:`."""
+    return ident(v, key, path, value_reserved_reason)
+
+
+def dim(v, key, path):
+    """One dimension index (negative counts from the end)."""
+    if is_int(v) and abs(v) <= MAX_SIZE:
+        return v
+    fail(path, key, f"expected a dimension index, got {show(v)}")
+
+
+def shape(v, key, path):
+    """A shape: a positive integer, or a list of at most 5 positive integers where one may be -1
+    (the rest, as in view); returns a tuple (checked further where it is used)."""
+    if size_ok(v, 1):
+        return (v,)
+    if isinstance(v, list) and len(v) <= 5 and all(size_ok(e, 1) or (is_int(e) and e == -1) for e in v):
+        if v.count(-1) > 1:
+            fail(path, key, f"at most one -1 in a shape, got {show(v)}")
+        return tuple(v)
+    fail(path, key, f"expected a positive integer or a list of at most 5 of them (one may be -1), got {show(v)}")
 
 
 def dims(v, key, path):

@@ -103,18 +103,27 @@ class Member:
     instantiates members; the generated module's ``Model`` prints the same lines."""
 
     attr: str  # attribute name on the model
-    tensors: tuple[TensorArg, ...]  # the state_dict entries it holds, in order
+    tensors: tuple[TensorArg, ...]  # the parameters it holds (state_dict entries), in order
     nn_class: str | None = None
     kwargs: tuple = ()  # ((name, value), ...) for nn_class
-    init: str | None = None
+    init: str | float | None = None  # randn | ones | zeros, or a number (a scalar parameter torch.tensor(value))
+    buffers: tuple[TensorArg, ...] = ()  # running statistics the op reads and (in training mode) updates
 
 
 # ---------------------------------------------------------------- ops
 
 
+class Env(dict):
+    """What an op's ``run`` reads besides its input: parameters and buffers by state_dict
+    name, values by name (inputs and results named with ``as``), and the mode."""
+
+    training: bool = False
+
+
 @dataclass(frozen=True)
 class Op:
     key: str  # where it came from in the spec, e.g. "ops[1].max_pool3d"
+    src: str | None = None  # the value it reads (spec `from:`); None: the previous op's result
 
     @property
     def op_name(self) -> str:
@@ -129,6 +138,14 @@ class Op:
 
     def tensor_names(self) -> tuple[str, ...]:
         """Names of the parameters (state_dict keys) this op reads."""
+        return ()
+
+    def value_names(self) -> tuple[str, ...]:
+        """Names of the values (inputs, named results) this op reads besides its input."""
+        return ()
+
+    def buffer_names(self) -> tuple[str, ...]:
+        """Names of the buffers (state_dict keys) this op reads and may update."""
         return ()
 
     def member(self) -> Member | None:
@@ -359,6 +376,9 @@ class Elementwise(Op):
     param_rank: int = 0  # activation rank that param_sum_dims refer to
     param_view: tuple = ()  # shape to view the parameter as (a conv bias [C] as [C, 1, 1])
     param_sum_scale: int = 1  # times the summed parameter counts (it broadcasts along summed dims)
+    tensor: str | None = None  # a value (input or named result) as the operand; it broadcasts to x
+    reverse: bool = False  # the operand on the left: f(operand, x)
+    register: bool = False  # the plan reads the tensor operand from a register of the same stage
 
     @property
     def op_name(self) -> str:
@@ -370,6 +390,14 @@ class Elementwise(Op):
 
     def tensor_names(self):
         return (self.param,) if self.param else ()
+
+    def value_names(self):
+        return (self.tensor,) if self.tensor else ()
+
+    @property
+    def plain(self) -> bool:
+        """A function of x alone, or of x and a scalar or parameter on the right (what the rewrites reason about)."""
+        return self.tensor is None and not self.reverse and self.src is None
 
     def infer(self, t):
         return t
@@ -386,10 +414,22 @@ class Elementwise(Op):
     def run(self, x, tensors):
         if not self.entry.operand:
             return self.entry.torch_fn(x, *self.consts)
-        other = self.scalar if self.param is None else self.aligned_param(tensors[self.param], x.dim())
+        if self.tensor is not None:
+            other = tensors[self.tensor]
+        elif self.param is None:
+            other = self.scalar
+        else:
+            other = self.aligned_param(tensors[self.param], x.dim())
+        if self.reverse:
+            if not isinstance(other, torch.Tensor):
+                other = torch.full_like(x, other)
+            return self.entry.torch_fn(other, x)
         return self.entry.torch_fn(x, other)
 
     def describe(self):
+        if self.tensor is not None or self.reverse:
+            other = self.tensor if self.tensor is not None else (f"{self.scalar:g}" if self.param is None else self.param)
+            return f"{self.fn}({other}, x)" if self.reverse else f"{self.fn}(x, {other})"
         if self.consts:
             return f"{self.fn}({', '.join(str(c) for c in self.consts)})"
         if not self.entry.operand:
@@ -405,7 +445,7 @@ class Elementwise(Op):
 
 @dataclass(frozen=True)
 class Reduce(Op):
-    """sum / mean / max (values) over ``dims``; ``kept`` dims stay as size 1."""
+    """sum / mean / max / min (values) / logsumexp over ``dims``; ``kept`` dims stay as size 1."""
 
     fn: str = "sum"
     dims: tuple = ()
@@ -423,8 +463,8 @@ class Reduce(Op):
         return math.prod(t.shape[d] for d in self.dims)
 
     def run(self, x, tensors):
-        if self.fn == "max":
-            y = torch.amax(x, dim=self.dims, keepdim=True)
+        if self.fn in ("max", "min"):
+            y = (torch.amax if self.fn == "max" else torch.amin)(x, dim=self.dims, keepdim=True)
         else:
             y = getattr(torch, self.fn)(x, dim=self.dims, keepdim=True)
         shape = [n for d, n in enumerate(y.shape) if d not in self.dims or d in self.kept]
@@ -488,6 +528,324 @@ class Norm(Op):
         return f"group_norm(groups={self.num_groups}, eps={self.eps:g}{'' if self.affine else ', affine=False'})"
 
 
+@dataclass(frozen=True)
+class Capture(Elementwise):
+    """Names the value at this point (spec: `as:` on the op before); the identity.
+
+    Later ops read it as ``tensor`` operand or ``src``; the plan keeps it in a
+    register where its readers are in the same run of elementwise ops of one
+    stage, and otherwise makes it a stage's output tensor."""
+
+    fn: str = "as"
+    name: str = ""
+
+    @property
+    def plain(self) -> bool:
+        return False
+
+    def run(self, x, tensors):
+        return x
+
+    def flops(self, t_in, t_out):
+        return 0
+
+    def describe(self):
+        return f"as {self.name}"
+
+
+@dataclass(frozen=True)
+class Linear(Op):
+    """nn.Linear over the last dim (``module`` holds weight [out, in] and bias [out])."""
+
+    module: str = "linear"
+    in_features: int = 1
+    out_features: int = 1
+    bias: bool = True
+
+    @property
+    def op_name(self) -> str:
+        return "linear"
+
+    def tensor_names(self):
+        return (f"{self.module}.weight",) + ((f"{self.module}.bias",) if self.bias else ())
+
+    def member(self) -> Member:
+        names = self.tensor_names()
+        shapes = [(self.out_features, self.in_features), (self.out_features,)]
+        tensors = tuple(TensorArg(n, _ident(n), sh) for n, sh in zip(names, shapes))
+        kw = dict(in_features=self.in_features, out_features=self.out_features, bias=self.bias)
+        return Member(self.module, tensors, nn_class="Linear", kwargs=tuple(kw.items()))
+
+    def infer(self, t):
+        if t.shape[-1] != self.in_features or t.rank < 2:
+            raise ShapeError(f"expects {self.in_features} features in the last dim, got shape {t}")
+        return TensorType(t.shape[:-1] + (self.out_features,))
+
+    def flops(self, t_in, t_out):
+        return 2 * self.in_features * t_out.sample_numel
+
+    def run(self, x, tensors):
+        return blocked_linear(x, tensors[f"{self.module}.weight"], tensors[f"{self.module}.bias"] if self.bias else None)
+
+    def describe(self):
+        return f"linear({self.in_features}->{self.out_features}{'' if self.bias else ', no bias'})"
+
+
+BLOCK_ELEMENTS = 2**22  # weight elements converted at a time when the weight's dtype is not x's
+
+
+def blocked_linear(x, w, b, absolute: bool = False):
+    """F.linear(x, w, b) (``absolute``: with |w| and |b|); a weight of another dtype than x (a
+    float32 weight too large to hold in float64 too) is converted a block of rows at a time."""
+    def part(t):
+        t = t.to(x.dtype)
+        return t.abs() if absolute else t
+
+    if w.dtype == x.dtype and not absolute:
+        return F.linear(x, w, b)
+    rows = max(1, BLOCK_ELEMENTS // max(1, w.shape[1]))
+    return torch.cat([F.linear(x, part(w[i:i + rows]), None if b is None else part(b[i:i + rows]))
+                      for i in range(0, w.shape[0], rows)], dim=-1)
+
+
+@dataclass(frozen=True)
+class Matmul(Op):
+    """torch.matmul(x, operand): a 2-d parameter (``transpose``: its transpose) or a value of
+    the same batch (a batched product, bmm)."""
+
+    param: str | None = None
+    tensor: str | None = None
+    transpose: bool = False
+    operand_shape: tuple = ()  # the operand's shape (a value's without its batch)
+
+    @property
+    def op_name(self) -> str:
+        return "matmul"
+
+    def tensor_names(self):
+        return (self.param,) if self.param else ()
+
+    def value_names(self):
+        return (self.tensor,) if self.tensor else ()
+
+    def _k_m(self) -> tuple[int, int]:
+        k, m = self.operand_shape[-2:]
+        return (m, k) if self.transpose else (k, m)
+
+    def infer(self, t):
+        k, m = self._k_m()
+        if t.rank < 2 or t.shape[-1] != k:
+            raise ShapeError(f"multiplies [.., {k}] by [{k}, {m}], got shape {t}")
+        if self.tensor is not None and t.rank != len(self.operand_shape) + 1:
+            raise ShapeError(f"a batched product needs operands of one rank, got shape {t} and [N, "
+                             f"{', '.join(map(str, self.operand_shape))}]")
+        return TensorType(t.shape[:-1] + (m,))
+
+    def flops(self, t_in, t_out):
+        return 2 * self._k_m()[0] * t_out.sample_numel
+
+    def run(self, x, tensors):
+        w = tensors[self.param if self.param is not None else self.tensor].to(x.dtype)
+        return torch.matmul(x, w.transpose(-1, -2) if self.transpose else w)
+
+    def describe(self):
+        return f"matmul(x, {self.param or self.tensor}{'.T' if self.transpose else ''})"
+
+
+@dataclass(frozen=True)
+class Softmax(Op):
+    """softmax / log_softmax over ``dim``."""
+
+    fn: str = "softmax"
+    dim: int = 1
+
+    @property
+    def op_name(self) -> str:
+        return self.fn
+
+    def infer(self, t):
+        return t
+
+    def flops(self, t_in, t_out):
+        return 4 * t_in.sample_numel
+
+    def run(self, x, tensors):
+        return (torch.softmax if self.fn == "softmax" else torch.log_softmax)(x, self.dim)
+
+    def describe(self):
+        return f"{self.fn}(dim={self.dim})"
+
+
+@dataclass(frozen=True)
+class BatchNorm(Op):
+    """nn.BatchNormNd as its forward computes it: in training mode the batch statistics and
+    (tracked) the running-statistics update with ``momentum`` (None: the cumulative average);
+    in eval mode the running statistics."""
+
+    module: str = "batch_norm"
+    num_features: int = 1
+    eps: float = 1e-5
+    momentum: float | None = 0.1
+    affine: bool = True
+    track_running_stats: bool = True
+    rank: int = 2  # of its input: BatchNorm1d for 2 or 3, 2d for 4, 3d for 5
+
+    @property
+    def op_name(self) -> str:
+        return "batch_norm"
+
+    def tensor_names(self):
+        return (f"{self.module}.weight", f"{self.module}.bias") if self.affine else ()
+
+    def buffer_names(self):
+        return (f"{self.module}.running_mean", f"{self.module}.running_var") if self.track_running_stats else ()
+
+    def member(self) -> Member:
+        kw = dict(num_features=self.num_features, eps=self.eps, momentum=self.momentum, affine=self.affine,
+                  track_running_stats=self.track_running_stats)
+        tensors = tuple(TensorArg(n, _ident(n), (self.num_features,)) for n in self.tensor_names())
+        buffers = tuple(TensorArg(n, _ident(n), (self.num_features,)) for n in self.buffer_names())
+        return Member(self.module, tensors, nn_class=f"BatchNorm{max(1, self.rank - 2)}d", kwargs=tuple(kw.items()),
+                      buffers=buffers)
+
+    def infer(self, t):
+        if t.rank != self.rank or t.channels != self.num_features:
+            raise ShapeError(f"normalizes {self.num_features} channels of a {self.rank}-d input, got shape {t}")
+        return t
+
+    def flops(self, t_in, t_out):
+        return 8 * t_in.sample_numel
+
+    def run(self, x, tensors):
+        """As nn.BatchNorm's forward: in training mode the running statistics in ``tensors`` are
+        updated in place (and num_batches_tracked counted, when ``tensors`` has it)."""
+        w = tensors[f"{self.module}.weight"] if self.affine else None
+        b = tensors[f"{self.module}.bias"] if self.affine else None
+        training = getattr(tensors, "training", False)
+        rm = rv = None
+        factor = 0.0
+        if self.track_running_stats:
+            rm, rv = (tensors[n] for n in self.buffer_names())
+            if training:
+                count = tensors.get(f"{self.module}.num_batches_tracked")
+                if count is not None:
+                    count.add_(1)
+                factor = self.factor(count)
+        return F.batch_norm(x, rm, rv, w, b, training or not self.track_running_stats, factor, self.eps)
+
+    def factor(self, num_batches_tracked) -> float:
+        """The running statistics' update weight: momentum, or (momentum None) 1 / the batches
+        counted so far, this one included."""
+        if self.momentum is not None:
+            return self.momentum
+        return 1.0 / float(num_batches_tracked) if num_batches_tracked is not None else 0.0
+
+    def describe(self):
+        return f"batch_norm(eps={self.eps:g}, momentum={self.momentum}{'' if self.affine else ', affine=False'})"
+
+
+@dataclass(frozen=True)
+class LayerNorm(Op):
+    """nn.LayerNorm over the last ``len(normalized_shape)`` dims."""
+
+    module: str = "layer_norm"
+    normalized_shape: tuple = (1,)
+    eps: float = 1e-5
+    affine: bool = True
+    bias: bool = True
+
+    @property
+    def op_name(self) -> str:
+        return "layer_norm"
+
+    def tensor_names(self):
+        if not self.affine:
+            return ()
+        return (f"{self.module}.weight",) + ((f"{self.module}.bias",) if self.bias else ())
+
+    def member(self) -> Member:
+        kw = dict(normalized_shape=self.normalized_shape, eps=self.eps, elementwise_affine=self.affine, bias=self.bias)
+        tensors = tuple(TensorArg(n, _ident(n), self.normalized_shape) for n in self.tensor_names())
+        return Member(self.module, tensors, nn_class="LayerNorm", kwargs=tuple(kw.items()))
+
+    def infer(self, t):
+        k = len(self.normalized_shape)
+        if t.rank <= k or tuple(t.shape[-k:]) != self.normalized_shape:
+            raise ShapeError(f"normalizes the last dims {list(self.normalized_shape)}, got shape {t}")
+        return t
+
+    def flops(self, t_in, t_out):
+        return 8 * t_in.sample_numel
+
+    def run(self, x, tensors):
+        names = self.tensor_names()
+        w = tensors[names[0]] if names else None
+        b = tensors[names[1]] if len(names) > 1 else None
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+    def describe(self):
+        return f"layer_norm({list(self.normalized_shape)}, eps={self.eps:g})"
+
+
+@dataclass(frozen=True)
+class Reshape(Op):
+    """A view of each sample as ``shape`` (the batch stays in front)."""
+
+    shape: tuple = (1,)
+
+    @property
+    def op_name(self) -> str:
+        return "reshape"
+
+    def infer(self, t):
+        if math.prod(self.shape) != t.sample_numel:
+            raise ShapeError(f"cannot view shape {t} as [{t.shape[0]}, {', '.join(map(str, self.shape))}]")
+        return TensorType((t.shape[0],) + tuple(self.shape))
+
+    def flops(self, t_in, t_out):
+        return 0
+
+    def run(self, x, tensors):
+        return x.reshape((x.shape[0],) + tuple(self.shape))
+
+    def describe(self):
+        return f"reshape([N, {', '.join(map(str, self.shape))}])"
+
+
+class DropoutError(RuntimeError):
+    """Dropout with p > 0 in training mode: random, and kgen does not compute it."""
+
+
+@dataclass(frozen=True)
+class Dropout(Op):
+    """nn.Dropout: the identity in eval mode or with p = 0; refused in training mode otherwise."""
+
+    p: float = 0.0
+
+    @property
+    def op_name(self) -> str:
+        return "dropout"
+
+    def infer(self, t):
+        return t
+
+    def flops(self, t_in, t_out):
+        return 0
+
+    def run(self, x, tensors):
+        if getattr(tensors, "training", False) and self.p > 0:
+            raise DropoutError(dropout_refusal(self.p))
+        return x
+
+    def describe(self):
+        return f"dropout(p={self.p:g}; identity in eval mode)"
+
+
+def dropout_refusal(p: float) -> str:
+    return (f"dropout with p={p:g} in training mode is random and kgen does not compute it; "
+            "call model.eval() (or use p=0)")
+
+
 def fmt(t: tuple) -> str:
     """Sizes for describe(): one number when all are equal, else 2x3x4."""
     return str(t[0]) if len(set(t)) == 1 else "x".join(str(v) for v in t)
@@ -500,16 +858,17 @@ def fmt(t: tuple) -> str:
 class Param:
     name: str
     shape: tuple[int, ...]
-    init: str
+    init: str | float
+    unused: bool = False  # created for the state_dict only
 
 
 @dataclass(frozen=True)
 class Pipeline:
     name: str
     path: str
-    input: TensorType
+    input: TensorType  # the first input's type: the ops start from it
     ops: tuple[Op, ...]
-    types: tuple[TensorType, ...]  # types[i] is op i's input; types[-1] the output
+    types: tuple[TensorType, ...]  # types[0] is the first input; types[i + 1] op i's result; types[-1] the output
     params: dict = field(default_factory=dict)  # free parameters: name -> Param
     precision: str = "tf32"
     rewrites: dict = field(default_factory=dict)
@@ -518,10 +877,17 @@ class Pipeline:
     example: dict = field(default_factory=dict)
     description: str = ""
     spec: Spec | None = field(default=None, compare=False, repr=False)  # what it was built from
+    inputs: dict = field(default_factory=dict)  # every input: name -> TensorType, the first one first
+    values: dict = field(default_factory=dict)  # inputs and named results: name -> TensorType
+    member_order: tuple = ()  # submodules and parameters in the reference model's creation order
 
     @property
     def output(self) -> TensorType:
         return self.types[-1]
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self.inputs) or ["x"]
 
     @property
     def batch_symbol(self) -> str | None:
@@ -532,19 +898,32 @@ class Pipeline:
         b = self.input.shape[0]
         return self.example.get(b, 1) if isinstance(b, str) else b
 
+    def in_type(self, i: int) -> TensorType:
+        """The type of op i's input (its ``src`` value, or the previous op's result)."""
+        op = self.ops[i]
+        return self.values[op.src] if op.src is not None else self.types[i]
+
+    @property
+    def training_dependent(self) -> bool:
+        """Whether some op computes differently in training and eval mode (batch norm, dropout)."""
+        return any(isinstance(op, (BatchNorm, Dropout)) for op in self.ops)
+
     def with_ops(self, ops) -> "Pipeline":
         """The same pipeline with other ops; shapes are re-inferred and the output must not change."""
-        types = infer_types(self.input, ops, self.path)
+        types, values = infer_types(self.input, ops, self.path, self.inputs)
         if types[-1] != self.output:
             raise AssertionError(f"rewrite changed the output type {self.output} -> {types[-1]}")
-        return replace(self, ops=tuple(ops), types=types)
+        return replace(self, ops=tuple(ops), types=types, values=values)
 
     def members(self) -> list[Member]:
         """Submodules and free parameters in the order a model of the pipeline creates them.
 
-        The order of first use in the ops; it matches a hand-written model that
-        declares them in forward order, so the same seed gives the same init.
-        The reference model instantiates these; the generated Model prints them.
+        The reference model's creation order where the spec records it
+        (``constructor.members``), else the order of first use in the ops,
+        which matches a hand-written model that declares them in forward
+        order; either way the same seed gives the same init. Parameters no op
+        reads (``unused``) are created too. The reference model instantiates
+        these; the generated Model prints them.
         """
         seen, out = set(), []
         for op in self.ops:
@@ -555,28 +934,68 @@ class Pipeline:
             for name in op.tensor_names():
                 if name in self.params and name not in seen:
                     seen.add(name)
-                    p = self.params[name]
-                    out.append(Member(name, (TensorArg(name, name, p.shape),), init=p.init))
+                    out.append(self._param_member(name))
+        out += [self._param_member(n) for n in self.params if n not in seen]
+        if self.member_order:
+            rank = {n: i for i, n in enumerate(self.member_order)}
+            out.sort(key=lambda m: rank.get(m.attr, len(rank)))  # stable: the rest keep first-use order
         return out
 
+    def _param_member(self, name: str) -> Member:
+        p = self.params[name]
+        return Member(name, (TensorArg(name, name, p.shape),), init=p.init)
+
     def tensor_args(self) -> list[TensorArg]:
-        """Parameter tensors of the op, in creation order (the functional forward's order)."""
-        return [t for m in self.members() for t in m.tensors]
+        """Parameter tensors the op reads, in creation order (the functional forward's order)."""
+        read = {n for op in self.ops for n in op.tensor_names()}
+        return [t for m in self.members() for t in m.tensors if t.name in read]
 
-    def run(self, x: torch.Tensor, tensors: Tensors) -> torch.Tensor:
-        for op in self.ops:
-            x = op.run(x, tensors)
-        return x
+    def buffer_args(self) -> list[TensorArg]:
+        """Running statistics the op reads (and returns updated in training mode), in creation order."""
+        return [b for m in self.members() for b in m.buffers]
+
+    def value_args(self) -> list[str]:
+        """Named values some op reads as an operand or input, in the order they are defined."""
+        read = {n for op in self.ops for n in op.value_names()} | {op.src for op in self.ops if op.src}
+        return [n for n in self.values if n in read]
+
+    def run(self, x: torch.Tensor, tensors: Tensors, inputs: Mapping[str, torch.Tensor] | None = None,
+            training: bool = False) -> torch.Tensor:
+        """The ops on ``x`` (the first input; ``inputs`` holds the others by name) with the
+        parameters and buffers ``tensors``; ``training`` as a module's mode (batch norm)."""
+        env = Env(tensors)
+        env.training = training
+        env[self.input_names[0]] = x
+        env.update(inputs or {})
+        return run_ops(self.ops, x, env)
 
 
-def infer_types(input_type: TensorType, ops, path: str) -> tuple[TensorType, ...]:
+def run_ops(ops, x: torch.Tensor, env: Env) -> torch.Tensor:
+    """Run ``ops`` from ``x``; ``env`` holds parameters, buffers and values, and gets the named results."""
+    for op in ops:
+        if op.src is not None:
+            x = env[op.src]
+        x = op.run(x, env)
+        if isinstance(op, Capture):
+            env[op.name] = x
+    return x
+
+
+def infer_types(input_type: TensorType, ops, path: str, inputs: dict | None = None):
+    """(types, values): types[0] the input, types[i + 1] op i's result; values: the inputs'
+    and named results' types by name."""
+    values = dict(inputs or {"x": input_type})
     types = [input_type]
     for op in ops:
+        t = values[op.src] if op.src is not None else types[-1]
         try:
-            types.append(op.infer(types[-1]))
+            t = op.infer(t)
         except ShapeError as e:
             raise SpecError(path, op.key, str(e)) from None
-    return tuple(types)
+        if isinstance(op, Capture):
+            values[op.name] = t
+        types.append(t)
+    return tuple(types), values
 
 
 def _norm_dims(dims, t: TensorType, key, path) -> tuple[int, ...]:
@@ -636,6 +1055,7 @@ class _Builder:
         self.spec, self.path = spec, spec.path
         self.modules: dict[str, str] = {}  # module name -> key of the op that owns it
         self.used: set[str] = set()  # free parameters some op reads
+        self.values: dict[str, TensorType] = {}  # inputs and named results so far
 
     def module_name(self, o: OpSpec, default: str) -> str:
         name = o.args["name"] or default
@@ -644,8 +1064,28 @@ class _Builder:
             raise SpecError(self.path, f"{o.key}.name", f"module name '{name}' is already used by {self.modules[name]}{hint}")
         if name in self.spec.params:
             raise SpecError(self.path, f"{o.key}.name", f"module name '{name}' clashes with the parameter '{name}'")
+        if name in self.values:
+            raise SpecError(self.path, f"{o.key}.name", f"module name '{name}' clashes with the value '{name}'")
         self.modules[name] = o.key
         return name
+
+    def param(self, o: OpSpec, field: str = "param") -> str | None:
+        pname = o.args.get(field)
+        if pname:
+            if pname not in self.spec.params:
+                known = ", ".join(sorted(self.spec.params)) or "none declared"
+                raise SpecError(self.path, f"{o.key}.{field}", f"unknown parameter '{pname}' (params: {known})")
+            self.used.add(pname)
+        return pname
+
+    def value(self, o: OpSpec, name: str | None, field: str) -> TensorType | None:
+        if name is None:
+            return None
+        if name not in self.values:
+            known = ", ".join(self.values)
+            later = " (it is named later)" if any(x.name == name for x in self.spec.ops) else ""
+            raise SpecError(self.path, f"{o.key}.{field}", f"unknown value '{name}'{later}; values so far: {known}")
+        return self.values[name]
 
     def conv(self, o: OpSpec, entry, t: TensorType) -> Op:
         a = o.args
@@ -689,15 +1129,21 @@ class _Builder:
 
     def elementwise(self, o: OpSpec, entry: ElementwiseOp, t: TensorType) -> Op:
         a = o.args
-        pname = a.get("param")
+        pname = self.param(o)
+        view = ()
         if pname:
-            if pname not in self.spec.params:
-                known = ", ".join(sorted(self.spec.params)) or "none declared"
-                raise SpecError(self.path, f"{o.key}.param", f"unknown parameter '{pname}' (params: {known})")
-            _check_broadcast(self.spec.params[pname].shape, t, f"{o.key}.param", self.path, pname)
-            self.used.add(pname)
+            pshape = self.spec.params[pname].shape
+            if a.get("view") is not None:
+                view = _resolve_view(a["view"], math.prod(pshape), f"{o.key}.view", self.path, f"parameter '{pname}'")
+                pshape = view
+            _check_broadcast(pshape, t, f"{o.key}.param", self.path, pname)
+        tensor = a.get("tensor")
+        vt = self.value(o, tensor, "tensor")
+        if vt is not None:
+            _check_value_broadcast(vt, t, f"{o.key}.tensor", self.path, tensor)
         consts = tuple(a[name] for name, _ in entry.consts)
-        return Elementwise(key=o.key, fn=o.kind, consts=consts, scalar=a.get("scalar"), param=pname)
+        return Elementwise(key=o.key, fn=o.kind, consts=consts, scalar=a.get("scalar"), param=pname, param_view=view,
+                           tensor=tensor, reverse=a.get("reverse", False))
 
     def reduce(self, o: OpSpec, entry, t: TensorType) -> Op:
         dims = _norm_dims(o.args["dim"], t, o.key, self.path)
@@ -705,6 +1151,8 @@ class _Builder:
 
     def norm(self, o: OpSpec, entry, t: TensorType) -> Op:
         a = o.args
+        if t.rank < 3 and o.kind == "instance_norm":
+            raise SpecError(self.path, o.key, f"instance_norm needs a 3- to 5-d input, got shape {t}")
         return Norm(
             key=o.key,
             kind=o.kind,
@@ -716,13 +1164,86 @@ class _Builder:
             rank=len(t.spatial),
         )
 
+    def linear(self, o: OpSpec, entry, t: TensorType) -> Op:
+        a = o.args
+        if o.kind == "linear":
+            return Linear(key=o.key, module=self.module_name(o, "linear"), in_features=t.shape[-1],
+                          out_features=a["out_features"], bias=a["bias"])
+        pname = self.param(o)
+        if pname:
+            shape = self.spec.params[pname].shape
+            if len(shape) != 2:
+                raise SpecError(self.path, f"{o.key}.param", f"parameter '{pname}' of shape {list(shape)} is not 2-d")
+        else:
+            vt = self.value(o, a["tensor"], "tensor")
+            if vt.shape[0] != t.shape[0]:
+                raise SpecError(self.path, f"{o.key}.tensor", f"value '{a['tensor']}' {vt} has another batch than {t}")
+            shape = vt.shape[1:]
+            if len(shape) < 2:
+                raise SpecError(self.path, f"{o.key}.tensor", f"value '{a['tensor']}' {vt} has no matrix per sample")
+        return Matmul(key=o.key, param=pname, tensor=a["tensor"], transpose=a["transpose"], operand_shape=tuple(shape))
+
+    def softmax(self, o: OpSpec, entry, t: TensorType) -> Op:
+        (dim,) = _norm_dims((o.args["dim"],), t, f"{o.key}", self.path)
+        return Softmax(key=o.key, fn=o.kind, dim=dim)
+
+    def batch_norm(self, o: OpSpec, entry, t: TensorType) -> Op:
+        a = o.args
+        if t.rank < 2:
+            raise SpecError(self.path, o.key, f"batch_norm needs a 2- to 5-d input, got shape {t}")
+        return BatchNorm(key=o.key, module=self.module_name(o, "batch_norm"), num_features=t.channels, eps=a["eps"],
+                         momentum=a["momentum"], affine=a["affine"], track_running_stats=a["track_running_stats"],
+                         rank=t.rank)
+
+    def layer_norm(self, o: OpSpec, entry, t: TensorType) -> Op:
+        a = o.args
+        if -1 in a["normalized_shape"]:
+            raise SpecError(self.path, f"{o.key}.normalized_shape", "sizes must be positive")
+        return LayerNorm(key=o.key, module=self.module_name(o, "layer_norm"), normalized_shape=a["normalized_shape"],
+                         eps=a["eps"], affine=a["elementwise_affine"], bias=a["bias"])
+
+    def reshape(self, o: OpSpec, entry, t: TensorType) -> Op:
+        shape = _resolve_view(o.args["shape"], t.sample_numel, f"{o.key}.shape", self.path, f"a sample of {t}")
+        return Reshape(key=o.key, shape=shape)
+
+    def dropout(self, o: OpSpec, entry, t: TensorType) -> Op:
+        return Dropout(key=o.key, p=o.args["p"])
+
+
+def _resolve_view(shape: tuple, numel: int, key: str, path: str, what: str) -> tuple[int, ...]:
+    """``shape`` with its -1 filled in, for ``numel`` elements."""
+    known = math.prod(v for v in shape if v != -1)
+    if -1 in shape:
+        if numel % known:
+            raise SpecError(path, key, f"cannot view {what} ({numel} elements) as {list(shape)}")
+        shape = tuple(numel // known if v == -1 else v for v in shape)
+    if math.prod(shape) != numel:
+        raise SpecError(path, key, f"cannot view {what} ({numel} elements) as {list(shape)}")
+    return tuple(shape)
+
+
+def _check_value_broadcast(vt: TensorType, t: TensorType, key, path, name):
+    """A value operand: the activation's rank and batch, each other size equal or 1."""
+    if vt.rank != t.rank or vt.shape[0] != t.shape[0] or any(v not in (1, n) for v, n in zip(vt.shape[1:], t.shape[1:])):
+        raise SpecError(path, key, f"value '{name}' of shape {vt} does not broadcast to the activation {t}")
+
 
 def build_pipeline(spec: Spec) -> Pipeline:
     """Spec -> Pipeline with inferred types; semantic errors name the op's key."""
     path = spec.path
     b = _Builder(spec)
-    t = TensorType(spec.input_shape)
-    _check_bounds(None, t, t, "input.shape", path)
+    inputs = {}
+    for i in spec.inputs or ():
+        ti = TensorType(i.shape)
+        _check_bounds(None, ti, ti, f"{i.key}.shape", path)
+        inputs[i.name] = ti
+    if not inputs:
+        inputs = {"x": TensorType(spec.input_shape)}
+    for name in inputs:
+        if name in spec.params:
+            raise SpecError(path, f"params.{name}", f"parameter '{name}' has the name of an input")
+    b.values = dict(inputs)
+    t = next(iter(inputs.values()))
     for p in spec.params.values():
         if math.prod(p.shape) > max_elements():
             raise SpecError(path, f"{p.key}.shape", f"{math.prod(p.shape)} elements; at most {max_elements()} "
@@ -730,25 +1251,42 @@ def build_pipeline(spec: Spec) -> Pipeline:
     ops, types = [], [t]
     for o in spec.ops:
         entry = OPS[o.kind]
-        op = getattr(b, entry.role)(o, entry, t)
+        t_in = b.value(o, o.src, "from") if o.src is not None else t
+        op = getattr(b, entry.role)(o, entry, t_in)
+        if o.src is not None:
+            op = replace(op, src=o.src)
         try:
-            t = op.infer(t)
+            t = op.infer(t_in)
         except ShapeError as e:
             raise SpecError(path, o.key, str(e)) from None
-        _check_bounds(op, types[-1], t, o.key, path)
+        _check_bounds(op, t_in, t, o.key, path)
         ops.append(op)
         types.append(t)
+        if o.name is not None:
+            for taken, what in ((b.values, "value"), (spec.params, "parameter"), (b.modules, "module")):
+                if o.name in taken:
+                    raise SpecError(path, f"{o.key}.as", f"'{o.name}' is already the name of a {what}")
+            ops.append(Capture(key=f"{o.key}.as", name=o.name))
+            types.append(t)
+            b.values[o.name] = t
 
     for name, p in spec.params.items():
-        if name not in b.used:
-            raise SpecError(path, p.key, f"parameter '{name}' is declared but no op uses it")
+        if name not in b.used and not p.unused:
+            raise SpecError(path, p.key, f"parameter '{name}' is declared but no op uses it (mark it `unused: true` "
+                            "to create it for the state_dict only)")
+        if name in b.used and p.unused:
+            raise SpecError(path, f"{p.key}.unused", f"parameter '{name}' is marked unused but an op reads it")
+    known = set(b.modules) | set(spec.params)
+    for i, m in enumerate(spec.members):
+        if m not in known:
+            raise SpecError(path, f"constructor.members[{i}]", f"'{m}' is neither a submodule nor a parameter of the ops")
     pipe = Pipeline(
         name=spec.name,
         path=path,
         input=types[0],
         ops=tuple(ops),
         types=tuple(types),
-        params={n: Param(n, p.shape, p.init) for n, p in spec.params.items()},
+        params={n: Param(n, p.shape, p.init, p.unused) for n, p in spec.params.items()},
         precision=spec.precision,
         rewrites=dict(spec.rewrites),
         conv_layout=spec.conv_layout,
@@ -756,11 +1294,15 @@ def build_pipeline(spec: Spec) -> Pipeline:
         example=dict(spec.example),
         description=spec.description,
         spec=spec,
+        inputs=inputs,
+        values=dict(b.values),
+        member_order=tuple(spec.members),
     )
-    idents = {}
-    for arg in pipe.tensor_args():
-        if arg.ident in idents or arg.ident == "x":
-            raise SpecError(path, "params", f"parameter names '{arg.name}' and '{idents.get(arg.ident, 'x')}' collide as '{arg.ident}'")
+    idents = {n: f"input '{n}'" for n in inputs}
+    idents.setdefault("x", "x")
+    for arg in pipe.tensor_args() + pipe.buffer_args() + [TensorArg(v, v, ()) for v in pipe.values if v not in inputs]:
+        if arg.ident in idents:
+            raise SpecError(path, "params", f"parameter names '{arg.name}' and '{idents[arg.ident]}' collide as '{arg.ident}'")
         idents[arg.ident] = arg.name
     return pipe
 

@@ -69,3 +69,9 @@ def reserved_reason(name: str) -> str | None:
     if name in GENERATED_NAMES or GENERATED_PATTERN.match(name):
         return "a name the generated code uses"
     return None
+
+
+def value_reserved_reason(name: str) -> str | None:
+    """Why ``name`` cannot name a value (an input or an op's result named with `as:`): the
+    rules of parameters, except that the first input is conventionally `x`."""
+    return None if name == "x" else reserved_reason(name)

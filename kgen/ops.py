@@ -20,16 +20,21 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from . import fields as f
 from .fields import REQUIRED
 
 # Roles: the IR op that computes an entry (kgen.ir builds one per role).
-ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise")
+ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise", "linear", "softmax", "batch_norm",
+         "layer_norm", "reshape", "dropout", "capture")
+INTERNAL = ("as",)  # ops of the IR a spec does not name as ops (`as:` on an op makes one)
 
 # The families that can absorb each kind of op (a new family adds its name here).
 CONV = ("conv_gemm", "conv_aten")  # implementations of a convolution stage
 FUSED = ("pool_reduce", "norm")  # families that fuse elementwise ops and reductions
+GEMM = ("linear_aten",)  # implementations of a matrix product
+ATEN = ("aten",)  # ops run by their ATen function in a stage of their own (not fused yet)
 
 
 @dataclass(frozen=True)
@@ -51,10 +56,11 @@ class ElementwiseOp(OpDef):
     torch_fn: Callable | None = None  # torch_fn(x, *consts) or torch_fn(x, operand): the reference
     c_fn: str = ""  # the function in kgen_math.h
     consts: tuple = ()  # ((field, value when the field is omitted), ...): float arguments after v
-    operand: bool = False  # takes exactly one of the fields `scalar` or `param`
+    operand: bool = False  # takes exactly one of the fields `scalar`, `param` or `tensor`
     example: dict = field(default_factory=dict)  # fields of a valid use (tests, docs)
     slope: float = 1.0  # largest |f'| (validation scales the input's rounding by it)
     aten: str = ""  # the ATen function the eager candidate calls (default: at:: and torch_fn's name)
+    relative: bool = False  # |f'(x)| grows with |f(x)| (exp): validation scales the output by the input's size
 
 
 def _conv_fields(rank: int, transposed: bool) -> dict:
@@ -88,11 +94,14 @@ def _pool_fields(rank: int, kind: str) -> dict:
 
 
 _REDUCE_FIELDS = {"dim": (f.dims, REQUIRED), "keepdim": (f.boolean, False)}
+_SOFTMAX_FIELDS = {"dim": (f.dim, REQUIRED)}
 
 
 def _check_operand(args, key, path):
-    if (args["scalar"] is None) == (args["param"] is None):
-        f.fail(path, key, "give exactly one of 'scalar' or 'param'")
+    if sum(args[k] is not None for k in ("scalar", "param", "tensor")) != 1:
+        f.fail(path, key, "give exactly one of 'scalar', 'param' or 'tensor'")
+    if args["view"] is not None and args["param"] is None:
+        f.fail(path, f"{key}.view", "a view applies to a 'param' only")
 
 
 def _check_div(args, key, path):
@@ -109,16 +118,62 @@ def _check_clamp(args, key, path):
         f.fail(path, key, f"min ({lo}) is larger than max ({hi})")
 
 
+def _check_matmul(args, key, path):
+    if (args["param"] is None) == (args["tensor"] is None):
+        f.fail(path, key, "give exactly one of 'param' or 'tensor'")
+
+
 def _check_instance_norm(args, key, path):
     if args["track_running_stats"]:
         f.fail(path, f"{key}.track_running_stats", "running statistics are not supported; use false")
 
 
+def _check_dropout(args, key, path):
+    if not 0.0 <= args["p"] < 1.0:
+        f.fail(path, f"{key}.p", f"expected a probability in [0, 1), got {args['p']}")
+
+
+def _check_momentum(v, key, path):
+    return None if v is None else f.number(v, key, path)
+
+
+# The operand of a binary op: a number, a declared parameter (optionally viewed as
+# another shape of the same size), or a value of the pipeline (an input or a value
+# named with `as:`); `reverse` puts the operand on the left (operand - x).
+_OPERAND_FIELDS = {
+    "scalar": (f.optional(f.number), None),
+    "param": (f.optional(f.ident), None),
+    "tensor": (f.optional(f.value_name), None),
+    "view": (f.optional(f.shape), None),
+    "reverse": (f.boolean, False),
+}
+
+
 def _binary(name: str, torch_fn, c_fn: str, doc: str, example: dict, check=_check_operand) -> ElementwiseOp:
     return ElementwiseOp(
-        name, "elementwise", {"scalar": (f.optional(f.number), None), "param": (f.optional(f.ident), None)},
-        FUSED, doc, check, torch_fn=torch_fn, c_fn=c_fn, operand=True, example=example,
+        name, "elementwise", dict(_OPERAND_FIELDS), FUSED, doc, check, torch_fn=torch_fn, c_fn=c_fn, operand=True,
+        example=example,
     )
+
+
+def _unary(name: str, torch_fn, doc: str, consts: dict | None = None, **kw) -> ElementwiseOp:
+    """An elementwise function of x (and constant arguments ``consts``: field -> default), c function kgen::NAME."""
+    consts = consts or {}
+    fields = {k: (f.number, v) for k, v in consts.items()}
+    return ElementwiseOp(name, "elementwise", fields, FUSED, doc, torch_fn=torch_fn, c_fn=f"kgen::{name}",
+                         consts=tuple(consts.items()), **kw)
+
+
+def _minimum(x, other):
+    return torch.minimum(x, torch.as_tensor(other, dtype=x.dtype, device=x.device))
+
+
+def _maximum(x, other):
+    return torch.maximum(x, torch.as_tensor(other, dtype=x.dtype, device=x.device))
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
 
 
 def _table() -> dict[str, OpDef]:
@@ -147,9 +202,66 @@ def _table() -> dict[str, OpDef]:
         _binary("sub", torch.sub, "kgen::sub", "x - operand", {"scalar": 0.25}),
         _binary("mul", torch.mul, "kgen::mul", "x * operand", {"scalar": -1.25}),
         _binary("div", torch.div, "kgen::div", "x / operand", {"scalar": 3.0}, _check_div),
+        _binary("minimum", _minimum, "kgen::minimum", "torch.minimum(x, operand) (torch.min with a tensor); NaN wins",
+                {"scalar": 0.25}),
+        _binary("maximum", _maximum, "kgen::maximum", "torch.maximum(x, operand) (torch.max with a tensor); NaN wins",
+                {"scalar": -0.25}),
+        _unary("gelu", F.gelu, "F.gelu(x) (the erf form)", slope=1.13),
+        _unary("gelu_tanh", _gelu_tanh, "F.gelu(x, approximate='tanh')", slope=1.13),
+        _unary("silu", F.silu, "x * sigmoid(x) (SiLU, Swish)", slope=1.1),
+        _unary("mish", F.mish, "x * tanh(softplus(x))", slope=1.1),
+        _unary("softplus", F.softplus, "log(1 + exp(beta x)) / beta; x where beta x > threshold",
+               {"beta": 1.0, "threshold": 20.0}, example={"beta": 2.0, "threshold": 1.5}),
+        _unary("hardswish", F.hardswish, "x * clamp(x + 3, 0, 6) / 6", slope=1.5),
+        _unary("hardsigmoid", F.hardsigmoid, "clamp(x + 3, 0, 6) / 6", slope=1 / 6),
+        _unary("hardtanh", F.hardtanh, "clamp(x, min_val, max_val)", {"min_val": -1.0, "max_val": 1.0},
+               example={"min_val": -0.5, "max_val": 0.75}),
+        _unary("leaky_relu", F.leaky_relu, "x if x > 0 else negative_slope * x", {"negative_slope": 0.01},
+               example={"negative_slope": 0.2}),
+        _unary("elu", F.elu, "x if x > 0 else alpha * (exp(x) - 1)", {"alpha": 1.0}, example={"alpha": 0.7}),
+        _unary("exp", torch.exp, "exp(x)", relative=True),
+        _unary("log", torch.log, "log(x); NaN below 0, -inf at 0", relative=True),
+        _unary("abs", torch.abs, "|x|"),
+        _unary("neg", torch.neg, "-x"),
         OpDef("sum", "reduce", _REDUCE_FIELDS, FUSED, "torch.sum(x, dim, keepdim)"),
         OpDef("mean", "reduce", _REDUCE_FIELDS, FUSED, "torch.mean(x, dim, keepdim)"),
-        OpDef("max", "reduce", _REDUCE_FIELDS, FUSED, "torch.max(x, dim, keepdim)[0] (the values)"),
+        OpDef("max", "reduce", _REDUCE_FIELDS, FUSED, "torch.max(x, dim, keepdim)[0] (the values); torch.amax"),
+        OpDef("min", "reduce", _REDUCE_FIELDS, FUSED, "torch.min(x, dim, keepdim)[0] (the values); torch.amin"),
+        OpDef("logsumexp", "reduce", _REDUCE_FIELDS, ATEN, "torch.logsumexp(x, dim, keepdim)"),
+        OpDef("softmax", "softmax", _SOFTMAX_FIELDS, ATEN, "torch.softmax(x, dim)"),
+        OpDef("log_softmax", "softmax", _SOFTMAX_FIELDS, ATEN, "torch.log_softmax(x, dim)"),
+        OpDef("linear", "linear", {
+            "out_features": (f.integer(1), REQUIRED),
+            "bias": (f.boolean, True),
+            "name": (f.optional(f.ident), None),
+        }, GEMM, "nn.Linear over the last dim (in full fp32, PyTorch's default); a submodule named `linear`"),
+        OpDef("matmul", "linear", {
+            "param": (f.optional(f.ident), None),
+            "tensor": (f.optional(f.value_name), None),
+            "transpose": (f.boolean, False),
+        }, GEMM, "torch.matmul(x, operand) with a 2-d parameter (transpose: operand.T) or a value (bmm)",
+            _check_matmul),
+        OpDef("batch_norm", "batch_norm", {
+            "eps": (f.number, 1e-5),
+            "momentum": (_check_momentum, 0.1),
+            "affine": (f.boolean, True),
+            "track_running_stats": (f.boolean, True),
+            "name": (f.optional(f.ident), None),
+        }, ATEN, "nn.BatchNormNd: batch statistics and the running-statistics update in training mode, the "
+                 "running statistics in eval mode; a submodule named `batch_norm`"),
+        OpDef("layer_norm", "layer_norm", {
+            "normalized_shape": (f.shape, REQUIRED),
+            "eps": (f.number, 1e-5),
+            "elementwise_affine": (f.boolean, True),
+            "bias": (f.boolean, True),
+            "name": (f.optional(f.ident), None),
+        }, ATEN, "nn.LayerNorm over the last dims; a submodule named `layer_norm`"),
+        OpDef("reshape", "reshape", {"shape": (f.shape, REQUIRED)}, ATEN,
+              "a view as [batch, *shape] (view, reshape, flatten, squeeze, unsqueeze); -1 once for the rest"),
+        OpDef("dropout", "dropout", {"p": (f.number, REQUIRED)}, ATEN,
+              "nn.Dropout: the identity in eval mode or with p = 0; kgen refuses it in training mode otherwise",
+              _check_dropout),
+        OpDef("as", "capture", {}, FUSED, "names the value at this point (spec: `as: NAME` on the op before it)"),
         OpDef("group_norm", "norm", {
             "num_groups": (f.integer(1), REQUIRED),
             "eps": (f.number, 1e-5),
@@ -169,6 +281,11 @@ def _table() -> dict[str, OpDef]:
 
 
 OPS: dict[str, OpDef] = _table()
+
+
+def spec_op_names() -> list[str]:
+    """The ops a spec may name, sorted."""
+    return sorted(n for n in OPS if n not in INTERNAL)
 
 
 def elementwise_ops() -> list[ElementwiseOp]:

@@ -30,10 +30,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
-from . import families, target as targets
+from . import families, target as targets, values
 from .errors import KgenError
-from .ir import Elementwise, Op, Pipeline
+from .ir import Capture, Elementwise, Op, Pipeline
 from .lowering import lowered
+from .ops import FUSED, OPS
 from .rewrites import Decision, apply_rewrites
 from .stage import ConvStage, Stage, flat_buffer
 from .target import Target
@@ -83,6 +84,7 @@ class Plan:
     choices: dict = field(default_factory=dict)  # decision point -> the option this plan was made with
     options: dict = field(default_factory=dict)  # decision point -> its options (the first is the default)
     batch: int = 1  # the batch its schedules were made for
+    value_exprs: dict = None  # value name -> the binding's tensor holding it (kgen.values.materialized)
 
     @property
     def name(self) -> str:
@@ -96,6 +98,11 @@ class Plan:
         """The parameter tensors (TensorArgs) a stage takes, in the module's argument order."""
         names = stage.tensor_names()
         return [a for a in self.pipeline.tensor_args() if a.name in names]
+
+    def stage_values(self, stage: Stage) -> list[str]:
+        """The values a stage reads as tensors (operands not in a register), in definition order."""
+        names = {n for op in stage.ops for n in op.value_names() if not getattr(op, "register", False)}
+        return [n for n in self.pipeline.values if n in names]
 
     def to_json(self) -> dict:
         def stage_json(s: Stage) -> dict:
@@ -142,10 +149,15 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
     nothing there, and the value is the same (conv, then one rounded add).
     """
     ops = []
+    local = values.local_captures(pipe)
     for i, op in enumerate(pipe.ops):
         lc = lowered(op)
         nxt = pipe.ops[i + 1] if i + 1 < len(pipe.ops) else None
-        if lc is not None and lc.conv.bias and nxt is not None and lowered(nxt) is None:
+        # only into a fused stage; a conv output named for a later stage stays the conv stage's output
+        fused_next = nxt is not None and any(f in FUSED for f in OPS[nxt.op_name].families) and nxt.src is None
+        if isinstance(nxt, Capture) and i + 1 not in local:
+            fused_next = False
+        if lc is not None and lc.conv.bias and fused_next:
             ops.append(replace(lc, bias_deferred=True))
             view = (lc.conv.out_channels,) + (1,) * lc.conv.rank
             ops.append(Elementwise(key=op.key, fn="add", param=lc.conv.bias_name, param_view=view))
@@ -154,12 +166,13 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
     return pipe.with_ops(ops) if len(ops) != len(pipe.ops) else pipe
 
 
-def group_ops(pipe: Pipeline) -> list[tuple[int, list[Op], list[families.Family]]]:
+def group_ops(pipe: Pipeline, cuts: set[int] = frozenset()) -> list[tuple[int, list[Op], list[families.Family]]]:
     """Split the op chain into (first op index, ops, families that accept them); an op
-    joins the current group while some family accepts the longer group."""
+    joins the current group while some family accepts the longer group, and a group
+    starts at every cut (``kgen.values``: where a value must be a tensor)."""
     groups: list[tuple[int, list[Op]]] = []
     for i, op in enumerate(pipe.ops):
-        if groups and families.claimants(groups[-1][1] + [op]):
+        if groups and i not in cuts and families.claimants(groups[-1][1] + [op]):
             groups[-1][1].append(op)
             continue
         if not families.claimants([op]):
@@ -185,17 +198,29 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
     fire = lambda rewrite, site: picker.pick(rewrite_key(rewrite, site), (ON, OFF)) == ON  # noqa: E731
     rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
     rewritten = defer_conv_bias(rewritten)
+    resolved, cuts = values.resolve(rewritten.ops)
+    rewritten = rewritten.with_ops(resolved)
     types = rewritten.types
-    groups = group_ops(rewritten)
+    groups = group_ops(rewritten, cuts)
+    # a group of nothing but names (after a standalone op, before a cut) names that op's output: no stage
+    named_after, kept = {}, []
+    for group in groups:
+        if kept and all(isinstance(o, Capture) for o in group[1]):
+            named_after.setdefault(len(kept) - 1, []).extend(o.name for o in group[1])
+        else:
+            kept.append(group)
+    groups = kept
     # the family of each group first (a stage's request names the next stage's family)
     chosen = [_family_named(picker.given.get(implementation_key(gops[0]), ""), cands) for _, gops, cands in groups]
     stages: list[Stage] = []
     buf = flat_buffer(rewritten.input)  # what the next stage reads
     for gi, (start, gops, cands) in enumerate(groups):
+        if gops[0].src is not None:  # it reads a value: a plain tensor
+            buf = flat_buffer(rewritten.in_type(start))
         req = families.StageRequest(
             index=len(stages),
             ops=gops,
-            types=types[start : start + len(gops) + 1],
+            types=(rewritten.in_type(start),) + types[start + 1 : start + len(gops) + 1],
             input=buf,
             next_family=chosen[gi + 1] if gi + 1 < len(groups) else None,
             pipeline=rewritten,
@@ -220,13 +245,16 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
         st.choice = f"{label}: " + ("the only candidate" if len(labels) == 1 else reason)
         if declined:
             st.choice += f" ({'; '.join(declined)})"
+        st.names = named_after.get(gi, [])
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)
     _absorb_epilogues(stages)
     for i, st in enumerate(stages):
         st.index = i
-    return Plan(rewritten, pipeline, decisions, stages, target, picker.chosen, picker.options, batch)
+    plan = Plan(rewritten, pipeline, decisions, stages, target, picker.chosen, picker.options, batch)
+    plan.value_exprs = values.materialized(plan)
+    return plan
 
 
 def _family_named(label: str, cands: list[families.Family]) -> families.Family:

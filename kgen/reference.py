@@ -2,10 +2,12 @@
 
 Its submodules and parameters have the names, shapes and default
 initialization a hand-written model would have (``nn.Conv3d`` as ``conv``, a
-free parameter as a direct attribute), created in the order of first use
+free parameter as a direct attribute), created in the reference's order
 (``Pipeline.members``), so with the same seed it initializes exactly like the
 hand-written model and ``state_dict``s load both ways. The generated module's
-``Model`` creates the same members (rendered from the same list).
+``Model`` creates the same members (rendered from the same list). Batch norm
+runs as ``nn.BatchNorm`` does: in training mode on batch statistics, updating
+the module's running statistics.
 """
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ def instantiate(member: Member) -> nn.Module | nn.Parameter:
     if member.nn_class is not None:
         return getattr(nn, member.nn_class)(**dict(member.kwargs))
     (tensor,) = member.tensors
-    return nn.Parameter(PARAM_INIT[member.init](*tensor.shape))
+    if isinstance(member.init, str):
+        return nn.Parameter(PARAM_INIT[member.init](tensor.shape))
+    if tensor.shape:
+        return nn.Parameter(torch.full(tensor.shape, member.init))
+    return nn.Parameter(torch.tensor(member.init))
 
 
 def add_members(module: nn.Module, pipeline: Pipeline) -> None:
@@ -38,5 +44,8 @@ class ReferenceModel(nn.Module):
         self.pipeline = pipeline
         add_members(self, pipeline)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pipeline.run(x, dict(self.named_parameters()))
+    def forward(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        tensors = dict(self.named_parameters())
+        tensors.update(self.named_buffers())
+        others = dict(zip(self.pipeline.input_names[1:], inputs))
+        return self.pipeline.run(x, tensors, inputs=others, training=self.training)

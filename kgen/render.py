@@ -28,9 +28,9 @@ import jinja2
 
 from . import cexpr
 from .errors import KgenError
-from .ir import load_pipeline
+from .ir import dropout_refusal, load_pipeline
 from .plan import Plan, Selection, Variant, choose_plans, stage_op_name, stage_scope_name
-from .spec import spec_to_data
+from .spec import NO_DEFAULT, spec_to_data
 
 # The templates ship inside the package: kgen/templates links to the
 # repository's templates/ folder, and wheels carry copies (pyproject.toml).
@@ -59,8 +59,15 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
     )
     env.filters["cfloat"] = cexpr.cfloat
-    env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod)
+    env.filters["pyrepr"] = repr  # checked values only: None, bools, numbers, tuples of them
+    env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod, dropout_refusal=dropout_refusal,
+                       fail=_fail, NO_DEFAULT=NO_DEFAULT, constructor_call=constructor_call)
     return env
+
+
+def _fail(message: str):
+    """For templates: a case they do not handle (a template bug, reported by render_plan)."""
+    raise jinja2.TemplateError(message)
 
 
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+\Z")
@@ -96,7 +103,9 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
     args = [a.name for a in sel.pipeline.tensor_args()]
     for v in sel.variants:  # every plan takes the op's arguments, in the op's order
         assert [a.name for a in v.plan.pipeline.tensor_args()] == args, (name, v.plan.choices)
-    tensors = {a.name: a for a in first.pipeline.tensor_args()}
+    tensors = {a.name: a for a in first.pipeline.tensor_args() + first.pipeline.buffer_args()}
+    values = first.pipeline.values  # the spec's named results (the same in every plan)
+    op_args = op_arguments(sel.pipeline)
     n = len(sel.variants)
 
     def variant(i: int, v: Variant) -> dict:
@@ -121,11 +130,14 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         plan_summary=plan_summary(sel),
         binding_includes=sorted({h for v in sel.variants for st in v.plan.stages for h in st.family.binding_includes(st)}),
         ident=lambda n: tensors[n].ident,
-        ew=lambda op, act, coords: cexpr.elementwise(op, act, coords, tensors),
+        ew=lambda op, act, coords: cexpr.elementwise(op, act, coords, tensors, values),
         summed=lambda ops: cexpr.summed_params(ops, tensors),
         spec_data=spec_data_literal(first),
         cuda_includes=sorted({h for v in sel.variants for st in v.plan.stages for h in st.family.cuda_includes}),
         zip=zip,
+        op_args_cpp=lambda: ", ".join(a[0] for a in op_args),
+        op_schema_args=lambda: ", ".join(a[1] for a in op_args),
+        op_args_py=[a[2] for a in op_args],
     )
     files = {}
     for out, tpl in MODULE_FILES.items():
@@ -151,6 +163,24 @@ def selection_json(sel: Selection, spec_shown: str) -> dict:
         "plans": [{"batches": [v.lo, v.hi]} | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
                   for v in sel.variants],
     }
+def constructor_call(args) -> list[str]:
+    """The positional arguments (reprs) that rebuild the reference model: every argument up to
+    the last one without a default or with a value other than its default."""
+    n = max((i + 1 for i, a in enumerate(args) if a.default is NO_DEFAULT or a.value != a.default), default=0)
+    return [repr(a.value) for a in args[:n]]
+
+
+def op_arguments(pipe) -> list[tuple[str, str, str]]:
+    """(C++ parameter, schema argument, Python name) of each argument of the op kgen::NAME:
+    the inputs (the first is x), parameters, running statistics, then the mode
+    (pipelines with batch norm or dropout) and the running statistics' update weights."""
+    args = [(f"const at::Tensor& {n}", f"Tensor {n}", n) for n in ["x"] + pipe.input_names[1:]]
+    args += [(f"const at::Tensor& {t.ident}", f"Tensor {t.ident}", t.ident) for t in pipe.tensor_args() + pipe.buffer_args()]
+    if pipe.training_dependent:
+        args.append(("bool training", "bool training", "training"))
+    if pipe.buffer_args():
+        args.append(("at::ArrayRef<double> factors", "float[] factors", "factors"))
+    return args
 
 
 def spec_data_literal(plan: Plan) -> str:

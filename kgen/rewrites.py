@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .errors import SpecError
-from .ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType, infer_types
+from .ir import Capture, Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType, infer_types
 from .lowering import Folded, LoweredConv, Subpixel, lowered
 
 # How much of a convolution's output must be dead before the dead-region pass
@@ -67,7 +67,7 @@ def pool_composition(pipe: Pipeline):
     out, decisions = [], []
     for i, (op, t_in) in enumerate(items):
         nxt = items[i + 1][0] if i + 1 < len(items) else None
-        if not (isinstance(op, Pool) and isinstance(nxt, Pool)):
+        if not (isinstance(op, Pool) and isinstance(nxt, Pool)) or nxt.src is not None:
             out.append(op)
             continue
         why = None
@@ -115,9 +115,9 @@ def scalar_through_max(pipe: Pipeline):
         changed = False
         for i in range(len(ops) - 1):
             a, b = ops[i], ops[i + 1]
-            if not (isinstance(a, Elementwise) and a.fn in ("mul", "div") and a.param is None):
+            if not (isinstance(a, Elementwise) and a.fn in ("mul", "div") and a.param is None and a.plain):
                 continue
-            if not ((isinstance(b, Pool) and b.kind == "max") or (isinstance(b, Reduce) and b.fn == "max")):
+            if not ((isinstance(b, Pool) and b.kind == "max") or (isinstance(b, Reduce) and b.fn == "max")) or b.src:
                 continue
             if a.scalar > 0:
                 ops[i], ops[i + 1] = b, a
@@ -164,6 +164,8 @@ def avg_pool_folding(pipe: Pipeline, fire=always):
             continue
         pool = ops[j]
         why = None
+        if pool.src is not None:
+            continue
         if j != i + 1:
             why = f"{ops[i + 1].describe()} between the convolution and the pool"
         elif conv.transposed:
@@ -214,7 +216,10 @@ def subpixel_conv_transpose(pipe: Pipeline, fire=always):
         if not (isinstance(op, Conv) and op.transposed):
             continue
         why = None
-        if op.groups != 1:
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
+        if isinstance(nxt, Capture):
+            why = f"its output is the named value '{nxt.name}'"
+        elif op.groups != 1:
             why = f"groups={op.groups}"
         elif any(d != 1 for d in op.dilation):
             why = f"dilation {list(op.dilation)}"
@@ -290,6 +295,11 @@ def dead_region(pipe: Pipeline, fire=always):
         lc = lowered(op)
         if lc is None:
             continue
+        later = [o for o in ops[i + 1:] if o.src is not None or o.value_names() or isinstance(o, Capture)]
+        if later:
+            decisions.append(Decision("dead_region", _site(op), False, f"{later[0].describe()} reads or names a value "
+                                      "after the convolution"))
+            continue
         full = types[i + 1].spatial
         keep = needs[i][1:]
         if keep == full:
@@ -308,7 +318,7 @@ def dead_region(pipe: Pipeline, fire=always):
             decisions.append(Decision("dead_region", _site(op), False, "the cropped input would not produce the kept outputs"))
             continue
         try:  # the consumers must take the cropped size (avg_pool3d refuses an input smaller than its kernel)
-            after = infer_types(cropped.infer(types[i]), ops[i + 1 :], pipe.path)[-1]
+            after = infer_types(cropped.infer(types[i]), ops[i + 1 :], pipe.path, pipe.values)[0][-1]
         except SpecError as e:
             decisions.append(Decision("dead_region", _site(op), False, f"a consumer refuses the cropped size: {e.message}"))
             continue
@@ -370,10 +380,14 @@ def reduction_algebra(pipe: Pipeline):
             why = "the mean drops its dims (keepdim false)"
         elif A & B:
             why = f"mean and sum share dims {sorted(A & B)}"
+        if s.src is not None:
+            why = f"{s.key} reads another value"
         for e in ops[i + 1 : j]:
             if why:
                 break
-            if e.fn in ("mul", "div"):
+            if not e.plain:
+                why = f"{e.describe()} between the mean and the sum reads or names a value"
+            elif e.fn in ("mul", "div"):
                 if e.param is not None:
                     why = f"{e.describe()} is not a scalar factor; the sum does not distribute over it"
             elif e.fn in ("add", "sub"):

@@ -30,7 +30,10 @@ def register_autograd(op: str, spec_data: dict, param_names) -> None:
 
     ``spec_data`` is the module's embedded spec (``kgen.spec.spec_to_data``), so
     the module needs no spec file; ``param_names`` the op's parameter arguments
-    in order. Registering again (a module imported twice) only replaces the pipeline.
+    in order. The op's arguments are the inputs, the parameters, the running
+    statistics, then (batch norm, dropout) the mode and the statistics' update
+    weights; gradients flow to the inputs and parameters. Registering again (a
+    module imported twice) only replaces the pipeline.
     """
     from .ir import build_pipeline
     from .spec import spec_from_data
@@ -42,40 +45,64 @@ def register_autograd(op: str, spec_data: dict, param_names) -> None:
     first = op not in _PIPELINES
     _PIPELINES[op] = (pipe, tuple(param_names))
     if first:
-        torch.library.register_autograd(op, _Backward(op), setup_context=_setup_context)
+        torch.library.register_autograd(op, _Backward(op), setup_context=_SetupContext(op))
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+class _SetupContext:
+    """Saves the inputs and parameters for the backward, and copies of the running statistics
+    (the module updates its buffers in place after the op, which saving them would refuse)."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def __call__(self, ctx, inputs, output):
+        pipe, names = _PIPELINES[self.op]
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        k = len(pipe.input_names) + len(names)
+        ctx.training = any(v is True for v in inputs if isinstance(v, bool))
+        ctx.extra = [v for v in inputs if not isinstance(v, torch.Tensor)]
+        ctx.buffers = [t.detach().clone() for t in tensors[k:]]
+        ctx.save_for_backward(*tensors[:k])
 
 
 class _Backward:
     def __init__(self, op: str):
         self.op = op
 
-    def __call__(self, ctx, grad):
+    def __call__(self, ctx, grad, *stats_grads):
         pipe, names = _PIPELINES[self.op]
-        x, *params = ctx.saved_tensors
-        return pipeline_vjp(pipe, names, x, params, grad, ctx.needs_input_grad)
+        saved = ctx.saved_tensors
+        k = len(pipe.input_names)
+        inputs, params = saved[:k], saved[k : k + len(names)]
+        buffers = ctx.buffers
+        buffer_names = [b.name for b in pipe.buffer_args()]
+        needs = ctx.needs_input_grad
+        grads = pipeline_vjp(pipe, names, inputs[0], params, grad, needs[: k + len(names)], inputs=inputs[1:],
+                             buffers=dict(zip(buffer_names, buffers)), training=ctx.training)
+        return tuple(grads) + (None,) * len(buffers) + (None,) * len(ctx.extra)
 
 
-def pipeline_vjp(pipe, names, x, params, grad, needs) -> tuple:
-    """Gradients of ``pipe.run(x, params)`` against ``grad`` for the inputs ``needs`` marks
-    (None for the others): the pipeline is run again with autograd on.
+def pipeline_vjp(pipe, names, x, params, grad, needs, inputs=(), buffers=None, training=False) -> tuple:
+    """Gradients of ``pipe.run(x, params)`` against ``grad`` for the tensors ``needs`` marks
+    (x, then the other ``inputs``, then ``params``; None for the others): the pipeline
+    is run again with autograd on (batch norm on copies of its running statistics).
 
     Under ``create_graph`` (grad mode is on in a backward then) the recomputation
     is recorded on the inputs' own graphs, so double backward is correct too.
     """
     create = torch.is_grad_enabled()
     with torch.enable_grad():
-        inputs = [x, *params]
+        tensors = [x, *inputs, *params]
         if not create:
-            inputs = [t.detach().requires_grad_(bool(n)) for t, n in zip(inputs, needs)]
-        y = pipe.run(inputs[0], dict(zip(names, inputs[1:])))
-        wanted = [t for t, n in zip(inputs, needs) if n]
+            tensors = [t.detach().requires_grad_(bool(n)) for t, n in zip(tensors, needs)]
+        k = 1 + len(inputs)
+        env = dict(zip(names, tensors[k:]))
+        env.update({n: b.clone() for n, b in (buffers or {}).items()})
+        y = pipe.run(tensors[0], env, inputs=dict(zip(pipe.input_names[1:], tensors[1:k])), training=training)
+        wanted = [t for t, n in zip(tensors, needs) if n]
         grads = iter(torch.autograd.grad(y, wanted, grad, create_graph=create, allow_unused=True))
     out = []
-    for t, n in zip(inputs, needs):
+    for t, n in zip(tensors, needs):
         g = next(grads) if n else None
         out.append(torch.zeros_like(t) if n and g is None else g)  # an input the output ignores
     return tuple(out)

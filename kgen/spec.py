@@ -29,9 +29,9 @@ from typing import Any
 import yaml
 
 from .errors import KgenError, SpecError
-from .fields import MAX_NAME, REQUIRED, boolean, fail, ident, integer, show, size_ok
+from .fields import MAX_NAME, REQUIRED, boolean, fail, ident, integer, number, show, size_ok, value_name
 from .names import module_name_reason
-from .ops import OPS
+from .ops import INTERNAL, OPS, spec_op_names
 
 SYMBOL = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 PRECISIONS = ("ieee", "tf32", "tf32x3")
@@ -62,14 +62,38 @@ class OpSpec:
     args: dict[str, Any]  # every field of the kind, defaults filled in
     key: str  # key path of the op's fields, e.g. "ops[2].max_pool3d"
     index: int
+    name: str | None = None  # `as:` names the op's result (a value later ops may read)
+    src: str | None = None  # `from:` the value the op reads (default: the previous op's result)
 
 
 @dataclass(frozen=True)
 class ParamSpec:
     name: str
     shape: tuple[int, ...]
-    init: str
+    init: str | float  # randn | ones | zeros, or a number (torch.tensor(value) when the shape is [])
     key: str
+    unused: bool = False  # created for the state_dict only (the reference model has it, forward does not read it)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    shape: tuple  # ints, or a symbol string in position 0
+    key: str
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """A constructor argument of the reference model: its name, the value compiled in, and
+    its default in the reference's signature (``NO_DEFAULT`` when it has none)."""
+
+    name: str
+    value: Any  # None, a bool, int, float, or a (nested) tuple of them
+    default: Any
+    key: str
+
+
+NO_DEFAULT = "<no default>"
 
 
 @dataclass(frozen=True)
@@ -77,7 +101,7 @@ class Spec:
     path: str
     name: str
     description: str
-    input_shape: tuple  # ints, or a symbol string in position 0
+    input_shape: tuple  # the first input's: ints, or a symbol string in position 0
     dtype: str
     example: dict[str, int]  # values of run-time symbols for bench / the main job
     params: dict[str, ParamSpec]
@@ -86,6 +110,11 @@ class Spec:
     rewrites: dict[str, bool] = field(default_factory=dict)  # name -> enabled
     conv_layout: str = "auto"
     conv_impl: str = "auto"
+    inputs: tuple[InputSpec, ...] = ()  # every input, the first one first (`input:` gives one named x)
+    multi_input: bool = False  # written as `inputs:` (kept so the spec reads back the same way)
+    constructor: tuple[ArgSpec, ...] | None = None  # the reference model's __init__ arguments
+    members: tuple[str, ...] = ()  # submodules and parameters in the reference's creation order
+    source: str | None = None  # the model file it was imported from
 
     def error(self, key: str, message: str) -> SpecError:
         return SpecError(self.path, key, message)
@@ -105,7 +134,11 @@ def max_elements() -> int:
     return value
 
 
-TOP_KEYS = {"name", "description", "input", "params", "ops", "precision", "rewrites", "plan"}
+TOP_KEYS = {"name", "description", "input", "inputs", "example", "params", "ops", "precision", "rewrites", "plan",
+            "constructor"}
+OP_KEYS = ("as", "from")  # keys any op may have besides its own fields
+MAX_INPUTS = 8
+MAX_ARGS = 64  # constructor arguments
 
 
 def _mapping(v, key, path, what="a mapping"):
@@ -146,30 +179,38 @@ def _load_op(raw, i: int, path: str) -> OpSpec:
     if not isinstance(raw, dict) or len(raw) != 1:
         fail(path, key, "each op is a mapping with exactly one key, the op name (e.g. '- max_pool3d: {kernel_size: 2}')")
     (kind, fields), = raw.items()
-    if kind not in OPS:
-        fail(path, key, f"unknown op {show(kind)}; known ops: {', '.join(sorted(OPS))}")
+    if kind not in OPS or kind in INTERNAL:
+        hint = " (name a value with `as: NAME` on the op that computes it)" if kind == "as" else ""
+        fail(path, key, f"unknown op {show(kind)}{hint}; known ops: {', '.join(spec_op_names())}")
     key = f"{key}.{kind}"
     if fields is None:
         fields = {}
     _mapping(fields, key, path)
     entry = OPS[kind]
-    args = _fields(fields, entry.fields, key, path)
+    extra = {k: value_name(fields[k], f"{key}.{k}", path) for k in OP_KEYS if k in fields}
+    fields = {k: v for k, v in fields.items() if k not in OP_KEYS}
+    try:
+        args = _fields(fields, entry.fields, key, path)
+    except SpecError as e:  # an unknown key also lists `as` and `from`
+        if "unknown key" in e.message:
+            fail(path, e.key, f"unknown key; expected one of: {', '.join(sorted(list(entry.fields) + list(OP_KEYS)))}")
+        raise
     if entry.check:
         entry.check(args, key, path)
-    return OpSpec(kind, args, key, i)
+    return OpSpec(kind, args, key, i, extra.get("as"), extra.get("from"))
 
 
-def _load_input(raw, path):
-    _mapping(raw, "input", path)
-    _no_extra(raw, {"shape", "dtype", "example"}, "input", path)
+def _load_shape(raw, key, path):
+    """An input's shape: [batch, features] or [batch, channels, spatial...] (2 to 5 sizes)."""
+    _mapping(raw, key, path)
     if "shape" not in raw:
-        fail(path, "input.shape", "missing required field")
+        fail(path, f"{key}.shape", "missing required field")
     shape = raw["shape"]
-    if not isinstance(shape, list) or len(shape) < 3 or len(shape) > 5:
-        fail(path, "input.shape", f"expected a list of 3 to 5 sizes [batch, channels, spatial...], got {show(shape)}")
+    if not isinstance(shape, list) or len(shape) < 2 or len(shape) > 5:
+        fail(path, f"{key}.shape", f"expected a list of 2 to 5 sizes [batch, channels, spatial...], got {show(shape)}")
     clean = []
     for d, v in enumerate(shape):
-        k = f"input.shape[{d}]"
+        k = f"{key}.shape[{d}]"
         if d == 0 and isinstance(v, str):
             if not SYMBOL.match(v) or len(v) > MAX_NAME:
                 fail(path, k, f"expected a positive integer or a symbol name like N, got {show(v)}")
@@ -180,12 +221,102 @@ def _load_input(raw, path):
             clean.append(integer(1)(v, k, path))
     dtype = raw.get("dtype", "float32")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        fail(path, "input.dtype", f"unsupported dtype {show(dtype)}; supported: {', '.join(DTYPES)}")
-    example = _mapping(raw.get("example", {}) or {}, "input.example", path)
-    symbols = [v for v in clean if isinstance(v, str)]
-    _no_extra(example, set(symbols), "input.example", path)
-    example = {s: integer(1)(example.get(s, 1), f"input.example.{s}", path) for s in symbols}
-    return tuple(clean), dtype, example
+        fail(path, f"{key}.dtype", f"unsupported dtype {show(dtype)}; supported: {', '.join(DTYPES)}")
+    return tuple(clean), dtype
+
+
+def _load_example(raw, symbols, key, path):
+    example = _mapping(raw or {}, key, path)
+    _no_extra(example, set(symbols), key, path)
+    return {s: integer(1)(example.get(s, 1), f"{key}.{s}", path) for s in symbols}
+
+
+def _load_input(raw, path):
+    _mapping(raw, "input", path)
+    _no_extra(raw, {"shape", "dtype", "example"}, "input", path)
+    shape, dtype = _load_shape(raw, "input", path)
+    example = _load_example(raw.get("example"), [v for v in shape if isinstance(v, str)], "input.example", path)
+    return (InputSpec("x", shape, "input"),), dtype, example
+
+
+def _load_inputs(raw, example_raw, path):
+    """``inputs: {NAME: {shape, dtype}, ...}`` (the first is the one the ops start from) and ``example``."""
+    _mapping(raw, "inputs", path)
+    if not raw or len(raw) > MAX_INPUTS:
+        fail(path, "inputs", f"expected 1 to {MAX_INPUTS} inputs, got {len(raw)}")
+    inputs, batch = [], None
+    for name, spec in raw.items():
+        key = f"inputs.{_shown(name)}"
+        value_name(name, key, path)
+        _mapping(spec, key, path)
+        _no_extra(spec, {"shape", "dtype"}, key, path)
+        shape, _ = _load_shape(spec, key, path)
+        if batch is not None and shape[0] != batch:
+            fail(path, f"{key}.shape[0]", f"every input has the batch of the first ({show(batch)}), got {show(shape[0])}")
+        batch = shape[0]
+        if name == "x" and inputs:
+            fail(path, key, "only the first input may be named x")
+        inputs.append(InputSpec(name, shape, key))
+    example = _load_example(example_raw, [batch] if isinstance(batch, str) else [], "example", path)
+    return tuple(inputs), "float32", example
+
+
+ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+RESERVED_ARGS = {"self", "torch", "super", "forward", "SPEC", "SPEC_DATA", "Model", "_check_init"}
+SOURCE_PATH = re.compile(r"[A-Za-z0-9_./+-]{1,200}\Z")  # it is shown in generated code
+
+
+def arg_value(v, key, path, depth=0):
+    """A constructor argument's value: None, a bool, an int, a finite float, or a list of them
+    (tuples are written as lists); returned with lists as tuples."""
+    if v is None or isinstance(v, bool) or (isinstance(v, int) and abs(v) <= 2**63):
+        return v
+    if isinstance(v, float):
+        import math
+
+        if not math.isfinite(v):
+            fail(path, key, f"expected a finite number, got {show(v)}")
+        return v
+    if isinstance(v, list) and depth < 3 and len(v) <= 16:
+        return tuple(arg_value(e, f"{key}[{i}]", path, depth + 1) for i, e in enumerate(v))
+    fail(path, key, f"expected null, a boolean, a number or a short list of them, got {show(v)}")
+
+
+def _load_constructor(raw, path):
+    _mapping(raw, "constructor", path)
+    _no_extra(raw, {"source", "args", "members"}, "constructor", path)
+    source = raw.get("source")
+    if source is not None and (not isinstance(source, str) or not SOURCE_PATH.match(source)):
+        fail(path, "constructor.source", f"expected a file path of plain characters, got {show(source)}")
+    args_raw = _mapping(raw.get("args") or {}, "constructor.args", path)
+    if len(args_raw) > MAX_ARGS:
+        fail(path, "constructor.args", f"at most {MAX_ARGS} arguments")
+    args = []
+    for name, v in args_raw.items():
+        key = f"constructor.args.{_shown(name)}"
+        import keyword
+
+        if not isinstance(name, str) or not ARG_NAME.match(name) or len(name) > MAX_NAME or keyword.iskeyword(name) \
+                or name in RESERVED_ARGS:
+            fail(path, key, f"expected a Python argument name (not a keyword or one of {', '.join(sorted(RESERVED_ARGS))})")
+        if isinstance(v, dict):
+            _no_extra(v, {"value", "default"}, key, path)
+            if "default" not in v:
+                fail(path, f"{key}.default", "missing required field (a plain value has no default)")
+            default = arg_value(v["default"], f"{key}.default", path)
+            value = arg_value(v["value"], f"{key}.value", path) if "value" in v else default
+        else:
+            value, default = arg_value(v, key, path), NO_DEFAULT
+        if default is NO_DEFAULT and any(a.default is not NO_DEFAULT for a in args):
+            fail(path, key, "an argument without a default follows one with a default")
+        args.append(ArgSpec(name, value, default, key))
+    members = raw.get("members") or []
+    if not isinstance(members, list) or len(members) > 1000:
+        fail(path, "constructor.members", "expected a list of submodule and parameter names")
+    members = tuple(ident(m, f"constructor.members[{i}]", path) for i, m in enumerate(members))
+    if len(set(members)) != len(members):
+        fail(path, "constructor.members", "a name appears twice")
+    return tuple(args), members, source
 
 
 def _load_params(raw, path):
@@ -194,14 +325,17 @@ def _load_params(raw, path):
         key = f"params.{name}"
         ident(name, key, path)
         _mapping(p, key, path)
-        _no_extra(p, {"shape", "init"}, key, path)
+        _no_extra(p, {"shape", "init", "unused"}, key, path)
         shape = p.get("shape")
-        if not isinstance(shape, list) or not 0 < len(shape) <= 5 or not all(size_ok(v, 1) for v in shape):
-            fail(path, f"{key}.shape", f"expected a non-empty list of at most 5 positive integers, got {show(shape)}")
+        if not isinstance(shape, list) or not len(shape) <= 5 or not all(size_ok(v, 1) for v in shape):
+            fail(path, f"{key}.shape", f"expected a list of at most 5 positive integers ([] for a scalar), got {show(shape)}")
         init = p.get("init", "randn")
-        if not isinstance(init, str) or init not in PARAM_INITS:
-            fail(path, f"{key}.init", f"expected one of {', '.join(PARAM_INITS)}, got {show(init)}")
-        params[name] = ParamSpec(name, tuple(shape), init, key)
+        if isinstance(init, (int, float)) and not isinstance(init, bool):
+            init = number(init, f"{key}.init", path)
+        elif not isinstance(init, str) or init not in PARAM_INITS:
+            fail(path, f"{key}.init", f"expected one of {', '.join(PARAM_INITS)} or a number, got {show(init)}")
+        unused = boolean(p.get("unused", False), f"{key}.unused", path)
+        params[name] = ParamSpec(name, tuple(shape), init, key, unused)
     return params
 
 
@@ -368,14 +502,23 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
     """Check already-parsed spec data (what the YAML holds, or ``spec_to_data``'s output)."""
     _mapping(raw, "", path, "a mapping at the top level")
     _no_extra(raw, TOP_KEYS, "", path)
-    for k in ("name", "input", "ops"):
+    for k in ("name", "ops"):
         if k not in raw:
             fail(path, k, "missing required field")
+    if ("input" in raw) == ("inputs" in raw):
+        fail(path, "input" if "inputs" not in raw else "inputs",
+             "missing required field" if "inputs" not in raw else "give either 'input' or 'inputs', not both")
     name = ident(raw["name"], "name", path, module_name_reason)
     description = raw.get("description", "")
     if not isinstance(description, str):
         fail(path, "description", "expected a string")
-    shape, dtype, example = _load_input(raw["input"], path)
+    if "input" in raw:
+        if "example" in raw:
+            fail(path, "example", "with 'input', the example goes in input.example")
+        inputs, dtype, example = _load_input(raw["input"], path)
+    else:
+        inputs, dtype, example = _load_inputs(raw["inputs"], raw.get("example"), path)
+    constructor, members, source = _load_constructor(raw["constructor"], path) if "constructor" in raw else (None, (), None)
     params = _load_params(raw.get("params"), path)
     ops_raw = raw["ops"]
     if not isinstance(ops_raw, list) or not ops_raw:
@@ -396,7 +539,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         path=path,
         name=name,
         description=description.strip(),
-        input_shape=shape,
+        input_shape=inputs[0].shape,
         dtype=dtype,
         example=example,
         params=params,
@@ -405,6 +548,11 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         rewrites=_load_rewrites(raw.get("rewrites"), path),
         conv_layout=conv_layout,
         conv_impl=conv_impl,
+        inputs=inputs,
+        multi_input="inputs" in raw,
+        constructor=constructor,
+        members=members,
+        source=source,
     )
 
 
@@ -416,12 +564,32 @@ def spec_to_data(spec: Spec) -> dict:
     def plain(v):
         return [plain(e) for e in v] if isinstance(v, (tuple, list)) else v
 
-    return {
-        "name": spec.name,
-        "input": {"shape": list(spec.input_shape), "dtype": spec.dtype, "example": dict(spec.example)},
-        "params": {n: {"shape": list(p.shape), "init": p.init} for n, p in spec.params.items()},
-        "ops": [{o.kind: {k: plain(v) for k, v in o.args.items()}} for o in spec.ops],
+    def op(o):
+        args = {k: plain(v) for k, v in o.args.items()}
+        args.update({k: v for k, v in (("as", o.name), ("from", o.src)) if v is not None})
+        return {o.kind: args}
+
+    def param(p):
+        d = {"shape": list(p.shape), "init": p.init}
+        return dict(d, unused=True) if p.unused else d
+
+    data = {"name": spec.name}
+    if spec.multi_input:
+        data["inputs"] = {i.name: {"shape": list(i.shape), "dtype": spec.dtype} for i in spec.inputs}
+        data["example"] = dict(spec.example)
+    else:
+        data["input"] = {"shape": list(spec.input_shape), "dtype": spec.dtype, "example": dict(spec.example)}
+    data.update({
+        "params": {n: param(p) for n, p in spec.params.items()},
+        "ops": [op(o) for o in spec.ops],
         "precision": spec.precision,
         "rewrites": dict(spec.rewrites),
         "plan": {"conv_layout": spec.conv_layout, "conv": spec.conv_impl},
-    }
+    })
+    if spec.constructor is not None:
+        args = {a.name: plain(a.value) if a.default is NO_DEFAULT else {"value": plain(a.value), "default": plain(a.default)}
+                for a in spec.constructor}
+        data["constructor"] = {"args": args, "members": list(spec.members)}
+        if spec.source is not None:
+            data["constructor"] = {"source": spec.source, **data["constructor"]}
+    return data

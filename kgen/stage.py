@@ -102,6 +102,8 @@ class Stage:
     candidates: tuple[str, ...] = ()  # the families that could have
     choice: str = ""  # why this family
     absorbed_by: "Stage | None" = None  # the stage that runs this one as its epilogue (forward skips it)
+    source: str = "x"  # the binding's tensor it reads (the previous stage's output, an input, a value)
+    names: list = field(default_factory=list)  # values (``as``) that are its output, named right after it
 
     @property
     def kind(self) -> str:

@@ -27,7 +27,6 @@ constructed, ``.eval()``/``.train()``, ``state_dict`` loaded both ways, forward.
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.util
 import math
 import os
@@ -38,7 +37,8 @@ from pathlib import Path
 import torch
 
 from .errors import KgenError
-from .ir import Norm, Pipeline, Pool, Reduce, TensorType, load_pipeline
+from .ir import (BatchNorm, Capture, Dropout, Env, LayerNorm, Linear, Matmul, Norm, Pipeline, Pool, Reduce,
+                 Reshape, Softmax, TensorType, blocked_linear, load_pipeline, run_ops)
 from .lowering import lowered
 from .ops import OPS
 from .plan import Selection, choose_plans, stage_op_name
@@ -126,6 +126,13 @@ def compare(
     if unwritten:
         return CaseResult(case, math.inf, math.inf, False, f"{unwritten} output elements were never written")
     o, r = out.double(), ref.double()
+    if eager is not None:
+        # Where PyTorch's own float32 computation overflows (exp(100) is inf in float32,
+        # finite in float64), the float32 result stands in for the reference.
+        e = eager.detach().cpu().double()
+        overflow = torch.isfinite(r) & torch.isinf(e) & ~torch.isnan(e)
+        if overflow.any():
+            r = torch.where(overflow, e, r)
     for what, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         mo, mr = fn(o), fn(r)
         if not torch.equal(mo, mr):
@@ -152,37 +159,94 @@ def compare(
     return CaseResult(case, max_abs, rel_l2, ok, problem, eager_rel)
 
 
-def run_with_magnitude(ops, x: torch.Tensor, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None,
+                       training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``ops`` on ``x`` (the reference), and beside it a magnitude m >= |value| that
-    rounding errors scale with: sums (reductions, pools, add/sub) and scalings
+    rounding errors scale with: sums (reductions, pools, add/sub, products) and scalings
     propagate the magnitudes of their terms, so a result that cancels keeps the
     size of what was summed; a convolution or a norm restarts it from its own
     output (their rounding is relative to that; a norm's affine part still adds
     |w*x| + |b|); relu, clamp and sigmoid keep it where the output depends on the input.
+
+    ``tensors`` holds parameters and buffers (batch norm updates its running
+    statistics in it in training mode), ``inputs`` the values the ops read
+    (inputs other than x, or, for a stage, the values it takes as tensors).
     """
-    absolute = {k: v.abs() for k, v in tensors.items()}
+    env = Env(tensors)
+    env.training = training
+    env.update(inputs or {})
+    menv = _Magnitudes(env)  # |t| of parameters and values, computed where read
     v, m = x, x.abs()
     for op in ops:
-        out = op.run(v, tensors)
-        if isinstance(op, (Pool, Reduce)):
-            m = op.run(m, absolute)
-        elif lowered(op) is not None:  # a convolution, in any lowering
+        if op.src is not None:
+            v, m = env[op.src], menv[op.src]
+        out = op.run(v, env)
+        if isinstance(op, Capture):
+            env[op.name], menv[op.name] = out, m
+        elif isinstance(op, Reduce) and op.fn == "min":
+            m = replace(op, fn="max").run(m, menv)  # the selected value's size is at most the largest
+        elif isinstance(op, (Pool, Reduce, Reshape)):
+            m = op.run(m, menv)
+        elif isinstance(op, Linear):
+            bias = env[f"{op.module}.bias"] if op.bias else None
+            m = blocked_linear(m, env[f"{op.module}.weight"], bias, absolute=True)
+        elif isinstance(op, Matmul):
+            m = op.run(m, menv)
+        elif lowered(op) is not None or isinstance(op, (Softmax, Dropout)):  # a convolution in any lowering
             m = out.abs()
-        elif isinstance(op, Norm):
-            m = replace(op, affine=False).run(v, {}).abs()
-            if op.affine:
-                shape = (1, -1) + (1,) * (v.dim() - 2)
-                w, b = (absolute[f"{op.module}.{k}"].reshape(shape) for k in ("weight", "bias"))
-                m = m * w + b
-        elif op.fn in ("relu", "clamp"):
+        elif isinstance(op, (Norm, BatchNorm, LayerNorm)):
+            m = _normalized(op, v, env).abs()
+            if op.tensor_names():
+                w, b = (menv[n] if n in menv else None for n in (list(op.tensor_names()) + [None])[:2])
+                shape = (1, -1) + (1,) * (v.dim() - 2) if not isinstance(op, LayerNorm) else w.shape
+                m = m * w.reshape(shape) + (b.reshape(shape) if b is not None else 0)
+        elif op.fn in ("relu", "clamp", "hardtanh"):
             m = torch.where(out == v, m, out.abs())  # where the op cut the value off, only the bound is left
+        elif not OPS[op.fn].operand and OPS[op.fn].relative:  # exp, log: the error grows with the output
+            scale = m if op.fn == "exp" else m / v.abs()
+            m = torch.where(torch.isfinite(v), out.abs() * (1 + scale), out.abs())
         elif not OPS[op.fn].operand:  # a unary function: the input's rounding times its largest slope
             m = torch.where(torch.isfinite(v), out.abs() + OPS[op.fn].slope * m, out.abs())
+        elif op.fn in ("minimum", "maximum"):
+            other = menv[op.tensor] if op.tensor else (abs(op.scalar) if op.param is None else op.aligned_param(menv[op.param], v.dim()))
+            m = torch.maximum(m, torch.as_tensor(other, dtype=m.dtype, device=m.device))
+        elif op.fn == "div" and op.reverse:  # operand / x: the quotient's size times x's relative error
+            m = out.abs() * (1 + m / v.abs())
         else:  # add/sub/mul/div: the same op on the magnitudes, sub as add
             scalar = None if op.scalar is None else abs(op.scalar)
-            m = replace(op, fn="add" if op.fn == "sub" else op.fn, scalar=scalar).run(m, absolute)
+            m = replace(op, fn="add" if op.fn == "sub" else op.fn, scalar=scalar, reverse=False).run(m, menv)
         v = out
     return v, m
+
+
+class _Magnitudes(dict):
+    """|t| of each tensor of ``env``, computed the first time it is read."""
+
+    def __init__(self, env):
+        super().__init__()
+        self.env = env
+
+    def __missing__(self, key):
+        value = self.env[key].abs()
+        self[key] = value
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self or key in self.env else default
+
+    def __contains__(self, key):
+        return dict.__contains__(self, key) or key in self.env
+
+
+def _normalized(op, v, env):
+    """A norm's output without its affine part (batch norm: statistics as in ``op.run``, no update)."""
+    if isinstance(op, Norm):
+        return replace(op, affine=False).run(v, {})
+    if isinstance(op, LayerNorm):
+        return torch.nn.functional.layer_norm(v, op.normalized_shape, eps=op.eps)
+    stats = not env.training and op.track_running_stats
+    rm, rv = (env[n] for n in op.buffer_names()) if stats else (None, None)
+    return torch.nn.functional.batch_norm(v, rm, rv, None, None, not stats, 0.0, op.eps)
 
 
 # ------------------------------------------------------------ inputs
@@ -217,30 +281,33 @@ def _ties(shape, seed, device) -> torch.Tensor:
     return x.contiguous()
 
 
-def end_to_end_cases(t: TensorType, device, full: bool) -> list[tuple[str, torch.Tensor]]:
-    """(label, input) pairs; ``full`` adds more seeds."""
-    C, S = t.channels, t.spatial
-    shape = lambda n: (n, C) + tuple(S)  # noqa: E731
+def end_to_end_cases(t: TensorType, device, full: bool, batch: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    """(label, input) pairs; ``full`` adds more seeds; ``batch`` puts every case at that batch
+    (no odd-batch case), which keeps a huge model's CPU validation short."""
+    S = t.spatial
+    shape = lambda n: (n,) + tuple(t.shape[1:])  # noqa: E731
+    two = batch or 2
     cases = [
-        ("normal N=2 seed 0", _randn(shape(2), 0, device)),
+        (f"normal N={two} seed 0", _randn(shape(two), 0, device)),
         ("normal N=1 (batch 1)", _randn(shape(1), 1, device)),
         ("normal N=3 (odd batch)", _randn(shape(3), 2, device)),
-        ("NaN in the input", _inject(_randn(shape(2), 3, device), [math.nan] * 3, 3)),
-        ("large values (x 1e3)", _randn(shape(1), 4, device) * 1e3),
-        ("ties (2x blocks)", _ties(shape(2), 5, device)),
-        ("non-contiguous input", _randn(shape(2)[:-1] + (2 * S[-1],), 6, device)[..., ::2]),
+        ("NaN in the input", _inject(_randn(shape(two), 3, device), [math.nan] * 3, 3)),
+        ("large values (x 1e3)", _randn(shape(1 if batch is None else batch), 4, device) * 1e3),
+        ("ties (2x blocks)", _ties(shape(two), 5, device)),
+        ("non-contiguous input", _randn(shape(two)[:-1] + (2 * t.shape[-1],), 6, device)[..., ::2]),
     ]
+    if batch is not None:
+        cases = [c for c in cases if "batch 1" not in c[0] and "odd batch" not in c[0]]
     if len(S) in (2, 3):
         fmt = torch.channels_last if len(S) == 2 else torch.channels_last_3d
-        cases.append(("channels_last input", _randn(shape(2), 7, device).contiguous(memory_format=fmt)))
+        cases.append(("channels_last input", _randn(shape(two), 7, device).contiguous(memory_format=fmt)))
     if full:
-        cases += [(f"normal N=2 seed {s}", _randn(shape(2), s, device)) for s in (10, 11, 12)]
+        cases += [(f"normal N={two} seed {s}", _randn(shape(two), s, device)) for s in (10, 11, 12)]
     return cases
 
 
 def stage_cases(t: TensorType, device) -> list[tuple[str, torch.Tensor]]:
-    C, S = t.channels, t.spatial
-    shape = (2, C) + tuple(S)
+    shape = (2,) + tuple(t.shape[1:])
     return [
         ("normal", _randn(shape, 20, device)),
         ("+-inf and NaN", _inject(_randn(shape, 21, device), [math.inf, -math.inf, math.nan, math.inf], 21)),
@@ -317,12 +384,58 @@ def effective_precision(pipe: Pipeline, device: str) -> str:
     return pipe.precision if device.startswith("cuda") else "ieee"
 
 
+def init_args(mod) -> list:
+    """The constructor arguments a generated module was rendered for (none for a spec without a constructor)."""
+    return list(mod.get_init_inputs()) if hasattr(mod, "get_init_inputs") else []
+
+
+def modes(pipe: Pipeline) -> list[bool | None]:
+    """The modes to validate: None when the pipeline computes alike in both; else training
+    (unless a dropout refuses it) and eval."""
+    if not pipe.training_dependent:
+        return [None]
+    refuses = any(isinstance(op, Dropout) and op.p > 0 for op in pipe.ops)
+    return ([] if refuses else [True]) + [False]
+
+
+def other_inputs(pipe: Pipeline, batch: int, seed: int, device) -> dict[str, torch.Tensor]:
+    """Normal random values for the inputs after the first, with ``batch`` samples."""
+    return {n: _randn(pipe.inputs[n].concrete(batch), seed + 100 * (i + 1), device)
+            for i, n in enumerate(pipe.input_names[1:])}
+
+
+def op_call(op, pipe: Pipeline, x, inputs: dict, params: dict, training: bool | None = None):
+    """Call the module's op (or a stand-in with its arguments) the way the generated Model does;
+    ``params`` holds parameters and buffers by state_dict name. Returns (output, new buffers)."""
+    args = [x] + [inputs[n] for n in pipe.input_names[1:]] + [params[a.name] for a in pipe.tensor_args()]
+    buffers = pipe.buffer_args()
+    args += [params[b.name] for b in buffers]
+    if pipe.training_dependent:
+        args.append(bool(training))
+    if buffers:
+        norms = [o for o in pipe.ops if isinstance(o, BatchNorm) and o.track_running_stats]
+        counts = [params.get(f"{o.module}.num_batches_tracked") for o in norms]  # as nn.BatchNorm counts this batch
+        args.append([o.factor(None if c is None else c + 1) if training else 0.0 for o, c in zip(norms, counts)])
+        out, *stats = op(*args)
+        return out, dict(zip((b.name for b in buffers), stats))
+    return op(*args), {}
+
+
 def validate(
     spec_path, module_dir: Path, device: str = "cpu", full: bool = False, stages: bool = True,
-    selection: Selection | None = None,
+    selection: Selection | None = None, example_batch: bool = False, batch: int | None = None,
 ) -> Report:
     """Run every case of one module on ``device``; returns the report (it does not raise on failure).
-    ``selection``: the plans the module was rendered from (default: as `kgen render` chooses them)."""
+
+    ``selection``: the plans the module was rendered from (default: as `kgen render`
+    chooses them); each plan of a batch dispatch runs once at least.
+    A pipeline that computes differently in training and eval mode (batch norm,
+    dropout) is checked in both (dropout with p > 0: eval only); in training mode the
+    running statistics the op returns are checked against PyTorch's update too.
+    ``example_batch`` adds a case at the spec's example batch (a model's own size);
+    ``batch`` runs the end-to-end cases at that batch only (batch norm's training mode
+    over a batch alone needs 2).
+    """
     pipe = load_pipeline(spec_path)
     sel = selection or choose_plans(pipe)
     mod = import_module_dir(module_dir)
@@ -330,52 +443,130 @@ def validate(
     precision = effective_precision(pipe, device)
     report = Report(Path(module_dir).name, device, precision)
     torch.manual_seed(0)
-    model = mod.Model().to(device)
-    reference = ReferenceModel(pipe).to(device)
-    reference.load_state_dict(model.state_dict())
-    eager = copy.deepcopy(reference)  # float32, PyTorch's default TF32 settings
-    tensors64 = {k: v.detach().double() for k, v in reference.named_parameters()}
-    params = [dict(model.named_parameters())[a.name].detach() for a in pipe.tensor_args()]
+    model = mod.Model(*init_args(mod)).to(device)
+    reference = _sharing(pipe, model.state_dict())  # the reference's tensors are the model's: no copy
+    _randomize_running_stats(reference)
+    state = {k: v.detach() for k, v in reference.state_dict().items()}
+    buffers = {k for k, _ in reference.named_buffers()}
+    params64 = {k: _to64(v) for k, v in state.items() if k not in buffers}  # once: the cases share them
     tol = TOLERANCES[precision]
-    cases = end_to_end_cases(pipe.input, device, full)
-    if len(sel.variants) > 1:  # each plan of the batch dispatch runs once at least
-        cases += [(f"normal N={v.lo} (plan {i}: batches {v.batches})", _randn(pipe.input.concrete(v.lo), 40 + i, device))
-                  for i, v in enumerate(sel.variants)]
     with torch.no_grad(), poisoned_outputs():
-        for label, x in cases:
-            report.cases.append(_case(
-                label, lambda: op(x, *params), lambda: run_with_magnitude(pipe.ops, x.double(), tensors64),
-                lambda: eager(x), tol,
-            ))
+        for mode in modes(pipe):
+            suffix = "" if mode is None else (" (training mode)" if mode else " (eval mode)")
+            b = batch
+            if mode and b == 1 and _batch_norm_over_batch_only(pipe):
+                b = 2
+            cases = end_to_end_cases(pipe.input, device, full, b)
+            if len(sel.variants) > 1 and batch is None:  # each plan of the batch dispatch runs once at least
+                cases += [(f"normal N={v.lo} (plan {i}: batches {v.batches})", _randn(pipe.input.concrete(v.lo), 40 + i, device))
+                          for i, v in enumerate(sel.variants)]
+            if example_batch:
+                b = pipe.example_batch()
+                cases.append((f"normal N={b} (the example batch)", _randn(pipe.input.concrete(b), 8, device)))
+            for label, x in cases:
+                if mode and x.shape[0] == 1 and _batch_norm_over_batch_only(pipe):
+                    continue  # PyTorch refuses batch statistics of one value per channel
+                inputs = other_inputs(pipe, x.shape[0], len(label), device)
+                report.cases += _end_to_end(label + suffix, op, pipe, state, params64, buffers, x, inputs, bool(mode), tol)
         report.cases.append(check_model(mod, model, pipe, device, op, tol))
         if stages:
             report.cases += check_stages(sel, report.name, model, device)
     return report
 
 
+def _batch_norm_over_batch_only(pipe: Pipeline) -> bool:
+    """Whether some batch norm's statistics are over the batch alone (a 2-d input)."""
+    return any(isinstance(op, BatchNorm) and op.rank == 2 for op in pipe.ops)
+
+
+def _randomize_running_stats(model: torch.nn.Module) -> None:
+    """Running statistics other than the initial zeros and ones, so eval mode uses them visibly."""
+    g = _gen(99, "cpu")
+    for name, b in model.named_buffers():
+        if name.endswith("running_mean"):
+            b.copy_(torch.randn(b.shape, generator=g))
+        elif name.endswith("running_var"):
+            b.copy_(torch.rand(b.shape, generator=g) + 0.5)
+
+
+LARGE_MODEL = 2**26  # parameter elements above which check_model builds its Models on the meta device
+LARGE = 2**24  # elements of a parameter kept in float32 for the float64 reference (converted in blocks where used)
+
+
+def _to64(t: torch.Tensor) -> torch.Tensor:
+    return t.double() if t.numel() <= LARGE or not t.is_floating_point() else t
+
+
+def _sharing(pipe: Pipeline, state: dict) -> ReferenceModel:
+    """The reference model holding ``state``'s tensors themselves (built on the meta device, then assigned)."""
+    with torch.device("meta"):
+        reference = ReferenceModel(pipe)
+    reference.load_state_dict(state, assign=True)
+    return reference
+
+
+def _end_to_end(label, op, pipe, state, params64, buffers, x, inputs, training, tol) -> list[CaseResult]:
+    """One input case: the op against the float64 reference (and, in training mode, the running
+    statistics it returns against PyTorch's update of them)."""
+    fresh = {k: (v.clone() if k in buffers else v) for k, v in state.items()}  # each case starts from the same statistics
+    tensors64 = {**params64, **{k: fresh[k].double() for k in buffers}}
+    eager = _sharing(pipe, {k: (v.clone() if k in buffers else v) for k, v in fresh.items()})  # float32, PyTorch's defaults
+    eager.train(training)
+    new = {}
+
+    def run():
+        out, stats = op_call(op, pipe, x, inputs, fresh, training)
+        new.update(stats)
+        return out
+
+    results = [_case(
+        label, run,
+        lambda: run_with_magnitude(pipe.ops, x.double(), tensors64,
+                                   {pipe.input_names[0]: x.double(), **{n: t.double() for n, t in inputs.items()}}, training),
+        lambda: eager(x, *inputs.values()), tol,
+    )]
+    if new:
+        eager_state = eager.state_dict()
+        for name, value in new.items():
+            results.append(compare(f"{label}: {name}", value, tensors64[name], TOLERANCES["ieee"], eager_state[name]))
+    return results
+
+
 def check_model(mod, validated, pipe: Pipeline, device: str, op, tol) -> CaseResult:
-    """The module's ``Model`` used as a user would: construct, move, ``.train()`` and
-    ``.eval()``, load the validated model's ``state_dict``, forward; its output must
-    match the (validated) op on the same parameters, and a second Model loaded from
-    the first one's ``state_dict`` must compute the same."""
+    """The module's ``Model`` used as a user would: construct (with the constructor arguments
+    it was rendered for), move, ``.train()`` and ``.eval()``, load the validated model's
+    ``state_dict``, forward (eval mode); its output must match the (validated) op on the
+    same parameters, and a second Model loaded from the first one's ``state_dict`` must
+    compute the same."""
     label = "Model(): construct, eval, state_dict, forward"
+    big = sum(p.numel() for p in validated.parameters()) > LARGE_MODEL
+
+    def construct():
+        """A Model; a large one on the meta device, to take the validated model's tensors (no copy)."""
+        if not big:
+            return mod.Model(*init_args(mod)).to(device)
+        with torch.device("meta"):
+            return mod.Model(*init_args(mod))
+
     try:
-        model = mod.Model().to(device)
+        model = construct()
         if model.train() is not model or model.eval() is not model or model.training:
             return CaseResult(label, math.inf, math.inf, False, ".train()/.eval() do not behave like torch.nn.Module's")
         expected = {k: tuple(v.shape) for k, v in validated.state_dict().items()}
         if {k: tuple(v.shape) for k, v in model.state_dict().items()} != expected:
             return CaseResult(label, math.inf, math.inf, False, "state_dict keys or shapes differ from the reference model's")
-        model.load_state_dict(validated.state_dict())
+        model.load_state_dict(validated.state_dict(), assign=big)
         x = _randn(pipe.input.concrete(1), 30, device)
-        out = model(x)
-        again = mod.Model().to(device).eval()
-        again.load_state_dict(model.state_dict())
+        inputs = other_inputs(pipe, 1, 30, device)
+        out = model(x, *inputs.values())
+        again = construct().eval()
+        again.load_state_dict(model.state_dict(), assign=big)
         # (within the tolerance: cuDNN may pick another algorithm, or reduce in another order, on a second call)
-        if not compare(label, again(x), out.double(), tol).passed:
+        if not compare(label, again(x, *inputs.values()), out.double(), tol).passed:
             return CaseResult(label, math.inf, math.inf, False, "a Model loaded from another's state_dict computes differently")
-        params = dict(validated.named_parameters())
-        reference = op(x, *[params[a.name].detach() for a in pipe.tensor_args()])
+        tensors = dict(validated.named_parameters())
+        tensors.update(validated.named_buffers())
+        reference, _ = op_call(op, pipe, x, inputs, {k: v.detach() for k, v in tensors.items()}, False)
     except Exception as e:  # noqa: BLE001 - whatever breaks, it is this case's failure
         first = (str(e).splitlines() or [""])[0]
         return CaseResult(label, math.inf, math.inf, False, f"raised {type(e).__name__}: {first}")
@@ -384,7 +575,8 @@ def check_model(mod, validated, pipe: Pipeline, device: str, op, tol) -> CaseRes
 
 def check_stages(sel: Selection, name: str, model, device: str, reference_device: str | None = None) -> list[CaseResult]:
     """The per-stage adversarial cases: each fused stage's op ``kgen::NAME_stageK`` (of each
-    plan) on ``device`` against its ops run by PyTorch on ``reference_device`` (default: the same)."""
+    plan) on ``device`` against its ops run by PyTorch on ``reference_device`` (default: the
+    same); the values a stage reads as tensors are normal random data."""
     ref_device = reference_device or device
     params = {n: p.detach().to(ref_device) for n, p in model.named_parameters()}
     results = []
@@ -394,13 +586,20 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
         for i, plan, st in stages:
             stage_op = getattr(torch.ops.kgen, stage_op_name(name, i, count, st.index))
             args = [params[a.name].to(device) for a in plan.stage_args(st)]
+            names = plan.stage_values(st)
+            inside = {op.name for op in st.ops if isinstance(op, Capture)}  # a value of the stage's input itself
             for label, x in stage_cases(st.in_type, ref_device):
+                vals = {n: x if n in inside else _randn(plan.pipeline.values[n].concrete(x.shape[0]), 40 + k, ref_device)
+                        for k, n in enumerate(names)}
+                source = {st.ops[0].src: x} if st.ops and st.ops[0].src else {}  # the value the stage reads
                 tiles = [t.to(device) for t in pack_buffer(st.input, x)]
+                vargs = [vals[n].to(device) for n in names]
                 results.append(_case(
                     f"stage {st.index}{'' if count == 1 else f' of plan {i}'}: {label}",
-                    lambda: stage_op(tiles, *args),
-                    lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()}),
-                    lambda: _run_ops(st.ops, x, params, torch.float32),
+                    lambda: stage_op(tiles, *args, *vargs),
+                    lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()},
+                                               {n: v.double() for n, v in {**vals, **source}.items()}),
+                    lambda: _run_ops(st.ops, x, params, torch.float32, {**vals, **source}),
                     TOLERANCES[stage_precision(st, device)],
                 ))
     return results
@@ -412,11 +611,10 @@ def stage_precision(st, device: str) -> str:
     return mma if mma and device.startswith("cuda") else "ieee"
 
 
-def _run_ops(ops, x, params, dtype):
-    tensors = {n: p.detach().to(dtype) for n, p in params.items()}
-    for o in ops:
-        x = o.run(x, tensors)
-    return x
+def _run_ops(ops, x, params, dtype, values=None):
+    env = Env({n: p.detach().to(dtype) for n, p in params.items()})
+    env.update({n: v.to(dtype) for n, v in (values or {}).items()})
+    return run_ops(ops, x, env)
 
 
 def _case(label, run, run_reference, run_eager, tol) -> CaseResult:

@@ -30,6 +30,7 @@ def main(root="generated"):
         for r in check_stages(sel, d.name, model, "cuda", reference_device="cpu"):
             failed += not r.passed
             print(f"{'ok  ' if r.passed else 'FAIL'} {d.name} {r.case} {r.problem}", flush=True)
+        plan = sel.variant_for(2).plan  # the plan the whole op runs at batch 2
         if all(st.family.generates_kernel for st in plan.stages):
             x = torch.randn(plan.pipeline.input.concrete(2))
             op = getattr(torch.ops.kgen, d.name)

@@ -9,11 +9,18 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
+#include <ATen/ops/batch_norm.h>
 #include <ATen/ops/bitwise_and.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/isfinite.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/log_softmax.h>
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/sub.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -160,6 +167,35 @@ class CudnnTf32Guard {
  private:
   bool previous_;
 };
+
+// PyTorch's default precision for float32 matrix products ("highest": no TF32) for
+// one scope, restored after; like CudnnTf32Guard, the setting is process-global.
+class MatmulFp32Guard {
+ public:
+  MatmulFp32Guard() : previous_(at::globalContext().float32MatmulPrecision()) {
+    if (previous_ != at::Float32MatmulPrecision::HIGHEST) at::globalContext().setFloat32MatmulPrecision("highest");
+  }
+  ~MatmulFp32Guard() {
+    if (previous_ == at::Float32MatmulPrecision::HIGH) at::globalContext().setFloat32MatmulPrecision("high");
+    if (previous_ == at::Float32MatmulPrecision::MEDIUM) at::globalContext().setFloat32MatmulPrecision("medium");
+  }
+  MatmulFp32Guard(const MatmulFp32Guard&) = delete;
+  MatmulFp32Guard& operator=(const MatmulFp32Guard&) = delete;
+
+ private:
+  at::Float32MatmulPrecision previous_;
+};
+
+// nn.Linear and torch.matmul as ATen (cuBLAS) computes them in full fp32; contiguous.
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  MatmulFp32Guard fp32;
+  return at::linear(x, w, b).contiguous();
+}
+
+inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w) {
+  MatmulFp32Guard fp32;
+  return at::matmul(x, w).contiguous();
+}
 
 // x with the low 13 mantissa bits cleared: exactly representable in TF32.
 inline at::Tensor tf32_high(const at::Tensor& x) {

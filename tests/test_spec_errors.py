@@ -47,8 +47,8 @@ CASES = [
     ("input_not_mapping", "name: t\ninput: [N, 4, 8, 8]\nops: [relu]\n", PARSE, "input", ["mapping"]),
     ("input_unknown_key", "name: t\ninput: {shape: [N, 4, 8, 8], layout: nchw}\nops: [relu]\n", PARSE, "input.layout", ["unknown key"]),
     ("input_missing_shape", "name: t\ninput: {dtype: float32}\nops: [relu]\n", PARSE, "input.shape", ["missing required field"]),
-    ("input_shape_too_short", "name: t\ninput: {shape: [N, 4]}\nops: [relu]\n", PARSE, "input.shape", ["3 to 5"]),
-    ("input_shape_too_long", "name: t\ninput: {shape: [N, 4, 2, 2, 2, 2]}\nops: [relu]\n", PARSE, "input.shape", ["3 to 5"]),
+    ("input_shape_too_short", "name: t\ninput: {shape: [N]}\nops: [relu]\n", PARSE, "input.shape", ["2 to 5"]),
+    ("input_shape_too_long", "name: t\ninput: {shape: [N, 4, 2, 2, 2, 2]}\nops: [relu]\n", PARSE, "input.shape", ["2 to 5"]),
     ("symbol_in_channels", "name: t\ninput: {shape: [N, C, 8, 8]}\nops: [relu]\n", PARSE, "input.shape[1]", ["batch dimension"]),
     ("symbol_in_spatial", "name: t\ninput: {shape: [N, 4, 8, H]}\nops: [relu]\n", PARSE, "input.shape[3]", ["batch dimension"]),
     ("zero_size", "name: t\ninput: {shape: [N, 4, 0, 8]}\nops: [relu]\n", PARSE, "input.shape[2]", ["positive integer", "0"]),
@@ -63,7 +63,7 @@ CASES = [
     ("ops_not_list", HEAD4 + "ops: {relu: null}\n", PARSE, "ops", ["non-empty list"]),
     ("unknown_op", HEAD4 + "ops:\n  - conv4d: {out_channels: 2, kernel_size: 3}\n", PARSE, "ops[0]",
      ["'conv4d'", "known ops:", "conv3d", "max_pool2d", "group_norm", "adaptive_avg_pool3d"]),
-    ("unknown_op_bare", HEAD4 + "ops: [relu, softmax]\n", PARSE, "ops[1]", ["'softmax'", "known ops:", "sigmoid"]),
+    ("unknown_op_bare", HEAD4 + "ops: [relu, softmin]\n", PARSE, "ops[1]", ["'softmin'", "known ops:", "sigmoid"]),
     ("op_with_two_keys", HEAD4 + "ops:\n  - {relu: null, sigmoid: null}\n", PARSE, "ops[0]", ["exactly one key"]),
     ("op_not_mapping", HEAD4 + "ops:\n  - [relu]\n", PARSE, "ops[0]", ["exactly one key"]),
     ("op_fields_not_mapping", HEAD4 + "ops:\n  - relu: 3\n", PARSE, "ops[0].relu", ["mapping"]),
@@ -126,9 +126,9 @@ CASES = [
      "ops[0].conv3d.name", ["'Conv1'"]),
     # ---- ops: cross-field rules
     ("scalar_and_param", HEAD5 + "params:\n  b: {shape: [4, 1, 1, 1]}\nops:\n  - add: {scalar: 1.0, param: b}\n", PARSE,
-     "ops[0].add", ["exactly one of 'scalar' or 'param'"]),
-    ("neither_scalar_nor_param", HEAD5 + "ops:\n  - sub: {}\n", PARSE, "ops[0].sub", ["exactly one of 'scalar' or 'param'"]),
-    ("bare_binary_op", HEAD5 + "ops: [mul]\n", PARSE, "ops[0].mul", ["exactly one of 'scalar' or 'param'"]),
+     "ops[0].add", ["exactly one of 'scalar', 'param' or 'tensor'"]),
+    ("neither_scalar_nor_param", HEAD5 + "ops:\n  - sub: {}\n", PARSE, "ops[0].sub", ["exactly one of 'scalar', 'param' or 'tensor'"]),
+    ("bare_binary_op", HEAD5 + "ops: [mul]\n", PARSE, "ops[0].mul", ["exactly one of 'scalar', 'param' or 'tensor'"]),
     ("div_by_zero", HEAD5 + "ops:\n  - div: {scalar: 0}\n", PARSE, "ops[0].div.scalar", ["division by zero"]),
     ("div_by_float_zero", HEAD5 + "ops:\n  - div: {scalar: -0.0}\n", PARSE, "ops[0].div.scalar", ["division by zero"]),
     ("clamp_min_above_max", HEAD5 + "ops:\n  - clamp: {min: 1.0, max: -1.0}\n", PARSE, "ops[0].clamp", ["larger than max"]),
@@ -408,3 +408,63 @@ def test_cli_not_utf8_spec_is_one_line(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"kgen: error: {spec_path}")
+
+
+# ---- values, inputs and the constructor (kgen import's spec syntax)
+
+INPUTS2 = "name: t\ninputs:\n  x: {shape: [N, 4]}\n  y: {shape: [N, 4]}\nexample: {N: 2}\n"
+VALUE_CASES = [
+    ("unknown_value", INPUTS2 + "ops:\n  - add: {tensor: z}\n", "ops[0].add.tensor", ["unknown value 'z'", "x, y"]),
+    ("value_named_later", HEAD4 + "ops:\n  - add: {tensor: h}\n  - relu: {as: h}\n", "ops[0].add.tensor",
+     ["unknown value 'h'", "named later"]),
+    ("from_unknown", HEAD4 + "ops:\n  - relu: {from: q}\n", "ops[0].relu.from", ["unknown value 'q'"]),
+    ("as_twice", HEAD4 + "ops:\n  - relu: {as: h}\n  - sigmoid: {as: h}\n", "ops[1].sigmoid.as", ["already the name of a value"]),
+    ("as_names_a_param", HEAD4 + "params:\n  b: {shape: [4, 1, 1]}\nops:\n  - add: {param: b, as: b}\n", "ops[0].add.as",
+     ["already the name of a parameter"]),
+    ("value_does_not_broadcast", INPUTS2 + "ops:\n  - sum: {dim: 1, keepdim: true, as: s}\n  - add: {from: y, tensor: x}\n"
+     "  - mul: {tensor: s}\n  - sum: {dim: 1}\n  - add: {tensor: y}\n", "ops[4].add.tensor", ["value 'y'", "does not broadcast"]),
+    ("two_operands", INPUTS2 + "ops:\n  - add: {scalar: 1, tensor: y}\n", "ops[0].add", ["exactly one of 'scalar', 'param' or 'tensor'"]),
+    ("view_without_param", HEAD4 + "ops:\n  - mul: {scalar: 2, view: [4]}\n", "ops[0].mul.view", ["applies to a 'param' only"]),
+    ("view_wrong_size", HEAD4 + "params:\n  b: {shape: [4]}\nops:\n  - mul: {param: b, view: [1, 3, 1, 1]}\n",
+     "ops[0].mul.view", ["cannot view parameter 'b'"]),
+    ("as_is_not_an_op", HEAD4 + "ops:\n  - as: {name: h}\n", "ops[0]", ["unknown op 'as'", "as: NAME"]),
+    ("op_unknown_key_lists_as", HEAD4 + "ops:\n  - relu: {named: h}\n", "ops[0].relu.named", ["unknown key", "as", "from"]),
+    ("inputs_and_input", INPUTS2 + "input: {shape: [N, 4]}\nops: [relu]\n", "inputs", ["either 'input' or 'inputs'"]),
+    ("inputs_other_batch", "name: t\ninputs:\n  x: {shape: [N, 4]}\n  y: {shape: [M, 4]}\nops: [relu]\n",
+     "inputs.y.shape[0]", ["batch of the first"]),
+    ("second_input_named_x", "name: t\ninputs:\n  a1: {shape: [N, 4]}\n  x: {shape: [N, 4]}\nops: [relu]\n", "inputs.x",
+     ["only the first input may be named x"]),
+    ("input_named_like_generated_code", "name: t\ninputs:\n  x: {shape: [N, 4]}\n  out: {shape: [N, 4]}\nops: [relu]\n",
+     "inputs.out", ["a name the generated code uses"]),
+    ("example_with_input", HEAD4 + "example: {N: 3}\nops: [relu]\n", "example", ["input.example"]),
+    ("unused_param_read", HEAD4 + "params:\n  b: {shape: [4, 1, 1], unused: true}\nops:\n  - add: {param: b}\n",
+     "params.b.unused", ["marked unused but an op reads it"]),
+    ("param_init_inf", HEAD4 + "params:\n  b: {shape: [], init: .inf}\nops:\n  - add: {param: b}\n", "params.b.init",
+     ["finite number"]),
+    ("ctor_arg_keyword", HEAD4 + "constructor:\n  args: {class: 3}\nops: [relu]\n", "constructor.args.class",
+     ["Python argument name"]),
+    ("ctor_arg_string", HEAD4 + "constructor:\n  args: {mode: fast}\nops: [relu]\n", "constructor.args.mode",
+     ["null, a boolean, a number"]),
+    ("ctor_default_order", HEAD4 + "constructor:\n  args: {a: {default: 1}, b: 2}\nops: [relu]\n", "constructor.args.b",
+     ["without a default follows one with a default"]),
+    ("ctor_member_unknown", HEAD4 + "constructor:\n  members: [conv]\nops: [relu]\n", "constructor.members[0]",
+     ["neither a submodule nor a parameter"]),
+    ("ctor_source_odd", HEAD4 + "constructor:\n  source: 'a b;c.py'\nops: [relu]\n", "constructor.source", ["plain characters"]),
+    ("dropout_p_one", HEAD4 + "ops:\n  - dropout: {p: 1.0}\n", "ops[0].dropout.p", ["probability in [0, 1)"]),
+    ("matmul_two_operands", INPUTS2 + "params:\n  w: {shape: [4, 4]}\nops:\n  - matmul: {param: w, tensor: y}\n",
+     "ops[0].matmul", ["exactly one of 'param' or 'tensor'"]),
+    ("linear_wrong_features", HEAD4 + "ops:\n  - linear: {out_features: 3}\n  - linear: {out_features: 2, name: l2}\n"
+     "  - matmul: {param: w}\nparams:\n  w: {shape: [3, 5]}\n", "ops[2].matmul", ["multiplies [.., 3] by [3, 5]", "2]"]),
+    ("reshape_wrong_size", HEAD4 + "ops:\n  - reshape: {shape: [3, -1]}\n", "ops[0].reshape.shape", ["cannot view"]),
+    ("layer_norm_wrong_shape", HEAD4 + "ops:\n  - layer_norm: {normalized_shape: [4]}\n", "ops[0].layer_norm",
+     ["normalizes the last dims [4]"]),
+]
+
+
+@pytest.mark.parametrize("text, key, contains", [c[1:] for c in VALUE_CASES], ids=[c[0] for c in VALUE_CASES])
+def test_bad_values_inputs_constructor(tmp_path, text, key, contains):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as e:
+        load_pipeline(path)
+    _assert_one_line_error(e.value, path, key, contains)

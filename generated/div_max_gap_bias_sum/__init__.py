@@ -36,10 +36,10 @@ SPEC_DATA = {
     'params': {'bias': {'shape': [16, 1, 1, 1], 'init': 'randn'}},
     'ops': [
         {'conv3d': {'out_channels': 16, 'kernel_size': [3, 3, 3], 'stride': [1, 1, 1], 'padding': [0, 0, 0], 'dilation': [1, 1, 1], 'groups': 1, 'bias': True, 'name': None}},
-        {'div': {'scalar': 2.0, 'param': None}},
+        {'div': {'scalar': 2.0, 'param': None, 'tensor': None, 'view': None, 'reverse': False}},
         {'max_pool3d': {'kernel_size': [2, 2, 2], 'stride': None, 'padding': [0, 0, 0], 'ceil_mode': False, 'dilation': [1, 1, 1]}},
         {'adaptive_avg_pool3d': {'output_size': [1, 1, 1]}},
-        {'add': {'scalar': None, 'param': 'bias'}},
+        {'add': {'scalar': None, 'param': 'bias', 'tensor': None, 'view': None, 'reverse': False}},
         {'sum': {'dim': [1], 'keepdim': False}},
     ],
     'precision': 'tf32',

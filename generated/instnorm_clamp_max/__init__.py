@@ -36,10 +36,10 @@ SPEC_DATA = {
     'params': {'multiplier': {'shape': [16, 1, 1, 1], 'init': 'randn'}},
     'ops': [
         {'conv3d': {'out_channels': 16, 'kernel_size': [3, 3, 3], 'stride': [1, 1, 1], 'padding': [0, 0, 0], 'dilation': [1, 1, 1], 'groups': 1, 'bias': True, 'name': None}},
-        {'mul': {'scalar': None, 'param': 'multiplier'}},
+        {'mul': {'scalar': None, 'param': 'multiplier', 'tensor': None, 'view': None, 'reverse': False}},
         {'instance_norm': {'eps': 1e-05, 'affine': False, 'track_running_stats': False, 'name': None}},
         {'clamp': {'min': -1.0, 'max': 1.0}},
-        {'mul': {'scalar': None, 'param': 'multiplier'}},
+        {'mul': {'scalar': None, 'param': 'multiplier', 'tensor': None, 'view': None, 'reverse': False}},
         {'max': {'dim': [1], 'keepdim': False}},
     ],
     'precision': 'tf32',

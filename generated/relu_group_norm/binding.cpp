@@ -71,10 +71,10 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
   // Stage 0: conv_transpose3d(64->128, k=3) as 1 sub-pixel conv3d; output contiguous.
   const at::Tensor x0 = kgen::narrow_spatial(x, {32, 32, 32}).contiguous(at::MemoryFormat::Contiguous);
   const at::Tensor w0 = conv_transpose_weight.flip({2, 3, 4});
-  std::vector<at::Tensor> t0;
-  t0.push_back(kgen::convolution(  // phase 0,0,0: 3x3x3 taps
+  // one phase (stride 1): a plain tensor, which any stage reads
+  const at::Tensor t0 = kgen::convolution(  // 3x3x3 taps
       x0, kgen::subpixel_weight(w0, {0, 0, 0}, {1, 1, 1}, {3, 3, 3}), std::nullopt,
-      {1, 1, 1}, {2, 2, 2}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::Contiguous));
+      {1, 1, 1}, {2, 2, 2}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::Contiguous);
   scope.emplace("kgen::relu_group_norm stage 1 (norm)");
   const at::Tensor t1 = stage1({t0}, group_norm_weight, group_norm_bias);
   scope.reset();

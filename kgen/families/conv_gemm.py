@@ -352,6 +352,8 @@ class ConvGemm(Family):
         """A pool_reduce stage whose pools tile the convolution output in whole windows."""
         if nxt.family.name != "pool_reduce" or len(st.problems) != 1 or nxt.input != st.output:
             return False
+        if st.names or any(n for op in nxt.ops for n in op.value_names()):
+            return False  # the output is a named value, or the epilogue reads values: separate stages
         window = [1, 1, 1]
         for lv in nxt.levels[1:]:
             p: Pool = lv.pool

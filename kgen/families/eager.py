@@ -93,6 +93,18 @@ def _call(op: Op, t: TensorType, ident) -> str:
     return f"{fn}(y{''.join(', ' + _scalar(c) for c in op.consts)})"
 
 
+def _has_call(op: Op) -> bool:
+    """Whether ``_call`` renders ``op``: a chain op on the running value (no values read or
+    named; the ops of imported models beyond these are not offered eagerly yet)."""
+    if op.src is not None or type(op) not in (Conv, Pool, Reduce, Norm, Elementwise):
+        return False
+    if isinstance(op, Reduce):
+        return op.fn in ("sum", "mean", "max")
+    if isinstance(op, Elementwise):
+        return op.tensor is None and not op.reverse and aten_function(OPS[op.fn]) is not None
+    return True
+
+
 def _headers(op: Op) -> list[str]:
     if isinstance(op, Conv):
         return []  # kgen_runtime.h has the convolution
@@ -114,7 +126,7 @@ class Eager(Family):
     summary = "the spec's ops as written, one ATen call each (eager PyTorch's kernels)"
 
     def fits(self, ops):
-        return all(not isinstance(op, Elementwise) or aten_function(OPS[op.fn]) for op in ops)
+        return all(_has_call(op) for op in ops)
 
     def accepts(self, ops):  # every op of the table has its ATen call here (elementwise ops: if they name one)
         return self.fits(ops)
@@ -122,7 +134,7 @@ class Eager(Family):
     def whole(self, pipe: Pipeline) -> EagerStage | None:
         """The eager stage of the whole pipeline as written; None when an op has no ATen call
         or the spec pins who computes its convolutions (plan.conv)."""
-        if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto":
+        if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto" or len(pipe.input_names) > 1:
             return None
         st = EagerStage(0, list(pipe.ops), pipe.input, pipe.output, input=flat_buffer(pipe.input), output=flat_buffer(pipe.output))
         st.family, st.candidates = self, ("eager",)

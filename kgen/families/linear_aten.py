@@ -1,0 +1,28 @@
+"""The linear_aten family: a matrix product (nn.Linear, torch.matmul with a parameter or a
+batched operand) run by ATen, i.e. cuBLAS on the GPU, in full fp32 as PyTorch's default
+(``torch.backends.cuda.matmul.allow_tf32 = False``) computes it, whatever the process
+has set. The next fused stage reads its contiguous output. Templates: ``templates/linear_aten/``.
+"""
+from __future__ import annotations
+
+from ..ir import Linear, Matmul
+from ..stage import Stage, flat_buffer
+from .base import Family, StageRequest
+
+
+class LinearAten(Family):
+    name = "linear_aten"
+    stage_kind = "linear"
+    generates_kernel = False
+    pieces = ("binding.cpp",)
+    summary = "ATen/cuBLAS matrix product (nn.Linear, matmul) in full fp32"
+
+    def fits(self, ops):
+        return len(ops) == 1 and isinstance(ops[0], (Linear, Matmul))
+
+    def make_stage(self, req: StageRequest) -> Stage:
+        t_in, t_out = req.types
+        return Stage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
+
+
+FAMILY = LinearAten()

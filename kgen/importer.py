@@ -1,0 +1,1099 @@
+"""`kgen import`: a PyTorch model file -> specs/NAME.yaml.
+
+The model is a file in KernelBench's layout (``class Model``, ``get_inputs()``,
+``get_init_inputs()``) or ``package.module:Class`` with input shapes. It is
+constructed with its constructor arguments, traced with ``torch.fx``
+(symbolic tracing keeps the submodules as calls, so ``nn.Conv2d`` arrives as a
+module with its fields, and records each call's source line), its shapes are
+evaluated on the meta device (no computation) at two batch sizes, and each
+call becomes one spec op. A value read twice (``x * torch.sigmoid(x)``,
+``x + original_x``) gets a name (``as:``, from the source's assignment where
+there is one); a second input is an input of the spec.
+
+Before anything is written the spec is checked three ways: it loads and plans
+(every op has a family), the model built from it initializes like the original
+under the same seed (free parameters: randn, ones, zeros or a constant), and it
+computes what the original computes (float64, batch 1, training and eval
+mode). An unsupported call is one error naming the call and its file:line;
+nothing is written then.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+import keyword
+import math
+import operator
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+import yaml
+from torch import nn
+
+from .errors import KgenError, one_line
+from .fields import IDENT, MAX_NAME
+from .names import module_name_reason, reserved_reason
+
+MAX_CHECKED_PARAMS = 2**26  # parameter elements up to which the equivalence check runs in float64 (else float32)
+MAX_REAL_PARAMS = 2**28  # parameter elements up to which the model is built for real to check its init and output
+
+
+class ImportFailed(KgenError):
+    """A model kgen cannot import; one line naming the call and where it is."""
+
+
+# ------------------------------------------------------------------ loading
+
+
+@dataclass
+class Source:
+    """The model to import: its class, constructor arguments, example inputs and file."""
+
+    cls: type
+    init_args: list
+    inputs: list[torch.Tensor]
+    file: str  # the file its forward is in (for file:line in errors)
+    shown: str  # how the spec and messages name it
+    stem: str
+
+
+def load_source(source: str, input_shapes: list[tuple[int, ...]] | None = None) -> Source:
+    """``FILE.py`` (KernelBench layout) or ``package.module:Class``."""
+    if ":" in source and not source.endswith(".py"):
+        modname, _, clsname = source.partition(":")
+        try:
+            mod = importlib.import_module(modname)
+        except Exception as e:  # noqa: BLE001 - any import failure is the user's: say which
+            raise ImportFailed(f"{source}: cannot import {modname}: {type(e).__name__}: {one_line(e, 200)}") from None
+        cls = getattr(mod, clsname, None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ImportFailed(f"{source}: {modname} has no nn.Module class {clsname}")
+        file = inspect.getsourcefile(cls) or source
+        stem = clsname
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ImportFailed(f"{source}: no such file")
+        name = f"_kgen_import_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(mod)
+        except Exception as e:  # noqa: BLE001
+            raise ImportFailed(f"{_where_in(e, path)}: the model file fails to load: {type(e).__name__}: {one_line(e, 200)}") from None
+        cls = getattr(mod, "Model", None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ImportFailed(f"{source}: no nn.Module class named Model (KernelBench layout: Model, get_inputs, get_init_inputs)")
+        file, stem = str(path.resolve()), path.stem
+    init_args = list(mod.get_init_inputs()) if hasattr(mod, "get_init_inputs") else []
+    if input_shapes:
+        inputs = [torch.empty(s, device="meta") for s in input_shapes]
+    elif hasattr(mod, "get_inputs"):
+        inputs = _meta_inputs(mod.get_inputs)
+    else:
+        raise ImportFailed(f"{source}: no get_inputs(); give the input shapes with --input-shape")
+    return Source(cls, init_args, inputs, file, source, stem)
+
+
+def _meta_inputs(get_inputs) -> list[torch.Tensor]:
+    """The example inputs' shapes and dtypes, without allocating them (they may be huge)."""
+    with torch.device("meta"):
+        try:
+            inputs = get_inputs()
+        except Exception:  # noqa: BLE001 - some code needs real tensors: make them
+            inputs = None
+    if inputs is None:
+        inputs = get_inputs()
+    return list(inputs)
+
+
+def _where_in(e: BaseException, path: Path) -> str:
+    """file:line of the innermost frame of ``e`` in ``path`` (the file itself if none)."""
+    target = str(Path(path).resolve())
+    line = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        if str(Path(frame.filename).resolve()) == target:
+            line = frame.lineno
+    if isinstance(e, SyntaxError) and e.lineno:
+        line = e.lineno
+    return f"{path}:{line}" if line else str(path)
+
+
+# ------------------------------------------------------------------ the importer
+
+
+@dataclass(frozen=True)
+class _Other:
+    """A traced result that is not a tensor (a size, a device, a tuple of tensors)."""
+
+    value: object
+
+
+@dataclass
+class _Value:
+    """A traced value: the op that made it (its spec dict), or an input."""
+
+    node: fx.Node
+    op: dict | None  # None for an input
+    name: str | None = None  # its spec name, once something reads it by name
+
+
+@dataclass
+class Importer:
+    src: Source
+    name: str
+    model: nn.Module = None
+    gm: fx.GraphModule = None
+    shapes: dict = field(default_factory=dict)  # node -> shape (batch B) or value
+    shapes2: dict = field(default_factory=dict)  # the same at batch B + 1
+    values: dict = field(default_factory=dict)  # node -> _Value (tensor results and inputs)
+    aliases: dict = field(default_factory=dict)  # node -> the node it is the same value as
+    ops: list = field(default_factory=list)
+    chain: fx.Node | None = None  # the node whose value the last op made
+    params: dict = field(default_factory=dict)  # free parameter name -> spec
+    used_params: set = field(default_factory=set)
+    modules_used: set = field(default_factory=set)
+    taken: set = field(default_factory=set)  # names of inputs, values, params, modules
+    creation: list = field(default_factory=list)  # attribute names in the order __init__ set them
+    batch: int = 1
+    active: set = field(default_factory=set)  # nodes that depend on an input
+    real: nn.Module | None = None  # the model with its values (None when it is too large to build here)
+    numel: int = 0  # its parameters' elements
+    pending: dict = field(default_factory=dict)  # torch.max/min(x, dim) node -> "max" | "min", until its getitem
+
+    # ---------------------------------------------------------------- entry
+
+    def run(self) -> dict:
+        self._construct()
+        self._trace()
+        self._evaluate_shapes()
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(self.src.inputs):
+            raise ImportFailed(f"{self.src.shown}: forward takes {len(placeholders)} inputs, get_inputs() gives {len(self.src.inputs)}")
+        for n in placeholders:
+            self._input(n)
+        for n in self.gm.graph.nodes:
+            constant = n.op == "call_function" and n.target is torch.tensor  # torch.tensor(c, device=x.device)
+            if n.op == "placeholder" or (any(a in self.active for a in n.all_input_nodes) and not constant):
+                self.active.add(n)
+        for n in self.gm.graph.nodes:
+            if n.op in ("call_module", "call_function", "call_method"):
+                self._node(n)
+            elif n.op == "output":
+                self._output(n)
+        return self._spec()
+
+    # ---------------------------------------------------------------- construction
+
+    def _construct(self) -> None:
+        order = self.creation
+
+        class Recorder(self.src.cls):  # records the order __init__ creates attributes in
+            def __setattr__(self, name, value):
+                if isinstance(value, (nn.Module, nn.Parameter)) and name not in order:
+                    order.append(name)
+                super().__setattr__(name, value)
+
+        Recorder.__name__ = Recorder.__qualname__ = self.src.cls.__name__
+        try:
+            with torch.device("meta"):  # traced and shaped without memory; built for real below if it is not huge
+                self.model = Recorder(*self.src.init_args)
+            self.numel = sum(p.numel() for p in self.model.parameters())
+            if self.numel <= MAX_REAL_PARAMS:
+                torch.manual_seed(0)
+                self.real = self.src.cls(*self.src.init_args)
+        except Exception as e:  # noqa: BLE001
+            raise ImportFailed(f"{self._where_exc(e)}: constructing Model(*get_init_inputs()) fails: {type(e).__name__}: "
+                               f"{one_line(e, 200)}") from None
+        for t in self.src.inputs:
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                raise ImportFailed(f"{self.src.shown}: every input must be a float32 tensor, got "
+                                   f"{getattr(t, 'dtype', type(t).__name__)}")
+            if t.dim() < 2 or t.dim() > 5:
+                raise ImportFailed(f"{self.src.shown}: inputs must have 2 to 5 dims (batch first), got shape {list(t.shape)}")
+        batches = {t.shape[0] for t in self.src.inputs}
+        if len(batches) != 1:
+            raise ImportFailed(f"{self.src.shown}: the inputs have different batch sizes {sorted(batches)}")
+        self.batch = batches.pop()
+
+    def _trace(self) -> None:
+        tracer = fx.Tracer()
+        tracer.record_stack_traces = True
+        try:
+            graph = tracer.trace(self.model)
+        except Exception as e:  # noqa: BLE001 - control flow on values, unsupported Python
+            raise ImportFailed(f"{self._where_exc(e)}: torch.fx cannot trace forward: {type(e).__name__}: "
+                               f"{one_line(e, 200)}") from None
+        self.gm = fx.GraphModule(self.model, graph)
+        self.gm.graph.eliminate_dead_code()
+
+    def _evaluate_shapes(self) -> None:
+        """Each node's result on the meta device at batch B and B + 1: shapes for tensors,
+        values for sizes; a size that follows the batch is the batch."""
+        meta = self.gm.eval()
+        for batch, out in ((self.batch, self.shapes), (self.batch + 1, self.shapes2)):
+            inputs = [torch.empty((batch,) + tuple(t.shape[1:]), device="meta") for t in self.src.inputs]
+            recorder = self
+
+            class Shapes(fx.Interpreter):
+                def run_node(self, n):
+                    try:
+                        r = super().run_node(n)
+                    except Exception as e:  # noqa: BLE001
+                        raise ImportFailed(f"{recorder._where(n)}: {recorder._call(n)} fails on the example inputs: "
+                                           f"{type(e).__name__}: {one_line(e, 160)}") from None
+                    out[n.name] = tuple(r.shape) if isinstance(r, torch.Tensor) else _Other(r)
+                    return r
+
+            Shapes(meta).run(*inputs)
+        for table in (self.shapes, self.shapes2):  # by the traced graph's own nodes
+            by_name = dict(table)
+            table.clear()
+            table.update({n: by_name[n.name] for n in self.gm.graph.nodes if n.name in by_name})
+
+    # ---------------------------------------------------------------- values
+
+    def _input(self, n: fx.Node) -> None:
+        name = str(n.target)
+        if not IDENT.match(name) or len(name) > MAX_NAME or (name != "x" and reserved_reason(name)):
+            raise ImportFailed(f"{self._where(n)}: forward's argument '{name}' cannot name a spec input; rename it "
+                               "(lower case, not a name the generated code uses)")
+        self.values[n] = _Value(n, None, name)
+        self.taken.add(name)
+        if self.chain is None:
+            self.chain = n
+
+    def _resolve(self, n):
+        while isinstance(n, fx.Node) and n in self.aliases:
+            n = self.aliases[n]
+        return n
+
+    def _tensor(self, n) -> bool:
+        return isinstance(n, fx.Node) and isinstance(self.shapes.get(self._resolve(n)), tuple) and \
+            self._resolve(n) in self.values
+
+    def _shape(self, n) -> tuple:
+        return self.shapes[self._resolve(n)]
+
+    def _name_of(self, n: fx.Node) -> str:
+        """The spec name of value ``n``, naming it (``as:`` on the op that made it) if it has none."""
+        v = self.values[self._resolve(n)]
+        if v.name is None:
+            v.name = self._fresh(self._assigned_name(v.node) or v.node.name)
+            v.op[next(iter(v.op))]["as"] = v.name
+            self.taken.add(v.name)
+        return v.name
+
+    def _fresh(self, base: str) -> str:
+        base = re.sub(r"[^a-z0-9_]", "_", base.lower()).strip("_") or "v"
+        if not base[0].isalpha():
+            base = "v_" + base
+        base = base[: MAX_NAME - 4]
+        name, i = base, 1
+        while name in self.taken or reserved_reason(name) or name == "x":
+            name, i = f"{base}_{i}", i + 1
+        return name
+
+    def _assigned_name(self, n: fx.Node) -> str | None:
+        """The variable the source assigns the call to (``x_conv = self.conv(x)``), when it is
+        one plain name other than the chain's usual ``x``."""
+        line = self._source_line(n)
+        m = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=[^=]", line or "")
+        if m and m.group(1) not in self.taken and m.group(1) not in ("x", "out"):
+            return m.group(1)
+        return None
+
+    # ---------------------------------------------------------------- ops
+
+    def _emit(self, n: fx.Node, kind: str, fields: dict | None = None, src: fx.Node | None = None) -> None:
+        """Append spec op ``kind`` computing node ``n`` from ``src`` (default: the chain)."""
+        src = self._resolve(src if src is not None else self.chain)
+        args = dict(fields or {})
+        if src is not self.chain:
+            args["from"] = self._name_of(src)
+        op = {kind: args}
+        self.ops.append(op)
+        self.values[n] = _Value(n, op)
+        self.chain = n
+        shape = self.shapes[n]
+        if not isinstance(shape, tuple) or not shape or self.shapes2[n][0] != shape[0] + 1 or \
+                shape[1:] != self.shapes2[n][1:]:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} gives shape {list(shape) if isinstance(shape, tuple) else shape}, "
+                               "which does not keep the batch as its first dim")
+
+    def _alias(self, n: fx.Node, of) -> None:
+        self.aliases[n] = self._resolve(of)
+        if isinstance(self.shapes.get(n), tuple) and self._resolve(of) in self.values:
+            pass
+
+    def _node(self, n: fx.Node) -> None:
+        if n not in self.active:
+            return  # parameters, their views, constants: read where they are used
+        if not isinstance(self.shapes.get(n), tuple):
+            self._nontensor(n)
+            return
+        if n.op == "call_module":
+            self._module(n, self.gm.get_submodule(n.target))
+        else:
+            self._function(n)
+
+    def _nontensor(self, n: fx.Node) -> None:
+        """Sizes, devices, dtypes and tuples: fine as long as they only feed shapes and constants;
+        a tuple of tensors (torch.max with a dim) is resolved by its getitem."""
+        fn = n.target
+        if fn in (torch.max, torch.min, "max", "min") and self._tensor(n.args[0]) and self._dim_arg(n) is not None:
+            self.pending[n] = "max" if fn in (torch.max, "max") else "min"  # values and indices: the getitem picks
+
+    def _function(self, n: fx.Node) -> None:
+        fn, args, kw = n.target, list(n.args), dict(n.kwargs)
+        name = fn if isinstance(fn, str) else getattr(fn, "__name__", str(fn))
+        # the values of torch.max(x, dim) / x.max(dim): getitem 0 or .values
+        if (fn is operator.getitem or fn is getattr) and len(args) == 2 and args[0] in self.pending:
+            if args[1] in (0, "values"):
+                self._reduce(n, args[0], self.pending[args[0]])
+                return
+            raise ImportFailed(f"{self._where(n)}: the indices of torch.max/torch.min are not supported")
+        x = args[0] if args else None
+        if n.op == "call_method" and name in _ALIAS_METHODS or (n.op == "call_function" and fn in _ALIAS_FUNCTIONS):
+            self._alias(n, x)
+            return
+        if n.op == "call_method" and name in _VIEW_METHODS or fn in (torch.flatten, torch.reshape, torch.squeeze,
+                                                                         torch.unsqueeze):
+            if not self._tensor(x):
+                return self._unsupported(n)
+            self._reshape(n, x)
+            return
+        if _elementwise_binary(n):
+            self._binary(n)
+            return
+        unary = _UNARY.get(fn) if n.op == "call_function" else _UNARY_METHODS.get(name)
+        if unary is not None and self._tensor(x):
+            kind, fields = unary(args[1:], kw)
+            self._emit(n, kind, fields, src=x)
+            return
+        if (fn in (torch.clamp, torch.clip) or (n.op == "call_method" and name in ("clamp", "clip", "clamp_min",
+                                                                                   "clamp_max"))):
+            self._clamp(n, name)
+            return
+        if fn in _REDUCTIONS or (n.op == "call_method" and name in _REDUCTION_METHODS):
+            self._reduce(n, n, _REDUCTIONS.get(fn) or _REDUCTION_METHODS[name])
+            return
+        if fn in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax) or \
+                (n.op == "call_method" and name in ("softmax", "log_softmax")):
+            dim = kw.get("dim", args[1] if len(args) > 1 else None)
+            if not isinstance(dim, int):
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)} needs an integer dim")
+            self._emit(n, "log_softmax" if "log" in name else "softmax", {"dim": dim}, src=x)
+            return
+        if fn in (torch.matmul, torch.mm, torch.bmm, operator.matmul) or (n.op == "call_method" and name in ("matmul", "mm", "bmm")):
+            self._matmul(n)
+            return
+        if fn in _POOLS:
+            self._pool_function(n, fn)
+            return
+        if fn in (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d):
+            size = args[1] if len(args) > 1 else kw.get("output_size")
+            rank = len(self._shape(x)) - 2
+            if size not in (1, (1,) * rank, [1] * rank):
+                raise ImportFailed(f"{self._where(n)}: adaptive_avg_pool with output_size {size} (only 1, global pooling)")
+            self._emit(n, f"adaptive_avg_pool{rank}d", {"output_size": 1}, src=x)
+            return
+        if fn is F.dropout:
+            p = kw.get("p", args[1] if len(args) > 1 else 0.5)
+            self._emit(n, "dropout", {"p": float(p)}, src=x)
+            return
+        self._unsupported(n)
+
+    def _module(self, n: fx.Node, m: nn.Module) -> None:
+        x = n.args[0] if n.args else None
+        if not self._tensor(x) or len(n.args) != 1 or n.kwargs:
+            return self._unsupported(n)
+        attr = str(n.target)
+        owns_state = any(True for _ in m.parameters()) or any(True for _ in m.buffers())
+        if owns_state:
+            if "." in attr:
+                raise ImportFailed(f"{self._where(n)}: self.{attr} is a nested submodule with parameters; kgen imports "
+                                   "submodules of the model itself")
+            reason = None if IDENT.match(attr) and len(attr) <= MAX_NAME else "not lower case"
+            reason = reason or reserved_reason(attr)
+            if reason:
+                raise ImportFailed(f"{self._where(n)}: the submodule name '{attr}' cannot be used ({reason})")
+            if attr in self.modules_used:
+                raise ImportFailed(f"{self._where(n)}: self.{attr} is called twice; kgen gives every op its own weights")
+            self.modules_used.add(attr)
+            self.taken.add(attr)
+        t = type(m)
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+            self._conv(n, m, attr)
+        elif isinstance(m, nn.Linear):
+            self._emit(n, "linear", _drop_defaults({"out_features": m.out_features, "bias": m.bias is not None, "name": attr},
+                                                   {"bias": True}), src=x)
+        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+            self._emit(n, "batch_norm", _drop_defaults({
+                "eps": m.eps, "momentum": m.momentum, "affine": m.affine, "track_running_stats": m.track_running_stats,
+                "name": attr}, {"eps": 1e-5, "momentum": 0.1, "affine": True, "track_running_stats": True}), src=x)
+        elif isinstance(m, nn.GroupNorm):
+            self._emit(n, "group_norm", _drop_defaults({"num_groups": m.num_groups, "eps": m.eps, "affine": m.affine,
+                                                        "name": attr}, {"eps": 1e-5, "affine": True}), src=x)
+        elif isinstance(m, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
+            if m.track_running_stats:
+                raise ImportFailed(f"{self._where(n)}: instance norm with track_running_stats=True is not supported")
+            self._emit(n, "instance_norm", _drop_defaults({"eps": m.eps, "affine": m.affine, "name": attr},
+                                                          {"eps": 1e-5, "affine": False}), src=x)
+        elif isinstance(m, nn.LayerNorm):
+            self._emit(n, "layer_norm", _drop_defaults({
+                "normalized_shape": list(m.normalized_shape), "eps": m.eps, "elementwise_affine": m.elementwise_affine,
+                "bias": m.bias is not None or not m.elementwise_affine, "name": attr},
+                {"eps": 1e-5, "elementwise_affine": True, "bias": True}), src=x)
+        elif isinstance(m, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
+            self._pool(n, t.__name__, m.kernel_size, m.stride, m.padding, getattr(m, "dilation", 1), m.ceil_mode,
+                       getattr(m, "count_include_pad", True), getattr(m, "return_indices", False),
+                       getattr(m, "divisor_override", None))
+        elif isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
+            rank = len(self._shape(x)) - 2
+            size = m.output_size
+            if size not in (1, (1,) * rank, [1] * rank):
+                raise ImportFailed(f"{self._where(n)}: {t.__name__} with output_size {size} (only 1, global pooling)")
+            self._emit(n, f"adaptive_avg_pool{rank}d", {"output_size": 1}, src=x)
+        elif isinstance(m, nn.Dropout):
+            self._emit(n, "dropout", {"p": float(m.p)}, src=x)
+        elif isinstance(m, (nn.Softmax, nn.LogSoftmax)):
+            if m.dim is None:
+                raise ImportFailed(f"{self._where(n)}: {t.__name__} without a dim")
+            self._emit(n, "softmax" if isinstance(m, nn.Softmax) else "log_softmax", {"dim": m.dim}, src=x)
+        elif isinstance(m, nn.Identity):
+            self._alias(n, x)
+        elif t in _UNARY_MODULES:
+            kind, fields = _UNARY_MODULES[t](m)
+            self._emit(n, kind, fields, src=x)
+        else:
+            self._unsupported(n)
+
+    def _conv(self, n, m, attr) -> None:
+        if m.padding_mode != "zeros":
+            raise ImportFailed(f"{self._where(n)}: {type(m).__name__} with padding_mode={m.padding_mode!r} is not supported")
+        if isinstance(m.padding, str):
+            if m.padding != "valid":
+                raise ImportFailed(f"{self._where(n)}: {type(m).__name__} with padding={m.padding!r} is not supported")
+            padding = [0] * len(m.kernel_size)
+        else:
+            padding = list(m.padding)
+        transposed = "Transpose" in type(m).__name__
+        rank = len(m.kernel_size)
+        kind = f"conv_transpose{rank}d" if transposed else f"conv{rank}d"
+        fields = {"out_channels": m.out_channels, "kernel_size": _one(m.kernel_size), "stride": _one(m.stride),
+                  "padding": _one(padding), "dilation": _one(m.dilation), "groups": m.groups, "bias": m.bias is not None,
+                  "name": attr}
+        defaults = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1, "bias": True}
+        if transposed:
+            fields["output_padding"] = _one(m.output_padding)
+            defaults["output_padding"] = 0
+        self._emit(n, kind, _drop_defaults(fields, defaults), src=n.args[0])
+
+    def _pool(self, n, cls_name, kernel, stride, padding, dilation, ceil_mode, count_include_pad, return_indices,
+              divisor_override) -> None:
+        if return_indices or divisor_override:
+            raise ImportFailed(f"{self._where(n)}: {cls_name} with return_indices or divisor_override is not supported")
+        rank = int(cls_name[-2])
+        kind = f"{'max' if 'Max' in cls_name or 'max' in cls_name else 'avg'}_pool{rank}d"
+        fields = {"kernel_size": _one(kernel), "stride": None if stride in (None, [], ()) else _one(stride),
+                  "padding": _one(padding), "ceil_mode": bool(ceil_mode)}
+        defaults = {"stride": None, "padding": 0, "ceil_mode": False}
+        if kind.startswith("max"):
+            fields["dilation"], defaults["dilation"] = _one(dilation), 1
+        else:
+            fields["count_include_pad"], defaults["count_include_pad"] = bool(count_include_pad), True
+        if fields["stride"] == fields["kernel_size"]:
+            fields["stride"] = None
+        self._emit(n, kind, _drop_defaults(fields, defaults), src=n.args[0])
+
+    def _pool_function(self, n, fn) -> None:
+        params = list(inspect.signature(fn).parameters)
+        bound = dict(zip(params, n.args))
+        bound.update(n.kwargs)
+        get = bound.get
+        cls = fn.__name__.replace("max_pool", "MaxPool").replace("avg_pool", "AvgPool")
+        self._pool(n, cls, get("kernel_size"), get("stride"), get("padding", 0), get("dilation", 1),
+                   get("ceil_mode", False), get("count_include_pad", True), get("return_indices", False),
+                   get("divisor_override"))
+
+    def _reshape(self, n, x) -> None:
+        shape, shape2 = self.shapes[n], self.shapes2[n]
+        if self._shape(x) == shape:
+            self._alias(n, x)
+            return
+        if shape2[0] != shape[0] + 1 or shape2[1:] != shape[1:]:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} gives shape {list(shape)}: the batch must stay the "
+                               "first dim of a view")
+        prev = self.values.get(self._resolve(x))
+        if self._resolve(x) is self.chain and prev is not None and prev.op is not None and "reshape" in prev.op \
+                and prev.name is None:  # a view of a view: one view
+            prev.op["reshape"]["shape"] = list(shape[1:])
+            self.values[n] = prev
+            self.aliases.pop(n, None)
+            self.chain = n
+            return
+        self._emit(n, "reshape", {"shape": list(shape[1:])}, src=x)
+
+    def _clamp(self, n, name) -> None:
+        args, kw = list(n.args), dict(n.kwargs)
+        lo = kw.get("min", args[1] if len(args) > 1 else None)
+        hi = kw.get("max", args[2] if len(args) > 2 else None)
+        if name == "clamp_max":
+            lo, hi = None, lo
+        for b in (lo, hi):
+            if b is not None and not isinstance(b, (int, float)):
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)} with tensor bounds is not supported")
+        fields = {k: float(v) for k, v in (("min", lo), ("max", hi)) if v is not None}
+        self._emit(n, "clamp", fields, src=args[0])
+
+    def _dim_arg(self, n):
+        if "dim" in n.kwargs:
+            return n.kwargs["dim"]
+        return n.args[1] if len(n.args) > 1 else None
+
+    def _reduce(self, n, call, kind) -> None:
+        """A reduction ``kind`` over ``call``'s dims (``n`` is the node the value comes out as)."""
+        x = call.args[0]
+        dim = self._dim_arg(call)
+        keepdim = call.kwargs.get("keepdim", call.args[2] if len(call.args) > 2 else False)
+        if dim is None or dim == () or dim == []:
+            raise ImportFailed(f"{self._where(call)}: {self._call(call)} reduces over every dim, the batch too; "
+                               "give the dims")
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        if not all(isinstance(d, int) for d in dims) or not isinstance(keepdim, bool):
+            raise ImportFailed(f"{self._where(call)}: {self._call(call)} needs integer dims")
+        rank = len(self._shape(x))
+        if any(d % rank == 0 for d in dims):
+            raise ImportFailed(f"{self._where(call)}: {self._call(call)} reduces over the batch (dim 0)")
+        fields = {"dim": dims[0] if len(dims) == 1 else dims}
+        if keepdim:
+            fields["keepdim"] = True
+        self._emit(n, kind, fields, src=x)
+
+    def _matmul(self, n) -> None:
+        a, b = n.args[0], n.args[1]
+        if not self._tensor(a):
+            return self._unsupported(n)
+        param, transpose = self._param_of(b)
+        if param is not None:
+            shape = self.params[param]["shape"]
+            if len(shape) != 2:
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)} with a {len(shape)}-d parameter (only 2-d)")
+            self._emit(n, "matmul", _drop_defaults({"param": param, "transpose": transpose}, {"transpose": False}), src=a)
+        elif self._tensor(b):
+            self._emit(n, "matmul", {"tensor": self._name_of(b)}, src=a)
+        else:
+            self._unsupported(n)
+
+    def _binary(self, n) -> None:
+        kind = _binary_kind(n)
+        a, b = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("other")
+        if n.kwargs.get("alpha", 1) != 1 or n.kwargs.get("rounding_mode") is not None:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} with alpha or rounding_mode is not supported")
+        ta, tb = self._tensor(a), self._tensor(b)
+        if not ta and not tb:
+            return self._unsupported(n)
+        if ta and tb:
+            primary, other = (a, b) if self._resolve(b) is not self.chain or self._resolve(a) is self.chain else (b, a)
+            # the primary is the operand with the result's shape: the other broadcasts to it
+            if self._shape(primary) != self.shapes[n]:
+                primary, other = other, primary
+            if self._shape(primary) != self.shapes[n]:
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)} broadcasts both operands "
+                                   f"{list(self._shape(a))} and {list(self._shape(b))}; one must have the result's shape")
+            fields = {"tensor": self._name_of(other)}
+        else:
+            primary, other = (a, b) if ta else (b, a)
+            fields = self._operand(n, other)
+            if self._shape(primary) != self.shapes[n]:
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)}: the operand {list(self._shape_of_operand(other))} "
+                                   f"broadcasts the value {list(self._shape(primary))} to {list(self.shapes[n])}; kgen "
+                                   "keeps a value's shape (and its batch first) through elementwise ops")
+        if primary is not a and kind in ("sub", "div"):
+            fields["reverse"] = True
+        self._emit(n, kind, fields, src=primary)
+
+    def _shape_of_operand(self, o):
+        return self.shapes.get(o, ()) if isinstance(o, fx.Node) else ()
+
+    def _operand(self, n, o) -> dict:
+        """A scalar, a constant 0-d tensor, or a free parameter (maybe viewed) as a binary op's operand."""
+        if isinstance(o, (int, float)) and not isinstance(o, bool):
+            return {"scalar": float(o)}
+        const = self._constant(o)
+        if const is not None:
+            return {"scalar": const}
+        param, transpose = self._param_of(o)
+        if param is not None and not transpose:
+            fields = {"param": param}
+            pshape = tuple(self.params[param]["shape"])
+            if self.shapes[o] != pshape:
+                fields["view"] = list(self.shapes[o])
+            return fields
+        raise ImportFailed(f"{self._where(n)}: {self._call(n)}: its operand must be a number, a parameter of the model "
+                           "or a value of the forward")
+
+    def _constant(self, o) -> float | None:
+        """The value of ``torch.tensor(c)`` or a constant 0-d tensor attribute."""
+        if not isinstance(o, fx.Node):
+            return None
+        if o.op == "call_function" and o.target is torch.tensor and o.args and isinstance(o.args[0], (int, float)):
+            return float(o.args[0])
+        if o.op == "get_attr":
+            t = _attr(self.gm, o.target)
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dim() == 0:
+                return float(t)
+        return None
+
+    def _param_of(self, o) -> tuple[str | None, bool]:
+        """(free parameter name, transposed) of ``o``: self.p, or a view/.T/.t() of it."""
+        transpose = False
+        while isinstance(o, fx.Node) and o.op in ("call_method", "call_function"):
+            name = o.target if isinstance(o.target, str) else getattr(o.target, "__name__", "")
+            if name in ("view", "reshape", "squeeze", "unsqueeze", "contiguous", "clone", "detach"):
+                o = o.args[0]
+            elif (name == "getattr" and len(o.args) == 2 and o.args[1] == "T") or name in ("t",) or \
+                    (name == "transpose" and tuple(o.args[1:]) in ((0, 1), (1, 0), (-1, -2), (-2, -1))):
+                transpose = not transpose
+                o = o.args[0]
+            else:
+                return None, False
+        if not (isinstance(o, fx.Node) and o.op == "get_attr"):
+            return None, False
+        attr = str(o.target)
+        t = _attr(self.gm, attr)
+        if not isinstance(t, nn.Parameter):
+            return None, False
+        if "." in attr:
+            raise ImportFailed(f"{self._where(o)}: self.{attr} is a parameter of a submodule used outside it; kgen "
+                               "imports free parameters of the model itself")
+        if not IDENT.match(attr) or len(attr) > MAX_NAME or reserved_reason(attr):
+            raise ImportFailed(f"{self._where(o)}: the parameter name '{attr}' cannot be used "
+                               f"({reserved_reason(attr) or 'not lower case'})")
+        if attr not in self.params:
+            self.params[attr] = {"shape": list(t.shape)}
+            self.taken.add(attr)
+        self.used_params.add(attr)
+        return attr, transpose
+
+    def _output(self, n: fx.Node) -> None:
+        out = n.args[0]
+        if isinstance(out, (tuple, list)):
+            if len(out) != 1:
+                raise ImportFailed(f"{self._where(n)}: forward returns {len(out)} values; kgen imports one output")
+            out = out[0]
+        out = self._resolve(out)
+        if out not in self.values or self.values[out].op is None:
+            raise ImportFailed(f"{self.src.shown}: forward returns an input unchanged; nothing to compute")
+        if out is not self.chain:  # the result was made before the last op: read it back (x * 1 is x exactly)
+            self.ops.append({"mul": {"scalar": 1.0, "from": self._name_of(out)}})
+
+    # ---------------------------------------------------------------- the spec
+
+    def _spec(self) -> dict:
+        model = self.model
+        for name, p in model.named_parameters(recurse=False):
+            if name not in self.params:  # created for the state_dict only
+                self.params[name] = {"shape": list(p.shape), "unused": True}
+        for name, m in model.named_children():
+            has_state = any(True for _ in m.parameters()) or any(True for _ in m.buffers())
+            if has_state and name not in self.modules_used:
+                raise ImportFailed(f"{self.src.shown}: the submodule self.{name} has parameters but forward does not "
+                                   "use it; kgen cannot create it")
+        if any(True for _ in model.named_buffers(recurse=False)):
+            raise ImportFailed(f"{self.src.shown}: the model registers buffers of its own; kgen does not import them")
+        for name, spec in self.params.items():
+            if not IDENT.match(name) or reserved_reason(name):
+                raise ImportFailed(f"{self.src.shown}: the parameter name '{name}' cannot be used "
+                                   f"({reserved_reason(name) or 'not lower case'})")
+            spec["init"] = _init_of(getattr(self.real, name)) if self.real is not None else "randn"
+        inputs = [v for v in self.values.values() if v.op is None]
+        batch = "N"
+        shapes = {v.name: [batch] + list(self.shapes[v.node][1:]) for v in inputs}
+        data = {"name": self.name,
+                "description": f"Imported by `kgen import` from {self.src.shown} (class {self.src.cls.__name__}).\n"}
+        if len(inputs) == 1 and inputs[0].name == "x":
+            data["input"] = {"shape": shapes["x"], "example": {batch: self.batch}}
+        else:
+            data["inputs"] = {n: {"shape": s} for n, s in shapes.items()}
+            data["example"] = {batch: self.batch}
+        data["constructor"] = self._constructor()
+        if self.params:
+            data["params"] = {n: {k: self.params[n][k] for k in ("shape", "init", "unused") if k in self.params[n]}
+                              for n in self.params}
+        data["ops"] = [_compact(op) for op in self.ops]
+        return data
+
+    def _constructor(self) -> dict:
+        sig = inspect.signature(self.src.cls.__init__)
+        params = list(sig.parameters.values())[1:]
+        try:
+            bound = sig.bind(None, *self.src.init_args)
+        except TypeError as e:
+            raise ImportFailed(f"{self.src.shown}: get_init_inputs() does not fit Model.__init__: {e}") from None
+        bound.apply_defaults()
+        args = {}
+        for p in params:
+            if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY):
+                raise ImportFailed(f"{self.src.shown}: Model.__init__ takes *args, **kwargs or keyword-only arguments "
+                                   f"({p.name}); kgen reproduces plain arguments only")
+            value = _plain_value(bound.arguments[p.name])
+            if value is _NOT_PLAIN:
+                raise ImportFailed(f"{self.src.shown}: the constructor argument {p.name}={one_line(repr(bound.arguments[p.name]), 60)} "
+                                   "is not a number, a boolean, None or a tuple of them")
+            if p.default is inspect.Parameter.empty:
+                args[p.name] = value
+            else:
+                default = _plain_value(p.default)
+                if default is _NOT_PLAIN:
+                    raise ImportFailed(f"{self.src.shown}: the default of {p.name} is not a number, a boolean, None "
+                                       "or a tuple of them")
+                args[p.name] = {"default": default} if value == default else {"value": value, "default": default}
+            if keyword.iskeyword(p.name) or p.name in ("self", "torch", "super"):
+                raise ImportFailed(f"{self.src.shown}: the constructor argument name {p.name!r} cannot be used")
+        members = [m for m in self.creation if m in self.params or m in self.modules_used]
+        out = {"args": args, "members": members}
+        source = os.path.relpath(self.src.file) if not self.src.file.startswith("<") else None
+        if source and re.fullmatch(r"[A-Za-z0-9_./+-]{1,200}", source):
+            out = {"source": source, **out}
+        return out
+
+    # ---------------------------------------------------------------- errors
+
+    def _source_frame(self, n: fx.Node) -> tuple[str, int, str] | None:
+        st = n.meta.get("stack_trace") or ""
+        found = None
+        lines = st.splitlines()
+        target = str(Path(self.src.file).resolve())
+        for i, line in enumerate(lines):
+            m = re.match(r'\s*File "(.+)", line (\d+)', line)
+            if m and str(Path(m.group(1)).resolve()) == target:
+                code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+                found = (m.group(1), int(m.group(2)), code)
+        return found
+
+    def _source_line(self, n: fx.Node) -> str | None:
+        f = self._source_frame(n)
+        return f[2] if f else None
+
+    def _where(self, n: fx.Node) -> str:
+        f = self._source_frame(n)
+        return f"{_shown_path(f[0])}:{f[1]}" if f else self.src.shown
+
+    def _where_exc(self, e: BaseException) -> str:
+        return _where_in(e, Path(self.src.file)) if Path(self.src.file).exists() else self.src.shown
+
+    def _call(self, n: fx.Node) -> str:
+        if n.op == "call_module":
+            return f"self.{n.target} ({type(self.gm.get_submodule(n.target)).__name__})"
+        if n.op == "call_method":
+            return f"Tensor.{n.target}"
+        fn = n.target
+        mod = getattr(fn, "__module__", None) or ""
+        name = getattr(fn, "__name__", str(fn))
+        if mod in ("torch.nn.functional",):
+            return f"F.{name}"
+        if mod.startswith("torch") or fn in vars(torch).values():
+            return f"torch.{name}"
+        if mod == "_operator":
+            return {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "matmul": "@", "neg": "unary -",
+                    "pow": "**", "floordiv": "//", "mod": "%"}.get(name, f"operator.{name}")
+        return name
+
+    def _unsupported(self, n: fx.Node) -> None:
+        code = self._source_line(n)
+        shown = f" (in `{one_line(code, 80)}`)" if code else ""
+        raise ImportFailed(f"{self._where(n)}: {self._call(n)} is not supported{shown}; `kgen ops` lists what is")
+
+
+# ------------------------------------------------------------------ op tables
+
+
+def _no_fields(args, kw):
+    return {}
+
+
+def _gelu(args, kw):
+    approx = kw.get("approximate", args[0] if args else "none")
+    return ("gelu_tanh" if approx == "tanh" else "gelu"), {}
+
+
+def _const(name, fields_of):
+    def make(args, kw):
+        return name, fields_of(args, kw)
+    return make
+
+
+def _num(args, kw, key, pos, default):
+    v = kw.get(key, args[pos] if len(args) > pos else default)
+    return float(v)
+
+
+_UNARY = {
+    torch.relu: _const("relu", _no_fields), F.relu: _const("relu", _no_fields),
+    torch.sigmoid: _const("sigmoid", _no_fields), F.sigmoid: _const("sigmoid", _no_fields),
+    torch.tanh: _const("tanh", _no_fields), F.tanh: _const("tanh", _no_fields),
+    F.gelu: _gelu, F.silu: _const("silu", _no_fields), F.mish: _const("mish", _no_fields),
+    F.hardswish: _const("hardswish", _no_fields), F.hardsigmoid: _const("hardsigmoid", _no_fields),
+    torch.exp: _const("exp", _no_fields), torch.log: _const("log", _no_fields), torch.abs: _const("abs", _no_fields),
+    torch.neg: _const("neg", _no_fields), operator.neg: _const("neg", _no_fields),
+    F.softplus: _const("softplus", lambda a, k: _drop_defaults(
+        {"beta": _num(a, k, "beta", 0, 1.0), "threshold": _num(a, k, "threshold", 1, 20.0)}, {"beta": 1.0, "threshold": 20.0})),
+    F.hardtanh: _const("hardtanh", lambda a, k: _drop_defaults(
+        {"min_val": _num(a, k, "min_val", 0, -1.0), "max_val": _num(a, k, "max_val", 1, 1.0)}, {"min_val": -1.0, "max_val": 1.0})),
+    F.leaky_relu: _const("leaky_relu", lambda a, k: _drop_defaults(
+        {"negative_slope": _num(a, k, "negative_slope", 0, 0.01)}, {"negative_slope": 0.01})),
+    F.elu: _const("elu", lambda a, k: _drop_defaults({"alpha": _num(a, k, "alpha", 0, 1.0)}, {"alpha": 1.0})),
+}
+_UNARY_METHODS = {"relu": _UNARY[torch.relu], "sigmoid": _UNARY[torch.sigmoid], "tanh": _UNARY[torch.tanh],
+                  "exp": _UNARY[torch.exp], "log": _UNARY[torch.log], "abs": _UNARY[torch.abs], "neg": _UNARY[torch.neg]}
+_UNARY_MODULES = {
+    nn.ReLU: lambda m: ("relu", {}), nn.Sigmoid: lambda m: ("sigmoid", {}), nn.Tanh: lambda m: ("tanh", {}),
+    nn.GELU: lambda m: ("gelu_tanh" if m.approximate == "tanh" else "gelu", {}), nn.SiLU: lambda m: ("silu", {}),
+    nn.Mish: lambda m: ("mish", {}), nn.Hardswish: lambda m: ("hardswish", {}), nn.Hardsigmoid: lambda m: ("hardsigmoid", {}),
+    nn.Softplus: lambda m: ("softplus", _drop_defaults({"beta": float(m.beta), "threshold": float(m.threshold)},
+                                                       {"beta": 1.0, "threshold": 20.0})),
+    nn.Hardtanh: lambda m: ("hardtanh", _drop_defaults({"min_val": float(m.min_val), "max_val": float(m.max_val)},
+                                                       {"min_val": -1.0, "max_val": 1.0})),
+    nn.LeakyReLU: lambda m: ("leaky_relu", _drop_defaults({"negative_slope": float(m.negative_slope)}, {"negative_slope": 0.01})),
+    nn.ELU: lambda m: ("elu", _drop_defaults({"alpha": float(m.alpha)}, {"alpha": 1.0})),
+}
+_REDUCTIONS = {torch.sum: "sum", torch.mean: "mean", torch.amax: "max", torch.amin: "min", torch.logsumexp: "logsumexp"}
+_REDUCTION_METHODS = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min", "logsumexp": "logsumexp"}
+_ALIAS_METHODS = ("clone", "detach", "contiguous")
+_ALIAS_FUNCTIONS = (torch.clone, torch.detach)
+_VIEW_METHODS = ("view", "reshape", "flatten", "squeeze", "unsqueeze")
+_POOLS = (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)
+_BINARY = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+           torch.add: "add", torch.sub: "sub", torch.subtract: "sub", torch.mul: "mul", torch.multiply: "mul",
+           torch.div: "div", torch.divide: "div", torch.true_divide: "div", torch.minimum: "minimum",
+           torch.maximum: "maximum", torch.min: "minimum", torch.max: "maximum"}
+_BINARY_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "multiply": "mul", "subtract": "sub",
+                   "divide": "div", "minimum": "minimum", "maximum": "maximum", "__add__": "add", "__sub__": "sub",
+                   "__mul__": "mul", "__truediv__": "div"}
+
+
+def _elementwise_binary(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _BINARY_METHODS and (len(n.args) == 2 or "other" in n.kwargs)
+    if n.target in (torch.min, torch.max):  # with a second tensor (with a dim it is a reduction, see _nontensor)
+        return len(n.args) == 2 and isinstance(n.args[1], fx.Node)
+    return n.target in _BINARY and len(n.args) + len([k for k in n.kwargs if k == "other"]) == 2
+
+
+def _binary_kind(n: fx.Node) -> str:
+    return _BINARY_METHODS[n.target] if n.op == "call_method" else _BINARY[n.target]
+
+
+def _one(v):
+    """A size as the spec writes it: one number when all dims agree."""
+    v = list(v) if isinstance(v, (tuple, list)) else [v]
+    return v[0] if len(set(v)) == 1 else v
+
+
+def _drop_defaults(fields: dict, defaults: dict) -> dict:
+    """``fields`` without those that have their default (sizes compare per dim: [1, 1] is 1)."""
+    def same(v, d):
+        if isinstance(v, bool) or isinstance(d, bool) or v is None or d is None:
+            return v is d or (type(v) is type(d) and v == d)
+        return _one(v) == _one(d)
+
+    return {k: v for k, v in fields.items() if k not in defaults or not same(v, defaults[k])}
+
+
+def _compact(op: dict) -> dict | str:
+    (kind, fields), = op.items()
+    return kind if not fields else {kind: fields}
+
+
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_NOT_PLAIN = object()
+
+
+def _plain_value(v):
+    """A constructor value the spec can hold (None, bool, int, float, lists/tuples of them), as a list-free copy."""
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, int):
+        return v if abs(v) <= 2**63 else _NOT_PLAIN
+    if isinstance(v, float):
+        return v if math.isfinite(v) else _NOT_PLAIN
+    if isinstance(v, (tuple, list, torch.Size)) and len(v) <= 16:
+        items = [_plain_value(e) for e in v]
+        return _NOT_PLAIN if any(e is _NOT_PLAIN for e in items) else list(items)
+    return _NOT_PLAIN
+
+
+def _init_of(p: torch.Tensor) -> str | float:
+    """How a free parameter was made, as far as its values tell: ones, zeros, a constant
+    (torch.tensor(c), or several equal elements), or (anything else) randn; the seed check
+    in ``import_model`` confirms it. One element that is not 0 or 1 is randn(1, ...)."""
+    flat = p.detach().reshape(-1)
+    if flat.numel() and bool((flat == flat[0]).all()):
+        v = float(flat[0])
+        if p.dim() == 0:
+            return v
+        if v in (0.0, 1.0):
+            return "ones" if v == 1.0 else "zeros"
+        if flat.numel() > 1:
+            return v
+    return "randn"
+
+
+def _shown_path(p: str) -> str:
+    try:
+        rel = os.path.relpath(p)
+        return rel if not rel.startswith("..") else p
+    except ValueError:
+        return p
+
+
+def default_name(stem: str) -> str:
+    name = re.sub(r"[^a-z0-9]+", "_", stem.lower()).strip("_") or "model"
+    if not name[0].isalpha():
+        name = "model_" + name
+    name = name[:MAX_NAME].rstrip("_")
+    if module_name_reason(name):
+        name = f"{name}_model"
+    return name
+
+
+# ------------------------------------------------------------------ checks and writing
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _represent_list(dumper, data):
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+
+
+def _represent_dict(dumper, data):
+    return dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True)
+
+
+_Dumper.add_representer(list, _represent_list)
+_Dumper.add_representer(dict, _represent_dict)
+
+
+def _flow(v) -> str:
+    """One YAML value on one line."""
+    text = yaml.dump(v, Dumper=_Dumper, default_flow_style=True, width=10**6, sort_keys=False)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def spec_text(data: dict) -> str:
+    """The spec as YAML: top-level keys in block style, each op on one line."""
+    out = []
+    for key, value in data.items():
+        if key == "ops":
+            out.append("ops:")
+            out += [f"  - {op}" if isinstance(op, str) else f"  - {next(iter(op))}: {_flow(next(iter(op.values())))}"
+                    for op in value]
+        elif isinstance(value, dict) and key != "example":
+            out.append(f"{key}:")
+            out += [f"  {k}: {_flow(v)}" for k, v in value.items()]
+        else:
+            out.append(f"{key}: {_flow(value.strip() if isinstance(value, str) else value)}")
+    return "\n".join(out) + "\n"
+
+
+def _check_spec(text: str, path: str, imp: Importer):
+    """The spec loads, plans, initializes like the model, and computes what it computes."""
+    from .ir import build_pipeline
+    from .plan import make_plan
+    from .reference import ReferenceModel
+    from .spec import parse_spec
+    from .target import DEFAULT
+
+    try:
+        pipe = build_pipeline(parse_spec(text, path))
+        make_plan(pipe, target=DEFAULT)
+    except KgenError as e:
+        raise ImportFailed(f"{imp.src.shown}: the imported spec is refused: {e}") from None
+    if imp.real is None:
+        return pipe  # too large to build twice here; `kgen all` checks the module against the spec
+    big = imp.numel > MAX_CHECKED_PARAMS
+    imp.real = None  # free its memory before two more copies
+    torch.manual_seed(1)
+    original = imp.src.cls(*imp.src.init_args)
+    torch.manual_seed(1)
+    reference = ReferenceModel(pipe)
+    ours, theirs = reference.state_dict(), original.state_dict()
+    if set(ours) != set(theirs):
+        raise ImportFailed(f"{imp.src.shown}: the spec's model has state_dict keys {sorted(set(ours) ^ set(theirs))} "
+                           "where the original differs")
+    for k in theirs:
+        if ours[k].shape != theirs[k].shape or not torch.equal(ours[k], theirs[k]):
+            raise ImportFailed(f"{imp.src.shown}: after torch.manual_seed, '{k}' is initialized differently from the "
+                               "original; kgen creates free parameters with torch.randn, ones, zeros or a constant, "
+                               "in the order __init__ creates them")
+    dtype = torch.float32 if big else torch.float64
+    original, reference = original.to(dtype), reference.to(dtype)
+    g = torch.Generator().manual_seed(2)
+    has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in original.modules())
+    batch = 2 if has_norm else 1  # batch statistics of one value are refused
+    inputs = [torch.randn((batch,) + tuple(t.shape[1:]), generator=g, dtype=dtype) for t in imp.src.inputs]
+    train_ok = not any(isinstance(m, nn.Dropout) and m.p > 0 for m in original.modules())
+    for training in ([True] if train_ok else []) + [False]:
+        a, b = copy.deepcopy(original).train(training), copy.deepcopy(reference).train(training)
+        with torch.no_grad():
+            try:
+                want = a(*inputs)
+            except Exception:  # noqa: BLE001 - the model itself refuses these inputs (batch norm of one value)
+                continue
+            got = b(*inputs)
+        tol = 1e-4 if big else 1e-9
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol, equal_nan=True):
+            mode = "training" if training else "eval"
+            raise ImportFailed(f"{imp.src.shown}: the imported spec computes differently from the model ({mode} mode); "
+                               "please report it")
+        if training and has_norm:
+            for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+                if not torch.allclose(va.to(vb.dtype), vb, rtol=tol, atol=tol):
+                    raise ImportFailed(f"{imp.src.shown}: the running statistics '{k}' update differently; please report it")
+    return pipe
+
+
+def import_model(source: str, name: str | None = None, input_shapes=None, out_dir: Path | str = "specs",
+                 check: bool = True) -> Path:
+    """Import ``source`` into ``out_dir/NAME.yaml``; returns the path. Nothing is written on failure."""
+    src = load_source(source, input_shapes)
+    name = name or default_name(src.stem)
+    reason = None if IDENT.match(name) and len(name) <= MAX_NAME else "expected [a-z][a-z0-9_]*, at most 64 characters"
+    reason = reason or module_name_reason(name)
+    if reason:
+        raise ImportFailed(f"--name {one_line(name, 80)}: {reason}")
+    imp = Importer(src, name)
+    data = imp.run()
+    text = (f"# Imported by `kgen import {src.shown}`; to change it, change the model and import it again.\n"
+            + spec_text(data))
+    out_dir = Path(out_dir)
+    path = out_dir / f"{name}.yaml"
+    if check:
+        _check_spec(text, str(path), imp)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise KgenError(f"{name}: cannot write {e.filename or path}: {e.strerror or e}") from None
+    return path

@@ -1,0 +1,370 @@
+"""`kgen import`: model files in KernelBench's layout (written here, tiny) -> specs that build
+and validate; the drop-in constructor; errors that name the call and its line; nothing
+written on failure.
+
+Two modules cover every op the importer maps (CONV_MODEL: a 4-d pipeline with batch norm in
+training and eval mode; GEMM_MODEL: three inputs, free parameters, values read across
+stages and dropout); each is imported, built and validated once for the module.
+"""
+import re
+import textwrap
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from kgen.errors import KgenError
+from kgen.importer import ImportFailed, import_model
+from kgen.ir import load_pipeline
+from kgen.ops import OPS, spec_op_names
+
+CONV_MODEL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, num_groups=2, negative_slope=0.05, bias_shape=(4, 1, 1)):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, padding=1)
+        self.bias = nn.Parameter(torch.randn(bias_shape))
+        self.bn = nn.BatchNorm2d(out_channels, momentum=None)
+        self.gn = nn.GroupNorm(num_groups, out_channels)
+        self.act = nn.Hardswish()
+        self.pool = nn.MaxPool2d(2)
+        self.gelu = nn.GELU()
+        self.negative_slope = negative_slope
+
+    def forward(self, x):
+        skip = self.conv(x)
+        x = self.bn(skip)
+        x = F.leaky_relu(x, self.negative_slope)
+        x = x * torch.clamp((x + 3) / 6, 0, 1)
+        x = x + skip
+        x = self.gn(x)
+        x = torch.sigmoid(x) * x
+        x = F.mish(x) + self.bias
+        x = self.act(x)
+        x = self.pool(x)
+        x = torch.min(x, torch.tensor(0.75))
+        x = F.softplus(x, beta=2.0, threshold=1.0)
+        x = self.gelu(torch.relu(x) - 0.5)
+        x = torch.logsumexp(x, dim=1, keepdim=True) + torch.max(x, dim=1, keepdim=True).values
+        x = torch.tanh(x)
+        return x.mean(dim=[2, 3])
+
+
+def get_inputs():
+    return [torch.rand(5, 3, 8, 8)]
+
+
+def get_init_inputs():
+    return [3, 4, 3]
+'''
+
+GEMM_MODEL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self, in_features, out_features, scale=0.5, p=0.3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features))
+        self.linear = nn.Linear(out_features, out_features)
+        self.offset = nn.Parameter(torch.tensor(0.25))
+        self.unused = nn.Parameter(torch.zeros(3))
+        self.shift = nn.Parameter(torch.ones(out_features))
+        self.ln = nn.LayerNorm(out_features)
+        self.drop = nn.Dropout(p)
+        self.scale = scale
+
+    def forward(self, x, y, z):
+        x = torch.matmul(x, self.weight.T)
+        x = self.linear(x)
+        h = x.clone().detach()
+        x = F.hardtanh(x, -2.0, 2.0) - self.offset
+        x = F.elu(x, alpha=0.5) + F.hardsigmoid(x)
+        x = self.ln(x * self.shift)
+        x = F.silu(x) / self.scale
+        x = F.gelu(x, approximate="tanh") + y
+        x = x + torch.bmm(z, y.view(-1, 2, 4)).flatten(1)
+        x = torch.log(torch.exp(-torch.abs(x)) + 1.5)
+        x = 1.0 - torch.maximum(x, torch.neg(h)) / 4
+        x = torch.softmax(x, dim=1) * 2 - torch.log_softmax(h, dim=1)
+        x = self.drop(x)
+        x = x.unsqueeze(1).squeeze(1)
+        x = torch.amin(x, dim=1, keepdim=True) - x.sum(dim=1, keepdim=True) + torch.amax(x, dim=1, keepdim=True)
+        return x
+
+
+def get_inputs():
+    return [torch.rand(4, 6), torch.rand(4, 8), torch.rand(4, 2, 2)]
+
+
+def get_init_inputs():
+    return [6, 8]
+'''
+
+IMPORTED_KINDS = {  # the ops each model's spec must hold: together every op the importer maps but the convs' kin
+    "conv": {"conv2d", "batch_norm", "leaky_relu", "clamp", "add", "div", "mul", "group_norm", "sigmoid", "mish",
+             "hardswish", "max_pool2d", "minimum", "softplus", "relu", "sub", "gelu", "logsumexp", "max", "tanh", "mean"},
+    "gemm": {"matmul", "linear", "hardtanh", "sub", "elu", "hardsigmoid", "add", "mul", "layer_norm", "silu", "div",
+             "gelu_tanh", "reshape", "abs", "neg", "exp", "log", "maximum", "softmax", "log_softmax", "dropout", "min",
+             "sum", "max"},
+}
+
+
+def _write(tmp, name, text):
+    path = tmp / f"{name}.py"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """Both models imported, rendered, built (CPU) and validated: name -> (spec, module dir, report, model file)."""
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
+
+    tmp = tmp_path_factory.mktemp("import")
+    out = {}
+    for name, text in (("conv", CONV_MODEL), ("gemm", GEMM_MODEL)):
+        src = _write(tmp, f"{name}_model", text)
+        spec = import_model(str(src), name=f"imp_{name}", out_dir=tmp / "specs")
+        write_rendered(render_spec(spec, tmp / "gen"), tmp / "gen")
+        build_module(tmp / "gen" / f"imp_{name}", "cpu", quiet=True)
+        out[name] = (spec, tmp / "gen" / f"imp_{name}", validate(spec, tmp / "gen" / f"imp_{name}", "cpu"), src)
+    return out
+
+
+def _load_model_file(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_m_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["conv", "gemm"])
+def test_imported_model_builds_and_validates(imported, name):
+    spec, _, report, _ = imported[name]
+    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+    assert report.cases and not failures, failures
+    kinds = {k for op in load_pipeline(spec).spec.ops for k in [op.kind]}
+    assert IMPORTED_KINDS[name] <= kinds, IMPORTED_KINDS[name] - kinds
+    if name == "conv":  # batch norm: both modes, and the running statistics the op returns
+        assert any("(training mode)" in c.case for c in report.cases)
+        assert any("running_var" in c.case for c in report.cases)
+    else:  # dropout with p > 0: eval mode only
+        assert all("training mode" not in c.case for c in report.cases)
+
+
+def test_every_op_is_covered_by_an_imported_model():
+    """The two models use every op a spec may name, except the ones other tests build
+    (the convolution, pool and norm kinds of the original chain)."""
+    built_elsewhere = {k for k in OPS if k.startswith(("conv", "max_pool", "avg_pool", "adaptive_avg_pool"))}
+    built_elsewhere.add("instance_norm")
+    covered = set().union(*IMPORTED_KINDS.values())
+    assert set(spec_op_names()) - built_elsewhere <= covered, set(spec_op_names()) - built_elsewhere - covered
+
+
+def test_spec_records_constructor_inputs_and_values(imported):
+    spec = load_pipeline(imported["gemm"][0])
+    assert list(spec.inputs) == ["x", "y", "z"]
+    assert spec.input.shape == ("N", 6) and spec.example == {"N": 4}
+    args = {a.name: (a.value, a.default) for a in spec.spec.constructor}
+    assert args["in_features"][0] == 6 and args["scale"] == (0.5, 0.5) and args["p"] == (0.3, 0.3)
+    assert spec.params["unused"].unused and spec.params["offset"].shape == () and spec.params["offset"].init == 0.25
+    assert spec.member_order == ("weight", "linear", "offset", "unused", "shift", "ln")
+    text = imported["conv"][0].read_text()
+    assert re.search(r"conv2d: \{.*as: skip", text), text  # the source's own name for the value
+
+
+def _modules(imported):
+    from kgen.validate import import_module_dir
+
+    return {n: import_module_dir(d) for n, (_, d, _, _) in imported.items()}
+
+
+def test_drop_in_constructor_same_seed_same_weights(imported):
+    mods = _modules(imported)
+    for name, (_, _, _, src) in imported.items():
+        original = _load_model_file(src)
+        for seed in (0, 7):
+            torch.manual_seed(seed)
+            ours = mods[name].Model(*original.get_init_inputs())
+            torch.manual_seed(seed)
+            theirs = original.Model(*original.get_init_inputs())
+            a, b = ours.state_dict(), theirs.state_dict()
+            assert list(a) == list(b)
+            assert all(torch.equal(a[k], b[k]) for k in a), name
+        # state_dicts load both ways, and the outputs agree in eval mode
+        torch.manual_seed(3)
+        theirs = original.Model(*original.get_init_inputs())
+        ours.load_state_dict(theirs.state_dict())
+        theirs.load_state_dict(ours.state_dict())
+        inputs = [torch.randn(2, *t.shape[1:]) for t in original.get_inputs()]
+        with torch.no_grad():
+            torch.testing.assert_close(ours.eval()(*inputs), theirs.eval()(*inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_drop_in_constructor_takes_keywords_and_defaults(imported):
+    mod = _modules(imported)["conv"]
+    torch.manual_seed(1)
+    a = mod.Model(in_channels=3, out_channels=4, kernel_size=3, num_groups=2)
+    torch.manual_seed(1)
+    b = mod.Model(3, 4, kernel_size=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert mod.get_init_inputs() == [3, 4, 3]
+    import inspect
+
+    params = inspect.signature(mod.Model).parameters
+    assert list(params) == ["in_channels", "out_channels", "kernel_size", "num_groups", "negative_slope", "bias_shape"]
+    assert params["num_groups"].default == 2 and params["bias_shape"].default == (4, 1, 1)
+    assert mod.Model(3, 4, 3, bias_shape=[4, 1, 1]) is not None  # a list is the tuple it stands for
+    with pytest.raises(TypeError):
+        mod.Model(3, 4)  # kernel_size has no default, as in the reference
+
+
+def test_drop_in_constructor_mismatch_names_the_argument(imported):
+    mod = _modules(imported)["conv"]
+    with pytest.raises(ValueError) as e:
+        mod.Model(3, 8, 3)
+    msg = str(e.value)
+    assert "out_channels=8" in msg and "out_channels=4" in msg and "kgen import" in msg and "kgen all" in msg
+    with pytest.raises(ValueError, match="negative_slope=0.2"):
+        mod.Model(3, 4, 3, negative_slope=0.2)
+
+
+def test_kernelbench_evaluator_builds_the_module_from_get_init_inputs(imported):
+    """KernelBench's evaluator does ModelNew(*get_init_inputs()) with the file's own functions."""
+    mods = _modules(imported)
+    original = _load_model_file(imported["gemm"][3])
+    model_new = mods["gemm"].Model(*original.get_init_inputs()).eval()
+    x, y, z = (torch.randn(3, *t.shape[1:]) for t in original.get_inputs())
+    assert model_new(x, y, z).shape == (3, 1)
+
+
+def test_dropout_in_training_mode_is_refused(imported):
+    mod = _modules(imported)["gemm"]
+    model = mod.Model(6, 8).train()
+    with pytest.raises(RuntimeError, match="dropout with p=0.3 in training mode"):
+        model(torch.randn(2, 6), torch.randn(2, 8), torch.randn(2, 2, 2))
+
+
+def test_batch_norm_updates_running_statistics_as_pytorch(imported):
+    mod = _modules(imported)["conv"]
+    original = _load_model_file(imported["conv"][3])
+    torch.manual_seed(5)
+    ours, theirs = mod.Model(3, 4, 3).train(), original.Model(3, 4, 3).train()
+    ours.load_state_dict(theirs.state_dict())
+    for step in range(2):
+        x = torch.randn(3, 3, 8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-5)
+    for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        torch.testing.assert_close(ours.state_dict()[k], theirs.state_dict()[k], rtol=1e-5, atol=1e-6)
+    assert int(ours.bn.num_batches_tracked) == 2  # momentum None: the cumulative average
+
+
+# ---- errors: one line naming the call and its line; nothing written
+
+
+UNSUPPORTED = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        x = torch.relu(x)
+        x = torch.cumsum(x, dim=1)
+        return x
+
+
+def get_inputs():
+    return [torch.rand(2, 4)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_unsupported_call_names_the_op_and_its_line(tmp_path):
+    src = _write(tmp_path, "bad", UNSUPPORTED)
+    out = tmp_path / "specs"
+    with pytest.raises(ImportFailed) as e:
+        import_model(str(src), name="bad", out_dir=out)
+    msg = str(e.value)
+    line = UNSUPPORTED.splitlines().index("        x = torch.cumsum(x, dim=1)") + 1
+    assert "\n" not in msg and f"bad.py:{line}: torch.cumsum is not supported" in msg, msg
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_control_flow_on_values_names_its_line(tmp_path):
+    text = UNSUPPORTED.replace("        x = torch.cumsum(x, dim=1)\n", "        if x.sum() > 0:\n            x = x * 2\n")
+    src = _write(tmp_path, "flow", text)
+    with pytest.raises(ImportFailed) as e:
+        import_model(str(src), name="flow", out_dir=tmp_path / "specs")
+    line = text.splitlines().index("        if x.sum() > 0:") + 1
+    assert f"flow.py:{line}:" in str(e.value) and "torch.fx cannot trace" in str(e.value)
+
+
+def test_failed_import_leaves_an_existing_spec_alone(tmp_path):
+    good = _write(tmp_path, "good", UNSUPPORTED.replace("        x = torch.cumsum(x, dim=1)\n", ""))
+    out = tmp_path / "specs"
+    path = import_model(str(good), name="same", out_dir=out)
+    before = path.read_text()
+    with pytest.raises(ImportFailed):
+        import_model(str(_write(tmp_path, "bad", UNSUPPORTED)), name="same", out_dir=out)
+    assert path.read_text() == before and sorted(p.name for p in out.iterdir()) == ["same.yaml"]
+
+
+def test_cli_import_is_one_error_line(tmp_path):
+    import subprocess
+    import sys
+
+    src = _write(tmp_path, "bad", UNSUPPORTED)
+    p = subprocess.run([sys.executable, "-m", "kgen", "import", str(src), "--out", str(tmp_path / "s")],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "torch.cumsum is not supported" in p.stderr, p.stderr
+
+
+def test_module_class_with_input_shape(tmp_path, monkeypatch):
+    (tmp_path / "pkg_models.py").write_text(textwrap.dedent('''
+        import torch
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(4, 3)
+            def forward(self, x):
+                return torch.relu(self.fc(x))
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = import_model("pkg_models:Net", input_shapes=[(16, 4)], out_dir=tmp_path / "specs")
+    pipe = load_pipeline(path)
+    assert path.name == "net.yaml" and pipe.input.shape == ("N", 4) and pipe.example == {"N": 16}
+    assert [o.op_name for o in pipe.ops] == ["linear", "relu"]
+    with pytest.raises(KgenError, match="--input-shape"):
+        import_model("pkg_models:Net", out_dir=tmp_path / "specs")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_imported_model_validates_on_the_gpu(imported):
+    from kgen.build import build_module
+    from kgen.validate import validate
+
+    for spec, module_dir, _, _ in imported.values():
+        build_module(module_dir, "cuda", quiet=True)
+        report = validate(spec, module_dir, "cuda", example_batch=True)
+        assert not [c.case for c in report.cases if not c.passed]

@@ -1,0 +1,159 @@
+"""Values in the IR (kgen/values.py): where a named result lives (a register of one stage, or a
+tensor a stage ends with), how `from:` starts a stage, what the reference computes for a DAG, and
+that rewrites leave values alone. Planning and rendering only; test_import.py builds."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import pipeline_of
+from kgen.ir import Capture, Elementwise
+from kgen.plan import make_plan
+from kgen.render import render_plan
+from kgen.rewrites import apply_rewrites
+from kgen.target import DEFAULT
+
+SWISH = """
+name: swish
+input: {shape: [N, 16]}
+ops:
+  - linear: {out_features: 8, as: h}
+  - sigmoid
+  - mul: {tensor: h}
+  - mul: {scalar: 2.0}
+"""
+
+RESIDUAL = """
+name: residual
+input: {shape: [N, 3, 6, 6]}
+ops:
+  - conv2d: {out_channels: 4, kernel_size: 3, as: c}
+  - group_norm: {num_groups: 2}
+  - tanh
+  - add: {tensor: c}
+  - relu: {as: r}
+  - max_pool2d: {kernel_size: 2}
+  - sum: {dim: 1}
+"""
+
+DAG = """
+name: dag
+inputs:
+  x: {shape: [N, 4, 5]}
+  y: {shape: [N, 4, 5]}
+example: {N: 3}
+params:
+  w: {shape: [5]}
+ops:
+  - relu: {as: r}
+  - mean: {dim: 2, keepdim: true, as: m}
+  - sub: {from: r, tensor: m}
+  - div: {tensor: y, reverse: true}
+  - mul: {param: w}
+  - maximum: {tensor: r, as: z}
+  - softmax: {dim: 1}
+  - sub: {tensor: z, reverse: true}
+"""
+
+
+def _plan(text):
+    return make_plan(pipeline_of(text), target=DEFAULT)
+
+
+def test_a_value_read_in_its_own_run_stays_in_a_register(tmp_path):
+    plan = _plan(SWISH)
+    assert [s.family.name for s in plan.stages] == ["linear_aten", "pool_reduce"]
+    (mul,) = [o for o in plan.stages[1].ops if isinstance(o, Elementwise) and o.tensor == "h"]
+    assert mul.register and plan.stage_values(plan.stages[1]) == []
+    stages_h = render_plan(plan, tmp_path).files["swish/stages.h"]
+    assert "const float val_h = v;" in stages_h and "v = kgen::mul(v, val_h);" in stages_h and "a.h" not in stages_h
+
+
+def test_a_value_read_across_a_stage_is_that_stages_tensor(tmp_path):
+    plan = _plan(RESIDUAL)
+    kinds = [s.family.name for s in plan.stages]
+    assert kinds[0] in ("conv_gemm", "conv_aten") and kinds[1:] == ["norm", "pool_reduce"], kinds
+    norm = plan.stages[1]
+    # the conv's output is the value: no bias deferred into the norm stage, no copy stage
+    assert plan.stage_values(norm) == ["c"] and plan.value_exprs["c"] == "t0"
+    # r is read by no one: it stays where it is (end of the norm stage, no cut)
+    binding = render_plan(plan, tmp_path).files["residual/binding.cpp"]
+    assert "stage1({t0}, group_norm_weight, group_norm_bias, t0);" in binding
+
+
+def test_from_starts_a_stage_on_the_value_and_the_reference_is_the_dag():
+    pipe = pipeline_of(DAG)
+    plan = make_plan(pipe, target=DEFAULT)
+    sources = [s.source for s in plan.stages]
+    assert sources[0] == "x"
+    starts = [s for s in plan.stages if s.ops[0].src == "r"]
+    assert len(starts) == 1 and starts[0].source == plan.value_exprs["r"]
+    x, y = torch.randn(2, 4, 5, dtype=torch.float64), torch.rand(2, 4, 5, dtype=torch.float64) + 0.5
+    w = torch.randn(5, dtype=torch.float64)
+    r = torch.relu(x)
+    z = torch.maximum(y / (r - r.mean(dim=2, keepdim=True)) * w, r)
+    want = z - torch.softmax(z, dim=1)
+    torch.testing.assert_close(pipe.run(x, {"w": w}, inputs={"y": y}), want)
+    assert [o.name for o in pipe.ops if isinstance(o, Capture)] == ["r", "m", "z"]
+
+
+def test_rewrites_leave_values_alone():
+    through_max = """
+name: t
+input: {shape: [N, 3, 8, 8]}
+ops:
+  - conv2d: {out_channels: 4, kernel_size: 3}
+  - mul: {scalar: 2.0, as: s}
+  - max_pool2d: {kernel_size: 2}
+  - sum: {dim: 1}
+"""
+    _, decisions = apply_rewrites(pipeline_of(through_max))
+    assert not any(d.fired for d in decisions if d.rewrite == "scalar_through_max")
+    algebra = """
+name: t
+inputs:
+  x: {shape: [N, 4, 6]}
+  y: {shape: [N, 4, 1]}
+ops:
+  - mean: {dim: 2, keepdim: true}
+  - add: {tensor: y}
+  - sum: {dim: 1}
+"""
+    _, decisions = apply_rewrites(pipeline_of(algebra))
+    (d,) = [d for d in decisions if d.rewrite == "reduction_algebra"]
+    assert not d.fired and "reads or names a value" in d.reason
+    named_conv = """
+name: t
+input: {shape: [N, 3, 8, 8]}
+ops:
+  - conv_transpose2d: {out_channels: 4, kernel_size: 3, stride: 2, as: c}
+  - relu
+  - add: {tensor: c}
+"""
+    _, decisions = apply_rewrites(pipeline_of(named_conv))
+    (d,) = [d for d in decisions if d.rewrite == "subpixel_conv_transpose"]
+    assert not d.fired and "named value 'c'" in d.reason
+
+
+@pytest.mark.parametrize("reverse, want", [(False, lambda x: x - 1.5), (True, lambda x: 1.5 - x)])
+def test_reverse_puts_the_operand_first(reverse, want, tmp_path):
+    text = f"name: t\ninput: {{shape: [N, 4]}}\nops:\n  - sub: {{scalar: 1.5, reverse: {str(reverse).lower()}}}\n"
+    pipe = pipeline_of(text)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe.run(x, {}), want(x))
+    stages_h = render_plan(make_plan(pipe, target=DEFAULT), tmp_path).files["t/stages.h"]
+    assert ("v = kgen::sub(1.5f, v);" if reverse else "v = kgen::sub(v, 1.5f);") in stages_h
+
+
+def test_batch_norm_reference_is_nn_batch_norm_in_both_modes():
+    text = "name: t\ninput: {shape: [N, 4, 3]}\nops:\n  - batch_norm: {momentum: null, name: bn}\n  - gelu\n"
+    pipe = pipeline_of(text)
+    bn = torch.nn.BatchNorm1d(4, momentum=None).double()
+    tensors = {f"bn.{k}": v.clone() for k, v in bn.state_dict().items()}
+    for training in (True, True, False):
+        x = torch.randn(5, 4, 3, dtype=torch.float64)
+        bn.train(training)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe.run(x, tensors, training=training), F.gelu(bn(x)))
+    for k, v in bn.state_dict().items():
+        torch.testing.assert_close(tensors[f"bn.{k}"].to(v.dtype), v)
+    assert int(tensors["bn.num_batches_tracked"]) == 2
