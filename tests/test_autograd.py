@@ -206,9 +206,15 @@ def _ddp(backend, names, tmp_path):
     for name in names:
         rank0, rank1 = (torch.load(tmp_path / f"{name}-{r}.pt") for r in (0, 1))
         assert rank0["grads"].keys() == rank0["eager_grads"].keys()
+        # judged against the model's largest gradient: one that is zero in exact arithmetic
+        # (a bias before a norm without affine) is rounding noise in both
+        scale = max(float(e.abs().max()) for e in rank0["eager_grads"].values())
         for k, e in rank0["eager_grads"].items():
             for rank in (rank0, rank1):
-                torch.testing.assert_close(rank["grads"][k], e, rtol=1e-4, atol=1e-5 * float(e.abs().max()), msg=k)
+                # (rtol as for torch.compile's step: the two ranks' half-batch sums and the whole batch's
+                # large weight-gradient reductions round in different orders)
+                torch.testing.assert_close(rank["grads"][k], e, rtol=1e-3, atol=1e-5 * scale,
+                                           msg=lambda m, k=k: f"{name}: {k}: {m}")
             assert torch.equal(rank0["params"][k], rank1["params"][k]), k  # the ranks stay in step
 
 
