@@ -39,18 +39,28 @@ PROFILED_CALLS = 10  # calls under torch.profiler for the per-stage times
 
 def time_ms(fn, reps: int) -> float:
     """Median of ``reps`` CUDA-event timings of fn(), after warm-up."""
-    for _ in range(WARMUP):
-        fn()
+    return time_interleaved({"fn": fn}, reps)["fn"]
+
+
+def time_interleaved(fns: dict, reps: int) -> dict:
+    """Median CUDA-event time of each of ``fns`` (name -> callable), after warm-up. The
+    calls take turns (one of each per round), so that a drift of the GPU's clocks or of
+    the host during the measurement weighs on all of them alike: pipelines of 0.1 ms
+    otherwise move by a third between back-to-back runs."""
+    for fn in fns.values():
+        for _ in range(WARMUP):
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _commit() -> str:
@@ -89,10 +99,10 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     others = [torch.randn(pipe.inputs[n].concrete(batch), device="cuda") for n in pipe.input_names[1:]]
     row = dict(name=pipe.name, batch=batch, input=list(pipe.input.concrete(batch)))
     with torch.no_grad():
-        row["eager_ms"] = time_ms(lambda: ref(x, *others), reps)
         compiled = torch.compile(ref)
-        row["compile_ms"] = time_ms(lambda: compiled(x, *others), reps)
-        row["kgen_ms"] = time_ms(lambda: model(x, *others), reps)
+        timed = time_interleaved({"eager_ms": lambda: ref(x, *others), "compile_ms": lambda: compiled(x, *others),
+                                  "kgen_ms": lambda: model(x, *others)}, reps)
+        row.update(timed)
         row["floor_ms"] = fused_floor_ms(pipe, batch, current())
         try:
             row["stages"] = stage_times(module_dir.name, pipe, model, x, *others)

@@ -18,7 +18,7 @@ constexpr const char* kOp = "kgen::maxpool_sum";
 constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 }  // namespace
 
-// ==== plan 0: batches 1.. (cost model: 2.143 ms at batch 16, the lowest of 7 candidate(s))
+// ==== plan 0: batches 1.. (measured fastest at batch 16 on NVIDIA H100 80GB HBM3: 1.743 ms (maxpool_sum.tune.json))
 namespace v0 {
 
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/binding.cpp.j2)

@@ -18,7 +18,7 @@ constexpr const char* kOp = "kgen::relu_group_norm";
 constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 }  // namespace
 
-// ==== plan 0: batches 1.. (cost model: 1.617 ms at batch 16, the lowest of 5 candidate(s))
+// ==== plan 0: batches 1.. (measured fastest at batch 16 on NVIDIA H100 80GB HBM3: 1.689 ms (relu_group_norm.tune.json))
 namespace v0 {
 
 // ==== stage 1: norm (kgen-template: templates/norm/binding.cpp.j2)
