@@ -5,6 +5,7 @@
 # Each argument is a command, run in order with OUT set to the archive's folder; the
 # tuning files and reports they write in place are packed too (under tree/). The whole
 # run stops at DEADLINE seconds (default 570, under the tool's 600), so packing always runs.
+# A command sees the seconds left to it in DEVICE_RUN_LEFT (to time-box itself).
 set -uo pipefail
 FINAL=${OUT:-gpu-out}; mkdir -p "$FINAL"
 export OUT=/tmp/kgen-device-out; rm -rf "$OUT"; mkdir -p "$OUT"
@@ -15,7 +16,7 @@ for cmd in "$@"; do
   left=$((DEADLINE - ($(date +%s) - START)))
   if [ "$left" -le 5 ]; then echo "[device_run] no time left for: $cmd"; continue; fi
   echo "[device_run $(date +%H:%M:%S)] $cmd (${left}s left)"
-  timeout -k 5 "$left" bash -c "$cmd"
+  DEVICE_RUN_LEFT=$left timeout -k 5 "$left" bash -c "$cmd"
   echo "[device_run $(date +%H:%M:%S)] exit $? <- $cmd"
 done
 for f in specs/*.tune.json specs/variants/*.tune.json reports/*; do
