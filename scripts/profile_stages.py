@@ -1,8 +1,8 @@
 """Per-kernel GPU time of generated modules (torch.profiler), and each fused
 stage op timed alone on a full-size input. For the GPU machine:
 
-    PYTHONPATH=. python scripts/profile.py maxpool_sum avgpool_sigmoid_sum
-    PYTHONPATH=. python scripts/profile.py --norewrite relu_group_norm
+    PYTHONPATH=. python scripts/profile_stages.py maxpool_sum avgpool_sigmoid_sum
+    PYTHONPATH=. python scripts/profile_stages.py --norewrite relu_group_norm
 """
 import argparse
 from pathlib import Path
