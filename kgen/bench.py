@@ -231,7 +231,7 @@ def write_reports(result: dict, json_path: Path | None, md_path: Path | None) ->
             "",
             f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}, cuDNN TF32 allowed: {env['cudnn_allow_tf32']}),"
             f" commit {env['commit']}, {env['date']}.",
-            f"Median of {result['reps']} runs after {result['warmup']} warm-up runs, CUDA events, one process.",
+            f"Median of {result['reps']} runs after {result['warmup']} warm-up runs, CUDA events, one process; eager, torch.compile and kgen take turns call by call.",
             "",
             markdown_table(result),
             "",

@@ -528,7 +528,8 @@ def _end_to_end(label, op, pipe, state, params64, buffers, x, inputs, training, 
     if new:
         eager_state = eager.state_dict()
         for name, value in new.items():
-            results.append(compare(f"{label}: {name}", value, tensors64[name], TOLERANCES["ieee"], eager_state[name]))
+            # at the pipeline's precision: the statistics are sums of the (TF32) convolution's output
+            results.append(compare(f"{label}: {name}", value, tensors64[name], tol, eager_state[name]))
     return results
 
 

@@ -23,7 +23,7 @@ namespace v0 {
 
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
 //   ops[0].conv3d: conv3d(3->16, k=3), bias added by the next stage
-//   implicit GEMM on tensor cores (tf32x3: a normalization follows (or the output is the convolution): fp32-level accuracy)
+//   implicit GEMM on tensor cores (tf32x3: a normalization or an exponential follows (or the output is the convolution): fp32-level accuracy)
 namespace s0 {
 
 // Packed weights (MMA-fragment order) of all 1 problem(s): a workspace per call.

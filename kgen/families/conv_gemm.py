@@ -34,6 +34,8 @@ from .conv_aten import CUDNN_CALL_S
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
 MAX_K_PER_CHUNK_TAPS = 512  # K = Cin x taps above which ATen/cuDNN's large-GEMM kernels win (notes/perf.md)
 MAX_COUT = 128  # output channels above which cuDNN wins
+# ops after which the convolution runs in split TF32 (mma): normalizations and exponentials
+X3_AFTER = ("group_norm", "instance_norm", "batch_norm", "layer_norm", "softmax", "log_softmax", "logsumexp", "exp")
 WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
 STAGES = 2  # cp.async pipeline depth
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
@@ -326,13 +328,14 @@ class ConvGemm(Family):
     def mma(req: StageRequest) -> tuple[str, str]:
         """TF32 products, or split TF32 (about fp32 accuracy) where the result must match
         a plain fp32 convolution: before a normalization (it removes the scale and leaves the
-        relative error) or when the convolution is the output. cuDNN itself often runs such
-        small convolutions in fp32 even where TF32 is allowed."""
+        relative error), before an exponential (softmax and logsumexp turn the absolute error
+        of large logits into a relative error of the result), or when the convolution is the
+        output. cuDNN itself often runs such small convolutions in fp32 even where TF32 is allowed."""
         if req.pipeline.precision == "tf32x3":
             return "tf32x3", "the spec asks for tf32x3"
         later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
-        if not later or any(o.op_name in ("group_norm", "instance_norm") for o in later):
-            return "tf32x3", "a normalization follows (or the output is the convolution): fp32-level accuracy"
+        if not later or any(o.op_name in X3_AFTER for o in later):
+            return "tf32x3", "a normalization or an exponential follows (or the output is the convolution): fp32-level accuracy"
         return "tf32", "pools and reductions follow: TF32 products"
 
     def make_stage(self, req: StageRequest) -> ConvGemmStage:
