@@ -34,7 +34,8 @@ def main(root="generated"):
         if all(st.family.generates_kernel for st in plan.stages):
             x = torch.randn(plan.pipeline.input.concrete(2))
             op = getattr(torch.ops.kgen, d.name)
-            params = [p.detach() for p in model.parameters()]
+            named = dict(model.named_parameters())  # in the op's argument order, not the Model's creation order
+            params = [named[a.name].detach() for a in sel.pipeline.tensor_args()]
             with torch.no_grad():
                 ours = op(x.cuda(), *[p.cuda() for p in params]).cpu()
                 cpu = op(x, *params)
