@@ -157,3 +157,17 @@ def test_batch_norm_reference_is_nn_batch_norm_in_both_modes():
     for k, v in bn.state_dict().items():
         torch.testing.assert_close(tensors[f"bn.{k}"].to(v.dtype), v)
     assert int(tensors["bn.num_batches_tracked"]) == 2
+
+
+def test_a_pipeline_with_values_or_several_inputs_has_no_eager_candidate():
+    """The eager family calls a chain of ops on one running value; a pipeline that names or
+    reads values, or takes several inputs, is planned without it (no `pipeline` decision)."""
+    from kgen.families import EAGER
+    from kgen.plan import PIPELINE
+
+    plain = pipeline_of(RESIDUAL.replace(", as: c", "").replace(" {as: r}", "").replace("  - add: {tensor: c}\n", ""))
+    assert EAGER.whole(plain) is not None and PIPELINE in make_plan(plain, target=DEFAULT).options
+    for text in (RESIDUAL, DAG, SWISH):
+        pipe = pipeline_of(text)
+        assert EAGER.whole(pipe) is None, pipe.name
+        assert PIPELINE not in make_plan(pipe, target=DEFAULT).options, pipe.name
