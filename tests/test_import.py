@@ -8,6 +8,7 @@ stages and dropout); each is imported, built and validated once for the module.
 """
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,12 +331,15 @@ def test_failed_import_leaves_an_existing_spec_alone(tmp_path):
 
 
 def test_cli_import_is_one_error_line(tmp_path):
+    import os
     import subprocess
     import sys
 
     src = _write(tmp_path, "bad", UNSUPPORTED)
+    root = Path(__file__).resolve().parent.parent  # kgen from this checkout, installed or not
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-m", "kgen", "import", str(src), "--out", str(tmp_path / "s")],
-                       capture_output=True, text=True, cwd=tmp_path)
+                       capture_output=True, text=True, cwd=tmp_path, env=env)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "torch.cumsum is not supported" in p.stderr, p.stderr
 
 
