@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -42,18 +43,25 @@ def time_ms(fn, reps: int) -> float:
     return time_interleaved({"fn": fn}, reps)["fn"]
 
 
-def time_interleaved(fns: dict, reps: int) -> dict:
-    """Median CUDA-event time of each of ``fns`` (name -> callable), after warm-up. The
-    calls take turns (one of each per round), so that a drift of the GPU's clocks or of
-    the host during the measurement weighs on all of them alike: pipelines of 0.1 ms
-    otherwise move by a third between back-to-back runs."""
+def time_interleaved(fns: dict, reps: int, device: str = "cuda") -> dict:
+    """Median time in ms of each of ``fns`` (name -> callable), after warm-up: CUDA events,
+    or on the CPU the wall clock. The calls take turns (one of each per round), so that a
+    drift of the GPU's clocks or of the host during the measurement weighs on all of them
+    alike: pipelines of 0.1 ms otherwise move by a third between back-to-back runs."""
+    cuda = device.startswith("cuda")
     for fn in fns.values():
         for _ in range(WARMUP):
             fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
+            if not cuda:
+                start = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - start) * 1e3)
+                continue
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()

@@ -10,8 +10,9 @@ For each spec, at its example batch and the batches asked for:
    schedules made for the example batch, as `kgen render` makes every plan of
    a module), and all are built at once;
 3. each is timed like `kgen bench` times a module (CUDA events, warm-up, the
-   median of ``reps`` runs), after a check that it computes what eager PyTorch
-   does (a candidate that does not is reported and never chosen);
+   median of ``reps`` runs; all candidates and eager PyTorch in turns, call by
+   call), after a check that it computes what eager PyTorch does (a candidate
+   that does not is reported and never chosen);
 4. the fastest at each batch wins; batch ranges follow from them
    (``kgen.tunefile.ranges_from``) and the entry for this device is written to
    ``specs/NAME.tune.json``, which `kgen render` reads.
@@ -22,15 +23,13 @@ import datetime
 import hashlib
 import json
 import math
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import cost, tunefile
-from .bench import WARMUP, _commit, time_ms
+from .bench import _commit, time_interleaved
 from .build import build_modules
 from .errors import KgenError
 from .ir import Pipeline, load_pipeline
@@ -94,24 +93,13 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
     return tuning
 
 
-def wall_ms(fn, reps: int) -> float:
-    """Median wall time of fn() in ms after warm-up: the CPU's stand-in for CUDA events."""
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None = None) -> None:
     """Time every candidate module of ``t`` at each batch, after checking its output
-    (on the CPU by wall time: for tests of the flow, not for choices)."""
+    (on the CPU by wall time: for tests of the flow, not for choices). At each batch the
+    candidates that pass their check and eager PyTorch are timed in turns, call by call
+    (``time_interleaved``), so that drift weighs on all of them alike."""
     from .validate import import_module_dir
 
-    time_ms_ = time_ms if device.startswith("cuda") else wall_ms
     pipe = t.pipe
     torch.manual_seed(0)
     reference = ReferenceModel(pipe).to(device).eval()
@@ -122,12 +110,10 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
         for b in t.batches:
             x = torch.randn(pipe.input.concrete(b), device=device)
             expected = reference(x)
-            t.eager_pytorch_ms[b] = time_ms_(lambda: reference(x), reps)
+            runs = {"eager": lambda: reference(x)}
             for m in t.measured:
-                i += 1
                 if m.module in (failed or {}):
                     m.ms[b], m.problem = math.inf, f"does not build: {failed[m.module]}"
-                    _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.problem}")
                     continue
                 try:
                     model = import_module_dir(m.module).Model().to(device).eval()
@@ -136,9 +122,16 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                     if not err <= CHECK_TOLERANCE:
                         m.ms[b], m.problem = math.inf, f"output differs from eager PyTorch at batch {b} (rel L2 {err:.2e})"
                     else:
-                        m.ms[b] = time_ms_(lambda: model(x), reps)
+                        runs[m.module] = lambda model=model: model(x)
                 except RuntimeError as e:  # a launch that fails (resources): this candidate is out
                     m.ms[b], m.problem = math.inf, f"fails at batch {b}: {str(e).splitlines()[0][:160]}"
+            _log(f"tune {pipe.name}: timing {len(runs) - 1} candidate(s) and eager PyTorch in turns at batch {b}")
+            timed = time_interleaved(runs, reps, device)
+            t.eager_pytorch_ms[b] = timed["eager"]
+            for m in t.measured:
+                i += 1
+                if m.module in timed:
+                    m.ms[b] = timed[m.module]
                 _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.ms[b]:.3f} ms, model {m.model_ms[b]:.3f} ms: "
                      f"{describe_choices(m.plan.choices)}{'  ' + m.problem if m.problem else ''}")
 

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import datetime
 import json
 import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +62,7 @@ def main() -> None:
 
     import torch
 
-    from kgen.bench import WARMUP, environment, time_ms
+    from kgen.bench import environment, time_interleaved, time_ms
     from kgen.ir import load_pipeline
     from kgen.reference import ReferenceModel
     from kgen.render import render_spec, write_rendered
@@ -159,8 +157,8 @@ def main() -> None:
             ref.load_state_dict(model.state_dict())
             inputs = [torch.randn(pipe.inputs[n].concrete(batch), device="cuda") for n in pipe.input_names]
             with torch.no_grad():
-                row["eager_ms"] = time_ms(lambda: ref(*inputs), args.reps)
-                row["kgen_ms"] = time_ms(lambda: model(*inputs), args.reps)
+                timed = time_interleaved({"eager_ms": lambda: ref(*inputs), "kgen_ms": lambda: model(*inputs)}, args.reps)
+                row.update(timed)
             row.update(status="ok", batch=batch)
             models[s.stem] = (ref, inputs)
         except Exception as e:  # noqa: BLE001
@@ -212,7 +210,7 @@ def markdown(rows, env, args, elapsed) -> str:
         f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}), commit {env['commit']}, {env['date']}; "
         f"{elapsed:.0f} s of a {args.budget:.0f} s budget. Validation: `kgen validate --device cuda --example-batch` "
         "(the CUDA build against the float64 reference, batches 1 to 3 and the file's own). Timings at the file's own "
-        f"sizes, eval mode: median of {args.reps} runs after warm-up, CUDA events; eager = the imported model in "
+        f"sizes, eval mode: median of {args.reps} runs after warm-up, CUDA events, eager and kgen in turns; eager = the imported model in "
         "PyTorch (float32), torch.compile = the same in default mode.",
         "",
         f"{len(ok)} of {len(rows)} validated and timed.",

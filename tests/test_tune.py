@@ -209,6 +209,26 @@ def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_pat
     assert tuple(y.shape) == (0, 3, 4)  # batch 0 returns before any plan
 
 
+def test_measure_times_the_checked_candidates_and_eager_in_turns(tmp_path, monkeypatch):
+    """The measuring flow on the CPU (wall clock): each candidate that computes what eager
+    PyTorch does gets a time at each batch, eager PyTorch too; one that does not is out."""
+    from kgen.build import build_modules
+
+    spec = write_spec(tmp_path, SMALL, "tuned.yaml")
+    t = tune.prepare(spec, [1, 3], 2, tmp_path / "tune")  # the model's best and the eager plan
+    assert len(t.measured) == 2 and any(_is_eager(m.plan.choices) for m in t.measured)
+    build_modules([m.module for m in t.measured], "cpu")
+    tune.measure(t, 20, device="cpu")
+    assert t.batches == [1, 3, 4]  # and the example batch
+    assert set(t.eager_pytorch_ms) == set(t.batches) and all(0 < v < math.inf for v in t.eager_pytorch_ms.values())
+    for m in t.measured:
+        assert not m.problem and all(0 < m.ms[b] < math.inf for b in t.batches), (m.problem, m.ms)
+    monkeypatch.setattr(tune, "CHECK_TOLERANCE", -1.0)  # now no output is close enough
+    tune.measure(t, 20, device="cpu")
+    assert all(m.ms[b] == math.inf and "differs from eager" in m.problem for m in t.measured for b in t.batches)
+    assert all(0 < v < math.inf for v in t.eager_pytorch_ms.values())
+
+
 def test_a_module_that_does_not_build_is_recorded_not_raised(tmp_path):
     from kgen.build import build_modules
 
