@@ -1,4 +1,5 @@
 """Validation's error measure (the magnitude reference) and its check of Model as a user calls it."""
+import math
 import types
 
 import pytest
@@ -122,3 +123,22 @@ def test_validation_uses_model_as_a_user_would(breaks, problem):
     result = check_model(_module(breaks), validated, PIPE, "cpu", op, TOLERANCES["ieee"])
     assert result.passed == (breaks is None)
     assert problem in result.problem
+
+
+def test_float32_range_decides_where_float64_differs_in_class():
+    """Where float32's range makes a value non-finite (overflow, or an underflow to -0 before a
+    log), PyTorch's float32 result is the reference; where float64 is infinite and eager float32
+    gives NaN (an eager quirk: the CPU's float32 gelu(inf)), the infinity is."""
+    inf, nan = math.inf, math.nan
+    tol = TOLERANCES["ieee"]
+    f32 = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    f64 = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    # float64 finite, float32 overflowed (and NaN after it): float32's answer
+    assert compare("overflow", f32(1.0, inf, nan), f64(1.0, 1e300, 2.0), tol, f32(1.0, inf, nan)).passed
+    assert not compare("overflow, other", f32(1.0, 1.0, nan), f64(1.0, 1e300, 2.0), tol, f32(1.0, inf, nan)).passed
+    # float64 NaN, float32 -inf (log of -0): float32's answer
+    assert compare("underflow", f32(2.0, -inf), f64(2.0, nan), tol, f32(2.0, -inf)).passed
+    assert not compare("underflow, NaN", f32(2.0, nan), f64(2.0, nan), tol, f32(2.0, -inf)).passed
+    # float64 inf, float32 NaN: the infinity
+    assert compare("quirk", f32(3.0, inf), f64(3.0, inf), tol, f32(3.0, nan)).passed
+    assert not compare("quirk copied", f32(3.0, nan), f64(3.0, inf), tol, f32(3.0, nan)).passed
