@@ -249,11 +249,11 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)
-    _absorb_epilogues(stages)
     for i, st in enumerate(stages):
         st.index = i
     plan = Plan(rewritten, pipeline, decisions, stages, target, picker.chosen, picker.options, batch)
     plan.value_exprs = values.materialized(plan)
+    _absorb_epilogues(plan)
     return plan
 
 
@@ -281,10 +281,15 @@ def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch:
         stages.insert(i + 1, copy)
 
 
-def _absorb_epilogues(stages: list[Stage]) -> None:
+def _absorb_epilogues(plan: Plan) -> None:
     """Let a stage's family take the next stage as its epilogue (a generated convolution may).
-    The absorbed stage keeps its place: its math and its own op are still rendered."""
-    for st, nxt in zip(stages, stages[1:]):
+    The absorbed stage keeps its place: its math and its own op are still rendered. Never
+    where the stage's output is a value some stage reads as a tensor (the fused op does not
+    write it), or where the next stage reads values (the fused op does not take them)."""
+    value_tensors = set(plan.value_exprs.values())
+    for st, nxt in zip(plan.stages, plan.stages[1:]):
+        if f"t{st.index}" in value_tensors or any(op.value_names() for op in nxt.ops):
+            continue
         if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
             st.epilogue, nxt.absorbed_by = nxt, st
 

@@ -24,7 +24,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import KgenError
-from ..ir import Capture, Pool
+from ..ir import Pool
 from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import ConvStage, Stage, flat_buffer
 from ..target import Target
@@ -355,8 +355,6 @@ class ConvGemm(Family):
         """A pool_reduce stage whose pools tile the convolution output in whole windows."""
         if nxt.family.name != "pool_reduce" or len(st.problems) != 1 or nxt.input != st.output:
             return False
-        if st.names or (nxt.ops and isinstance(nxt.ops[0], Capture)) or any(n for op in nxt.ops for n in op.value_names()):
-            return False  # the output is a named value, or the epilogue reads values: separate stages
         window = [1, 1, 1]
         for lv in nxt.levels[1:]:
             p: Pool = lv.pool
