@@ -285,10 +285,12 @@ def _absorb_epilogues(plan: Plan) -> None:
     """Let a stage's family take the next stage as its epilogue (a generated convolution may).
     The absorbed stage keeps its place: its math and its own op are still rendered. Never
     where the stage's output is a value some stage reads as a tensor (the fused op does not
-    write it), or where the next stage reads values (the fused op does not take them)."""
+    write it), where the next stage reads values (the fused op does not take them), or where
+    the next stage starts from another tensor than this stage's output (`from:`)."""
     value_tensors = set(plan.value_exprs.values())
     for st, nxt in zip(plan.stages, plan.stages[1:]):
-        if f"t{st.index}" in value_tensors or any(op.value_names() for op in nxt.ops):
+        output = f"t{st.index}"
+        if output in value_tensors or nxt.source != output or any(op.value_names() for op in nxt.ops):
             continue
         if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
             st.epilogue, nxt.absorbed_by = nxt, st

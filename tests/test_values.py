@@ -171,3 +171,34 @@ def test_a_pipeline_with_values_or_several_inputs_has_no_eager_candidate():
         pipe = pipeline_of(text)
         assert EAGER.whole(pipe) is None, pipe.name
         assert PIPELINE not in make_plan(pipe, target=DEFAULT).options, pipe.name
+
+
+def test_a_stage_that_starts_from_another_value_is_no_epilogue(tmp_path):
+    """A convolution followed by a stage that starts from another input (`from: y`) of the
+    same shape: the stage reads y, so it is not fused into the convolution as its epilogue
+    (it was, and the module computed on the convolution's output); the CPU build validates."""
+    from kgen.build import build_module
+    from kgen.render import write_rendered
+    from kgen.validate import validate
+
+    text = """
+name: other_source
+inputs:
+  x: {shape: [N, 4, 8, 8]}
+  y: {shape: [N, 4, 8, 8]}
+example: {N: 2}
+ops:
+  - conv2d: {out_channels: 4, kernel_size: 1}
+  - relu: {from: y}
+  - sum: {dim: [1, 2, 3]}
+"""
+    plan = _plan(text)
+    assert [s.family.name for s in plan.stages][1:] == ["pool_reduce"] and plan.stages[1].source == "y"
+    assert all(s.absorbed_by is None for s in plan.stages)
+    spec = tmp_path / "other_source.yaml"
+    spec.write_text(text)
+    out = tmp_path / "gen"
+    write_rendered(render_plan(make_plan(pipeline_of(text, str(spec)), target=DEFAULT), out), out)
+    build_module(out / "other_source", "cpu")
+    report = validate(spec, out / "other_source", "cpu", stages=False)
+    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
