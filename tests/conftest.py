@@ -41,6 +41,39 @@ def write_spec(dir_path: Path, text: str, name: str = "spec.yaml") -> Path:
     return path
 
 
+def build_drawn_specs(root: Path, texts: list, prefix: str, where) -> tuple[list, Path]:
+    """Seeded random specs (tests/test_random_*.py): each written as ``PREFIX_i.yaml``, rendered
+    into ``root/gen`` and built together on the CPU; a failure names the spec (``where(i)``).
+    Returns (spec paths, output root)."""
+    from kgen.build import build_modules
+    from kgen.errors import KgenError
+    from kgen.render import render_spec, write_rendered
+
+    out = root / "gen"
+    paths = []
+    for i, text in enumerate(texts):
+        path = write_spec(root, text, f"{prefix}_{i}.yaml")
+        try:
+            write_rendered(render_spec(path, out), out)
+        except KgenError as e:
+            pytest.fail(f"rendering {where(i)}failed: {e}")
+        paths.append(path)
+    try:
+        build_modules([out / f"{prefix}_{i}" for i in range(len(texts))], "cpu")
+    except KgenError as e:
+        pytest.fail(f"building the {prefix} pipelines failed: {e}\n" + "\n".join(where(i) for i in range(len(texts))))
+    return paths, out
+
+
+def validate_drawn_spec(paths: list, out: Path, prefix: str, i: int, where) -> None:
+    """Validate the i-th module of ``build_drawn_specs`` on the CPU build; a failure names the spec."""
+    from kgen.validate import validate
+
+    report = validate(paths[i], out / f"{prefix}_{i}", "cpu")
+    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+    assert report.cases and not failures, where(i) + "\n".join(failures)
+
+
 def spec_text(shape, ops, params=None, rewrites=None, batch=2, name="t", plan=None) -> str:
     """A spec as YAML text: input [N] + shape with a symbolic batch N (example value ``batch``)."""
     import yaml

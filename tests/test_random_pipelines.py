@@ -12,7 +12,7 @@ import random
 import pytest
 import yaml
 
-from conftest import pipeline_of, spec_text, write_spec
+from conftest import build_drawn_specs, pipeline_of, spec_text, validate_drawn_spec
 from kgen.errors import KgenError
 from kgen.ops import elementwise_ops
 
@@ -107,24 +107,7 @@ def _where(i: int) -> str:
 
 @pytest.fixture(scope="module")
 def random_modules(tmp_path_factory):
-    from kgen.build import build_modules
-    from kgen.render import render_spec, write_rendered
-
-    root = tmp_path_factory.mktemp("random")
-    out = root / "gen"
-    paths = []
-    for i, text in enumerate(SPECS):
-        path = write_spec(root, text, f"random_{i}.yaml")
-        try:
-            write_rendered(render_spec(path, out), out)
-        except KgenError as e:
-            pytest.fail(f"rendering {_where(i)}failed: {e}")
-        paths.append(path)
-    try:
-        build_modules([out / f"random_{i}" for i in range(COUNT)], "cpu")
-    except KgenError as e:
-        pytest.fail(f"building the random pipelines (first seed {SEED}) failed: {e}\n" + "\n".join(_where(i) for i in range(COUNT)))
-    return paths, out
+    return build_drawn_specs(tmp_path_factory.mktemp("random"), SPECS, "random", _where)
 
 
 def test_the_draws_cover_the_layers():
@@ -149,9 +132,4 @@ def test_the_draws_cover_the_layers():
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(COUNT))
 def test_random_pipeline_validates_on_the_cpu_build(i, random_modules):
-    from kgen.validate import validate
-
-    paths, out = random_modules
-    report = validate(paths[i], out / f"random_{i}", "cpu")
-    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-    assert report.cases and not failures, _where(i) + "\n".join(failures)
+    validate_drawn_spec(*random_modules, "random", i, _where)
