@@ -131,15 +131,16 @@ def compare(
     if unwritten:
         return CaseResult(case, math.inf, math.inf, False, f"{unwritten} output elements were never written")
     o, r = out.double(), ref.double()
-    if eager is not None:
+    e = None if eager is None else eager.detach().cpu().double()
+    if e is not None:
         # Where PyTorch's own float32 result and the float64 reference differ in kind (finite,
         # NaN, +inf, -inf), float32's range or rounding decided (exp(100) overflows in float32
         # only and may turn into NaN later; silu(-700) is -0 in float32, so its log is -inf
         # there and NaN in float64; the CPU's float32 gelu(inf) is NaN; the sign of a rounding
         # noise under a log): there either answer is PyTorch's, and kgen's is judged against
         # the one of its kind.
-        e = eager.detach().cpu().double()
-        float32_kind = (_kind(e) != _kind(r)) & (_kind(o) == _kind(e))
+        kind_e = _kind(e)
+        float32_kind = (kind_e != _kind(r)) & (_kind(o) == kind_e)
         if float32_kind.any():
             r = torch.where(float32_kind, e, r)
     for what, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
@@ -158,8 +159,7 @@ def compare(
     scale = float(torch.where(finite, m, 0.0).max()) if finite.any() else 0.0
     allowed_rel, allowed_abs = tol[0], tol[1] * scale
     eager_rel = math.nan
-    if eager is not None:
-        e = eager.detach().cpu().double()
+    if e is not None:
         if torch.equal(torch.isfinite(e), finite):
             eager_abs, eager_rel = _errors(e, r, m)
             allowed_rel, allowed_abs = max(allowed_rel, 2 * eager_rel), max(allowed_abs, 2 * eager_abs)
