@@ -13,4 +13,4 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
 python3 scripts/kernelbench_gpu.py --specs build/kernelbench/specs --out "$OUT" \
-  --budget "${BUDGET:-560}" --start "${START:-0}" ${ONLY:+--only "$ONLY"} 2>&1 | tee "$OUT/kernelbench_gpu.log"
+  --phase "${PHASE:-all}" --budget "${BUDGET:-${DEVICE_RUN_LEFT:-560}}" --check-until "${CHECK_UNTIL:-0.7}" --start "${START:-0}" ${ONLY:+--only "$ONLY"} 2>&1 | tee "$OUT/kernelbench_gpu.log"
