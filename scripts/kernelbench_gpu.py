@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--build-until", type=float, default=0.35, help="with --phase all: share of the budget for building")
     ap.add_argument("--check-until", type=float, default=0.7, help="with --phase all: share by which checking stops")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 8, help="builds at a time")
-    ap.add_argument("--check-jobs", type=int, default=6, help="check workers at a time")
+    ap.add_argument("--check-jobs", type=int, default=2, help="check workers at a time (then one at a time for those out of GPU memory)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--start", type=int, default=0, help="skip problems numbered below this")
     ap.add_argument("--only", default="", help="comma-separated problem numbers")
@@ -194,7 +194,11 @@ def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
 
 
 def check_all(specs, rows, args, deadline, write):
-    todo = [s for s in specs if rows[s.stem]["status"] in ("built", "built, not checked (time box)")]
+    def pending(row):  # out of memory: the workers share the GPU; checked again one at a time below
+        return row["status"] in ("built", "built, not checked (time box)") or (
+            row["status"] == "validation failed" and "out of memory" in row.get("reason", ""))
+
+    todo = [s for s in specs if pending(rows[s.stem])]
 
     def check(spec):
         left = deadline - time.time()
@@ -213,13 +217,16 @@ def check_all(specs, rows, args, deadline, write):
                 return spec, json.loads(line[len("KGEN_ROW "):])
         return spec, {"status": "validation failed", "reason": "worker died: " + _last_error(p.stdout + p.stderr)}
 
-    with cf.ThreadPoolExecutor(max_workers=max(1, args.check_jobs)) as pool:
-        for spec, result in pool.map(check, todo):
-            row = rows[spec.stem]
-            row.update(result)
-            write()
-            print(f"{row['number']:3d} {spec.stem}: {row['status']} ({row.get('check_s', '-')} s, compile "
-                  f"{row.get('compile_s', '-')} s) {row.get('reason', '')[:120]}", flush=True)
+    for jobs in (args.check_jobs, 1):
+        with cf.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for spec, result in pool.map(check, todo):
+                row = rows[spec.stem]
+                row.pop("reason", None)
+                row.update(result)
+                write()
+                print(f"{row['number']:3d} {spec.stem}: {row['status']} ({row.get('check_s', '-')} s, compile "
+                      f"{row.get('compile_s', '-')} s) {row.get('reason', '')[:120]}", flush=True)
+        todo = [s for s in todo if pending(rows[s.stem]) and rows[s.stem]["status"] == "validation failed"]
 
 
 def time_all(specs, rows, args, deadline, write):
