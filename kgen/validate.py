@@ -167,7 +167,8 @@ def compare(
             eager_abs, eager_rel = _errors(e, r, m)
             allowed_rel, allowed_abs = max(allowed_rel, 2 * eager_rel), max(allowed_abs, 2 * eager_abs)
     ok = rel_l2 <= allowed_rel and max_abs <= allowed_abs
-    problem = "" if ok else f"error above the allowed rel L2 {allowed_rel:.3g} / max abs {allowed_abs:.3g}"
+    problem = "" if ok else (f"error rel L2 {rel_l2:.3g} / max abs {max_abs:.3g} above the allowed rel L2 "
+                             f"{allowed_rel:.3g} / max abs {allowed_abs:.3g}")
     return CaseResult(case, max_abs, rel_l2, ok, problem, eager_rel)
 
 

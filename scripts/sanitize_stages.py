@@ -8,7 +8,9 @@ module whose whole op runs on kgen's kernels (a generated convolution with its
 epilogue fused in, no ATen convolution) also runs end to end, against the CPU
 build of the same module: that covers the fused kernels.
 
-    compute-sanitizer --tool racecheck --kernel-name kns=kgen_ python scripts/sanitize_stages.py
+    compute-sanitizer --tool racecheck --kernel-name kns=kgen_ python scripts/sanitize_stages.py [ROOT]
+
+ROOT: the folder of built modules (default generated/).
 """
 import sys
 from pathlib import Path
@@ -46,4 +48,4 @@ def main(root="generated"):
 
 
 if __name__ == "__main__":
-    sys.exit(1 if main() else 0)
+    sys.exit(1 if main(*sys.argv[1:2]) else 0)

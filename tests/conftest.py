@@ -93,3 +93,26 @@ def pipeline_of(text: str, path: str = "t.yaml"):
     from kgen.spec import parse_spec
 
     return build_pipeline(parse_spec(text, path))
+
+
+# A norm's CUDA layouts (templates/norm): each spec picks a different stats_by / apply_by.
+NORM_LAYOUTS = {
+    # a GEMM row's groups: 8 groups of 32 values, a warp each; apply over all outputs in order
+    "norm_rows": ([256], ["relu", {"group_norm": {"num_groups": 8}}, "tanh"], ("warp", "flat")),
+    # small groups over a 3x3 map, reduced over the channels by a warp per position
+    "norm_small_max": ([64, 3, 3], [{"group_norm": {"num_groups": 16}}, {"max": {"dim": 1}}], ("warp", "warp")),
+    "norm_small_mean": ([32, 5, 7], [{"group_norm": {"num_groups": 4}}, {"mean": {"dim": 1}}, "sigmoid"], ("warp", "warp")),
+    # large groups: blocks per group, split; blocks along a channel
+    "norm_large": ([8, 48, 48], [{"group_norm": {"num_groups": 2}}, "relu"], ("block", "channel")),
+}
+
+
+def norm_layout_of(module_dir: Path) -> tuple[str, str]:
+    """(stats_by, apply_by) of the one norm stage of a rendered module's plans."""
+    import json
+
+    plan = json.loads((module_dir / "plan.json").read_text())
+    layouts = {(s["schedule"]["stats_by"], s["schedule"]["apply_by"]) for p in plan["plans"] for s in p["stages"]
+               if s.get("kind") == "norm"}
+    assert len(layouts) == 1, layouts
+    return layouts.pop()

@@ -140,7 +140,7 @@ def test_op_backward_equals_eager(name, device, modules):
     assert [k for k, _ in hand.named_parameters()] == names[1:]
     for k, g, e in zip(names, got, expected):
         assert g is not None, f"{k} got no gradient"
-        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()), msg=k)
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()), msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_only_requested_gradients(modules):

@@ -100,7 +100,7 @@ def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
     tuning file written beside the spec for this GPU, and the module rendered from it validates."""
     import json
 
-    from conftest import spec_text
+    from conftest import NORM_LAYOUTS, norm_layout_of, spec_text
     from kgen.build import build_module
     from kgen.plan import choose_plans
     from kgen.render import render_spec, write_rendered
@@ -125,3 +125,24 @@ def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
     build_module(out / "tiny_tuned", quiet=True)
     report = validate(spec, out / "tiny_tuned", "cuda")
     assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+
+
+@pytest.mark.parametrize("name", sorted(NORM_LAYOUTS))
+def test_norm_layouts_validate(name, tmp_path):
+    """Each layout of the norm kernels against the float64 reference, normal and adversarial
+    data (NaN, inf, ties, large values), at batches 1 to 3 and at a batch of 37."""
+    from conftest import NORM_LAYOUTS, norm_layout_of, spec_text
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
+
+    shape, ops, layout = NORM_LAYOUTS[name]
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(spec_text(shape, ops, name=name, batch=37))
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    assert norm_layout_of(out / name) == layout
+    build_module(out / name, quiet=True)
+    report = validate(spec, out / name, "cuda", example_batch=True)
+    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+    assert report.cases and not failures, failures

@@ -8,6 +8,7 @@ Templates: ``templates/norm/``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from ..ir import Elementwise, Norm, Reduce
@@ -22,6 +23,10 @@ UNROLL = 8  # values a thread loads before it uses them (loads in flight)
 PER_THREAD = 8  # outputs per thread of the apply step without a channel reduction
 SHIFT_SAMPLES = 32  # values averaged into the shift of a group's statistics
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
+WARP = 32
+# A group of at most this many values is summed by one warp (several groups per block)
+# rather than by a block: a 256-thread block over a GEMM row's group of 64 values idles.
+WARP_GROUP_VALUES = WARP * MIN_PER_THREAD
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,12 @@ class Schedule:
     cpu_stats_grain: int  # (sample, group) pairs per ATen task of the statistics step
     cpu_grain: int  # outputs (rows without a reduction) per ATen task of the apply step
     index_type: str
+    # How the CUDA kernels spread the work (chosen from the sizes, see choose_layout):
+    stats_by: str = "block"  # "block": blocks per (sample, group), split; "warp": a warp per (sample, group)
+    # "channel": blocks along one channel; "flat": over all outputs in order (small spatial
+    # sizes); with a channel reduction "position": a thread per position, "warp": a warp per
+    # position over the channels (fewer positions than a block's threads)
+    apply_by: str = "channel"
 
 
 @dataclass
@@ -95,6 +106,8 @@ class NormFamily(Family):
             # with a reduction an output combines every channel; without, a task is a whole row
             cpu_grain=max(1, CPU_TASK_VALUES // st.norm.num_channels) if st.reduce else 1,
             index_type=index_type(st),
+            **choose_layout(st.norm.num_channels // st.norm.num_groups, math.prod(st.in_type.spatial),
+                            st.reduce.fn if st.reduce else None),
         )
         return st
 
@@ -102,11 +115,21 @@ class NormFamily(Family):
         """Statistics (one pass over the input), finalize, apply (a second pass, and the output)."""
         flops = batch * sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(st))
         read = self.read_bytes(st, batch)
-        return [Work("statistics", 0, read, launches=2),
+        return [Work("statistics", 0, read, launches=1 if st.schedule.stats_by == "warp" else 2),
                 Work("apply", flops, read + FLOAT_BYTES * batch * st.out_type.sample_numel)]
 
     def stage_json(self, st: NormStage) -> dict:
         return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
+
+
+def choose_layout(group_channels: int, spatial: int, reduce_fn: str | None) -> dict:
+    """stats_by / apply_by for a norm over groups of group_channels x spatial values."""
+    stats_by = "warp" if group_channels * spatial <= WARP_GROUP_VALUES else "block"
+    if reduce_fn is None:
+        apply_by = "flat" if spatial < CUDA_THREADS * PER_THREAD else "channel"
+    else:  # the warp combines its lanes in a tree: sum, mean, max and min's combine() takes any order
+        apply_by = "warp" if spatial < CUDA_THREADS and reduce_fn in ("sum", "mean", "max", "min") else "position"
+    return dict(stats_by=stats_by, apply_by=apply_by)
 
 
 FAMILY = NormFamily()
