@@ -19,7 +19,7 @@ for cmd in "$@"; do
   DEVICE_RUN_LEFT=$left timeout -k 5 "$left" bash -c "$cmd"
   echo "[device_run $(date +%H:%M:%S)] exit $? <- $cmd"
 done
-for f in specs/*.tune.json specs/variants/*.tune.json reports/*; do
+for f in specs/*.tune.json specs/variants/*.tune.json build/kernelbench/specs/*.tune.json reports/*; do
   [ -e "$f" ] && mkdir -p "$OUT/tree/$(dirname "$f")" && cp "$f" "$OUT/tree/$f"
 done
 tar -czf "$FINAL/results.tgz" -C "$OUT" .

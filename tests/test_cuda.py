@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import HAS_CUDA, ROOT, SHIPPED
+from conftest import HAS_CUDA, NORM_LAYOUTS, ROOT, SHIPPED, norm_layout_of, spec_text
 from kgen.ir import load_pipeline
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -100,7 +100,6 @@ def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
     tuning file written beside the spec for this GPU, and the module rendered from it validates."""
     import json
 
-    from conftest import NORM_LAYOUTS, norm_layout_of, spec_text
     from kgen.build import build_module
     from kgen.plan import choose_plans
     from kgen.render import render_spec, write_rendered
@@ -131,7 +130,6 @@ def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
 def test_norm_layouts_validate(name, tmp_path):
     """Each layout of the norm kernels against the float64 reference, normal and adversarial
     data (NaN, inf, ties, large values), at batches 1 to 3 and at a batch of 37."""
-    from conftest import NORM_LAYOUTS, norm_layout_of, spec_text
     from kgen.build import build_module
     from kgen.render import render_spec, write_rendered
     from kgen.validate import validate
