@@ -93,9 +93,9 @@ def environment() -> dict:
     )
 
 
-def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
-    from .variants import baseline_module
-
+def models_and_inputs(module_dir: Path, spec):
+    """What a timing runs, on CUDA: (pipeline, its example batch, the module's Model, the
+    reference model with the same weights (seed 0), random inputs at that batch)."""
     pipe = load_pipeline(spec)
     batch = pipe.example_batch()
     mod = import_module_dir(module_dir)
@@ -103,8 +103,14 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     model = mod.Model(*init_args(mod)).cuda().eval()
     ref = ReferenceModel(pipe).cuda().eval()
     ref.load_state_dict(model.state_dict())
-    x = torch.randn(pipe.input.concrete(batch), device="cuda")
-    others = [torch.randn(pipe.inputs[n].concrete(batch), device="cuda") for n in pipe.input_names[1:]]
+    inputs = [torch.randn(pipe.inputs[n].concrete(batch), device="cuda") for n in pipe.input_names]
+    return pipe, batch, model, ref, inputs
+
+
+def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
+    from .variants import baseline_module
+
+    pipe, batch, model, ref, (x, *others) = models_and_inputs(module_dir, spec)
     row = dict(name=pipe.name, batch=batch, input=list(pipe.input.concrete(batch)))
     with torch.no_grad():
         compiled = torch.compile(ref)
@@ -134,7 +140,8 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
             row["eager_post_ms"] = time_ms(eager_post, reps)
         if baseline:
             nr_dir = baseline_module(spec)
-            nr = import_module_dir(nr_dir).Model(*init_args(mod)).cuda().eval()
+            nr_mod = import_module_dir(nr_dir)  # the same constructor arguments as the module's
+            nr = nr_mod.Model(*init_args(nr_mod)).cuda().eval()
             nr.load_state_dict(model.state_dict())
             row["kgen_norewrite_ms"] = time_ms(lambda: nr(x, *others), reps)
             if isinstance(first, Conv):

@@ -11,9 +11,9 @@ python - "$DIR/specs" <<'PY'
 import sys
 from pathlib import Path
 sys.path.insert(0, "tests")
-from conftest import NORM_LAYOUTS, spec_text
-for name, (shape, ops, _) in NORM_LAYOUTS.items():
-    (Path(sys.argv[1]) / f"{name}.yaml").write_text(spec_text(shape, ops, name=name, batch=37))
+from conftest import NORM_LAYOUTS, norm_layout_spec
+for name in NORM_LAYOUTS:
+    norm_layout_spec(name, Path(sys.argv[1]))
 PY
 python -m kgen render "$DIR"/specs/*.yaml --out "$DIR/gen" > /dev/null
 python -m kgen build --out "$DIR/gen" --device cuda 2>&1 | grep -v '^kgen:   ' | tail -3

@@ -159,8 +159,7 @@ def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
     """In a worker process: validate one built module; then compile its reference once."""
     import torch
 
-    from kgen.ir import load_pipeline
-    from kgen.reference import ReferenceModel
+    from kgen.bench import models_and_inputs
     from kgen.validate import validate
 
     row = {}
@@ -180,9 +179,7 @@ def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
     if compile_too:
         t = time.time()
         try:
-            pipe = load_pipeline(spec)
-            ref = ReferenceModel(pipe).cuda().eval()
-            inputs = [torch.randn(pipe.inputs[n].concrete(pipe.example_batch()), device="cuda") for n in pipe.input_names]
+            _, _, _, ref, inputs = models_and_inputs(gen / spec.stem, spec)
             compiled = torch.compile(ref)
             with torch.no_grad():
                 compiled(*inputs)
@@ -232,10 +229,7 @@ def check_all(specs, rows, args, deadline, write):
 def time_all(specs, rows, args, deadline, write):
     import torch
 
-    from kgen.bench import time_interleaved
-    from kgen.ir import load_pipeline
-    from kgen.reference import ReferenceModel
-    from kgen.validate import import_module_dir, init_args
+    from kgen.bench import models_and_inputs, time_interleaved
 
     for s in specs:
         row = rows[s.stem]
@@ -246,14 +240,7 @@ def time_all(specs, rows, args, deadline, write):
             continue
         t = time.time()
         try:
-            pipe = load_pipeline(s)
-            mod = import_module_dir(args.gen / s.stem)
-            batch = pipe.example_batch()
-            torch.manual_seed(0)
-            model = mod.Model(*init_args(mod)).cuda().eval()
-            ref = ReferenceModel(pipe).cuda().eval()
-            ref.load_state_dict(model.state_dict())
-            inputs = [torch.randn(pipe.inputs[n].concrete(batch), device="cuda") for n in pipe.input_names]
+            _, batch, model, ref, inputs = models_and_inputs(args.gen / s.stem, s)
             fns = {"eager_ms": lambda: ref(*inputs), "kgen_ms": lambda: model(*inputs)}
             with torch.no_grad():
                 if args.compile and "compile_error" not in row:

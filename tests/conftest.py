@@ -107,12 +107,23 @@ NORM_LAYOUTS = {
 }
 
 
-def norm_layout_of(module_dir: Path) -> tuple[str, str]:
-    """(stats_by, apply_by) of the one norm stage of a rendered module's plans."""
+def norm_layout_spec(name: str, directory: Path) -> Path:
+    """NORM_LAYOUTS[name] written as directory/NAME.yaml (example batch 37)."""
+    shape, ops, _ = NORM_LAYOUTS[name]
+    return write_spec(Path(directory), spec_text(shape, ops, name=name, batch=37), f"{name}.yaml")
+
+
+def render_norm_layout(name: str, root: Path) -> tuple[Path, Path]:
+    """NORM_LAYOUTS[name] written under root and rendered into root/gen, checked to have the
+    layout it stands for; returns (spec, module directory)."""
     import json
 
-    plan = json.loads((module_dir / "plan.json").read_text())
+    from kgen.render import render_spec, write_rendered
+
+    spec = norm_layout_spec(name, root)
+    write_rendered(render_spec(spec, root / "gen"), root / "gen")
+    plan = json.loads((root / "gen" / name / "plan.json").read_text())
     layouts = {(s["schedule"]["stats_by"], s["schedule"]["apply_by"]) for p in plan["plans"] for s in p["stages"]
                if s.get("kind") == "norm"}
-    assert len(layouts) == 1, layouts
-    return layouts.pop()
+    assert layouts == {NORM_LAYOUTS[name][2]}, layouts
+    return spec, root / "gen" / name

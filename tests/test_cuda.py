@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import HAS_CUDA, NORM_LAYOUTS, ROOT, SHIPPED, norm_layout_of, spec_text
+from conftest import HAS_CUDA, NORM_LAYOUTS, ROOT, SHIPPED, render_norm_layout, spec_text
 from kgen.ir import load_pipeline
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -131,16 +131,10 @@ def test_norm_layouts_validate(name, tmp_path):
     """Each layout of the norm kernels against the float64 reference, normal and adversarial
     data (NaN, inf, ties, large values), at batches 1 to 3 and at a batch of 37."""
     from kgen.build import build_module
-    from kgen.render import render_spec, write_rendered
     from kgen.validate import validate
 
-    shape, ops, layout = NORM_LAYOUTS[name]
-    spec = tmp_path / f"{name}.yaml"
-    spec.write_text(spec_text(shape, ops, name=name, batch=37))
-    out = tmp_path / "gen"
-    write_rendered(render_spec(spec, out), out)
-    assert norm_layout_of(out / name) == layout
-    build_module(out / name, quiet=True)
-    report = validate(spec, out / name, "cuda", example_batch=True)
+    spec, module_dir = render_norm_layout(name, tmp_path)
+    build_module(module_dir, quiet=True)
+    report = validate(spec, module_dir, "cuda", example_batch=True)
     failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
     assert report.cases and not failures, failures

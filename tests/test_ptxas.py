@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import NORM_LAYOUTS, ROOT, SHIPPED, norm_layout_of, spec_text
+from conftest import NORM_LAYOUTS, ROOT, SHIPPED, render_norm_layout
 from kgen.build import cuda_home, demangle, ptxas_report
 
 pytestmark = pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
@@ -24,13 +24,8 @@ def test_kernels_compile_without_spills(name):
 @pytest.mark.parametrize("name", sorted(NORM_LAYOUTS))
 def test_norm_layouts_compile_without_spills(name, tmp_path):
     """Each layout of the norm kernels (conftest.NORM_LAYOUTS) is the one its sizes choose, and compiles clean."""
-    from kgen.render import render_spec, write_rendered
-
-    shape, ops, layout = NORM_LAYOUTS[name]
-    spec = tmp_path / f"{name}.yaml"
-    spec.write_text(spec_text(shape, ops, name=name, batch=37))
-    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
-    assert norm_layout_of(tmp_path / "gen" / name) == layout
-    kernels = ptxas_report(tmp_path / "gen" / name, "9.0a")
-    assert len(kernels) == (2 if layout[0] == "warp" else 3)  # no finalize step after a warp's statistics
+    _, module_dir = render_norm_layout(name, tmp_path)
+    kernels = ptxas_report(module_dir, "9.0a")
+    stats_by = NORM_LAYOUTS[name][2][0]
+    assert len(kernels) == (2 if stats_by == "warp" else 3)  # no finalize step after a warp's statistics
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]

@@ -113,7 +113,7 @@ def _module(breaks=None):
     (None, ""),
     ("training", "raised TypeError"),
     ("extra_key", "state_dict keys or shapes differ"),
-    ("wrong", "above the allowed"),
+    ("wrong", "above the allowed rel L2"),
 ])
 def test_validation_uses_model_as_a_user_would(breaks, problem):
     torch.manual_seed(0)
