@@ -37,7 +37,7 @@ def test_small_convolution_is_generated_and_absorbs_aligned_pools():
     # one partial per tile along the reduced dims, combined by the pool_reduce stage's finalize
     pooled = (4, 9, 9)
     assert f.splits == math.prod(-(-p // t) for p, t in zip(pooled, f.pooled_tile))
-    assert not f.registers and conv.schedule.window  # stride 1: the register-window main loop
+    assert not f.registers and conv.schedule.loop == "window"  # stride 1: the register-window main loop
 
 
 def test_pools_that_do_not_tile_the_output_are_not_fused():
@@ -50,7 +50,7 @@ def test_reduction_without_pools_runs_on_the_accumulators():
     plan = plan_of([3, 24, 24], [{"conv2d": {"out_channels": 8, "kernel_size": 3, "stride": 2}}, "sigmoid",
                                  {"sum": {"dim": [1, 2, 3]}}])
     conv = plan.stages[0]
-    assert conv.fused.registers and not conv.schedule.window  # stride 2: the generic main loop
+    assert conv.fused.registers and conv.schedule.loop == "generic"  # stride 2: the generic main loop
 
 
 @pytest.mark.parametrize("ops,kw,why", [

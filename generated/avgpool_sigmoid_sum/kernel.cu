@@ -48,7 +48,7 @@ struct Problem {
   static constexpr int kWarpsM = 4, kWarpsN = 2;
   static constexpr int kStages = 2;  // cp.async pipeline depth
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
-  static constexpr bool kWindow = false;  // register-window main loop
+  static constexpr Loop kLoop = Loop::kGeneric;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");

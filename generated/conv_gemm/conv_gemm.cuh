@@ -14,16 +14,27 @@
 // channels of one tap: every shared-memory offset is a compile-time constant
 // plus a per-thread register (no index arithmetic in the main loop).
 //
-// Two main loops. `generic`: each k step loads its A fragments from shared
+// Three main loops. `generic`: each k step loads its A fragments from shared
 // memory. `window` (stride 1 in H and W, kCI 4 or 8): a warp's m-tiles are
 // kMT consecutive rows in H of 16 positions in W, a thread's two fragment
 // rows are the neighbours 2g and 2g + 1, so all the taps of one kd read a
 // small window of the box that the thread loads into registers once
 // ((kMT + KH - 1) x (KW + 1) values per channel lane instead of
 // 2 kMT KH KW): shared-memory traffic drops 3x for a 3x3 kernel.
+// `wgmma` (sm_90a; kCI a multiple of 8, tiles of 8 positions in W and a
+// multiple of 8 rows in H, all output channels in one CTA): the warpgroup MMA
+// reads both operands from shared memory through descriptors, no fragment
+// is assembled in registers. The box lands as for the other loops (channel
+// planes, 16-byte copies where rows allow); one pass rounds it to TF32 and
+// stores it as channel quads, 16 bytes per position ([quad][d][h][w phase]
+// [w / SW][4]: a W stride splits W into its phases), so the A operand of one tap, 64 output positions (8 rows in H of
+// 8 in W) x 8 channels, is a core-matrix layout at a compile-time offset:
+// 8 positions of a row are 16 bytes apart, the rows SH box rows apart, the
+// two quads of a k step a quad plane apart. The weights stay in shared memory
+// for the whole kernel, in the layout the B descriptor reads.
 //
-// Weights are packed once per call (pack_weights_kernel) into MMA-fragment
-// order and read straight from global memory (L1-resident after the first
+// Weights are packed once per call (pack_weights_kernel); for mma.sync into
+// MMA-fragment order and read straight from global memory (L1-resident after the first
 // tile), one 8- or 16-byte load per n-tile and k-step. CTAs are persistent
 // and walk their tiles; cp.async stages run kStages deep across chunks and
 // tiles. After a tile's last chunk the epilogue runs: on the accumulator
@@ -37,10 +48,13 @@
 #include <tuple>
 #include <utility>
 
+#include "wgmma.cuh"
+
 namespace kgen {
 namespace conv_gemm {
 
 enum class Mma { kTf32, kTf32x3 };
+enum class Loop { kGeneric, kWindow, kWgmma };  // the main loops (see above)
 
 // ------------------------------------------------------------------ PTX
 
@@ -81,6 +95,27 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const float (&a)[4], flo
         "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
+// Warpgroup MMA: ordering and completion.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared-memory writes of this thread (ordinary stores) become visible to the
+// async proxy that wgmma reads through (after the next barrier).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
+__device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// A shared-memory matrix descriptor without swizzle: start address, the byte
+// offset between core matrices (8 rows x 16 bytes) adjacent in K (`lbo`) and
+// in M or N (`sbo`).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+
 // ------------------------------------------------------------------ geometry
 
 constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -109,7 +144,7 @@ constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32
 //   kStages                                 cp.async pipeline depth (>= 2)
 //   kPlaneResidue                           input channel plane stride % 32 (bank spread)
 //   kMma                                    Mma::kTf32 or Mma::kTf32x3
-//   kWindow                                 the window main loop (else generic)
+//   kLoop                                   Loop::kGeneric, kWindow or kWgmma
 template <class P>
 struct Geometry {
   static_assert(P::kCI == 4 || P::kCI % 8 == 0, "the four k-lanes of a fragment are four channels of one tap");
@@ -126,6 +161,8 @@ struct Geometry {
   static constexpr int kCBlocks = ceil_div(P::kCout, P::kBN);
   static constexpr int kNTiles = P::kBN / 8;  // n-tiles of a CTA
   static constexpr int kSplits = P::kMma == Mma::kTf32x3 ? 2 : 1;
+  static constexpr bool kWindow = P::kLoop == Loop::kWindow;
+  static constexpr bool kWg = P::kLoop == Loop::kWgmma;
 
   // The input box a tile reads.
   static constexpr int kBD = (P::kTD - 1) * P::kSD + (P::kKD - 1) * P::kDD + 1;
@@ -137,9 +174,16 @@ struct Geometry {
   static constexpr bool kVecRows = !P::kChannelsLast && P::kInW % 4 == 0 && (P::kTW * P::kSW) % 4 == 0 &&
                                    P::kPW % 4 == 0 && P::kPlaneResidue % 4 == 0;
   // The window loop reads pairs up to one column past the box.
-  static constexpr int kBWPad = kVecRows ? round_up(kBW + (P::kWindow ? 1 : 0), 4) : round_up(kBW + (P::kWindow ? 1 : 0), 2);
+  // (the wgmma loop's interleave pass reads 4 positions at a time)
+  static constexpr int kBWPad = kVecRows || kWg ? round_up(kBW + (kWindow ? 1 : 0), 4) : round_up(kBW + (kWindow ? 1 : 0), 2);
   static constexpr int kPlane = pad_to_residue(kBD * kBH * kBWPad, P::kPlaneResidue);
   static constexpr int kInStage = round_up(P::kCI * kPlane, 4);
+  // wgmma loop: the A buffer, the box as [quad][bd][bh][w phase][w / SW][4 channels].
+  static constexpr int kQuads = P::kCI / 4;
+  static constexpr int kColsPerPhase = ceil_div(kBW, P::kSW);
+  static constexpr int kRowFloats = 4 * P::kSW * kColsPerPhase;  // one box row (d, h)
+  static constexpr int kQuadPlane = kBD * kBH * kRowFloats;
+  static constexpr int kABuf = kQuads * kQuadPlane;
 
   // Tiles and warps.
   static constexpr int kM = P::kTD * P::kTH * P::kTW;
@@ -149,11 +193,19 @@ struct Geometry {
   static constexpr int kTilesW = ceil_div(P::kOutW, P::kTW);
   static constexpr int kTilesPerSample = kTilesD * kTilesH * kTilesW;
   static constexpr int kThreads = 32 * P::kWarpsM * P::kWarpsN;
-  static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp
+  static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp (mma.sync loops)
   static constexpr int kWarpN = P::kBN / P::kWarpsN;  // columns per warp
-  static constexpr int kMT = kWarpM / 16;
+  // wgmma loop: warpgroup `wg` takes the 64-row m-blocks wg, wg + kGroups, ...
+  static constexpr int kGroups = P::kWarpsM / 4;
+  static constexpr int kMBlocks = kM / 64;
+  static constexpr int kMT = kWg ? kMBlocks / (kGroups > 0 ? kGroups : 1) : kWarpM / 16;  // m-tiles (wgmma: m-blocks) per warp
+  static constexpr int kMTStride = kWg ? 64 * kGroups : 16;  // tile rows between a warp's m-tiles
   static constexpr int kNT = kWarpN / 8;
-  static_assert(kM % (16 * P::kWarpsM) == 0, "tile rows must split into 16-row MMA tiles per warp");
+  static_assert(kWg || kM % (16 * P::kWarpsM) == 0, "tile rows must split into 16-row MMA tiles per warp");
+  static_assert(!kWg || (P::kCI % 8 == 0 && P::kTW == 8 && P::kTH % 8 == 0 && P::kWarpsN == 1 && P::kWarpsM % 4 == 0 &&
+                         kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128 &&
+                         P::kPlaneResidue % 4 == 0),
+                "wgmma loop: kCI a multiple of 8, tiles of 8 in W and 8k in H, warpgroups split the m-blocks, one channel block");
   static_assert(P::kBN % (8 * P::kWarpsN) == 0, "kBN must split into 8-column MMA tiles per warp");
   static_assert(P::kStages >= 2, "at least double buffering");
 
@@ -163,19 +215,26 @@ struct Geometry {
   static constexpr int kWinRows = kMT + (P::kKH - 1) * P::kDH;
   static constexpr int kWinCols = round_up((P::kKW - 1) * P::kDW + 2, 2);
   static constexpr int kLanesC = P::kCI == 8 ? 2 : 1;  // channel lanes a thread holds
-  static_assert(!P::kWindow || (P::kSH == 1 && P::kSW == 1 && (P::kCI == 4 || P::kCI == 8) && P::kTW % 16 == 0 &&
+  static_assert(!kWindow || (P::kSH == 1 && P::kSW == 1 && (P::kCI == 4 || P::kCI == 8) && P::kTW % 16 == 0 &&
                                 P::kPlaneResidue % 2 == 0 &&
                                 P::kTH % kMT == 0 && P::kTD * kHBlocks * kWSegs == P::kWarpsM),
                 "window main loop: stride 1 in H and W, kCI 4 or 8, warps tile (TD, TH / kMT, TW / 16)");
 
-  // Packed weights: [cblock][chunk][k step][n-tile][lane][split][2] floats.
+  // Packed weights. mma.sync loops: [cblock][chunk][k step][n-tile][lane][split][2] floats.
+  // wgmma: [split][chunk][k step][n-tile][k quad][8 columns][4 k], the B operand's core matrices.
   static constexpr int kFragFloats = 2 * kSplits;  // per lane, n-tile and k step
   static constexpr long long kPackedStep = static_cast<long long>(kNTiles) * 32 * kFragFloats;
-  static constexpr long long kPackedFloats = static_cast<long long>(kCBlocks) * kChunks * kKSteps * kPackedStep;
+  static constexpr int kWgStepFloats = P::kBN * 8;  // B of one k step
+  static constexpr int kWgSplitFloats = kChunks * kKSteps * kWgStepFloats;
+  static constexpr long long kPackedFloats =
+      kWg ? static_cast<long long>(kSplits) * kWgSplitFloats : static_cast<long long>(kCBlocks) * kChunks * kKSteps * kPackedStep;
 
-  // Shared memory in floats: input stages | lo parts (tf32x3) | staged tile | epilogue scratch.
-  static constexpr int kLoOffset = P::kStages * kInStage;
-  static constexpr int kTileOffset = kLoOffset + (kSplits == 2 ? kInStage : 0);
+  // Shared memory in floats: weights (wgmma) | input stages | the A buffer (wgmma; tf32x3: hi
+  // then lo) or the lo parts of a stage (mma.sync, tf32x3) | staged tile | epilogue scratch.
+  static constexpr int kWeightFloats = kWg ? static_cast<int>(kPackedFloats) : 0;
+  static constexpr int kStageOffset = kWeightFloats;
+  static constexpr int kLoOffset = kStageOffset + P::kStages * kInStage;  // also the A buffer's
+  static constexpr int kTileOffset = kLoOffset + (kWg ? kSplits * kABuf : kSplits == 2 ? kInStage : 0);
 };
 
 // k of a chunk -> its tap (kd, kh, kw) and channel; `real` false for padded slots.
@@ -255,16 +314,18 @@ __device__ __forceinline__ long long out_offset(const TileCoord& c, int channel,
 // the CTA's block) of each accumulator: acc[mt][nt][i] holds row m(mt, i),
 // column n(nt, i). Generic loop: the warp's rows are m0 + mt * 16 + fragment
 // row. Window loop: m-tile mt is row h0 + mt at depth d0, positions w0 + 2g
-// (fragment row g) and w0 + 2g + 1 (row g + 8).
+// (fragment row g) and w0 + 2g + 1 (row g + 8). wgmma loop: m-tile mt is the
+// warpgroup's mt-th m-block (kMTStride rows apart), the warp's 16 rows of it
+// at m0, laid out as in the generic loop.
 template <class P>
 struct FragMap {
   int m0, n0, g, t;
   int d0, h0, w0;  // window loop only
   __device__ __forceinline__ int m(int mt, int i) const {
-    if constexpr (P::kWindow) {
+    if constexpr (P::kLoop == Loop::kWindow) {
       return ((d0 * P::kTH) + h0 + mt) * P::kTW + w0 + 2 * g + i / 2;
     } else {
-      return m0 + mt * 16 + g + (i / 2) * 8;
+      return m0 + mt * Geometry<P>::kMTStride + g + (i / 2) * 8;
     }
   }
   __device__ __forceinline__ int n(int nt, int i) const { return n0 + nt * 8 + 2 * t + (i % 2); }
@@ -296,16 +357,25 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
   const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
   const int ci0 = chunk * P::kCI;
   if constexpr (G::kVecRows) {
+    // A thread keeps one 16-byte piece of a row and walks the rows (ci, bd, bh)
+    // kRowsPerPass apart: its column test and offsets are found once per tile.
     constexpr int kPieces = G::kBWPad / 4;
-    constexpr int kTotal = P::kCI * G::kBD * G::kBH * kPieces;
-    for (int e = threadIdx.x; e < kTotal; e += G::kThreads) {
-      const int piece = e % kPieces;
-      const int row = e / kPieces;  // (ci, bd, bh)
+    static_assert(kPieces <= G::kThreads, "a box row's pieces fit in the block");
+    constexpr int kRowsPerPass = G::kThreads / kPieces;
+    constexpr int kRows = P::kCI * G::kBD * G::kBH;
+    const int piece = threadIdx.x % kPieces, sub = threadIdx.x / kPieces;
+    if (sub >= kRowsPerPass) return;
+    const int iw = iw0 + piece * 4;
+    const bool w_ok = iw >= 0 && iw < P::kInW;
+    const float* x_sample = x + static_cast<long long>(c.n) * P::kCin * P::kInD * P::kInH * P::kInW;
+    float* d_col = dst + piece * 4;
+#pragma unroll 2
+    for (int row = sub; row < kRows; row += kRowsPerPass) {
       const int bh = row % G::kBH, bd = (row / G::kBH) % G::kBD, ci = row / (G::kBH * G::kBD);
-      const int id = id0 + bd, ih = ih0 + bh, iw = iw0 + piece * 4;
-      const bool ok = ci0 + ci < P::kCin && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
-      const long long off = (((static_cast<long long>(c.n) * P::kCin + ci0 + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
-      cp_async16(dst + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad + piece * 4, ok ? x + off : x, ok);
+      const int id = id0 + bd, ih = ih0 + bh;
+      const bool ok = w_ok && ci0 + ci < P::kCin && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH;
+      const long long off = static_cast<long long>(((ci0 + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
+      cp_async16(d_col + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad, ok ? x_sample + off : x, ok);
     }
   } else {
     constexpr int kTotal = P::kCI * G::kBD * G::kBH * G::kBW;
@@ -350,6 +420,41 @@ __device__ __forceinline__ void round_stage(float* stage, float* lo) {
     if constexpr (G::kSplits == 2) {
       auto low = [](float x, float hi) { return isfinite(x) ? to_tf32(x - hi) : 0.f; };
       l4[e] = make_float4(low(v.x, h.x), low(v.y, h.y), low(v.z, h.z), low(v.w, h.w));
+    }
+  }
+}
+
+// wgmma loop: rounds a landed stage to TF32 and stores it into the A buffer as
+// channel quads (tf32x3: the lo parts into a second buffer). A thread takes 4
+// positions of 4 channels: 4 16-byte loads, a 4 x 4 transpose in registers, 4
+// 16-byte stores (with a W stride of 4, consecutive threads' stores are
+// consecutive: each of the 4 positions goes to its own phase).
+template <class P>
+__device__ __forceinline__ void interleave_stage(const float* stage, float* a) {
+  using G = Geometry<P>;
+  constexpr int kGroupsW = G::kBWPad / 4, kRows = G::kBD * G::kBH;
+  for (int e = threadIdx.x; e < G::kQuads * kRows * kGroupsW; e += G::kThreads) {
+    const int wg = e % kGroupsW, row = (e / kGroupsW) % kRows, quad = e / (kGroupsW * kRows);
+    const float* src = stage + quad * 4 * G::kPlane + row * G::kBWPad + wg * 4;
+    float v[4][4];  // [channel][position]
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float4 q = *reinterpret_cast<const float4*>(src + c * G::kPlane);
+      v[c][0] = q.x, v[c][1] = q.y, v[c][2] = q.z, v[c][3] = q.w;
+    }
+    float* dst = a + quad * G::kQuadPlane + row * G::kRowFloats;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int w = wg * 4 + j;
+      if (w >= G::kBW) break;
+      const int col = (w % P::kSW) * G::kColsPerPhase + w / P::kSW;
+      const float4 hi = make_float4(to_tf32(v[0][j]), to_tf32(v[1][j]), to_tf32(v[2][j]), to_tf32(v[3][j]));
+      *reinterpret_cast<float4*>(dst + col * 4) = hi;
+      if constexpr (G::kSplits == 2) {
+        auto low = [](float x, float h) { return isfinite(x) ? to_tf32(x - h) : 0.f; };
+        *reinterpret_cast<float4*>(dst + G::kABuf + col * 4) =
+            make_float4(low(v[0][j], hi.x), low(v[1][j], hi.y), low(v[2][j], hi.z), low(v[3][j], hi.w));
+      }
     }
   }
 }
@@ -456,12 +561,64 @@ __device__ __forceinline__ void chunk_window(float (&acc)[Geometry<P>::kMT][Geom
   }
 }
 
+// wgmma main loop over one chunk: per k step (one tap, 8 channels) and m-block,
+// one warpgroup MMA with A at a compile-time offset from the m-block's base
+// descriptor and B from the resident weights (tf32x3: a_lo x b_hi + a x b_lo +
+// a x b_hi). Issues and commits the chunk's MMAs; chunk_wgmma_wait waits for them.
+template <class P>
+__device__ __forceinline__ void chunk_wgmma(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4],
+                                            const uint64_t (&a_desc)[Geometry<P>::kMT], uint64_t lo_shift,
+                                            uint64_t b_desc) {
+  using G = Geometry<P>;
+#pragma unroll
+  for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pin(acc[mt][nt][i]);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < G::kKSteps; ++ks) {
+    const KIndex q = k_index<P>(ks * 8);
+    const int dw = q.kw * P::kDW;
+    // floats from the m-block's base to this tap's first channel quad
+    const int a_off = (q.c / 4) * G::kQuadPlane + (q.kd * P::kDD * G::kBH + q.kh * P::kDH) * G::kRowFloats +
+                      ((dw % P::kSW) * G::kColsPerPhase + dw / P::kSW) * 4;
+    const uint64_t a_step = static_cast<uint64_t>(a_off / 4);  // descriptor address unit: 16 bytes
+    const uint64_t b = b_desc + static_cast<uint64_t>(ks * G::kWgStepFloats / 4);
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt) {
+      const uint64_t a = a_desc[mt] + a_step;
+      if constexpr (G::kSplits == 2) {
+        Wgmma<P::kBN>::mma(acc[mt], a + lo_shift, b);                                  // a_lo x b_hi
+        Wgmma<P::kBN>::mma(acc[mt], a, b + static_cast<uint64_t>(G::kWgSplitFloats / 4));  // a x b_lo
+      }
+      Wgmma<P::kBN>::mma(acc[mt], a, b);
+    }
+  }
+  wgmma_commit();
+}
+
+// Waits for the MMAs chunk_wgmma issued.
+template <class P>
+__device__ __forceinline__ void chunk_wgmma_wait(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4]) {
+  using G = Geometry<P>;
+  wgmma_wait<0>();
+#pragma unroll
+  for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pin(acc[mt][nt][i]);
+}
+
 // The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...).
 template <class P, class E>
 __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const float* __restrict__ packed,
                                           const typename E::Params& ep, int batch, int cta, int ctas) {
   using G = Geometry<P>;
   extern __shared__ __align__(16) float smem[];
+  float* s_stages = smem + G::kStageOffset;
   float* s_lo = smem + G::kLoOffset;
   float* s_tile = smem + G::kTileOffset;
   float* s_scratch = s_tile + (E::kStaged ? P::kBN * G::kMPad : 0);
@@ -470,7 +627,8 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
   const int warp_m = warp % P::kWarpsM, warp_n = warp / P::kWarpsM;
   FragMap<P> fm{warp_m * G::kWarpM, warp_n * G::kWarpN, g, t, 0, 0, 0};
-  if constexpr (P::kWindow) {
+  if constexpr (G::kWg) fm.m0 = 64 * (warp_m / 4) + 16 * (warp_m % 4);  // warpgroup's first m-block, warp's rows in it
+  if constexpr (G::kWindow) {
     fm.d0 = warp_m / (G::kHBlocks * G::kWSegs);
     fm.h0 = (warp_m / G::kWSegs) % G::kHBlocks * G::kMT;
     fm.w0 = warp_m % G::kWSegs * 16;
@@ -491,12 +649,31 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   // This thread's B fragments: lane `lane` of n-tiles warp_n * kNT + nt.
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
+  // wgmma loop: the weights go to shared memory once; per m-block of the
+  // warpgroup, its rows' offset inside a stage (the 8 positions of a row are
+  // 16 bytes apart, its 8 rows SH box rows apart).
+  int mblock_off[G::kMT];
+  // the warpgroup, from lane 0: the compiler then knows it is warp-uniform (descriptors in uniform registers)
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  if constexpr (G::kWg) {
+    const float4* src = reinterpret_cast<const float4*>(packed);
+    float4* dst = reinterpret_cast<float4*>(smem);
+    for (int e = threadIdx.x; e < G::kWeightFloats / 4; e += G::kThreads) dst[e] = __ldg(src + e);
+    fence_async_shared();  // the main loop's first barrier publishes them
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt) {
+      const int b = wg + mt * G::kGroups;  // m-block: (d, 8 rows in H) of the tile
+      const int d = b / (P::kTH / 8), h = 8 * (b % (P::kTH / 8));
+      mblock_off[mt] = (d * P::kSD * G::kBH + h * P::kSH) * G::kRowFloats;
+    }
+  }
+
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
   const long long my_tiles = cta < total_tiles ? (total_tiles - 1 - cta) / ctas + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
   auto tile_of_step = [&](long long s) { return tile_coord<P>(cta + (s / G::kChunks) * ctas); };
   auto issue = [&](long long s) {
-    if (s < steps) load_input<P>(smem + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
+    if (s < steps) load_input<P>(s_stages + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
     cp_async_commit();  // an empty group keeps the count uniform
   };
 #pragma unroll 1
@@ -514,14 +691,31 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   for (long long s = 0; s < steps; ++s) {
     cp_async_wait<P::kStages - 2>();
     __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
-    issue(s + P::kStages - 1);
-    float* in = smem + (s % P::kStages) * G::kInStage;
-    round_stage<P>(in, s_lo);
+    if constexpr (!G::kWg) issue(s + P::kStages - 1);  // wgmma: while the MMAs run, below
+    float* in = s_stages + (s % P::kStages) * G::kInStage;
+    if constexpr (G::kWg) {
+      interleave_stage<P>(in, s_lo);
+      fence_async_shared();  // the MMAs read the A buffer through the async proxy
+    } else {
+      round_stage<P>(in, s_lo);
+    }
     __syncthreads();
     const TileCoord c = tile_of_step(s);
     const int chunk = static_cast<int>(s % G::kChunks);
     const float* w = w_lane + (static_cast<long long>(c.cblock) * G::kChunks + chunk) * G::kKSteps * G::kPackedStep;
-    if constexpr (P::kWindow) {
+    if constexpr (G::kWg) {
+      // A: rows 16 bytes apart, 8-row groups SH box rows apart, the k step's two quads a quad plane apart.
+      constexpr uint32_t kALbo = G::kQuadPlane * 4, kASbo = P::kSH * G::kRowFloats * 4;
+      // B: [n-tile][k quad][8 columns][4 k]: quads 128 bytes apart, n-tiles 256.
+      constexpr uint32_t kBLbo = 128, kBSbo = 256;
+      uint64_t a_desc[G::kMT];
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) a_desc[mt] = smem_desc(smem_addr(s_lo + mblock_off[mt]), kALbo, kASbo);
+      constexpr uint64_t lo_shift = G::kABuf / 4;  // tf32x3: the lo buffer, in 16-byte units
+      chunk_wgmma<P>(acc, a_desc, lo_shift, smem_desc(smem_addr(smem + chunk * G::kKSteps * G::kWgStepFloats), kBLbo, kBSbo));
+      issue(s + P::kStages - 1);
+      chunk_wgmma_wait<P>(acc);
+    } else if constexpr (G::kWindow) {
       chunk_window<P>(acc, in, s_lo, window_base, w);
     } else {
       chunk_generic<P>(acc, in, s_lo, row_off, w);
@@ -583,9 +777,11 @@ __global__ void __launch_bounds__(Geometry<P0>::kThreads) phases_kernel(const fl
 
 // ------------------------------------------------------------------ weights
 
-// Packs the weight into MMA-fragment order: for each (cblock, chunk, k step,
-// n-tile, lane) the lane's b0 = W[k0 + t][n], b1 = W[k0 + t + 4][n] (n = 8 nt + g),
-// TF32-rounded; tf32x3 appends the lo parts. Padding (k, channels) is zero.
+// Packs the weight. mma.sync loops: MMA-fragment order, for each (cblock, chunk,
+// k step, n-tile, lane) the lane's b0 = W[k0 + t][n], b1 = W[k0 + t + 4][n]
+// (n = 8 nt + g), TF32-rounded; tf32x3 appends the lo parts. wgmma loop: the
+// B operand's core matrices as the kernel keeps them in shared memory (the lo
+// parts a second copy after the hi parts). Padding (k, channels) is zero.
 // The weight's layout and which of its taps this convolution uses (a flipped
 // kernel, a sub-pixel phase's every stride-th tap) come from P. A real lo
 // part that is exactly zero becomes the smallest normal number with the
@@ -596,12 +792,56 @@ __device__ __forceinline__ int weight_tap(int j, int taps, int start, int step) 
   return start + step * (P::kWFlip ? taps - 1 - j : j);
 }
 
+// The weight at (k of chunk `chunk`, output channel co); `real` false for padding (then 0).
+template <class P>
+__device__ __forceinline__ float weight_at(const float* __restrict__ w, int chunk, int k, int co, bool& real) {
+  const KIndex q = k_index<P>(k);
+  const int ci = chunk * P::kCI + q.c;
+  real = q.real && co < P::kCout && ci < P::kCin;
+  if (!real) return 0.f;
+  const int kd = weight_tap<P>(q.kd, P::kKD, P::kWStartD, P::kWStepD);
+  const int kh = weight_tap<P>(q.kh, P::kKH, P::kWStartH, P::kWStepH);
+  const int kw = weight_tap<P>(q.kw, P::kKW, P::kWStartW, P::kWStepW);
+  const long long outer = P::kWeightTransposed ? static_cast<long long>(ci) * P::kCout + co
+                                               : static_cast<long long>(co) * P::kCin + ci;
+  return w[((outer * P::kWKD + kd) * P::kWKH + kh) * P::kWKW + kw];
+}
+
+// TF32 hi and lo parts of a weight (tf32x3). hi is v truncated to TF32, so
+// lo = v - hi has v's sign: an inf input meets hi and lo of one sign (inf * w),
+// never inf - inf.
+__device__ __forceinline__ void split_weight(float v, bool real, float& hi, float& lo) {
+  hi = isfinite(v) ? __uint_as_float(__float_as_uint(v) & 0xffffe000u) : v;
+  lo = isfinite(v) ? to_tf32(v - hi) : 0.f;
+  if (real && lo == 0.f) lo = copysignf(1.17549435e-38f, v);
+}
+
 template <class P>
 __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restrict__ packed) {
   using G = Geometry<P>;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  if constexpr (G::kWg) {
+    // [split][chunk][k step][n-tile][k quad][8 columns][4 k]
+    for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < G::kWgSplitFloats; e += stride) {
+      const int kk = static_cast<int>(e % 4), col = static_cast<int>((e / 4) % 8), kq = static_cast<int>((e / 32) % 2);
+      const int nt = static_cast<int>((e / 64) % G::kNTiles);
+      const int ks = static_cast<int>((e / (64 * G::kNTiles)) % G::kKSteps);
+      const int chunk = static_cast<int>(e / (64LL * G::kNTiles * G::kKSteps));
+      bool real;
+      const float v = weight_at<P>(w, chunk, ks * 8 + kq * 4 + kk, nt * 8 + col, real);
+      if constexpr (G::kSplits == 2) {
+        float hi, lo;
+        split_weight(v, real, hi, lo);
+        packed[e] = hi;
+        packed[G::kWgSplitFloats + e] = lo;
+      } else {
+        packed[e] = to_tf32(v);
+      }
+    }
+    return;
+  }
   const long long total = G::kPackedFloats / G::kSplits;  // (b0, b1) pairs x 2
-  for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<long long>(gridDim.x) * blockDim.x) {
+  for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < total; e += stride) {
     const int j = static_cast<int>(e % 2);  // b0 or b1
     const int lane = static_cast<int>((e / 2) % 32);
     const int nt = static_cast<int>((e / 64) % G::kNTiles);
@@ -609,28 +849,11 @@ __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restri
     const int ks = static_cast<int>(rest % G::kKSteps);
     const int chunk = static_cast<int>((rest / G::kKSteps) % G::kChunks);
     const int cblock = static_cast<int>(rest / (static_cast<long long>(G::kKSteps) * G::kChunks));
-    const int k = ks * 8 + lane % 4 + 4 * j, co = cblock * P::kBN + nt * 8 + lane / 4;
-    const KIndex q = k_index<P>(k);
-    const int ci = chunk * P::kCI + q.c;
-    const bool real = q.real && co < P::kCout && ci < P::kCin;
-    float v = 0.f;
-    if (real) {
-      const int kd = weight_tap<P>(q.kd, P::kKD, P::kWStartD, P::kWStepD);
-      const int kh = weight_tap<P>(q.kh, P::kKH, P::kWStartH, P::kWStepH);
-      const int kw = weight_tap<P>(q.kw, P::kKW, P::kWStartW, P::kWStepW);
-      const long long outer = P::kWeightTransposed ? static_cast<long long>(ci) * P::kCout + co
-                                                   : static_cast<long long>(co) * P::kCin + ci;
-      v = w[((outer * P::kWKD + kd) * P::kWKH + kh) * P::kWKW + kw];
-    }
+    bool real;
+    const float v = weight_at<P>(w, chunk, ks * 8 + lane % 4 + 4 * j, cblock * P::kBN + nt * 8 + lane / 4, real);
     float* dst = packed + (e / 2) * G::kFragFloats + j;
     if constexpr (G::kSplits == 2) {
-      // hi is v truncated to TF32, so lo = v - hi has v's sign: an inf input
-      // meets hi and lo of one sign (inf * w), never inf - inf.
-      const float hi = isfinite(v) ? __uint_as_float(__float_as_uint(v) & 0xffffe000u) : v;
-      float lo = isfinite(v) ? to_tf32(v - hi) : 0.f;
-      if (real && lo == 0.f) lo = copysignf(1.17549435e-38f, v);
-      dst[0] = hi;
-      dst[2] = lo;
+      split_weight(v, real, dst[0], dst[2]);
     } else {
       dst[0] = to_tf32(v);
     }

@@ -45,7 +45,7 @@ struct Problem {
   static constexpr int kWarpsM = 4, kWarpsN = 1;
   static constexpr int kStages = 2;  // cp.async pipeline depth
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
-  static constexpr bool kWindow = true;  // register-window main loop
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32x3;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");

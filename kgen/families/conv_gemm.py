@@ -74,7 +74,7 @@ class Schedule:
     warps_n: int
     stages: int  # cp.async pipeline depth
     plane_residue: int  # channel plane stride % 32
-    window: bool  # the register-window main loop (stride 1 in H and W)
+    loop: str  # main loop (conv_gemm.cuh Loop): "window" (registers; stride 1 in H and W) or "generic"
     mma: str  # tf32 | tf32x3
     smem_bytes: int  # what the CTA needs (checked against the limit)
 
@@ -266,7 +266,7 @@ class ConvGemm(Family):
         box = [(t - 1) * s + (k - 1) * d + 1 for t, s, k, d in zip(tile, p.stride, p.kernel, p.dilation)]
         vec = (p.input[2] % 4 == 0 and (tile[2] * p.stride[2]) % 4 == 0 and p.padding[2] % 4 == 0
                and sc.plane_residue % 4 == 0)
-        row = box[2] + (1 if sc.window else 0)
+        row = box[2] + (1 if sc.loop == "window" else 0)
         row = -(-row // 4) * 4 if vec else -(-row // 2) * 2
         plane = box[0] * box[1] * row
         plane += (sc.plane_residue - plane % 32) % 32
@@ -286,6 +286,7 @@ class ConvGemm(Family):
         cin_chunk = 4 if c.in_channels <= 4 else 8
         block_n = min(-(-c.out_channels // 8) * 8, 64)
         window = all(q.stride[1] == 1 and q.stride[2] == 1 for q in problems)
+        loop = "window" if window else "generic"
         warps_n = 2 if block_n > 32 and block_n % 16 == 0 else 1  # each warp column takes whole 8-column tiles
         rank = c.rank
         if window:  # (tile, warps_m), largest first; kMT rows in H per warp
@@ -297,7 +298,7 @@ class ConvGemm(Family):
             tiles = ([((1, 4, 32), 4), ((1, 2, 32), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)] if rank >= 2
                      else [((1, 1, 128), 4), ((1, 1, 64), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)])
         for tile, warps_m in tiles:  # the largest tile whose input box fits in shared memory
-            sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, window, mma, 0)
+            sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, loop, mma, 0)
             sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
             if sc.smem_bytes <= SMEM_LIMIT:
                 break
@@ -315,7 +316,7 @@ class ConvGemm(Family):
             "kBN splits into 8-column MMA tiles per warp": sc.block_n % (8 * sc.warps_n) == 0,
             f"shared memory within {SMEM_LIMIT} bytes": sc.smem_bytes <= SMEM_LIMIT,
         }
-        if sc.window:
+        if sc.loop == "window":
             rules["window loop: stride 1 in H and W, kCI 4 or 8, warps tile (TD, TH / kMT, TW / 16)"] = (
                 all(p.stride[1] == p.stride[2] == 1 for p in problems) and sc.cin_chunk in (4, 8)
                 and sc.tile[2] % 16 == 0 and mt > 0 and sc.tile[1] % mt == 0 and sc.plane_residue % 2 == 0

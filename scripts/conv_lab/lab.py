@@ -60,10 +60,11 @@ def tconv3(cin, cout, ins, k, s=1, p=0, op=0):
 
 
 def cfg(name, prob, tile, ci, bn, warps, stages, epilogue, mma="kTf32", residue=8, channels_last=False, batch=2,
-        bench_batch=None, kind=None, window=False):
+        bench_batch=None, kind=None, window=False, wgmma=False):
+    loop = "kWgmma" if wgmma else "kWindow" if window else "kGeneric"
     return dict(name=name, prob=prob, tile=tile, ci=ci, bn=bn, warps=warps, stages=stages, epilogue=epilogue, mma=mma,
                 residue=residue, channels_last=channels_last, batch=batch, bench_batch=bench_batch, kind=kind or name,
-                window=window)
+                loop=loop)
 
 
 AVG = conv3(8, 64, (384, 384), 6, s=4)
@@ -96,6 +97,20 @@ CONFIGS = [
     cfg("divmax_w4", DIVMAX, (2, 8, 16), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
     cfg("divmax_w2", DIVMAX, (2, 8, 16), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
     cfg("divmax_w4b", DIVMAX, (2, 16, 16), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
+    # the wgmma main loop (sm_90a)
+    cfg("g2d_odd", conv3(13, 40, (37, 29), (3, 5), p=(1, 2), d=(2, 1)), (1, 8, 8), 8, 40, (4, 1), 2, "Store", batch=3,
+        wgmma=True),
+    cfg("g2d_s2", conv3(16, 24, (40, 41), (5, 3), s=2, p=(2, 1)), (1, 16, 8), 8, 24, (8, 1), 3, "Store", wgmma=True),
+    cfg("g3d_x3", conv3(3, 16, (16, 32, 32), 3), (2, 8, 8), 8, 16, (4, 1), 2, "Store", mma="kTf32x3", wgmma=True),
+    cfg("g1x_s3", conv3(8, 8, (9, 30, 50), (2, 3, 4), s=(1, 2, 3), p=1), (2, 8, 8), 16, 8, (8, 1), 2, "Store", batch=2,
+        wgmma=True),
+    cfg("gtr3d_s2", tconv3(16, 24, (5, 7, 9), 3, s=2, p=1, op=1), (1, 8, 8), 8, 24, (4, 1), 2, "Store", wgmma=True),
+    cfg("g2d_cl", conv3(16, 32, (20, 23), 3, p=1), (1, 8, 8), 8, 32, (4, 1), 2, "Store", channels_last=True, wgmma=True),
+    cfg("gavg_a", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True),
+    cfg("gdivmax_a", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 3, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True),
+    cfg("gdivmax_b", DIVMAX, (2, 8, 8), 8, 16, (8, 1), 3, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True),
+    cfg("gdivmax_c", DIVMAX, (2, 16, 8), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True),
+    cfg("gdivmax_d", DIVMAX, (4, 8, 8), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True),
     cfg("inst_stats", INST, (2, 8, 16), 4, 16, (8, 1), 3, "NormStats", mma="kTf32x3", bench_batch=128, kind="inst"),
     cfg("inst_apply", INST, (2, 8, 16), 4, 16, (8, 1), 3, "NormApplyMax", mma="kTf32x3", bench_batch=128, kind="inst"),
     cfg("instw_stats", INST, (2, 8, 16), 4, 16, (8, 1), 3, "NormStats", mma="kTf32x3", bench_batch=128, kind="instw",
@@ -123,7 +138,8 @@ def problem_struct(c, ph, name) -> str:
     for ax, v in zip("DHW", t):
         put("kT" + ax, v)
     put("kCI", c["ci"]); put("kBN", c["bn"]); put("kWarpsM", c["warps"][0]); put("kWarpsN", c["warps"][1])
-    put("kStages", c["stages"]); put("kPlaneResidue", c["residue"]); put("kWindow", c["window"])
+    put("kStages", c["stages"]); put("kPlaneResidue", c["residue"])
+    lines.append(f"  static constexpr kgen::conv_gemm::Loop kLoop = kgen::conv_gemm::Loop::{c['loop']};")
     lines.append(f"  static constexpr kgen::conv_gemm::Mma kMma = kgen::conv_gemm::Mma::{c['mma']};")
     lines.append("};")
     return "\n".join(lines)
