@@ -32,6 +32,7 @@ class Target:
     fp32_flops: float = 67e12  # FP32 on the CUDA cores (elementwise math, window pools)
     dram_bytes_per_s: float = 3.0e12  # HBM3
     launch_s: float = 4e-6  # one kernel launch from a host op: a few microseconds of dispatch
+    wgmma: bool = True  # Hopper's warpgroup MMA (sm_90a): conv_gemm's wgmma main loop
 
     @property
     def resident_threads(self) -> int:
@@ -55,4 +56,5 @@ def current() -> Target:
         return DEFAULT
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return replace(DEFAULT, sm_count=props.multi_processor_count,
-                   max_threads_per_sm=props.max_threads_per_multi_processor, name=props.name)
+                   max_threads_per_sm=props.max_threads_per_multi_processor, name=props.name,
+                   wgmma=props.major == 9)

@@ -25,6 +25,14 @@ HEAD = """\
 
 #include <cstdint>
 
+// wgmma exists on sm_90a only; other architectures of a multi-architecture build
+// compile a trap (the plan picks the wgmma loop for Hopper targets only).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KGEN_HAS_WGMMA 1
+#else
+#define KGEN_HAS_WGMMA 0
+#endif
+
 namespace kgen {
 namespace conv_gemm {
 
@@ -46,11 +54,15 @@ def one(n: int) -> str:
 template <>
 struct Wgmma<{n}> {{
   __device__ __forceinline__ static void mma(float (&d)[{n // 8}][4], uint64_t a, uint64_t b) {{
+#if KGEN_HAS_WGMMA
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {{{dlist}}}, %{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"
         : {ops}
         : "l"(a), "l"(b), "r"(1));
+#else
+    __trap();
+#endif
   }}
 }};
 """

@@ -89,6 +89,22 @@ def test_transposed_convolution_runs_as_its_phases():
     assert covered == [(h, w) for h in range(full[0]) for w in range(full[1])]
 
 
+def test_wgmma_loop_where_it_wins_on_hopper():
+    """The wgmma main loop for wide convolutions (>= 32 output channels, >= 8 input
+    channels) on a Hopper target; the mma.sync loops elsewhere and on other GPUs."""
+    from dataclasses import replace
+
+    wide = ([8, 30, 41], [{"conv2d": {"out_channels": 64, "kernel_size": 6, "stride": 4}}, "sigmoid",
+                          {"sum": {"dim": [1, 2, 3]}}])
+    st = plan_of(*wide, plan=GEMM).stages[0]
+    assert st.schedule.loop == "wgmma" and st.fused.registers
+    assert st.schedule.tile[2] == 8 and st.schedule.warps_m % 4 == 0 and st.schedule.block_n == 64
+    other = make_plan(pipeline_of(spec_text(*wide, plan=GEMM)), target=replace(DEFAULT, wgmma=False)).stages[0]
+    assert other.family is conv_gemm.FAMILY and other.schedule.loop == "generic"  # stride 4
+    narrow = plan_of([8, 10, 20, 20], [CONV3], plan=GEMM).stages[0]
+    assert narrow.schedule.loop == "window"  # 16 output channels: the window loop wins
+
+
 def test_schedules_keep_the_kernels_static_rules_over_many_shapes():
     """Plan many random convolutions; every schedule passes ConvGemm.check (the kernel's
     static_asserts, at plan time): a broken one would fail to compile on the GPU machine."""
@@ -134,6 +150,11 @@ SPECS = {
                                      {"max": {"dim": 1}}], name="cg_conv1d", plan=GEMM),
     "cg_odd": spec_text([3, 17, 29], [{"conv2d": {"out_channels": 33, "kernel_size": 3, "padding": 1}}, "relu"],
                         name="cg_odd", plan=GEMM),
+    # the wgmma loop: a written output (staged epilogue) and a split-TF32 transposed convolution's phases
+    "cg_wide": spec_text([16, 20, 23], [{"conv2d": {"out_channels": 48, "kernel_size": 3, "padding": 1}}, "relu"],
+                         name="cg_wide", plan=GEMM),
+    "cg_wide_tr": spec_text([12, 5, 7, 9], [{"conv_transpose3d": {"out_channels": 32, "kernel_size": 3, "stride": 2,
+                                                                   "padding": 1}}], name="cg_wide_tr", plan=GEMM),
 }
 
 
@@ -168,7 +189,7 @@ def test_cpu_builds_validate(cg_modules):
 
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
-    for name in ("cg_transposed", "cg_conv1d", "cg_odd"):
+    for name in ("cg_transposed", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr"):
         kernels = ptxas_report(cg_modules[name][1], "9.0a")
         assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
         bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}" for k in kernels if not k.clean]
@@ -189,6 +210,11 @@ RANDOM_CONVS = [
     ([7, 11, 13], {"conv_transpose2d": {"out_channels": 33, "kernel_size": 4, "stride": 3, "padding": 1}}, "tf32x3"),
     ([9, 6, 10, 20], {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "padding": 1}}, "tf32"),
     ([6, 50], {"conv_transpose1d": {"out_channels": 11, "kernel_size": 5, "stride": 2}}, "tf32x3"),
+    # the wgmma loop (>= 8 input, >= 32 output channels): odd sizes, stride 4, 3-d phases, split TF32
+    ([16, 21, 19], {"conv2d": {"out_channels": 48, "kernel_size": 3, "padding": 1}}, "tf32"),
+    ([8, 30, 41], {"conv2d": {"out_channels": 64, "kernel_size": 6, "stride": 4}}, "tf32"),
+    ([9, 23, 18], {"conv2d": {"out_channels": 40, "kernel_size": [3, 5], "padding": [1, 2], "dilation": [2, 1]}}, "tf32x3"),
+    ([12, 5, 7, 9], {"conv_transpose3d": {"out_channels": 32, "kernel_size": 3, "stride": 2, "padding": 1}}, "tf32x3"),
 ]
 
 
@@ -209,12 +235,18 @@ def test_random_convolutions_match_float64(tmp_path):
         write_rendered(rendered, out)
         cases.append((spec, out / name, precision))
     build_modules([d for _, d, _ in cases], "cuda")
+    loops = []
     for spec, d, precision in cases:
         pipe_text = spec.read_text()
         report = validate(spec, d, "cuda")
         bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
         assert report.passed, f"{d.name} ({pipe_text.splitlines()[-2]}): {bad}"
-        assert make_plan(pipeline_of(pipe_text)).stages[0].family is conv_gemm.FAMILY
+        st = make_plan(pipeline_of(pipe_text)).stages[0]
+        assert st.family is conv_gemm.FAMILY
+        loops.append(st.schedule.loop)
+    assert {"generic", "window"} <= set(loops)
+    if torch.cuda.get_device_capability()[0] == 9:  # Hopper: the wide ones take the wgmma loop
+        assert loops.count("wgmma") == 5, loops
 
 
 @pytest.mark.cuda

@@ -42,13 +42,13 @@ struct Problem {
   static constexpr int kWStepD = 1, kWStepH = 1, kWStepW = 1;
   static constexpr bool kWeightTransposed = false, kWFlip = false;
   static constexpr bool kChannelsLast = false;
-  static constexpr int kTD = 1, kTH = 4, kTW = 32;  // output box of a tile
+  static constexpr int kTD = 1, kTH = 16, kTW = 8;  // output box of a tile
   static constexpr int kCI = 8;  // input channels per pipeline step
   static constexpr int kBN = 64;  // output channels per CTA
-  static constexpr int kWarpsM = 4, kWarpsN = 2;
-  static constexpr int kStages = 2;  // cp.async pipeline depth
+  static constexpr int kWarpsM = 8, kWarpsN = 2;
+  static constexpr int kStages = 1;  // cp.async pipeline depth (the wgmma loop: one register stage)
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
-  static constexpr Loop kLoop = Loop::kGeneric;  // main loop
+  static constexpr Loop kLoop = Loop::kWgmma;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");

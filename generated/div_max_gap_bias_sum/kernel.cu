@@ -46,7 +46,7 @@ struct Problem {
   static constexpr int kCI = 8;  // input channels per pipeline step
   static constexpr int kBN = 16;  // output channels per CTA
   static constexpr int kWarpsM = 4, kWarpsN = 1;
-  static constexpr int kStages = 2;  // cp.async pipeline depth
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;

@@ -37,6 +37,10 @@ MAX_COUT = 128  # output channels above which cuDNN wins
 # ops after which the convolution runs in split TF32 (mma): normalizations and exponentials
 X3_AFTER = ("group_norm", "instance_norm", "batch_norm", "layer_norm", "softmax", "log_softmax", "logsumexp", "exp")
 WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
+# The wgmma loop wins where a warpgroup's MMA is at least 16 columns wide with two
+# warpgroups per m-block (avgpool_sigmoid_sum's 64 channels: 0.436 ms against 0.685 in
+# the lab); at 16 channels the window loop wins (div_max_gap_bias_sum: 0.49 against 0.61).
+WGMMA_MIN_COUT = 32
 STAGES = 2  # cp.async pipeline depth
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
 # Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
@@ -74,7 +78,7 @@ class Schedule:
     warps_n: int
     stages: int  # cp.async pipeline depth
     plane_residue: int  # channel plane stride % 32
-    loop: str  # main loop (conv_gemm.cuh Loop): "window" (registers; stride 1 in H and W) or "generic"
+    loop: str  # main loop (conv_gemm.cuh Loop): "wgmma", "window" (registers; stride 1 in H and W) or "generic"
     mma: str  # tf32 | tf32x3
     smem_bytes: int  # what the CTA needs (checked against the limit)
 
@@ -220,7 +224,7 @@ class ConvGemm(Family):
         taps = math.prod(lc.kernel) if not isinstance(lc.lowering, Subpixel) else max(
             math.prod(ph.taps) for ph in lc.phases(req.types[0].spatial))
         try:
-            self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, "tf32x3")
+            self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, "tf32x3", req.target)
         except KgenError as e:
             return f"no tile fits: {e}"
         forced = req.pipeline.conv_impl == "gemm"
@@ -264,6 +268,14 @@ class ConvGemm(Family):
         """Shared memory of a CTA, as conv_gemm.cuh's Geometry lays it out."""
         tile = sc.tile
         box = [(t - 1) * s + (k - 1) * d + 1 for t, s, k, d in zip(tile, p.stride, p.kernel, p.dilation)]
+        m = math.prod(tile)
+        tile_floats = sc.block_n * (m + (4 - m % 32) % 32) if staged else 0
+        splits = 2 if sc.mma == "tf32x3" else 1
+        if sc.loop == "wgmma":  # resident weights | the A buffer (channel quads, W phases) | staged tile
+            weights = splits * -(-p.cin // sc.cin_chunk) * math.prod(p.kernel) * sc.block_n * 8
+            row = 4 * p.stride[2] * -(-box[2] // p.stride[2])
+            a_buffer = splits * (sc.cin_chunk // 4) * box[0] * box[1] * row
+            return 4 * (weights + a_buffer + tile_floats)
         vec = (p.input[2] % 4 == 0 and (tile[2] * p.stride[2]) % 4 == 0 and p.padding[2] % 4 == 0
                and sc.plane_residue % 4 == 0)
         row = box[2] + (1 if sc.loop == "window" else 0)
@@ -272,17 +284,22 @@ class ConvGemm(Family):
         plane += (sc.plane_residue - plane % 32) % 32
         stage = -(-sc.cin_chunk * plane // 4) * 4
         floats = sc.stages * stage + (stage if sc.mma == "tf32x3" else 0)
-        m = math.prod(tile)
-        mpad = m + (4 - m % 32) % 32
-        if staged:
-            floats += sc.block_n * mpad
-        return 4 * floats
+        return 4 * (floats + tile_floats)
 
-    def schedule(self, lc, problems: list[Problem], staged: bool, mma: str) -> Schedule:
-        """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the window loop
-        with 4 m-tiles of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise."""
-        p = problems[0]
+    def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
+        """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the wgmma loop
+        with two warpgroups per 64-row m-block where it wins (WGMMA_MIN_COUT); else the window
+        loop with 4 m-tiles of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise."""
         c = lc.conv
+        if target.wgmma and c.rank >= 2 and c.in_channels >= 8 and c.out_channels >= WGMMA_MIN_COUT:
+            block_n = -(-c.out_channels // 16) * 16
+            for tile, warps_m in (((1, 16, 8), 8), ((1, 8, 8), 4)):
+                # one register stage (conv_gemm.cuh BoxRegs) instead of cp.async stages
+                sc = Schedule(tile, 8, block_n, warps_m, 2, 1, PLANE_RESIDUE, "wgmma", mma, 0)
+                sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
+                if sc.smem_bytes <= SMEM_LIMIT:
+                    self.check(sc, problems)
+                    return sc
         cin_chunk = 4 if c.in_channels <= 4 else 8
         block_n = min(-(-c.out_channels // 8) * 8, 64)
         window = all(q.stride[1] == 1 and q.stride[2] == 1 for q in problems)
@@ -316,6 +333,11 @@ class ConvGemm(Family):
             "kBN splits into 8-column MMA tiles per warp": sc.block_n % (8 * sc.warps_n) == 0,
             f"shared memory within {SMEM_LIMIT} bytes": sc.smem_bytes <= SMEM_LIMIT,
         }
+        if sc.loop == "wgmma":
+            rules["wgmma loop: tiles of 8 in W and 8k in H, kCI 8, all channels in one block of whole 16-column halves"] = (
+                sc.tile[2] == 8 and sc.tile[1] % 8 == 0 and sc.cin_chunk == 8 and sc.warps_m % 4 == 0
+                and (m // 64) % (sc.warps_m // 4) == 0 and all(p.cout <= sc.block_n for p in problems)
+                and sc.block_n <= 128 and (sc.block_n // sc.warps_n) % 8 == 0)
         if sc.loop == "window":
             rules["window loop: stride 1 in H and W, kCI 4 or 8, warps tile (TD, TH / kMT, TW / 16)"] = (
                 all(p.stride[1] == p.stride[2] == 1 for p in problems) and sc.cin_chunk in (4, 8)
@@ -345,7 +367,7 @@ class ConvGemm(Family):
         st = ConvGemmStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=lc, layout="contiguous")
         st.problems = self.problems(lc, t_in, t_out)
         mma, st.x3_reason = self.mma(req)
-        st.schedule = self.schedule(lc, st.problems, True, mma)  # the plain epilogue stores a staged tile
+        st.schedule = self.schedule(lc, st.problems, True, mma, req.target)  # the plain epilogue stores a staged tile
         st.input_extent = tuple(t_in.spatial)
         st.output = flat_buffer(t_out)
         return st

@@ -95,7 +95,8 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const float (&a)[4], flo
         "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
-// Warpgroup MMA: ordering and completion.
+// Warpgroup MMA: ordering and completion (sm_90a; wgmma.cuh's KGEN_HAS_WGMMA).
+#if KGEN_HAS_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -105,6 +106,13 @@ __device__ __forceinline__ void wgmma_wait() {
 // Shared-memory writes of this thread (ordinary stores) become visible to the
 // async proxy that wgmma reads through (after the next barrier).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#else
+__device__ __forceinline__ void wgmma_fence() {}
+__device__ __forceinline__ void wgmma_commit() {}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {}
+__device__ __forceinline__ void fence_async_shared() {}
+#endif
 // Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
 __device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
@@ -195,19 +203,21 @@ struct Geometry {
   static constexpr int kThreads = 32 * P::kWarpsM * P::kWarpsN;
   static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp (mma.sync loops)
   static constexpr int kWarpN = P::kBN / P::kWarpsN;  // columns per warp
-  // wgmma loop: warpgroup `wg` takes the 64-row m-blocks wg, wg + kGroups, ...
+  // wgmma loop: warpgroups form a kGroups x kWarpsN grid; warpgroup (wg, n)
+  // takes the 64-row m-blocks wg, wg + kGroups, ... and the n-th kWarpN columns.
   static constexpr int kGroups = P::kWarpsM / 4;
   static constexpr int kMBlocks = kM / 64;
   static constexpr int kMT = kWg ? kMBlocks / (kGroups > 0 ? kGroups : 1) : kWarpM / 16;  // m-tiles (wgmma: m-blocks) per warp
   static constexpr int kMTStride = kWg ? 64 * kGroups : 16;  // tile rows between a warp's m-tiles
   static constexpr int kNT = kWarpN / 8;
   static_assert(kWg || kM % (16 * P::kWarpsM) == 0, "tile rows must split into 16-row MMA tiles per warp");
-  static_assert(!kWg || (P::kCI % 8 == 0 && P::kTW == 8 && P::kTH % 8 == 0 && P::kWarpsN == 1 && P::kWarpsM % 4 == 0 &&
+  static_assert(!kWg || (P::kCI % 8 == 0 && P::kTW == 8 && P::kTH % 8 == 0 && P::kWarpsM % 4 == 0 &&
                          kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128 &&
                          P::kPlaneResidue % 4 == 0),
                 "wgmma loop: kCI a multiple of 8, tiles of 8 in W and 8k in H, warpgroups split the m-blocks, one channel block");
+  static_assert(!kWg || kWarpN % 8 == 0, "wgmma loop: a warpgroup's columns are whole 8-column tiles");
   static_assert(P::kBN % (8 * P::kWarpsN) == 0, "kBN must split into 8-column MMA tiles per warp");
-  static_assert(P::kStages >= 2, "at least double buffering");
+  static_assert(kWg || P::kStages >= 2, "at least double buffering (the wgmma loop stages through registers)");
 
   // Window main loop: warp row -> (d, block of kMT rows in H, 16-wide segment in W).
   static constexpr int kHBlocks = P::kTH / kMT;
@@ -233,7 +243,7 @@ struct Geometry {
   // then lo) or the lo parts of a stage (mma.sync, tf32x3) | staged tile | epilogue scratch.
   static constexpr int kWeightFloats = kWg ? static_cast<int>(kPackedFloats) : 0;
   static constexpr int kStageOffset = kWeightFloats;
-  static constexpr int kLoOffset = kStageOffset + P::kStages * kInStage;  // also the A buffer's
+  static constexpr int kLoOffset = kStageOffset + (kWg ? 0 : P::kStages * kInStage);  // also the A buffer's (no stages)
   static constexpr int kTileOffset = kLoOffset + (kWg ? kSplits * kABuf : kSplits == 2 ? kInStage : 0);
 };
 
@@ -424,40 +434,80 @@ __device__ __forceinline__ void round_stage(float* stage, float* lo) {
   }
 }
 
-// wgmma loop: rounds a landed stage to TF32 and stores it into the A buffer as
-// channel quads (tf32x3: the lo parts into a second buffer). A thread takes 4
-// positions of 4 channels: 4 16-byte loads, a 4 x 4 transpose in registers, 4
-// 16-byte stores (with a W stride of 4, consecutive threads' stores are
-// consecutive: each of the 4 positions goes to its own phase).
+// wgmma loop: the box of one chunk passes through registers on its way to the
+// A buffer: loaded (16-byte loads along W where rows allow) while the previous
+// chunk's MMAs run, then rounded to TF32 and stored as channel quads (tf32x3:
+// the lo parts into a second buffer). An item is 4 positions along W of the 4
+// channels of a quad: a 4 x 4 transpose in registers, 4 16-byte stores (with
+// a W stride of 4, each of the 4 positions goes to its own phase, so
+// consecutive threads' stores are consecutive).
 template <class P>
-__device__ __forceinline__ void interleave_stage(const float* stage, float* a) {
+struct BoxRegs {
   using G = Geometry<P>;
-  constexpr int kGroupsW = G::kBWPad / 4, kRows = G::kBD * G::kBH;
-  for (int e = threadIdx.x; e < G::kQuads * kRows * kGroupsW; e += G::kThreads) {
-    const int wg = e % kGroupsW, row = (e / kGroupsW) % kRows, quad = e / (kGroupsW * kRows);
-    const float* src = stage + quad * 4 * G::kPlane + row * G::kBWPad + wg * 4;
-    float v[4][4];  // [channel][position]
+  static constexpr int kGroupsW = ceil_div(G::kBW, 4), kRows = G::kBD * G::kBH;
+  static constexpr int kItems = G::kQuads * kRows * kGroupsW;
+  static constexpr int kPer = ceil_div(kItems, G::kThreads);  // items per thread
+  // 16-byte loads: NC[D]HW, and every 4-position group wholly inside or outside W
+  static constexpr bool kVec = !P::kChannelsLast && P::kInW % 4 == 0 && (P::kTW * P::kSW) % 4 == 0 && P::kPW % 4 == 0;
+  float v[kPer][4][4];  // [item][channel][position]
+
+  __device__ __forceinline__ void load(const float* __restrict__ x, const TileCoord& c, int chunk) {
+    const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
+    const int ci0 = chunk * P::kCI;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float4 q = *reinterpret_cast<const float4*>(src + c * G::kPlane);
-      v[c][0] = q.x, v[c][1] = q.y, v[c][2] = q.z, v[c][3] = q.w;
-    }
-    float* dst = a + quad * G::kQuadPlane + row * G::kRowFloats;
+    for (int p = 0; p < kPer; ++p) {
+      const int e = threadIdx.x + p * G::kThreads;
+      const int gw = e % kGroupsW, row = (e / kGroupsW) % kRows, quad = e / (kGroupsW * kRows);
+      const int id = id0 + row / G::kBH, ih = ih0 + row % G::kBH, iw = iw0 + gw * 4;
+      const bool row_ok = e < kItems && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int w = wg * 4 + j;
-      if (w >= G::kBW) break;
-      const int col = (w % P::kSW) * G::kColsPerPhase + w / P::kSW;
-      const float4 hi = make_float4(to_tf32(v[0][j]), to_tf32(v[1][j]), to_tf32(v[2][j]), to_tf32(v[3][j]));
-      *reinterpret_cast<float4*>(dst + col * 4) = hi;
-      if constexpr (G::kSplits == 2) {
-        auto low = [](float x, float h) { return isfinite(x) ? to_tf32(x - h) : 0.f; };
-        *reinterpret_cast<float4*>(dst + G::kABuf + col * 4) =
-            make_float4(low(v[0][j], hi.x), low(v[1][j], hi.y), low(v[2][j], hi.z), low(v[3][j], hi.w));
+      for (int ch = 0; ch < 4; ++ch) {
+        const int ci = ci0 + quad * 4 + ch;
+        const bool ok = row_ok && ci < P::kCin;
+        if constexpr (kVec) {
+          const long long off = (((static_cast<long long>(c.n) * P::kCin + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
+          const float4 q = ok && iw >= 0 && iw < P::kInW ? __ldg(reinterpret_cast<const float4*>(x + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
+          v[p][ch][0] = q.x, v[p][ch][1] = q.y, v[p][ch][2] = q.z, v[p][ch][3] = q.w;
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int w = iw + j;
+            long long off;
+            if constexpr (P::kChannelsLast) {
+              off = (((static_cast<long long>(c.n) * P::kInD + id) * P::kInH + ih) * P::kInW + w) * P::kCin + ci;
+            } else {
+              off = (((static_cast<long long>(c.n) * P::kCin + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + w;
+            }
+            v[p][ch][j] = ok && w >= 0 && w < P::kInW ? __ldg(x + off) : 0.f;
+          }
+        }
       }
     }
   }
-}
+
+  __device__ __forceinline__ void store(float* a) const {
+#pragma unroll
+    for (int p = 0; p < kPer; ++p) {
+      const int e = threadIdx.x + p * G::kThreads;
+      if (e >= kItems) break;
+      const int gw = e % kGroupsW, row = (e / kGroupsW) % kRows, quad = e / (kGroupsW * kRows);
+      float* dst = a + quad * G::kQuadPlane + row * G::kRowFloats;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int w = gw * 4 + j;
+        if (w >= G::kBW) break;
+        const int col = (w % P::kSW) * G::kColsPerPhase + w / P::kSW;
+        const float4 hi = make_float4(to_tf32(v[p][0][j]), to_tf32(v[p][1][j]), to_tf32(v[p][2][j]), to_tf32(v[p][3][j]));
+        *reinterpret_cast<float4*>(dst + col * 4) = hi;
+        if constexpr (G::kSplits == 2) {
+          auto low = [](float x, float h) { return isfinite(x) ? to_tf32(x - h) : 0.f; };
+          *reinterpret_cast<float4*>(dst + G::kABuf + col * 4) =
+              make_float4(low(v[p][0][j], hi.x), low(v[p][1][j], hi.y), low(v[p][2][j], hi.z), low(v[p][3][j], hi.w));
+        }
+      }
+    }
+  }
+};
 
 // ------------------------------------------------------------------ the kernel
 
@@ -590,10 +640,10 @@ __device__ __forceinline__ void chunk_wgmma(float (&acc)[Geometry<P>::kMT][Geome
     for (int mt = 0; mt < G::kMT; ++mt) {
       const uint64_t a = a_desc[mt] + a_step;
       if constexpr (G::kSplits == 2) {
-        Wgmma<P::kBN>::mma(acc[mt], a + lo_shift, b);                                  // a_lo x b_hi
-        Wgmma<P::kBN>::mma(acc[mt], a, b + static_cast<uint64_t>(G::kWgSplitFloats / 4));  // a x b_lo
+        Wgmma<G::kWarpN>::mma(acc[mt], a + lo_shift, b);                                  // a_lo x b_hi
+        Wgmma<G::kWarpN>::mma(acc[mt], a, b + static_cast<uint64_t>(G::kWgSplitFloats / 4));  // a x b_lo
       }
-      Wgmma<P::kBN>::mma(acc[mt], a, b);
+      Wgmma<G::kWarpN>::mma(acc[mt], a, b);
     }
   }
   wgmma_commit();
@@ -650,11 +700,12 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
   // wgmma loop: the weights go to shared memory once; per m-block of the
-  // warpgroup, its rows' offset inside a stage (the 8 positions of a row are
+  // warpgroup, its rows' offset inside the A buffer (the 8 positions of a row are
   // 16 bytes apart, its 8 rows SH box rows apart).
   int mblock_off[G::kMT];
   // the warpgroup, from lane 0: the compiler then knows it is warp-uniform (descriptors in uniform registers)
-  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int wg = __shfl_sync(0xffffffffu, warp_m / 4, 0);
+  const int wg_n = __shfl_sync(0xffffffffu, warp_n, 0);
   if constexpr (G::kWg) {
     const float4* src = reinterpret_cast<const float4*>(packed);
     float4* dst = reinterpret_cast<float4*>(smem);
@@ -672,78 +723,97 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const long long my_tiles = cta < total_tiles ? (total_tiles - 1 - cta) / ctas + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
   auto tile_of_step = [&](long long s) { return tile_coord<P>(cta + (s / G::kChunks) * ctas); };
-  auto issue = [&](long long s) {
-    if (s < steps) load_input<P>(s_stages + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
-    cp_async_commit();  // an empty group keeps the count uniform
-  };
-#pragma unroll 1
-  for (int s = 0; s < P::kStages - 1; ++s) issue(s);
 
   float acc[G::kMT][G::kNT][4];
+  auto zero_acc = [&] {
 #pragma unroll
-  for (int mt = 0; mt < G::kMT; ++mt)
+    for (int mt = 0; mt < G::kMT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < G::kNT; ++nt)
+      for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-
-#pragma unroll 1
-  for (long long s = 0; s < steps; ++s) {
-    cp_async_wait<P::kStages - 2>();
-    __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
-    if constexpr (!G::kWg) issue(s + P::kStages - 1);  // wgmma: while the MMAs run, below
-    float* in = s_stages + (s % P::kStages) * G::kInStage;
-    if constexpr (G::kWg) {
-      interleave_stage<P>(in, s_lo);
-      fence_async_shared();  // the MMAs read the A buffer through the async proxy
-    } else {
-      round_stage<P>(in, s_lo);
-    }
-    __syncthreads();
-    const TileCoord c = tile_of_step(s);
-    const int chunk = static_cast<int>(s % G::kChunks);
-    const float* w = w_lane + (static_cast<long long>(c.cblock) * G::kChunks + chunk) * G::kKSteps * G::kPackedStep;
-    if constexpr (G::kWg) {
-      // A: rows 16 bytes apart, 8-row groups SH box rows apart, the k step's two quads a quad plane apart.
-      constexpr uint32_t kALbo = G::kQuadPlane * 4, kASbo = P::kSH * G::kRowFloats * 4;
-      // B: [n-tile][k quad][8 columns][4 k]: quads 128 bytes apart, n-tiles 256.
-      constexpr uint32_t kBLbo = 128, kBSbo = 256;
-      uint64_t a_desc[G::kMT];
-#pragma unroll
-      for (int mt = 0; mt < G::kMT; ++mt) a_desc[mt] = smem_desc(smem_addr(s_lo + mblock_off[mt]), kALbo, kASbo);
-      constexpr uint64_t lo_shift = G::kABuf / 4;  // tf32x3: the lo buffer, in 16-byte units
-      chunk_wgmma<P>(acc, a_desc, lo_shift, smem_desc(smem_addr(smem + chunk * G::kKSteps * G::kWgStepFloats), kBLbo, kBSbo));
-      issue(s + P::kStages - 1);
-      chunk_wgmma_wait<P>(acc);
-    } else if constexpr (G::kWindow) {
-      chunk_window<P>(acc, in, s_lo, window_base, w);
-    } else {
-      chunk_generic<P>(acc, in, s_lo, row_off, w);
-    }
-    if (chunk == G::kChunks - 1) {
-      if constexpr (E::kStaged) {
-        // Accumulators -> s_tile[n][m], then the epilogue on the whole tile.
-#pragma unroll
-        for (int mt = 0; mt < G::kMT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < G::kNT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s_tile[fm.n(nt, i) * G::kMPad + fm.m(mt, i)] = acc[mt][nt][i];
-        __syncthreads();
-        E::template apply<P>(ep, s_tile, s_scratch, c);
-      } else {
-        E::template apply_fragments<P>(ep, acc, fm, s_scratch, c);
-      }
-      __syncthreads();  // the epilogue's shared memory is reused by the next tile
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+  };
+  // After a tile's last chunk: the epilogue, then fresh accumulators.
+  auto finish_tile = [&](const TileCoord& c) {
+    if constexpr (E::kStaged) {
+      // Accumulators -> s_tile[n][m], then the epilogue on the whole tile.
 #pragma unroll
       for (int mt = 0; mt < G::kMT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+          for (int i = 0; i < 4; ++i) s_tile[fm.n(nt, i) * G::kMPad + fm.m(mt, i)] = acc[mt][nt][i];
+      __syncthreads();
+      E::template apply<P>(ep, s_tile, s_scratch, c);
+    } else {
+      E::template apply_fragments<P>(ep, acc, fm, s_scratch, c);
     }
+    __syncthreads();  // the epilogue's shared memory is reused by the next tile
+    zero_acc();
+  };
+  zero_acc();
+
+  if constexpr (G::kWg) {
+    // A: rows 16 bytes apart, 8-row groups SH box rows apart, the k step's two quads a quad plane apart.
+    constexpr uint32_t kALbo = G::kQuadPlane * 4, kASbo = P::kSH * G::kRowFloats * 4;
+    // B: [n-tile][k quad][8 columns][4 k]: quads 128 bytes apart, n-tiles 256.
+    constexpr uint32_t kBLbo = 128, kBSbo = 256;
+    constexpr uint64_t kLoShift = G::kABuf / 4;  // tf32x3: the lo buffer, in 16-byte units
+    uint64_t a_desc[G::kMT];
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt) a_desc[mt] = smem_desc(smem_addr(s_lo + mblock_off[mt]), kALbo, kASbo);
+    BoxRegs<P> box;
+    if (steps > 0) box.load(x, tile_of_step(0), 0);
+#pragma unroll 1
+    for (long long s = 0; s < steps; ++s) {
+      __syncthreads();  // every warpgroup's MMAs of step s - 1 are done with the A buffer
+      box.store(s_lo);
+      fence_async_shared();  // the MMAs read the A buffer through the async proxy
+      __syncthreads();
+      const TileCoord c = tile_of_step(s);
+      const int chunk = static_cast<int>(s % G::kChunks);
+      // this warpgroup's columns: n-tiles wg_n * kNT ... (256 bytes each)
+      const float* b_base = smem + chunk * G::kKSteps * G::kWgStepFloats + wg_n * G::kNT * 64;
+      chunk_wgmma<P>(acc, a_desc, kLoShift, smem_desc(smem_addr(b_base), kBLbo, kBSbo));
+      // The next box loads under the MMAs (and a register epilogue); a staged epilogue
+      // runs first (its registers and the box's together would spill).
+      auto load_next = [&] {
+        if (s + 1 < steps) box.load(x, tile_of_step(s + 1), static_cast<int>((s + 1) % G::kChunks));
+      };
+      if (!E::kStaged || chunk != G::kChunks - 1) load_next();
+      chunk_wgmma_wait<P>(acc);
+      if (chunk == G::kChunks - 1) {
+        finish_tile(c);
+        if (E::kStaged) load_next();
+      }
+    }
+  } else {
+    auto issue = [&](long long s) {
+      if (s < steps) load_input<P>(s_stages + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
+      cp_async_commit();  // an empty group keeps the count uniform
+    };
+#pragma unroll 1
+    for (int s = 0; s < P::kStages - 1; ++s) issue(s);
+#pragma unroll 1
+    for (long long s = 0; s < steps; ++s) {
+      cp_async_wait<P::kStages - 2>();
+      __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
+      issue(s + P::kStages - 1);
+      float* in = s_stages + (s % P::kStages) * G::kInStage;
+      round_stage<P>(in, s_lo);
+      __syncthreads();
+      const TileCoord c = tile_of_step(s);
+      const int chunk = static_cast<int>(s % G::kChunks);
+      const float* w = w_lane + (static_cast<long long>(c.cblock) * G::kChunks + chunk) * G::kKSteps * G::kPackedStep;
+      if constexpr (G::kWindow) {
+        chunk_window<P>(acc, in, s_lo, window_base, w);
+      } else {
+        chunk_generic<P>(acc, in, s_lo, row_off, w);
+      }
+      if (chunk == G::kChunks - 1) finish_tile(c);
+    }
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
 }
 
 template <class P, class E>
