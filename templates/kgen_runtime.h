@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -272,6 +273,43 @@ inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProc
 inline void check_launch(cudaError_t err, const char* op, const char* stage) {
   TORCH_CHECK(err == cudaSuccess, op, ": ", stage, " kernel launch failed: ", cudaGetErrorString(err));
 }
+
+// A weight re-laid for a generated kernel (folded, packed), kept while its source is
+// unchanged: the same tensor (held, so its storage is not reused), the same version
+// (in-place updates, an optimizer step, bump it), used on the same stream. Not kept
+// while the stream captures a CUDA graph (a replay must re-lay weights updated in place
+// since) or for inference tensors (no version counter): then a fresh buffer each call.
+class WeightCache {
+ public:
+  // A buffer of `floats` floats for `w` on `stream`; `*stale` says whether the caller
+  // must (re)write it before use.
+  at::Tensor get(const at::Tensor& w, int64_t floats, cudaStream_t stream, bool* stale) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_launch(cudaStreamIsCapturing(stream, &capture), "kgen", "weight cache");
+    std::lock_guard<std::mutex> lock(mutex_);
+    *stale = true;
+    if (capture != cudaStreamCaptureStatusNone || w.is_inference() || (source_.defined() && stream_ != stream)) {
+      return at::empty({floats}, w.options());
+    }
+    if (source_.defined() && source_.is_same(w) && version_ == w._version() && buffer_.numel() == floats) {
+      *stale = false;
+      return buffer_;
+    }
+    source_ = w;
+    version_ = w._version();
+    stream_ = stream;
+    if (!buffer_.defined() || buffer_.numel() != floats || buffer_.device() != w.device()) {
+      buffer_ = at::empty({floats}, w.options());
+    }
+    return buffer_;
+  }
+
+ private:
+  std::mutex mutex_;
+  at::Tensor source_, buffer_;
+  int64_t version_ = -1;
+  cudaStream_t stream_ = nullptr;
+};
 #endif
 
 }  // namespace kgen

@@ -31,6 +31,14 @@ at::Tensor stage0_cpu(const at::Tensor& x, const at::Tensor& conv_weight, const 
   return kgen::narrow_spatial(y, {95, 95}).contiguous();
 }
 
+#ifdef KGEN_WITH_CUDA
+// Stage 0's packed weights, kept while conv.weight is unchanged (kgen::WeightCache).
+kgen::WeightCache& stage0_weights() {
+  static kgen::WeightCache cache;
+  return cache;
+}
+#endif
+
 // Stage 0 (conv_gemm): conv2d(8->64, k=3) folded with avg_pool(k=4) -> k=6, s=4, bias added by the next stage. On the GPU the generated
 // implicit GEMM; on the CPU ATen's convolution.
 at::Tensor stage0(at::TensorList in, const at::Tensor& conv_weight, const at::Tensor& conv_bias) {
@@ -45,10 +53,12 @@ at::Tensor stage0(at::TensorList in, const at::Tensor& conv_weight, const at::Te
   at::Tensor out = kgen::empty({batch, 64, 95, 95}, x.options());
   if (batch == 0) return out;
 #ifdef KGEN_WITH_CUDA
-  const at::Tensor w = kgen::fold_avg_pool_weight(conv_weight, {4, 4}, {1, 1}).contiguous();
-  at::Tensor packed = kgen::empty({s0::kPackedFloats}, x.options());
-  kgen::check_launch(s0::launch(x_ptr, w.data_ptr<float>(), nullptr, packed.data_ptr<float>(),
-                                      out.data_ptr<float>(), static_cast<int>(batch), at::cuda::getCurrentCUDAStream()), kOp, "stage 0");
+  bool stale = true;
+  const at::Tensor packed = stage0_weights().get(conv_weight, s0::kPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
+  at::Tensor w;
+  if (stale) w = kgen::fold_avg_pool_weight(conv_weight, {4, 4}, {1, 1}).contiguous();
+  kgen::check_launch(s0::launch(x_ptr, stale ? w.data_ptr<float>() : nullptr, nullptr, packed.data_ptr<float>(),
+                                      stale, out.data_ptr<float>(), static_cast<int>(batch), at::cuda::getCurrentCUDAStream()), kOp, "stage 0");
 #else
   (void)x_ptr;
   TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
@@ -78,10 +88,12 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
   if (batch == 0) return out;
   at::Tensor partial;
   if (s0::kSplits > 1) a.partial = kgen::workspace<float>(partial, batch * s1::kKept * s0::kSplits, x.options());
-  const at::Tensor w = kgen::fold_avg_pool_weight(conv_weight, {4, 4}, {1, 1}).contiguous();
-  at::Tensor packed = kgen::empty({s0::kPackedFloats}, x.options());
-  kgen::check_launch(s0::launch_fused(x_ptr, w.data_ptr<float>(), packed.data_ptr<float>(), a, static_cast<int>(batch),
-                                            at::cuda::getCurrentCUDAStream()), kOp, "stages 0-1");
+  bool stale = true;
+  const at::Tensor packed = stage0_weights().get(conv_weight, s0::kPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
+  at::Tensor w;
+  if (stale) w = kgen::fold_avg_pool_weight(conv_weight, {4, 4}, {1, 1}).contiguous();
+  kgen::check_launch(s0::launch_fused(x_ptr, stale ? w.data_ptr<float>() : nullptr, packed.data_ptr<float>(), stale, a,
+                                            static_cast<int>(batch), at::cuda::getCurrentCUDAStream()), kOp, "stages 0-1");
   return out;
 #else
   TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");

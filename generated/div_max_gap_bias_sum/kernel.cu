@@ -71,14 +71,15 @@ struct Store {
   }
 };
 
-// Packs the weights, then runs the convolution.
+// Packs the weights (unless `packed` already holds them), then runs the convolution.
 template <class E>
-cudaError_t run(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
-  return kgen::conv_gemm::launch<Problem, E>(x, w, packed, ep, batch, stream);
+cudaError_t run(const float* x, const float* w, float* packed, bool pack, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  if (pack) pack_weights<Problem>(w, packed, stream);
+  return kgen::conv_gemm::run<Problem, E>(x, packed, ep, batch, stream);
 }
 
-cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream) {
-  return run<Store>(x, w, packed, Store::Params{bias, out}, batch, stream);
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream) {
+  return run<Store>(x, w, packed, pack, Store::Params{bias, out}, batch, stream);
 }
 
 // ---- stage 1 (pool_reduce) fused in: its math (stages.h) on the output tile.
@@ -158,8 +159,8 @@ struct Fused {
 };
 
 
-cudaError_t launch_fused(const float* x, const float* w, float* packed, const s1::Args& a, int batch, cudaStream_t stream) {
-  const cudaError_t err = run<Fused>(x, w, packed, a, batch, stream);
+cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
+  const cudaError_t err = run<Fused>(x, w, packed, pack, a, batch, stream);
   if (err != cudaSuccess || kSplits == 1) return err;
   const long long outputs = static_cast<long long>(batch) * s1::kKept;
   s1::finalize_kernel<<<static_cast<unsigned>((outputs + s1::kThreads - 1) / s1::kThreads), s1::kThreads, 0, stream>>>(a, kSplits);

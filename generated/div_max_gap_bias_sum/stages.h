@@ -34,9 +34,10 @@ constexpr long long kPackedFloats = 3456;
 
 #ifdef KGEN_STAGES_CUDA
 // The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 62, 62].
-cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream);
+// `packed` holds the re-laid weights (kPackedFloats); `pack` says whether to write them from `w` first.
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
 // The convolution with stage 1 as its epilogue: writes `a.out` (and `a.partial`: 224 per output).
-cudaError_t launch_fused(const float* x, const float* w, float* packed, const s1::Args& a, int batch, cudaStream_t stream);
+cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
 constexpr int kSplits = 224;  // partials per output of stage 1: tiles along its reduced dims
 #endif
 

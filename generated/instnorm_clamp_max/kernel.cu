@@ -68,14 +68,15 @@ struct Store {
   }
 };
 
-// Packs the weights, then runs the convolution.
+// Packs the weights (unless `packed` already holds them), then runs the convolution.
 template <class E>
-cudaError_t run(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
-  return kgen::conv_gemm::launch<Problem, E>(x, w, packed, ep, batch, stream);
+cudaError_t run(const float* x, const float* w, float* packed, bool pack, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  if (pack) pack_weights<Problem>(w, packed, stream);
+  return kgen::conv_gemm::run<Problem, E>(x, packed, ep, batch, stream);
 }
 
-cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream) {
-  return run<Store>(x, w, packed, Store::Params{bias, out}, batch, stream);
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream) {
+  return run<Store>(x, w, packed, pack, Store::Params{bias, out}, batch, stream);
 }
 
 }  // namespace s0

@@ -31,7 +31,8 @@ constexpr long long kPackedFloats = 3840;
 
 #ifdef KGEN_STAGES_CUDA
 // The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 30, 30].
-cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, float* out, int batch, cudaStream_t stream);
+// `packed` holds the re-laid weights (kPackedFloats); `pack` says whether to write them from `w` first.
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
 #endif
 
 }  // namespace s0
