@@ -40,6 +40,8 @@ WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
 # The wgmma loop wins where a warpgroup's MMA is at least 16 columns wide with two
 # warpgroups per m-block (avgpool_sigmoid_sum's 64 channels: 0.436 ms against 0.685 in
 # the lab); at 16 channels the window loop wins (div_max_gap_bias_sum: 0.49 against 0.61).
+# Split TF32 (three MMAs re-reading A) gained nothing on KernelBench's convolutions
+# (problems 15, 21: 0.74x, 0.84x; 34, 73, 85, 92: 1.00-1.06x), so it keeps mma.sync.
 WGMMA_MIN_COUT = 32
 STAGES = 2  # cp.async pipeline depth
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
@@ -291,7 +293,7 @@ class ConvGemm(Family):
         with two warpgroups per 64-row m-block where it wins (WGMMA_MIN_COUT); else the window
         loop with 4 m-tiles of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise."""
         c = lc.conv
-        if target.wgmma and c.rank >= 2 and c.in_channels >= 8 and c.out_channels >= WGMMA_MIN_COUT:
+        if target.wgmma and mma == "tf32" and c.rank >= 2 and c.in_channels >= 8 and c.out_channels >= WGMMA_MIN_COUT:
             block_n = -(-c.out_channels // 16) * 16
             for tile, warps_m in (((1, 16, 8), 8), ((1, 8, 8), 4)):
                 # one register stage (conv_gemm.cuh BoxRegs) instead of cp.async stages
