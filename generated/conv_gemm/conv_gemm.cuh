@@ -611,6 +611,18 @@ __device__ __forceinline__ void chunk_window(float (&acc)[Geometry<P>::kMT][Geom
   }
 }
 
+// pin() on every accumulator: the asynchronous MMAs read and write them.
+template <class P>
+__device__ __forceinline__ void pin_all(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4]) {
+  using G = Geometry<P>;
+#pragma unroll
+  for (int mt = 0; mt < G::kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pin(acc[mt][nt][i]);
+}
+
 // wgmma main loop over one chunk: per k step (one tap, 8 channels) and m-block,
 // one warpgroup MMA with A at a compile-time offset from the m-block's base
 // descriptor and B from the resident weights (tf32x3: a_lo x b_hi + a x b_lo +
@@ -620,12 +632,7 @@ __device__ __forceinline__ void chunk_wgmma(float (&acc)[Geometry<P>::kMT][Geome
                                             const uint64_t (&a_desc)[Geometry<P>::kMT], uint64_t lo_shift,
                                             uint64_t b_desc) {
   using G = Geometry<P>;
-#pragma unroll
-  for (int mt = 0; mt < G::kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < G::kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pin(acc[mt][nt][i]);
+  pin_all<P>(acc);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < G::kKSteps; ++ks) {
@@ -652,14 +659,8 @@ __device__ __forceinline__ void chunk_wgmma(float (&acc)[Geometry<P>::kMT][Geome
 // Waits for the MMAs chunk_wgmma issued.
 template <class P>
 __device__ __forceinline__ void chunk_wgmma_wait(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4]) {
-  using G = Geometry<P>;
   wgmma_wait<0>();
-#pragma unroll
-  for (int mt = 0; mt < G::kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < G::kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pin(acc[mt][nt][i]);
+  pin_all<P>(acc);
 }
 
 // The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...).
