@@ -285,7 +285,8 @@ class WeightCache {
   // must (re)write it before use.
   at::Tensor get(const at::Tensor& w, int64_t floats, cudaStream_t stream, bool* stale) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    check_launch(cudaStreamIsCapturing(stream, &capture), "kgen", "weight cache");
+    const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+    TORCH_CHECK(err == cudaSuccess, "kgen: weight cache: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
     std::lock_guard<std::mutex> lock(mutex_);
     *stale = true;
     if (capture != cudaStreamCaptureStatusNone || w.is_inference() || (source_.defined() && stream_ != stream)) {

@@ -24,20 +24,21 @@
 // `wgmma` (sm_90a; kCI a multiple of 8, tiles of 8 positions in W and a
 // multiple of 8 rows in H, all output channels in one CTA): the warpgroup MMA
 // reads both operands from shared memory through descriptors, no fragment
-// is assembled in registers. The box lands as for the other loops (channel
-// planes, 16-byte copies where rows allow); one pass rounds it to TF32 and
-// stores it as channel quads, 16 bytes per position ([quad][d][h][w phase]
-// [w / SW][4]: a W stride splits W into its phases), so the A operand of one tap, 64 output positions (8 rows in H of
-// 8 in W) x 8 channels, is a core-matrix layout at a compile-time offset:
-// 8 positions of a row are 16 bytes apart, the rows SH box rows apart, the
-// two quads of a k step a quad plane apart. The weights stay in shared memory
-// for the whole kernel, in the layout the B descriptor reads.
+// is assembled in registers. The box of the next chunk is loaded into
+// registers while this chunk's MMAs run (BoxRegs, no cp.async stages), then
+// rounded to TF32 and stored as channel quads, 16 bytes per position
+// ([quad][d][h][w phase][w / SW][4]: a W stride splits W into its phases), so
+// the A operand of one tap, 64 output positions (8 rows in H of 8 in W) x 8
+// channels, is a core-matrix layout at a compile-time offset: 8 positions of
+// a row are 16 bytes apart, the rows SH box rows apart, the two quads of a k
+// step a quad plane apart. The weights stay in shared memory for the whole
+// kernel, in the layout the B descriptor reads.
 //
-// Weights are packed once per call (pack_weights_kernel); for mma.sync into
-// MMA-fragment order and read straight from global memory (L1-resident after the first
-// tile), one 8- or 16-byte load per n-tile and k-step. CTAs are persistent
-// and walk their tiles; cp.async stages run kStages deep across chunks and
-// tiles. After a tile's last chunk the epilogue runs: on the accumulator
+// Weights are packed by pack_weights_kernel (the caller keeps them while the
+// weight is unchanged); for mma.sync into MMA-fragment order and read straight
+// from global memory (L1-resident after the first tile), one 8- or 16-byte
+// load per n-tile and k-step. CTAs are persistent and walk their tiles; the
+// mma.sync loops' cp.async stages run kStages deep across chunks and tiles. After a tile's last chunk the epilogue runs: on the accumulator
 // registers (E::kStaged false: elementwise ops, reductions, statistics) or on
 // a shared-memory copy of the tile (E::kStaged: pools, plain stores).
 #pragma once
@@ -176,14 +177,14 @@ struct Geometry {
   static constexpr int kBD = (P::kTD - 1) * P::kSD + (P::kKD - 1) * P::kDD + 1;
   static constexpr int kBH = (P::kTH - 1) * P::kSH + (P::kKH - 1) * P::kDH + 1;
   static constexpr int kBW = (P::kTW - 1) * P::kSW + (P::kKW - 1) * P::kDW + 1;
-  // Rows are loaded in 16-byte pieces when every piece lies wholly inside or
-  // wholly outside the input: NC[D]HW; W, the tile step and the padding
-  // multiples of 4; channel planes 16-byte aligned.
-  static constexpr bool kVecRows = !P::kChannelsLast && P::kInW % 4 == 0 && (P::kTW * P::kSW) % 4 == 0 &&
-                                   P::kPW % 4 == 0 && P::kPlaneResidue % 4 == 0;
+  // Input is read in 16-byte pieces along W when every piece lies wholly inside
+  // or wholly outside the input: NC[D]HW; W, the tile step and the padding
+  // multiples of 4. Rows land so in shared memory when channel planes are
+  // 16-byte aligned too.
+  static constexpr bool kVecW = !P::kChannelsLast && P::kInW % 4 == 0 && (P::kTW * P::kSW) % 4 == 0 && P::kPW % 4 == 0;
+  static constexpr bool kVecRows = kVecW && P::kPlaneResidue % 4 == 0;
   // The window loop reads pairs up to one column past the box.
-  // (the wgmma loop's interleave pass reads 4 positions at a time)
-  static constexpr int kBWPad = kVecRows || kWg ? round_up(kBW + (kWindow ? 1 : 0), 4) : round_up(kBW + (kWindow ? 1 : 0), 2);
+  static constexpr int kBWPad = kVecRows ? round_up(kBW + (kWindow ? 1 : 0), 4) : round_up(kBW + (kWindow ? 1 : 0), 2);
   static constexpr int kPlane = pad_to_residue(kBD * kBH * kBWPad, P::kPlaneResidue);
   static constexpr int kInStage = round_up(P::kCI * kPlane, 4);
   // wgmma loop: the A buffer, the box as [quad][bd][bh][w phase][w / SW][4 channels].
@@ -212,8 +213,7 @@ struct Geometry {
   static constexpr int kNT = kWarpN / 8;
   static_assert(kWg || kM % (16 * P::kWarpsM) == 0, "tile rows must split into 16-row MMA tiles per warp");
   static_assert(!kWg || (P::kCI % 8 == 0 && P::kTW == 8 && P::kTH % 8 == 0 && P::kWarpsM % 4 == 0 &&
-                         kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128 &&
-                         P::kPlaneResidue % 4 == 0),
+                         kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128),
                 "wgmma loop: kCI a multiple of 8, tiles of 8 in W and 8k in H, warpgroups split the m-blocks, one channel block");
   static_assert(!kWg || kWarpN % 8 == 0, "wgmma loop: a warpgroup's columns are whole 8-column tiles");
   static_assert(P::kBN % (8 * P::kWarpsN) == 0, "kBN must split into 8-column MMA tiles per warp");
@@ -360,6 +360,16 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 // ------------------------------------------------------------------ loads
 
+// Offset of input element (sample n, channel ci, position id, ih, iw) in x (NC[D]HW or channels_last).
+template <class P>
+__device__ __forceinline__ long long input_offset(int n, int ci, int id, int ih, int iw) {
+  if constexpr (P::kChannelsLast) {
+    return (((static_cast<long long>(n) * P::kInD + id) * P::kInH + ih) * P::kInW + iw) * P::kCin + ci;
+  } else {
+    return (((static_cast<long long>(n) * P::kCin + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
+  }
+}
+
 // Input box of chunk `chunk` for the tile at `c` into one shared-memory stage.
 template <class P>
 __device__ __forceinline__ void load_input(float* dst, const float* __restrict__ x, const TileCoord& c, int chunk) {
@@ -405,12 +415,7 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
       }
       const int id = id0 + bd, ih = ih0 + bh, iw = iw0 + bw;
       const bool ok = ci0 + ci < P::kCin && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
-      long long off;
-      if constexpr (P::kChannelsLast) {
-        off = (((static_cast<long long>(c.n) * P::kInD + id) * P::kInH + ih) * P::kInW + iw) * P::kCin + ci0 + ci;
-      } else {
-        off = (((static_cast<long long>(c.n) * P::kCin + ci0 + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
-      }
+      const long long off = input_offset<P>(c.n, ci0 + ci, id, ih, iw);
       cp_async4(dst + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad + bw, ok ? x + off : x, ok);
     }
   }
@@ -447,8 +452,6 @@ struct BoxRegs {
   static constexpr int kGroupsW = ceil_div(G::kBW, 4), kRows = G::kBD * G::kBH;
   static constexpr int kItems = G::kQuads * kRows * kGroupsW;
   static constexpr int kPer = ceil_div(kItems, G::kThreads);  // items per thread
-  // 16-byte loads: NC[D]HW, and every 4-position group wholly inside or outside W
-  static constexpr bool kVec = !P::kChannelsLast && P::kInW % 4 == 0 && (P::kTW * P::kSW) % 4 == 0 && P::kPW % 4 == 0;
   float v[kPer][4][4];  // [item][channel][position]
 
   __device__ __forceinline__ void load(const float* __restrict__ x, const TileCoord& c, int chunk) {
@@ -464,21 +467,15 @@ struct BoxRegs {
       for (int ch = 0; ch < 4; ++ch) {
         const int ci = ci0 + quad * 4 + ch;
         const bool ok = row_ok && ci < P::kCin;
-        if constexpr (kVec) {
-          const long long off = (((static_cast<long long>(c.n) * P::kCin + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
+        if constexpr (G::kVecW) {
+          const long long off = input_offset<P>(c.n, ci, id, ih, iw);
           const float4 q = ok && iw >= 0 && iw < P::kInW ? __ldg(reinterpret_cast<const float4*>(x + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
           v[p][ch][0] = q.x, v[p][ch][1] = q.y, v[p][ch][2] = q.z, v[p][ch][3] = q.w;
         } else {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int w = iw + j;
-            long long off;
-            if constexpr (P::kChannelsLast) {
-              off = (((static_cast<long long>(c.n) * P::kInD + id) * P::kInH + ih) * P::kInW + w) * P::kCin + ci;
-            } else {
-              off = (((static_cast<long long>(c.n) * P::kCin + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + w;
-            }
-            v[p][ch][j] = ok && w >= 0 && w < P::kInW ? __ldg(x + off) : 0.f;
+            v[p][ch][j] = ok && w >= 0 && w < P::kInW ? __ldg(x + input_offset<P>(c.n, ci, id, ih, w)) : 0.f;
           }
         }
       }
@@ -700,26 +697,6 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   // This thread's B fragments: lane `lane` of n-tiles warp_n * kNT + nt.
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
-  // wgmma loop: the weights go to shared memory once; per m-block of the
-  // warpgroup, its rows' offset inside the A buffer (the 8 positions of a row are
-  // 16 bytes apart, its 8 rows SH box rows apart).
-  int mblock_off[G::kMT];
-  // the warpgroup, from lane 0: the compiler then knows it is warp-uniform (descriptors in uniform registers)
-  const int wg = __shfl_sync(0xffffffffu, warp_m / 4, 0);
-  const int wg_n = __shfl_sync(0xffffffffu, warp_n, 0);
-  if constexpr (G::kWg) {
-    const float4* src = reinterpret_cast<const float4*>(packed);
-    float4* dst = reinterpret_cast<float4*>(smem);
-    for (int e = threadIdx.x; e < G::kWeightFloats / 4; e += G::kThreads) dst[e] = __ldg(src + e);
-    fence_async_shared();  // the main loop's first barrier publishes them
-#pragma unroll
-    for (int mt = 0; mt < G::kMT; ++mt) {
-      const int b = wg + mt * G::kGroups;  // m-block: (d, 8 rows in H) of the tile
-      const int d = b / (P::kTH / 8), h = 8 * (b % (P::kTH / 8));
-      mblock_off[mt] = (d * P::kSD * G::kBH + h * P::kSH) * G::kRowFloats;
-    }
-  }
-
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
   const long long my_tiles = cta < total_tiles ? (total_tiles - 1 - cta) / ctas + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
@@ -755,14 +732,27 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   zero_acc();
 
   if constexpr (G::kWg) {
+    // The weights go to shared memory once.
+    const float4* src = reinterpret_cast<const float4*>(packed);
+    float4* dst = reinterpret_cast<float4*>(smem);
+    for (int e = threadIdx.x; e < G::kWeightFloats / 4; e += G::kThreads) dst[e] = __ldg(src + e);
+    fence_async_shared();  // the main loop's first barrier publishes them
+    // The warpgroup, from lane 0: the compiler then knows it is warp-uniform (descriptors in uniform registers).
+    const int wg = __shfl_sync(0xffffffffu, warp_m / 4, 0);
+    const int wg_n = __shfl_sync(0xffffffffu, warp_n, 0);
     // A: rows 16 bytes apart, 8-row groups SH box rows apart, the k step's two quads a quad plane apart.
     constexpr uint32_t kALbo = G::kQuadPlane * 4, kASbo = P::kSH * G::kRowFloats * 4;
     // B: [n-tile][k quad][8 columns][4 k]: quads 128 bytes apart, n-tiles 256.
     constexpr uint32_t kBLbo = 128, kBSbo = 256;
     constexpr uint64_t kLoShift = G::kABuf / 4;  // tf32x3: the lo buffer, in 16-byte units
+    // Per m-block of the warpgroup (d, 8 rows in H of the tile): its rows inside the A buffer.
     uint64_t a_desc[G::kMT];
 #pragma unroll
-    for (int mt = 0; mt < G::kMT; ++mt) a_desc[mt] = smem_desc(smem_addr(s_lo + mblock_off[mt]), kALbo, kASbo);
+    for (int mt = 0; mt < G::kMT; ++mt) {
+      const int b = wg + mt * G::kGroups;
+      const int d = b / (P::kTH / 8), h = 8 * (b % (P::kTH / 8));
+      a_desc[mt] = smem_desc(smem_addr(s_lo + (d * P::kSD * G::kBH + h * P::kSH) * G::kRowFloats), kALbo, kASbo);
+    }
     BoxRegs<P> box;
     if (steps > 0) box.load(x, tile_of_step(0), 0);
 #pragma unroll 1
