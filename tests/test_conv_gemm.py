@@ -55,7 +55,6 @@ def test_reduction_without_pools_runs_on_the_accumulators():
 
 @pytest.mark.parametrize("ops,kw,why", [
     ([{"conv3d": {"out_channels": 256, "kernel_size": 3}}, "relu"], {}, "large enough for cuDNN"),
-    ([CONV3, "relu"], {"precision": "ieee"}, "precision ieee"),
     ([{"conv3d": {"out_channels": 8, "kernel_size": 3, "groups": 2}}, "relu"], {}, None),
 ])
 def test_aten_where_the_generated_convolution_declines(ops, kw, why):
@@ -69,6 +68,23 @@ def test_aten_where_the_generated_convolution_declines(ops, kw, why):
         assert "conv_gemm declined" in st.choice and why in st.choice
     else:  # grouped convolutions: conv_gemm does not take the op at all
         assert "conv_gemm" not in st.candidates
+
+
+def test_ieee_runs_the_direct_loop():
+    """precision ieee: the generated convolution in plain fp32 FMAs (the direct loop), all
+    output channels in one CTA, fused epilogues as in the tensor-core loops."""
+    text = spec_text([3, 8, 16, 16], [CONV3, {"instance_norm": {}}]) + "precision: ieee\n"
+    st = make_plan(pipeline_of(text), target=DEFAULT).stages[0]
+    assert st.family is conv_gemm.FAMILY and st.schedule.loop == "direct" and st.schedule.mma == "fp32"
+    assert st.schedule.block_n >= 16 and st.schedule.tile[2] == 16  # 14 output columns: W tiles of 16
+    pooled = spec_text([8, 10, 20, 20], [CONV3, {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}])
+    conv, epi = make_plan(pipeline_of(pooled + "precision: ieee\n"), target=DEFAULT).stages
+    assert conv.schedule.loop == "direct" and conv.epilogue is epi and not conv.fused.registers
+    # the staged pool tile is counted in the shared memory the plan checks
+    assert conv.schedule.smem_bytes == conv_gemm.FAMILY.smem_bytes(conv.problems[0], conv.schedule, True)
+    wide = spec_text([8, 20, 20], [{"conv2d": {"out_channels": 100, "kernel_size": 3}}]) + "precision: ieee\n"
+    sc = make_plan(pipeline_of(wide), target=DEFAULT).stages[0].schedule
+    assert sc.loop == "direct" and sc.block_n == 104 and sc.block_n // sc.warps_n <= 32
 
 
 def test_mma_precision_follows_what_comes_after_the_convolution():
@@ -125,8 +141,9 @@ def test_schedules_keep_the_kernels_static_rules_over_many_shapes():
             "out_channels": cout, "kernel_size": k, "stride": rng.randint(1, min(k, 3) if transposed else 3),
             "padding": rng.randint(0, k // 2)} | ({} if transposed else {"dilation": rng.randint(1, 2)})}
         ops = [op] + rng.choice([[], ["relu"], [{"sum": {"dim": 1}}], [{f"max_pool{rank}d": {"kernel_size": 2}}, {"mean": {"dim": list(range(2, 2 + rank))}}]])
+        precision = rng.choice(("tf32", "tf32", "ieee"))
         try:
-            pipe = pipeline_of(spec_text([cin] + spatial, ops))
+            pipe = pipeline_of(spec_text([cin] + spatial, ops) + f"precision: {precision}\n")
         except Exception:  # noqa: BLE001 - a shape that does not fit: draw again
             continue
         st = make_plan(pipe, target=DEFAULT).stages[0]  # ConvGemm.check runs inside; it raises on a broken schedule
@@ -159,6 +176,16 @@ SPECS = {
     "cg_wide_tr": spec_text([12, 5, 7, 9], [{"conv_transpose3d": {"out_channels": 32, "kernel_size": 3, "stride": 2,
                                                                    "padding": 1}}, "relu"], name="cg_wide_tr",
                             plan=GEMM),
+    # the direct loop (ieee): a fused pool + reduction (staged tile), a sigmoid-sum on the accumulators,
+    # transposed phases whose output is written from the accumulators
+    "cg_direct_pool": spec_text([5, 6, 10, 18], [{"conv3d": {"out_channels": 12, "kernel_size": 3, "padding": 1}},
+                                                {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 3]}}],
+                                name="cg_direct_pool", plan=GEMM) + "precision: ieee\n",
+    "cg_direct_sig": spec_text([3, 21, 26], [{"conv2d": {"out_channels": 40, "kernel_size": 3, "stride": 2}}, "sigmoid",
+                                            {"sum": {"dim": [1, 2, 3]}}], name="cg_direct_sig", plan=GEMM) + "precision: ieee\n",
+    "cg_direct_tr": spec_text([7, 6, 9], [{"conv_transpose2d": {"out_channels": 9, "kernel_size": 4, "stride": 2,
+                                                                "padding": 1}}, "relu"], name="cg_direct_tr",
+                              plan=GEMM) + "precision: ieee\n",
 }
 
 
@@ -193,7 +220,8 @@ def test_cpu_builds_validate(cg_modules):
 
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
-    for name in ("cg_transposed", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr"):
+    for name in ("cg_transposed", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr", "cg_direct_pool", "cg_direct_sig",
+                 "cg_direct_tr"):
         kernels = ptxas_report(cg_modules[name][1], "9.0a")
         assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
         bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}" for k in kernels if not k.clean]
@@ -220,6 +248,13 @@ RANDOM_CONVS = [
     ([8, 30, 41], {"conv2d": {"out_channels": 64, "kernel_size": 6, "stride": 4}}, "tf32"),
     ([9, 23, 18], {"conv2d": {"out_channels": 40, "kernel_size": [3, 5], "padding": [1, 2], "dilation": [2, 1]}}, "tf32"),
     ([12, 5, 7, 9], {"conv_transpose3d": {"out_channels": 32, "kernel_size": 3, "stride": 2, "padding": 1}}, "tf32"),
+    # the direct loop (ieee): odd sizes, stride and two weight column warps, dilation with two input-channel
+    # chunks, 3-d transposed phases, 1-d stride 3
+    ([3, 9, 13, 35], {"conv3d": {"out_channels": 20, "kernel_size": 3, "padding": 1}}, "ieee"),
+    ([5, 40, 41], {"conv2d": {"out_channels": 40, "kernel_size": [5, 3], "stride": 2, "padding": [2, 1]}}, "ieee"),
+    ([7, 20, 23], {"conv2d": {"out_channels": 8, "kernel_size": 3, "padding": 2, "dilation": 2}}, "ieee"),
+    ([6, 5, 7, 9], {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}, "ieee"),
+    ([7, 101], {"conv1d": {"out_channels": 12, "kernel_size": 7, "stride": 3, "padding": 3}}, "ieee"),
 ]
 
 
@@ -228,8 +263,8 @@ RANDOM_CONVS = [
 def test_random_convolutions_match_float64(tmp_path):
     """Each convolution built in parallel and validated (batches 1 to 3, NaN, large values,
     +-inf into the kernel) against float64 at its precision's tolerance, NaN masks exact.
-    tf32: the convolution then a ReLU (fused in as its epilogue, TF32 products); tf32x3:
-    the convolution is the output (split TF32)."""
+    tf32: the convolution then a ReLU (fused in as its epilogue, TF32 products); tf32x3 and
+    ieee: the convolution is the output (split TF32; fp32 FMAs)."""
     out = tmp_path / "gen"
     cases = []
     for i, (shape, op, precision) in enumerate(RANDOM_CONVS):
@@ -249,7 +284,7 @@ def test_random_convolutions_match_float64(tmp_path):
         st = make_plan(pipeline_of(pipe_text)).stages[0]
         assert st.family is conv_gemm.FAMILY
         loops.append(st.schedule.loop)
-    assert {"generic", "window"} <= set(loops)
+    assert {"generic", "window"} <= set(loops) and loops.count("direct") == 5, loops
     if torch.cuda.get_device_capability()[0] == 9:  # Hopper: the wide ones take the wgmma loop
         assert loops.count("wgmma") == 4, loops
 

@@ -1,4 +1,5 @@
-"""conv_gemm: the convolution itself, generated as an implicit GEMM on TF32 tensor cores.
+"""conv_gemm: the convolution itself, generated as an implicit GEMM on TF32 tensor cores
+(precision ieee: plain fp32 FMAs, the kernel's direct loop).
 
 The kernel is ``templates/conv_gemm/conv_gemm.cuh`` (ordinary C++ templates);
 this family renders its problem structs (every size a compile-time constant,
@@ -48,6 +49,10 @@ PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a 
 # Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
 # about 45% of that on the shipped convolutions (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
 GEMM_TENSOR_FRACTION = 0.22
+# The direct loop (precision ieee) reached ~37% of the FP32 rate on instnorm_clamp_max's
+# 3 -> 16 convolution with the statistics epilogue (scripts/conv_lab dinst_stats, H100)
+DIRECT_FP32_FRACTION = 0.37
+DIRECT_MAX_ACC = 128  # accumulators per thread in the direct loop (positions x channels)
 
 
 @dataclass(frozen=True)
@@ -80,8 +85,8 @@ class Schedule:
     warps_n: int
     stages: int  # cp.async pipeline depth
     plane_residue: int  # channel plane stride % 32
-    loop: str  # main loop (conv_gemm.cuh Loop): "wgmma", "window" (registers; stride 1 in H and W) or "generic"
-    mma: str  # tf32 | tf32x3
+    loop: str  # main loop (conv_gemm.cuh Loop): "wgmma", "window" (registers; stride 1 in H and W), "generic" or "direct" (fp32)
+    mma: str  # tf32 | tf32x3 | fp32 (the direct loop)
     smem_bytes: int  # what the CTA needs (checked against the limit)
 
 
@@ -120,6 +125,9 @@ class ConvGemmStage(ConvStage):
         sc = self.schedule
         total = 0
         for p in self.problems:
+            if sc.loop == "direct":  # [chunk][channel][tap][block_n]
+                total += -(-p.cin // sc.cin_chunk) * sc.cin_chunk * math.prod(p.kernel) * sc.block_n
+                continue
             taps_hw = p.kernel[1] * p.kernel[2]
             slots = p.kernel[0] * (taps_hw + taps_hw % 2 if sc.cin_chunk == 4 else taps_hw)
             k_steps = sc.cin_chunk * slots // 8
@@ -201,7 +209,7 @@ class ConvGemm(Family):
     generates_kernel = True
     pieces = ("stage.h", "kernel.cu", "binding.cpp")
     cuda_includes = ("conv_gemm/conv_gemm.cuh",)
-    summary = "generated implicit-GEMM convolution on TF32 tensor cores, the next stage fused in"
+    summary = "generated implicit-GEMM convolution on TF32 tensor cores (ieee: fp32 FMAs), the next stage fused in"
 
     def fits(self, ops):
         if len(ops) != 1:
@@ -217,8 +225,6 @@ class ConvGemm(Family):
         """Why this family cannot (or should not) compute the request's convolution; None if it can."""
         if req.pipeline.conv_impl == "aten":
             return "the spec asks for ATen (plan.conv: aten)"
-        if req.pipeline.precision == "ieee":
-            return "precision ieee: plain fp32 (FFMA) convolutions run through ATen"
         if not req.input.dense:
             return "its input is not a dense tensor"
         lc = lowered(req.ops[0])
@@ -226,7 +232,8 @@ class ConvGemm(Family):
         taps = math.prod(lc.kernel) if not isinstance(lc.lowering, Subpixel) else max(
             math.prod(ph.taps) for ph in lc.phases(req.types[0].spatial))
         try:
-            self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, "tf32x3", req.target)
+            mma = "fp32" if req.pipeline.precision == "ieee" else "tf32x3"
+            self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, mma, req.target)
         except KgenError as e:
             return f"no tile fits: {e}"
         forced = req.pipeline.conv_impl == "gemm"
@@ -273,6 +280,10 @@ class ConvGemm(Family):
         m = math.prod(tile)
         tile_floats = sc.block_n * (m + (4 - m % 32) % 32) if staged else 0
         splits = 2 if sc.mma == "tf32x3" else 1
+        if sc.loop == "direct":  # resident weights | input stages (no rounding: no lo parts) | staged tile
+            weights = -(-p.cin // sc.cin_chunk) * sc.cin_chunk * math.prod(p.kernel) * sc.block_n
+        else:
+            weights = 0
         if sc.loop == "wgmma":  # resident weights | the A buffer (channel quads, W phases) | staged tile
             weights = splits * -(-p.cin // sc.cin_chunk) * math.prod(p.kernel) * sc.block_n * 8
             row = 4 * p.stride[2] * -(-box[2] // p.stride[2])
@@ -285,14 +296,17 @@ class ConvGemm(Family):
         plane = box[0] * box[1] * row
         plane += (sc.plane_residue - plane % 32) % 32
         stage = -(-sc.cin_chunk * plane // 4) * 4
-        floats = sc.stages * stage + (stage if sc.mma == "tf32x3" else 0)
+        floats = weights + sc.stages * stage + (stage if sc.mma == "tf32x3" else 0)
         return 4 * (floats + tile_floats)
 
     def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
         """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the wgmma loop
         with two warpgroups per 64-row m-block where it wins (WGMMA_MIN_COUT); else the window
-        loop with 4 m-tiles of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise."""
+        loop with 4 m-tiles of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise.
+        fp32 (precision ieee): the direct loop."""
         c = lc.conv
+        if mma == "fp32":
+            return self.direct_schedule(lc, problems, staged)
         if target.wgmma and mma == "tf32" and c.rank >= 2 and c.in_channels >= 8 and c.out_channels >= WGMMA_MIN_COUT:
             block_n = -(-c.out_channels // 16) * 16
             for tile, warps_m in (((1, 16, 8), 8), ((1, 8, 8), 4)):
@@ -324,13 +338,45 @@ class ConvGemm(Family):
         self.check(sc, problems)
         return sc
 
+    def direct_schedule(self, lc, problems: list[Problem], staged: bool) -> Schedule:
+        """The direct loop: all output channels in one CTA, split over warp columns of at most
+        32 channels; positions per thread as many as DIRECT_MAX_ACC accumulators allow (8 at
+        16 channels: 4 warps of 32 x 8 positions, lanes along W), about 4 warps; W tiles of 32 unless the
+        output is narrower; the largest tile whose stages fit (measured on instnorm_clamp_max's
+        3 -> 16 convolution: scripts/conv_lab dinst_*)."""
+        c = lc.conv
+        block_n = -(-c.out_channels // 8) * 8
+        warps_n = next(w for w in range(1, block_n // 8 + 1) if block_n % (8 * w) == 0 and block_n // w <= 32)
+        per_thread = max(2, min(8, DIRECT_MAX_ACC // (block_n // warps_n)) // 2 * 2)
+        cin_chunk = min(c.in_channels, 4)  # small stages: a staged epilogue tile still fits beside them
+        out_w = max(q.out[2] for q in problems)
+        tw = 32 if out_w >= 24 or c.rank == 1 else 16 if out_w >= 12 else 8
+        warps_m = max(1, 4 // warps_n)  # at most ~4 warps: 128 accumulators and the loads need ~200 registers
+        sc = None
+        while warps_m >= 1:
+            m = 32 * per_thread * warps_m
+            rest = m // tw  # rows of the tile in (D, H)
+            tiles = ([(1, 1, m)] if c.rank == 1 else [(1, rest, tw)] if c.rank == 2 else
+                     [(2, rest // 2, tw), (1, rest, tw)] if rest >= 2 else [(1, rest, tw)])
+            for tile in tiles:
+                sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, "direct", "fp32", 0)
+                sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
+                if sc.smem_bytes <= SMEM_LIMIT:
+                    self.check(sc, problems)
+                    return sc
+            warps_m //= 2
+        self.check(sc, problems)  # raises: nothing fits
+        return sc
+
     @staticmethod
     def check(sc: Schedule, problems: list[Problem]) -> None:
         """The kernel's static constraints (conv_gemm.cuh's static_asserts), at plan time."""
         m = math.prod(sc.tile)
         mt = m // sc.warps_m // 16
+        direct = sc.loop == "direct"
         rules = {
-            "kCI is 4 or a multiple of 8": sc.cin_chunk == 4 or sc.cin_chunk % 8 == 0,
+            "kCI is 4 or a multiple of 8 (the direct loop: any)": direct or sc.cin_chunk == 4 or sc.cin_chunk % 8 == 0,
+            "the direct loop and only it computes in fp32": direct == (sc.mma == "fp32"),
             "tile rows split into 16-row MMA tiles per warp": m % (16 * sc.warps_m) == 0,
             "kBN splits into 8-column MMA tiles per warp": sc.block_n % (8 * sc.warps_n) == 0,
             f"shared memory within {SMEM_LIMIT} bytes": sc.smem_bytes <= SMEM_LIMIT,
@@ -340,6 +386,10 @@ class ConvGemm(Family):
                 sc.tile[2] == 8 and sc.tile[1] % 8 == 0 and sc.cin_chunk == 8 and sc.warps_m % 4 == 0
                 and (m // 64) % (sc.warps_m // 4) == 0 and all(p.cout <= sc.block_n for p in problems)
                 and sc.block_n <= 128 and (sc.block_n // sc.warps_n) % 8 == 0)
+        if direct:
+            rules["direct loop: an even number of positions per thread, 16-byte weight loads, one channel block"] = (
+                m % (64 * sc.warps_m) == 0 and (sc.block_n // sc.warps_n) % 4 == 0
+                and all(p.cout <= sc.block_n for p in problems))
         if sc.loop == "window":
             rules["window loop: stride 1 in H and W, kCI 4 or 8, warps tile (TD, TH / kMT, TW / 16)"] = (
                 all(p.stride[1] == p.stride[2] == 1 for p in problems) and sc.cin_chunk in (4, 8)
@@ -356,6 +406,8 @@ class ConvGemm(Family):
         relative error), before an exponential (softmax and logsumexp turn the absolute error
         of large logits into a relative error of the result), or when the convolution is the
         output. cuDNN itself often runs such small convolutions in fp32 even where TF32 is allowed."""
+        if req.pipeline.precision == "ieee":
+            return "fp32", "the spec asks for ieee: plain fp32 FMAs (the direct loop)"
         if req.pipeline.precision == "tf32x3":
             return "tf32x3", "the spec asks for tf32x3"
         later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
@@ -369,7 +421,8 @@ class ConvGemm(Family):
         st = ConvGemmStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=lc, layout="contiguous")
         st.problems = self.problems(lc, t_in, t_out)
         mma, st.x3_reason = self.mma(req)
-        st.schedule = self.schedule(lc, st.problems, True, mma, req.target)  # the plain epilogue stores a staged tile
+        # the plain epilogue stores a staged tile (the direct loop stores from its accumulators)
+        st.schedule = self.schedule(lc, st.problems, mma != "fp32", mma, req.target)
         st.input_extent = tuple(t_in.spatial)
         st.output = flat_buffer(t_out)
         return st
@@ -396,7 +449,7 @@ class ConvGemm(Family):
         if "c" in reduced and st.conv.conv.out_channels > st.schedule.block_n:
             return False  # a channel reduction needs every channel in the CTA
         sc = st.schedule
-        if any(t % w for t, w in zip(sc.tile, window)) or sc.smem_bytes > SMEM_LIMIT:
+        if any(t % w for t, w in zip(sc.tile, window)):
             return False  # a tile must hold whole windows
         pooled = _view3(nxt.pooled_type.spatial, 1)
         pooled_tile = tuple(t // w for t, w in zip(sc.tile, window))
@@ -410,20 +463,26 @@ class ConvGemm(Family):
         # threads per output: enough that every thread has work (whole warps combine through shared memory)
         lanes = 1 if local_reduced == 1 else min(threads, pow2_floor(local_reduced), max(1, pow2_floor(threads // max(1, local_kept))))
         registers = len(nxt.levels) == 1 and not kept
-        if registers:  # the accumulator tile is never staged: less shared memory
-            st.schedule = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, False) for q in st.problems))
+        # the accumulator tile is staged unless the epilogue works on the registers
+        smem = max(self.smem_bytes(q, sc, not registers) for q in st.problems)
+        if smem > SMEM_LIMIT:
+            return False
+        st.schedule = replace(sc, smem_bytes=smem)
         st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers)
         return True
 
     def work(self, st: ConvGemmStage, batch: int, target: Target) -> list[Work]:
         """The weight pack, then one launch: the input read once, the output (or, with an
-        epilogue fused in, the epilogue's output) written once; split TF32 triples the MMAs."""
+        epilogue fused in, the epilogue's output) written once; split TF32 triples the MMAs;
+        the direct loop runs on the FP32 cores."""
         lc, c = st.conv, st.conv.conv
         flops = batch * lc.flops(st.in_type, st.out_type) * (3 if st.schedule.mma == "tf32x3" else 1)
         out_type = st.epilogue.out_type if st.epilogue is not None else st.out_type
         nbytes = FLOAT_BYTES * (batch * (st.in_type.sample_numel + out_type.sample_numel) + math.prod(c.weight_shape()))
+        rate = (target.fp32_flops * DIRECT_FP32_FRACTION if st.schedule.loop == "direct"
+                else target.tensor_flops * GEMM_TENSOR_FRACTION)
         out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape())),
-               Work("implicit GEMM", flops, nbytes, target.tensor_flops * GEMM_TENSOR_FRACTION,
+               Work("direct convolution" if st.schedule.loop == "direct" else "implicit GEMM", flops, nbytes, rate,
                     launches=2 if st.fused is not None and st.fused.splits > 1 else 1)]
         if isinstance(lc.lowering, Folded):
             out.insert(0, Work("fold weight", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()), calls=1, call_s=CUDNN_CALL_S))

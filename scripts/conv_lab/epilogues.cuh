@@ -22,6 +22,22 @@ template <class P, class F>
 __device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratch, F f) {
   using G = Geometry<P>;
   const int warp_m = fm.m0 / G::kWarpM;
+  if constexpr (P::kLoop == Loop::kDirect) {  // a thread holds all the warp's channels: sum over the 32 lanes
+#pragma unroll
+    for (int nt = 0; nt < G::kNT; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float s = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < G::kMT; ++mt) s += f(mt, nt, j) + f(mt, nt, 2 + j);
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (threadIdx.x % 32 == 0) scratch[warp_m * P::kBN + fm.n(nt, j)] = s;
+      }
+    }
+    __syncthreads();
+    return;
+  }
 #pragma unroll
   for (int nt = 0; nt < G::kNT; ++nt) {
 #pragma unroll
@@ -184,10 +200,13 @@ struct NormApplyMax {
             best = kgen::max_nan(best, kgen::clamp(v, p.lo, p.hi) * p.mult[n]);
           }
         }
-        best = kgen::max_nan(best, __shfl_xor_sync(0xffffffffu, best, 1));
-        best = kgen::max_nan(best, __shfl_xor_sync(0xffffffffu, best, 2));
+        constexpr bool kDirect = P::kLoop == Loop::kDirect;  // a thread holds every channel of its positions
+        if constexpr (!kDirect) {
+          best = kgen::max_nan(best, __shfl_xor_sync(0xffffffffu, best, 1));
+          best = kgen::max_nan(best, __shfl_xor_sync(0xffffffffu, best, 2));
+        }
         const int m = fm.m(mt, 2 * h);
-        if (fm.t == 0 && row_valid<P>(c, m)) {
+        if ((kDirect || fm.t == 0) && row_valid<P>(c, m)) {
           p.out[((static_cast<long long>(c.n) * P::kOutD + c.od + row_d<P>(m)) * P::kOutH + c.oh + row_h<P>(m)) * P::kOutW +
                 c.ow + row_w<P>(m)] = best;
         }

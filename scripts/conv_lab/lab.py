@@ -60,8 +60,9 @@ def tconv3(cin, cout, ins, k, s=1, p=0, op=0):
 
 
 def cfg(name, prob, tile, ci, bn, warps, stages, epilogue, mma="kTf32", residue=8, channels_last=False, batch=2,
-        bench_batch=None, kind=None, window=False, wgmma=False):
-    loop = "kWgmma" if wgmma else "kWindow" if window else "kGeneric"
+        bench_batch=None, kind=None, window=False, wgmma=False, direct=False):
+    loop = "kDirect" if direct else "kWgmma" if wgmma else "kWindow" if window else "kGeneric"
+    mma = "kFp32" if direct else mma
     return dict(name=name, prob=prob, tile=tile, ci=ci, bn=bn, warps=warps, stages=stages, epilogue=epilogue, mma=mma,
                 residue=residue, channels_last=channels_last, batch=batch, bench_batch=bench_batch, kind=kind or name,
                 loop=loop)
@@ -122,6 +123,21 @@ CONFIGS = [
         window=True),
     cfg("instw_apply", INST, (2, 8, 16), 4, 16, (8, 1), 3, "NormApplyMax", mma="kTf32x3", bench_batch=128, kind="instw",
         window=True),
+    # the direct loop (plain fp32 FMAs)
+    cfg("d3d_odd", conv3(3, 20, (9, 13, 35), 3, p=1), (1, 8, 32), 3, 24, (2, 1), 2, "Store", direct=True),
+    cfg("d2d_s2", conv3(5, 16, (40, 41), (5, 3), s=2, p=(2, 1)), (1, 8, 32), 5, 16, (2, 2), 2, "Store", batch=3,
+        direct=True),
+    cfg("d2d_dil_cl", conv3(12, 8, (20, 23), 3, p=2, d=2), (1, 4, 16), 8, 8, (1, 1), 3, "Store", channels_last=True,
+        direct=True),
+    cfg("dtr3d_s2", tconv3(6, 16, (5, 7, 9), 3, s=2, p=1, op=1), (2, 4, 16), 6, 16, (2, 1), 2, "Store", direct=True),
+    cfg("d1d", conv3(7, 12, (101,), 7, s=3, p=3), (1, 1, 64), 4, 16, (1, 1), 2, "Store", batch=3, direct=True),
+    cfg("davg", AVG, (1, 4, 32), 8, 64, (1, 4), 2, "SigmoidSum", bench_batch=128, kind="avgpool", direct=True),
+    cfg("winst_store", INST, (2, 8, 16), 4, 16, (8, 1), 2, "Store", mma="kTf32x3", window=True, bench_batch=128),
+    cfg("dinst_store", INST, (2, 16, 32), 3, 16, (4, 1), 2, "Store", bench_batch=128, direct=True),
+    cfg("dinst_store8", INST, (2, 16, 32), 3, 16, (8, 1), 2, "Store", bench_batch=128, direct=True),
+    cfg("dinst_store_t1", INST, (1, 32, 32), 3, 16, (4, 1), 2, "Store", bench_batch=128, direct=True),
+    cfg("dinst_stats", INST, (2, 16, 32), 3, 16, (4, 1), 2, "NormStats", bench_batch=128, kind="dinst", direct=True),
+    cfg("dinst_apply", INST, (2, 16, 32), 3, 16, (4, 1), 2, "NormApplyMax", bench_batch=128, kind="dinst", direct=True),
 ]
 
 
@@ -351,7 +367,7 @@ def run(only=None, check_only=False, profile=False):
             row.setdefault("rel", []).append(rel)
             row.setdefault("rel_eager", []).append(rel_e)
             row.setdefault("maxabs", []).append(mx)
-            tol = 2e-5 if c["mma"] == "kTf32x3" else 5e-3
+            tol = {"kTf32x3": 2e-5, "kFp32": 1e-5}.get(c["mma"], 5e-3)
             if rel > tol:
                 errs.append(f"seed {seed}: rel {rel:.2e} > {tol}")
             close = torch.allclose(got[fin], ref[fin], atol=1e-4, rtol=1e-4)

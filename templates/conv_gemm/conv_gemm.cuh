@@ -14,7 +14,7 @@
 // channels of one tap: every shared-memory offset is a compile-time constant
 // plus a per-thread register (no index arithmetic in the main loop).
 //
-// Three main loops. `generic`: each k step loads its A fragments from shared
+// Four main loops, three on tensor cores. `generic`: each k step loads its A fragments from shared
 // memory. `window` (stride 1 in H and W, kCI 4 or 8): a warp's m-tiles are
 // kMT consecutive rows in H of 16 positions in W, a thread's two fragment
 // rows are the neighbours 2g and 2g + 1, so all the taps of one kd read a
@@ -33,6 +33,14 @@
 // a row are 16 bytes apart, the rows SH box rows apart, the two quads of a k
 // step a quad plane apart. The weights stay in shared memory for the whole
 // kernel, in the layout the B descriptor reads.
+// `direct` (Mma::kFp32): plain fp32 FMAs, no rounding (precision ieee, and
+// split-TF32 problems whose K is too small for tensor cores to pay: a 3-channel
+// 3x3x3 convolution pads K 81 -> 108 and runs three MMAs per product). A thread
+// owns kPPT positions 32 apart in the tile (lanes along W: conflict-free loads
+// from the box) x all kWarpN channels of its warp; per tap it reads its kPPT
+// inputs from the box and the tap's kWarpN weights (the same for the whole
+// warp: broadcast 16-byte loads from shared memory, where the weights stay
+// for the whole kernel) and does kPPT x kWarpN FMAs.
 //
 // Weights are packed by pack_weights_kernel (the caller keeps them while the
 // weight is unchanged); for mma.sync into MMA-fragment order and read straight
@@ -54,8 +62,8 @@
 namespace kgen {
 namespace conv_gemm {
 
-enum class Mma { kTf32, kTf32x3 };
-enum class Loop { kGeneric, kWindow, kWgmma };  // the main loops (see above)
+enum class Mma { kTf32, kTf32x3, kFp32 };                // kFp32: the direct loop's plain FMAs
+enum class Loop { kGeneric, kWindow, kWgmma, kDirect };  // the main loops (see above)
 
 // ------------------------------------------------------------------ PTX
 
@@ -147,20 +155,23 @@ constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32
 //                                           (kWFlip: start + step * (taps - 1 - j))
 //   kChannelsLast                           input memory format (else NC[D]HW)
 //   kTD, kTH, kTW                           output box of one tile
-//   kCI                                     input channels per chunk: 4 or a multiple of 8
+//   kCI                                     input channels per chunk: 4 or a multiple of 8 (direct loop: any)
 //   kBN                                     output channels per CTA, a multiple of 8
 //   kWarpsM, kWarpsN                        warp grid of a CTA
 //   kStages                                 cp.async pipeline depth (>= 2)
 //   kPlaneResidue                           input channel plane stride % 32 (bank spread)
-//   kMma                                    Mma::kTf32 or Mma::kTf32x3
-//   kLoop                                   Loop::kGeneric, kWindow or kWgmma
+//   kMma                                    Mma::kTf32, kTf32x3 or (direct loop) kFp32
+//   kLoop                                   Loop::kGeneric, kWindow, kWgmma or kDirect
 template <class P>
 struct Geometry {
-  static_assert(P::kCI == 4 || P::kCI % 8 == 0, "the four k-lanes of a fragment are four channels of one tap");
+  static constexpr bool kDirect = P::kLoop == Loop::kDirect;
+  static_assert(kDirect || P::kCI == 4 || P::kCI % 8 == 0, "the four k-lanes of a fragment are four channels of one tap");
+  static_assert(kDirect == (P::kMma == Mma::kFp32), "the direct loop and only it computes in plain fp32");
   // K of a chunk runs over tap slots, kd-major; with kCI == 4 a k step holds
   // two taps, so each kd's slots are padded to an even count (a padded slot
   // has zero weights and its A values are compile-time zeros).
   static constexpr int kTapsHW = P::kKH * P::kKW;
+  static constexpr int kTaps = P::kKD * kTapsHW;
   static constexpr int kSlotsPerKd = P::kCI == 4 ? round_up(kTapsHW, 2) : kTapsHW;
   static constexpr int kSlots = P::kKD * kSlotsPerKd;
   static constexpr int kChunks = ceil_div(P::kCin, P::kCI);
@@ -208,10 +219,14 @@ struct Geometry {
   // takes the 64-row m-blocks wg, wg + kGroups, ... and the n-th kWarpN columns.
   static constexpr int kGroups = P::kWarpsM / 4;
   static constexpr int kMBlocks = kM / 64;
-  static constexpr int kMT = kWg ? kMBlocks / (kGroups > 0 ? kGroups : 1) : kWarpM / 16;  // m-tiles (wgmma: m-blocks) per warp
+  // direct loop: a thread's positions (32 apart) and channels, held as acc[kPPT / 2][kWarpN / 2][4]
+  static constexpr int kPPT = kWarpM / 32;
+  static constexpr int kMT = kWg ? kMBlocks / (kGroups > 0 ? kGroups : 1) : kDirect ? kPPT / 2 : kWarpM / 16;  // m-tiles (wgmma: m-blocks) per warp
   static constexpr int kMTStride = kWg ? 64 * kGroups : 16;  // tile rows between a warp's m-tiles
-  static constexpr int kNT = kWarpN / 8;
+  static constexpr int kNT = kDirect ? kWarpN / 2 : kWarpN / 8;
   static_assert(kWg || kM % (16 * P::kWarpsM) == 0, "tile rows must split into 16-row MMA tiles per warp");
+  static_assert(!kDirect || (kWarpM % 64 == 0 && kWarpN % 4 == 0 && ceil_div(P::kCout, P::kBN) == 1),
+                "direct loop: an even number of positions per thread, whole 16-byte weight loads, one channel block");
   static_assert(!kWg || (P::kCI % 8 == 0 && P::kTW == 8 && P::kTH % 8 == 0 && P::kWarpsM % 4 == 0 &&
                          kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128),
                 "wgmma loop: kCI a multiple of 8, tiles of 8 in W and 8k in H, warpgroups split the m-blocks, one channel block");
@@ -236,12 +251,15 @@ struct Geometry {
   static constexpr long long kPackedStep = static_cast<long long>(kNTiles) * 32 * kFragFloats;
   static constexpr int kWgStepFloats = P::kBN * 8;  // B of one k step
   static constexpr int kWgSplitFloats = kChunks * kKSteps * kWgStepFloats;
+  // direct: [chunk][channel of the chunk][tap][kBN], fp32.
   static constexpr long long kPackedFloats =
-      kWg ? static_cast<long long>(kSplits) * kWgSplitFloats : static_cast<long long>(kCBlocks) * kChunks * kKSteps * kPackedStep;
+      kWg       ? static_cast<long long>(kSplits) * kWgSplitFloats
+      : kDirect ? static_cast<long long>(kChunks) * P::kCI * kTaps * P::kBN
+                : static_cast<long long>(kCBlocks) * kChunks * kKSteps * kPackedStep;
 
-  // Shared memory in floats: weights (wgmma) | input stages | the A buffer (wgmma; tf32x3: hi
+  // Shared memory in floats: weights (wgmma, direct) | input stages | the A buffer (wgmma; tf32x3: hi
   // then lo) or the lo parts of a stage (mma.sync, tf32x3) | staged tile | epilogue scratch.
-  static constexpr int kWeightFloats = kWg ? static_cast<int>(kPackedFloats) : 0;
+  static constexpr int kWeightFloats = kWg || kDirect ? static_cast<int>(kPackedFloats) : 0;
   static constexpr int kStageOffset = kWeightFloats;
   static constexpr int kLoOffset = kStageOffset + (kWg ? 0 : P::kStages * kInStage);  // also the A buffer's (no stages)
   static constexpr int kTileOffset = kLoOffset + (kWg ? kSplits * kABuf : kSplits == 2 ? kInStage : 0);
@@ -326,7 +344,8 @@ __device__ __forceinline__ long long out_offset(const TileCoord& c, int channel,
 // row. Window loop: m-tile mt is row h0 + mt at depth d0, positions w0 + 2g
 // (fragment row g) and w0 + 2g + 1 (row g + 8). wgmma loop: m-tile mt is the
 // warpgroup's mt-th m-block (kMTStride rows apart), the warp's 16 rows of it
-// at m0, laid out as in the generic loop.
+// at m0, laid out as in the generic loop. Direct loop: position p = 2 mt + i / 2
+// of the thread is row m0 + 32 p, channel 2 nt + i % 2 of the warp's.
 template <class P>
 struct FragMap {
   int m0, n0, g, t;
@@ -334,11 +353,15 @@ struct FragMap {
   __device__ __forceinline__ int m(int mt, int i) const {
     if constexpr (P::kLoop == Loop::kWindow) {
       return ((d0 * P::kTH) + h0 + mt) * P::kTW + w0 + 2 * g + i / 2;
+    } else if constexpr (P::kLoop == Loop::kDirect) {
+      return m0 + 32 * (2 * mt + i / 2);
     } else {
       return m0 + mt * Geometry<P>::kMTStride + g + (i / 2) * 8;
     }
   }
-  __device__ __forceinline__ int n(int nt, int i) const { return n0 + nt * 8 + 2 * t + (i % 2); }
+  __device__ __forceinline__ int n(int nt, int i) const {
+    return P::kLoop == Loop::kDirect ? n0 + 2 * nt + (i % 2) : n0 + nt * 8 + 2 * t + (i % 2);
+  }
 };
 
 // ------------------------------------------------------------------ reductions
@@ -608,6 +631,46 @@ __device__ __forceinline__ void chunk_window(float (&acc)[Geometry<P>::kMT][Geom
   }
 }
 
+// Direct main loop over one chunk: for each channel and tap, the thread's kPPT
+// inputs (box offsets `pos`) times the tap's kWarpN weights (`w`: this chunk's,
+// from the warp's first channel), accumulated in fp32 in that order.
+template <class P>
+__device__ __forceinline__ void chunk_direct(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4], const float* in,
+                                             const int (&pos)[Geometry<P>::kPPT], const float* w) {
+  using G = Geometry<P>;
+  // channels and kd stay loops (the unrolled body is one kd's KH x KW taps: a small instruction footprint)
+#pragma unroll 1
+  for (int ci = 0; ci < P::kCI; ++ci) {
+#pragma unroll 1
+    for (int kd = 0; kd < P::kKD; ++kd) {
+      const float* in_k = in + ci * G::kPlane + kd * P::kDD * G::kBH * G::kBWPad;
+      const float* w_k = w + (ci * G::kTaps + kd * G::kTapsHW) * P::kBN;
+#pragma unroll
+      for (int kh = 0; kh < P::kKH; ++kh) {
+#pragma unroll
+        for (int kw = 0; kw < P::kKW; ++kw) {
+          float wv[G::kWarpN];
+#pragma unroll
+          for (int q = 0; q < G::kWarpN / 4; ++q) {
+            const float4 v = *reinterpret_cast<const float4*>(w_k + (kh * P::kKW + kw) * P::kBN + 4 * q);
+            wv[4 * q] = v.x, wv[4 * q + 1] = v.y, wv[4 * q + 2] = v.z, wv[4 * q + 3] = v.w;
+          }
+          const int off = kh * P::kDH * G::kBWPad + kw * P::kDW;
+#pragma unroll
+          for (int j = 0; j < G::kPPT; ++j) {
+            const float xv = in_k[pos[j] + off];
+#pragma unroll
+            for (int n = 0; n < G::kWarpN; ++n) {
+              float& a = acc[j / 2][n / 2][2 * (j % 2) + n % 2];
+              a = fmaf(xv, wv[n], a);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // pin() on every accumulator: the asynchronous MMAs read and write them.
 template <class P>
 __device__ __forceinline__ void pin_all(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4]) {
@@ -676,6 +739,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const int warp_m = warp % P::kWarpsM, warp_n = warp / P::kWarpsM;
   FragMap<P> fm{warp_m * G::kWarpM, warp_n * G::kWarpN, g, t, 0, 0, 0};
   if constexpr (G::kWg) fm.m0 = 64 * (warp_m / 4) + 16 * (warp_m % 4);  // warpgroup's first m-block, warp's rows in it
+  if constexpr (G::kDirect) fm.m0 = warp_m * G::kWarpM + lane;
   if constexpr (G::kWindow) {
     fm.d0 = warp_m / (G::kHBlocks * G::kWSegs);
     fm.h0 = (warp_m / G::kWSegs) % G::kHBlocks * G::kMT;
@@ -694,6 +758,15 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
     }
   }
   const int window_base = t * G::kPlane + (fm.d0 * P::kSD * G::kBH + fm.h0) * G::kBWPad + fm.w0 + 2 * g;
+  // Direct loop: the box offsets of this thread's positions.
+  int pos[G::kDirect ? G::kPPT : 1];
+  if constexpr (G::kDirect) {
+#pragma unroll
+    for (int j = 0; j < G::kPPT; ++j) {
+      const int m = fm.m(j / 2, 2 * (j % 2));
+      pos[j] = (row_d<P>(m) * P::kSD * G::kBH + row_h<P>(m) * P::kSH) * G::kBWPad + row_w<P>(m) * P::kSW;
+    }
+  }
   // This thread's B fragments: lane `lane` of n-tiles warp_n * kNT + nt.
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
@@ -731,12 +804,14 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   };
   zero_acc();
 
-  if constexpr (G::kWg) {
-    // The weights go to shared memory once.
+  if constexpr (G::kWg || G::kDirect) {
+    // The weights go to shared memory once (the main loop's first barrier publishes them).
     const float4* src = reinterpret_cast<const float4*>(packed);
     float4* dst = reinterpret_cast<float4*>(smem);
     for (int e = threadIdx.x; e < G::kWeightFloats / 4; e += G::kThreads) dst[e] = __ldg(src + e);
-    fence_async_shared();  // the main loop's first barrier publishes them
+  }
+  if constexpr (G::kWg) {
+    fence_async_shared();  // wgmma reads them through the async proxy
     // The warpgroup, from lane 0: the compiler then knows it is warp-uniform (descriptors in uniform registers).
     const int wg = __shfl_sync(0xffffffffu, warp_m / 4, 0);
     const int wg_n = __shfl_sync(0xffffffffu, warp_n, 0);
@@ -791,12 +866,16 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
       issue(s + P::kStages - 1);
       float* in = s_stages + (s % P::kStages) * G::kInStage;
-      round_stage<P>(in, s_lo);
-      __syncthreads();
+      if constexpr (!G::kDirect) {
+        round_stage<P>(in, s_lo);
+        __syncthreads();
+      }
       const TileCoord c = tile_of_step(s);
       const int chunk = static_cast<int>(s % G::kChunks);
       const float* w = w_lane + (static_cast<long long>(c.cblock) * G::kChunks + chunk) * G::kKSteps * G::kPackedStep;
-      if constexpr (G::kWindow) {
+      if constexpr (G::kDirect) {
+        chunk_direct<P>(acc, in, pos, smem + chunk * P::kCI * G::kTaps * P::kBN + fm.n0);
+      } else if constexpr (G::kWindow) {
         chunk_window<P>(acc, in, s_lo, window_base, w);
       } else {
         chunk_generic<P>(acc, in, s_lo, row_off, w);
@@ -853,19 +932,25 @@ __device__ __forceinline__ int weight_tap(int j, int taps, int start, int step) 
   return start + step * (P::kWFlip ? taps - 1 - j : j);
 }
 
+// The weight of input channel ci, output channel co at tap (jd, jh, jw) of this convolution; 0 outside.
+template <class P>
+__device__ __forceinline__ float weight_value(const float* __restrict__ w, int ci, int co, int jd, int jh, int jw) {
+  if (co >= P::kCout || ci >= P::kCin) return 0.f;
+  const int kd = weight_tap<P>(jd, P::kKD, P::kWStartD, P::kWStepD);
+  const int kh = weight_tap<P>(jh, P::kKH, P::kWStartH, P::kWStepH);
+  const int kw = weight_tap<P>(jw, P::kKW, P::kWStartW, P::kWStepW);
+  const long long outer = P::kWeightTransposed ? static_cast<long long>(ci) * P::kCout + co
+                                               : static_cast<long long>(co) * P::kCin + ci;
+  return w[((outer * P::kWKD + kd) * P::kWKH + kh) * P::kWKW + kw];
+}
+
 // The weight at (k of chunk `chunk`, output channel co); `real` false for padding (then 0).
 template <class P>
 __device__ __forceinline__ float weight_at(const float* __restrict__ w, int chunk, int k, int co, bool& real) {
   const KIndex q = k_index<P>(k);
   const int ci = chunk * P::kCI + q.c;
   real = q.real && co < P::kCout && ci < P::kCin;
-  if (!real) return 0.f;
-  const int kd = weight_tap<P>(q.kd, P::kKD, P::kWStartD, P::kWStepD);
-  const int kh = weight_tap<P>(q.kh, P::kKH, P::kWStartH, P::kWStepH);
-  const int kw = weight_tap<P>(q.kw, P::kKW, P::kWStartW, P::kWStepW);
-  const long long outer = P::kWeightTransposed ? static_cast<long long>(ci) * P::kCout + co
-                                               : static_cast<long long>(co) * P::kCin + ci;
-  return w[((outer * P::kWKD + kd) * P::kWKH + kh) * P::kWKW + kw];
+  return real ? weight_value<P>(w, ci, co, q.kd, q.kh, q.kw) : 0.f;
 }
 
 // TF32 hi and lo parts of a weight (tf32x3). hi is v truncated to TF32, so
@@ -881,6 +966,15 @@ template <class P>
 __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restrict__ packed) {
   using G = Geometry<P>;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  if constexpr (G::kDirect) {
+    // [chunk][channel of the chunk][tap][kBN], fp32 as given
+    for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < G::kPackedFloats; e += stride) {
+      const int co = static_cast<int>(e % P::kBN), tap = static_cast<int>((e / P::kBN) % G::kTaps);
+      const int ci = static_cast<int>(e / (static_cast<long long>(P::kBN) * G::kTaps));  // chunk * kCI + channel
+      packed[e] = weight_value<P>(w, ci, co, tap / G::kTapsHW, (tap / P::kKW) % P::kKH, tap % P::kKW);
+    }
+    return;
+  }
   if constexpr (G::kWg) {
     // [split][chunk][k step][n-tile][k quad][8 columns][4 k]
     for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < G::kWgSplitFloats; e += stride) {
