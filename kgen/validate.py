@@ -621,9 +621,10 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
 
 
 def stage_precision(st, device: str) -> str:
-    """The precision a stage computes in: a generated convolution's products on the GPU, else fp32."""
+    """The precision a stage computes in: a generated convolution's products on the GPU (its
+    direct loop's fp32 FMAs: ieee), else fp32."""
     mma = getattr(getattr(st, "schedule", None), "mma", None)
-    return mma if mma and device.startswith("cuda") else "ieee"
+    return mma if mma and mma != "fp32" and device.startswith("cuda") else "ieee"
 
 
 def _run_ops(ops, x, params, dtype, values=None):

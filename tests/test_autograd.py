@@ -174,7 +174,7 @@ def _compiled_step_matches_eager(module, name, device, backend):
     weight = torch.randn(pipe.output.concrete(2), device=device)
     compiled = torch.compile(model, fullgraph=True, backend=backend)  # forward + its backward graph
     opt, opt_eager = torch.optim.SGD(model.parameters(), lr=0.01), torch.optim.SGD(eager.parameters(), lr=0.01)
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False, deterministic=True):  # see test_op_backward_equals_eager
         for _ in range(2):
             loss = _training_step(compiled, x, weight, opt)
             loss_eager = _training_step(eager, x, weight, opt_eager)
