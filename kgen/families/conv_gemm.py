@@ -52,9 +52,10 @@ GEMM_TENSOR_FRACTION = 0.22
 # The direct loop (precision ieee) reached ~37% of the FP32 rate on instnorm_clamp_max's
 # 3 -> 16 convolution with the statistics epilogue (scripts/conv_lab dinst_stats, H100)
 DIRECT_FP32_FRACTION = 0.37
-# ... and ran instnorm_clamp_max (K = 3 x 27) as fast as its split-TF32 window loop, but
-# div_max_gap_bias_sum (K = 8 x 27) 4.8 ms and avgpool_sigmoid_sum (K = 8 x 36) 5.2 ms,
-# 1.8-2.3x eager (reports/h100_ieee.md): above this K, ATen's fp32 convolution
+# ... and ran instnorm_clamp_max (K = 3 x 27) in 0.35-0.39 ms, as fast as its split-TF32
+# window loop and ahead of ATen's fp32 convolution alone (0.51 ms); at K = 8 x 27 and 8 x 36
+# (div_max_gap_bias_sum, avgpool_sigmoid_sum) it tied ATen's fp32 path (4.77 / 4.78 ms,
+# 5.16 / 5.27 ms) at ~10 TFLOP/s (reports/h100_ieee.md): above this K, ATen's fp32 convolution
 DIRECT_MAX_K = 128
 DIRECT_MAX_ACC = 128  # accumulators per thread in the direct loop (positions x channels)
 
@@ -243,7 +244,7 @@ class ConvGemm(Family):
         forced = req.pipeline.conv_impl == "gemm"
         if not forced and req.pipeline.precision == "ieee" and c.in_channels * taps > DIRECT_MAX_K:
             return (f"precision ieee: K = {c.in_channels} channels x {taps} taps is above {DIRECT_MAX_K}, where "
-                    "the fp32 direct loop loses to ATen's fp32 convolution")
+                    "the fp32 direct loop is no faster than ATen's fp32 convolution")
         if not forced and (c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT):
             return (f"K = {c.in_channels} channels x {taps} taps, {c.out_channels} output channels: "
                     "large enough for cuDNN's tensor-core GEMMs")
