@@ -22,22 +22,9 @@ template <class P, class F>
 __device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratch, F f) {
   using G = Geometry<P>;
   const int warp_m = fm.m0 / G::kWarpM;
-  if constexpr (P::kLoop == Loop::kDirect) {  // a thread holds all the warp's channels: sum over the 32 lanes
-#pragma unroll
-    for (int nt = 0; nt < G::kNT; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float s = 0.f;
-#pragma unroll
-        for (int mt = 0; mt < G::kMT; ++mt) s += f(mt, nt, j) + f(mt, nt, 2 + j);
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (threadIdx.x % 32 == 0) scratch[warp_m * P::kBN + fm.n(nt, j)] = s;
-      }
-    }
-    __syncthreads();
-    return;
-  }
+  // the lanes that hold one channel's rows: all 32 (direct loop: a thread holds every channel of the
+  // warp) or the 8 with the same t (MMA fragments)
+  constexpr bool kDirect = P::kLoop == Loop::kDirect;
 #pragma unroll
   for (int nt = 0; nt < G::kNT; ++nt) {
 #pragma unroll
@@ -45,10 +32,9 @@ __device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratc
       float s = 0.f;
 #pragma unroll
       for (int mt = 0; mt < G::kMT; ++mt) s += f(mt, nt, j) + f(mt, nt, 2 + j);
-      s += __shfl_xor_sync(0xffffffffu, s, 4);
-      s += __shfl_xor_sync(0xffffffffu, s, 8);
-      s += __shfl_xor_sync(0xffffffffu, s, 16);
-      if (fm.g == 0) scratch[warp_m * P::kBN + fm.n(nt, j)] = s;
+#pragma unroll
+      for (int o = kDirect ? 1 : 4; o < 32; o *= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (kDirect ? threadIdx.x % 32 == 0 : fm.g == 0) scratch[warp_m * P::kBN + fm.n(nt, j)] = s;
     }
   }
   __syncthreads();
