@@ -104,11 +104,11 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options)
   return t;
 }
 
-// A workspace of `count` values of T, allocated as floats (T = float) or as
-// doubles (T a struct of doubles, such as ShiftedSums); `holder` keeps it alive.
+// A workspace of `count` values of T, allocated as doubles (T a struct of
+// doubles, such as ShiftedSums) or floats (float, TileMoments); `holder` keeps it alive.
 template <typename T>
 T* workspace(at::Tensor& holder, int64_t count, const at::TensorOptions& options) {
-  constexpr bool kDoubles = !std::is_same<T, float>::value;
+  constexpr bool kDoubles = alignof(T) == alignof(double);
   using Elem = typename std::conditional<kDoubles, double, float>::type;
   static_assert(sizeof(T) % sizeof(Elem) == 0, "a workspace value must be whole floats or doubles");
   holder = empty({count * static_cast<int64_t>(sizeof(T) / sizeof(Elem))}, options.dtype(kDoubles ? at::kDouble : at::kFloat));

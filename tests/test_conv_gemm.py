@@ -89,9 +89,42 @@ def test_ieee_runs_the_direct_loop():
 
 
 def test_mma_precision_follows_what_comes_after_the_convolution():
-    normed = plan_of([3, 8, 16, 16], [CONV3, {"instance_norm": {}}])
+    normed = plan_of([8, 8, 16, 16], [CONV3, {"instance_norm": {}}])  # K = 216: the norm is not fused in
     pooled = plan_of([3, 8, 16, 16], [CONV3, {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
     assert normed.stages[0].schedule.mma == "tf32x3" and pooled.stages[0].schedule.mma == "tf32"
+    assert normed.stages[0].epilogue is None
+
+
+INSTNORM_MAX = [CONV3, {"mul": {"param": "m"}}, {"instance_norm": {}}, {"clamp": {"min": -1.0, "max": 1.0}},
+                {"max": {"dim": 1}}]
+
+
+def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
+    """instnorm_clamp_max's shape: K = 3 x 27, 16 channels: the norm stage becomes the
+    convolution's epilogue on the fp32 direct loop (statistics pass, merge, apply pass)."""
+    plan = plan_of([3, 8, 18, 20], INSTNORM_MAX, params={"m": {"shape": [16, 1, 1, 1]}})
+    conv, norm = plan.stages
+    assert conv.family is conv_gemm.FAMILY and conv.epilogue is norm and norm.absorbed_by is conv
+    sc, fn = conv.schedule, conv.fused_norm
+    assert sc.loop == "direct" and sc.mma == "fp32" and sc.warps_n == 1 and sc.block_n == 16
+    assert fn.groups == 16 and fn.reduce == "max"
+    assert fn.tiles == math.prod(-(-o // t) for o, t in zip(conv.problems[0].out, sc.tile))
+    # the epilogue's scratch is counted in the shared memory the plan checks
+    assert sc.smem_bytes == conv_gemm.FAMILY.smem_bytes(conv.problems[0], sc, False, conv_gemm.norm_scratch_floats(sc))
+    assert [w.what for w in conv_gemm.FAMILY.work(conv, 2, DEFAULT)][1:] == [
+        "direct convolution + statistics", "merge statistics", "direct convolution + apply"]
+    grouped = plan_of([4, 9, 11], [{"conv2d": {"out_channels": 24, "kernel_size": 3}}, {"group_norm": {"num_groups": 3}}])
+    conv = grouped.stages[0]
+    assert conv.fused_norm is not None and conv.fused_norm.groups == 3 and conv.fused_norm.reduce == ""
+
+
+@pytest.mark.parametrize("shape,conv", [
+    ([8, 8, 12, 12], CONV3),  # K = 8 x 27: the second convolution costs more than it saves
+    ([4, 12, 12], {"conv2d": {"out_channels": 40, "kernel_size": 3}}),  # two warp columns of channels
+])
+def test_norm_is_not_fused_where_recomputing_does_not_pay(shape, conv):
+    conv_st = plan_of(shape, [conv, {"instance_norm": {}}, "relu"], plan=GEMM).stages[0]
+    assert conv_st.family is conv_gemm.FAMILY and conv_st.epilogue is None and conv_st.schedule.mma == "tf32x3"
 
 
 def test_transposed_convolution_runs_as_its_phases():
@@ -187,7 +220,18 @@ SPECS = {
     "cg_direct_tr": spec_text([7, 6, 9], [{"conv_transpose2d": {"out_channels": 9, "kernel_size": 4, "stride": 2,
                                                                 "padding": 1}}, "relu"], name="cg_direct_tr",
                               plan=GEMM) + "precision: ieee\n",
+    # a norm fused in (the convolution twice, the direct loop): a channel max after the instance norm
+    # (odd sizes, partial tiles); an affine group norm over 3 groups of 4 channels, its output written;
+    # a 1-d convolution with stride, then a channel mean and an op after it
+    "cg_norm_max": spec_text([3, 5, 19, 37], INSTNORM_MAX, params={"m": {"shape": [16, 1, 1, 1], "init": "randn"}},
+                             name="cg_norm_max", plan=GEMM),
+    "cg_norm_gn": spec_text([4, 13, 21], [{"conv2d": {"out_channels": 12, "kernel_size": 3, "padding": 1}},
+                                          {"group_norm": {"num_groups": 3}}, "relu"], name="cg_norm_gn", plan=GEMM),
+    "cg_norm_1d": spec_text([5, 77], [{"conv1d": {"out_channels": 10, "kernel_size": 5, "stride": 2}},
+                                      {"instance_norm": {}}, {"mean": {"dim": 1}}, "sigmoid"], name="cg_norm_1d",
+                            plan=GEMM),
 }
+NORM_SPECS = ("cg_norm_max", "cg_norm_gn", "cg_norm_1d")
 
 
 @pytest.fixture(scope="module")
@@ -222,11 +266,34 @@ def test_cpu_builds_validate(cg_modules):
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
     for name in ("cg_transposed", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr", "cg_direct_pool", "cg_direct_sig",
-                 "cg_direct_tr"):
+                 "cg_direct_tr") + NORM_SPECS:
         kernels = ptxas_report(cg_modules[name][1], "9.0a")
         assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
         bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}" for k in kernels if not k.clean]
         assert not bad, bad
+
+
+def test_fused_norms_render_both_passes(cg_modules):
+    for name in NORM_SPECS:
+        spec, d = cg_modules[name]
+        plan = make_plan(pipeline_of(spec.read_text()), target=DEFAULT)
+        assert plan.stages[0].fused_norm is not None, name
+        kernel = (d / "kernel.cu").read_text()
+        assert "run<NormMoments>" in kernel and "merge_moments_kernel<<<" in kernel and "run<NormApply>" in kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_fused_norms_match_float64(cg_modules):
+    """The norm epilogues on the GPU: validate's cases (batches, NaN, inf, large values) against
+    float64; a NaN or inf in one sample's convolution makes that sample's normalized output NaN."""
+    dirs = [cg_modules[n][1] for n in NORM_SPECS]
+    build_modules(dirs, "cuda")
+    for name in NORM_SPECS:
+        spec, d = cg_modules[name]
+        report = validate(spec, d, "cuda")
+        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+        assert report.passed, f"{name}: {bad}"
 
 
 # ------------------------------------------------------------------ GPU: many convolutions against float64

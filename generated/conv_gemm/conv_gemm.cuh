@@ -381,6 +381,38 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// Output positions inside the tile at `c` (tiles at the edges are partial).
+template <class P>
+__device__ __forceinline__ int valid_rows(const TileCoord& c) {
+  auto part = [](int o, int t, int size) { return size - o < t ? size - o : t; };
+  return part(c.od, P::kTD, P::kOutD) * part(c.oh, P::kTH, P::kOutH) * part(c.ow, P::kTW, P::kOutW);
+}
+
+// Per-channel sums over the tile of f(mt, nt, i) (a fixed order; generic,
+// window and direct loops): leaves scratch[warp_m * kBN + n] for each warp
+// row, then a barrier; the caller adds the rows up.
+template <class P, class F>
+__device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratch, F f) {
+  using G = Geometry<P>;
+  const int warp_m = fm.m0 / G::kWarpM;
+  // the lanes that hold one channel's rows: all 32 (direct loop: a thread holds every channel of the
+  // warp) or the 8 with the same t (MMA fragments)
+  constexpr bool kDirect = P::kLoop == Loop::kDirect;
+#pragma unroll
+  for (int nt = 0; nt < G::kNT; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float s = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < G::kMT; ++mt) s += f(mt, nt, j) + f(mt, nt, 2 + j);
+#pragma unroll
+      for (int o = kDirect ? 1 : 4; o < 32; o *= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (kDirect ? threadIdx.x % 32 == 0 : fm.g == 0) scratch[warp_m * P::kBN + fm.n(nt, j)] = s;
+    }
+  }
+  __syncthreads();
+}
+
 // ------------------------------------------------------------------ loads
 
 // Offset of input element (sample n, channel ci, position id, ih, iw) in x (NC[D]HW or channels_last).

@@ -148,15 +148,20 @@ KGEN_HD Stats group_stats(const Args& a, long long n, int g) {
   return Stats{s[0], s[1], s[2]};
 }
 
-// The input `x` at channel c, spatial index s, normalized, scaled and shifted.
+// The input `x` at channel c, position (d0, d1, d2), normalized, scaled and shifted.
+KGEN_HD float apply_at(const Args& a, long long n, int c, int d0, int d1, int d2, float x, const Stats& stats) {
+  float v = ((pre(a, n, c, d0, d1, d2, x) - stats.shift) - stats.mean_offset) * stats.rstd;
+  v = v * a.group_norm_weight[c] + a.group_norm_bias[c];
+  return v;
+}
+
+// The same at spatial index s (row-major over the spatial dims).
 KGEN_HD float apply(const Args& a, long long n, int c, Index s, float x, const Stats& stats) {
   Index ts = s;
   const int d2 = static_cast<int>(ts % 34); ts /= 34;
   const int d1 = static_cast<int>(ts % 34); ts /= 34;
   const int d0 = static_cast<int>(ts);
-  float v = ((pre(a, n, c, d0, d1, d2, x) - stats.shift) - stats.mean_offset) * stats.rstd;
-  v = v * a.group_norm_weight[c] + a.group_norm_bias[c];
-  return v;
+  return apply_at(a, n, c, d0, d1, d2, x, stats);
 }
 
 #ifdef KGEN_STAGES_CUDA

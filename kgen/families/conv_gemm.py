@@ -13,8 +13,16 @@ its pools are non-overlapping windows that tiles of the convolution output
 hold whole (and the convolution has one phase): the stage's math runs on the
 output tile in shared memory, and the convolution output is never written. A
 reduction over spatial dims leaves one partial per tile along them, combined
-in index order by the stage's own finalize kernel (deterministic). Otherwise
-the convolution output is written (NC[D]HW) and the next stage reads it.
+in index order by the stage's own finalize kernel (deterministic).
+
+A ``norm`` stage is fused in as two passes of the convolution (the recompute
+form, at small K = Cin x taps, on the fp32 direct loop): pass 1 leaves each
+tile's (count, mean, M2) per (sample, channel), a merge kernel combines them
+per (sample, group) in tile order, pass 2 computes the convolution again and
+normalizes in registers (with a reduction over the channels, a thread holds
+every channel of its positions). The convolution output is never written.
+
+Otherwise the convolution output is written (NC[D]HW) and the next stage reads it.
 
 On the CPU the stage runs ATen's convolution, then the epilogue stage's own
 C++ code. Templates: ``templates/conv_gemm/``.
@@ -58,6 +66,11 @@ DIRECT_FP32_FRACTION = 0.37
 # 5.16 / 5.27 ms) at ~10 TFLOP/s (reports/h100_ieee.md): above this K, ATen's fp32 convolution
 DIRECT_MAX_K = 128
 DIRECT_MAX_ACC = 128  # accumulators per thread in the direct loop (positions x channels)
+# A norm stage is fused in by computing the convolution twice (statistics, then apply) on
+# the direct loop, up to this K: instnorm_clamp_max's K = 81 ran 0.326 ms that way against
+# 0.384 for the convolution written once and read twice by the norm stage, and 0.42 for the
+# same recompute form on the split-TF32 loops (scripts/conv_lab dinst_stats/apply, H100)
+NORM_RECOMPUTE_MAX_K = DIRECT_MAX_K
 
 
 @dataclass(frozen=True)
@@ -109,11 +122,21 @@ class Fused:
     registers: bool  # no pools, everything reduced: the epilogue works on the accumulators (no staged tile)
 
 
+@dataclass(frozen=True)
+class FusedNorm:
+    """How a norm epilogue stage runs: the convolution twice (conv_gemm module docstring)."""
+
+    tiles: int  # tiles per sample: (count, mean, M2) partials per (sample, channel)
+    groups: int  # the norm's groups: statistics per (sample, group)
+    reduce: str  # the reduction over the channels fused after it ("" if none)
+
+
 @dataclass
 class ConvGemmStage(ConvStage):
     problems: list = field(default_factory=list)
     schedule: Schedule = None
-    fused: Fused | None = None
+    fused: Fused | None = None  # a pool_reduce epilogue
+    fused_norm: FusedNorm | None = None  # a norm epilogue
     x3_reason: str = ""
 
     # ---- what the templates need (text only; the decisions are above)
@@ -145,6 +168,22 @@ class ConvGemmStage(ConvStage):
     def tile_coords(self) -> list[str]:
         """Coordinate names of a position of the convolution output (the epilogue stage's level functions)."""
         return [f"d{i}" for i in range(self.rank)]
+
+    def norm_scratch_floats(self) -> int:
+        return norm_scratch_floats(self.schedule)
+
+    def position_decls(self, m: str) -> str:
+        """C declarations of the output coordinates (d0, ...) of tile row ``m`` (one problem)."""
+        parts = [f"d{i} = c.o{'dhw'[3 - self.rank + i]} + row_{'dhw'[3 - self.rank + i]}<P>({m})" for i in range(self.rank)]
+        return "const int " + ", ".join(parts) + ";"
+
+    def spatial_index(self) -> str:
+        """Row-major index of (d0, ...) over the convolution output's spatial dims."""
+        sizes = self.out_type.spatial
+        expr = "d0"
+        for i in range(1, self.rank):
+            expr = f"({expr}) * {sizes[i]} + d{i}"
+        return expr
 
     def tile_coord_or_zero(self, dim3: int) -> str:
         """The coordinate of 3-D view dim ``dim3`` (0 = D), or 0 where the convolution has no such dim."""
@@ -202,6 +241,12 @@ class ConvGemmStage(ConvStage):
             term = f"p{d}0 / kTileP{d.upper()}"
             expr = term if expr == "0" else f"({expr}) * {tiles} + {term}"
         return expr
+
+
+def norm_scratch_floats(sc: Schedule) -> int:
+    """Shared floats of the norm epilogues (norm_epilogue.j2): per warp row and channel sums,
+    then the tile's channel means (pass 1); per channel shift, mean offset, rstd (pass 2)."""
+    return max(sc.warps_m * sc.block_n + sc.block_n, 3 * sc.block_n)
 
 
 def _view3(t: tuple, fill) -> tuple:
@@ -281,8 +326,8 @@ class ConvGemm(Family):
     # ------------------------------------------------------------ schedule
 
     @staticmethod
-    def smem_bytes(p: Problem, sc: Schedule, staged: bool) -> int:
-        """Shared memory of a CTA, as conv_gemm.cuh's Geometry lays it out."""
+    def smem_bytes(p: Problem, sc: Schedule, staged: bool, scratch_floats: int = 0) -> int:
+        """Shared memory of a CTA, as conv_gemm.cuh's Geometry lays it out (with the epilogue's scratch)."""
         tile = sc.tile
         box = [(t - 1) * s + (k - 1) * d + 1 for t, s, k, d in zip(tile, p.stride, p.kernel, p.dilation)]
         m = math.prod(tile)
@@ -296,7 +341,7 @@ class ConvGemm(Family):
             weights = splits * -(-p.cin // sc.cin_chunk) * math.prod(p.kernel) * sc.block_n * 8
             row = 4 * p.stride[2] * -(-box[2] // p.stride[2])
             a_buffer = splits * (sc.cin_chunk // 4) * box[0] * box[1] * row
-            return 4 * (weights + a_buffer + tile_floats)
+            return 4 * (weights + a_buffer + tile_floats + scratch_floats)
         vec = (p.input[2] % 4 == 0 and (tile[2] * p.stride[2]) % 4 == 0 and p.padding[2] % 4 == 0
                and sc.plane_residue % 4 == 0)
         row = box[2] + (1 if sc.loop == "window" else 0)
@@ -305,7 +350,7 @@ class ConvGemm(Family):
         plane += (sc.plane_residue - plane % 32) % 32
         stage = -(-sc.cin_chunk * plane // 4) * 4
         floats = weights + sc.stages * stage + (stage if sc.mma == "tf32x3" else 0)
-        return 4 * (floats + tile_floats)
+        return 4 * (floats + tile_floats + scratch_floats)
 
     def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
         """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the wgmma loop
@@ -346,7 +391,7 @@ class ConvGemm(Family):
         self.check(sc, problems)
         return sc
 
-    def direct_schedule(self, lc, problems: list[Problem], staged: bool) -> Schedule:
+    def direct_schedule(self, lc, problems: list[Problem], staged: bool, scratch_floats=lambda sc: 0) -> Schedule:
         """The direct loop: all output channels in one CTA, split over warp columns of at most
         32 channels; positions per thread as many as DIRECT_MAX_ACC accumulators allow (8 at
         16 channels: 4 warps of 32 x 8 positions, lanes along W), about 4 warps; W tiles of 32 unless the
@@ -368,7 +413,7 @@ class ConvGemm(Family):
                      [(2, rest // 2, tw), (1, rest, tw)] if rest >= 2 else [(1, rest, tw)])
             for tile in tiles:
                 sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, "direct", "fp32", 0)
-                sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
+                sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged, scratch_floats(sc)) for q in problems))
                 if sc.smem_bytes <= SMEM_LIMIT:
                     self.check(sc, problems)
                     return sc
@@ -438,8 +483,13 @@ class ConvGemm(Family):
     # ------------------------------------------------------------ epilogue
 
     def absorbs_epilogue(self, st: Stage, nxt: Stage) -> bool:
-        """A pool_reduce stage whose pools tile the convolution output in whole windows."""
-        if nxt.family.name != "pool_reduce" or len(st.problems) != 1 or nxt.input != st.output:
+        """A pool_reduce stage whose pools tile the convolution output in whole windows, or
+        a norm stage where the convolution is cheap enough to compute twice."""
+        if len(st.problems) != 1 or nxt.input != st.output:
+            return False
+        if nxt.family.name == "norm":
+            return self._absorbs_norm(st, nxt)
+        if nxt.family.name != "pool_reduce":
             return False
         window = [1, 1, 1]
         for lv in nxt.levels[1:]:
@@ -479,6 +529,27 @@ class ConvGemm(Family):
         st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers)
         return True
 
+    def _absorbs_norm(self, st: ConvGemmStage, nxt: Stage) -> bool:
+        """The recompute form on the direct loop: fp32 products are at least as accurate as
+        the split TF32 a normalization asks for (``mma``); K small enough that a second
+        convolution costs less than writing the output and reading it twice; at most 32
+        output channels, one warp column (a thread holds every channel of its positions: a
+        reduction over them stays in registers), the shape measured (NORM_RECOMPUTE_MAX_K)."""
+        lc, p = st.conv, st.problems[0]
+        if st.schedule.mma not in ("fp32", "tf32x3") or p.cin * math.prod(p.kernel) > NORM_RECOMPUTE_MAX_K:
+            return False
+        try:
+            sc = self.direct_schedule(lc, st.problems, False, scratch_floats=norm_scratch_floats)
+        except KgenError:
+            return False
+        if sc.warps_n != 1:
+            return False
+        st.schedule = sc
+        tiles = math.prod(-(-o // t) for o, t in zip(p.out, sc.tile))
+        st.x3_reason = "a normalization follows: fp32 products (the direct loop), the convolution computed twice"
+        st.fused_norm = FusedNorm(tiles, nxt.norm.num_groups, nxt.reduce.fn if nxt.reduce else "")
+        return True
+
     def work(self, st: ConvGemmStage, batch: int, target: Target) -> list[Work]:
         """The weight pack, then one launch: the input read once, the output (or, with an
         epilogue fused in, the epilogue's output) written once; split TF32 triples the MMAs;
@@ -489,9 +560,16 @@ class ConvGemm(Family):
         nbytes = FLOAT_BYTES * (batch * (st.in_type.sample_numel + out_type.sample_numel) + math.prod(c.weight_shape()))
         rate = (target.fp32_flops * DIRECT_FP32_FRACTION if st.schedule.loop == "direct"
                 else target.tensor_flops * GEMM_TENSOR_FRACTION)
-        out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape())),
-               Work("direct convolution" if st.schedule.loop == "direct" else "implicit GEMM", flops, nbytes, rate,
-                    launches=2 if st.fused is not None and st.fused.splits > 1 else 1)]
+        what = "direct convolution" if st.schedule.loop == "direct" else "implicit GEMM"
+        out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()))]
+        if st.fused_norm is not None:  # statistics pass, merge, apply pass (the convolution again)
+            moments = FLOAT_BYTES * 3 * batch * c.out_channels * st.fused_norm.tiles
+            read = FLOAT_BYTES * batch * st.in_type.sample_numel
+            out += [Work(f"{what} + statistics", flops, read + moments, rate),
+                    Work("merge statistics", 0, moments),
+                    Work(f"{what} + apply", flops, nbytes, rate)]
+        else:
+            out.append(Work(what, flops, nbytes, rate, launches=2 if st.fused is not None and st.fused.splits > 1 else 1))
         if isinstance(lc.lowering, Folded):
             out.insert(0, Work("fold weight", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()), calls=1, call_s=CUDNN_CALL_S))
         return out
@@ -501,6 +579,8 @@ class ConvGemm(Family):
                  problems=[asdict(p) for p in st.problems])
         if st.fused:
             d["fused_epilogue"] = asdict(st.fused)
+        if st.fused_norm:
+            d["fused_norm"] = asdict(st.fused_norm)
         return d
 
 
