@@ -874,6 +874,7 @@ class Pipeline:
     rewrites: dict = field(default_factory=dict)
     conv_layout: str = "auto"
     conv_impl: str = "auto"  # plan.conv: aten | gemm forces who computes the convolutions
+    conv_norm: str = "auto"  # plan.conv_norm: written | recompute forces how a generated convolution meets a norm
     example: dict = field(default_factory=dict)
     description: str = ""
     spec: Spec | None = field(default=None, compare=False, repr=False)  # what it was built from
@@ -1291,6 +1292,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
         rewrites=dict(spec.rewrites),
         conv_layout=spec.conv_layout,
         conv_impl=spec.conv_impl,
+        conv_norm=spec.conv_norm,
         example=dict(spec.example),
         description=spec.description,
         spec=spec,

@@ -39,6 +39,9 @@ DTYPES = ("float32",)
 PARAM_INITS = ("randn", "ones", "zeros")
 CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
 CONV_IMPLS = ("auto", "aten", "gemm")  # plan.conv: who computes a convolution (auto: the planner chooses)
+# plan.conv_norm: a generated convolution before a norm writes its output for the norm stage,
+# or computes itself twice with the norm as its epilogue (auto: the planner chooses)
+CONV_NORM_FORMS = ("auto", "written", "recompute")
 DEFAULT_MAX_ELEMENTS = 2**34  # per sample of an activation, per parameter tensor (KGEN_MAX_ELEMENTS)
 MAX_FILE_BYTES = 1 << 20
 MAX_YAML_DEPTH = 32  # nested collections
@@ -110,6 +113,7 @@ class Spec:
     rewrites: dict[str, bool] = field(default_factory=dict)  # name -> enabled
     conv_layout: str = "auto"
     conv_impl: str = "auto"
+    conv_norm: str = "auto"
     inputs: tuple[InputSpec, ...] = ()  # every input, the first one first (`input:` gives one named x)
     multi_input: bool = False  # written as `inputs:` (kept so the spec reads back the same way)
     constructor: tuple[ArgSpec, ...] | None = None  # the reference model's __init__ arguments
@@ -528,13 +532,16 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
     if not isinstance(precision, str) or precision not in PRECISIONS:
         fail(path, "precision", f"expected one of {', '.join(PRECISIONS)}, got {show(precision)}")
     plan = _mapping(raw.get("plan", {}) or {}, "plan", path)
-    _no_extra(plan, {"conv_layout", "conv"}, "plan", path)
+    _no_extra(plan, {"conv_layout", "conv", "conv_norm"}, "plan", path)
     conv_layout = plan.get("conv_layout", "auto")
     if not isinstance(conv_layout, str) or conv_layout not in CONV_LAYOUTS:
         fail(path, "plan.conv_layout", f"expected one of {', '.join(CONV_LAYOUTS)}, got {show(conv_layout)}")
     conv_impl = plan.get("conv", "auto")
     if not isinstance(conv_impl, str) or conv_impl not in CONV_IMPLS:
         fail(path, "plan.conv", f"expected one of {', '.join(CONV_IMPLS)}, got {show(conv_impl)}")
+    conv_norm = plan.get("conv_norm", "auto")
+    if not isinstance(conv_norm, str) or conv_norm not in CONV_NORM_FORMS:
+        fail(path, "plan.conv_norm", f"expected one of {', '.join(CONV_NORM_FORMS)}, got {show(conv_norm)}")
     return Spec(
         path=path,
         name=name,
@@ -548,6 +555,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         rewrites=_load_rewrites(raw.get("rewrites"), path),
         conv_layout=conv_layout,
         conv_impl=conv_impl,
+        conv_norm=conv_norm,
         inputs=inputs,
         multi_input="inputs" in raw,
         constructor=constructor,
@@ -586,6 +594,8 @@ def spec_to_data(spec: Spec) -> dict:
         "rewrites": dict(spec.rewrites),
         "plan": {"conv_layout": spec.conv_layout, "conv": spec.conv_impl},
     })
+    if spec.conv_norm != "auto":  # only when set: the data (and spec hashes) of specs without it stay as they were
+        data["plan"]["conv_norm"] = spec.conv_norm
     if spec.constructor is not None:
         args = {a.name: plain(a.value) if a.default is NO_DEFAULT else {"value": plain(a.value), "default": plain(a.default)}
                 for a in spec.constructor}

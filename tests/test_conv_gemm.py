@@ -22,6 +22,7 @@ def plan_of(shape, ops, **kw):
 
 CONV3 = {"conv3d": {"out_channels": 16, "kernel_size": 3}}
 GEMM = {"conv": "gemm"}  # plan.conv: rendered specs pin the generated convolution (else tuning or the cost model chooses)
+RECOMPUTE = {"conv": "gemm", "conv_norm": "recompute"}  # ... and the norm after it as its two-pass epilogue
 
 
 # ------------------------------------------------------------------ planning
@@ -100,10 +101,16 @@ INSTNORM_MAX = [CONV3, {"mul": {"param": "m"}}, {"instance_norm": {}}, {"clamp":
 
 
 def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
-    """instnorm_clamp_max's shape: K = 3 x 27, 16 channels: the norm stage becomes the
-    convolution's epilogue on the fp32 direct loop (statistics pass, merge, apply pass)."""
-    plan = plan_of([3, 8, 18, 20], INSTNORM_MAX, params={"m": {"shape": [16, 1, 1, 1]}})
-    conv, norm = plan.stages
+    """instnorm_clamp_max's shape: K = 3 x 27, 16 channels: the candidate conv_gemm:recompute
+    takes the norm stage as the convolution's epilogue on the fp32 direct loop (statistics
+    pass, merge, apply pass); the plain conv_gemm candidate writes the output for the norm stage."""
+    shape, params = [3, 8, 18, 20], {"m": {"shape": [16, 1, 1, 1]}}
+    conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=GEMM).stages
+    assert conv.candidates == ("conv_gemm", "conv_gemm:recompute")
+    written, _ = plan_of(shape, INSTNORM_MAX, params=params, plan={**GEMM, "conv_norm": "written"}).stages
+    assert written.candidates == ("conv_gemm",) and written.epilogue is None and written.schedule.mma == "tf32x3"
+    conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=RECOMPUTE).stages
+    assert conv.candidates == ("conv_gemm:recompute",)
     assert conv.family is conv_gemm.FAMILY and conv.epilogue is norm and norm.absorbed_by is conv
     sc, fn = conv.schedule, conv.fused_norm
     assert sc.loop == "direct" and sc.mma == "fp32" and sc.warps_n == 1 and sc.block_n == 16
@@ -113,7 +120,8 @@ def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
     assert sc.smem_bytes == conv_gemm.FAMILY.smem_bytes(conv.problems[0], sc, False, conv_gemm.norm_scratch_floats(sc))
     assert [w.what for w in conv_gemm.FAMILY.work(conv, 2, DEFAULT)][1:] == [
         "direct convolution + statistics", "merge statistics", "direct convolution + apply"]
-    grouped = plan_of([4, 9, 11], [{"conv2d": {"out_channels": 24, "kernel_size": 3}}, {"group_norm": {"num_groups": 3}}])
+    grouped = plan_of([4, 9, 11], [{"conv2d": {"out_channels": 24, "kernel_size": 3}}, {"group_norm": {"num_groups": 3}}],
+                      plan=RECOMPUTE)
     conv = grouped.stages[0]
     assert conv.fused_norm is not None and conv.fused_norm.groups == 3 and conv.fused_norm.reduce == ""
 
@@ -123,8 +131,9 @@ def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
     ([4, 12, 12], {"conv2d": {"out_channels": 40, "kernel_size": 3}}),  # two warp columns of channels
 ])
 def test_norm_is_not_fused_where_recomputing_does_not_pay(shape, conv):
-    conv_st = plan_of(shape, [conv, {"instance_norm": {}}, "relu"], plan=GEMM).stages[0]
+    conv_st = plan_of(shape, [conv, {"instance_norm": {}}, "relu"], plan=RECOMPUTE).stages[0]
     assert conv_st.family is conv_gemm.FAMILY and conv_st.epilogue is None and conv_st.schedule.mma == "tf32x3"
+    assert conv_st.candidates == ("conv_gemm",)
 
 
 def test_transposed_convolution_runs_as_its_phases():
@@ -224,12 +233,12 @@ SPECS = {
     # (odd sizes, partial tiles); an affine group norm over 3 groups of 4 channels, its output written;
     # a 1-d convolution with stride, then a channel mean and an op after it
     "cg_norm_max": spec_text([3, 5, 19, 37], INSTNORM_MAX, params={"m": {"shape": [16, 1, 1, 1], "init": "randn"}},
-                             name="cg_norm_max", plan=GEMM),
+                             name="cg_norm_max", plan=RECOMPUTE),
     "cg_norm_gn": spec_text([4, 13, 21], [{"conv2d": {"out_channels": 12, "kernel_size": 3, "padding": 1}},
-                                          {"group_norm": {"num_groups": 3}}, "relu"], name="cg_norm_gn", plan=GEMM),
+                                          {"group_norm": {"num_groups": 3}}, "relu"], name="cg_norm_gn", plan=RECOMPUTE),
     "cg_norm_1d": spec_text([5, 77], [{"conv1d": {"out_channels": 10, "kernel_size": 5, "stride": 2}},
                                       {"instance_norm": {}}, {"mean": {"dim": 1}}, "sigmoid"], name="cg_norm_1d",
-                            plan=GEMM),
+                            plan=RECOMPUTE),
 }
 NORM_SPECS = ("cg_norm_max", "cg_norm_gn", "cg_norm_1d")
 

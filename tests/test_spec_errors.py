@@ -154,6 +154,8 @@ CASES = [
     ("bad_precision", HEAD5 + "ops: [relu]\nprecision: fp16\n", PARSE, "precision", ["'fp16'", "ieee", "tf32x3"]),
     ("bad_conv_layout", HEAD5 + "ops: [relu]\nplan: {conv_layout: nhwc}\n", PARSE, "plan.conv_layout",
      ["'nhwc'", "channels_last"]),
+    ("bad_conv_norm", HEAD5 + "ops: [relu]\nplan: {conv_norm: twice}\n", PARSE, "plan.conv_norm",
+     ["'twice'", "recompute", "written"]),
     ("plan_unknown_key", HEAD5 + "ops: [relu]\nplan: {tile: 32}\n", PARSE, "plan.tile", ["unknown key", "conv_layout"]),
     ("plan_not_mapping", HEAD5 + "ops: [relu]\nplan: [auto]\n", PARSE, "plan", ["mapping"]),
     # ---- meaning: reductions

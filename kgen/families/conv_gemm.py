@@ -37,7 +37,7 @@ from ..ir import Pool
 from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import ConvStage, Stage, flat_buffer
 from ..target import Target
-from .base import FLOAT_BYTES, Family, StageRequest, Work, pow2_floor
+from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, pow2_floor
 from .conv_aten import CUDNN_CALL_S
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
@@ -66,10 +66,10 @@ DIRECT_FP32_FRACTION = 0.37
 # 5.16 / 5.27 ms) at ~10 TFLOP/s (reports/h100_ieee.md): above this K, ATen's fp32 convolution
 DIRECT_MAX_K = 128
 DIRECT_MAX_ACC = 128  # accumulators per thread in the direct loop (positions x channels)
-# A norm stage is fused in by computing the convolution twice (statistics, then apply) on
-# the direct loop, up to this K: instnorm_clamp_max's K = 81 ran 0.326 ms that way against
-# 0.384 for the convolution written once and read twice by the norm stage, and 0.42 for the
-# same recompute form on the split-TF32 loops (scripts/conv_lab dinst_stats/apply, H100)
+# A norm stage may be fused in by computing the convolution twice (statistics, then apply) on
+# the direct loop, up to this K (a plan candidate, conv_gemm:recompute): instnorm_clamp_max's
+# K = 81 ran 0.33-0.38 ms that way in the lab, about what the written form takes (0.38); the
+# same recompute form on the split-TF32 loops took 0.42 (scripts/conv_lab dinst_stats/apply, H100)
 NORM_RECOMPUTE_MAX_K = DIRECT_MAX_K
 
 
@@ -137,6 +137,7 @@ class ConvGemmStage(ConvStage):
     schedule: Schedule = None
     fused: Fused | None = None  # a pool_reduce epilogue
     fused_norm: FusedNorm | None = None  # a norm epilogue
+    norm_form: str = "written"  # before a norm stage: "written" (it reads the output) or "recompute" (its epilogue)
     x3_reason: str = ""
 
     # ---- what the templates need (text only; the decisions are above)
@@ -530,25 +531,46 @@ class ConvGemm(Family):
         return True
 
     def _absorbs_norm(self, st: ConvGemmStage, nxt: Stage) -> bool:
-        """The recompute form on the direct loop: fp32 products are at least as accurate as
-        the split TF32 a normalization asks for (``mma``); K small enough that a second
-        convolution costs less than writing the output and reading it twice; at most 32
-        output channels, one warp column (a thread holds every channel of its positions: a
-        reduction over them stays in registers), the shape measured (NORM_RECOMPUTE_MAX_K)."""
-        lc, p = st.conv, st.problems[0]
-        if st.schedule.mma not in ("fp32", "tf32x3") or p.cin * math.prod(p.kernel) > NORM_RECOMPUTE_MAX_K:
-            return False
-        try:
-            sc = self.direct_schedule(lc, st.problems, False, scratch_floats=norm_scratch_floats)
-        except KgenError:
-            return False
-        if sc.warps_n != 1:
+        """The candidate ``conv_gemm:recompute`` takes the norm stage after it."""
+        sc = self.recompute_schedule(st) if st.norm_form == "recompute" else None
+        if sc is None:
             return False
         st.schedule = sc
-        tiles = math.prod(-(-o // t) for o, t in zip(p.out, sc.tile))
+        tiles = math.prod(-(-o // t) for o, t in zip(st.problems[0].out, sc.tile))
         st.x3_reason = "a normalization follows: fp32 products (the direct loop), the convolution computed twice"
         st.fused_norm = FusedNorm(tiles, nxt.norm.num_groups, nxt.reduce.fn if nxt.reduce else "")
         return True
+
+    def recompute_schedule(self, st: ConvGemmStage) -> Schedule | None:
+        """The direct-loop schedule of the recompute form, or None where it does not apply:
+        fp32 products are at least as accurate as the split TF32 a normalization asks for
+        (``mma``); K small enough that computing the convolution twice can pay; at most 32
+        output channels, one warp column (a thread holds every channel of its positions: a
+        reduction over them stays in registers), the shape measured (NORM_RECOMPUTE_MAX_K)."""
+        p = st.problems[0]
+        if len(st.problems) != 1 or st.schedule.mma not in ("fp32", "tf32x3") or p.cin * math.prod(p.kernel) > NORM_RECOMPUTE_MAX_K:
+            return None
+        try:
+            sc = self.direct_schedule(st.conv, st.problems, False, scratch_floats=norm_scratch_floats)
+        except KgenError:
+            return None
+        return sc if sc.warps_n == 1 else None
+
+    def candidates(self, req: StageRequest) -> list[Candidate]:
+        """Before a norm stage, two ways (``kgen tune`` measures them; the issue's choice between
+        writing the convolution once and computing it twice): ``conv_gemm`` writes the output and
+        the norm stage reads it twice; ``conv_gemm:recompute`` takes the norm stage as a
+        two-pass epilogue where ``recompute_schedule`` allows."""
+        st = self.make_stage(req)
+        written = Candidate(self.name, st)
+        form = req.pipeline.conv_norm  # plan.conv_norm
+        if (form == "written" or req.next_family is None or req.next_family.name != "norm"
+                or self.recompute_schedule(st) is None):
+            return [written]
+        alt = self.make_stage(req)
+        alt.norm_form = "recompute"
+        recompute = Candidate(f"{self.name}:recompute", alt)
+        return [recompute] if form == "recompute" else [written, recompute]
 
     def work(self, st: ConvGemmStage, batch: int, target: Target) -> list[Work]:
         """The weight pack, then one launch: the input read once, the output (or, with an
