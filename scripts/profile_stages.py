@@ -3,6 +3,7 @@ stage op timed alone on a full-size input. For the GPU machine:
 
     PYTHONPATH=. python scripts/profile_stages.py maxpool_sum avgpool_sigmoid_sum
     PYTHONPATH=. python scripts/profile_stages.py --norewrite relu_group_norm
+    PYTHONPATH=. python scripts/profile_stages.py --host maxpool_sum   # + the host side: where a call's time goes
 """
 import argparse
 from pathlib import Path
@@ -24,6 +25,7 @@ def main():
     ap.add_argument("names", nargs="+")
     ap.add_argument("--norewrite", action="store_true")
     ap.add_argument("--once", action="store_true", help="only run each stage op once (for ncu)")
+    ap.add_argument("--host", action="store_true", help="also profile the CPU side (ops by self CPU time)")
     args = ap.parse_args()
     for name in args.names:
         spec = _spec_of(Path("generated") / name)
@@ -42,12 +44,19 @@ def main():
             continue
         with torch.no_grad():
             total = time_ms(lambda: model(x), 20)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
+            with profile(activities=activities) as prof:
                 for _ in range(5):
                     model(x)
                 torch.cuda.synchronize()
-        print(f"==== {d.name}: {total:.3f} ms per call")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+        events = prof.key_averages()
+        # kernels (and memsets/copies): device time and no CPU time of their own; kgen's ranges are not kernels
+        gpu_ms = sum(e.self_device_time_total for e in events
+                     if e.self_cpu_time_total == 0 and not e.key.startswith("kgen::")) / 5 / 1e3
+        print(f"==== {d.name}: {total:.3f} ms per call, GPU busy {gpu_ms:.3f} ms of it")
+        print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+        if args.host:
+            print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
         params = dict(model.named_parameters())
         for st in plan.kernel_stages():
             op = op_of(st)
