@@ -18,7 +18,7 @@ constexpr const char* kOp = "kgen::instnorm_clamp_max";
 constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 }  // namespace
 
-// ==== plan 0: batches 1.. (cost model: 0.233 ms at batch 128, the lowest of 5 candidate(s))
+// ==== plan 0: batches 1.. (measured fastest at batch 128 on NVIDIA H100 80GB HBM3: 0.359 ms (instnorm_clamp_max.tune.json))
 namespace v0 {
 
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/binding.cpp.j2)
@@ -64,6 +64,44 @@ at::Tensor stage0(at::TensorList in, const at::Tensor& conv_weight, const at::Te
   TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
 #endif
   return out;
+}
+
+at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tensor& multiplier);  // below
+
+// Stages 0 and 1 in one: the convolution with stage 1 as its epilogue
+// (on the CPU: the convolution, then stage 1's own code).
+at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias, const at::Tensor& multiplier) {
+  if (!x.is_cuda()) return stage1({stage0({x}, conv_weight, conv_bias)}, conv_bias, multiplier);
+#ifdef KGEN_WITH_CUDA
+  const c10::DeviceGuard guard(x.device());
+  const int64_t batch = x.size(0);
+  const float* x_ptr = kgen::tile_ptr(kOp, "stage 0 input", x, x, {batch, 3, 16, 32, 32}, {49152, 16384, 1024, 32, 1});
+  kgen::check_arg(kOp, "conv_weight", conv_weight, {16, 3, 3, 3, 3}, &x);
+  kgen::check_arg(kOp, "conv_bias", conv_bias, {16}, &x);
+  s1::Args a{};
+  kgen::check_arg(kOp, "conv_bias", conv_bias, {16}, &x);
+  const at::Tensor conv_bias_c = conv_bias.contiguous();
+  a.conv_bias = conv_bias_c.data_ptr<float>();
+  kgen::check_arg(kOp, "multiplier", multiplier, {16, 1, 1, 1}, &x);
+  const at::Tensor multiplier_c = multiplier.contiguous();
+  a.multiplier = multiplier_c.data_ptr<float>();
+  at::Tensor out = kgen::empty({batch, 14, 30, 30}, x.options());
+  a.out = out.data_ptr<float>();
+  a.batch = batch;
+  if (batch == 0) return out;
+  at::Tensor moments, stats;
+  a.moments = kgen::workspace<kgen::TileMoments>(moments, batch * s1::kChannels * s0::kNormTiles, x.options());
+  a.stats = kgen::workspace<float>(stats, batch * s1::kGroups * s1::kStatsStride, x.options());
+  bool stale = true;
+  const at::Tensor packed = stage0_weights().get(conv_weight, s0::kPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
+  at::Tensor w;
+  if (stale) w = conv_weight.contiguous();
+  kgen::check_launch(s0::launch_fused(x_ptr, stale ? w.data_ptr<float>() : nullptr, packed.data_ptr<float>(), stale, a,
+                                            static_cast<int>(batch), at::cuda::getCurrentCUDAStream()), kOp, "stages 0-1");
+  return out;
+#else
+  TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
+#endif
 }
 
 // ==== stage 1: norm (kgen-template: templates/norm/binding.cpp.j2)
@@ -112,9 +150,9 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at:
   (void)batch;
   std::optional<kgen::StageScope> scope;
   scope.emplace("kgen::instnorm_clamp_max stage 0 (conv_gemm)");
-  const at::Tensor t0 = stage0({x.contiguous()}, conv_weight, conv_bias);
+  const at::Tensor t1 = stage0_fused(x.contiguous(), conv_weight, conv_bias, multiplier);  // stages 0-1
   scope.emplace("kgen::instnorm_clamp_max stage 1 (norm)");
-  const at::Tensor t1 = stage1({t0}, conv_bias, multiplier);
+  // stage 1: the epilogue of stage 0, which defines t1
   scope.reset();
   return t1;
 }

@@ -39,24 +39,25 @@ struct Problem {
   static constexpr int kWStepD = 1, kWStepH = 1, kWStepW = 1;
   static constexpr bool kWeightTransposed = false, kWFlip = false;
   static constexpr bool kChannelsLast = false;
-  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
-  static constexpr int kCI = 4;  // input channels per pipeline step
+  static constexpr int kTD = 2, kTH = 16, kTW = 32;  // output box of a tile
+  static constexpr int kCI = 3;  // input channels per pipeline step
   static constexpr int kBN = 16;  // output channels per CTA
   static constexpr int kWarpsM = 4, kWarpsN = 1;
   static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
-  static constexpr Loop kLoop = Loop::kWindow;  // main loop
-  static constexpr Mma kMma = Mma::kTf32x3;
+  static constexpr Loop kLoop = Loop::kDirect;  // main loop
+  static constexpr Mma kMma = Mma::kFp32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
 
 // The convolution output (+ bias), NC[D]HW.
+// The direct loop's lanes hold consecutive positions: stores from the accumulators are coalesced, no staged tile.
 struct Store {
   struct Params {
     const float* bias;
     float* out;
   };
-  static constexpr bool kStaged = true;
+  static constexpr bool kStaged = false;
   static constexpr int kScratchFloats = 0;
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float*, const TileCoord& c) {
@@ -93,6 +94,121 @@ cudaError_t run(const float* x, const float* w, float* packed, bool pack, const 
 
 cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream) {
   return run<Store>(x, w, packed, pack, Store::Params{bias, out}, batch, stream);
+}
+
+// ---- stage 1 (norm) fused in: its math (stages.h) on the accumulators, the convolution twice.
+static_assert(Geometry<Problem>::kTilesPerSample == kNormTiles, "the plan's tiles per sample");
+static_assert(Problem::kLoop == Loop::kDirect && Problem::kBN >= Problem::kCout, "a thread holds whole channels of its positions");
+constexpr int kNormScratchFloats = 80;  // per warp row channel sums + means; per channel statistics
+
+// Pass 1: (count, mean, M2) of stage 1's input over the tile, per channel
+// (two passes over the registers: the sums, then the squared deviations). The
+// accumulators become that input in place (they are zeroed after the epilogue).
+struct NormMoments {
+  using Params = s1::Args;
+  static constexpr bool kStaged = false;
+  static constexpr int kScratchFloats = kNormScratchFloats;
+
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
+    using G = Geometry<P>;
+    float* means = scratch + P::kWarpsM * P::kBN;
+    bool valid[G::kMT][2];  // whether the thread's position m(mt, 2h) is an output position
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = fm.m(mt, 2 * h);
+        const int d0 = c.od + row_d<P>(m), d1 = c.oh + row_h<P>(m), d2 = c.ow + row_w<P>(m);
+        valid[mt][h] = row_valid<P>(c, m);
+#pragma unroll
+        for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {  // the norm's input (its prologue ops on the convolution); 0 outside the output
+            const int ch = fm.n(nt, j);
+            float& v = acc[mt][nt][2 * h + j];
+            v = valid[mt][h] && ch < P::kCout ? s1::pre(a, c.n, ch, d0, d1, d2, v) : 0.f;
+          }
+      }
+    }
+    const float count = static_cast<float>(valid_rows<P>(c));
+    channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) { return acc[mt][nt][i]; });
+    if (threadIdx.x < P::kBN) {
+      float s = 0.f;
+      for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + threadIdx.x];
+      means[threadIdx.x] = s / count;
+    }
+    __syncthreads();
+    channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) {
+      const float d = acc[mt][nt][i] - means[fm.n(nt, i)];
+      return valid[mt][i / 2] ? d * d : 0.f;
+    });
+    if (threadIdx.x < P::kCout) {
+      float m2 = 0.f;
+      for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + threadIdx.x];
+      a.moments[(static_cast<long long>(c.n) * P::kCout + threadIdx.x) * kNormTiles + c.index] =
+          kgen::TileMoments{count, means[threadIdx.x], m2};
+    }
+  }
+};
+
+// One thread per (sample, group): the tiles' moments merged in order.
+constexpr int kMergeThreads = 128;
+__global__ void __launch_bounds__(kMergeThreads) merge_moments_kernel(const s1::Args a) {
+  const long long ng = static_cast<long long>(blockIdx.x) * kMergeThreads + threadIdx.x;
+  if (ng < a.batch * s1::kGroups) s1::finalize_moments(a, ng, kNormTiles);
+}
+
+// Pass 2: normalize, max over the channels (a thread holds every channel of its positions), store.
+struct NormApply {
+  using Params = s1::Args;
+  static constexpr bool kStaged = false;
+  static constexpr int kScratchFloats = kNormScratchFloats;
+
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& a, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
+    using G = Geometry<P>;
+    static_assert(3 * P::kBN <= kScratchFloats, "the statistics of the tile's channels fit the scratch");
+    float* stats = scratch;  // per channel: shift, mean offset, rstd of its group in the tile's sample
+    if (threadIdx.x < P::kCout) {
+      const s1::Stats s = s1::group_stats(a, c.n, threadIdx.x / s1::kGroupChannels);
+      stats[3 * threadIdx.x] = s.shift;
+      stats[3 * threadIdx.x + 1] = s.mean_offset;
+      stats[3 * threadIdx.x + 2] = s.rstd;
+    }
+    __syncthreads();
+    auto normalized = [&](int mt, int nt, int i, int d0, int d1, int d2) {
+      const int ch = fm.n(nt, i);
+      const s1::Stats s{stats[3 * ch], stats[3 * ch + 1], stats[3 * ch + 2]};
+      return s1::apply_at(a, c.n, ch, d0, d1, d2, acc[mt][nt][i], s);
+    };
+#pragma unroll
+    for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // the thread's positions m(mt, 2h) and m(mt, 2h + 1)
+        const int m = fm.m(mt, 2 * h);
+        const int d0 = c.od + row_d<P>(m), d1 = c.oh + row_h<P>(m), d2 = c.ow + row_w<P>(m);
+        const s1::Index s = ((d0) * 30 + d1) * 30 + d2;
+        const bool valid = row_valid<P>(c, m);
+        float r = s1::identity();
+#pragma unroll
+        for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)  // channels in order
+            if (fm.n(nt, j) < P::kCout) r = s1::combine(r, normalized(mt, nt, 2 * h + j, d0, d1, d2));
+        if (valid) a.out[static_cast<long long>(c.n) * s1::kSpatial + s] = s1::finish(a, c.n, s, r);
+      }
+    }
+  }
+};
+
+cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
+  cudaError_t err = run<NormMoments>(x, w, packed, pack, a, batch, stream);
+  if (err != cudaSuccess) return err;
+  const long long groups = static_cast<long long>(batch) * s1::kGroups;
+  merge_moments_kernel<<<static_cast<unsigned>((groups + kMergeThreads - 1) / kMergeThreads), kMergeThreads, 0, stream>>>(a);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  return run<NormApply>(x, w, packed, false, a, batch, stream);
 }
 
 }  // namespace s0

@@ -23,16 +23,23 @@ namespace v0 {
 
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
 //   ops[0].conv3d: conv3d(3->16, k=3), bias added by the next stage
-//   implicit GEMM on tensor cores (tf32x3: a normalization or an exponential follows (or the output is the convolution): fp32-level accuracy)
+//   direct convolution, fp32 FMAs (fp32: a normalization follows: fp32 products (the direct loop), the convolution computed twice), stage 1 fused in as its epilogue
+namespace s1 {
+struct Args;
+}  // namespace s1
 namespace s0 {
 
 // Packed weights (MMA-fragment order) of all 1 problem(s): a workspace per call.
-constexpr long long kPackedFloats = 3840;
+constexpr long long kPackedFloats = 1296;
 
 #ifdef KGEN_STAGES_CUDA
 // The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 30, 30].
 // `packed` holds the re-laid weights (kPackedFloats); `pack` says whether to write them from `w` first.
 cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
+// The convolution with stage 1 (a norm) as its epilogue, computed twice: the
+// statistics into `a.moments` (kNormTiles per sample and channel) and `a.stats`, then `a.out`.
+cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
+constexpr int kNormTiles = 14;  // tiles per sample
 #endif
 
 }  // namespace s0
@@ -54,6 +61,7 @@ struct Args {
   float* out;
   kgen::ShiftedSums* partial;  // per (sample, group, split): the statistics' sums
   float* stats;  // per (sample, group): shift, mean offset, rstd, unused
+  kgen::TileMoments* moments;  // per (sample, channel, tile of stage 0): its epilogue's statistics
   long long batch;
 };
 
@@ -167,6 +175,18 @@ KGEN_HD void finalize_group(const Args& a, long long ng, int splits) {
 KGEN_HD Stats group_stats(const Args& a, long long n, int g) {
   const float* s = a.stats + (n * kGroups + g) * kStatsStride;
   return Stats{s[0], s[1], s[2]};
+}
+
+// Stage 0 gathers the statistics in its epilogue: (count, mean, M2)
+// of each tile's values per channel. Merges those of (n, g) in channel, then tile
+// order, and stores them as shift = mean, mean offset 0, rstd.
+KGEN_HD void finalize_moments(const Args& a, long long ng, int tiles) {
+  kgen::Moments total = kgen::moments_empty();
+  const kgen::TileMoments* p = a.moments + ng * kGroupChannels * tiles;
+  for (int i = 0; i < kGroupChannels * tiles; ++i) kgen::moments_merge(total, p[i]);
+  float* out = a.stats + ng * kStatsStride;
+  out[0] = kgen::moments_stats(total, kEps, out[2]);
+  out[1] = 0.f;
 }
 
 // The input `x` at channel c, position (d0, d1, d2), normalized, then ops[3].clamp, ops[4].mul.
