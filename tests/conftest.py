@@ -95,7 +95,9 @@ def pipeline_of(text: str, path: str = "t.yaml"):
     return build_pipeline(parse_spec(text, path))
 
 
-# A norm's CUDA layouts (templates/norm): each spec picks a different stats_by / apply_by.
+# A norm's CUDA layouts (templates/norm): each spec picks a different stats_by / apply_by
+# (input shape, ops, layout[, plan]).
+CL_ATEN = {"conv": "aten", "conv_layout": "channels_last"}
 NORM_LAYOUTS = {
     # a GEMM row's groups: 8 groups of 32 values, a warp each; apply over all outputs in order
     "norm_rows": ([256], ["relu", {"group_norm": {"num_groups": 8}}, "tanh"], ("warp", "flat")),
@@ -104,13 +106,19 @@ NORM_LAYOUTS = {
     "norm_small_mean": ([32, 5, 7], [{"group_norm": {"num_groups": 4}}, {"mean": {"dim": 1}}, "sigmoid"], ("warp", "warp")),
     # large groups: blocks per group, split; blocks along a channel
     "norm_large": ([8, 48, 48], [{"group_norm": {"num_groups": 2}}, "relu"], ("block", "channel")),
+    # a channels_last convolution output (ATen's): rows of channels; transposed into NCDHW (24 channels:
+    # 240 row threads, odd sizes), or reduced over the channels by a warp per row
+    "norm_cl_rows": ([8, 6, 9, 11], [{"conv3d": {"out_channels": 24, "kernel_size": 3, "padding": 1}}, "relu",
+                                     {"group_norm": {"num_groups": 3}}], ("rows", "transpose"), CL_ATEN),
+    "norm_cl_max": ([8, 20, 21], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, {"group_norm": {"num_groups": 8}},
+                                  {"max": {"dim": 1}}], ("rows", "warp"), CL_ATEN),
 }
 
 
 def norm_layout_spec(name: str, directory: Path) -> Path:
     """NORM_LAYOUTS[name] written as directory/NAME.yaml (example batch 37)."""
-    shape, ops, _ = NORM_LAYOUTS[name]
-    return write_spec(Path(directory), spec_text(shape, ops, name=name, batch=37), f"{name}.yaml")
+    shape, ops, _, *plan = NORM_LAYOUTS[name]
+    return write_spec(Path(directory), spec_text(shape, ops, name=name, batch=37, plan=plan[0] if plan else None), f"{name}.yaml")
 
 
 def render_norm_layout(name: str, root: Path) -> tuple[Path, Path]:

@@ -27,6 +27,7 @@ WARP = 32
 # A group of at most this many values is summed by one warp (several groups per block)
 # rather than by a block: a 256-thread block over a GEMM row's group of 64 values idles.
 WARP_GROUP_VALUES = WARP * MIN_PER_THREAD
+MAX_ROW_CHANNELS = CUDA_THREADS  # channels_last inputs up to this many channels: the row kernels
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,13 @@ class Schedule:
     cpu_grain: int  # outputs (rows without a reduction) per ATen task of the apply step
     index_type: str
     # How the CUDA kernels spread the work (chosen from the sizes, see choose_layout):
-    stats_by: str = "block"  # "block": blocks per (sample, group), split; "warp": a warp per (sample, group)
+    # "block": blocks per (sample, group), split; "warp": a warp per (sample, group); "rows": a
+    # channels_last input, blocks per sample reading whole rows of channels, split
+    stats_by: str = "block"
     # "channel": blocks along one channel; "flat": over all outputs in order (small spatial
     # sizes); with a channel reduction "position": a thread per position, "warp": a warp per
-    # position over the channels (fewer positions than a block's threads)
+    # position over the channels (fewer positions than a block's threads; with a channels_last
+    # input, always: a warp reads a row); "transpose": channels_last rows through a shared tile
     apply_by: str = "channel"
 
 
@@ -65,6 +69,7 @@ class NormFamily(Family):
     generates_kernel = True
     pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
     summary = "statistics, then normalize, with elementwise ops and a channel reduction fused in"
+    reads_channels_last = True  # the row kernels (rows_input); measured on the H100: notes/perf.md
 
     def fits(self, ops):
         """elementwise* norm elementwise* [reduction-over-channels elementwise*]."""
@@ -107,7 +112,7 @@ class NormFamily(Family):
             cpu_grain=max(1, CPU_TASK_VALUES // st.norm.num_channels) if st.reduce else 1,
             index_type=index_type(st),
             **choose_layout(st.norm.num_channels // st.norm.num_groups, math.prod(st.in_type.spatial),
-                            st.reduce.fn if st.reduce else None),
+                            st.reduce.fn if st.reduce else None, rows_input(st)),
         )
         return st
 
@@ -122,8 +127,20 @@ class NormFamily(Family):
         return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
 
 
-def choose_layout(group_channels: int, spatial: int, reduce_fn: str | None) -> dict:
-    """stats_by / apply_by for a norm over groups of group_channels x spatial values."""
+def rows_input(st: NormStage) -> bool:
+    """Whether the input is one channels_last tensor (rows of channels) narrow enough for the
+    row kernels: a block's threads a multiple of the channels, the transposed tile in shared memory."""
+    buf = st.input
+    return (buf.layout == "channels_last" and not buf.phased and len(buf.tiles) == 1
+            and st.norm.num_channels <= MAX_ROW_CHANNELS)
+
+
+def choose_layout(group_channels: int, spatial: int, reduce_fn: str | None, rows: bool = False) -> dict:
+    """stats_by / apply_by for a norm over groups of group_channels x spatial values; ``rows``:
+    a channels_last input, read row by row (coalesced) and, without a reduction, transposed
+    through shared memory into the NC[D]HW output (no conversion pass before the norm)."""
+    if rows and group_channels * spatial > WARP_GROUP_VALUES:
+        return dict(stats_by="rows", apply_by="transpose" if reduce_fn is None else "warp")
     stats_by = "warp" if group_channels * spatial <= WARP_GROUP_VALUES else "block"
     if reduce_fn is None:
         apply_by = "flat" if spatial < CUDA_THREADS * PER_THREAD else "channel"
