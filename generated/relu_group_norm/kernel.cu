@@ -19,36 +19,76 @@ namespace v0 {
 // ==== stage 1: norm, CUDA (kgen-template: templates/norm/kernel.cu.j2)
 namespace s1 {
 
-// Grid (sample x group, split): each block takes one contiguous slice of its
-// group; each thread sums its shifted values (consecutive threads read
-// consecutive values), the block adds the threads' sums in a fixed tree and
-// writes them to `partial`. Every block computes the same shift; the first
-// block of each group stores it.
+// The input is channels_last: a sample is rows of kChannels values, one per
+// position. Grid (sample, split): each block takes a slice of the rows; its
+// kRowThreads threads (a multiple of kChannels) read the rows in order, so a
+// thread keeps one channel c = threadIdx.x % kChannels and sums its shifted
+// values (its group's shift). The block then adds, in a fixed order, the
+// threads of each channel, then the channels of each group, and writes the
+// groups' sums to `partial` (sample, group, split).
+constexpr int kRowThreads = kChannels * (kThreads / kChannels);  // threads that read rows
+constexpr int kRowsPerStep = kRowThreads / kChannels;  // rows the block reads at once
 __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int splits) {
-  __shared__ kgen::ShiftedSums lanes[kThreads];
-  __shared__ float samples[kShiftSamples];
-  __shared__ float shift;
-  const long long ng = blockIdx.x;
-  const long long n = ng / kGroups;
-  const int g = static_cast<int>(ng % kGroups);
-  if (threadIdx.x < kShiftSamples) samples[threadIdx.x] = group_element(a, n, g, threadIdx.x * kShiftStep);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    shift = shift_of(samples);
-    if (blockIdx.y == 0) a.stats[ng * kStatsStride] = shift;
+  __shared__ kgen::ShiftedSums lanes[kRowThreads];
+  __shared__ float samples[kGroups][kShiftSamples];
+  __shared__ float shifts[kGroups];
+  const long long n = blockIdx.x;
+  for (int i = threadIdx.x; i < kGroups * kShiftSamples; i += kThreads) {
+    samples[i / kShiftSamples][i % kShiftSamples] = group_element(a, n, i / kShiftSamples, (i % kShiftSamples) * kShiftStep);
   }
   __syncthreads();
-  const Index per_split = (kGroupSize + splits - 1) / splits;
+  for (int g = threadIdx.x; g < kGroups; g += kThreads) {
+    shifts[g] = shift_of(samples[g]);
+    if (blockIdx.y == 0) a.stats[(n * kGroups + g) * kStatsStride] = shifts[g];
+  }
+  __syncthreads();
+  const Index per_split = (kSpatial + splits - 1) / splits;
   const Index begin = blockIdx.y * per_split;
-  const Index end = begin + per_split < kGroupSize ? begin + per_split : kGroupSize;
-  lanes[threadIdx.x] = group_sums(a, n, g, shift, begin + threadIdx.x, end, kThreads);
-  __syncthreads();
-#pragma unroll
-  for (int half = kThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) lanes[threadIdx.x] = kgen::sums_add(lanes[threadIdx.x], lanes[threadIdx.x + half]);
-    __syncthreads();
+  const Index end = begin + per_split < kSpatial ? begin + per_split : kSpatial;
+  if (threadIdx.x < kRowThreads) {
+    const int c = threadIdx.x % kChannels;
+    const float& shift = shifts[c / kGroupChannels];
+    kgen::ShiftedSums sums = kgen::sums_empty();
+    Index s = begin + threadIdx.x / kChannels;
+    for (; s + (kUnroll - 1) * kRowsPerStep < end; s += kUnroll * kRowsPerStep) {
+      float v[kUnroll];
+      KGEN_UNROLL
+      for (int u = 0; u < kUnroll; ++u) v[u] = input_at(a, n, c, s + u * kRowsPerStep);
+      float s1 = 0.f, s2 = 0.f;
+      KGEN_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        const Index su = s + u * kRowsPerStep;
+        Index ts = su;
+        const int d2 = static_cast<int>(ts % 34); ts /= 34;
+        const int d1 = static_cast<int>(ts % 34); ts /= 34;
+        const int d0 = static_cast<int>(ts);
+        const float d = pre(a, n, c, d0, d1, d2, v[u]) - shift;
+        s1 += d;
+        s2 += d * d;
+      }
+      sums.count += kUnroll;
+      sums.s1 += s1;
+      sums.s2 += s2;
+    }
+    for (; s < end; s += kRowsPerStep) {
+      Index ts = s;
+      const int d2 = static_cast<int>(ts % 34); ts /= 34;
+      const int d1 = static_cast<int>(ts % 34); ts /= 34;
+      const int d0 = static_cast<int>(ts);
+      kgen::sums_push(sums, pre(a, n, c, d0, d1, d2, input_at(a, n, c, s)) - shift);
+    }
+    lanes[threadIdx.x] = sums;
   }
-  if (threadIdx.x == 0) a.partial[ng * splits + blockIdx.y] = lanes[0];
+  __syncthreads();
+  if (threadIdx.x < kChannels) {  // the channel's threads, in order
+    for (int r = 1; r < kRowsPerStep; ++r) lanes[threadIdx.x] = kgen::sums_add(lanes[threadIdx.x], lanes[threadIdx.x + r * kChannels]);
+  }
+  __syncthreads();
+  for (int g = threadIdx.x; g < kGroups; g += kThreads) {  // the group's channels, in order
+    kgen::ShiftedSums total = kgen::sums_empty();
+    for (int c = g * kGroupChannels; c < (g + 1) * kGroupChannels; ++c) total = kgen::sums_add(total, lanes[c]);
+    a.partial[(n * kGroups + g) * splits + blockIdx.y] = total;
+  }
 }
 
 // One thread per (sample, group): mean and rstd from the blocks' sums.
@@ -57,43 +97,50 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int sp
   if (ng < a.batch * kGroups) finalize_group(a, ng, splits);
 }
 
-constexpr int kPerThread = 8;  // outputs per thread (plan.json: stages[1].schedule)
-constexpr Index kPerBlock = static_cast<Index>(kThreads) * kPerThread;
-constexpr Index kBlocksPerChannel = (kSpatial + kPerBlock - 1) / kPerBlock;
-
-// Grid (blocks along a channel x channels, sample): each thread writes
-// kPerThread outputs of one channel, kThreads apart so a warp's loads and
-// stores are contiguous; the block's statistics are computed once.
+// The input is channels_last, the output NC[D]HW: each block takes kTilePositions
+// positions of one sample, reads their rows (consecutive threads, consecutive
+// channels), normalizes into a shared [channel][position] tile, and writes it
+// out channel by channel (consecutive threads, consecutive positions). About
+// 8K values per tile: at 128 channels a channel's run is 256 bytes.
+constexpr int kTilePositions = kChannels <= 64 ? 128 : kChannels <= 128 ? 64 : 32;
+constexpr int kTileValues = kTilePositions * kChannels;
+constexpr int kPerThread = (kTileValues + kThreads - 1) / kThreads;
+constexpr int kInFlight = kPerThread < 16 ? kPerThread : 16;  // values a thread loads before it uses them
 __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a) {
-  __shared__ Stats stats;
+  __shared__ float tile[kChannels][kTilePositions + 1];  // + 1: a column of the tile spans all banks
+  __shared__ Stats stats[kGroups];
   const long long n = blockIdx.y;
-  const int c = static_cast<int>(blockIdx.x / kBlocksPerChannel);
-  if (threadIdx.x == 0) stats = group_stats(a, n, c / kGroupChannels);
+  const Index s0 = static_cast<Index>(blockIdx.x) * kTilePositions;
+  for (int g = threadIdx.x; g < kGroups; g += kThreads) stats[g] = group_stats(a, n, g);
   __syncthreads();
-  const Index base = static_cast<Index>(blockIdx.x % kBlocksPerChannel) * kPerBlock + threadIdx.x;
-  float* out = a.out + (n * kChannels + c) * kSpatial;
-  // All loads first: `out` may alias the input as far as the compiler knows,
-  // so it would not move a load above an earlier store.
-  float x[kPerThread];
-  KGEN_UNROLL
-  for (int i = 0; i < kPerThread; ++i) {
-    const Index s = base + static_cast<Index>(i) * kThreads;
-    x[i] = s < kSpatial ? input_at(a, n, c, s) : 0.f;
+  for (int k0 = 0; k0 < kPerThread; k0 += kInFlight) {  // value i = position * kChannels + channel of the tile
+    float x[kInFlight];
+    KGEN_UNROLL
+    for (int k = 0; k < kInFlight; ++k) {
+      const int i = threadIdx.x + (k0 + k) * kThreads;
+      const Index s = s0 + i / kChannels;
+      x[k] = i < kTileValues && s < kSpatial ? input_at(a, n, i % kChannels, s) : 0.f;
+    }
+    KGEN_UNROLL
+    for (int k = 0; k < kInFlight; ++k) {
+      const int i = threadIdx.x + (k0 + k) * kThreads, c = i % kChannels, p = i / kChannels;
+      if (i < kTileValues && s0 + p < kSpatial) tile[c][p] = apply(a, n, c, s0 + p, x[k], stats[c / kGroupChannels]);
+    }
   }
-  KGEN_UNROLL
-  for (int i = 0; i < kPerThread; ++i) {
-    const Index s = base + static_cast<Index>(i) * kThreads;
-    if (s < kSpatial) out[s] = apply(a, n, c, s, x[i], stats);
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTileValues; i += kThreads) {  // value i = channel * kTilePositions + position
+    const int c = i / kTilePositions, p = i % kTilePositions;
+    if (s0 + p < kSpatial) a.out[(n * kChannels + c) * kSpatial + s0 + p] = tile[c][p];
   }
 }
 
-// Blocks of the apply step: (blocks along a channel x channels, sample).
+// Blocks of the apply step: (position tiles, sample).
 dim3 apply_grid(long long batch) {
-  return dim3(static_cast<unsigned>(kBlocksPerChannel * kChannels), static_cast<unsigned>(batch));
+  return dim3(static_cast<unsigned>((kSpatial + kTilePositions - 1) / kTilePositions), static_cast<unsigned>(batch));
 }
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
-  stats_kernel<<<dim3(static_cast<unsigned>(a.batch * kGroups), static_cast<unsigned>(splits)), kThreads, 0, stream>>>(a, splits);
+  stats_kernel<<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(splits)), kThreads, 0, stream>>>(a, splits);
   finalize_kernel<<<static_cast<unsigned>((a.batch * kGroups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits);
   apply_kernel<<<apply_grid(a.batch), kThreads, 0, stream>>>(a);
   return cudaGetLastError();

@@ -40,14 +40,10 @@ struct Args {
 // Per-sample indices fit in 32 bits.
 using Index = int;
 
-// Input: logical (C, *S) = [128, 34, 34, 34] in a [128, 34, 34, 34] contiguous buffer.
+// Input: logical (C, *S) = [128, 34, 34, 34] in a [128, 34, 34, 34] channels_last buffer.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  return a.in[0][n * 5030912LL + c * 39304 + d0 * 1156 + d1 * 34 + d2];
+  return a.in[0][n * 5030912LL + c + d0 * 147968 + d1 * 4352 + d2 * 128];
 }
-
-// The same input as a flat (C, *S) sample: element e lies at e.
-constexpr Index kSampleSize = 5030912;
-KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
 
 
 constexpr int kChannels = 128;
@@ -75,7 +71,11 @@ KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2, flo
 
 // The input at channel c, spatial index s (row-major over the spatial dims).
 KGEN_HD float input_at(const Args& a, long long n, int c, Index s) {
-  return load_flat(a, n, static_cast<Index>(c) * kSpatial + s);
+  Index ts = s;
+  const int d2 = static_cast<int>(ts % 34); ts /= 34;
+  const int d1 = static_cast<int>(ts % 34); ts /= 34;
+  const int d0 = static_cast<int>(ts);
+  return load(a, n, c, d0, d1, d2);
 }
 
 // Value e of group g of sample n, in logical (channel-major) order, after the prologue.
