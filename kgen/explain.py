@@ -84,6 +84,10 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
         extra = f" [{s.conv.lowering.name}, {s.layout}]" if isinstance(s, ConvStage) else ""
         out.append(f"  stage {s.index} {s.kind}{extra}: {what}")
         out.append(f"      {s.choice}")
+        if s.absorbed_by is not None:
+            out.append(f"      runs inside stage {s.absorbed_by.index}'s kernel (its epilogue)")
+        else:
+            out += [f"      {line}" for line in s.family.explain_lines(s)]
         e = estimates.get(id(s))
         model = f"   model {e.ms:.3f} ms ({e.launches} launches)" if e else ""
         out.append(f"      {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms ({bound}){model}")

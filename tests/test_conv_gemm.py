@@ -120,6 +120,11 @@ def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
     assert sc.smem_bytes == conv_gemm.FAMILY.smem_bytes(conv.problems[0], sc, False, conv_gemm.norm_scratch_floats(sc))
     assert [w.what for w in conv_gemm.FAMILY.work(conv, 2, DEFAULT)][1:] == [
         "direct convolution + statistics", "merge statistics", "direct convolution + apply"]
+    from kgen.explain import explain_text
+
+    text = explain_text(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=RECOMPUTE)))
+    assert "direct main loop, fp32" in text and "stage 1 (norm) is its epilogue: the convolution runs twice" in text
+    assert "runs inside stage 0's kernel" in text
     grouped = plan_of([4, 9, 11], [{"conv2d": {"out_channels": 24, "kernel_size": 3}}, {"group_norm": {"num_groups": 3}}],
                       plan=RECOMPUTE)
     conv = grouped.stages[0]

@@ -99,8 +99,12 @@ def test_conv_layout_follows_the_reader():
     assert to_pool.stages[0].layout == "channels_last"  # pool_reduce reads channels_last as fast
     assert to_pool.stages[1].input.layout == "channels_last"
     assert to_pool.stages[1].input.tiles[0].strides == (1, 8 * 4, 4)  # (C, H, W) of [4, 8, 8] channels_last
-    to_norm = plan_of([3, 10, 10], [CONV2, {"group_norm": {"num_groups": 2}}], plan=ATEN)
-    assert to_norm.stages[0].layout == "contiguous" and to_norm.stages[1].input.flat
+    to_norm = plan_of([3, 40, 40], [CONV2, {"group_norm": {"num_groups": 2}}], plan=ATEN)
+    assert to_norm.stages[0].layout == "channels_last"  # the norm's row kernels read it as fast
+    assert (to_norm.stages[1].schedule.stats_by, to_norm.stages[1].schedule.apply_by) == ("rows", "transpose")
+    wide = {"conv2d": {"out_channels": 320, "kernel_size": 3}}  # above the row kernels' 256 channels
+    to_wide_norm = plan_of([3, 40, 40], [wide, {"group_norm": {"num_groups": 2}}], plan=ATEN)
+    assert to_wide_norm.stages[0].layout == "contiguous" and to_wide_norm.stages[1].input.flat
     forced = plan_of([3, 10, 10], [CONV2, {"sum": {"dim": 1}}], plan={"conv_layout": "contiguous", "conv": "aten"})
     assert forced.stages[0].layout == "contiguous"
 

@@ -23,7 +23,7 @@ namespace v0 {
 
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
 //   ops[0].conv3d: conv3d(3->16, k=3), bias added by the next stage
-//   direct convolution, fp32 FMAs (fp32: a normalization follows: fp32 products (the direct loop), the convolution computed twice), stage 1 fused in as its epilogue
+//   direct convolution, fp32 FMAs (fp32: a normalization follows: fp32 products (the split TF32's accuracy or better)), stage 1 fused in as its epilogue
 namespace s1 {
 struct Args;
 }  // namespace s1

@@ -110,8 +110,15 @@ class Family:
         """Bytes one pass over the stage's input costs: a channels_last input read by a
         family that walks it in contiguous order wastes part of each memory sector."""
         elements = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
-        wasted = stage.input.layout == "channels_last" and not self.reads_channels_last
+        buf = stage.input
+        wasted = buf.layout == "channels_last" and not self.reads_channels_last_fast(buf.logical[0], buf.phased)
         return FLOAT_BYTES * elements * (STRIDED_READ_FACTOR if wasted else 1)
+
+    def reads_channels_last_fast(self, channels: int, phased: bool) -> bool:
+        """Whether a stage of this family reads a channels_last input of ``channels`` channels
+        (held as sub-pixel phase tiles if ``phased``) at full speed: by default the family's
+        ``reads_channels_last``; a family's kernels may depend on the sizes."""
+        return self.reads_channels_last
 
     def absorbs_epilogue(self, stage: Stage, nxt: Stage) -> bool:
         """Whether ``stage`` takes the next stage as its epilogue (a generated convolution may)."""
@@ -120,6 +127,10 @@ class Family:
     def stage_json(self, stage: Stage) -> dict:
         """The family's fields of a stage for plan.json."""
         return {}
+
+    def explain_lines(self, stage: Stage) -> list[str]:
+        """How the stage runs, in words, for `kgen explain` (its kernels and why)."""
+        return []
 
     def binding_includes(self, stage: Stage) -> list[str]:
         """Headers binding.cpp includes for the stage (beyond kgen_runtime.h)."""

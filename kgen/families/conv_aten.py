@@ -66,7 +66,8 @@ class ConvAten(Family):
             return (req.pipeline.conv_layout,)
         direct_transposed = conv.conv.transposed and not isinstance(conv.lowering, Subpixel)
         nxt = req.next_family
-        fast = nxt is not None and nxt.reads_channels_last
+        phased = isinstance(conv.lowering, Subpixel) and len(conv.phases(req.types[0].spatial)) > 1
+        fast = nxt is not None and nxt.reads_channels_last_fast(conv.conv.out_channels, phased)
         return LAYOUTS if fast and not direct_transposed else LAYOUTS[::-1]
 
     def candidates(self, req: StageRequest) -> list[Candidate]:

@@ -537,7 +537,7 @@ class ConvGemm(Family):
             return False
         st.schedule = sc
         tiles = math.prod(-(-o // t) for o, t in zip(st.problems[0].out, sc.tile))
-        st.x3_reason = "a normalization follows: fp32 products (the direct loop), the convolution computed twice"
+        st.x3_reason = "a normalization follows: fp32 products (the split TF32's accuracy or better)"
         st.fused_norm = FusedNorm(tiles, nxt.norm.num_groups, nxt.reduce.fn if nxt.reduce else "")
         return True
 
@@ -594,6 +594,18 @@ class ConvGemm(Family):
             out.append(Work(what, flops, nbytes, rate, launches=2 if st.fused is not None and st.fused.splits > 1 else 1))
         if isinstance(lc.lowering, Folded):
             out.insert(0, Work("fold weight", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()), calls=1, call_s=CUDNN_CALL_S))
+        return out
+
+    def explain_lines(self, st: ConvGemmStage) -> list[str]:
+        sc = st.schedule
+        out = [f"{sc.loop} main loop, {sc.mma}: {st.x3_reason}; tile {'x'.join(map(str, sc.tile))} x {sc.block_n} channels, "
+               f"{32 * sc.warps_m * sc.warps_n} threads, {sc.smem_bytes // 1024} KB shared memory"]
+        if st.fused_norm is not None:
+            out.append(f"stage {st.epilogue.index} (norm) is its epilogue: the convolution runs twice (per-tile statistics, "
+                       f"merged in order; then normalized in registers{', ' + st.fused_norm.reduce + ' over the channels' if st.fused_norm.reduce else ''}); its output is never written")
+        elif st.fused is not None:
+            where = "its accumulators" if st.fused.registers else "its output tile in shared memory"
+            out.append(f"stage {st.epilogue.index} ({st.epilogue.family.name}) is its epilogue, on {where}; its output is never written")
         return out
 
     def stage_json(self, st: ConvGemmStage) -> dict:

@@ -69,7 +69,7 @@ class NormFamily(Family):
     generates_kernel = True
     pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
     summary = "statistics, then normalize, with elementwise ops and a channel reduction fused in"
-    reads_channels_last = True  # the row kernels (rows_input); measured on the H100: notes/perf.md
+    reads_channels_last = True  # the row kernels (rows_input; up to MAX_ROW_CHANNELS): notes/perf.md, stop 17
 
     def fits(self, ops):
         """elementwise* norm elementwise* [reduction-over-channels elementwise*]."""
@@ -116,12 +116,19 @@ class NormFamily(Family):
         )
         return st
 
+    def reads_channels_last_fast(self, channels: int, phased: bool) -> bool:
+        return not phased and channels <= MAX_ROW_CHANNELS  # the row kernels; else NC[D]HW order, strided
+
     def work(self, st: NormStage, batch: int, target: Target) -> list[Work]:
         """Statistics (one pass over the input), finalize, apply (a second pass, and the output)."""
         flops = batch * sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(st))
         read = self.read_bytes(st, batch)
         return [Work("statistics", 0, read, launches=1 if st.schedule.stats_by == "warp" else 2),
                 Work("apply", flops, read + FLOAT_BYTES * batch * st.out_type.sample_numel)]
+
+    def explain_lines(self, st: NormStage) -> list[str]:
+        sc = st.schedule
+        return [f"statistics by {sc.stats_by}, apply by {sc.apply_by} ({st.input.layout} input)"]
 
     def stage_json(self, st: NormStage) -> dict:
         return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
@@ -131,8 +138,7 @@ def rows_input(st: NormStage) -> bool:
     """Whether the input is one channels_last tensor (rows of channels) narrow enough for the
     row kernels: a block's threads a multiple of the channels, the transposed tile in shared memory."""
     buf = st.input
-    return (buf.layout == "channels_last" and not buf.phased and len(buf.tiles) == 1
-            and st.norm.num_channels <= MAX_ROW_CHANNELS)
+    return buf.layout == "channels_last" and len(buf.tiles) == 1 and FAMILY.reads_channels_last_fast(st.norm.num_channels, buf.phased)
 
 
 def choose_layout(group_channels: int, spatial: int, reduce_fn: str | None, rows: bool = False) -> dict:
