@@ -57,9 +57,9 @@ PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a 
 # Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
 # about 45% of that on the shipped convolutions (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
 GEMM_TENSOR_FRACTION = 0.22
-# The direct loop (precision ieee) reached ~37% of the FP32 rate on instnorm_clamp_max's
-# 3 -> 16 convolution with the statistics epilogue (scripts/conv_lab dinst_stats, H100)
-DIRECT_FP32_FRACTION = 0.37
+# The direct loop reached ~43% of the FP32 rate on instnorm_clamp_max's 3 -> 16 convolution
+# in the product's recompute form (4.18 GFLOP per pass in 145 / 139 us, H100, notes/perf.md stop 17)
+DIRECT_FP32_FRACTION = 0.43
 # ... and ran instnorm_clamp_max (K = 3 x 27) in 0.35-0.39 ms, as fast as its split-TF32
 # window loop and ahead of ATen's fp32 convolution alone (0.51 ms); at K = 8 x 27 and 8 x 36
 # (div_max_gap_bias_sum, avgpool_sigmoid_sum) it tied ATen's fp32 path (4.77 / 4.78 ms,
