@@ -178,7 +178,7 @@ def test_schedules_keep_the_kernels_static_rules_over_many_shapes():
     import random
 
     rng = random.Random(7)
-    planned = 0
+    planned = fused_norms = 0
     for _ in range(150):
         rank = rng.choice((1, 2, 3))
         cin, cout = rng.randint(1, 40), rng.randint(1, 130)
@@ -188,17 +188,19 @@ def test_schedules_keep_the_kernels_static_rules_over_many_shapes():
         op = {f"conv_transpose{rank}d" if transposed else f"conv{rank}d": {
             "out_channels": cout, "kernel_size": k, "stride": rng.randint(1, min(k, 3) if transposed else 3),
             "padding": rng.randint(0, k // 2)} | ({} if transposed else {"dilation": rng.randint(1, 2)})}
-        ops = [op] + rng.choice([[], ["relu"], [{"sum": {"dim": 1}}], [{f"max_pool{rank}d": {"kernel_size": 2}}, {"mean": {"dim": list(range(2, 2 + rank))}}]])
+        ops = [op] + rng.choice([[], ["relu"], [{"sum": {"dim": 1}}], [{f"max_pool{rank}d": {"kernel_size": 2}}, {"mean": {"dim": list(range(2, 2 + rank))}}],
+                                 [{"instance_norm": {}}, {"max": {"dim": 1}}]])
         precision = rng.choice(("tf32", "tf32", "ieee"))
-        try:
-            pipe = pipeline_of(spec_text([cin] + spatial, ops) + f"precision: {precision}\n")
+        try:  # a norm after it: its recompute form where it applies
+            pipe = pipeline_of(spec_text([cin] + spatial, ops, plan={"conv_norm": "recompute"}) + f"precision: {precision}\n")
         except Exception:  # noqa: BLE001 - a shape that does not fit: draw again
             continue
         st = make_plan(pipe, target=DEFAULT).stages[0]  # ConvGemm.check runs inside; it raises on a broken schedule
         planned += 1
         if st.family is conv_gemm.FAMILY:
             conv_gemm.FAMILY.check(st.schedule, st.problems)
-    assert planned > 100
+            fused_norms += st.fused_norm is not None
+    assert planned > 100 and fused_norms >= 3
 
 
 # ------------------------------------------------------------------ rendering and CPU builds
