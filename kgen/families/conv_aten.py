@@ -122,6 +122,12 @@ class ConvAten(Family):
                          transposed_stride=c.stride if c.transposed else None)
         return out
 
+    def explain_lines(self, st: ConvStage) -> list[str]:
+        calls = (f"{len(st.phases)} ATen convolutions (one per sub-pixel phase; cuDNN on the GPU)" if len(st.phases) > 1
+                 else "one ATen convolution (cuDNN on the GPU)")
+        copy = st.layout != st.input.layout or tuple(st.input_extent) != tuple(st.in_type.spatial)
+        return [f"{calls}, output {st.layout}" + ("; the input is copied into that layout (or narrowed) first" if copy else "")]
+
     def stage_json(self, st: ConvStage) -> dict:
         d = dict(lowering=st.conv.lowering.name, layout=st.layout, input_extent=list(st.input_extent))
         if st.phases:
