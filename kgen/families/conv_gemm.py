@@ -137,7 +137,8 @@ class ConvGemmStage(ConvStage):
     schedule: Schedule = None
     fused: Fused | None = None  # a pool_reduce epilogue
     fused_norm: FusedNorm | None = None  # a norm epilogue
-    norm_form: str = "written"  # before a norm stage: "written" (it reads the output) or "recompute" (its epilogue)
+    # candidate conv_gemm:recompute: the direct-loop schedule it runs with the norm stage as its epilogue
+    recompute: Schedule | None = None
     x3_reason: str = ""
 
     # ---- what the templates need (text only; the decisions are above)
@@ -532,7 +533,7 @@ class ConvGemm(Family):
 
     def _absorbs_norm(self, st: ConvGemmStage, nxt: Stage) -> bool:
         """The candidate ``conv_gemm:recompute`` takes the norm stage after it."""
-        sc = self.recompute_schedule(st) if st.norm_form == "recompute" else None
+        sc = st.recompute
         if sc is None:
             return False
         st.schedule = sc
@@ -547,8 +548,10 @@ class ConvGemm(Family):
         (``mma``); K small enough that computing the convolution twice can pay; at most 32
         output channels, one warp column (a thread holds every channel of its positions: a
         reduction over them stays in registers), the shape measured (NORM_RECOMPUTE_MAX_K)."""
+        if len(st.problems) != 1 or st.schedule.mma not in ("fp32", "tf32x3"):
+            return None
         p = st.problems[0]
-        if len(st.problems) != 1 or st.schedule.mma not in ("fp32", "tf32x3") or p.cin * math.prod(p.kernel) > NORM_RECOMPUTE_MAX_K:
+        if p.cin * math.prod(p.kernel) > NORM_RECOMPUTE_MAX_K:
             return None
         try:
             sc = self.direct_schedule(st.conv, st.problems, False, scratch_floats=norm_scratch_floats)
@@ -564,11 +567,11 @@ class ConvGemm(Family):
         st = self.make_stage(req)
         written = Candidate(self.name, st)
         form = req.pipeline.conv_norm  # plan.conv_norm
-        if (form == "written" or req.next_family is None or req.next_family.name != "norm"
-                or self.recompute_schedule(st) is None):
+        sc = None if form == "written" or req.next_family is None or req.next_family.name != "norm" else self.recompute_schedule(st)
+        if sc is None:
             return [written]
         alt = self.make_stage(req)
-        alt.norm_form = "recompute"
+        alt.recompute = sc
         recompute = Candidate(f"{self.name}:recompute", alt)
         return [recompute] if form == "recompute" else [written, recompute]
 
