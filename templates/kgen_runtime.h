@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -273,44 +274,76 @@ inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProc
 inline void check_launch(cudaError_t err, const char* op, const char* stage) {
   TORCH_CHECK(err == cudaSuccess, op, ": ", stage, " kernel launch failed: ", cudaGetErrorString(err));
 }
+#endif
 
-// A weight re-laid for a generated kernel (folded, packed), kept while its source is
-// unchanged: the same tensor (held, so its storage is not reused), the same version
-// (in-place updates, an optimizer step, bump it), used on the same stream. Not kept
-// while the stream captures a CUDA graph (a replay must re-lay weights updated in place
-// since) or for inference tensors (no version counter): then a fresh buffer each call.
+// Weights derived for a stage (re-laid and packed for a generated kernel; flipped,
+// cut into sub-pixel phases, folded or put in the convolution's memory format for
+// ATen's), kept while their source is unchanged: the same tensor (held, so its
+// storage is not reused), the same version (in-place updates, an optimizer step,
+// bump it), used on the same stream. Not kept while the stream captures a CUDA
+// graph (a replay must re-derive weights updated in place since) or for inference
+// tensors (no version counter): then derived afresh each call.
 class WeightCache {
  public:
+#ifdef KGEN_WITH_CUDA
   // A buffer of `floats` floats for `w` on `stream`; `*stale` says whether the caller
   // must (re)write it before use.
   at::Tensor get(const at::Tensor& w, int64_t floats, cudaStream_t stream, bool* stale) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
-    TORCH_CHECK(err == cudaSuccess, "kgen: weight cache: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
     std::lock_guard<std::mutex> lock(mutex_);
     *stale = true;
-    if (capture != cudaStreamCaptureStatusNone || w.is_inference() || (source_.defined() && stream_ != stream)) {
-      return at::empty({floats}, w.options());
-    }
-    if (source_.defined() && source_.is_same(w) && version_ == w._version() && buffer_.numel() == floats) {
+    if (!may_keep(w, stream)) return at::empty({floats}, w.options());
+    if (unchanged(w) && buffer_.numel() == floats) {
       *stale = false;
       return buffer_;
     }
-    source_ = w;
-    version_ = w._version();
-    stream_ = stream;
+    remember(w, stream);
     if (!buffer_.defined() || buffer_.numel() != floats || buffer_.device() != w.device()) {
       buffer_ = at::empty({floats}, w.options());
     }
     return buffer_;
   }
+#endif
+
+  // The tensors `derive` makes from `w`, on any device (CUDA: on the current stream).
+  std::vector<at::Tensor> derived(const at::Tensor& w, const std::function<std::vector<at::Tensor>()>& derive) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const void* stream = nullptr;
+#ifdef KGEN_WITH_CUDA
+    if (w.is_cuda()) stream = at::cuda::getCurrentCUDAStream().stream();
+#endif
+    if (!may_keep(w, stream)) return derive();
+    if (!unchanged(w)) {
+      derived_ = derive();
+      remember(w, stream);
+    }
+    return derived_;
+  }
 
  private:
+  bool may_keep(const at::Tensor& w, const void* stream) const {
+    if (w.is_inference() || (source_.defined() && stream_ != stream)) return false;
+#ifdef KGEN_WITH_CUDA
+    if (w.is_cuda()) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      const cudaError_t err = cudaStreamIsCapturing(static_cast<cudaStream_t>(const_cast<void*>(stream)), &capture);
+      TORCH_CHECK(err == cudaSuccess, "kgen: weight cache: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
+      return capture == cudaStreamCaptureStatusNone;
+    }
+#endif
+    return true;
+  }
+  bool unchanged(const at::Tensor& w) const { return source_.defined() && source_.is_same(w) && version_ == w._version(); }
+  void remember(const at::Tensor& w, const void* stream) {
+    source_ = w;
+    version_ = w._version();
+    stream_ = stream;
+  }
+
   std::mutex mutex_;
   at::Tensor source_, buffer_;
+  std::vector<at::Tensor> derived_;
   int64_t version_ = -1;
-  cudaStream_t stream_ = nullptr;
+  const void* stream_ = nullptr;
 };
-#endif
 
 }  // namespace kgen

@@ -36,14 +36,16 @@ def test_cuda_graph_capture_and_replay(name, modules):
     assert not torch.allclose(static_out, expected)  # the replay really recomputed
 
 
-@pytest.mark.parametrize("name", ["avgpool_sigmoid_sum", "div_max_gap_bias_sum"])
+@pytest.mark.parametrize("name", ["avgpool_sigmoid_sum", "div_max_gap_bias_sum", "maxpool_sum", "relu_group_norm"])
 def test_kept_packed_weights_follow_the_weights(name, modules):
-    """The generated convolution keeps its packed (and folded) weights between calls
-    (kgen::WeightCache): an in-place update, a new weight tensor and a CUDA graph replayed
-    after an in-place update all compute with the current weights."""
+    """The generated convolution keeps its packed (and folded) weights between calls, and
+    an ATen convolution stage its flipped sub-pixel weights (kgen::WeightCache): an in-place
+    update, a new weight tensor and a CUDA graph replayed after an in-place update all
+    compute with the current weights."""
     from kgen.reference import ReferenceModel
 
     model, x = _setup(modules, name)
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd))
     ref = ReferenceModel(load_pipeline(ROOT / "specs" / f"{name}.yaml")).to("cuda").double()
 
     def check():
@@ -55,9 +57,9 @@ def test_kept_packed_weights_follow_the_weights(name, modules):
     with torch.no_grad():
         first = check()
         torch.testing.assert_close(check(), first, rtol=0, atol=0)  # the kept weights: the same result
-        model.conv.weight.mul_(-0.5)  # in place: the version counter moves
+        conv.weight.mul_(-0.5)  # in place: the version counter moves
         assert not torch.allclose(check(), first)
-        model.conv.weight = torch.nn.Parameter(torch.randn_like(model.conv.weight) * 0.1)  # another tensor
+        conv.weight = torch.nn.Parameter(torch.randn_like(conv.weight) * 0.1)  # another tensor
         check()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -67,7 +69,7 @@ def test_kept_packed_weights_follow_the_weights(name, modules):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = model(x)
-        model.conv.weight.add_(0.05)
+        conv.weight.add_(0.05)
         graph.replay()
         torch.cuda.synchronize()
         ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})

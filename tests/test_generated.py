@@ -76,6 +76,39 @@ def test_functional_forward_matches_model(name, modules):
     assert sorted(map(id, params)) == sorted(map(id, ordered))
 
 
+def test_aten_convolution_weights_follow_the_weights(modules):
+    """An ATen convolution stage keeps its flipped sub-pixel weights between calls
+    (kgen::WeightCache, on the CPU as on the GPU): an in-place update and a new
+    weight tensor are seen, and an inference tensor is derived afresh each call."""
+    from kgen.reference import ReferenceModel
+
+    name = "relu_group_norm"
+    pipe = load_pipeline(SPEC[name])
+    torch.manual_seed(4)
+    model, ref = modules[name].Model(), ReferenceModel(pipe)
+    x = torch.randn(pipe.input.concrete(1))
+
+    def check():
+        ref.load_state_dict(model.state_dict())
+        y = model(x)
+        torch.testing.assert_close(y, ref(x), rtol=1e-4, atol=1e-4)
+        return y
+
+    with torch.no_grad():
+        first = check()
+        assert torch.equal(check(), first)  # the kept weights: the same result
+        model.conv_transpose.weight.mul_(-0.5)  # in place: the version counter moves
+        assert not torch.allclose(check(), first)
+        model.conv_transpose.weight = torch.nn.Parameter(torch.randn_like(model.conv_transpose.weight) * 0.1)
+        check()
+    with torch.inference_mode():
+        model.conv_transpose.weight = torch.nn.Parameter(torch.randn_like(model.conv_transpose.weight), requires_grad=False)
+        assert model.conv_transpose.weight.is_inference()
+        check()
+        model.conv_transpose.weight.mul_(2.0)  # no version counter to see this by
+        check()
+
+
 def test_wrong_inputs_get_clear_errors(modules):
     m = modules["maxpool_sum"]
     model = m.Model()

@@ -136,7 +136,6 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tens
     TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
 #endif
   } else {
-    a.partial = kgen::workspace<kgen::ShiftedSums>(partial, batch * s1::kGroups, like.options());
     at::parallel_for(0, batch * s1::kGroups, s1::kCpuStatsGrain, [&](int64_t b, int64_t e) { s1::stats_cpu(a, b, e); });
     at::parallel_for(0, batch * s1::kSpatial, s1::kCpuGrain, [&](int64_t b, int64_t e) { s1::apply_cpu(a, b, e); });
   }

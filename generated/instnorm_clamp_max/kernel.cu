@@ -216,6 +216,9 @@ cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pac
 // ==== stage 1: norm, CUDA (kgen-template: templates/norm/kernel.cu.j2)
 namespace s1 {
 
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullWarp = 0xffffffffu;  // every lane of a warp takes part
+
 // Grid (sample x group, split): each block takes one contiguous slice of its
 // group; each thread sums its shifted values (consecutive threads read
 // consecutive values), the block adds the threads' sums in a fixed tree and
@@ -248,10 +251,30 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int split
   if (threadIdx.x == 0) a.partial[ng * splits + blockIdx.y] = lanes[0];
 }
 
-// One thread per (sample, group): mean and rstd from the blocks' sums.
+constexpr int kFinalizeWarps = kThreads / kWarpSize;  // (sample, group) pairs per block
+
+// A warp per (sample, group): lane l adds the blocks' sums l, l + 32, ... (loads
+// in parallel: one thread walking a few hundred splits waits on each in turn),
+// the lanes' totals are added in a fixed tree, and lane 0 stores mean and rstd.
 __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int splits) {
-  const long long ng = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
-  if (ng < a.batch * kGroups) finalize_group(a, ng, splits);
+  const int lane = threadIdx.x % kWarpSize;
+  const long long ng = static_cast<long long>(blockIdx.x) * kFinalizeWarps + threadIdx.x / kWarpSize;
+  if (ng >= a.batch * kGroups) return;  // the whole warp
+  const kgen::ShiftedSums* p = a.partial + ng * splits;
+  kgen::ShiftedSums total = kgen::sums_empty();
+  for (int i = lane; i < splits; i += kWarpSize) total = kgen::sums_add(total, p[i]);
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    total.count += __shfl_down_sync(kFullWarp, total.count, offset);
+    total.s1 += __shfl_down_sync(kFullWarp, total.s1, offset);
+    total.s2 += __shfl_down_sync(kFullWarp, total.s2, offset);
+  }
+  if (lane == 0) store_stats(a, ng, total);
+}
+
+// Blocks of the finalize step: kFinalizeWarps (sample, group) pairs each.
+unsigned finalize_grid(long long batch) {
+  return static_cast<unsigned>((batch * kGroups + kFinalizeWarps - 1) / kFinalizeWarps);
 }
 
 // Grid (spatial blocks, sample): one thread per position combines all channels.
@@ -282,7 +305,7 @@ dim3 apply_grid(long long batch) {
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
   stats_kernel<<<dim3(static_cast<unsigned>(a.batch * kGroups), static_cast<unsigned>(splits)), kThreads, 0, stream>>>(a, splits);
-  finalize_kernel<<<static_cast<unsigned>((a.batch * kGroups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits);
+  finalize_kernel<<<finalize_grid(a.batch), kThreads, 0, stream>>>(a, splits);
   apply_kernel<<<apply_grid(a.batch), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }

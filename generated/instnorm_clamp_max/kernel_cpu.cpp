@@ -16,7 +16,7 @@ namespace v0 {
 // ==== stage 1: norm, C++ (kgen-template: templates/norm/kernel_cpu.cpp.j2)
 namespace s1 {
 
-// Statistics of (sample, group) pairs [begin, end), one slice each (splits = 1).
+// Statistics of (sample, group) pairs [begin, end), each group in one slice.
 void stats_cpu(const Args& a, long long begin, long long end) {
   for (long long ng = begin; ng < end; ++ng) {
     const long long n = ng / kGroups;
@@ -24,9 +24,8 @@ void stats_cpu(const Args& a, long long begin, long long end) {
     float samples[kShiftSamples];
     for (Index i = 0; i < kShiftSamples; ++i) samples[i] = group_element(a, n, g, i * kShiftStep);
     const float shift = shift_of(samples);
-    a.partial[ng] = group_sums(a, n, g, shift, 0, kGroupSize, 1);
     a.stats[ng * kStatsStride] = shift;
-    finalize_group(a, ng, 1);
+    store_stats(a, ng, group_sums(a, n, g, shift, 0, kGroupSize, 1));
   }
 }
 

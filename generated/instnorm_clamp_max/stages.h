@@ -162,12 +162,9 @@ struct Stats {
 };
 constexpr int kStatsStride = 4;  // floats per (sample, group) in `stats`
 
-// Adds the per-block sums of (n, g) in a fixed order and stores mean and rstd
-// next to the shift that the statistics step stored.
-KGEN_HD void finalize_group(const Args& a, long long ng, int splits) {
-  kgen::ShiftedSums total = kgen::sums_empty();
-  const kgen::ShiftedSums* p = a.partial + ng * splits;
-  for (int s = 0; s < splits; ++s) total = kgen::sums_add(total, p[s]);
+// Stores the mean and rstd of (n, g) from its sums, next to the shift that the
+// statistics step stored.
+KGEN_HD void store_stats(const Args& a, long long ng, const kgen::ShiftedSums& total) {
   float* out = a.stats + ng * kStatsStride;
   kgen::sums_stats(total, kEps, out[1], out[2]);
 }

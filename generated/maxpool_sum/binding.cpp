@@ -21,6 +21,13 @@ constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 // ==== plan 0: batches 1.. (measured fastest at batch 16 on NVIDIA H100 80GB HBM3: 1.743 ms (maxpool_sum.tune.json))
 namespace v0 {
 
+// ==== stage 0: conv_aten (kgen-template: templates/conv_aten/binding.cpp.j2)
+// Stage 0's weights as its convolution(s) take them, kept while conv_transpose.weight is unchanged (kgen::WeightCache).
+kgen::WeightCache& stage0_weights() {
+  static kgen::WeightCache cache;
+  return cache;
+}
+
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/binding.cpp.j2)
 // Stage 1 (pool_reduce): ops[0].conv_transpose3d, ops[1].max_pool3d, ops[3].sum
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_transpose_bias) {
@@ -70,31 +77,43 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
 
   // Stage 0: conv_transpose3d(32->64, k=5, s=2, p=2) as 8 sub-pixel conv3d, computing only the first 60, bias added by the next stage; output channels_last.
   const at::Tensor x0 = kgen::narrow_spatial(x, {31, 31, 31}).contiguous(at::MemoryFormat::ChannelsLast3d);
-  const at::Tensor w0 = conv_transpose_weight.flip({2, 3, 4});
+  const std::vector<at::Tensor> w0 = stage0_weights().derived(conv_transpose_weight, [&] {
+    const at::Tensor flipped = conv_transpose_weight.flip({2, 3, 4});
+    return std::vector<at::Tensor>{
+        kgen::subpixel_weight(flipped, {0, 0, 0}, {2, 2, 2}, {3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
+        kgen::subpixel_weight(flipped, {0, 0, 1}, {2, 2, 2}, {3, 3, 2}).contiguous(at::MemoryFormat::ChannelsLast3d),
+        kgen::subpixel_weight(flipped, {0, 1, 0}, {2, 2, 2}, {3, 2, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
+        kgen::subpixel_weight(flipped, {0, 1, 1}, {2, 2, 2}, {3, 2, 2}).contiguous(at::MemoryFormat::ChannelsLast3d),
+        kgen::subpixel_weight(flipped, {1, 0, 0}, {2, 2, 2}, {2, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
+        kgen::subpixel_weight(flipped, {1, 0, 1}, {2, 2, 2}, {2, 3, 2}).contiguous(at::MemoryFormat::ChannelsLast3d),
+        kgen::subpixel_weight(flipped, {1, 1, 0}, {2, 2, 2}, {2, 2, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
+        kgen::subpixel_weight(flipped, {1, 1, 1}, {2, 2, 2}, {2, 2, 2}).contiguous(at::MemoryFormat::ChannelsLast3d),
+    };
+  });
   std::vector<at::Tensor> t0;
   t0.push_back(kgen::convolution(  // phase 0,0,0: 3x3x3 taps
-      x0, kgen::subpixel_weight(w0, {0, 0, 0}, {2, 2, 2}, {3, 3, 3}), std::nullopt,
+      x0, w0[0], std::nullopt,
       {1, 1, 1}, {1, 1, 1}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
   t0.push_back(kgen::convolution(  // phase 0,0,1: 3x3x2 taps
-      x0, kgen::subpixel_weight(w0, {0, 0, 1}, {2, 2, 2}, {3, 3, 2}), std::nullopt,
+      x0, w0[1], std::nullopt,
       {1, 1, 1}, {1, 1, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
   t0.push_back(kgen::convolution(  // phase 0,1,0: 3x2x3 taps
-      x0, kgen::subpixel_weight(w0, {0, 1, 0}, {2, 2, 2}, {3, 2, 3}), std::nullopt,
+      x0, w0[2], std::nullopt,
       {1, 1, 1}, {1, 0, 1}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
   t0.push_back(kgen::convolution(  // phase 0,1,1: 3x2x2 taps
-      x0, kgen::subpixel_weight(w0, {0, 1, 1}, {2, 2, 2}, {3, 2, 2}), std::nullopt,
+      x0, w0[3], std::nullopt,
       {1, 1, 1}, {1, 0, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
   t0.push_back(kgen::convolution(  // phase 1,0,0: 2x3x3 taps
-      x0, kgen::subpixel_weight(w0, {1, 0, 0}, {2, 2, 2}, {2, 3, 3}), std::nullopt,
+      x0, w0[4], std::nullopt,
       {1, 1, 1}, {0, 1, 1}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
   t0.push_back(kgen::convolution(  // phase 1,0,1: 2x3x2 taps
-      x0, kgen::subpixel_weight(w0, {1, 0, 1}, {2, 2, 2}, {2, 3, 2}), std::nullopt,
+      x0, w0[5], std::nullopt,
       {1, 1, 1}, {0, 1, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
   t0.push_back(kgen::convolution(  // phase 1,1,0: 2x2x3 taps
-      x0, kgen::subpixel_weight(w0, {1, 1, 0}, {2, 2, 2}, {2, 2, 3}), std::nullopt,
+      x0, w0[6], std::nullopt,
       {1, 1, 1}, {0, 0, 1}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
   t0.push_back(kgen::convolution(  // phase 1,1,1: 2x2x2 taps
-      x0, kgen::subpixel_weight(w0, {1, 1, 1}, {2, 2, 2}, {2, 2, 2}), std::nullopt,
+      x0, w0[7], std::nullopt,
       {1, 1, 1}, {0, 0, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
   scope.emplace("kgen::maxpool_sum stage 1 (pool_reduce)");
   const at::Tensor t1 = stage1({t0}, conv_transpose_bias);

@@ -21,6 +21,13 @@ constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 // ==== plan 0: batches 1.. (measured fastest at batch 16 on NVIDIA H100 80GB HBM3: 1.604 ms (relu_group_norm.tune.json))
 namespace v0 {
 
+// ==== stage 0: conv_aten (kgen-template: templates/conv_aten/binding.cpp.j2)
+// Stage 0's weights as its convolution(s) take them, kept while conv_transpose.weight is unchanged (kgen::WeightCache).
+kgen::WeightCache& stage0_weights() {
+  static kgen::WeightCache cache;
+  return cache;
+}
+
 // ==== stage 1: norm (kgen-template: templates/norm/binding.cpp.j2)
 // Stage 1 (norm): ops[1].relu, ops[2].group_norm
 at::Tensor stage1(at::TensorList in, const at::Tensor& group_norm_weight, const at::Tensor& group_norm_bias) {
@@ -54,7 +61,6 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& group_norm_weight, const 
     TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
 #endif
   } else {
-    a.partial = kgen::workspace<kgen::ShiftedSums>(partial, batch * s1::kGroups, like.options());
     at::parallel_for(0, batch * s1::kGroups, s1::kCpuStatsGrain, [&](int64_t b, int64_t e) { s1::stats_cpu(a, b, e); });
     at::parallel_for(0, batch * s1::kChannels, s1::kCpuGrain, [&](int64_t b, int64_t e) { s1::apply_cpu(a, b, e); });
   }
@@ -71,10 +77,15 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
 
   // Stage 0: conv_transpose3d(64->128, k=3) as 1 sub-pixel conv3d; output channels_last.
   const at::Tensor x0 = kgen::narrow_spatial(x, {32, 32, 32}).contiguous(at::MemoryFormat::ChannelsLast3d);
-  const at::Tensor w0 = conv_transpose_weight.flip({2, 3, 4});
+  const std::vector<at::Tensor> w0 = stage0_weights().derived(conv_transpose_weight, [&] {
+    const at::Tensor flipped = conv_transpose_weight.flip({2, 3, 4});
+    return std::vector<at::Tensor>{
+        kgen::subpixel_weight(flipped, {0, 0, 0}, {1, 1, 1}, {3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
+    };
+  });
   // one phase (stride 1): a plain tensor, which any stage reads
   const at::Tensor t0 = kgen::convolution(  // 3x3x3 taps
-      x0, kgen::subpixel_weight(w0, {0, 0, 0}, {1, 1, 1}, {3, 3, 3}), std::nullopt,
+      x0, w0[0], std::nullopt,
       {1, 1, 1}, {2, 2, 2}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d);
   scope.emplace("kgen::relu_group_norm stage 1 (norm)");
   const at::Tensor t1 = stage1({t0}, group_norm_weight, group_norm_bias);
