@@ -57,6 +57,7 @@ def main():
         print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
         if args.host:
             print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
+            print(f"  host: {host_ms(lambda: model(x)):.3f} ms to issue one call (median, queue drained before each)")
         params = dict(model.named_parameters())
         for st in plan.kernel_stages():
             op = op_of(st)
@@ -67,6 +68,24 @@ def main():
                 ms = time_ms(lambda: op(tiles, *stage_params), 20)
             nbytes = 4 * (sum(tl.numel() for tl in tiles) + st.out_type.sample_numel * pipe.example_batch())
             print(f"  stage {st.index} ({st.kind}) alone: {ms:.3f} ms, {nbytes / 1e6:.0f} MB -> {nbytes / ms / 1e9:.2f} TB/s")
+
+
+def host_ms(fn, reps=20):
+    """Median wall time of fn() returning, the GPU idle before each call: how long the
+    host takes to issue a call's kernels (the GPU waits on it where this is longer
+    than a kernel ahead in the queue)."""
+    import statistics
+    import time
+
+    times = []
+    with torch.no_grad():
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def stage_once(pipe, plan, op_of, model):
