@@ -1,85 +1,67 @@
 """The timeline of one call of generated modules, as `kgen bench` times it (queue drained
-before the call): where each kernel starts and ends, and the idle gaps between them.
-For the GPU machine:
+before the call): when the host issues each kernel, where each kernel starts and ends
+on the GPU, and the idle gaps between them (torch.profiler's trace). For the GPU machine:
 
-    PYTHONPATH=. nsys profile -o /tmp/tl --trace=cuda,nvtx --force-overwrite true \\
-        python scripts/gpu_timeline.py relu_group_norm maxpool_sum
-    PYTHONPATH=. python scripts/gpu_timeline.py --report /tmp/tl.nsys-rep
-
-The first form runs each module (warm-up, then three timed calls inside NVTX ranges);
-the second reads nsys's export and prints, per call, each kernel's start and length
-relative to the call's start.
+    PYTHONPATH=. python scripts/gpu_timeline.py relu_group_norm maxpool_sum
 """
 import argparse
-import sqlite3
-import subprocess
+import json
+import tempfile
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from kgen.cli import _spec_of
+from kgen.ir import load_pipeline
+from kgen.validate import import_module_dir
+
+GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
 
 
-def run(names):
-    from kgen.cli import _spec_of
-    from kgen.ir import load_pipeline
-    from kgen.validate import import_module_dir
-
-    for name in names:
-        d = Path("generated") / name
-        pipe = load_pipeline(_spec_of(d))
-        mod = import_module_dir(d)
-        model = mod.Model().cuda()
-        x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda")
-        with torch.no_grad():
-            for _ in range(5):
-                model(x)
-            for i in range(3):
+def timeline(name: str, calls: int = 3) -> None:
+    d = Path("generated") / name
+    pipe = load_pipeline(_spec_of(d))
+    model = import_module_dir(d).Model().cuda()
+    x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda")
+    with torch.no_grad():
+        for _ in range(5):
+            model(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
                 torch.cuda.synchronize()
-                torch.cuda.nvtx.range_push(f"{name} call {i}")
-                model(x)
-                torch.cuda.nvtx.range_pop()
+                with record_function(f"timeline call {i}"):
+                    model(x)
                 torch.cuda.synchronize()
-
-
-def report(rep: Path):
-    sqlite = rep.with_suffix(".sqlite")
-    subprocess.run(["nsys", "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(sqlite), str(rep)], check=True,
-                   capture_output=True)
-    db = sqlite3.connect(sqlite)
-    ranges = [r for r in db.execute("SELECT start, end, COALESCE(text, (SELECT value FROM StringIds WHERE id = textId)) "
-                                    "FROM NVTX_EVENTS ORDER BY start").fetchall() if r[2] and " call " in r[2]]
-    names = dict(db.execute("SELECT id, value FROM StringIds").fetchall())
-    for start, end, text in ranges:
-        # kernels and memsets/copies launched inside the range (by their runtime call's correlation id)
-        rows = []
-        for table, name_col in (("CUPTI_ACTIVITY_KIND_KERNEL", "shortName"), ("CUPTI_ACTIVITY_KIND_MEMSET", None),
-                                ("CUPTI_ACTIVITY_KIND_MEMCPY", None)):
-            try:
-                q = (f"SELECT k.start, k.end, {('k.' + name_col) if name_col else repr(table[20:].lower())} FROM {table} k "
-                     "JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = k.correlationId "
-                     "WHERE r.start >= ? AND r.start <= ?")
-                rows += db.execute(q, (start, end)).fetchall()
-            except sqlite3.OperationalError:
-                continue
-        rows.sort()
-        print(f"== {text}: host {(end - start) / 1e3:.1f} us in the range")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    launches = {e["args"]["correlation"]: e for e in spans if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    gpu = sorted((e for e in spans if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    for r in sorted((e for e in spans if e.get("cat") == "user_annotation" and e["name"].startswith("timeline call")),
+                    key=lambda e: e["ts"]):
+        start, end = r["ts"], r["ts"] + r["dur"]
+        mine = [k for k in gpu if start <= launches.get(k.get("args", {}).get("correlation"), {"ts": -1})["ts"] <= end]
+        print(f"== {name} {r['name'][9:]}: the host returns after {r['dur']:.1f} us; times in us from the call's start")
+        print(f"  {'issued':>8}  {'starts':>8}  {'runs':>8}  {'idle before':>11}  kernel")
         last = start
-        for s, e, n in rows:
-            label = names.get(n, n) if isinstance(n, int) else n
-            print(f"  {(s - start) / 1e3:9.1f} us  +{(e - s) / 1e3:8.1f} us  gap {(s - last) / 1e3:7.1f}  {str(label)[:70]}")
-            last = max(last, e)
-        if rows:
-            print(f"  end {(last - start) / 1e3:.1f} us after the range started")
+        for k in mine:
+            issued = launches[k["args"]["correlation"]]["ts"] - start
+            print(f"  {issued:8.1f}  {k['ts'] - start:8.1f}  {k['dur']:8.1f}  {max(0.0, k['ts'] - last):11.1f}  {k['name'][:80]}")
+            last = max(last, k["ts"] + k["dur"])
+        busy = sum(k["dur"] for k in mine)
+        print(f"  GPU done {last - start:.1f} us after the call started; busy {busy:.1f} us, idle {last - start - busy:.1f} us")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("names", nargs="*")
-    ap.add_argument("--report", type=Path)
+    ap.add_argument("names", nargs="+")
     args = ap.parse_args()
-    if args.report:
-        report(args.report)
-    else:
-        run(args.names)
+    for name in args.names:
+        timeline(name)
 
 
 if __name__ == "__main__":
