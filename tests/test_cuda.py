@@ -178,3 +178,44 @@ def test_norm_layouts_validate(name, tmp_path):
     report = validate(spec, module_dir, "cuda", example_batch=True)
     failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
     assert report.cases and not failures, failures
+
+
+# ATen convolution stages whose channels_last input the generated copy makes (templates/conv_aten/kernel.cu.j2):
+# few and odd channel counts (tiles of 1365 and 124 positions), 2-D and 3-D, and an input narrowed to the
+# prefix a cropped (dead-region) output reads. (input shape, ops)
+INPUT_COPIES = {
+    "copy_c3_2d": ([3, 37, 41], [{"conv2d": {"out_channels": 16, "kernel_size": 3}}, {"group_norm": {"num_groups": 4}}]),
+    "copy_c33_3d": ([33, 5, 7, 9], [{"conv3d": {"out_channels": 8, "kernel_size": 3, "padding": 1}}, "relu"]),
+    "copy_narrowed": ([8, 24, 25, 26], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 5, "stride": 2, "padding": 2}},
+                                       {"max_pool3d": {"kernel_size": 6}}, {"sum": {"dim": [1], "keepdim": True}}]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INPUT_COPIES))
+def test_generated_input_copy_validates(name, tmp_path):
+    """The ATen convolution's input copied into channels_last by the generated kernel, against the
+    float64 reference with the adversarial cases; a channels_last or non-contiguous input takes
+    ATen's copy instead and must give the same result."""
+    import json
+
+    from conftest import CL_ATEN, write_spec
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import import_module_dir, validate
+
+    shape, ops = INPUT_COPIES[name]
+    spec = write_spec(tmp_path, spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN), f"{name}.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    plan = json.loads((tmp_path / "gen" / name / "plan.json").read_text())
+    assert [s.get("input_copy") for p in plan["plans"] for s in p["stages"] if s.get("kind") == "conv"] == ["kernel"] * len(plan["plans"])
+    build_module(tmp_path / "gen" / name, quiet=True)
+    report = validate(spec, tmp_path / "gen" / name, "cuda", example_batch=True)
+    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+    assert report.cases and not failures, failures
+    model = import_module_dir(tmp_path / "gen" / name).Model().cuda()
+    x = torch.randn(3, *shape, device="cuda")
+    with torch.no_grad():
+        y = model(x)
+        memory_format = torch.channels_last if len(shape) == 3 else torch.channels_last_3d
+        torch.testing.assert_close(model(x.contiguous(memory_format=memory_format)), y, rtol=0, atol=0)
+        torch.testing.assert_close(model(x.transpose(-1, -2).contiguous().transpose(-1, -2)), y, rtol=0, atol=0)

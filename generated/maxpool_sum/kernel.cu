@@ -16,6 +16,65 @@ namespace kgen_maxpool_sum {
 // ==== plan 0: batches 1..
 namespace v0 {
 
+// ==== stage 0: conv_aten, CUDA (kgen-template: templates/conv_aten/kernel.cu.j2)
+namespace s0 {
+
+// The convolution's input in channels_last, from an NC[D]HW input (narrowed to
+// [31, 31, 31] of [32, 32, 32]).
+// ATen's copy runs at ~1.9 TB/s on the H100 (a gather per value); here a block
+// reads kTilePositions positions of every channel (consecutive threads,
+// consecutive positions), turns them around in a shared [channel][position]
+// tile and writes whole rows of channels (consecutive threads, consecutive
+// channels).
+constexpr int kChannels = 32;  // at most 256: a tile of 32 positions fits in shared memory
+constexpr int kInSpatial = 32768;  // positions of a channel in the input
+constexpr int kOutSpatial = 29791;  // positions the convolution reads
+constexpr int kThreads = 256;
+constexpr int kTileTarget = 4096;  // values per tile
+constexpr int kTilePositions = kTileTarget / kChannels > 32 ? kTileTarget / kChannels : 32;
+constexpr int kTileValues = kChannels * kTilePositions;
+constexpr int kPerThread = (kTileValues + kThreads - 1) / kThreads;
+
+// Offset in a channel of the input of position s of the extent.
+__device__ __forceinline__ int input_offset(int s) {
+  int ts = s;
+  const int d2 = static_cast<int>(ts % 31); ts /= 31;
+  const int d1 = static_cast<int>(ts % 31); ts /= 31;
+  const int d0 = static_cast<int>(ts);
+  return d0 * 32 * 32 + d1 * 32 + d2;
+}
+
+__global__ void __launch_bounds__(kThreads) to_channels_last_kernel(const float* __restrict__ x, float* __restrict__ y) {
+  __shared__ float tile[kChannels][kTilePositions + 1];  // + 1: a column of the tile spans the banks
+  const long long n = blockIdx.y;
+  const int p0 = static_cast<int>(blockIdx.x) * kTilePositions;
+  const float* xn = x + n * kChannels * static_cast<long long>(kInSpatial);
+  float v[kPerThread];
+  KGEN_UNROLL
+  for (int k = 0; k < kPerThread; ++k) {  // value i = channel * kTilePositions + position: all loads in flight
+    const int i = threadIdx.x + k * kThreads, p = i % kTilePositions;
+    v[k] = i < kTileValues && p0 + p < kOutSpatial ? xn[static_cast<long long>(i / kTilePositions) * kInSpatial + input_offset(p0 + p)] : 0.f;
+  }
+  KGEN_UNROLL
+  for (int k = 0; k < kPerThread; ++k) {
+    const int i = threadIdx.x + k * kThreads;
+    if (i < kTileValues) tile[i / kTilePositions][i % kTilePositions] = v[k];
+  }
+  __syncthreads();
+  float* yn = y + (n * kOutSpatial + p0) * kChannels;
+  for (int i = threadIdx.x; i < kTileValues; i += kThreads) {  // value i = position * kChannels + channel
+    if (p0 + i / kChannels < kOutSpatial) yn[i] = tile[i % kChannels][i / kChannels];
+  }
+}
+
+cudaError_t to_channels_last(const float* x, float* y, long long batch, cudaStream_t stream) {
+  const dim3 grid((kOutSpatial + kTilePositions - 1) / kTilePositions, static_cast<unsigned>(batch));
+  to_channels_last_kernel<<<grid, kThreads, 0, stream>>>(x, y);
+  return cudaGetLastError();
+}
+
+}  // namespace s0
+
 // ==== stage 1: pool_reduce, CUDA (kgen-template: templates/pool_reduce/kernel.cu.j2)
 namespace s1 {
 

@@ -22,6 +22,27 @@ constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 namespace v0 {
 
 // ==== stage 0: conv_aten (kgen-template: templates/conv_aten/binding.cpp.j2)
+#ifdef KGEN_WITH_CUDA
+namespace s0 {
+cudaError_t to_channels_last(const float* x, float* y, long long batch, cudaStream_t stream);  // kernel.cu
+}  // namespace s0
+#endif
+
+// Stage 0's input as its convolution reads it: channels_last.
+at::Tensor stage0_input(const at::Tensor& x) {
+#ifdef KGEN_WITH_CUDA
+  if (x.is_cuda() && x.is_contiguous()) {  // the generated copy reads a contiguous NC[D]HW tensor
+    at::Tensor y = at::empty({x.size(0), 64, 32, 32, 32}, x.options().memory_format(at::MemoryFormat::ChannelsLast3d));
+    if (x.size(0) > 0) {
+      kgen::check_launch(s0::to_channels_last(x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), at::cuda::getCurrentCUDAStream()),
+                         kOp, "stage 0 input copy");
+    }
+    return y;
+  }
+#endif
+  return kgen::narrow_spatial(x, {32, 32, 32}).contiguous(at::MemoryFormat::ChannelsLast3d);
+}
+
 // Stage 0's weights as its convolution(s) take them, kept while conv_transpose.weight is unchanged (kgen::WeightCache).
 kgen::WeightCache& stage0_weights() {
   static kgen::WeightCache cache;
@@ -76,7 +97,7 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
   scope.emplace("kgen::relu_group_norm stage 0 (conv_aten)");
 
   // Stage 0: conv_transpose3d(64->128, k=3) as 1 sub-pixel conv3d; output channels_last.
-  const at::Tensor x0 = kgen::narrow_spatial(x, {32, 32, 32}).contiguous(at::MemoryFormat::ChannelsLast3d);
+  const at::Tensor x0 = stage0_input(x);
   const std::vector<at::Tensor> w0 = stage0_weights().derived(conv_transpose_weight, [&] {
     const at::Tensor flipped = conv_transpose_weight.flip({2, 3, 4});
     return std::vector<at::Tensor>{

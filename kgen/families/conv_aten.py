@@ -45,7 +45,8 @@ class ConvAten(Family):
     name = "conv_aten"
     stage_kind = "conv"
     generates_kernel = False
-    pieces = ("binding.cpp",)
+    pieces = ("kernel.cu", "binding.cpp")  # kernel.cu: the input copy into channels_last
+    MAX_COPY_CHANNELS = 256  # input channels of the generated copy (its 32-position tile fits in shared memory)
     summary = "ATen/cuDNN convolution, in the lowering the rewrites chose"
 
     def fits(self, ops):
@@ -97,24 +98,32 @@ class ConvAten(Family):
         st.output = dense_buffer(t_out.shape[1:], (C,) + conv.physical_out(t_in.spatial), layout)
         return st
 
+    def input_copy(self, st: ConvStage) -> str | None:
+        """How the input reaches the convolution when it must be copied first (narrowed to
+        the extent read, or into the output's memory format): "kernel" (the generated
+        copy from NC[D]HW into channels_last; at run time a GPU input that is not a
+        contiguous NC[D]HW tensor takes ATen's), "aten" (Tensor.contiguous); None: it
+        is read as it is."""
+        if st.layout == st.input.layout and tuple(st.input_extent) == tuple(st.in_type.spatial):
+            return None
+        if st.layout == "channels_last" and st.input.layout == "contiguous" and st.conv.conv.in_channels <= self.MAX_COPY_CHANNELS:
+            return "kernel"
+        return "aten"
+
     def work(self, st: ConvStage, batch: int, target: Target) -> list[Work]:
+        # The weights a stage derives (flipped, phase, folded, re-laid) are kept between calls.
         lc, c = st.conv, st.conv.conv
         read = batch * c.in_channels * math.prod(st.input_extent)
         out = []
-        if st.layout != st.input.layout or tuple(st.input_extent) != tuple(st.in_type.spatial):
-            out.append(Work("input copy", 0, 2 * FLOAT_BYTES * read))  # narrow and/or change the format
-        weight = math.prod(c.weight_shape())
+        if self.input_copy(st):
+            out.append(Work("input copy", 0, 2 * FLOAT_BYTES * read))
         if st.phases:
-            out.append(Work("flip weight", 0, 2 * FLOAT_BYTES * weight))
             for ph in st.phases:
                 taps = math.prod(ph.taps)
                 flops = 2 * batch * c.in_channels * c.out_channels * taps * math.prod(ph.count)
-                out.append(Work("phase weight", 0, 2 * FLOAT_BYTES * weight * taps // math.prod(c.kernel)))
                 out += conv_work(f"phase {ph.residue}", flops, read, batch * c.out_channels * math.prod(ph.conv_out),
                                  c.out_channels, c.in_channels * taps, st.layout, target)
             return out
-        if lc.lowering.name == "folded":
-            out.append(Work("fold weight", 0, 2 * FLOAT_BYTES * weight, calls=1, call_s=CUDNN_CALL_S))
         flops = batch * lc.flops(st.in_type, st.out_type)
         written = batch * sum(math.prod(t.dims) for t in st.output.tiles)
         K = c.in_channels // c.groups * math.prod(lc.kernel)
@@ -125,11 +134,13 @@ class ConvAten(Family):
     def explain_lines(self, st: ConvStage) -> list[str]:
         calls = (f"{len(st.phases)} ATen convolutions (one per sub-pixel phase; cuDNN on the GPU)" if len(st.phases) > 1
                  else "one ATen convolution (cuDNN on the GPU)")
-        copy = st.layout != st.input.layout or tuple(st.input_extent) != tuple(st.in_type.spatial)
-        return [f"{calls}, output {st.layout}" + ("; the input is copied into that layout (or narrowed) first" if copy else "")]
+        copy = {"kernel": "; the input is copied into channels_last first by a generated kernel (ATen's copy where it is"
+                          " not a contiguous NC[D]HW tensor)",
+                "aten": "; the input is copied into that layout (or narrowed) first", None: ""}[self.input_copy(st)]
+        return [f"{calls}, output {st.layout}{copy}"]
 
     def stage_json(self, st: ConvStage) -> dict:
-        d = dict(lowering=st.conv.lowering.name, layout=st.layout, input_extent=list(st.input_extent))
+        d = dict(lowering=st.conv.lowering.name, layout=st.layout, input_extent=list(st.input_extent), input_copy=self.input_copy(st))
         if st.phases:
             d["phases"] = [asdict(p) for p in st.phases]
         return d

@@ -38,7 +38,6 @@ from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import ConvStage, Stage, flat_buffer
 from ..target import Target
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, pow2_floor
-from .conv_aten import CUDNN_CALL_S
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
 MAX_K_PER_CHUNK_TAPS = 512  # K = Cin x taps above which ATen/cuDNN's large-GEMM kernels win (notes/perf.md)
@@ -595,9 +594,7 @@ class ConvGemm(Family):
                     Work(f"{what} + apply", flops, nbytes, rate)]
         else:
             out.append(Work(what, flops, nbytes, rate, launches=2 if st.fused is not None and st.fused.splits > 1 else 1))
-        if isinstance(lc.lowering, Folded):
-            out.insert(0, Work("fold weight", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()), calls=1, call_s=CUDNN_CALL_S))
-        return out
+        return out  # the folded and packed weights are kept between calls (kgen::WeightCache)
 
     def explain_lines(self, st: ConvGemmStage) -> list[str]:
         sc = st.schedule
