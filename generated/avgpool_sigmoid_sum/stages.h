@@ -66,7 +66,7 @@ KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1) {
   return a.in[0][n * 577600LL + c * 9025 + d0 * 95 + d1];
 }
 
-// The same input as a flat (C, *S) sample: element e lies at e.
+// The same input as one dense sample: element e of its memory (e = c * S + s).
 constexpr Index kSampleSize = 577600;
 KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
 

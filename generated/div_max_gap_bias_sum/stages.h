@@ -70,7 +70,7 @@ KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
   return a.in[0][n * 861056LL + c * 53816 + d0 * 3844 + d1 * 62 + d2];
 }
 
-// The same input as a flat (C, *S) sample: element e lies at e.
+// The same input as one dense sample: element e of its memory (e = c * S + s).
 constexpr Index kSampleSize = 861056;
 KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
 

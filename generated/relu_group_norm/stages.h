@@ -45,6 +45,10 @@ KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
   return a.in[0][n * 5030912LL + c + d0 * 147968 + d1 * 4352 + d2 * 128];
 }
 
+// The same input as one dense sample: element e of its memory (rows of channels: e = s * C + c).
+constexpr Index kSampleSize = 5030912;
+KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
+
 
 constexpr int kChannels = 128;
 constexpr int kGroups = 8;
@@ -71,11 +75,7 @@ KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2, flo
 
 // The input at channel c, spatial index s (row-major over the spatial dims).
 KGEN_HD float input_at(const Args& a, long long n, int c, Index s) {
-  Index ts = s;
-  const int d2 = static_cast<int>(ts % 34); ts /= 34;
-  const int d1 = static_cast<int>(ts % 34); ts /= 34;
-  const int d0 = static_cast<int>(ts);
-  return load(a, n, c, d0, d1, d2);
+  return load_flat(a, n, s * kChannels + c);
 }
 
 // Value e of group g of sample n, in logical (channel-major) order, after the prologue.
@@ -100,31 +100,38 @@ KGEN_HD float shift_of(const float* samples) {
   return s / static_cast<float>(kShiftSamples);
 }
 
-// The statistics step, both schedules (CUDA: a thread's share of a block's
-// slice; C++: a whole group): sums of the shifted values e = first, first +
-// step, ... < end of group (n, g). kUnroll values are loaded before any is
-// used, added in fp32, then once into the double sums. (`shift` by reference:
-// the CUDA kernel passes its shared-memory copy, a value would hold a register.)
-KGEN_HD kgen::ShiftedSums group_sums(const Args& a, long long n, int g, const float& shift, Index first, Index end, Index step) {
+// Sums of the shifted values value_at(e) - shift, e = first, first + step, ...
+// < end: kInFlight values are loaded before any is used, added in fp32, then
+// once into the double sums. (`shift` by reference: the CUDA kernels pass their
+// shared-memory copy, a value would hold a register.)
+template <int kInFlight, class ValueAt>
+KGEN_HD kgen::ShiftedSums shifted_sums(const float& shift, Index first, Index end, Index step, const ValueAt& value_at) {
   kgen::ShiftedSums sums = kgen::sums_empty();
   Index e = first;
-  for (; e + (kUnroll - 1) * step < end; e += kUnroll * step) {
-    float v[kUnroll];
+  for (; e + (kInFlight - 1) * step < end; e += kInFlight * step) {
+    float v[kInFlight];
     KGEN_UNROLL
-    for (int u = 0; u < kUnroll; ++u) v[u] = group_element(a, n, g, e + u * step);
+    for (int u = 0; u < kInFlight; ++u) v[u] = value_at(e + u * step);
     float s1 = 0.f, s2 = 0.f;
     KGEN_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kInFlight; ++u) {
       const float d = v[u] - shift;
       s1 += d;
       s2 += d * d;
     }
-    sums.count += kUnroll;
+    sums.count += kInFlight;
     sums.s1 += s1;
     sums.s2 += s2;
   }
-  for (; e < end; e += step) kgen::sums_push(sums, group_element(a, n, g, e) - shift);
+  for (; e < end; e += step) kgen::sums_push(sums, value_at(e) - shift);
   return sums;
+}
+
+// The statistics step over a group, both schedules (CUDA: a thread's share of a
+// block's slice; C++: a whole group): the values e = first, first + step, ... <
+// end of group (n, g) in logical order.
+KGEN_HD kgen::ShiftedSums group_sums(const Args& a, long long n, int g, const float& shift, Index first, Index end, Index step) {
+  return shifted_sums<kUnroll>(shift, first, end, step, [&](Index e) { return group_element(a, n, g, e); });
 }
 
 // Statistics of one (sample, group), as the apply step reads them.
