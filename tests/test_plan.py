@@ -109,6 +109,25 @@ def test_conv_layout_follows_the_reader():
     assert forced.stages[0].layout == "contiguous"
 
 
+def test_how_the_aten_convolution_gets_its_input():
+    """conv_aten.input_copy: a generated copy into channels_last from an NC[D]HW input (narrowed in
+    place), ATen's copy where the generated one does not apply, none where the input is read as is."""
+    fam = conv_aten.FAMILY
+    to_pool = [CONV2, {"sum": {"dim": 1}}]
+    cl = plan_of([3, 10, 10], to_pool, plan={"conv_layout": "channels_last", "conv": "aten"}).stages[0]
+    assert fam.input_copy(cl) == "kernel" and fam.stage_json(cl)["input_copy"] == "kernel"
+    assert "generated kernel" in fam.explain_lines(cl)[0]
+    nchw = plan_of([3, 10, 10], to_pool, plan={"conv_layout": "contiguous", "conv": "aten"}).stages[0]
+    assert fam.input_copy(nchw) is None and "copied" not in fam.explain_lines(nchw)[0]
+    wide_in = plan_of([300, 6, 6], to_pool, plan={"conv_layout": "channels_last", "conv": "aten"}).stages[0]
+    assert fam.input_copy(wide_in) == "aten"  # more input channels than the copy's tile takes
+    ct = {"conv_transpose2d": {"out_channels": 4, "kernel_size": 5, "stride": 2, "padding": 2}}
+    narrowed = plan_of([8, 24, 25], [ct, {"max_pool2d": {"kernel_size": 6}}, {"sum": {"dim": 1}}],
+                       plan={"conv_layout": "contiguous", "conv": "aten"}).stages[0]
+    assert tuple(narrowed.input_extent) != tuple(narrowed.in_type.spatial)  # the dead region cuts the input
+    assert fam.input_copy(narrowed) == "aten"  # narrowed, but no change of layout: ATen's narrow + contiguous
+
+
 def test_subpixel_phases_are_tiles_read_in_place():
     op = {"conv_transpose2d": {"out_channels": 3, "kernel_size": 4, "stride": 2, "padding": 1}}
     plan = plan_of([2, 5, 5], [op, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], plan=ATEN)
