@@ -1,6 +1,7 @@
 // kgen_math.h: scalar math shared by the CUDA and the C++ kernels of every
 // generated module, so both backends compute the same function. Each
-// elementwise op of the op table (kgen/ops.py) is one function here.
+// elementwise op of the op table (kgen/ops.py) is one function here; also the
+// grid shape of the CUDA kernels that run over samples.
 // Copied verbatim into generated/ by `kgen render`; edit templates/kgen_math.h.
 #pragma once
 
@@ -16,6 +17,17 @@
 #endif
 
 namespace kgen {
+
+#ifdef __CUDACC__
+// Grids of (blocks per sample, samples). gridDim.y stops at 65535, so the samples
+// run over y and z; a block past the last sample returns at once (the whole block).
+constexpr long long kMaxGridY = 65535;
+inline dim3 sample_grid(unsigned per_sample, long long batch) {
+  const long long y = batch < 1 ? 1 : batch < kMaxGridY ? batch : kMaxGridY;
+  return dim3(per_sample, static_cast<unsigned>(y), static_cast<unsigned>((batch + y - 1) / y > 0 ? (batch + y - 1) / y : 1));
+}
+__device__ __forceinline__ long long grid_sample() { return static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y; }
+#endif
 
 // Tests NaN without std::isnan, which device code does not have.
 KGEN_HD bool is_nan(float x) { return x != x; }

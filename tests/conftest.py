@@ -115,6 +115,17 @@ NORM_LAYOUTS = {
 }
 
 
+# ATen convolution stages whose channels_last input the generated copy makes (templates/conv_aten/kernel.cu.j2):
+# few and odd channel counts (tiles of 1365 and 124 positions), 2-D and 3-D, and an input narrowed to the
+# prefix a cropped (dead-region) output reads. (input shape, ops)
+INPUT_COPIES = {
+    "copy_c3_2d": ([3, 37, 41], [{"conv2d": {"out_channels": 16, "kernel_size": 3}}, {"group_norm": {"num_groups": 4}}]),
+    "copy_c33_3d": ([33, 5, 7, 9], [{"conv3d": {"out_channels": 8, "kernel_size": 3, "padding": 1}}, "relu"]),
+    "copy_narrowed": ([8, 24, 25, 26], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 5, "stride": 2, "padding": 2}},
+                                       {"max_pool3d": {"kernel_size": 6}}, {"sum": {"dim": [1], "keepdim": True}}]),
+}
+
+
 def norm_layout_spec(name: str, directory: Path) -> Path:
     """NORM_LAYOUTS[name] written as directory/NAME.yaml (example batch 37)."""
     shape, ops, _, *plan = NORM_LAYOUTS[name]

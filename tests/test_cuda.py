@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import HAS_CUDA, NORM_LAYOUTS, ROOT, SHIPPED, render_norm_layout, spec_text
+from conftest import CL_ATEN, HAS_CUDA, INPUT_COPIES, NORM_LAYOUTS, ROOT, SHIPPED, render_norm_layout, spec_text, write_spec
 from kgen.ir import load_pipeline
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -180,17 +180,6 @@ def test_norm_layouts_validate(name, tmp_path):
     assert report.cases and not failures, failures
 
 
-# ATen convolution stages whose channels_last input the generated copy makes (templates/conv_aten/kernel.cu.j2):
-# few and odd channel counts (tiles of 1365 and 124 positions), 2-D and 3-D, and an input narrowed to the
-# prefix a cropped (dead-region) output reads. (input shape, ops)
-INPUT_COPIES = {
-    "copy_c3_2d": ([3, 37, 41], [{"conv2d": {"out_channels": 16, "kernel_size": 3}}, {"group_norm": {"num_groups": 4}}]),
-    "copy_c33_3d": ([33, 5, 7, 9], [{"conv3d": {"out_channels": 8, "kernel_size": 3, "padding": 1}}, "relu"]),
-    "copy_narrowed": ([8, 24, 25, 26], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 5, "stride": 2, "padding": 2}},
-                                       {"max_pool3d": {"kernel_size": 6}}, {"sum": {"dim": [1], "keepdim": True}}]),
-}
-
-
 @pytest.mark.parametrize("name", sorted(INPUT_COPIES))
 def test_generated_input_copy_validates(name, tmp_path):
     """The ATen convolution's input copied into channels_last by the generated kernel, against the
@@ -198,7 +187,6 @@ def test_generated_input_copy_validates(name, tmp_path):
     ATen's copy instead and must give the same result."""
     import json
 
-    from conftest import CL_ATEN, write_spec
     from kgen.build import build_module
     from kgen.render import render_spec, write_rendered
     from kgen.validate import import_module_dir, validate
@@ -219,3 +207,42 @@ def test_generated_input_copy_validates(name, tmp_path):
         memory_format = torch.channels_last if len(shape) == 3 else torch.channels_last_3d
         torch.testing.assert_close(model(x.contiguous(memory_format=memory_format)), y, rtol=0, atol=0)
         torch.testing.assert_close(model(x.transpose(-1, -2).contiguous().transpose(-1, -2)), y, rtol=0, atol=0)
+
+
+# More samples than a grid's y dimension takes (65535): the kernels that run a block row per sample spread
+# the samples over y and z (kgen::sample_grid). (input shape, ops, plan, the norm's stats_by / apply_by)
+LARGE_BATCH = {
+    "big_copy_rows": ([3, 12, 12], [{"conv2d": {"out_channels": 8, "kernel_size": 3, "padding": 1}},
+                                    {"group_norm": {"num_groups": 1}}], CL_ATEN, ("rows", "transpose")),
+    "big_channel": ([1, 48, 48], [{"group_norm": {"num_groups": 1}}, "relu"], None, ("block", "channel")),
+    "big_position": ([4, 16, 16], [{"group_norm": {"num_groups": 2}}, {"max": {"dim": 1}}], None, ("warp", "position")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LARGE_BATCH))
+def test_more_samples_than_grid_y(name, tmp_path):
+    import json
+
+    from kgen.build import build_module
+    from kgen.reference import ReferenceModel
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import import_module_dir
+
+    shape, ops, plan, layout = LARGE_BATCH[name]
+    batch = 70000
+    spec = write_spec(tmp_path, spec_text(shape, ops, name=name, batch=batch, plan=plan), f"{name}.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    stages = json.loads((tmp_path / "gen" / name / "plan.json").read_text())["plans"][0]["stages"]
+    assert [(s["schedule"]["stats_by"], s["schedule"]["apply_by"]) for s in stages if s.get("kind") == "norm"] == [layout]
+    build_module(tmp_path / "gen" / name, quiet=True)
+    torch.manual_seed(11)
+    model = import_module_dir(tmp_path / "gen" / name).Model().cuda()
+    ref = ReferenceModel(load_pipeline(spec)).cuda().double()
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    x = torch.randn(batch, *shape, device="cuda")
+    with torch.no_grad():
+        y = model(x)
+        expected = ref(x.double())
+    tol = 1e-2 if plan else 1e-4  # a TF32 convolution before the norm, else fp32 throughout
+    torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+    assert y[-1].abs().sum() > 0  # the last samples (z > 0) were written

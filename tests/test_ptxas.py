@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import NORM_LAYOUTS, ROOT, SHIPPED, render_norm_layout
+from conftest import CL_ATEN, INPUT_COPIES, NORM_LAYOUTS, ROOT, SHIPPED, render_norm_layout, spec_text, write_spec
 from kgen.build import cuda_home, demangle, ptxas_report
 
 pytestmark = pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
@@ -32,4 +32,17 @@ def test_norm_layouts_compile_without_spills(name, tmp_path):
     norm = [n for n in names if any(f in n for f in ("stats_kernel", "finalize_kernel", "apply_kernel"))]
     assert len(norm) == (2 if stats_by == "warp" else 3)  # no finalize step after a warp's statistics
     assert sum("to_channels_last_kernel" in n for n in names) == copies and len(names) == len(norm) + copies, names
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+@pytest.mark.parametrize("name", sorted(INPUT_COPIES))
+def test_input_copies_compile_without_spills(name, tmp_path):
+    """The generated input copy of an ATen convolution (conftest.INPUT_COPIES) compiles clean."""
+    from kgen.render import render_spec, write_rendered
+
+    shape, ops = INPUT_COPIES[name]
+    spec = write_spec(tmp_path, spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN), f"{name}.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    kernels = ptxas_report(tmp_path / "gen" / name, "9.0a")
+    assert any("to_channels_last_kernel" in demangle(k.name) for k in kernels)
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]

@@ -280,7 +280,8 @@ unsigned finalize_grid(long long batch) {
 // Grid (spatial blocks, sample): one thread per position combines all channels.
 __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a) {
   __shared__ Stats stats[kGroups];
-  const long long n = blockIdx.y;
+  const long long n = kgen::grid_sample();
+  if (n >= a.batch) return;  // the whole block
   for (int g = threadIdx.x; g < kGroups; g += kThreads) stats[g] = group_stats(a, n, g);
   __syncthreads();
   const Index s = static_cast<Index>(blockIdx.x) * kThreads + threadIdx.x;
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a) {
 
 // Blocks of the apply step: (spatial blocks, sample).
 dim3 apply_grid(long long batch) {
-  return dim3(static_cast<unsigned>((kSpatial + kThreads - 1) / kThreads), static_cast<unsigned>(batch));
+  return kgen::sample_grid(static_cast<unsigned>((kSpatial + kThreads - 1) / kThreads), batch);
 }
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {

@@ -33,6 +33,7 @@ constexpr int kTileTarget = 4096;  // values per tile
 constexpr int kTilePositions = kTileTarget / kChannels > 32 ? kTileTarget / kChannels : 32;
 constexpr int kTileValues = kChannels * kTilePositions;
 constexpr int kPerThread = (kTileValues + kThreads - 1) / kThreads;
+constexpr bool kWholeSteps = kTileValues % kThreads == 0;  // every thread has kPerThread values (no check)
 
 // Offset in a channel of the input of position s of the extent.
 __device__ __forceinline__ int input_offset(int s) {
@@ -43,21 +44,22 @@ __device__ __forceinline__ int input_offset(int s) {
   return d0 * 32 * 32 + d1 * 32 + d2;
 }
 
-__global__ void __launch_bounds__(kThreads) to_channels_last_kernel(const float* __restrict__ x, float* __restrict__ y) {
+__global__ void __launch_bounds__(kThreads) to_channels_last_kernel(const float* __restrict__ x, float* __restrict__ y, long long batch) {
   __shared__ float tile[kChannels][kTilePositions + 1];  // + 1: a column of the tile spans the banks
-  const long long n = blockIdx.y;
+  const long long n = kgen::grid_sample();
+  if (n >= batch) return;
   const int p0 = static_cast<int>(blockIdx.x) * kTilePositions;
   const float* xn = x + n * kChannels * static_cast<long long>(kInSpatial);
   float v[kPerThread];
   KGEN_UNROLL
   for (int k = 0; k < kPerThread; ++k) {  // value i = channel * kTilePositions + position: all loads in flight
     const int i = threadIdx.x + k * kThreads, p = i % kTilePositions;
-    v[k] = i < kTileValues && p0 + p < kOutSpatial ? xn[static_cast<long long>(i / kTilePositions) * kInSpatial + input_offset(p0 + p)] : 0.f;
+    v[k] = (kWholeSteps || i < kTileValues) && p0 + p < kOutSpatial ? xn[static_cast<long long>(i / kTilePositions) * kInSpatial + input_offset(p0 + p)] : 0.f;
   }
   KGEN_UNROLL
   for (int k = 0; k < kPerThread; ++k) {
     const int i = threadIdx.x + k * kThreads;
-    if (i < kTileValues) tile[i / kTilePositions][i % kTilePositions] = v[k];
+    if (kWholeSteps || i < kTileValues) tile[i / kTilePositions][i % kTilePositions] = v[k];
   }
   __syncthreads();
   float* yn = y + (n * kOutSpatial + p0) * kChannels;
@@ -67,8 +69,7 @@ __global__ void __launch_bounds__(kThreads) to_channels_last_kernel(const float*
 }
 
 cudaError_t to_channels_last(const float* x, float* y, long long batch, cudaStream_t stream) {
-  const dim3 grid((kOutSpatial + kTilePositions - 1) / kTilePositions, static_cast<unsigned>(batch));
-  to_channels_last_kernel<<<grid, kThreads, 0, stream>>>(x, y);
+  to_channels_last_kernel<<<kgen::sample_grid((kOutSpatial + kTilePositions - 1) / kTilePositions, batch), kThreads, 0, stream>>>(x, y, batch);
   return cudaGetLastError();
 }
 
@@ -174,7 +175,8 @@ constexpr int kTilePositions = kRowsPerStep * kSteps;
 __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a) {
   __shared__ float tile[kChannels][kTilePositions + 1];  // + 1: a column of the tile spans all banks
   __shared__ Stats stats[kGroups];
-  const long long n = blockIdx.y;
+  const long long n = kgen::grid_sample();
+  if (n >= a.batch) return;  // the whole block
   const Index s0 = static_cast<Index>(blockIdx.x) * kTilePositions;
   const int c = threadIdx.x % kChannels, row = threadIdx.x / kChannels;
   const bool reads = threadIdx.x < kRowThreads;
@@ -206,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Args a) {
 
 // Blocks of the apply step: (position tiles, sample).
 dim3 apply_grid(long long batch) {
-  return dim3(static_cast<unsigned>((kSpatial + kTilePositions - 1) / kTilePositions), static_cast<unsigned>(batch));
+  return kgen::sample_grid(static_cast<unsigned>((kSpatial + kTilePositions - 1) / kTilePositions), batch);
 }
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
