@@ -163,6 +163,14 @@ def _no_extra(d: dict, allowed, key, path):
             fail(path, sub, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
 
 
+def _choice(d: dict, name: str, choices, default: str, key: str, path) -> str:
+    """d[name] (``default`` when absent): one of the strings ``choices``; ``key`` names it in errors."""
+    v = d.get(name, default)
+    if not isinstance(v, str) or v not in choices:
+        fail(path, key, f"expected one of {', '.join(choices)}, got {show(v)}")
+    return v
+
+
 def _fields(raw: dict, schema: dict, key: str, path: str) -> dict:
     _no_extra(raw, schema, key, path)
     out = {}
@@ -528,20 +536,12 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
     if not isinstance(ops_raw, list) or not ops_raw:
         fail(path, "ops", "expected a non-empty list of ops")
     ops = tuple(_load_op(o, i, path) for i, o in enumerate(ops_raw))
-    precision = raw.get("precision", "tf32")
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        fail(path, "precision", f"expected one of {', '.join(PRECISIONS)}, got {show(precision)}")
+    precision = _choice(raw, "precision", PRECISIONS, "tf32", "precision", path)
     plan = _mapping(raw.get("plan", {}) or {}, "plan", path)
     _no_extra(plan, {"conv_layout", "conv", "conv_norm"}, "plan", path)
-    conv_layout = plan.get("conv_layout", "auto")
-    if not isinstance(conv_layout, str) or conv_layout not in CONV_LAYOUTS:
-        fail(path, "plan.conv_layout", f"expected one of {', '.join(CONV_LAYOUTS)}, got {show(conv_layout)}")
-    conv_impl = plan.get("conv", "auto")
-    if not isinstance(conv_impl, str) or conv_impl not in CONV_IMPLS:
-        fail(path, "plan.conv", f"expected one of {', '.join(CONV_IMPLS)}, got {show(conv_impl)}")
-    conv_norm = plan.get("conv_norm", "auto")
-    if not isinstance(conv_norm, str) or conv_norm not in CONV_NORM_FORMS:
-        fail(path, "plan.conv_norm", f"expected one of {', '.join(CONV_NORM_FORMS)}, got {show(conv_norm)}")
+    conv_layout = _choice(plan, "conv_layout", CONV_LAYOUTS, "auto", "plan.conv_layout", path)
+    conv_impl = _choice(plan, "conv", CONV_IMPLS, "auto", "plan.conv", path)
+    conv_norm = _choice(plan, "conv_norm", CONV_NORM_FORMS, "auto", "plan.conv_norm", path)
     return Spec(
         path=path,
         name=name,
