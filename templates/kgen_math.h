@@ -23,8 +23,9 @@ namespace kgen {
 // run over y and z; a block past the last sample returns at once (the whole block).
 constexpr long long kMaxGridY = 65535;
 inline dim3 sample_grid(unsigned per_sample, long long batch) {
-  const long long y = batch < 1 ? 1 : batch < kMaxGridY ? batch : kMaxGridY;
-  return dim3(per_sample, static_cast<unsigned>(y), static_cast<unsigned>((batch + y - 1) / y > 0 ? (batch + y - 1) / y : 1));
+  if (batch < 1) return dim3(per_sample, 1, 1);  // a valid grid; its blocks return at once
+  const long long y = batch < kMaxGridY ? batch : kMaxGridY;
+  return dim3(per_sample, static_cast<unsigned>(y), static_cast<unsigned>((batch + y - 1) / y));
 }
 __device__ __forceinline__ long long grid_sample() { return static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y; }
 #endif

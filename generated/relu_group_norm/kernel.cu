@@ -87,11 +87,12 @@ constexpr unsigned kFullWarp = 0xffffffffu;  // every lane of a warp takes part
 constexpr int kRowThreads = kChannels * (kThreads / kChannels);
 constexpr int kRowsPerStep = kRowThreads / kChannels;
 
-// Grid (sample, split): each block takes a slice of the rows; a thread sums the
-// shifted values (its group's shift) of its channel c = threadIdx.x % kChannels,
-// kRowsInFlight loads at a time (the apply's transposed tiles reach copy speed
-// with 16 in flight per thread; 8 left this kernel at ~2.5 TB/s).
+// Loads a thread of the row statistics keeps in flight (the apply's transposed
+// tiles reach copy speed with 16 per thread; 8 left this kernel at ~2.5 TB/s).
 constexpr int kRowsInFlight = 16;
+
+// Grid (sample, split): each block takes a slice of the rows; a thread sums the
+// shifted values (its group's shift) of its channel c = threadIdx.x % kChannels.
 // The block then adds, in a fixed order, the threads of each channel, then the
 // channels of each group, and writes the groups' sums to `partial` (sample,
 // group, split).
