@@ -21,7 +21,7 @@ struct Store {
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
     using G = Geometry<P>;
-    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kThreads) {
+    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kEpilogueThreads) {
       const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
       if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
     }
@@ -49,7 +49,7 @@ struct SigmoidSum {
           const int m = fm.m(mt, i), n = fm.n(nt, i);
           if (n < P::kCout && row_valid<P>(c, m)) s += kgen::sigmoid(acc[mt][nt][i] + p.bias[n]);
         }
-    s = block_sum<G::kThreads>(s, scratch);
+    s = block_sum<P>(s, scratch);
     if (threadIdx.x == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
   }
 };
@@ -68,7 +68,7 @@ struct MaxPool2Sum {
     constexpr int kPD = P::kTD / 2, kPH = P::kTH / 2, kPW = P::kTW / 2;
     constexpr int kPooled = kPD * kPH * kPW;
     float s = 0.f;
-    for (int i = threadIdx.x; i < P::kCout * kPooled; i += G::kThreads) {
+    for (int i = threadIdx.x; i < P::kCout * kPooled; i += G::kEpilogueThreads) {
       const int n = i / kPooled, q = i % kPooled;
       const int pw = q % kPW, ph = (q / kPW) % kPH, pd = q / (kPW * kPH);
       if (c.od / 2 + pd >= P::kOutD / 2 || c.oh / 2 + ph >= P::kOutH / 2 || c.ow / 2 + pw >= P::kOutW / 2) continue;
@@ -81,7 +81,7 @@ struct MaxPool2Sum {
           }
       s += v / 2.f;
     }
-    s = block_sum<G::kThreads>(s, scratch);
+    s = block_sum<P>(s, scratch);
     if (threadIdx.x == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
   }
 };
@@ -110,7 +110,7 @@ struct NormStats {
       for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + threadIdx.x];
       means[threadIdx.x] = s / count;
     }
-    __syncthreads();
+    epilogue_sync<P>();
     channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) {
       const float d = value(mt, nt, i) - means[fm.n(nt, i)];
       return row_valid<P>(c, fm.m(mt, i)) ? d * d : 0.f;
