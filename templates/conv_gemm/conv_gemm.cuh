@@ -177,14 +177,14 @@ template <class P>
 struct MinBlocks<P, std::void_t<decltype(P::kMinBlocks)>> {
   static constexpr int value = P::kMinBlocks;
 };
-// Whether the wgmma loop has a producer warpgroup (P::kProducer if given, else false).
+// Producer warpgroups of the wgmma loop (P::kProducers if given, else 0).
 template <class P, class = void>
-struct HasProducer {
-  static constexpr bool value = false;
+struct Producers {
+  static constexpr int value = 0;
 };
 template <class P>
-struct HasProducer<P, std::void_t<decltype(P::kProducer)>> {
-  static constexpr bool value = P::kProducer;
+struct Producers<P, std::void_t<decltype(P::kProducers)>> {
+  static constexpr int value = P::kProducers;
 };
 
 template <class P>
@@ -237,11 +237,13 @@ struct Geometry {
   static constexpr int kTilesH = ceil_div(P::kOutH, P::kTH);
   static constexpr int kTilesW = ceil_div(P::kOutW, P::kTW);
   static constexpr int kTilesPerSample = kTilesD * kTilesH * kTilesW;
-  // wgmma loop with a producer: one more warpgroup (the last) fills a ring of kABufs A buffers
-  // while the kWarpsM x kWarpsN warps (the consumers) run the MMAs and the epilogue.
-  static constexpr bool kProducer = HasProducer<P>::value;
+  // wgmma loop with producers: kProducers more warpgroups (after the others) fill a ring of
+  // kABufs A buffers while the kWarpsM x kWarpsN warps (the consumers) run the MMAs and the
+  // epilogue; producer q fills the buffers of steps q, q + kProducers, ...
+  static constexpr int kProducers = Producers<P>::value;
+  static constexpr bool kProducer = kProducers > 0;
   static constexpr int kEpilogueThreads = 32 * P::kWarpsM * P::kWarpsN;  // the MMA and epilogue warps
-  static constexpr int kThreads = kEpilogueThreads + (kProducer ? 128 : 0);
+  static constexpr int kThreads = kEpilogueThreads + 128 * kProducers;
   static constexpr int kABufs = kProducer ? P::kStages : 1;  // A buffers (wgmma loop)
   static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp (mma.sync loops)
   static constexpr int kWarpN = P::kBN / P::kWarpsN;  // columns per warp
@@ -261,7 +263,8 @@ struct Geometry {
                          kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128),
                 "wgmma loop: kCI a multiple of 8, tiles of 8 in W and 8k in H, warpgroups split the m-blocks, one channel block");
   static_assert(!kWg || kWarpN % 8 == 0, "wgmma loop: a warpgroup's columns are whole 8-column tiles");
-  static_assert(!kProducer || (kWg && kABufs >= 2 && kABufs <= 7), "a producer feeds the wgmma loop, 2 to 7 A buffers (named barriers)");
+  static_assert(!kProducer || (kWg && kABufs >= 2 && kABufs <= 7 && kABufs % kProducers == 0),
+                "producers feed the wgmma loop: 2 to 7 A buffers (named barriers), each always filled by the same producer");
   static_assert(P::kBN % (8 * P::kWarpsN) == 0, "kBN must split into 8-column MMA tiles per warp");
   static_assert(kWg || P::kStages >= 2, "at least double buffering (the wgmma loop stages through registers)");
 
@@ -917,39 +920,31 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
     }
     if constexpr (G::kProducer) {
       __syncthreads();  // the weights are in place
-      // Step s (a chunk of a tile) uses A buffer s % kABufs: the producer stores it and arrives
-      // on its full barrier (1 + slot); the consumers wait there, run the MMAs and, once they
-      // are done reading, arrive on its empty barrier (1 + kABufs + slot), where the producer
-      // waits before it stores step s + kABufs. Each barrier counts every thread of the CTA.
+      // Step s (a chunk of a tile) uses A buffer s % kABufs: its producer stores it and arrives
+      // on the buffer's full barrier (1 + buffer); the consumers wait there, run the MMAs and,
+      // once they are done reading, arrive on its empty barrier (1 + kABufs + buffer), where the
+      // producer waits before it stores step s + kABufs. A barrier counts the consumers and one
+      // producer warpgroup. (A barrier also waits for the arriving thread's loads, so a
+      // producer cannot keep the next step's loads in flight across it: several producers do.)
+      constexpr int kBarrierThreads = G::kEpilogueThreads + 128;
       auto full = [](long long s) { return 1 + static_cast<int>(s % G::kABufs); };
       auto empty = [](long long s) { return 1 + G::kABufs + static_cast<int>(s % G::kABufs); };
-      auto slot = [&](long long s) { return s_lo + static_cast<int>(s % G::kABufs) * G::kABufFloats; };
       if (threadIdx.x >= G::kEpilogueThreads) {
-        // The producer: the loads of step s + 1 go out item by item as step s's items are
-        // stored, so that a step's worth of loads is in flight while it waits and stores.
-        const int tid = threadIdx.x - G::kEpilogueThreads;
+        const int q = (threadIdx.x - G::kEpilogueThreads) / 128, tid = threadIdx.x % 128;
         BoxRegs<P, 128> box;
-        if (steps > 0) box.load(x, tile_of_step(0), 0, tid);
 #pragma unroll 1
-        for (long long s = 0; s < steps; ++s) {
-          if (s >= G::kABufs) named_sync(empty(s), G::kThreads);
-          float* a = slot(s);
-          const bool more = s + 1 < steps;
-          const TileCoord next = tile_of_step(more ? s + 1 : s);
-          const int next_chunk = static_cast<int>((s + 1) % G::kChunks);
-#pragma unroll
-          for (int p = 0; p < BoxRegs<P, 128>::kPer; ++p) {
-            box.store_item(p, a, tid);
-            if (more) box.load_item(p, x, next, next_chunk, tid);
-          }
+        for (long long s = q; s < steps; s += G::kProducers) {
+          box.load(x, tile_of_step(s), static_cast<int>(s % G::kChunks), tid);
+          if (s >= G::kABufs) named_sync(empty(s), kBarrierThreads);
+          box.store(s_lo + static_cast<int>(s % G::kABufs) * G::kABufFloats, tid);
           fence_async_shared();  // the MMAs read the A buffer through the async proxy
-          named_arrive(full(s), G::kThreads);
+          named_arrive(full(s), kBarrierThreads);
         }
         return;
       }
 #pragma unroll 1
       for (long long s = 0; s < steps; ++s) {
-        named_sync(full(s), G::kThreads);
+        named_sync(full(s), kBarrierThreads);
         const TileCoord c = tile_of_step(s);
         const int chunk = static_cast<int>(s % G::kChunks);
         const uint64_t a_shift = static_cast<uint64_t>((s % G::kABufs) * G::kABufFloats / 4);  // 16-byte units
@@ -959,7 +954,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
         const float* b_base = smem + chunk * G::kKSteps * G::kWgStepFloats + wg_n * G::kNT * 64;
         chunk_wgmma<P>(acc, a_slot, kLoShift, smem_desc(smem_addr(b_base), kBLbo, kBSbo));
         chunk_wgmma_wait<P>(acc);
-        if (s + G::kABufs < steps) named_arrive(empty(s), G::kThreads);  // the producer waits only for these
+        if (s + G::kABufs < steps) named_arrive(empty(s), kBarrierThreads);  // the producer waits only for these
         if (chunk == G::kChunks - 1) finish_tile(c);
       }
       return;
