@@ -129,9 +129,14 @@ struct Fused {
       for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
+          // Branch-free: every accumulator is evaluated, at a channel and position clamped into
+          // the output (parameter loads stay in bounds), and only the valid ones are combined.
           const int m = fm.m(mt, i), ch = c.cblock * P::kBN + fm.n(nt, i);
-          const int pd = c.od + row_d<P>(m), ph = c.oh + row_h<P>(m), pw = c.ow + row_w<P>(m);
-          if (ch < P::kCout && row_valid<P>(c, m)) s = s1::combine(s, s1::level0_from(a, c.n, ch, ph, pw, acc[mt][nt][i]));
+          const bool ok = ch < P::kCout && row_valid<P>(c, m);
+          const int pd = min(c.od + row_d<P>(m), P::kOutD - 1), ph = min(c.oh + row_h<P>(m), P::kOutH - 1),
+                    pw = min(c.ow + row_w<P>(m), P::kOutW - 1);
+          const float v = s1::level0_from(a, c.n, min(ch, P::kCout - 1), ph, pw, acc[mt][nt][i]);
+          s = s1::combine(s, ok ? v : s1::identity());
         }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) s = s1::combine(s, __shfl_xor_sync(0xffffffffu, s, o));

@@ -122,6 +122,11 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {}
 __device__ __forceinline__ void fence_async_shared() {}
 #endif
+// Named barriers (0 is __syncthreads'): `count` threads, a multiple of 32. sync waits;
+// arrive counts this thread in and goes on (a producer's signal).
+__device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+
 // Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
 __device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
@@ -162,6 +167,26 @@ constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32
 //   kPlaneResidue                           input channel plane stride % 32 (bank spread)
 //   kMma                                    Mma::kTf32, kTf32x3 or (direct loop) kFp32
 //   kLoop                                   Loop::kGeneric, kWindow, kWgmma or kDirect
+// CTAs per SM the kernel is compiled for (P::kMinBlocks if given, else 1): with 2, ptxas
+// keeps a thread's registers within half the register file's share.
+template <class P, class = void>
+struct MinBlocks {
+  static constexpr int value = 1;
+};
+template <class P>
+struct MinBlocks<P, std::void_t<decltype(P::kMinBlocks)>> {
+  static constexpr int value = P::kMinBlocks;
+};
+// Producer warpgroups of the wgmma loop (P::kProducers if given, else 0).
+template <class P, class = void>
+struct Producers {
+  static constexpr int value = 0;
+};
+template <class P>
+struct Producers<P, std::void_t<decltype(P::kProducers)>> {
+  static constexpr int value = P::kProducers;
+};
+
 template <class P>
 struct Geometry {
   static constexpr bool kDirect = P::kLoop == Loop::kDirect;
@@ -212,7 +237,14 @@ struct Geometry {
   static constexpr int kTilesH = ceil_div(P::kOutH, P::kTH);
   static constexpr int kTilesW = ceil_div(P::kOutW, P::kTW);
   static constexpr int kTilesPerSample = kTilesD * kTilesH * kTilesW;
-  static constexpr int kThreads = 32 * P::kWarpsM * P::kWarpsN;
+  // wgmma loop with producers: kProducers more warpgroups (after the others) fill a ring of
+  // kABufs A buffers while the kWarpsM x kWarpsN warps (the consumers) run the MMAs and the
+  // epilogue; producer q fills the buffers of steps q, q + kProducers, ...
+  static constexpr int kProducers = Producers<P>::value;
+  static constexpr bool kProducer = kProducers > 0;
+  static constexpr int kEpilogueThreads = 32 * P::kWarpsM * P::kWarpsN;  // the MMA and epilogue warps
+  static constexpr int kThreads = kEpilogueThreads + 128 * kProducers;
+  static constexpr int kABufs = kProducer ? P::kStages : 1;  // A buffers (wgmma loop)
   static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp (mma.sync loops)
   static constexpr int kWarpN = P::kBN / P::kWarpsN;  // columns per warp
   // wgmma loop: warpgroups form a kGroups x kWarpsN grid; warpgroup (wg, n)
@@ -231,6 +263,8 @@ struct Geometry {
                          kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128),
                 "wgmma loop: kCI a multiple of 8, tiles of 8 in W and 8k in H, warpgroups split the m-blocks, one channel block");
   static_assert(!kWg || kWarpN % 8 == 0, "wgmma loop: a warpgroup's columns are whole 8-column tiles");
+  static_assert(!kProducer || (kWg && kABufs >= 2 && kABufs <= 7 && kABufs % kProducers == 0),
+                "producers feed the wgmma loop: 2 to 7 A buffers (named barriers), each always filled by the same producer");
   static_assert(P::kBN % (8 * P::kWarpsN) == 0, "kBN must split into 8-column MMA tiles per warp");
   static_assert(kWg || P::kStages >= 2, "at least double buffering (the wgmma loop stages through registers)");
 
@@ -262,7 +296,8 @@ struct Geometry {
   static constexpr int kWeightFloats = kWg || kDirect ? static_cast<int>(kPackedFloats) : 0;
   static constexpr int kStageOffset = kWeightFloats;
   static constexpr int kLoOffset = kStageOffset + (kWg ? 0 : P::kStages * kInStage);  // also the A buffer's (no stages)
-  static constexpr int kTileOffset = kLoOffset + (kWg ? kSplits * kABuf : kSplits == 2 ? kInStage : 0);
+  static constexpr int kABufFloats = kSplits * kABuf;  // one A buffer (wgmma loop; tf32x3: hi then lo)
+  static constexpr int kTileOffset = kLoOffset + (kWg ? kABufs * kABufFloats : kSplits == 2 ? kInStage : 0);
 };
 
 // k of a chunk -> its tap (kd, kh, kw) and channel; `real` false for padded slots.
@@ -366,17 +401,33 @@ struct FragMap {
 
 // ------------------------------------------------------------------ reductions
 
-// Sum over the block, in a fixed order whatever the timing; the result is valid in thread 0.
-// `scratch` holds one float per warp; the caller's next __syncthreads guards its reuse.
-template <int kThreads>
+// Named barrier of the epilogue warps when a producer warpgroup runs beside them (ids 1 ..
+// 2 kABufs are the A buffers' full / empty barriers).
+template <class P>
+constexpr int kEpilogueBarrier = 1 + 2 * Geometry<P>::kABufs;
+
+// A barrier over the threads that run the epilogue (threads 0 .. kEpilogueThreads - 1):
+// the whole CTA, or all but the producer warpgroup. Epilogues use it instead of __syncthreads.
+template <class P>
+__device__ __forceinline__ void epilogue_sync() {
+  if constexpr (Geometry<P>::kProducer) {
+    named_sync(kEpilogueBarrier<P>, Geometry<P>::kEpilogueThreads);
+  } else {
+    __syncthreads();
+  }
+}
+
+// Sum over the epilogue threads, in a fixed order whatever the timing; the result is valid in
+// thread 0. `scratch` holds one float per warp; the caller's next epilogue_sync guards its reuse.
+template <class P>
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
+  epilogue_sync<P>();
   float total = 0.f;
   if (threadIdx.x == 0) {
-    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+    for (int w = 0; w < Geometry<P>::kEpilogueThreads / 32; ++w) total += scratch[w];
   }
   return total;
 }
@@ -410,7 +461,7 @@ __device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratc
       if (kDirect ? threadIdx.x % 32 == 0 : fm.g == 0) scratch[warp_m * P::kBN + fm.n(nt, j)] = s;
     }
   }
-  __syncthreads();
+  epilogue_sync<P>();
 }
 
 // ------------------------------------------------------------------ loads
@@ -501,61 +552,68 @@ __device__ __forceinline__ void round_stage(float* stage, float* lo) {
 // channels of a quad: a 4 x 4 transpose in registers, 4 16-byte stores (with
 // a W stride of 4, each of the 4 positions goes to its own phase, so
 // consecutive threads' stores are consecutive).
-template <class P>
+// kLoaders threads share the box; `tid` is this thread's place among them.
+template <class P, int kLoaders>
 struct BoxRegs {
   using G = Geometry<P>;
   static constexpr int kGroupsW = ceil_div(G::kBW, 4), kRows = G::kBD * G::kBH;
   static constexpr int kItems = G::kQuads * kRows * kGroupsW;
-  static constexpr int kPer = ceil_div(kItems, G::kThreads);  // items per thread
+  static constexpr int kPer = ceil_div(kItems, kLoaders);  // items per thread
   float v[kPer][4][4];  // [item][channel][position]
 
-  __device__ __forceinline__ void load(const float* __restrict__ x, const TileCoord& c, int chunk) {
+  __device__ __forceinline__ void load(const float* __restrict__ x, const TileCoord& c, int chunk, int tid) {
+#pragma unroll
+    for (int p = 0; p < kPer; ++p) load_item(p, x, c, chunk, tid);
+  }
+
+  __device__ __forceinline__ void store(float* a, int tid) const {
+#pragma unroll
+    for (int p = 0; p < kPer; ++p) store_item(p, a, tid);
+  }
+
+  // Item p of this thread: its loads (zeros outside the input) into v[p].
+  __device__ __forceinline__ void load_item(int p, const float* __restrict__ x, const TileCoord& c, int chunk, int tid) {
     const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
     const int ci0 = chunk * P::kCI;
+    const int e = tid + p * kLoaders;
+    const int gw = e % kGroupsW, row = (e / kGroupsW) % kRows, quad = e / (kGroupsW * kRows);
+    const int id = id0 + row / G::kBH, ih = ih0 + row % G::kBH, iw = iw0 + gw * 4;
+    const bool row_ok = e < kItems && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH;
 #pragma unroll
-    for (int p = 0; p < kPer; ++p) {
-      const int e = threadIdx.x + p * G::kThreads;
-      const int gw = e % kGroupsW, row = (e / kGroupsW) % kRows, quad = e / (kGroupsW * kRows);
-      const int id = id0 + row / G::kBH, ih = ih0 + row % G::kBH, iw = iw0 + gw * 4;
-      const bool row_ok = e < kItems && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH;
+    for (int ch = 0; ch < 4; ++ch) {
+      const int ci = ci0 + quad * 4 + ch;
+      const bool ok = row_ok && ci < P::kCin;
+      if constexpr (G::kVecW) {
+        const long long off = input_offset<P>(c.n, ci, id, ih, iw);
+        const float4 q = ok && iw >= 0 && iw < P::kInW ? __ldg(reinterpret_cast<const float4*>(x + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[p][ch][0] = q.x, v[p][ch][1] = q.y, v[p][ch][2] = q.z, v[p][ch][3] = q.w;
+      } else {
 #pragma unroll
-      for (int ch = 0; ch < 4; ++ch) {
-        const int ci = ci0 + quad * 4 + ch;
-        const bool ok = row_ok && ci < P::kCin;
-        if constexpr (G::kVecW) {
-          const long long off = input_offset<P>(c.n, ci, id, ih, iw);
-          const float4 q = ok && iw >= 0 && iw < P::kInW ? __ldg(reinterpret_cast<const float4*>(x + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
-          v[p][ch][0] = q.x, v[p][ch][1] = q.y, v[p][ch][2] = q.z, v[p][ch][3] = q.w;
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int w = iw + j;
-            v[p][ch][j] = ok && w >= 0 && w < P::kInW ? __ldg(x + input_offset<P>(c.n, ci, id, ih, w)) : 0.f;
-          }
+        for (int j = 0; j < 4; ++j) {
+          const int w = iw + j;
+          v[p][ch][j] = ok && w >= 0 && w < P::kInW ? __ldg(x + input_offset<P>(c.n, ci, id, ih, w)) : 0.f;
         }
       }
     }
   }
 
-  __device__ __forceinline__ void store(float* a) const {
+  // Item p of this thread, rounded (tf32x3: hi and lo), into the A buffer at `a`.
+  __device__ __forceinline__ void store_item(int p, float* a, int tid) const {
+    const int e = tid + p * kLoaders;
+    if (e >= kItems) return;
+    const int gw = e % kGroupsW, row = (e / kGroupsW) % kRows, quad = e / (kGroupsW * kRows);
+    float* dst = a + quad * G::kQuadPlane + row * G::kRowFloats;
 #pragma unroll
-    for (int p = 0; p < kPer; ++p) {
-      const int e = threadIdx.x + p * G::kThreads;
-      if (e >= kItems) break;
-      const int gw = e % kGroupsW, row = (e / kGroupsW) % kRows, quad = e / (kGroupsW * kRows);
-      float* dst = a + quad * G::kQuadPlane + row * G::kRowFloats;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int w = gw * 4 + j;
-        if (w >= G::kBW) break;
-        const int col = (w % P::kSW) * G::kColsPerPhase + w / P::kSW;
-        const float4 hi = make_float4(to_tf32(v[p][0][j]), to_tf32(v[p][1][j]), to_tf32(v[p][2][j]), to_tf32(v[p][3][j]));
-        *reinterpret_cast<float4*>(dst + col * 4) = hi;
-        if constexpr (G::kSplits == 2) {
-          auto low = [](float x, float h) { return isfinite(x) ? to_tf32(x - h) : 0.f; };
-          *reinterpret_cast<float4*>(dst + G::kABuf + col * 4) =
-              make_float4(low(v[p][0][j], hi.x), low(v[p][1][j], hi.y), low(v[p][2][j], hi.z), low(v[p][3][j], hi.w));
-        }
+    for (int j = 0; j < 4; ++j) {
+      const int w = gw * 4 + j;
+      if (w >= G::kBW) break;
+      const int col = (w % P::kSW) * G::kColsPerPhase + w / P::kSW;
+      const float4 hi = make_float4(to_tf32(v[p][0][j]), to_tf32(v[p][1][j]), to_tf32(v[p][2][j]), to_tf32(v[p][3][j]));
+      *reinterpret_cast<float4*>(dst + col * 4) = hi;
+      if constexpr (G::kSplits == 2) {
+        auto low = [](float x, float h) { return isfinite(x) ? to_tf32(x - h) : 0.f; };
+        *reinterpret_cast<float4*>(dst + G::kABuf + col * 4) =
+            make_float4(low(v[p][0][j], hi.x), low(v[p][1][j], hi.y), low(v[p][2][j], hi.z), low(v[p][3][j], hi.w));
       }
     }
   }
@@ -826,12 +884,12 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
         for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
           for (int i = 0; i < 4; ++i) s_tile[fm.n(nt, i) * G::kMPad + fm.m(mt, i)] = acc[mt][nt][i];
-      __syncthreads();
+      epilogue_sync<P>();
       E::template apply<P>(ep, s_tile, s_scratch, c);
     } else {
       E::template apply_fragments<P>(ep, acc, fm, s_scratch, c);
     }
-    __syncthreads();  // the epilogue's shared memory is reused by the next tile
+    epilogue_sync<P>();  // the epilogue's shared memory is reused by the next tile
     zero_acc();
   };
   zero_acc();
@@ -860,12 +918,53 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       const int d = b / (P::kTH / 8), h = 8 * (b % (P::kTH / 8));
       a_desc[mt] = smem_desc(smem_addr(s_lo + (d * P::kSD * G::kBH + h * P::kSH) * G::kRowFloats), kALbo, kASbo);
     }
-    BoxRegs<P> box;
-    if (steps > 0) box.load(x, tile_of_step(0), 0);
+    if constexpr (G::kProducer) {
+      __syncthreads();  // the weights are in place
+      // Step s (a chunk of a tile) uses A buffer s % kABufs: its producer stores it and arrives
+      // on the buffer's full barrier (1 + buffer); the consumers wait there, run the MMAs and,
+      // once they are done reading, arrive on its empty barrier (1 + kABufs + buffer), where the
+      // producer waits before it stores step s + kABufs. A barrier counts the consumers and one
+      // producer warpgroup. (A barrier also waits for the arriving thread's loads, so a
+      // producer cannot keep the next step's loads in flight across it: several producers do.)
+      constexpr int kBarrierThreads = G::kEpilogueThreads + 128;
+      auto full = [](long long s) { return 1 + static_cast<int>(s % G::kABufs); };
+      auto empty = [](long long s) { return 1 + G::kABufs + static_cast<int>(s % G::kABufs); };
+      if (threadIdx.x >= G::kEpilogueThreads) {
+        const int q = (threadIdx.x - G::kEpilogueThreads) / 128, tid = threadIdx.x % 128;
+        BoxRegs<P, 128> box;
+#pragma unroll 1
+        for (long long s = q; s < steps; s += G::kProducers) {
+          box.load(x, tile_of_step(s), static_cast<int>(s % G::kChunks), tid);
+          if (s >= G::kABufs) named_sync(empty(s), kBarrierThreads);
+          box.store(s_lo + static_cast<int>(s % G::kABufs) * G::kABufFloats, tid);
+          fence_async_shared();  // the MMAs read the A buffer through the async proxy
+          named_arrive(full(s), kBarrierThreads);
+        }
+        return;
+      }
+#pragma unroll 1
+      for (long long s = 0; s < steps; ++s) {
+        named_sync(full(s), kBarrierThreads);
+        const TileCoord c = tile_of_step(s);
+        const int chunk = static_cast<int>(s % G::kChunks);
+        const uint64_t a_shift = static_cast<uint64_t>((s % G::kABufs) * G::kABufFloats / 4);  // 16-byte units
+        uint64_t a_slot[G::kMT];
+#pragma unroll
+        for (int mt = 0; mt < G::kMT; ++mt) a_slot[mt] = a_desc[mt] + a_shift;
+        const float* b_base = smem + chunk * G::kKSteps * G::kWgStepFloats + wg_n * G::kNT * 64;
+        chunk_wgmma<P>(acc, a_slot, kLoShift, smem_desc(smem_addr(b_base), kBLbo, kBSbo));
+        chunk_wgmma_wait<P>(acc);
+        if (s + G::kABufs < steps) named_arrive(empty(s), kBarrierThreads);  // the producer waits only for these
+        if (chunk == G::kChunks - 1) finish_tile(c);
+      }
+      return;
+    }
+    BoxRegs<P, G::kThreads> box;
+    if (steps > 0) box.load(x, tile_of_step(0), 0, threadIdx.x);
 #pragma unroll 1
     for (long long s = 0; s < steps; ++s) {
       __syncthreads();  // every warpgroup's MMAs of step s - 1 are done with the A buffer
-      box.store(s_lo);
+      box.store(s_lo, threadIdx.x);
       fence_async_shared();  // the MMAs read the A buffer through the async proxy
       __syncthreads();
       const TileCoord c = tile_of_step(s);
@@ -876,7 +975,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       // The next box loads under the MMAs (and a register epilogue); a staged epilogue
       // runs first (its registers and the box's together would spill).
       auto load_next = [&] {
-        if (s + 1 < steps) box.load(x, tile_of_step(s + 1), static_cast<int>((s + 1) % G::kChunks));
+        if (s + 1 < steps) box.load(x, tile_of_step(s + 1), static_cast<int>((s + 1) % G::kChunks), threadIdx.x);
       };
       if (!E::kStaged || chunk != G::kChunks - 1) load_next();
       chunk_wgmma_wait<P>(acc);
@@ -919,7 +1018,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
 }
 
 template <class P, class E>
-__global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float* __restrict__ x,
+__global__ void __launch_bounds__(Geometry<P>::kThreads, MinBlocks<P>::value) conv_kernel(const float* __restrict__ x,
                                                                    const float* __restrict__ packed,
                                                                    const typename E::Params ep, int batch) {
   conv_ctas<P, E>(x, packed, ep, batch, blockIdx.x, gridDim.x);

@@ -47,7 +47,8 @@ struct SigmoidSum {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int m = fm.m(mt, i), n = fm.n(nt, i);
-          if (n < P::kCout && row_valid<P>(c, m)) s += kgen::sigmoid(acc[mt][nt][i] + p.bias[n]);
+          const float v = kgen::sigmoid(acc[mt][nt][i] + p.bias[min(n, P::kCout - 1)]);
+          s += n < P::kCout && row_valid<P>(c, m) ? v : 0.f;
         }
     s = block_sum<P>(s, scratch);
     if (threadIdx.x == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
