@@ -21,7 +21,8 @@ struct Store {
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
     using G = Geometry<P>;
-    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kEpilogueThreads) {
+    const int tid = team_thread<P>();  // this thread in its team
+    for (int i = tid; i < P::kBN * G::kM; i += G::kTeamThreads) {
       const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
       if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
     }
@@ -39,6 +40,7 @@ struct SigmoidSum {
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
+    const int tid = team_thread<P>();  // this thread in its team
     float s = 0.f;
 #pragma unroll
     for (int mt = 0; mt < G::kMT; ++mt)
@@ -51,7 +53,7 @@ struct SigmoidSum {
           s += n < P::kCout && row_valid<P>(c, m) ? v : 0.f;
         }
     s = block_sum<P>(s, scratch);
-    if (threadIdx.x == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
+    if (tid == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
   }
 };
 
@@ -66,10 +68,11 @@ struct MaxPool2Sum {
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
+    const int tid = team_thread<P>();  // this thread in its team
     constexpr int kPD = P::kTD / 2, kPH = P::kTH / 2, kPW = P::kTW / 2;
     constexpr int kPooled = kPD * kPH * kPW;
     float s = 0.f;
-    for (int i = threadIdx.x; i < P::kCout * kPooled; i += G::kEpilogueThreads) {
+    for (int i = tid; i < P::kCout * kPooled; i += G::kTeamThreads) {
       const int n = i / kPooled, q = i % kPooled;
       const int pw = q % kPW, ph = (q / kPW) % kPH, pd = q / (kPW * kPH);
       if (c.od / 2 + pd >= P::kOutD / 2 || c.oh / 2 + ph >= P::kOutH / 2 || c.ow / 2 + pw >= P::kOutW / 2) continue;
@@ -83,7 +86,7 @@ struct MaxPool2Sum {
       s += v / 2.f;
     }
     s = block_sum<P>(s, scratch);
-    if (threadIdx.x == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
+    if (tid == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
   }
 };
 
@@ -99,6 +102,7 @@ struct NormStats {
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
+    const int tid = team_thread<P>();  // this thread in its team
     float* means = scratch + P::kWarpsM * P::kBN;
     auto value = [&](int mt, int nt, int i) {
       const int n = fm.n(nt, i);
@@ -106,22 +110,22 @@ struct NormStats {
     };
     const float count = static_cast<float>(valid_rows<P>(c));
     channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) { return row_valid<P>(c, fm.m(mt, i)) ? value(mt, nt, i) : 0.f; });
-    if (threadIdx.x < P::kCout) {
+    if (tid < P::kCout) {
       float s = 0.f;
-      for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + threadIdx.x];
-      means[threadIdx.x] = s / count;
+      for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + tid];
+      means[tid] = s / count;
     }
-    epilogue_sync<P>();
+    team_sync<P>();
     channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) {
       const float d = value(mt, nt, i) - means[fm.n(nt, i)];
       return row_valid<P>(c, fm.m(mt, i)) ? d * d : 0.f;
     });
-    if (threadIdx.x < P::kCout) {
+    if (tid < P::kCout) {
       float m2 = 0.f;
-      for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + threadIdx.x];
-      float* out = p.partial + ((static_cast<long long>(c.n) * P::kCout + threadIdx.x) * G::kTilesPerSample + c.index) * 3;
+      for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + tid];
+      float* out = p.partial + ((static_cast<long long>(c.n) * P::kCout + tid) * G::kTilesPerSample + c.index) * 3;
       out[0] = count;
-      out[1] = means[threadIdx.x];
+      out[1] = means[tid];
       out[2] = m2;
     }
   }

@@ -60,12 +60,12 @@ def tconv3(cin, cout, ins, k, s=1, p=0, op=0):
 
 
 def cfg(name, prob, tile, ci, bn, warps, stages, epilogue, mma="kTf32", residue=8, channels_last=False, batch=2,
-        bench_batch=None, kind=None, window=False, wgmma=False, direct=False, min_blocks=1, producers=0):
+        bench_batch=None, kind=None, window=False, wgmma=False, direct=False, min_blocks=1, teams=1):
     loop = "kDirect" if direct else "kWgmma" if wgmma else "kWindow" if window else "kGeneric"
     mma = "kFp32" if direct else mma
     return dict(name=name, prob=prob, tile=tile, ci=ci, bn=bn, warps=warps, stages=stages, epilogue=epilogue, mma=mma,
                 residue=residue, channels_last=channels_last, batch=batch, bench_batch=bench_batch, kind=kind or name,
-                loop=loop, min_blocks=min_blocks, producers=producers)
+                loop=loop, min_blocks=min_blocks, teams=teams)
 
 
 AVG = conv3(8, 64, (384, 384), 6, s=4)
@@ -115,27 +115,21 @@ CONFIGS = [
         min_blocks=2),
     cfg("gavg_a2", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True,
         min_blocks=2),
-    # the wgmma loop with a producer warpgroup (stages = A buffers)
-    cfg("pavg_a", AVG, (1, 8, 8), 8, 64, (4, 1), 3, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, producers=1),
-    cfg("pavg_b", AVG, (1, 8, 8), 8, 64, (4, 2), 3, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, producers=1),
-    cfg("qavg_a", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, producers=2),
-    cfg("qavg_b", AVG, (1, 8, 8), 8, 64, (4, 1), 4, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, producers=2),
-    cfg("qavg_c", AVG, (1, 8, 8), 8, 64, (4, 2), 4, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, producers=2),
-    cfg("qavg_d", AVG, (1, 8, 8), 8, 64, (4, 1), 3, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, producers=3),
-    cfg("qavg_e", AVG, (1, 8, 8), 8, 64, (4, 1), 4, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, producers=4),
-    cfg("qdivmax_a", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 4, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True,
-        producers=2),
-    cfg("q2d_odd", conv3(13, 40, (37, 29), (3, 5), p=(1, 2), d=(2, 1)), (1, 8, 8), 8, 40, (4, 1), 4, "Store", batch=3,
-        wgmma=True, producers=2),
-    cfg("pavg_e", AVG, (1, 8, 8), 8, 64, (4, 1), 4, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, producers=1),
-    cfg("p2d_odd", conv3(13, 40, (37, 29), (3, 5), p=(1, 2), d=(2, 1)), (1, 8, 8), 8, 40, (4, 1), 3, "Store", batch=3,
-        wgmma=True, producers=1),
-    cfg("p1x_s3", conv3(20, 8, (9, 30, 50), (2, 3, 4), s=(1, 2, 3), p=1), (2, 8, 8), 8, 8, (4, 1), 2, "Store", batch=2,
-        wgmma=True, producers=1),
-    cfg("p3d_x3", conv3(3, 16, (16, 32, 32), 3), (2, 8, 8), 8, 16, (4, 1), 2, "Store", mma="kTf32x3", wgmma=True,
-        producers=1),
-    cfg("pdivmax_a", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 3, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True,
-        producers=1),
+    # the wgmma loop with several teams per CTA (sharing the resident weights)
+    cfg("tavg_a", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=3),
+    cfg("tavg_b", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2),
+    cfg("tavg_c", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=4),
+    cfg("tavg_d", AVG, (1, 16, 8), 8, 64, (8, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2),
+    cfg("tavg_e", AVG, (1, 8, 8), 8, 64, (4, 2), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2),
+    cfg("tdivmax_a", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True,
+        teams=3),
+    cfg("tdivmax_b", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True,
+        teams=6),
+    cfg("tm2d_odd", conv3(13, 40, (37, 29), (3, 5), p=(1, 2), d=(2, 1)), (1, 8, 8), 8, 40, (4, 1), 2, "Store", batch=3,
+        wgmma=True, teams=3),
+    cfg("tm1x_s3", conv3(20, 8, (9, 30, 50), (2, 3, 4), s=(1, 2, 3), p=1), (2, 8, 8), 8, 8, (4, 1), 2, "Store", batch=2,
+        wgmma=True, teams=2),
+    cfg("tm3d_x3", conv3(3, 16, (16, 32, 32), 3), (2, 8, 8), 8, 16, (4, 1), 2, "Store", mma="kTf32x3", wgmma=True, teams=2),
     cfg("g2d_n2", conv3(16, 48, (21, 19), 3, p=1), (1, 8, 8), 8, 48, (4, 2), 2, "Store", batch=2, wgmma=True),
     cfg("gdivmax_a", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 3, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True),
     cfg("gdivmax_b", DIVMAX, (2, 8, 8), 8, 16, (8, 1), 3, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True),
@@ -185,7 +179,7 @@ def problem_struct(c, ph, name) -> str:
         put("kT" + ax, v)
     put("kCI", c["ci"]); put("kBN", c["bn"]); put("kWarpsM", c["warps"][0]); put("kWarpsN", c["warps"][1])
     put("kStages", c["stages"]); put("kPlaneResidue", c["residue"]); put("kMinBlocks", c["min_blocks"])
-    put("kProducers", c["producers"])
+    put("kTeams", c["teams"])
     lines.append(f"  static constexpr kgen::conv_gemm::Loop kLoop = kgen::conv_gemm::Loop::{c['loop']};")
     lines.append(f"  static constexpr kgen::conv_gemm::Mma kMma = kgen::conv_gemm::Mma::{c['mma']};")
     lines.append("};")
