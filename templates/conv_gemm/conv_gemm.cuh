@@ -186,6 +186,16 @@ template <class P>
 struct Teams<P, std::void_t<decltype(P::kTeams)>> {
   static constexpr int value = P::kTeams;
 };
+// Whether the wgmma loop loads the next box after the epilogue instead of under the MMAs
+// (P::kLateLoads if given, else false): fewer live registers, where other teams hide the loads.
+template <class P, class = void>
+struct LateLoads {
+  static constexpr bool value = false;
+};
+template <class P>
+struct LateLoads<P, std::void_t<decltype(P::kLateLoads)>> {
+  static constexpr bool value = P::kLateLoads;
+};
 
 template <class P>
 struct Geometry {
@@ -946,15 +956,17 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       const float* b_base = smem + chunk * G::kKSteps * G::kWgStepFloats + wg_n * G::kNT * 64;
       chunk_wgmma<P>(acc, a_desc, kLoShift, smem_desc(smem_addr(b_base), kBLbo, kBSbo));
       // The next box loads under the MMAs (and a register epilogue); a staged epilogue
-      // runs first (its registers and the box's together would spill).
+      // runs first (its registers and the box's together would spill), and with late loads
+      // every epilogue does.
+      constexpr bool kLate = E::kStaged || LateLoads<P>::value;
       auto load_next = [&] {
         if (s + 1 < steps) box.load(x, tile_of_step(s + 1), static_cast<int>((s + 1) % G::kChunks), tid);
       };
-      if (!E::kStaged || chunk != G::kChunks - 1) load_next();
+      if (!kLate || chunk != G::kChunks - 1) load_next();
       chunk_wgmma_wait<P>(acc);
       if (chunk == G::kChunks - 1) {
         finish_tile(c);
-        if (E::kStaged) load_next();
+        if (kLate) load_next();
       }
     }
   } else {
