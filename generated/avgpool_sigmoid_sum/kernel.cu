@@ -42,10 +42,11 @@ struct Problem {
   static constexpr int kWStepD = 1, kWStepH = 1, kWStepW = 1;
   static constexpr bool kWeightTransposed = false, kWFlip = false;
   static constexpr bool kChannelsLast = false;
-  static constexpr int kTD = 1, kTH = 16, kTW = 8;  // output box of a tile
+  static constexpr int kTD = 1, kTH = 8, kTW = 8;  // output box of a tile
   static constexpr int kCI = 8;  // input channels per pipeline step
   static constexpr int kBN = 64;  // output channels per CTA
-  static constexpr int kWarpsM = 8, kWarpsN = 2;
+  static constexpr int kWarpsM = 4, kWarpsN = 1;
+  static constexpr int kTeams = 2;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
   static constexpr int kStages = 1;  // cp.async pipeline depth (the wgmma loop: one register stage)
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWgmma;  // main loop
@@ -80,7 +81,8 @@ struct Store {
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
     using G = Geometry<P>;
-    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kThreads) {
+    const int tid = team_thread<P>();  // this thread in its team
+    for (int i = tid; i < P::kBN * G::kM; i += G::kTeamThreads) {
       const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
       if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
     }
@@ -122,6 +124,7 @@ struct Fused {
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& a, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
+    const int tid = team_thread<P>();  // this thread in its team
     float s = s1::identity();
 #pragma unroll
     for (int mt = 0; mt < G::kMT; ++mt)
@@ -129,22 +132,29 @@ struct Fused {
       for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          // Branch-free: every accumulator is evaluated, at a channel and position clamped into
-          // the output (parameter loads stay in bounds), and only the valid ones are combined.
+          // MMA loops: branch-free, every accumulator is evaluated at a channel and position
+          // clamped into the output (parameter loads stay in bounds) and only the valid ones are
+          // combined (a branch per accumulator left a parameter load and a divergent path each).
+          // The direct loop's up to 128 accumulators would spill that way: it branches.
           const int m = fm.m(mt, i), ch = c.cblock * P::kBN + fm.n(nt, i);
           const bool ok = ch < P::kCout && row_valid<P>(c, m);
           const int pd = min(c.od + row_d<P>(m), P::kOutD - 1), ph = min(c.oh + row_h<P>(m), P::kOutH - 1),
                     pw = min(c.ow + row_w<P>(m), P::kOutW - 1);
-          const float v = s1::level0_from(a, c.n, min(ch, P::kCout - 1), ph, pw, acc[mt][nt][i]);
-          s = s1::combine(s, ok ? v : s1::identity());
+          auto value = [&] { return s1::level0_from(a, c.n, min(ch, P::kCout - 1), ph, pw, acc[mt][nt][i]); };
+          if constexpr (P::kLoop == Loop::kDirect) {
+            if (ok) s = s1::combine(s, value());
+          } else {
+            const float v = value();
+            s = s1::combine(s, ok ? v : s1::identity());
+          }
         }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) s = s1::combine(s, __shfl_xor_sync(0xffffffffu, s, o));
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    if (tid % 32 == 0) scratch[tid / 32] = s;
+    team_sync<P>();
+    if (tid == 0) {
       s = s1::identity();
-      for (int w = 0; w < G::kThreads / 32; ++w) s = s1::combine(s, scratch[w]);
+      for (int w = 0; w < G::kTeamThreads / 32; ++w) s = s1::combine(s, scratch[w]);
       a.partial[c.n * s1::kKept * kSplits + c.index] = s;  // tile c.index of the sample
     }
   }

@@ -36,9 +36,9 @@ constexpr long long kPackedFloats = 18432;
 // The convolution (without its bias: the next stage adds it) into `out` [batch, 64, 95, 95].
 // `packed` holds the re-laid weights (kPackedFloats); `pack` says whether to write them from `w` first.
 cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
-// The convolution with stage 1 as its epilogue: writes `a.out` (and `a.partial`: 72 per output).
+// The convolution with stage 1 as its epilogue: writes `a.out` (and `a.partial`: 144 per output).
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
-constexpr int kSplits = 72;  // partials per output of stage 1: tiles along its reduced dims
+constexpr int kSplits = 144;  // partials per output of stage 1: tiles along its reduced dims
 #endif
 
 }  // namespace s0

@@ -162,31 +162,12 @@ constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32
 //   kTD, kTH, kTW                           output box of one tile
 //   kCI                                     input channels per chunk: 4 or a multiple of 8 (direct loop: any)
 //   kBN                                     output channels per CTA, a multiple of 8
-//   kWarpsM, kWarpsN                        warp grid of a CTA
+//   kWarpsM, kWarpsN                        warp grid of a CTA (of each team)
+//   kTeams                                  wgmma loop: teams of kWarpsM x kWarpsN warps sharing the weights (else 1)
 //   kStages                                 cp.async pipeline depth (>= 2)
 //   kPlaneResidue                           input channel plane stride % 32 (bank spread)
 //   kMma                                    Mma::kTf32, kTf32x3 or (direct loop) kFp32
 //   kLoop                                   Loop::kGeneric, kWindow, kWgmma or kDirect
-// CTAs per SM the kernel is compiled for (P::kMinBlocks if given, else 1): with 2, ptxas
-// keeps a thread's registers within half the register file's share.
-template <class P, class = void>
-struct MinBlocks {
-  static constexpr int value = 1;
-};
-template <class P>
-struct MinBlocks<P, std::void_t<decltype(P::kMinBlocks)>> {
-  static constexpr int value = P::kMinBlocks;
-};
-// Producer warpgroups of the wgmma loop (P::kProducers if given, else 0).
-template <class P, class = void>
-struct Producers {
-  static constexpr int value = 0;
-};
-template <class P>
-struct Producers<P, std::void_t<decltype(P::kProducers)>> {
-  static constexpr int value = P::kProducers;
-};
-
 template <class P>
 struct Geometry {
   static constexpr bool kDirect = P::kLoop == Loop::kDirect;
@@ -237,14 +218,13 @@ struct Geometry {
   static constexpr int kTilesH = ceil_div(P::kOutH, P::kTH);
   static constexpr int kTilesW = ceil_div(P::kOutW, P::kTW);
   static constexpr int kTilesPerSample = kTilesD * kTilesH * kTilesW;
-  // wgmma loop with producers: kProducers more warpgroups (after the others) fill a ring of
-  // kABufs A buffers while the kWarpsM x kWarpsN warps (the consumers) run the MMAs and the
-  // epilogue; producer q fills the buffers of steps q, q + kProducers, ...
-  static constexpr int kProducers = Producers<P>::value;
-  static constexpr bool kProducer = kProducers > 0;
-  static constexpr int kEpilogueThreads = 32 * P::kWarpsM * P::kWarpsN;  // the MMA and epilogue warps
-  static constexpr int kThreads = kEpilogueThreads + 128 * kProducers;
-  static constexpr int kABufs = kProducer ? P::kStages : 1;  // A buffers (wgmma loop)
+  // wgmma loop: kTeams teams of kWarpsM x kWarpsN warps share the CTA's resident weights.
+  // Each team walks its own tiles with its own A buffer, staged tile and scratch, and
+  // synchronizes on its own named barrier (team_sync), so that one team's loads, MMAs and
+  // epilogue overlap another's, as CTAs would, without a copy of the weights each.
+  static constexpr int kTeams = P::kTeams;
+  static constexpr int kTeamThreads = 32 * P::kWarpsM * P::kWarpsN;
+  static constexpr int kThreads = kTeams * kTeamThreads;
   static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp (mma.sync loops)
   static constexpr int kWarpN = P::kBN / P::kWarpsN;  // columns per warp
   // wgmma loop: warpgroups form a kGroups x kWarpsN grid; warpgroup (wg, n)
@@ -263,8 +243,7 @@ struct Geometry {
                          kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128),
                 "wgmma loop: kCI a multiple of 8, tiles of 8 in W and 8k in H, warpgroups split the m-blocks, one channel block");
   static_assert(!kWg || kWarpN % 8 == 0, "wgmma loop: a warpgroup's columns are whole 8-column tiles");
-  static_assert(!kProducer || (kWg && kABufs >= 2 && kABufs <= 7 && kABufs % kProducers == 0),
-                "producers feed the wgmma loop: 2 to 7 A buffers (named barriers), each always filled by the same producer");
+  static_assert(kTeams == 1 || (kWg && kTeams <= 15), "teams: the wgmma loop, at most 15 (named barriers 1 .. 15)");
   static_assert(P::kBN % (8 * P::kWarpsN) == 0, "kBN must split into 8-column MMA tiles per warp");
   static_assert(kWg || P::kStages >= 2, "at least double buffering (the wgmma loop stages through registers)");
 
@@ -296,8 +275,8 @@ struct Geometry {
   static constexpr int kWeightFloats = kWg || kDirect ? static_cast<int>(kPackedFloats) : 0;
   static constexpr int kStageOffset = kWeightFloats;
   static constexpr int kLoOffset = kStageOffset + (kWg ? 0 : P::kStages * kInStage);  // also the A buffer's (no stages)
-  static constexpr int kABufFloats = kSplits * kABuf;  // one A buffer (wgmma loop; tf32x3: hi then lo)
-  static constexpr int kTileOffset = kLoOffset + (kWg ? kABufs * kABufFloats : kSplits == 2 ? kInStage : 0);
+  static constexpr int kABufFloats = kSplits * kABuf;  // a team's A buffer (wgmma loop; tf32x3: hi then lo)
+  static constexpr int kTileOffset = kLoOffset + (kWg ? kTeams * kABufFloats : kSplits == 2 ? kInStage : 0);
 };
 
 // k of a chunk -> its tap (kd, kh, kw) and channel; `real` false for padded slots.
@@ -401,35 +380,44 @@ struct FragMap {
 
 // ------------------------------------------------------------------ reductions
 
-// Named barrier of the epilogue warps when a producer warpgroup runs beside them (ids 1 ..
-// 2 kABufs are the A buffers' full / empty barriers).
+// This thread's place in its team (the CTA's threads when there is one team): the main loop
+// and the epilogues index by it.
 template <class P>
-constexpr int kEpilogueBarrier = 1 + 2 * Geometry<P>::kABufs;
+__device__ __forceinline__ int team_thread() {
+  return static_cast<int>(Geometry<P>::kTeams == 1 ? threadIdx.x : threadIdx.x % Geometry<P>::kTeamThreads);
+}
 
-// A barrier over the threads that run the epilogue (threads 0 .. kEpilogueThreads - 1):
-// the whole CTA, or all but the producer warpgroup. Epilogues use it instead of __syncthreads.
+// A barrier over this thread's team: __syncthreads, or with several teams the team's named
+// barrier (1 + team). The main loop and the epilogues use it instead of __syncthreads.
 template <class P>
-__device__ __forceinline__ void epilogue_sync() {
-  if constexpr (Geometry<P>::kProducer) {
-    named_sync(kEpilogueBarrier<P>, Geometry<P>::kEpilogueThreads);
-  } else {
+__device__ __forceinline__ void team_sync() {
+  if constexpr (Geometry<P>::kTeams == 1) {
     __syncthreads();
+  } else {
+    named_sync(1 + static_cast<int>(threadIdx.x) / Geometry<P>::kTeamThreads, Geometry<P>::kTeamThreads);
   }
 }
 
-// Sum over the epilogue threads, in a fixed order whatever the timing; the result is valid in
-// thread 0. `scratch` holds one float per warp; the caller's next epilogue_sync guards its reuse.
+// Sum over the team, in a fixed order whatever the timing; the result is valid in the team's
+// thread 0. `scratch` holds one float per warp; the caller's next team_sync guards its reuse.
 template <class P>
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  epilogue_sync<P>();
+  const int tid = team_thread<P>();
+  if (tid % 32 == 0) scratch[tid / 32] = v;
+  team_sync<P>();
   float total = 0.f;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < Geometry<P>::kEpilogueThreads / 32; ++w) total += scratch[w];
+  if (tid == 0) {
+    for (int w = 0; w < Geometry<P>::kTeamThreads / 32; ++w) total += scratch[w];
   }
   return total;
+}
+
+// Shared memory of a team after the A buffers: its staged tile (E::kStaged) and its epilogue scratch.
+template <class P, class E>
+__host__ __device__ constexpr int team_floats() {
+  return (E::kStaged ? P::kBN * Geometry<P>::kMPad : 0) + E::kScratchFloats;
 }
 
 // Output positions inside the tile at `c` (tiles at the edges are partial).
@@ -461,7 +449,7 @@ __device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratc
       if (kDirect ? threadIdx.x % 32 == 0 : fm.g == 0) scratch[warp_m * P::kBN + fm.n(nt, j)] = s;
     }
   }
-  epilogue_sync<P>();
+  team_sync<P>();
 }
 
 // ------------------------------------------------------------------ loads
@@ -820,11 +808,19 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   using G = Geometry<P>;
   extern __shared__ __align__(16) float smem[];
   float* s_stages = smem + G::kStageOffset;
-  float* s_lo = smem + G::kLoOffset;
-  float* s_tile = smem + G::kTileOffset;
+  float* s_lo = smem + G::kLoOffset;  // (wgmma loop: the team's A buffer, below)
+  // Teams (wgmma loop): team `team` is worker cta * kTeams + team of ctas * kTeams; each has its
+  // own A buffer, staged tile and scratch.
+  const int team = G::kTeams == 1 ? 0 : static_cast<int>(threadIdx.x) / G::kTeamThreads;
+  const int worker = cta * G::kTeams + team, workers = ctas * G::kTeams;
+  s_lo += team * G::kABufFloats;
+  float* s_tile = smem + G::kTileOffset + team * team_floats<P, E>();
   float* s_scratch = s_tile + (E::kStaged ? P::kBN * G::kMPad : 0);
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // unsigned: warp and lane as shifts (signed divisions cost ptxas registers, and spills)
+  const unsigned team_tid = G::kTeams == 1 ? threadIdx.x : threadIdx.x % G::kTeamThreads;
+  const int tid = static_cast<int>(team_tid);
+  const int warp = static_cast<int>(team_tid / 32), lane = static_cast<int>(team_tid % 32);
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
   const int warp_m = warp % P::kWarpsM, warp_n = warp / P::kWarpsM;
   FragMap<P> fm{warp_m * G::kWarpM, warp_n * G::kWarpN, g, t, 0, 0, 0};
@@ -861,9 +857,9 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long my_tiles = cta < total_tiles ? (total_tiles - 1 - cta) / ctas + 1 : 0;
+  const long long my_tiles = worker < total_tiles ? (total_tiles - 1 - worker) / workers + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
-  auto tile_of_step = [&](long long s) { return tile_coord<P>(cta + (s / G::kChunks) * ctas); };
+  auto tile_of_step = [&](long long s) { return tile_coord<P>(worker + (s / G::kChunks) * workers); };
 
   float acc[G::kMT][G::kNT][4];
   auto zero_acc = [&] {
@@ -884,12 +880,12 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
         for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
           for (int i = 0; i < 4; ++i) s_tile[fm.n(nt, i) * G::kMPad + fm.m(mt, i)] = acc[mt][nt][i];
-      epilogue_sync<P>();
+      team_sync<P>();
       E::template apply<P>(ep, s_tile, s_scratch, c);
     } else {
       E::template apply_fragments<P>(ep, acc, fm, s_scratch, c);
     }
-    epilogue_sync<P>();  // the epilogue's shared memory is reused by the next tile
+    team_sync<P>();  // the epilogue's shared memory is reused by the next tile
     zero_acc();
   };
   zero_acc();
@@ -902,6 +898,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   }
   if constexpr (G::kWg) {
     fence_async_shared();  // wgmma reads them through the async proxy
+    if constexpr (G::kTeams > 1) __syncthreads();  // every team's first barrier is its own
     // The warpgroup, from lane 0: the compiler then knows it is warp-uniform (descriptors in uniform registers).
     const int wg = __shfl_sync(0xffffffffu, warp_m / 4, 0);
     const int wg_n = __shfl_sync(0xffffffffu, warp_n, 0);
@@ -918,55 +915,14 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       const int d = b / (P::kTH / 8), h = 8 * (b % (P::kTH / 8));
       a_desc[mt] = smem_desc(smem_addr(s_lo + (d * P::kSD * G::kBH + h * P::kSH) * G::kRowFloats), kALbo, kASbo);
     }
-    if constexpr (G::kProducer) {
-      __syncthreads();  // the weights are in place
-      // Step s (a chunk of a tile) uses A buffer s % kABufs: its producer stores it and arrives
-      // on the buffer's full barrier (1 + buffer); the consumers wait there, run the MMAs and,
-      // once they are done reading, arrive on its empty barrier (1 + kABufs + buffer), where the
-      // producer waits before it stores step s + kABufs. A barrier counts the consumers and one
-      // producer warpgroup. (A barrier also waits for the arriving thread's loads, so a
-      // producer cannot keep the next step's loads in flight across it: several producers do.)
-      constexpr int kBarrierThreads = G::kEpilogueThreads + 128;
-      auto full = [](long long s) { return 1 + static_cast<int>(s % G::kABufs); };
-      auto empty = [](long long s) { return 1 + G::kABufs + static_cast<int>(s % G::kABufs); };
-      if (threadIdx.x >= G::kEpilogueThreads) {
-        const int q = (threadIdx.x - G::kEpilogueThreads) / 128, tid = threadIdx.x % 128;
-        BoxRegs<P, 128> box;
-#pragma unroll 1
-        for (long long s = q; s < steps; s += G::kProducers) {
-          box.load(x, tile_of_step(s), static_cast<int>(s % G::kChunks), tid);
-          if (s >= G::kABufs) named_sync(empty(s), kBarrierThreads);
-          box.store(s_lo + static_cast<int>(s % G::kABufs) * G::kABufFloats, tid);
-          fence_async_shared();  // the MMAs read the A buffer through the async proxy
-          named_arrive(full(s), kBarrierThreads);
-        }
-        return;
-      }
-#pragma unroll 1
-      for (long long s = 0; s < steps; ++s) {
-        named_sync(full(s), kBarrierThreads);
-        const TileCoord c = tile_of_step(s);
-        const int chunk = static_cast<int>(s % G::kChunks);
-        const uint64_t a_shift = static_cast<uint64_t>((s % G::kABufs) * G::kABufFloats / 4);  // 16-byte units
-        uint64_t a_slot[G::kMT];
-#pragma unroll
-        for (int mt = 0; mt < G::kMT; ++mt) a_slot[mt] = a_desc[mt] + a_shift;
-        const float* b_base = smem + chunk * G::kKSteps * G::kWgStepFloats + wg_n * G::kNT * 64;
-        chunk_wgmma<P>(acc, a_slot, kLoShift, smem_desc(smem_addr(b_base), kBLbo, kBSbo));
-        chunk_wgmma_wait<P>(acc);
-        if (s + G::kABufs < steps) named_arrive(empty(s), kBarrierThreads);  // the producer waits only for these
-        if (chunk == G::kChunks - 1) finish_tile(c);
-      }
-      return;
-    }
-    BoxRegs<P, G::kThreads> box;
-    if (steps > 0) box.load(x, tile_of_step(0), 0, threadIdx.x);
+    BoxRegs<P, G::kTeamThreads> box;
+    if (steps > 0) box.load(x, tile_of_step(0), 0, tid);
 #pragma unroll 1
     for (long long s = 0; s < steps; ++s) {
-      __syncthreads();  // every warpgroup's MMAs of step s - 1 are done with the A buffer
-      box.store(s_lo, threadIdx.x);
+      team_sync<P>();  // every warpgroup's MMAs of step s - 1 are done with the A buffer
+      box.store(s_lo, tid);
       fence_async_shared();  // the MMAs read the A buffer through the async proxy
-      __syncthreads();
+      team_sync<P>();
       const TileCoord c = tile_of_step(s);
       const int chunk = static_cast<int>(s % G::kChunks);
       // this warpgroup's columns: n-tiles wg_n * kNT ... (256 bytes each)
@@ -974,14 +930,15 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       chunk_wgmma<P>(acc, a_desc, kLoShift, smem_desc(smem_addr(b_base), kBLbo, kBSbo));
       // The next box loads under the MMAs (and a register epilogue); a staged epilogue
       // runs first (its registers and the box's together would spill).
+      constexpr bool kLate = E::kStaged;
       auto load_next = [&] {
-        if (s + 1 < steps) box.load(x, tile_of_step(s + 1), static_cast<int>((s + 1) % G::kChunks), threadIdx.x);
+        if (s + 1 < steps) box.load(x, tile_of_step(s + 1), static_cast<int>((s + 1) % G::kChunks), tid);
       };
-      if (!E::kStaged || chunk != G::kChunks - 1) load_next();
+      if (!kLate || chunk != G::kChunks - 1) load_next();
       chunk_wgmma_wait<P>(acc);
       if (chunk == G::kChunks - 1) {
         finish_tile(c);
-        if (E::kStaged) load_next();
+        if (kLate) load_next();
       }
     }
   } else {
@@ -1018,7 +975,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
 }
 
 template <class P, class E>
-__global__ void __launch_bounds__(Geometry<P>::kThreads, MinBlocks<P>::value) conv_kernel(const float* __restrict__ x,
+__global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float* __restrict__ x,
                                                                    const float* __restrict__ packed,
                                                                    const typename E::Params ep, int batch) {
   conv_ctas<P, E>(x, packed, ep, batch, blockIdx.x, gridDim.x);
@@ -1150,8 +1107,7 @@ __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restri
 
 template <class P, class E>
 constexpr int smem_bytes() {
-  using G = Geometry<P>;
-  return (G::kTileOffset + (E::kStaged ? P::kBN * G::kMPad : 0) + E::kScratchFloats) * static_cast<int>(sizeof(float));
+  return (Geometry<P>::kTileOffset + Geometry<P>::kTeams * team_floats<P, E>()) * static_cast<int>(sizeof(float));
 }
 
 // Shared memory, CTAs per SM x SMs, found once per process (one device kind).
@@ -1189,7 +1145,8 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
     if (err != cudaSuccess) return err;
   }
   const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long grid = tiles < resident ? tiles : resident;
+  const long long ctas = (tiles + G::kTeams - 1) / G::kTeams;  // a CTA's teams take a tile each
+  const long long grid = ctas < resident ? ctas : resident;
   if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, smem_bytes<P, E>(), stream>>>(x, packed, ep, batch);
   return cudaGetLastError();
 }

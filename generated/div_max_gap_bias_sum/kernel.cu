@@ -46,6 +46,7 @@ struct Problem {
   static constexpr int kCI = 8;  // input channels per pipeline step
   static constexpr int kBN = 16;  // output channels per CTA
   static constexpr int kWarpsM = 4, kWarpsN = 1;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
   static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
@@ -80,7 +81,8 @@ struct Store {
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
     using G = Geometry<P>;
-    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kThreads) {
+    const int tid = team_thread<P>();  // this thread in its team
+    for (int i = tid; i < P::kBN * G::kM; i += G::kTeamThreads) {
       const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
       if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
     }
@@ -127,10 +129,11 @@ struct Fused {
   template <class P>
   __device__ static void apply(const Params& a, const float* tile, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
-    static_assert(G::kThreads % kLanes == 0 && (32 % kLanes == 0 || kLanes % 32 == 0), "an output's lanes: part of a warp or whole warps");
-    constexpr int kGroups = G::kThreads / kLanes;
+    const int tid = team_thread<P>();  // this thread in its team
+    static_assert(G::kTeamThreads % kLanes == 0 && (32 % kLanes == 0 || kLanes % 32 == 0), "an output's lanes: part of a warp or whole warps");
+    constexpr int kGroups = G::kTeamThreads / kLanes;
     const TileInput in{tile, c.od, c.oh, c.ow, c.cblock * P::kBN};
-    const int group = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+    const int group = tid / kLanes, lane = tid % kLanes;
     const int pd0 = c.od / kWindowD, ph0 = c.oh / kWindowH, pw0 = c.ow / kWindowW;  // the tile's first pooled position
     // (every dim present)
     for (int k0 = 0; k0 < kKeptLocal; k0 += kGroups) {  // the same trip count in every lane of a warp
@@ -150,13 +153,13 @@ struct Fused {
       }
       for (int o = (kLanes < 32 ? kLanes : 32) / 2; o > 0; o /= 2) acc = s1::combine(acc, __shfl_xor_sync(0xffffffffu, acc, o));
       if constexpr (kLanes > 32) {  // the output's warps, in order
-        if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = acc;
-        __syncthreads();
+        if (tid % 32 == 0) scratch[tid / 32] = acc;
+        team_sync<P>();
         if (lane == 0) {
           acc = s1::identity();
-          for (int w = 0; w < kLanes / 32; ++w) acc = s1::combine(acc, scratch[threadIdx.x / 32 + w]);
+          for (int w = 0; w < kLanes / 32; ++w) acc = s1::combine(acc, scratch[tid / 32 + w]);
         }
-        __syncthreads();
+        team_sync<P>();
       }
       {
         const int lc = 0;

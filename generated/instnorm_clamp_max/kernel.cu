@@ -43,6 +43,7 @@ struct Problem {
   static constexpr int kCI = 3;  // input channels per pipeline step
   static constexpr int kBN = 16;  // output channels per CTA
   static constexpr int kWarpsM = 4, kWarpsN = 1;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
   static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kDirect;  // main loop
@@ -78,7 +79,8 @@ struct Store {
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
     using G = Geometry<P>;
-    for (int i = threadIdx.x; i < P::kBN * G::kM; i += G::kThreads) {
+    const int tid = team_thread<P>();  // this thread in its team
+    for (int i = tid; i < P::kBN * G::kM; i += G::kTeamThreads) {
       const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
       if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
     }
@@ -112,6 +114,7 @@ struct NormMoments {
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
+    const int tid = team_thread<P>();  // this thread in its team
     float* means = scratch + P::kWarpsM * P::kBN;
     bool valid[G::kMT][2];  // whether the thread's position m(mt, 2h) is an output position
 #pragma unroll
@@ -133,21 +136,21 @@ struct NormMoments {
     }
     const float count = static_cast<float>(valid_rows<P>(c));
     channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) { return acc[mt][nt][i]; });
-    if (threadIdx.x < P::kBN) {
+    if (tid < P::kBN) {
       float s = 0.f;
-      for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + threadIdx.x];
-      means[threadIdx.x] = s / count;
+      for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + tid];
+      means[tid] = s / count;
     }
-    __syncthreads();
+    team_sync<P>();
     channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) {
       const float d = acc[mt][nt][i] - means[fm.n(nt, i)];
       return valid[mt][i / 2] ? d * d : 0.f;
     });
-    if (threadIdx.x < P::kCout) {
+    if (tid < P::kCout) {
       float m2 = 0.f;
-      for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + threadIdx.x];
-      a.moments[(static_cast<long long>(c.n) * P::kCout + threadIdx.x) * kNormTiles + c.index] =
-          kgen::TileMoments{count, means[threadIdx.x], m2};
+      for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + tid];
+      a.moments[(static_cast<long long>(c.n) * P::kCout + tid) * kNormTiles + c.index] =
+          kgen::TileMoments{count, means[tid], m2};
     }
   }
 };
@@ -168,15 +171,16 @@ struct NormApply {
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& a, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
+    const int tid = team_thread<P>();  // this thread in its team
     static_assert(3 * P::kBN <= kScratchFloats, "the statistics of the tile's channels fit the scratch");
     float* stats = scratch;  // per channel: shift, mean offset, rstd of its group in the tile's sample
-    if (threadIdx.x < P::kCout) {
-      const s1::Stats s = s1::group_stats(a, c.n, threadIdx.x / s1::kGroupChannels);
-      stats[3 * threadIdx.x] = s.shift;
-      stats[3 * threadIdx.x + 1] = s.mean_offset;
-      stats[3 * threadIdx.x + 2] = s.rstd;
+    if (tid < P::kCout) {
+      const s1::Stats s = s1::group_stats(a, c.n, tid / s1::kGroupChannels);
+      stats[3 * tid] = s.shift;
+      stats[3 * tid + 1] = s.mean_offset;
+      stats[3 * tid + 2] = s.rstd;
     }
-    __syncthreads();
+    team_sync<P>();
     auto normalized = [&](int mt, int nt, int i, int d0, int d1, int d2) {
       const int ch = fm.n(nt, i);
       const s1::Stats s{stats[3 * ch], stats[3 * ch + 1], stats[3 * ch + 2]};

@@ -51,6 +51,11 @@ WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
 # Split TF32 (three MMAs re-reading A) gained nothing on KernelBench's convolutions
 # (problems 15, 21: 0.74x, 0.84x; 34, 73, 85, 92: 1.00-1.06x), so it keeps mma.sync.
 WGMMA_MIN_COUT = 32
+# wgmma tile shapes, (tile, warps_m, warps_n, teams), first that fits: two teams of one warpgroup
+# (m64 x all channels) on 8 x 8 tiles ran avgpool_sigmoid_sum's convolution in 0.334 ms against
+# 0.388 for one team of four warpgroups on 16 x 8 tiles (scripts/conv_lab tavg_b, gavg_d, H100);
+# three or four teams spill (ptxas caps a thread at 168 / 128 registers) and lost
+WGMMA_SHAPES = (((1, 8, 8), 4, 1, 2), ((1, 16, 8), 8, 2, 1), ((1, 8, 8), 4, 2, 1))
 STAGES = 2  # cp.async pipeline depth
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
 # Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
@@ -105,6 +110,7 @@ class Schedule:
     loop: str  # main loop (conv_gemm.cuh Loop): "wgmma", "window" (registers; stride 1 in H and W), "generic" or "direct" (fp32)
     mma: str  # tf32 | tf32x3 | fp32 (the direct loop)
     smem_bytes: int  # what the CTA needs (checked against the limit)
+    teams: int = 1  # wgmma loop: teams of warps_m x warps_n warps sharing the resident weights
 
 
 @dataclass(frozen=True)
@@ -338,11 +344,11 @@ class ConvGemm(Family):
             weights = -(-p.cin // sc.cin_chunk) * sc.cin_chunk * math.prod(p.kernel) * sc.block_n
         else:
             weights = 0
-        if sc.loop == "wgmma":  # resident weights | the A buffer (channel quads, W phases) | staged tile
+        if sc.loop == "wgmma":  # resident weights | per team: the A buffer (channel quads, W phases) | staged tile, scratch
             weights = splits * -(-p.cin // sc.cin_chunk) * math.prod(p.kernel) * sc.block_n * 8
             row = 4 * p.stride[2] * -(-box[2] // p.stride[2])
             a_buffer = splits * (sc.cin_chunk // 4) * box[0] * box[1] * row
-            return 4 * (weights + a_buffer + tile_floats + scratch_floats)
+            return 4 * (weights + sc.teams * (a_buffer + tile_floats + scratch_floats))
         vec = (p.input[2] % 4 == 0 and (tile[2] * p.stride[2]) % 4 == 0 and p.padding[2] % 4 == 0
                and sc.plane_residue % 4 == 0)
         row = box[2] + (1 if sc.loop == "window" else 0)
@@ -355,17 +361,18 @@ class ConvGemm(Family):
 
     def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
         """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the wgmma loop
-        with two warpgroups per 64-row m-block where it wins (WGMMA_MIN_COUT); else the window
-        loop with 4 m-tiles of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise.
-        fp32 (precision ieee): the direct loop."""
+        where it wins (WGMMA_MIN_COUT), as two teams of one warpgroup on 8 x 8 tiles sharing the
+        weights, else with two warpgroups per 64-row m-block; else the window loop with 4 m-tiles
+        of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise. fp32 (precision
+        ieee): the direct loop."""
         c = lc.conv
         if mma == "fp32":
             return self.direct_schedule(lc, problems, staged)
         if target.wgmma and mma == "tf32" and c.rank >= 2 and c.in_channels >= 8 and c.out_channels >= WGMMA_MIN_COUT:
             block_n = -(-c.out_channels // 16) * 16
-            for tile, warps_m in (((1, 16, 8), 8), ((1, 8, 8), 4)):
+            for tile, warps_m, warps_n, teams in WGMMA_SHAPES:
                 # one register stage (conv_gemm.cuh BoxRegs) instead of cp.async stages
-                sc = Schedule(tile, 8, block_n, warps_m, 2, 1, PLANE_RESIDUE, "wgmma", mma, 0)
+                sc = Schedule(tile, 8, block_n, warps_m, warps_n, 1, PLANE_RESIDUE, "wgmma", mma, 0, teams)
                 sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
                 if sc.smem_bytes <= SMEM_LIMIT:
                     self.check(sc, problems)
@@ -598,8 +605,9 @@ class ConvGemm(Family):
 
     def explain_lines(self, st: ConvGemmStage) -> list[str]:
         sc = st.schedule
+        teams = f" x {sc.teams} teams sharing the weights" if sc.teams > 1 else ""
         out = [f"{sc.loop} main loop, {sc.mma}: {st.x3_reason}; tile {'x'.join(map(str, sc.tile))} x {sc.block_n} channels, "
-               f"{32 * sc.warps_m * sc.warps_n} threads, {sc.smem_bytes // 1024} KB shared memory"]
+               f"{32 * sc.warps_m * sc.warps_n} threads{teams}, {sc.smem_bytes // 1024} KB shared memory"]
         if st.fused_norm is not None:
             out.append(f"stage {st.epilogue.index} (norm) is its epilogue: the convolution runs twice (per-tile statistics, "
                        f"merged in order; then normalized in registers{', ' + st.fused_norm.reduce + ' over the channels' if st.fused_norm.reduce else ''}); its output is never written")

@@ -60,12 +60,12 @@ def tconv3(cin, cout, ins, k, s=1, p=0, op=0):
 
 
 def cfg(name, prob, tile, ci, bn, warps, stages, epilogue, mma="kTf32", residue=8, channels_last=False, batch=2,
-        bench_batch=None, kind=None, window=False, wgmma=False, direct=False, min_blocks=1, teams=1, late=False):
+        bench_batch=None, kind=None, window=False, wgmma=False, direct=False, teams=1):
     loop = "kDirect" if direct else "kWgmma" if wgmma else "kWindow" if window else "kGeneric"
     mma = "kFp32" if direct else mma
     return dict(name=name, prob=prob, tile=tile, ci=ci, bn=bn, warps=warps, stages=stages, epilogue=epilogue, mma=mma,
                 residue=residue, channels_last=channels_last, batch=batch, bench_batch=bench_batch, kind=kind or name,
-                loop=loop, min_blocks=min_blocks, teams=teams, late=late)
+                loop=loop, teams=teams)
 
 
 AVG = conv3(8, 64, (384, 384), 6, s=4)
@@ -111,24 +111,10 @@ CONFIGS = [
     cfg("gavg_b", AVG, (1, 16, 8), 8, 64, (8, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True),
     cfg("gavg_c", AVG, (1, 8, 8), 8, 64, (4, 2), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True),
     cfg("gavg_d", AVG, (1, 16, 8), 8, 64, (8, 2), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True),
-    cfg("gavg_c2", AVG, (1, 8, 8), 8, 64, (4, 2), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True,
-        min_blocks=2),
-    cfg("gavg_a2", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True,
-        min_blocks=2),
     # the wgmma loop with several teams per CTA (sharing the resident weights)
     cfg("tavg_a", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=3),
     cfg("tavg_b", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2),
-    cfg("tavg_c", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=4),
-    cfg("tavg_d", AVG, (1, 16, 8), 8, 64, (8, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2),
     cfg("tavg_e", AVG, (1, 8, 8), 8, 64, (4, 2), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2),
-    cfg("tavg_f", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=3,
-        late=True),
-    cfg("tavg_g", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=4,
-        late=True),
-    cfg("tavg_h", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2,
-        late=True),
-    cfg("tavg_i", AVG, (1, 16, 8), 8, 64, (8, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2,
-        late=True),
     cfg("tdivmax_a", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True,
         teams=3),
     cfg("tdivmax_b", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True,
@@ -186,8 +172,7 @@ def problem_struct(c, ph, name) -> str:
     for ax, v in zip("DHW", t):
         put("kT" + ax, v)
     put("kCI", c["ci"]); put("kBN", c["bn"]); put("kWarpsM", c["warps"][0]); put("kWarpsN", c["warps"][1])
-    put("kStages", c["stages"]); put("kPlaneResidue", c["residue"]); put("kMinBlocks", c["min_blocks"])
-    put("kTeams", c["teams"]); put("kLateLoads", c["late"])
+    put("kStages", c["stages"]); put("kPlaneResidue", c["residue"]); put("kTeams", c["teams"])
     lines.append(f"  static constexpr kgen::conv_gemm::Loop kLoop = kgen::conv_gemm::Loop::{c['loop']};")
     lines.append(f"  static constexpr kgen::conv_gemm::Mma kMma = kgen::conv_gemm::Mma::{c['mma']};")
     lines.append("};")

@@ -162,41 +162,12 @@ constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32
 //   kTD, kTH, kTW                           output box of one tile
 //   kCI                                     input channels per chunk: 4 or a multiple of 8 (direct loop: any)
 //   kBN                                     output channels per CTA, a multiple of 8
-//   kWarpsM, kWarpsN                        warp grid of a CTA
+//   kWarpsM, kWarpsN                        warp grid of a CTA (of each team)
+//   kTeams                                  wgmma loop: teams of kWarpsM x kWarpsN warps sharing the weights (else 1)
 //   kStages                                 cp.async pipeline depth (>= 2)
 //   kPlaneResidue                           input channel plane stride % 32 (bank spread)
 //   kMma                                    Mma::kTf32, kTf32x3 or (direct loop) kFp32
 //   kLoop                                   Loop::kGeneric, kWindow, kWgmma or kDirect
-// CTAs per SM the kernel is compiled for (P::kMinBlocks if given, else 1): with 2, ptxas
-// keeps a thread's registers within half the register file's share.
-template <class P, class = void>
-struct MinBlocks {
-  static constexpr int value = 1;
-};
-template <class P>
-struct MinBlocks<P, std::void_t<decltype(P::kMinBlocks)>> {
-  static constexpr int value = P::kMinBlocks;
-};
-// Teams of the wgmma loop per CTA (P::kTeams if given, else 1; Geometry::kTeams).
-template <class P, class = void>
-struct Teams {
-  static constexpr int value = 1;
-};
-template <class P>
-struct Teams<P, std::void_t<decltype(P::kTeams)>> {
-  static constexpr int value = P::kTeams;
-};
-// Whether the wgmma loop loads the next box after the epilogue instead of under the MMAs
-// (P::kLateLoads if given, else false): fewer live registers, where other teams hide the loads.
-template <class P, class = void>
-struct LateLoads {
-  static constexpr bool value = false;
-};
-template <class P>
-struct LateLoads<P, std::void_t<decltype(P::kLateLoads)>> {
-  static constexpr bool value = P::kLateLoads;
-};
-
 template <class P>
 struct Geometry {
   static constexpr bool kDirect = P::kLoop == Loop::kDirect;
@@ -251,7 +222,7 @@ struct Geometry {
   // Each team walks its own tiles with its own A buffer, staged tile and scratch, and
   // synchronizes on its own named barrier (team_sync), so that one team's loads, MMAs and
   // epilogue overlap another's, as CTAs would, without a copy of the weights each.
-  static constexpr int kTeams = Teams<P>::value;
+  static constexpr int kTeams = P::kTeams;
   static constexpr int kTeamThreads = 32 * P::kWarpsM * P::kWarpsN;
   static constexpr int kThreads = kTeams * kTeamThreads;
   static constexpr int kWarpM = kM / P::kWarpsM;      // rows per warp (mma.sync loops)
@@ -413,7 +384,7 @@ struct FragMap {
 // and the epilogues index by it.
 template <class P>
 __device__ __forceinline__ int team_thread() {
-  return Geometry<P>::kTeams == 1 ? static_cast<int>(threadIdx.x) : static_cast<int>(threadIdx.x) % Geometry<P>::kTeamThreads;
+  return static_cast<int>(Geometry<P>::kTeams == 1 ? threadIdx.x : threadIdx.x % Geometry<P>::kTeamThreads);
 }
 
 // A barrier over this thread's team: __syncthreads, or with several teams the team's named
@@ -846,8 +817,10 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   float* s_tile = smem + G::kTileOffset + team * team_floats<P, E>();
   float* s_scratch = s_tile + (E::kStaged ? P::kBN * G::kMPad : 0);
 
-  const int tid = team_thread<P>();
-  const int warp = tid / 32, lane = tid % 32;
+  // unsigned: warp and lane as shifts (signed divisions cost ptxas registers, and spills)
+  const unsigned team_tid = G::kTeams == 1 ? threadIdx.x : threadIdx.x % G::kTeamThreads;
+  const int tid = static_cast<int>(team_tid);
+  const int warp = static_cast<int>(team_tid / 32), lane = static_cast<int>(team_tid % 32);
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
   const int warp_m = warp % P::kWarpsM, warp_n = warp / P::kWarpsM;
   FragMap<P> fm{warp_m * G::kWarpM, warp_n * G::kWarpN, g, t, 0, 0, 0};
@@ -956,9 +929,8 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       const float* b_base = smem + chunk * G::kKSteps * G::kWgStepFloats + wg_n * G::kNT * 64;
       chunk_wgmma<P>(acc, a_desc, kLoShift, smem_desc(smem_addr(b_base), kBLbo, kBSbo));
       // The next box loads under the MMAs (and a register epilogue); a staged epilogue
-      // runs first (its registers and the box's together would spill), and with late loads
-      // every epilogue does.
-      constexpr bool kLate = E::kStaged || LateLoads<P>::value;
+      // runs first (its registers and the box's together would spill).
+      constexpr bool kLate = E::kStaged;
       auto load_next = [&] {
         if (s + 1 < steps) box.load(x, tile_of_step(s + 1), static_cast<int>((s + 1) % G::kChunks), tid);
       };
@@ -1003,7 +975,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
 }
 
 template <class P, class E>
-__global__ void __launch_bounds__(Geometry<P>::kThreads, MinBlocks<P>::value) conv_kernel(const float* __restrict__ x,
+__global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float* __restrict__ x,
                                                                    const float* __restrict__ packed,
                                                                    const typename E::Params ep, int batch) {
   conv_ctas<P, E>(x, packed, ep, batch, blockIdx.x, gridDim.x);
