@@ -46,7 +46,7 @@ struct Problem {
   static constexpr int kCI = 8;  // input channels per pipeline step
   static constexpr int kBN = 64;  // output channels per CTA
   static constexpr int kWarpsM = 4, kWarpsN = 1;
-  static constexpr int kTeams = 2;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kTeams = 3;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
   static constexpr int kStages = 1;  // cp.async pipeline depth (the wgmma loop: one register stage)
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWgmma;  // main loop
@@ -55,12 +55,13 @@ struct Problem {
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
 
 // The convolution output (+ bias), NC[D]HW.
+// Stores from the accumulators, no staged tile: the wgmma loop's 8 fragment rows are 8 consecutive positions along W (whole 32-byte sectors).
 struct Store {
   struct Params {
     const float* bias;
     float* out;
   };
-  static constexpr bool kStaged = true;
+  static constexpr bool kStaged = false;
   static constexpr int kScratchFloats = 0;
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float*, const TileCoord& c) {

@@ -52,7 +52,7 @@ struct Problem {
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
 
 // The convolution output (+ bias), NC[D]HW.
-// The direct loop's lanes hold consecutive positions: stores from the accumulators are coalesced, no staged tile.
+// Stores from the accumulators, no staged tile: the direct loop's lanes hold consecutive positions.
 struct Store {
   struct Params {
     const float* bias;

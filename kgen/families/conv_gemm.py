@@ -55,7 +55,7 @@ WGMMA_MIN_COUT = 32
 # (m64 x all channels) on 8 x 8 tiles ran avgpool_sigmoid_sum's convolution in 0.334 ms against
 # 0.388 for one team of four warpgroups on 16 x 8 tiles (scripts/conv_lab tavg_b, gavg_d, H100);
 # three or four teams spill (ptxas caps a thread at 168 / 128 registers) and lost
-WGMMA_SHAPES = (((1, 8, 8), 4, 1, 2), ((1, 16, 8), 8, 2, 1), ((1, 8, 8), 4, 2, 1))
+WGMMA_SHAPES = (((1, 8, 8), 4, 1, 3), ((1, 8, 8), 4, 1, 2), ((1, 16, 8), 8, 2, 1), ((1, 8, 8), 4, 2, 1))
 STAGES = 2  # cp.async pipeline depth
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
 # Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
@@ -369,14 +369,10 @@ class ConvGemm(Family):
         if mma == "fp32":
             return self.direct_schedule(lc, problems, staged)
         if target.wgmma and mma == "tf32" and c.rank >= 2 and c.in_channels >= 8 and c.out_channels >= WGMMA_MIN_COUT:
-            block_n = -(-c.out_channels // 16) * 16
-            for tile, warps_m, warps_n, teams in WGMMA_SHAPES:
-                # one register stage (conv_gemm.cuh BoxRegs) instead of cp.async stages
-                sc = Schedule(tile, 8, block_n, warps_m, warps_n, 1, PLANE_RESIDUE, "wgmma", mma, 0, teams)
-                sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
-                if sc.smem_bytes <= SMEM_LIMIT:
-                    self.check(sc, problems)
-                    return sc
+            # the plain epilogue stores from the accumulators (8 positions along W: whole sectors)
+            sc = self.wgmma_schedule(problems, -(-c.out_channels // 16) * 16, mma, False)
+            if sc is not None:
+                return sc
         cin_chunk = 4 if c.in_channels <= 4 else 8
         block_n = min(-(-c.out_channels // 8) * 8, 64)
         window = all(q.stride[1] == 1 and q.stride[2] == 1 for q in problems)
@@ -398,6 +394,17 @@ class ConvGemm(Family):
                 break
         self.check(sc, problems)
         return sc
+
+    def wgmma_schedule(self, problems: list[Problem], block_n: int, mma: str, staged: bool) -> Schedule | None:
+        """The first of WGMMA_SHAPES whose shared memory fits (None if none does)."""
+        for tile, warps_m, warps_n, teams in WGMMA_SHAPES:
+            # one register stage (conv_gemm.cuh BoxRegs) instead of cp.async stages
+            sc = Schedule(tile, 8, block_n, warps_m, warps_n, 1, PLANE_RESIDUE, "wgmma", mma, 0, teams)
+            sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
+            if sc.smem_bytes <= SMEM_LIMIT:
+                self.check(sc, problems)
+                return sc
+        return None
 
     def direct_schedule(self, lc, problems: list[Problem], staged: bool, scratch_floats=lambda sc: 0) -> Schedule:
         """The direct loop: all output channels in one CTA, split over warp columns of at most
@@ -482,7 +489,7 @@ class ConvGemm(Family):
         st = ConvGemmStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=lc, layout="contiguous")
         st.problems = self.problems(lc, t_in, t_out)
         mma, st.x3_reason = self.mma(req)
-        # the plain epilogue stores a staged tile (the direct loop stores from its accumulators)
+        # the plain epilogue stores a staged tile (the direct and wgmma loops store from their accumulators)
         st.schedule = self.schedule(lc, st.problems, mma != "fp32", mma, req.target)
         st.input_extent = tuple(t_in.spatial)
         st.output = flat_buffer(t_out)
@@ -515,6 +522,9 @@ class ConvGemm(Family):
         if "c" in reduced and st.conv.conv.out_channels > st.schedule.block_n:
             return False  # a channel reduction needs every channel in the CTA
         sc = st.schedule
+        registers = len(nxt.levels) == 1 and not kept
+        if sc.loop == "wgmma":  # as many teams as fit beside this epilogue's staged tile (if any)
+            sc = self.wgmma_schedule(st.problems, sc.block_n, sc.mma, not registers) or sc
         if any(t % w for t, w in zip(sc.tile, window)):
             return False  # a tile must hold whole windows
         pooled = _view3(nxt.pooled_type.spatial, 1)
@@ -528,7 +538,6 @@ class ConvGemm(Family):
         threads = 32 * sc.warps_m * sc.warps_n
         # threads per output: enough that every thread has work (whole warps combine through shared memory)
         lanes = 1 if local_reduced == 1 else min(threads, pow2_floor(local_reduced), max(1, pow2_floor(threads // max(1, local_kept))))
-        registers = len(nxt.levels) == 1 and not kept
         # the accumulator tile is staged unless the epilogue works on the registers
         smem = max(self.smem_bytes(q, sc, not registers) for q in st.problems)
         if smem > SMEM_LIMIT:

@@ -1,0 +1,62 @@
+"""How much the order of calls moves kgen bench's numbers (a measurement of the method, for
+the GPU machine): each module timed (a) as kgen bench does, eager / torch.compile / kgen
+taking turns call by call; (b) in blocks of BLOCK calls of each in turn, the first call of
+each block not counted; (c) kgen alone. Medians of CUDA-event times, ms.
+
+    PYTHONPATH=. python scripts/bench_order.py avgpool_sigmoid_sum maxpool_sum
+"""
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from kgen.bench import models_and_inputs, time_interleaved, time_ms
+from kgen.cli import _spec_of
+
+
+def time_blocks(fns: dict, rounds: int, block: int) -> dict:
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for i in range(block):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                if i:
+                    times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="+")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--block", type=int, default=10)
+    args = ap.parse_args()
+    print(f"{'module':24s} {'method':28s} {'eager':>8s} {'compile':>8s} {'kgen':>8s}")
+    for name in args.names:
+        d = Path("generated") / name
+        pipe, batch, model, ref, (x, *others) = models_and_inputs(d, _spec_of(d))
+        with torch.no_grad():
+            compiled = torch.compile(ref)
+            fns = {"eager": lambda: ref(x, *others), "compile": lambda: compiled(x, *others),
+                   "kgen": lambda: model(x, *others)}
+            a = time_interleaved(fns, args.reps)
+            b = time_blocks(fns, max(1, args.reps // args.block), args.block)
+            c = time_ms(fns["kgen"], args.reps)
+        for method, t in ((f"in turns, call by call", a), (f"blocks of {args.block}, first not counted", b)):
+            print(f"{name:24s} {method:28s} {t['eager']:8.3f} {t['compile']:8.3f} {t['kgen']:8.3f}", flush=True)
+        print(f"{name:24s} {'kgen alone':28s} {'':8s} {'':8s} {c:8.3f}", flush=True)
+        del compiled
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
