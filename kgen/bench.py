@@ -35,19 +35,24 @@ from .target import current
 from .validate import import_module_dir, init_args, pack_buffer
 
 WARMUP = 5
+BLOCK = 10  # consecutive calls of one function per turn; the first of each is not counted
 PROFILED_CALLS = 10  # calls under torch.profiler for the per-stage times
 
 
 def time_ms(fn, reps: int) -> float:
-    """Median of ``reps`` CUDA-event timings of fn(), after warm-up."""
-    return time_interleaved({"fn": fn}, reps)["fn"]
+    """Median of about ``reps`` CUDA-event timings of fn(), after warm-up."""
+    return time_in_blocks({"fn": fn}, reps)["fn"]
 
 
-def time_interleaved(fns: dict, reps: int, device: str = "cuda") -> dict:
-    """Median time in ms of each of ``fns`` (name -> callable), after warm-up: CUDA events,
-    or on the CPU the wall clock. The calls take turns (one of each per round), so that a
-    drift of the GPU's clocks or of the host during the measurement weighs on all of them
-    alike: pipelines of 0.1 ms otherwise move by a third between back-to-back runs."""
+def time_in_blocks(fns: dict, reps: int, device: str = "cuda") -> dict:
+    """Median time in ms of each of ``fns`` (name -> callable) over about ``reps`` calls, after
+    warm-up: CUDA events (the queue drained before each call), or on the CPU the wall clock.
+    The functions take turns in blocks of BLOCK consecutive calls, the first call of a block
+    not counted: turns make a drift of the GPU's clocks or of the host weigh on all of them
+    alike (pipelines of 0.1 ms moved by a third between back-to-back runs), blocks time each
+    the way it runs when called repeatedly, as KernelBench times a model. Turns of single
+    calls measured a short kgen call right after a long eager one, which ran 0.05-0.3 ms
+    slower than the same call after itself (scripts/bench_order.py, notes/perf.md)."""
     cuda = device.startswith("cuda")
     for fn in fns.values():
         for _ in range(WARMUP):
@@ -55,19 +60,23 @@ def time_interleaved(fns: dict, reps: int, device: str = "cuda") -> dict:
     if cuda:
         torch.cuda.synchronize()
     times = {name: [] for name in fns}
-    for _ in range(reps):
+    rounds = max(1, -(-reps // (BLOCK - 1)))
+    for _ in range(rounds):
         for name, fn in fns.items():
-            if not cuda:
-                start = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - start) * 1e3)
-                continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
+            for i in range(BLOCK):
+                if not cuda:
+                    start = time.perf_counter()
+                    fn()
+                    ms = (time.perf_counter() - start) * 1e3
+                else:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    ms = start.elapsed_time(end)
+                if i:
+                    times[name].append(ms)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -114,7 +123,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     row = dict(name=pipe.name, batch=batch, input=list(pipe.input.concrete(batch)))
     with torch.no_grad():
         compiled = torch.compile(ref)
-        timed = time_interleaved({"eager_ms": lambda: ref(x, *others), "compile_ms": lambda: compiled(x, *others),
+        timed = time_in_blocks({"eager_ms": lambda: ref(x, *others), "compile_ms": lambda: compiled(x, *others),
                                   "kgen_ms": lambda: model(x, *others)}, reps)
         row.update(timed)
         row["floor_ms"] = fused_floor_ms(pipe, batch, current())
@@ -201,7 +210,7 @@ def run_bench(module_dirs, spec_of, reps: int = 30, baseline: bool = True) -> di
         rows.append(row)
         print(f"kgen: bench {row['name']}: eager {row['eager_ms']:.3f} ms, compile {row['compile_ms']:.3f} ms, "
               f"kgen {row['kgen_ms']:.3f} ms{'  SLOWER than eager' if slower(row) else ''}", flush=True)
-    result = dict(environment=environment(), reps=reps, warmup=WARMUP, rows=rows)
+    result = dict(environment=environment(), reps=reps, warmup=WARMUP, block=BLOCK, rows=rows)
     print(markdown_table(result))
     return result
 
@@ -246,7 +255,7 @@ def write_reports(result: dict, json_path: Path | None, md_path: Path | None) ->
             "",
             f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}, cuDNN TF32 allowed: {env['cudnn_allow_tf32']}),"
             f" commit {env['commit']}, {env['date']}.",
-            f"Median of {result['reps']} runs after {result['warmup']} warm-up runs, CUDA events, one process; eager, torch.compile and kgen take turns call by call.",
+            f"Median of about {result['reps']} runs after {result['warmup']} warm-up runs, CUDA events, one process; eager, torch.compile and kgen take turns in blocks of {result.get('block', BLOCK)} calls, the first call of each block not counted.",
             "",
             markdown_table(result),
             "",

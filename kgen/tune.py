@@ -10,8 +10,8 @@ For each spec, at its example batch and the batches asked for:
    schedules made for the example batch, as `kgen render` makes every plan of
    a module), and all are built at once;
 3. each is timed like `kgen bench` times a module (CUDA events, warm-up, the
-   median of ``reps`` runs; all candidates and eager PyTorch in turns, call by
-   call), after a check that it computes what eager PyTorch does (a candidate
+   median of ``reps`` runs; all candidates and eager PyTorch in turns, in blocks
+   of consecutive calls), after a check that it computes what eager PyTorch does (a candidate
    that does not is reported and never chosen);
 4. the fastest at each batch wins; batch ranges follow from them
    (``kgen.tunefile.ranges_from``) and the entry for this device is written to
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from . import cost, tunefile
-from .bench import _commit, time_interleaved
+from .bench import _commit, time_in_blocks
 from .build import build_modules
 from .errors import KgenError
 from .ir import Pipeline, load_pipeline
@@ -96,8 +96,8 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
 def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None = None) -> None:
     """Time every candidate module of ``t`` at each batch, after checking its output
     (on the CPU by wall time: for tests of the flow, not for choices). At each batch the
-    candidates that pass their check and eager PyTorch are timed in turns, call by call
-    (``time_interleaved``), so that drift weighs on all of them alike."""
+    candidates that pass their check and eager PyTorch are timed in turns, in blocks of
+    consecutive calls (``time_in_blocks``), so that drift weighs on all of them alike."""
     from .validate import import_module_dir
 
     pipe = t.pipe
@@ -126,7 +126,7 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                 except RuntimeError as e:  # a launch that fails (resources): this candidate is out
                     m.ms[b], m.problem = math.inf, f"fails at batch {b}: {str(e).splitlines()[0][:160]}"
             _log(f"tune {pipe.name}: timing {len(runs) - 1} candidate(s) and eager PyTorch in turns at batch {b}")
-            timed = time_interleaved(runs, reps, device)
+            timed = time_in_blocks(runs, reps, device)
             t.eager_pytorch_ms[b] = timed["eager"]
             for m in t.measured:
                 i += 1

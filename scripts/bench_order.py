@@ -1,7 +1,8 @@
-"""How much the order of calls moves kgen bench's numbers (a measurement of the method, for
-the GPU machine): each module timed (a) as kgen bench does, eager / torch.compile / kgen
-taking turns call by call; (b) in blocks of BLOCK calls of each in turn, the first call of
-each block not counted; (c) kgen alone. Medians of CUDA-event times, ms.
+"""How much the order of calls moves the numbers of kgen bench (a measurement of the method,
+for the GPU machine): each module timed (a) with eager / torch.compile / kgen taking turns
+call by call (kgen bench until stop 19); (b) as kgen bench does now, in blocks of
+consecutive calls of each in turn, the first call of each block not counted; (c) kgen
+alone. Medians of CUDA-event times, ms.
 
     PYTHONPATH=. python scripts/bench_order.py avgpool_sigmoid_sum maxpool_sum
 """
@@ -11,26 +12,24 @@ from pathlib import Path
 
 import torch
 
-from kgen.bench import models_and_inputs, time_interleaved, time_ms
+from kgen.bench import BLOCK, models_and_inputs, time_in_blocks, time_ms
 from kgen.cli import _spec_of
 
 
-def time_blocks(fns: dict, rounds: int, block: int) -> dict:
+def time_call_by_call(fns: dict, reps: int) -> dict:
     times = {name: [] for name in fns}
     for fn in fns.values():
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
-    for _ in range(rounds):
+    for _ in range(reps):
         for name, fn in fns.items():
-            for i in range(block):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                if i:
-                    times[name].append(start.elapsed_time(end))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -38,7 +37,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="+")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--block", type=int, default=10)
     args = ap.parse_args()
     print(f"{'module':24s} {'method':28s} {'eager':>8s} {'compile':>8s} {'kgen':>8s}")
     for name in args.names:
@@ -48,10 +46,10 @@ def main() -> None:
             compiled = torch.compile(ref)
             fns = {"eager": lambda: ref(x, *others), "compile": lambda: compiled(x, *others),
                    "kgen": lambda: model(x, *others)}
-            a = time_interleaved(fns, args.reps)
-            b = time_blocks(fns, max(1, args.reps // args.block), args.block)
+            a = time_call_by_call(fns, args.reps)
+            b = time_in_blocks(fns, args.reps)
             c = time_ms(fns["kgen"], args.reps)
-        for method, t in ((f"in turns, call by call", a), (f"blocks of {args.block}, first not counted", b)):
+        for method, t in ((f"in turns, call by call", a), (f"blocks of {BLOCK}, first not counted", b)):
             print(f"{name:24s} {method:28s} {t['eager']:8.3f} {t['compile']:8.3f} {t['kgen']:8.3f}", flush=True)
         print(f"{name:24s} {'kgen alone':28s} {'':8s} {'':8s} {c:8.3f}", flush=True)
         del compiled

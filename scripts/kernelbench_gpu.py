@@ -15,8 +15,8 @@ them in consecutive device calls, and a fresh one can be handed the state file):
    inductor cache (build/inductor_cache) so that the timing phase compiles from it;
 3. time: in this one process, nothing else on the GPU, each validated module at the
    file's own sizes as `kgen bench` does: eager PyTorch (the reference model in
-   float32), torch.compile (default mode) and kgen, in turns, CUDA events, median of
-   --reps after warm-up.
+   float32), torch.compile (default mode) and kgen, in turns (blocks of consecutive
+   calls), CUDA events, median of --reps after warm-up.
 
 Problems a time box did not reach are listed as such; run the phase again.
 
@@ -229,7 +229,7 @@ def check_all(specs, rows, args, deadline, write):
 def time_all(specs, rows, args, deadline, write):
     import torch
 
-    from kgen.bench import models_and_inputs, time_interleaved
+    from kgen.bench import models_and_inputs, time_in_blocks
 
     for s in specs:
         row = rows[s.stem]
@@ -250,7 +250,7 @@ def time_all(specs, rows, args, deadline, write):
                         fns["compile_ms"] = lambda: compiled(*inputs)
                     except Exception as e:  # noqa: BLE001
                         row["compile_error"] = _line(e)
-                row.update(time_interleaved(fns, args.reps))
+                row.update(time_in_blocks(fns, args.reps))
             row.update(status="ok", batch=batch, time_s=round(time.time() - t, 1))
         except Exception as e:  # noqa: BLE001
             row.update(status="timing failed", reason=_line(e))
@@ -292,7 +292,7 @@ def markdown(rows, env, args) -> str:
         "Validation: `kgen validate --device cuda --example-batch` (the CUDA build against the float64 reference, "
         "batches 1 to 3 and the file's own, normal and adversarial data). Timings at the file's own sizes, eval mode, "
         f"one process with nothing else on the GPU: median of {args.reps} runs after warm-up, CUDA events, eager, "
-        "torch.compile and kgen in turns; eager = the imported model in PyTorch (float32), torch.compile = the same "
+        "torch.compile and kgen in turns (blocks of consecutive calls); eager = the imported model in PyTorch (float32), torch.compile = the same "
         "in default mode.",
         "",
         f"{len(ok)} of {len(rows)} validated and timed; kgen faster than eager on {faster}, than torch.compile on "

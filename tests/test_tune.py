@@ -229,6 +229,30 @@ def test_measure_times_the_checked_candidates_and_eager_in_turns(tmp_path, monke
     assert all(0 < v < math.inf for v in t.eager_pytorch_ms.values())
 
 
+def test_timing_takes_turns_in_blocks_and_drops_each_blocks_first_call():
+    """kgen bench and kgen tune time functions in turns of BLOCK consecutive calls; the first
+    call of a block (the one right after another function ran) is not counted."""
+    import time
+
+    from kgen import bench
+
+    log = []
+
+    def make(name, slow_first):
+        def fn():
+            first = not log or log[-1] != name
+            log.append(name)
+            if slow_first and first:
+                time.sleep(0.05)
+        return fn
+
+    ms = bench.time_in_blocks({"a": make("a", True), "b": make("b", False)}, 18, device="cpu")
+    rounds = -(-18 // (bench.BLOCK - 1))
+    warm = ["a"] * bench.WARMUP + ["b"] * bench.WARMUP
+    assert log == warm + (["a"] * bench.BLOCK + ["b"] * bench.BLOCK) * rounds
+    assert ms["a"] < 25 and ms["b"] < 25  # a's 50 ms first calls are not counted
+
+
 def test_a_module_that_does_not_build_is_recorded_not_raised(tmp_path):
     from kgen.build import build_modules
 
