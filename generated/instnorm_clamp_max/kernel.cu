@@ -50,6 +50,7 @@ struct Problem {
   static constexpr Mma kMma = Mma::kFp32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
+constexpr int kPlanSmemBytes = 67904;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
 
 // The convolution output (+ bias), NC[D]HW.
 // Stores from the accumulators, no staged tile: the direct loop's lanes hold consecutive positions.
@@ -90,6 +91,8 @@ struct Store {
 // Packs the weights (unless `packed` already holds them), then runs the convolution.
 template <class E>
 cudaError_t run(const float* x, const float* w, float* packed, bool pack, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  static_assert(smem_bytes<Problem, E>() <= kPlanSmemBytes,
+                "the plan's shared memory (kgen/families/conv_gemm.py smem_bytes) covers this epilogue's");
   if (pack) pack_weights<Problem>(w, packed, stream);
   return kgen::conv_gemm::run<Problem, E>(x, packed, ep, batch, stream);
 }

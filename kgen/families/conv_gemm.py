@@ -57,6 +57,9 @@ WGMMA_MIN_COUT = 32
 # three or four teams spill (ptxas caps a thread at 168 / 128 registers) and lost
 WGMMA_SHAPES = (((1, 8, 8), 4, 1, 3), ((1, 8, 8), 4, 1, 2), ((1, 16, 8), 8, 2, 1), ((1, 8, 8), 4, 2, 1))
 STAGES = 2  # cp.async pipeline depth
+# shared floats of a fused pool_reduce epilogue (kernel.cu.j2 Fused::kScratchFloats: a value per warp); the
+# generated kernel asserts that the plan's shared memory covers every epilogue's
+FUSED_SCRATCH_FLOATS = 32
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
 # Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
 # about 45% of that on the shipped convolutions (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
@@ -395,12 +398,13 @@ class ConvGemm(Family):
         self.check(sc, problems)
         return sc
 
-    def wgmma_schedule(self, problems: list[Problem], block_n: int, mma: str, staged: bool) -> Schedule | None:
+    def wgmma_schedule(self, problems: list[Problem], block_n: int, mma: str, staged: bool,
+                       scratch_floats: int = 0) -> Schedule | None:
         """The first of WGMMA_SHAPES whose shared memory fits (None if none does)."""
         for tile, warps_m, warps_n, teams in WGMMA_SHAPES:
             # one register stage (conv_gemm.cuh BoxRegs) instead of cp.async stages
             sc = Schedule(tile, 8, block_n, warps_m, warps_n, 1, PLANE_RESIDUE, "wgmma", mma, 0, teams)
-            sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
+            sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged, scratch_floats) for q in problems))
             if sc.smem_bytes <= SMEM_LIMIT:
                 self.check(sc, problems)
                 return sc
@@ -524,7 +528,7 @@ class ConvGemm(Family):
         sc = st.schedule
         registers = len(nxt.levels) == 1 and not kept
         if sc.loop == "wgmma":  # as many teams as fit beside this epilogue's staged tile (if any)
-            sc = self.wgmma_schedule(st.problems, sc.block_n, sc.mma, not registers) or sc
+            sc = self.wgmma_schedule(st.problems, sc.block_n, sc.mma, not registers, FUSED_SCRATCH_FLOATS) or sc
         if any(t % w for t, w in zip(sc.tile, window)):
             return False  # a tile must hold whole windows
         pooled = _view3(nxt.pooled_type.spatial, 1)
@@ -539,7 +543,7 @@ class ConvGemm(Family):
         # threads per output: enough that every thread has work (whole warps combine through shared memory)
         lanes = 1 if local_reduced == 1 else min(threads, pow2_floor(local_reduced), max(1, pow2_floor(threads // max(1, local_kept))))
         # the accumulator tile is staged unless the epilogue works on the registers
-        smem = max(self.smem_bytes(q, sc, not registers) for q in st.problems)
+        smem = max(self.smem_bytes(q, sc, not registers, FUSED_SCRATCH_FLOATS) for q in st.problems)
         if smem > SMEM_LIMIT:
             return False
         st.schedule = replace(sc, smem_bytes=smem)

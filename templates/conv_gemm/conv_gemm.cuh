@@ -809,10 +809,11 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   extern __shared__ __align__(16) float smem[];
   float* s_stages = smem + G::kStageOffset;
   float* s_lo = smem + G::kLoOffset;  // (wgmma loop: the team's A buffer, below)
-  // Teams (wgmma loop): team `team` is worker cta * kTeams + team of ctas * kTeams; each has its
-  // own A buffer, staged tile and scratch.
+  // Teams (wgmma loop): team `team` is worker team * ctas + cta of ctas * kTeams (a grid smaller
+  // than the SMs' room spreads its tiles over CTAs first); each has its own A buffer, staged
+  // tile and scratch.
   const int team = G::kTeams == 1 ? 0 : static_cast<int>(threadIdx.x) / G::kTeamThreads;
-  const int worker = cta * G::kTeams + team, workers = ctas * G::kTeams;
+  const int worker = team * ctas + cta, workers = ctas * G::kTeams;
   s_lo += team * G::kABufFloats;
   float* s_tile = smem + G::kTileOffset + team * team_floats<P, E>();
   float* s_scratch = s_tile + (E::kStaged ? P::kBN * G::kMPad : 0);
@@ -1145,8 +1146,7 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
     if (err != cudaSuccess) return err;
   }
   const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long ctas = (tiles + G::kTeams - 1) / G::kTeams;  // a CTA's teams take a tile each
-  const long long grid = ctas < resident ? ctas : resident;
+  const long long grid = tiles < resident ? tiles : resident;  // teams beyond the tiles have none
   if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, smem_bytes<P, E>(), stream>>>(x, packed, ep, batch);
   return cudaGetLastError();
 }
