@@ -32,7 +32,10 @@
 // channels, is a core-matrix layout at a compile-time offset: 8 positions of
 // a row are 16 bytes apart, the rows SH box rows apart, the two quads of a k
 // step a quad plane apart. The weights stay in shared memory for the whole
-// kernel, in the layout the B descriptor reads.
+// kernel, in the layout the B descriptor reads. Several teams of warpgroups
+// (kTeams) may share a CTA and its resident weights, each on its own tiles with
+// its own A buffer and named barrier, so that one team's loads, MMAs and
+// epilogue overlap another's.
 // `direct` (Mma::kFp32): plain fp32 FMAs, no rounding (precision ieee, and
 // split-TF32 problems whose K is too small for tensor cores to pay: a 3-channel
 // 3x3x3 convolution pads K 81 -> 108 and runs three MMAs per product). A thread
@@ -122,10 +125,8 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {}
 __device__ __forceinline__ void fence_async_shared() {}
 #endif
-// Named barriers (0 is __syncthreads'): `count` threads, a multiple of 32. sync waits;
-// arrive counts this thread in and goes on (a producer's signal).
+// A named barrier (0 is __syncthreads'): waits for `count` threads (a multiple of 32) at barrier `id`.
 __device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 
 // Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
 __device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
