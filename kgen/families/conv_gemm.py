@@ -51,10 +51,11 @@ WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
 # Split TF32 (three MMAs re-reading A) gained nothing on KernelBench's convolutions
 # (problems 15, 21: 0.74x, 0.84x; 34, 73, 85, 92: 1.00-1.06x), so it keeps mma.sync.
 WGMMA_MIN_COUT = 32
-# wgmma tile shapes, (tile, warps_m, warps_n, teams), first that fits: two teams of one warpgroup
-# (m64 x all channels) on 8 x 8 tiles ran avgpool_sigmoid_sum's convolution in 0.334 ms against
-# 0.388 for one team of four warpgroups on 16 x 8 tiles (scripts/conv_lab tavg_b, gavg_d, H100);
-# three or four teams spill (ptxas caps a thread at 168 / 128 registers) and lost
+# wgmma tile shapes, (tile, warps_m, warps_n, teams), the first whose shared memory fits: teams of
+# one warpgroup (m64 x all channels) on 8 x 8 tiles sharing the weights ran avgpool_sigmoid_sum's
+# convolution in 0.338-0.358 ms (three teams) and 0.334-0.380 (two) against 0.368-0.397 for one team
+# of four warpgroups on 16 x 8 tiles (scripts/conv_lab tavg_a, tavg_b, gavg_d; H100, notes/perf.md
+# stop 19); four teams spill (ptxas caps a thread of 512 at 128 registers) and lost
 WGMMA_SHAPES = (((1, 8, 8), 4, 1, 3), ((1, 8, 8), 4, 1, 2), ((1, 16, 8), 8, 2, 1), ((1, 8, 8), 4, 2, 1))
 STAGES = 2  # cp.async pipeline depth
 # shared floats of a fused pool_reduce epilogue (kernel.cu.j2 Fused::kScratchFloats: a value per warp); the
@@ -364,10 +365,10 @@ class ConvGemm(Family):
 
     def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
         """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the wgmma loop
-        where it wins (WGMMA_MIN_COUT), as two teams of one warpgroup on 8 x 8 tiles sharing the
-        weights, else with two warpgroups per 64-row m-block; else the window loop with 4 m-tiles
-        of 16 per warp for stride-1 convolutions; 4 x 32 tiles otherwise. fp32 (precision
-        ieee): the direct loop."""
+        where it wins (WGMMA_MIN_COUT), in the first of WGMMA_SHAPES that fits (teams of one
+        warpgroup on 8 x 8 tiles sharing the weights); else the window loop with 4 m-tiles of 16
+        per warp for stride-1 convolutions; 4 x 32 tiles otherwise. fp32 (precision ieee): the
+        direct loop."""
         c = lc.conv
         if mma == "fp32":
             return self.direct_schedule(lc, problems, staged)
