@@ -115,6 +115,11 @@ CONFIGS = [
     cfg("tavg_a", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=3),
     cfg("tavg_b", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2),
     cfg("tavg_e", AVG, (1, 8, 8), 8, 64, (4, 2), 2, "SigmoidSum", bench_batch=128, kind="avgpool", wgmma=True, teams=2),
+    # a written output on the wgmma loop: a staged tile vs stores from the accumulators
+    cfg("savg_old", AVG, (1, 16, 8), 8, 64, (8, 2), 2, "Store", bench_batch=128, wgmma=True),
+    cfg("savg_staged", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "Store", bench_batch=128, wgmma=True, teams=2),
+    cfg("savg_regs2", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "StoreRegs", bench_batch=128, wgmma=True, teams=2),
+    cfg("savg_regs3", AVG, (1, 8, 8), 8, 64, (4, 1), 2, "StoreRegs", bench_batch=128, wgmma=True, teams=3),
     cfg("tdivmax_a", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True,
         teams=3),
     cfg("tdivmax_b", DIVMAX, (2, 8, 8), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", wgmma=True,
@@ -308,7 +313,7 @@ def run(only=None, check_only=False, profile=False):
         def kgen_forward(x):
             batch = x.shape[0]
             e = c["epilogue"]
-            if e == "Store":
+            if e in ("Store", "StoreRegs"):
                 out = torch.full((batch, p["cout"]) + sp(p["full"]), float("nan"), device=dev)
                 par = P2(ptr(bias), ptr(out))
                 rc = fn(ptr(x), ptr(w), ptr(packed), ctypes.byref(par), batch, stream())
@@ -347,7 +352,7 @@ def run(only=None, check_only=False, profile=False):
                 y = tconv(xx, ww, bb, p["ts"], p["tp"], p["top"])
             else:
                 y = conv(xx, ww, bb, sp(p["s"]), sp(p["p"]), sp(p["d"]))
-            if e == "Store":
+            if e in ("Store", "StoreRegs"):
                 return y
             if e == "SigmoidSum":
                 return torch.sigmoid(y).sum(dim=tuple(range(1, y.dim())))
