@@ -174,6 +174,31 @@ def test_wgmma_loop_where_it_wins_on_hopper():
     assert split.schedule.mma == "tf32x3" and split.schedule.loop == "window"  # split TF32 keeps mma.sync
 
 
+def test_wgmma_teams_share_the_weights_as_far_as_shared_memory_allows(tmp_path):
+    """The wgmma loop runs teams of one warpgroup that share the resident weights: as many as
+    fit (WGMMA_SHAPES) beside the epilogue's own shared memory, which the plan counts per team
+    (A buffer, staged tile, scratch); the rendered kernel carries both numbers."""
+    wide = ([8, 30, 41], [{"conv2d": {"out_channels": 64, "kernel_size": 6, "stride": 4}}, "sigmoid",
+                          {"sum": {"dim": [1, 2, 3]}}])
+    st = plan_of(*wide, plan=GEMM).stages[0]
+    sc = st.schedule
+    assert st.fused.registers and (sc.tile, sc.warps_m, sc.warps_n, sc.teams) == ((1, 8, 8), 4, 1, 3)
+    p = st.problems[0]
+    weights = 8 * 36 * 64  # K x N floats, resident once
+    a_buffer = 2 * 34 * 4 * 4 * 9  # two channel quads x 34 box rows x (4 W phases x 9 columns x 4 channels)
+    assert conv_gemm.FAMILY.smem_bytes(p, sc, False, conv_gemm.FUSED_SCRATCH_FLOATS) == 4 * (
+        weights + 3 * (a_buffer + conv_gemm.FUSED_SCRATCH_FLOATS)) == sc.smem_bytes
+    # a staged epilogue (a pool kept per position) needs its tile per team: fewer teams fit
+    big = ([32, 40, 40], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, {"max_pool2d": {"kernel_size": 2}}])
+    pooled = plan_of(*big, plan=GEMM).stages[0]
+    assert pooled.schedule.loop == "wgmma" and not pooled.fused.registers
+    assert pooled.schedule.teams < 3 and pooled.schedule.smem_bytes <= conv_gemm.SMEM_LIMIT
+    rendered = render_spec(write_spec(tmp_path, spec_text(*wide, plan=GEMM), "teams.yaml"), tmp_path / "gen")
+    kernel = next(v for k, v in rendered.files.items() if str(k).endswith("kernel.cu"))
+    assert "static constexpr int kTeams = 3;" in kernel
+    assert f"constexpr int kPlanSmemBytes = {sc.smem_bytes};" in kernel and "covers this epilogue's" in kernel
+
+
 def test_schedules_keep_the_kernels_static_rules_over_many_shapes():
     """Plan many random convolutions; every schedule passes ConvGemm.check (the kernel's
     static_asserts, at plan time): a broken one would fail to compile on the GPU machine."""
