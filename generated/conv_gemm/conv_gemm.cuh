@@ -932,15 +932,14 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       chunk_wgmma<P>(acc, a_desc, kLoShift, smem_desc(smem_addr(b_base), kBLbo, kBSbo));
       // The next box loads under the MMAs (and a register epilogue); a staged epilogue
       // runs first (its registers and the box's together would spill).
-      constexpr bool kLate = E::kStaged;
       auto load_next = [&] {
         if (s + 1 < steps) box.load(x, tile_of_step(s + 1), static_cast<int>((s + 1) % G::kChunks), tid);
       };
-      if (!kLate || chunk != G::kChunks - 1) load_next();
+      if (!E::kStaged || chunk != G::kChunks - 1) load_next();
       chunk_wgmma_wait<P>(acc);
       if (chunk == G::kChunks - 1) {
         finish_tile(c);
-        if (kLate) load_next();
+        if (E::kStaged) load_next();
       }
     }
   } else {
