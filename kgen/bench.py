@@ -44,7 +44,22 @@ def time_ms(fn, reps: int) -> float:
     return time_in_blocks({"fn": fn}, reps)["fn"]
 
 
-def time_in_blocks(fns: dict, reps: int, device: str = "cuda") -> dict:
+def time_call(fn, cuda: bool = True) -> float:
+    """ms of one call of fn(): CUDA events around it (the queue is drained after it), or on
+    the CPU the wall clock."""
+    if not cuda:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_in_blocks(fns: dict, reps: int, device: str = "cuda", block: int = BLOCK) -> dict:
     """Median time in ms of each of ``fns`` (name -> callable) over about ``reps`` calls, after
     warm-up: CUDA events (the queue drained before each call), or on the CPU the wall clock.
     The functions take turns in blocks of BLOCK consecutive calls, the first call of a block
@@ -52,7 +67,8 @@ def time_in_blocks(fns: dict, reps: int, device: str = "cuda") -> dict:
     alike (pipelines of 0.1 ms moved by a third between back-to-back runs), blocks time each
     the way it runs when called repeatedly, as KernelBench times a model. Turns of single
     calls measured a short kgen call right after a long eager one, which ran 0.05-0.3 ms
-    slower than the same call after itself (scripts/bench_order.py, notes/perf.md)."""
+    slower than the same call after itself (scripts/bench_order.py, notes/perf.md). ``block``
+    1 times them in turns of single calls, every call counted."""
     cuda = device.startswith("cuda")
     for fn in fns.values():
         for _ in range(WARMUP):
@@ -60,22 +76,12 @@ def time_in_blocks(fns: dict, reps: int, device: str = "cuda") -> dict:
     if cuda:
         torch.cuda.synchronize()
     times = {name: [] for name in fns}
-    rounds = max(1, -(-reps // (BLOCK - 1)))
-    for _ in range(rounds):
+    counted = block - 1 if block > 1 else 1  # calls of a block that count
+    for _ in range(max(1, -(-reps // counted))):
         for name, fn in fns.items():
-            for i in range(BLOCK):
-                if not cuda:
-                    start = time.perf_counter()
-                    fn()
-                    ms = (time.perf_counter() - start) * 1e3
-                else:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    fn()
-                    end.record()
-                    end.synchronize()
-                    ms = start.elapsed_time(end)
-                if i:
+            for i in range(block):
+                ms = time_call(fn, cuda)
+                if i or block == 1:
                     times[name].append(ms)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -124,7 +130,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     with torch.no_grad():
         compiled = torch.compile(ref)
         timed = time_in_blocks({"eager_ms": lambda: ref(x, *others), "compile_ms": lambda: compiled(x, *others),
-                                  "kgen_ms": lambda: model(x, *others)}, reps)
+                                "kgen_ms": lambda: model(x, *others)}, reps)
         row.update(timed)
         row["floor_ms"] = fused_floor_ms(pipe, batch, current())
         try:
@@ -255,7 +261,7 @@ def write_reports(result: dict, json_path: Path | None, md_path: Path | None) ->
             "",
             f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}, cuDNN TF32 allowed: {env['cudnn_allow_tf32']}),"
             f" commit {env['commit']}, {env['date']}.",
-            f"Median of about {result['reps']} runs after {result['warmup']} warm-up runs, CUDA events, one process; eager, torch.compile and kgen take turns in blocks of {result.get('block', BLOCK)} calls, the first call of each block not counted.",
+            f"Median of about {result['reps']} runs after {result['warmup']} warm-up runs, CUDA events, one process; eager, torch.compile and kgen take turns in blocks of {result['block']} calls, the first call of each block not counted.",
             "",
             markdown_table(result),
             "",

@@ -15,25 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kgen.bench import BLOCK, models_and_inputs, time_in_blocks, time_ms
+from kgen.bench import BLOCK, models_and_inputs, time_call, time_in_blocks, time_ms
 from kgen.cli import _spec_of
-
-
-def time_call_by_call(fns: dict, reps: int) -> dict:
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def probe(name, model, ref, x, *others) -> None:
@@ -51,12 +34,7 @@ def probe(name, model, ref, x, *others) -> None:
             for _ in range(20):
                 fn()
                 torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                model(x, *others)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+                times.append(time_call(lambda: model(x, *others)))
             print(f"{name:24s} kgen after {what:20s} {statistics.median(times):8.3f}", flush=True)
     del big
 
@@ -78,7 +56,7 @@ def main() -> None:
             compiled = torch.compile(ref)
             fns = {"eager": lambda: ref(x, *others), "compile": lambda: compiled(x, *others),
                    "kgen": lambda: model(x, *others)}
-            a = time_call_by_call(fns, args.reps)
+            a = time_in_blocks(fns, args.reps, block=1)
             b = time_in_blocks(fns, args.reps)
             c = time_ms(fns["kgen"], args.reps)
         for method, t in ((f"in turns, call by call", a), (f"blocks of {BLOCK}, first not counted", b)):
