@@ -453,6 +453,43 @@ __device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratc
   team_sync<P>();
 }
 
+// The convolution output (+ bias), NC[D]HW: the plain epilogue. kStagedTile: from the staged
+// tile (consecutive threads store consecutive positions), else from the accumulators.
+template <bool kStagedTile>
+struct StoreEpilogue {
+  struct Params {
+    const float* bias;
+    float* out;
+  };
+  static constexpr bool kStaged = kStagedTile;
+  static constexpr int kScratchFloats = 0;
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float*, const TileCoord& c) {
+    using G = Geometry<P>;
+#pragma unroll
+    for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int co = c.cblock * P::kBN + fm.n(nt, i);
+        const float b = co < P::kCout && p.bias ? p.bias[co] : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < G::kMT; ++mt) {
+          const int m = fm.m(mt, i);
+          if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = acc[mt][nt][i] + b;
+        }
+      }
+  }
+  template <class P>
+  __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
+    using G = Geometry<P>;
+    const int tid = team_thread<P>();  // this thread in its team
+    for (int i = tid; i < P::kBN * G::kM; i += G::kTeamThreads) {
+      const int n = i / G::kM, m = i % G::kM, co = c.cblock * P::kBN + n;
+      if (co < P::kCout && row_valid<P>(c, m)) p.out[out_offset<P>(c, co, m)] = tile[n * G::kMPad + m] + (p.bias ? p.bias[co] : 0.f);
+    }
+  }
+};
+
 // ------------------------------------------------------------------ loads
 
 // Offset of input element (sample n, channel ci, position id, ih, iw) in x (NC[D]HW or channels_last).
