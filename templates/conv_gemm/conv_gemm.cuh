@@ -146,6 +146,13 @@ constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
 
 // The smallest p >= n with p % 32 == want (spreads rows `p` apart over banks).
 constexpr int pad_to_residue(int n, int want) { return n + ((want - n % 32) % 32 + 32) % 32; }
+// The most groups g of `slots` threads (g dividing `channels`) that `threads` hold; 0 if none.
+__host__ __device__ constexpr int plane_groups(int channels, int slots, int threads) {
+  int best = 0;
+  for (int g = 1; g <= channels; ++g)
+    if (channels % g == 0 && g * slots <= threads) best = g;
+  return best;
+}
 
 // Everything derived from the problem struct P, whose members (all static constexpr) are:
 //   kCin, kCout                             channels
@@ -508,10 +515,36 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
   using G = Geometry<P>;
   const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
   const int ci0 = chunk * P::kCI;
-  if constexpr (G::kVecRows) {
+  constexpr int kPieces = G::kBWPad / 4;  // 16-byte pieces of a box row (kVecRows)
+  constexpr int kSlots = G::kBH * kPieces;  // pieces of one (channel, depth) plane of the box
+  constexpr int kPlaneGroups = G::kVecRows ? plane_groups(P::kCI, kSlots, G::kThreads) : 0;
+  constexpr int kGroupChannels = kPlaneGroups ? P::kCI / kPlaneGroups : 0;
+  if constexpr (kPlaneGroups > 0 && kGroupChannels * G::kBD <= 64) {
+    // A thread keeps one piece (row bh, piece) of every plane: groups of kSlots threads split the
+    // chunk's channels, and a thread walks its group's (channel, depth) planes at compile-time
+    // offsets, in shared memory and in x: no index arithmetic per copy.
+    const int slot = threadIdx.x % kSlots, group = threadIdx.x / kSlots;
+    if (group >= kPlaneGroups) return;
+    const int bh = slot / kPieces, piece = slot % kPieces;
+    const int ih = ih0 + bh, iw = iw0 + piece * 4, c0 = ci0 + group * kGroupChannels;
+    const bool hw_ok = ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
+    constexpr long long kChannelStride = static_cast<long long>(P::kInD) * P::kInH * P::kInW;
+    constexpr int kDepthStride = P::kInH * P::kInW;
+    const long long first = (static_cast<long long>(c.n) * P::kCin + c0) * kChannelStride +
+                            static_cast<long long>(id0) * kDepthStride + ih * P::kInW + iw;
+    float* d_slot = dst + group * kGroupChannels * G::kPlane + bh * G::kBWPad + piece * 4;
+#pragma unroll
+    for (int ch = 0; ch < kGroupChannels; ++ch) {
+      const bool c_ok = hw_ok && c0 + ch < P::kCin;
+#pragma unroll
+      for (int bd = 0; bd < G::kBD; ++bd) {
+        const bool ok = c_ok && id0 + bd >= 0 && id0 + bd < P::kInD;
+        cp_async16(d_slot + ch * G::kPlane + bd * G::kBH * G::kBWPad, ok ? x + (first + ch * kChannelStride + bd * kDepthStride) : x, ok);
+      }
+    }
+  } else if constexpr (G::kVecRows) {
     // A thread keeps one 16-byte piece of a row and walks the rows (ci, bd, bh)
     // kRowsPerPass apart: its column test and offsets are found once per tile.
-    constexpr int kPieces = G::kBWPad / 4;
     static_assert(kPieces <= G::kThreads, "a box row's pieces fit in the block");
     constexpr int kRowsPerPass = G::kThreads / kPieces;
     constexpr int kRows = P::kCI * G::kBD * G::kBH;
