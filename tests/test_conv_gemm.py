@@ -199,6 +199,25 @@ def test_wgmma_teams_share_the_weights_as_far_as_shared_memory_allows(tmp_path):
     assert f"constexpr int kPlanSmemBytes = {sc.smem_bytes};" in kernel and "covers this epilogue's" in kernel
 
 
+def test_wgmma_store_stages_its_tile_where_the_plans_shared_memory_holds_it(tmp_path):
+    """A written conv output on the wgmma loop goes through a staged tile (stores of consecutive
+    positions) when the plan's shared memory holds one; a fused plan whose teams fill it stores
+    its Store (the stage run alone) from the accumulators; the direct loop never stages."""
+    written = ([16, 20, 24], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}, "relu"])
+    st = plan_of(*written, plan=GEMM).stages[0]
+    assert st.schedule.loop == "wgmma" and st.store_staged()
+    p = st.problems[0]
+    assert conv_gemm.FAMILY.smem_bytes(p, st.schedule, True) <= st.schedule.smem_bytes
+    fused = ([8, 30, 41], [{"conv2d": {"out_channels": 64, "kernel_size": 6, "stride": 4}}, "sigmoid",
+                           {"sum": {"dim": [1, 2, 3]}}])
+    teams = plan_of(*fused, plan=GEMM).stages[0]
+    assert teams.schedule.teams == 3 and not teams.store_staged()
+    for shape_ops, staged in ((written, True), (fused, False)):
+        rendered = render_spec(write_spec(tmp_path, spec_text(*shape_ops, plan=GEMM), f"s{staged}.yaml"), tmp_path / f"g{staged}")
+        kernel = next(v for k, v in rendered.files.items() if str(k).endswith("kernel.cu"))
+        assert f"using Store = StoreEpilogue<{'true' if staged else 'false'}>;" in kernel
+
+
 def test_schedules_keep_the_kernels_static_rules_over_many_shapes():
     """Plan many random convolutions; every schedule passes ConvGemm.check (the kernel's
     static_asserts, at plan time): a broken one would fail to compile on the GPU machine."""

@@ -56,7 +56,7 @@ static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's pac
 constexpr int kPlanSmemBytes = 191616;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
 
 // The convolution output (+ bias), NC[D]HW (conv_gemm.cuh StoreEpilogue).
-// Stores from the accumulators, no staged tile: the wgmma loop's 8 fragment rows are 8 consecutive positions along W (whole 32-byte sectors).
+// Stores from the accumulators, no staged tile: this plan's teams leave no room for one (the Store serves the stage run alone).
 using Store = StoreEpilogue<false>;
 
 // Packs the weights (unless `packed` already holds them), then runs the convolution.

@@ -130,7 +130,8 @@ struct Fused {
           acc = s1::identity();
           for (int w = 0; w < kLanes / 32; ++w) acc = s1::combine(acc, scratch[tid / 32 + w]);
         }
-        team_sync<P>();
+        // the next output reuses the scratch; after the tile's last, the main loop's barrier guards it
+        if (k0 + kGroups < kKeptLocal) team_sync<P>();
       }
       {
         const int lc = 0;
