@@ -422,10 +422,21 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
-// Shared memory of a team after the A buffers: its staged tile (E::kStaged) and its epilogue scratch.
+// Whether a staged epilogue's tile and scratch live in the input stage of the tile's last chunk
+// (mma.sync and direct loops, where they fit): once every warp is done with that stage, nothing
+// reads it again, and the next load into it comes after the epilogue's closing barrier. Spares
+// the tile's own shared memory (more CTAs per SM) for one barrier per tile.
+template <class P, class E>
+__host__ __device__ constexpr bool tile_in_stage() {
+  using G = Geometry<P>;
+  return !G::kWg && E::kStaged && P::kBN * G::kMPad + E::kScratchFloats <= G::kInStage;
+}
+
+// Shared memory of a team after the A buffers: its staged tile (E::kStaged) and its epilogue scratch
+// (none where they live in an input stage).
 template <class P, class E>
 __host__ __device__ constexpr int team_floats() {
-  return (E::kStaged ? P::kBN * Geometry<P>::kMPad : 0) + E::kScratchFloats;
+  return tile_in_stage<P, E>() ? 0 : (E::kStaged ? P::kBN * Geometry<P>::kMPad : 0) + E::kScratchFloats;
 }
 
 // Output positions inside the tile at `c` (tiles at the edges are partial).
@@ -942,18 +953,25 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
   };
-  // After a tile's last chunk: the epilogue, then fresh accumulators.
-  auto finish_tile = [&](const TileCoord& c) {
+  // After a tile's last chunk (its input stage `stage`): the epilogue, then fresh accumulators.
+  auto finish_tile = [&](const TileCoord& c, float* stage) {
     if constexpr (E::kStaged) {
-      // Accumulators -> s_tile[n][m], then the epilogue on the whole tile.
+      float* tile = s_tile;
+      float* scratch = s_scratch;
+      if constexpr (tile_in_stage<P, E>()) {
+        team_sync<P>();  // every warp is done reading the stage
+        tile = stage;
+        scratch = stage + P::kBN * G::kMPad;
+      }
+      // Accumulators -> tile[n][m], then the epilogue on the whole tile.
 #pragma unroll
       for (int mt = 0; mt < G::kMT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) s_tile[fm.n(nt, i) * G::kMPad + fm.m(mt, i)] = acc[mt][nt][i];
+          for (int i = 0; i < 4; ++i) tile[fm.n(nt, i) * G::kMPad + fm.m(mt, i)] = acc[mt][nt][i];
       team_sync<P>();
-      E::template apply<P>(ep, s_tile, s_scratch, c);
+      E::template apply<P>(ep, tile, scratch, c);
     } else {
       E::template apply_fragments<P>(ep, acc, fm, s_scratch, c);
     }
@@ -1008,7 +1026,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       if (!E::kStaged || chunk != G::kChunks - 1) load_next();
       chunk_wgmma_wait<P>(acc);
       if (chunk == G::kChunks - 1) {
-        finish_tile(c);
+        finish_tile(c, nullptr);
         if (E::kStaged) load_next();
       }
     }
@@ -1039,7 +1057,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       } else {
         chunk_generic<P>(acc, in, s_lo, row_off, w);
       }
-      if (chunk == G::kChunks - 1) finish_tile(c);
+      if (chunk == G::kChunks - 1) finish_tile(c, in);
     }
     cp_async_wait<0>();
   }

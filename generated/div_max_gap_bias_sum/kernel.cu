@@ -53,7 +53,7 @@ struct Problem {
   static constexpr Mma kMma = Mma::kTf32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
-constexpr int kPlanSmemBytes = 68480;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
+constexpr int kPlanSmemBytes = 51712;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
 
 // The convolution output (+ bias), NC[D]HW (conv_gemm.cuh StoreEpilogue).
 using Store = StoreEpilogue<true>;

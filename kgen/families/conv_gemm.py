@@ -374,6 +374,8 @@ class ConvGemm(Family):
         plane += (sc.plane_residue - plane % 32) % 32
         stage = -(-sc.cin_chunk * plane // 4) * 4
         floats = weights + sc.stages * stage + (stage if sc.mma == "tf32x3" else 0)
+        if staged and tile_floats + scratch_floats <= stage:
+            return 4 * floats  # the staged tile and scratch live in the last chunk's input stage (tile_in_stage)
         return 4 * (floats + tile_floats + scratch_floats)
 
     def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
