@@ -218,6 +218,28 @@ def test_wgmma_store_stages_its_tile_where_the_plans_shared_memory_holds_it(tmp_
         assert f"using Store = StoreEpilogue<{'true' if staged else 'false'}>;" in kernel
 
 
+def test_register_pool_takes_a_2x2x2_max_pool_reduced_to_one_value_on_the_window_loop(tmp_path):
+    """A conv3d followed by a 2 x 2 x 2 max pool and a reduction over everything runs the pool in
+    registers (no staged tile; the scratch holds the depth-1 warps' maxima); an average pool, a
+    kept channel dim or a 1 x 2 x 2 window keeps the staged epilogue."""
+    pooled = ([8, 9, 21, 37], [{"conv3d": {"out_channels": 12, "kernel_size": 3}}, {"max_pool3d": {"kernel_size": 2}},
+                               {"sum": {"dim": [1, 2, 3, 4]}}])
+    st = plan_of(*pooled, plan=GEMM).stages[0]
+    f, sc = st.fused, st.schedule
+    assert sc.loop == "window" and f.register_pool and not f.registers
+    m_tiles = sc.tile[0] * sc.tile[1] * sc.tile[2] // sc.warps_m // 16
+    assert f.scratch == 32 + sc.warps_m // 2 * 32 * (m_tiles // 2) * (sc.block_n // 8) * 2
+    assert sc.smem_bytes == conv_gemm.FAMILY.smem_bytes(st.problems[0], sc, False, f.scratch)
+    for ops in ([pooled[1][0], {"avg_pool3d": {"kernel_size": 2}}, pooled[1][2]],
+                [pooled[1][0], pooled[1][1], {"sum": {"dim": [2, 3, 4]}}],
+                [pooled[1][0], {"max_pool3d": {"kernel_size": [1, 2, 2]}}, pooled[1][2]]):
+        other = plan_of(pooled[0], ops, plan=GEMM).stages[0]
+        assert other.fused is not None and not other.fused.register_pool, ops
+    rendered = render_spec(write_spec(tmp_path, spec_text(*pooled, plan=GEMM), "rp.yaml"), tmp_path / "gen")
+    kernel = next(v for k, v in rendered.files.items() if str(k).endswith("kernel.cu"))
+    assert "level1_after_pool(" in kernel and f"static constexpr int kScratchFloats = {f.scratch};" in kernel
+
+
 def test_schedules_keep_the_kernels_static_rules_over_many_shapes():
     """Plan many random convolutions; every schedule passes ConvGemm.check (the kernel's
     static_asserts, at plan time): a broken one would fail to compile on the GPU machine."""

@@ -246,3 +246,22 @@ def test_more_samples_than_grid_y(name, tmp_path):
     tol = 1e-2 if plan else 1e-4  # a TF32 convolution before the norm, else fp32 throughout
     torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
     assert y[-1].abs().sum() > 0  # the last samples (z > 0) were written
+
+
+def test_register_pool_validates(tmp_path):
+    """The 2 x 2 x 2 max pool in registers (conv_gemm Fused.register_pool) against the float64
+    reference with the adversarial cases: odd sizes (partial tiles in every dim, floor-mode windows
+    left out), 12 output channels in a 16-channel block, a division before the pool."""
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
+
+    ops = [{"conv3d": {"out_channels": 12, "kernel_size": 3}}, {"div": {"scalar": -2.0}}, {"max_pool3d": {"kernel_size": 2}},
+           {"sum": {"dim": [1, 2, 3, 4]}}]
+    spec = write_spec(tmp_path, spec_text([8, 9, 21, 37], ops, name="rpool", batch=3, plan={"conv": "gemm"}), "rpool.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    assert "level1_after_pool(" in (tmp_path / "gen" / "rpool" / "kernel.cu").read_text()
+    build_module(tmp_path / "gen" / "rpool", quiet=True)
+    report = validate(spec, tmp_path / "gen" / "rpool", "cuda", example_batch=True)
+    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+    assert report.cases and not failures, failures

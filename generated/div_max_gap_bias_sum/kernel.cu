@@ -53,7 +53,7 @@ struct Problem {
   static constexpr Mma kMma = Mma::kTf32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
-constexpr int kPlanSmemBytes = 51712;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
+constexpr int kPlanSmemBytes = 53888;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
 
 // The convolution output (+ bias), NC[D]HW (conv_gemm.cuh StoreEpilogue).
 using Store = StoreEpilogue<true>;
@@ -84,71 +84,82 @@ struct TileInput {
   }
 };
 
-// Each output of stage 1 inside the tile: kLanes threads combine its
-// values (a fixed order), lane 0 writes it (a partial: stage 1's finalize kernel combines them).
+// Stage 1: a 2 x 2 x 2 max pool, then everything reduced. The window loop's thread holds 2 x 2
+// (H, W) of its pool windows (m-tiles mt and mt + 1, positions 2g and 2g + 1) and max-pools them in
+// registers (each value through level 0 first); the depth pair is the warp with d0 = 1, whose maxima
+// reach its d0 = 0 partner through shared memory. Then as a register epilogue: the CTA combines the
+// threads' values in a fixed order into one partial per tile (stage 1's finalize kernel combines them).
 struct Fused {
   using Params = s1::Args;
-  static constexpr bool kStaged = true;
-  static constexpr int kLanes = 128;  // threads per output
-  static constexpr int kScratchFloats = 32;  // one partial per warp, when an output's lanes span warps
-  static constexpr int kKeptLocal = 1;  // outputs per tile: one
-  static constexpr int kReducedLocal = 512;  // values per output and tile: c x d x h x w
-  static constexpr int kWindowD = 2, kWindowH = 2, kWindowW = 2;  // the composed pool window
-  static constexpr int kPooledD = 7, kPooledH = 31, kPooledW = 31;  // stage 1's pooled size
-  static constexpr int kTilePD = 1, kTilePH = 4, kTilePW = 8;  // pooled positions per tile
+  static constexpr bool kStaged = false;
+  static constexpr int kScratchFloats = 544;  // one value per warp, then the depth-1 warps' maxima
 
-  template <class P>
-  __device__ static void apply(const Params& a, const float* tile, float* scratch, const TileCoord& c) {
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& a, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     using G = Geometry<P>;
+    static_assert(P::kLoop == Loop::kWindow && P::kTD == 2 && G::kMT % 2 == 0 && P::kWarpsN == 1, "window loop, two depths per tile");
+    constexpr int kPairs = G::kMT / 2, kCh = 2 * G::kNT, kVals = kPairs * kCh;  // a lane's windows
+    static_assert(32 + P::kWarpsM / 2 * 32 * kVals <= kScratchFloats, "the plan's scratch holds the maxima");
     const int tid = team_thread<P>();  // this thread in its team
-    static_assert(G::kTeamThreads % kLanes == 0 && (32 % kLanes == 0 || kLanes % 32 == 0), "an output's lanes: part of a warp or whole warps");
-    constexpr int kGroups = G::kTeamThreads / kLanes;
-    const TileInput in{tile, c.od, c.oh, c.ow, c.cblock * P::kBN};
-    const int group = tid / kLanes, lane = tid % kLanes;
-    const int pd0 = c.od / kWindowD, ph0 = c.oh / kWindowH, pw0 = c.ow / kWindowW;  // the tile's first pooled position
-    // (every dim present)
-    for (int k0 = 0; k0 < kKeptLocal; k0 += kGroups) {  // the same trip count in every lane of a warp
-      const int kl = k0 + group;
-      (void)kl;
-      float acc = s1::identity();
-      for (int rl = lane; rl < kReducedLocal; rl += kLanes) {
-        int tr = rl;
-        const int lw = tr % 8; tr /= 8;
-        const int lh = tr % 4; tr /= 4;
-        const int ld = tr % 1; tr /= 1;
-        const int lc = tr;
-        const int ch = c.cblock * P::kBN + lc, pd = pd0 + ld, ph = ph0 + lh, pw = pw0 + lw;
-        if (kl < kKeptLocal && ch < P::kCout && pd < kPooledD && ph < kPooledH && pw < kPooledW) {
-          acc = s1::combine(acc, s1::level1(a, in, c.n, ch, pd, ph, pw));
+    const int lane = tid % 32;
+    float* partner = scratch + 32 + ((fm.h0 / G::kMT * G::kWSegs + fm.w0 / 16) * 32 + lane) * kVals;  // shared by the warps at d0 = 0, 1
+    float v[kVals];
+#pragma unroll
+    for (int hp = 0; hp < kPairs; ++hp)
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          // level 0 at a channel and position clamped into the output (loads stay in bounds); windows
+          // outside the pooled output are left out below
+          const int ch = min(c.cblock * P::kBN + fm.n(nt, j), P::kCout - 1);
+          float m = -INFINITY;
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int i = j; i < 4; i += 2) {
+              const int row = fm.m(2 * hp + r, i);
+              const int pd = min(c.od + row_d<P>(row), P::kOutD - 1), ph = min(c.oh + row_h<P>(row), P::kOutH - 1),
+                        pw = min(c.ow + row_w<P>(row), P::kOutW - 1);
+              m = kgen::max_nan(m, s1::level0_from(a, c.n, ch, pd, ph, pw, acc[2 * hp + r][nt][i]));
+            }
+          v[hp * kCh + nt * 2 + j] = m;
         }
+    if (fm.d0 == 1) {
+#pragma unroll
+      for (int k = 0; k < kVals; ++k) partner[k] = v[k];
+    }
+    team_sync<P>();
+    float s = s1::identity();
+    if (fm.d0 == 0) {
+      const int pd = c.od / 2, pw = (c.ow + fm.w0) / 2 + fm.g;
+#pragma unroll
+      for (int hp = 0; hp < kPairs; ++hp) {
+        const int ph = (c.oh + fm.h0) / 2 + hp;
+        const bool in_pooled = pd < P::kOutD / 2 && ph < P::kOutH / 2 && pw < P::kOutW / 2;  // floor mode
+#pragma unroll
+        for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int k = hp * kCh + nt * 2 + j, ch = c.cblock * P::kBN + fm.n(nt, j);
+            const bool ok = in_pooled && ch < P::kCout;
+            const float w = s1::level1_after_pool(a, c.n, min(ch, P::kCout - 1), min(pd, P::kOutD / 2 - 1), min(ph, P::kOutH / 2 - 1),
+                                                min(pw, P::kOutW / 2 - 1), kgen::max_nan(v[k], partner[k]));
+            s = s1::combine(s, ok ? w : s1::identity());
+          }
       }
-      for (int o = (kLanes < 32 ? kLanes : 32) / 2; o > 0; o /= 2) acc = s1::combine(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-      if constexpr (kLanes > 32) {  // the output's warps, in order
-        if (tid % 32 == 0) scratch[tid / 32] = acc;
-        team_sync<P>();
-        if (lane == 0) {
-          acc = s1::identity();
-          for (int w = 0; w < kLanes / 32; ++w) acc = s1::combine(acc, scratch[tid / 32 + w]);
-        }
-        // the next output reuses the scratch; after the tile's last, the main loop's barrier guards it
-        if (k0 + kGroups < kKeptLocal) team_sync<P>();
-      }
-      {
-        const int lc = 0;
-        const int ld = 0;
-        const int lh = 0;
-        const int lw = 0;
-        const int ch = c.cblock * P::kBN + lc, pd = pd0 + ld, ph = ph0 + lh, pw = pw0 + lw;
-        if (lane == 0 && kl < kKeptLocal && ch < P::kCout && pd < kPooledD && ph < kPooledH && pw < kPooledW) {
-          const long long k = 0LL;  // stage 1's output index inside the sample
-          const int j = ((pd0 / kTilePD) * 8 + ph0 / kTilePH) * 4 + pw0 / kTilePW;  // the tile's place along the reduced dims
-          a.partial[(c.n * s1::kKept + k) * kSplits + j] = acc;
-        }
-      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) s = s1::combine(s, __shfl_xor_sync(0xffffffffu, s, o));
+    if (tid % 32 == 0) scratch[tid / 32] = s;
+    team_sync<P>();
+    if (tid == 0) {
+      s = s1::identity();
+      for (int w = 0; w < G::kTeamThreads / 32; ++w) s = s1::combine(s, scratch[w]);
+      a.partial[c.n * s1::kKept * kSplits + c.index] = s;  // tile c.index of the sample
     }
   }
 };
-
 
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
   const cudaError_t err = run<Fused>(x, w, packed, pack, a, batch, stream);

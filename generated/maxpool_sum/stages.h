@@ -104,6 +104,12 @@ KGEN_HD float level1(const Args& a, const In& in, long long n, int c, int d0, in
   return v;
 }
 
+// level 1 from its pooled value `v` (the window's max): the ops after the pool
+KGEN_HD float level1_after_pool(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
+  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
+  return v;
+}
+
 // The reduction: each output (n, k) combines kReduced values of the last level.
 constexpr Index kKept = 1000;  // outputs per sample
 constexpr Index kReduced = 64;  // values combined into one output

@@ -76,6 +76,59 @@ struct MaxPool2Sum {
   }
 };
 
+// MaxPool2Sum from the window loop's accumulators: a thread holds 2 x 2 (H, W) of its pool
+// windows (m-tiles mt, mt + 1; positions 2g, 2g + 1); the depth pair is the warp with d0 = 1,
+// whose window maxima go through shared memory to its d0 = 0 partner. Needs TD = 2, kMT even.
+struct MaxPool2SumRegs {
+  using Params = MaxPool2Sum::Params;
+  static constexpr bool kStaged = false;
+  static constexpr int kScratchFloats = 32 + 4 * 32 * 8;  // block_sum's, then up to 4 warps x 32 lanes x 8 maxima
+  template <class P, class Acc>
+  __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
+    using G = Geometry<P>;
+    static_assert(P::kLoop == Loop::kWindow && P::kTD == 2 && G::kMT % 2 == 0, "window loop, 2 depths per tile");
+    constexpr int kHP = G::kMT / 2, kCh = G::kNT * 2, kVals = kHP * kCh;
+    static_assert(kVals <= 8, "scratch room");
+    const int lane = threadIdx.x % 32;
+    const int pair = (fm.h0 / G::kMT) * G::kWSegs + fm.w0 / 16;  // this warp's place among one depth's warps
+    float* mine = scratch + 32 + (pair * 32 + lane) * 8;
+    float v[kVals];
+#pragma unroll
+    for (int hp = 0; hp < kHP; ++hp)
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float a = kgen::max_nan(acc[2 * hp][nt][j], acc[2 * hp][nt][2 + j]);
+          const float b = kgen::max_nan(acc[2 * hp + 1][nt][j], acc[2 * hp + 1][nt][2 + j]);
+          v[hp * kCh + nt * 2 + j] = kgen::max_nan(a, b);
+        }
+    if (fm.d0 == 1) {
+#pragma unroll
+      for (int k = 0; k < kVals; ++k) mine[k] = v[k];
+    }
+    team_sync<P>();
+    float s = 0.f;
+    if (fm.d0 == 0) {
+      const int pd = c.od / 2, pw = (c.ow + fm.w0) / 2 + fm.g;
+#pragma unroll
+      for (int hp = 0; hp < kHP; ++hp) {
+        const int ph = (c.oh + fm.h0) / 2 + hp;
+        const bool ok = pd < P::kOutD / 2 && ph < P::kOutH / 2 && pw < P::kOutW / 2;
+#pragma unroll
+        for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int k = hp * kCh + nt * 2 + j, n = fm.n(nt, j);
+            if (ok && n < P::kCout) s += (kgen::max_nan(v[k], mine[k]) + p.bias[n]) / 2.f;
+          }
+      }
+    }
+    s = block_sum<P>(s, scratch);
+    if (team_thread<P>() == 0) p.partial[static_cast<long long>(c.n) * G::kTilesPerSample + c.index] = s;
+  }
+};
+
 // Per (sample, channel) statistics of (conv + bias) * mult over the tile: count, mean, M2 (two passes over the registers).
 struct NormStats {
   struct Params {

@@ -98,6 +98,13 @@ CONFIGS = [
     cfg("divmax_w4", DIVMAX, (2, 8, 16), 8, 16, (4, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
     cfg("divmax_w2", DIVMAX, (2, 8, 16), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
     cfg("divmax_w4b", DIVMAX, (2, 16, 16), 8, 16, (8, 1), 2, "MaxPool2Sum", bench_batch=128, kind="divmax", window=True),
+    cfg("rdivmax_w4", DIVMAX, (2, 8, 16), 8, 16, (4, 1), 2, "MaxPool2SumRegs", bench_batch=128, kind="divmax", window=True),
+    cfg("rdivmax_w4b", DIVMAX, (2, 16, 16), 8, 16, (8, 1), 2, "MaxPool2SumRegs", bench_batch=128, kind="divmax",
+        window=True),
+    cfg("rdivmax_odd", conv3(8, 12, (9, 21, 37), 3), (2, 8, 16), 8, 16, (4, 1), 2, "MaxPool2SumRegs", batch=3,
+        kind="divmax", window=True),
+    cfg("sdivmax_odd", conv3(8, 12, (9, 21, 37), 3), (2, 8, 16), 8, 16, (4, 1), 2, "MaxPool2Sum", batch=3,
+        kind="divmax", window=True),
     # the wgmma main loop (sm_90a)
     cfg("g2d_odd", conv3(13, 40, (37, 29), (3, 5), p=(1, 2), d=(2, 1)), (1, 8, 8), 8, 40, (4, 1), 2, "Store", batch=3,
         wgmma=True),
@@ -319,7 +326,7 @@ def run(only=None, check_only=False, profile=False):
                 rc = fn(ptr(x), ptr(w), ptr(packed), ctypes.byref(par), batch, stream())
                 assert rc == 0, rc
                 return out
-            if e in ("SigmoidSum", "MaxPool2Sum"):
+            if e in ("SigmoidSum", "MaxPool2Sum", "MaxPool2SumRegs"):
                 wk = w
                 partial = torch.empty(batch * tiles, device=dev)
                 out = torch.empty(batch, device=dev)
@@ -356,7 +363,7 @@ def run(only=None, check_only=False, profile=False):
                 return y
             if e == "SigmoidSum":
                 return torch.sigmoid(y).sum(dim=tuple(range(1, y.dim())))
-            if e == "MaxPool2Sum":
+            if e in ("MaxPool2Sum", "MaxPool2SumRegs"):
                 y = F.max_pool3d(y, 2) / 2
                 return (y.mean(dim=(2, 3, 4), keepdim=True) + ee.view(-1, 1, 1, 1)).sum(dim=(1, 2, 3, 4))
             y = y * ee.view(-1, 1, 1, 1)
