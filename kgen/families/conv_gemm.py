@@ -11,7 +11,9 @@ transposed convolution is the single-phase case (the flipped kernel).
 Epilogue: a ``pool_reduce`` stage right after the convolution is fused in when
 its pools are non-overlapping windows that tiles of the convolution output
 hold whole (and the convolution has one phase): the stage's math runs on the
-output tile in shared memory, and the convolution output is never written. A
+output tile in shared memory (on the accumulators when the stage has no pools and
+reduces everything, or is a 2 x 2 x 2 max pool reduced to one value on the window
+loop: Fused.register_pool), and the convolution output is never written. A
 reduction over spatial dims leaves one partial per tile along them, combined
 in index order by the stage's own finalize kernel (deterministic).
 
