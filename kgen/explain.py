@@ -14,7 +14,9 @@ from .target import Target
 
 def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     """(FLOPs, bytes moved) of one stage for ``batch`` samples at best: each input read once,
-    each output written once (the floor's measure; the cost model's is ``Family.work``)."""
+    each output written once (the floor's measure; the cost model's is ``Family.work``). A stage
+    that runs another as its epilogue never writes its output, and the epilogue stage reads
+    nothing from memory (it works on the tile)."""
     flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(stage)) * batch
     if isinstance(stage, ConvStage):
         conv = stage.conv.conv
@@ -23,6 +25,10 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     else:
         read = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
         written = batch * stage.out_type.sample_numel
+    if isinstance(stage, ConvStage) and stage.epilogue is not None and stage.epilogue.absorbed_by is stage:
+        written = 0
+    if stage.absorbed_by is not None:
+        read = 0
     return flops, FLOAT_BYTES * (read + written)
 
 
@@ -31,9 +37,21 @@ def floor_ms(flops: int, nbytes: int, target: Target) -> tuple[float, str]:
     return (compute, "compute") if compute >= memory else (memory, "memory")
 
 
+def kernel_costs(plan: Plan, batch: int) -> list[tuple[int, int]]:
+    """(FLOPs, bytes) per kernel of the plan: a stage with the one it runs as its epilogue."""
+    costs: dict[int, list[int]] = {}
+    for s in plan.stages:
+        flops, nbytes = stage_cost(plan, s, batch)
+        c = costs.setdefault(id(s.absorbed_by if s.absorbed_by is not None else s), [0, 0])
+        c[0] += flops
+        c[1] += nbytes
+    return [(c[0], c[1]) for c in costs.values()]
+
+
 def plan_totals(plan: Plan, batch: int) -> tuple[int, int, float]:
-    """FLOPs, bytes, and the floor in ms: stages run one after another, so their floors add."""
-    costs = [stage_cost(plan, s, batch) for s in plan.stages]
+    """FLOPs, bytes, and the floor in ms: kernels run one after another, so their floors add
+    (a fused epilogue is part of its convolution's kernel)."""
+    costs = kernel_costs(plan, batch)
     return sum(c[0] for c in costs), sum(c[1] for c in costs), sum(floor_ms(*c, plan.target)[0] for c in costs)
 
 
@@ -96,7 +114,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
         model = cost.estimate_ms(p, batch)
         out.append(f"  {label:17s}: {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms   model {model:.3f} ms")
     out.append(f"  (floor: FLOPs / {target.tensor_flops / 1e12:.0f} TFLOP/s TF32, bytes / {target.dram_bytes_per_s / 1e12:.1f} TB/s, "
-               "summed over stages)")
+               "summed over kernels)")
     return "\n".join(out)
 
 

@@ -28,6 +28,34 @@ def test_top_level_help_shows_a_session():
     assert "kgen render specs/maxpool_sum.yaml" in out and "from generated import maxpool_sum" in out
 
 
+def test_the_floor_counts_a_fused_epilogue_inside_its_convolutions_kernel():
+    """A convolution that runs the next stage as its epilogue is one kernel for the floor: it reads
+    x and the weights and writes only the epilogue's output (its own output is never written), and
+    its FLOPs and bytes meet in one max(compute, memory)."""
+    import math
+
+    from kgen.explain import floor_ms, kernel_costs, plan_totals
+    from kgen.ir import load_pipeline
+    from kgen.plan import KGEN, PIPELINE, make_plan
+    from kgen.target import DEFAULT
+
+    pipe = load_pipeline(ROOT / "specs" / "div_max_gap_bias_sum.yaml")
+    plan = make_plan(pipe, None, DEFAULT, {PIPELINE: KGEN, "conv": "gemm"})
+    conv = plan.stages[0]
+    assert conv.epilogue is plan.stages[1] and plan.stages[1].absorbed_by is conv
+    batch = 4
+    costs = kernel_costs(plan, batch)
+    assert len(costs) == len([s for s in plan.stages if s.absorbed_by is None])
+    x_floats = batch * 8 * 16 * 64 * 64
+    weights = 16 * 8 * 27
+    out_floats = batch  # the output is [N, 1, 1, 1]
+    flops, nbytes = costs[0]
+    assert nbytes == 4 * (x_floats + weights + out_floats)  # no 14 x 62 x 62 x 16 conv output
+    assert plan_totals(plan, batch)[2] == sum(floor_ms(*c, DEFAULT)[0] for c in costs)
+    assert floor_ms(flops, nbytes, DEFAULT)[1] == "compute" and math.isclose(
+        floor_ms(flops, nbytes, DEFAULT)[0], flops / DEFAULT.tensor_flops * 1e3)
+
+
 def test_list_shows_the_shipped_specs_fresh():
     out = _kgen("list").stdout
     for name in SHIPPED:
