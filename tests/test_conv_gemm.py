@@ -220,10 +220,11 @@ def test_wgmma_store_stages_its_tile_where_the_plans_shared_memory_holds_it(tmp_
 
 def test_register_pool_takes_a_2x2x2_max_pool_reduced_to_one_value_on_the_window_loop(tmp_path):
     """A conv3d followed by a 2 x 2 x 2 max pool and a reduction over everything runs the pool in
-    registers (no staged tile; the scratch holds the depth-1 warps' maxima); an average pool, a
+    registers (no staged tile; the scratch holds the depth-1 warps' maxima) where every tile holds
+    a pooled window; an average pool, a
     kept channel dim or a 1 x 2 x 2 window keeps the staged epilogue."""
-    pooled = ([8, 9, 21, 37], [{"conv3d": {"out_channels": 12, "kernel_size": 3}}, {"max_pool3d": {"kernel_size": 2}},
-                               {"sum": {"dim": [1, 2, 3, 4]}}])
+    pooled = ([8, 10, 21, 37], [{"conv3d": {"out_channels": 12, "kernel_size": 3}}, {"max_pool3d": {"kernel_size": 2}},
+                                {"sum": {"dim": [1, 2, 3, 4]}}])
     st = plan_of(*pooled, plan=GEMM).stages[0]
     f, sc = st.fused, st.schedule
     assert sc.loop == "window" and f.register_pool and not f.registers
@@ -235,6 +236,14 @@ def test_register_pool_takes_a_2x2x2_max_pool_reduced_to_one_value_on_the_window
                 [pooled[1][0], {"max_pool3d": {"kernel_size": [1, 2, 2]}}, pooled[1][2]]):
         other = plan_of(pooled[0], ops, plan=GEMM).stages[0]
         assert other.fused is not None and not other.fused.register_pool, ops
+    # 7 output depths (the dead-region rewrite off: it would compute only the 6 the pool reads): 4 tiles of 2
+    # but 3 pooled depths, the last tile has no window and one partial per tile would not fit the stage's
+    # 3 per sample: the staged epilogue, which skips such tiles
+    odd = plan_of([8, 9, 21, 37], pooled[1], plan=GEMM, rewrites={"dead_region": False}).stages[0]
+    assert odd.problems[0].out == (7, 19, 35) and odd.fused is not None
+    assert not odd.fused.register_pool and odd.fused.scratch == 32
+    with_rewrite = plan_of([8, 9, 21, 37], pooled[1], plan=GEMM).stages[0]
+    assert with_rewrite.problems[0].out == (6, 18, 34) and with_rewrite.fused.register_pool
     rendered = render_spec(write_spec(tmp_path, spec_text(*pooled, plan=GEMM), "rp.yaml"), tmp_path / "gen")
     kernel = next(v for k, v in rendered.files.items() if str(k).endswith("kernel.cu"))
     assert "level1_after_pool(" in kernel and f"static constexpr int kScratchFloats = {f.scratch};" in kernel

@@ -250,8 +250,8 @@ def test_more_samples_than_grid_y(name, tmp_path):
 
 def test_register_pool_validates(tmp_path):
     """The 2 x 2 x 2 max pool in registers (conv_gemm Fused.register_pool) against the float64
-    reference with the adversarial cases: odd sizes (partial tiles in every dim, floor-mode windows
-    left out), 12 output channels in a 16-channel block, a division before the pool."""
+    reference with the adversarial cases: odd sizes (partial tiles in H and W, floor-mode windows
+    left out), 12 output channels in a 16-channel block, a negative division before the pool."""
     from kgen.build import build_module
     from kgen.render import render_spec, write_rendered
     from kgen.validate import validate

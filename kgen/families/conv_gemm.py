@@ -560,6 +560,10 @@ class ConvGemm(Family):
             return False  # a tile must hold whole windows
         pooled = _view3(nxt.pooled_type.spatial, 1)
         pooled_tile = tuple(t // w for t, w in zip(sc.tile, window))
+        if register_pool and any(-(-p // pt) != -(-o // t) for p, pt, o, t in zip(pooled, pooled_tile, st.problems[0].out, sc.tile)):
+            # a tile past the last whole window (an odd size in floor mode) would have no pooled place:
+            # the register pool writes one partial per tile, so it takes only sizes without such tiles
+            register_pool, scratch = False, FUSED_SCRATCH_FLOATS
         splits = 1
         for d, n in enumerate(("d", "h", "w")):
             if n in reduced:
