@@ -274,6 +274,11 @@ class ConvGemmStage(ConvStage):
         return expr
 
 
+def _window_m_tiles(sc: Schedule) -> int:
+    """The window loop's m-tiles per warp (conv_gemm.cuh Geometry::kMT: 16-row MMA tiles)."""
+    return math.prod(sc.tile) // sc.warps_m // 16
+
+
 def norm_scratch_floats(sc: Schedule) -> int:
     """Shared floats of the norm epilogues (norm_epilogue.j2): per warp row and channel sums,
     then the tile's channel means (pass 1); per channel shift, mean offset, rstd (pass 2)."""
@@ -549,21 +554,16 @@ class ConvGemm(Family):
             return False  # a channel reduction needs every channel in the CTA
         sc = st.schedule
         registers = len(nxt.levels) == 1 and not kept
-        register_pool = not kept and self._register_pool(sc, nxt, rank)
-        scratch = FUSED_SCRATCH_FLOATS
-        if register_pool:  # the block sum's, then the depth-1 warps' window maxima (kMT / 2 x kNT x 2 per lane)
-            m_tiles = math.prod(sc.tile) // sc.warps_m // 16
-            scratch += (sc.warps_m // 2) * 32 * (m_tiles // 2) * (sc.block_n // 8) * 2
         if sc.loop == "wgmma":  # as many teams as fit beside this epilogue's staged tile (if any)
             sc = self.wgmma_schedule(st.problems, sc.block_n, sc.mma, not registers, FUSED_SCRATCH_FLOATS) or sc
         if any(t % w for t, w in zip(sc.tile, window)):
             return False  # a tile must hold whole windows
         pooled = _view3(nxt.pooled_type.spatial, 1)
         pooled_tile = tuple(t // w for t, w in zip(sc.tile, window))
-        if register_pool and any(-(-p // pt) != -(-o // t) for p, pt, o, t in zip(pooled, pooled_tile, st.problems[0].out, sc.tile)):
-            # a tile past the last whole window (an odd size in floor mode) would have no pooled place:
-            # the register pool writes one partial per tile, so it takes only sizes without such tiles
-            register_pool, scratch = False, FUSED_SCRATCH_FLOATS
+        register_pool = not kept and self._register_pool(sc, nxt, rank, st.problems[0].out, pooled, pooled_tile)
+        scratch = FUSED_SCRATCH_FLOATS
+        if register_pool:  # the block sum's, then the depth-1 warps' window maxima (kMT / 2 x kNT x 2 per lane)
+            scratch += (sc.warps_m // 2) * 32 * (_window_m_tiles(sc) // 2) * (sc.block_n // 8) * 2
         splits = 1
         for d, n in enumerate(("d", "h", "w")):
             if n in reduced:
@@ -582,16 +582,19 @@ class ConvGemm(Family):
         return True
 
     @staticmethod
-    def _register_pool(sc: Schedule, nxt: Stage, rank: int) -> bool:
+    def _register_pool(sc: Schedule, nxt: Stage, rank: int, out: tuple, pooled: tuple, pooled_tile: tuple) -> bool:
         """Fused.register_pool applies: the window loop (a warp's m-tiles are kMT rows in H at one
         depth, fragment rows g and g + 8 the positions 2g and 2g + 1) with two depths per tile and an
-        even kMT, one warp column, and the stage's only pool a 2 x 2 x 2 max pool without padding."""
+        even kMT, one warp column, and the stage's only pool a 2 x 2 x 2 max pool without padding.
+        It writes one partial per tile, so every tile must hold a pooled window: a tile past the last
+        whole window (an odd size in floor mode) takes the staged epilogue, which skips such tiles."""
         if sc.loop != "window" or rank != 3 or sc.warps_n != 1 or sc.tile[0] != 2 or len(nxt.levels) != 2:
             return False
-        m_tiles = math.prod(sc.tile) // sc.warps_m // 16
         p: Pool = nxt.levels[1].pool
-        return (m_tiles % 2 == 0 and p.kind == "max" and tuple(p.kernel) == (2, 2, 2) and tuple(p.stride) == (2, 2, 2)
-                and not any(p.padding) and not p.ceil_mode and all(d == 1 for d in p.dilation))
+        return (_window_m_tiles(sc) % 2 == 0 and p.kind == "max" and tuple(p.kernel) == (2, 2, 2)
+                and tuple(p.stride) == (2, 2, 2) and not any(p.padding) and not p.ceil_mode
+                and all(d == 1 for d in p.dilation)
+                and all(-(-q // qt) == -(-o // t) for q, qt, o, t in zip(pooled, pooled_tile, out, sc.tile)))
 
     def _absorbs_norm(self, st: ConvGemmStage, nxt: Stage) -> bool:
         """The candidate ``conv_gemm:recompute`` takes the norm stage after it."""
