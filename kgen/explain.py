@@ -25,7 +25,7 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     else:
         read = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
         written = batch * stage.out_type.sample_numel
-    if isinstance(stage, ConvStage) and stage.epilogue is not None and stage.epilogue.absorbed_by is stage:
+    if isinstance(stage, ConvStage) and stage.epilogue is not None:  # set only with the epilogue's absorbed_by
         written = 0
     if stage.absorbed_by is not None:
         read = 0
