@@ -100,6 +100,13 @@ KGEN_HD float level0(const Args& a, const In& in, long long n, int c, int d0, in
   return level0_from(a, n, c, d0, d1, d2, in(a, n, c, d0, d1, d2));
 }
 
+// level 1 from its pooled value `v` (the window's max): the ops after the pool
+KGEN_HD float level1_after_pool(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
+  v = kgen::div(v, 2.0f);  // ops[1].div: div(2)
+  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
+  return v;
+}
+
 // level 1: max_pool3d(k=2) (ops[2].max_pool3d), [14, 62, 62] -> [7, 31, 31]
 template <class In>
 KGEN_HD float level1(const Args& a, const In& in, long long n, int c, int d0, int d1, int d2) {
@@ -118,15 +125,7 @@ KGEN_HD float level1(const Args& a, const In& in, long long n, int c, int d0, in
     }
   }
   float v = acc;
-  v = kgen::div(v, 2.0f);  // ops[1].div: div(2)
-  return v;
-}
-
-// level 1 from its pooled value `v` (the window's max): the ops after the pool
-KGEN_HD float level1_after_pool(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
-  v = kgen::div(v, 2.0f);  // ops[1].div: div(2)
-  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
-  return v;
+  return level1_after_pool(a, n, c, d0, d1, d2, v);
 }
 
 // The reduction: each output (n, k) combines kReduced values of the last level.

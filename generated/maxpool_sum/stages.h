@@ -83,6 +83,12 @@ KGEN_HD float level0(const Args& a, const In& in, long long n, int c, int d0, in
   return level0_from(a, n, c, d0, d1, d2, in(a, n, c, d0, d1, d2));
 }
 
+// level 1 from its pooled value `v` (the window's max): the ops after the pool
+KGEN_HD float level1_after_pool(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
+  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
+  return v;
+}
+
 // level 1: max_pool3d(k=6) (ops[1].max_pool3d + ops[2].max_pool3d), [60, 60, 60] -> [10, 10, 10]
 template <class In>
 KGEN_HD float level1(const Args& a, const In& in, long long n, int c, int d0, int d1, int d2) {
@@ -101,13 +107,7 @@ KGEN_HD float level1(const Args& a, const In& in, long long n, int c, int d0, in
     }
   }
   float v = acc;
-  return v;
-}
-
-// level 1 from its pooled value `v` (the window's max): the ops after the pool
-KGEN_HD float level1_after_pool(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
-  (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
-  return v;
+  return level1_after_pool(a, n, c, d0, d1, d2, v);
 }
 
 // The reduction: each output (n, k) combines kReduced values of the last level.
