@@ -13,6 +13,7 @@ from kgen.families import conv_gemm
 from kgen.plan import make_plan
 from kgen.render import render_spec, write_rendered
 from kgen.target import DEFAULT
+from dataclasses import replace
 from kgen.validate import TOLERANCES, compare, import_module_dir, validate
 
 
@@ -23,6 +24,7 @@ def plan_of(shape, ops, **kw):
 CONV3 = {"conv3d": {"out_channels": 16, "kernel_size": 3}}
 GEMM = {"conv": "gemm"}  # plan.conv: rendered specs pin the generated convolution (else tuning or the cost model chooses)
 RECOMPUTE = {"conv": "gemm", "conv_norm": "recompute"}  # ... and the norm after it as its two-pass epilogue
+CLUSTER = {"conv": "gemm", "conv_norm": "cluster"}  # ... or as its one-pass epilogue over a cluster per sample
 
 
 # ------------------------------------------------------------------ planning
@@ -108,7 +110,7 @@ def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
     pass, merge, apply pass); the plain conv_gemm candidate writes the output for the norm stage."""
     shape, params = [3, 8, 18, 20], {"m": {"shape": [16, 1, 1, 1]}}
     conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=GEMM).stages
-    assert conv.candidates == ("conv_gemm", "conv_gemm:recompute")
+    assert conv.candidates == ("conv_gemm", "conv_gemm:recompute", "conv_gemm:cluster")
     written, _ = plan_of(shape, INSTNORM_MAX, params=params, plan={**GEMM, "conv_norm": "written"}).stages
     assert written.candidates == ("conv_gemm",) and written.epilogue is None and written.schedule.mma == "tf32x3"
     conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=RECOMPUTE).stages
@@ -131,6 +133,33 @@ def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
                       plan=RECOMPUTE)
     conv = grouped.stages[0]
     assert conv.fused_norm is not None and conv.fused_norm.groups == 3 and conv.fused_norm.reduce == ""
+
+
+def test_norm_after_a_small_convolution_can_run_once_in_a_cluster_per_sample():
+    """conv_gemm:cluster: the same direct loop, one pass; a sample's tiles are one thread-block
+    cluster (at most MAX_CLUSTER), whose CTAs share the tiles' moments on chip. Its scratch holds
+    the moments and statistics too; not offered without clusters or where a sample has more tiles."""
+    shape, params = [3, 8, 18, 20], {"m": {"shape": [16, 1, 1, 1]}}
+    conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=CLUSTER).stages
+    assert conv.candidates == ("conv_gemm:cluster",) and conv.epilogue is norm and norm.absorbed_by is conv
+    sc, fn = conv.schedule, conv.fused_norm
+    assert fn.cluster and fn.groups == 16 and fn.reduce == "max"
+    assert 1 <= fn.tiles == math.prod(-(-o // t) for o, t in zip(conv.problems[0].out, sc.tile)) <= conv_gemm.MAX_CLUSTER
+    scratch = conv_gemm.norm_scratch_floats(sc, True)
+    assert scratch == conv_gemm.norm_scratch_floats(sc) + 6 * sc.block_n  # + moments and statistics per channel
+    assert sc.smem_bytes == conv_gemm.FAMILY.smem_bytes(conv.problems[0], sc, False, scratch)
+    assert [w.what for w in conv_gemm.FAMILY.work(conv, 2, DEFAULT)][1:] == ["direct convolution + statistics + apply"]
+    from kgen.explain import explain_text
+
+    text = explain_text(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=CLUSTER)))
+    assert f"the convolution runs once, a cluster of {fn.tiles} CTAs per sample" in text
+    # a device without thread-block clusters: the two-pass form and the written output remain
+    no_clusters = replace(DEFAULT, wgmma=False)
+    auto = make_plan(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=GEMM)), target=no_clusters).stages[0]
+    assert auto.candidates == ("conv_gemm", "conv_gemm:recompute")
+    # a sample of more tiles than a cluster holds (instnorm's convolution at 64 x 64)
+    big = plan_of([3, 16, 64, 64], INSTNORM_MAX, params=params, plan=GEMM).stages[0]
+    assert big.candidates == ("conv_gemm", "conv_gemm:recompute")
 
 
 @pytest.mark.parametrize("shape,conv", [
@@ -324,7 +353,16 @@ SPECS = {
                                       {"instance_norm": {}}, {"mean": {"dim": 1}}, "sigmoid"], name="cg_norm_1d",
                             plan=RECOMPUTE),
 }
+# the same three as one pass over a cluster per sample (8, 2 and 1 tiles), and a 3-d group norm of
+# 4 groups over 12 tiles (above the portable cluster size of 8) with partial tiles in H and W
+for _name in ("cg_norm_max", "cg_norm_gn", "cg_norm_1d"):
+    SPECS[_name.replace("norm", "cluster")] = SPECS[_name].replace(f"name: {_name}", f"name: {_name.replace('norm', 'cluster')}").replace(
+        "conv_norm: recompute", "conv_norm: cluster")
+SPECS["cg_cluster_gn3d"] = spec_text([2, 7, 20, 40], [{"conv3d": {"out_channels": 16, "kernel_size": 3}},
+                                                     {"group_norm": {"num_groups": 4}}, {"mul": {"scalar": -2.0}}],
+                                     name="cg_cluster_gn3d", plan=CLUSTER)
 NORM_SPECS = ("cg_norm_max", "cg_norm_gn", "cg_norm_1d")
+CLUSTER_SPECS = ("cg_cluster_max", "cg_cluster_gn", "cg_cluster_1d", "cg_cluster_gn3d")
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +397,7 @@ def test_cpu_builds_validate(cg_modules):
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
     for name in ("cg_transposed", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr", "cg_direct_pool", "cg_direct_sig",
-                 "cg_direct_tr") + NORM_SPECS:
+                 "cg_direct_tr") + NORM_SPECS + CLUSTER_SPECS:
         kernels = ptxas_report(cg_modules[name][1], "9.0a")
         assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
         bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}" for k in kernels if not k.clean]
@@ -367,12 +405,20 @@ def test_generated_kernels_compile_without_spills(cg_modules):
 
 
 def test_fused_norms_render_both_passes(cg_modules):
-    for name in NORM_SPECS:
+    for name in NORM_SPECS + CLUSTER_SPECS:
         spec, d = cg_modules[name]
         plan = make_plan(pipeline_of(spec.read_text()), target=DEFAULT)
-        assert plan.stages[0].fused_norm is not None, name
-        kernel = (d / "kernel.cu").read_text()
-        assert "run<NormMoments>" in kernel and "merge_moments_kernel<<<" in kernel and "run<NormApply>" in kernel
+        fn = plan.stages[0].fused_norm
+        assert fn is not None and fn.cluster == (name in CLUSTER_SPECS), name
+        kernel, binding = (d / "kernel.cu").read_text(), (d / "binding.cpp").read_text()
+        two_pass = "run<NormMoments>" in kernel and "merge_moments_kernel<<<" in kernel and "run<NormApply>" in kernel
+        one_pass = ("run_clusters<Problem, NormCluster, kNormTiles>" in kernel
+                    and f"kNormTiles = {fn.tiles};" in (d / "stages.h").read_text())
+        assert (one_pass, two_pass) == ((True, False) if fn.cluster else (False, True)), name
+        assert ("kgen::workspace<kgen::TileMoments>" in binding) == (not fn.cluster), name
+    tiles = {n: make_plan(pipeline_of(cg_modules[n][0].read_text()), target=DEFAULT).stages[0].fused_norm.tiles
+             for n in CLUSTER_SPECS}
+    assert tiles == {"cg_cluster_max": 8, "cg_cluster_gn": 2, "cg_cluster_1d": 1, "cg_cluster_gn3d": 12}
 
 
 @pytest.mark.cuda
@@ -380,9 +426,9 @@ def test_fused_norms_render_both_passes(cg_modules):
 def test_fused_norms_match_float64(cg_modules):
     """The norm epilogues on the GPU: validate's cases (batches, NaN, inf, large values) against
     float64; a NaN or inf in one sample's convolution makes that sample's normalized output NaN."""
-    dirs = [cg_modules[n][1] for n in NORM_SPECS]
+    dirs = [cg_modules[n][1] for n in NORM_SPECS + CLUSTER_SPECS]
     build_modules(dirs, "cuda")
-    for name in NORM_SPECS:
+    for name in NORM_SPECS + CLUSTER_SPECS:
         spec, d = cg_modules[name]
         report = validate(spec, d, "cuda")
         bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]

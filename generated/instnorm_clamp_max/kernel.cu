@@ -50,7 +50,7 @@ struct Problem {
   static constexpr Mma kMma = Mma::kFp32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
-constexpr int kPlanSmemBytes = 67904;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
+constexpr int kPlanSmemBytes = 68288;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
 
 // The convolution output (+ bias), NC[D]HW (conv_gemm.cuh StoreEpilogue).
 // Stores from the accumulators, no staged tile: the direct loop's lanes hold consecutive positions.
@@ -69,121 +69,130 @@ cudaError_t launch(const float* x, const float* w, const float* bias, float* pac
   return run<Store>(x, w, packed, pack, Store::Params{bias, out}, batch, stream);
 }
 
-// ---- stage 1 (norm) fused in: its math (stages.h) on the accumulators, the convolution twice.
+// ---- stage 1 (norm) fused in: its math (stages.h) on the accumulators, one cluster of CTAs per sample.
 static_assert(Geometry<Problem>::kTilesPerSample == kNormTiles, "the plan's tiles per sample");
 static_assert(Problem::kLoop == Loop::kDirect && Problem::kBN >= Problem::kCout, "a thread holds whole channels of its positions");
-constexpr int kNormScratchFloats = 80;  // per warp row channel sums + means; per channel statistics
+constexpr int kNormScratchFloats = 176;  // per warp row channel sums + means; per channel moments and statistics
 
-// Pass 1: (count, mean, M2) of stage 1's input over the tile, per channel
-// (two passes over the registers: the sums, then the squared deviations). The
-// accumulators become that input in place (they are zeroed after the epilogue).
-struct NormMoments {
+// The tile's (count, mean, M2) of stage 1's input per channel (two passes over the
+// registers: the sums, then the squared deviations), handed to sink(channel, moments) by the
+// threads tid < kCout. The accumulators become that input in place.
+template <class P, class Acc, class Sink>
+__device__ __forceinline__ void tile_moments(const s1::Args& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c,
+                                             const Sink& sink) {
+  using G = Geometry<P>;
+  const int tid = team_thread<P>();  // this thread in its team
+  float* means = scratch + P::kWarpsM * P::kBN;
+  bool valid[G::kMT][2];  // whether the thread's position m(mt, 2h) is an output position
+#pragma unroll
+  for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = fm.m(mt, 2 * h);
+      const int d0 = c.od + row_d<P>(m), d1 = c.oh + row_h<P>(m), d2 = c.ow + row_w<P>(m);
+      valid[mt][h] = row_valid<P>(c, m);
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {  // the norm's input (its prologue ops on the convolution); 0 outside the output
+          const int ch = fm.n(nt, j);
+          float& v = acc[mt][nt][2 * h + j];
+          v = valid[mt][h] && ch < P::kCout ? s1::pre(a, c.n, ch, d0, d1, d2, v) : 0.f;
+        }
+    }
+  }
+  const float count = static_cast<float>(valid_rows<P>(c));
+  channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) { return acc[mt][nt][i]; });
+  if (tid < P::kBN) {
+    float s = 0.f;
+    for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + tid];
+    means[tid] = s / count;
+  }
+  team_sync<P>();
+  channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) {
+    const float d = acc[mt][nt][i] - means[fm.n(nt, i)];
+    return valid[mt][i / 2] ? d * d : 0.f;
+  });
+  if (tid < P::kCout) {
+    float m2 = 0.f;
+    for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + tid];
+    sink(tid, kgen::TileMoments{count, means[tid], m2});
+  }
+}
+
+// Normalizes the tile's accumulators with the per channel statistics in `stats` (shift, mean
+// offset, rstd), maxs over the channels (a thread holds every channel of its positions) and
+// stores the result. kPre: the accumulators already hold the norm's input (tile_moments made them so).
+template <bool kPre, class P, class Acc>
+__device__ __forceinline__ void normalize_store(const s1::Args& a, const Acc& acc, const FragMap<P>& fm, const float* stats, const TileCoord& c) {
+  using G = Geometry<P>;
+  auto normalized = [&](int mt, int nt, int i, int d0, int d1, int d2) {
+    const int ch = fm.n(nt, i);
+    const s1::Stats s{stats[3 * ch], stats[3 * ch + 1], stats[3 * ch + 2]};
+    if constexpr (kPre) {
+      return s1::normalize_at(a, c.n, ch, d0, d1, d2, acc[mt][nt][i], s);
+    } else {
+      return s1::apply_at(a, c.n, ch, d0, d1, d2, acc[mt][nt][i], s);
+    }
+  };
+#pragma unroll
+  for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the thread's positions m(mt, 2h) and m(mt, 2h + 1)
+      const int m = fm.m(mt, 2 * h);
+      const int d0 = c.od + row_d<P>(m), d1 = c.oh + row_h<P>(m), d2 = c.ow + row_w<P>(m);
+      const s1::Index s = ((d0) * 30 + d1) * 30 + d2;
+      const bool valid = row_valid<P>(c, m);
+      float r = s1::identity();
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)  // channels in order
+          if (fm.n(nt, j) < P::kCout) r = s1::combine(r, normalized(mt, nt, 2 * h + j, d0, d1, d2));
+      if (valid) a.out[static_cast<long long>(c.n) * s1::kSpatial + s] = s1::finish(a, c.n, s, r);
+    }
+  }
+}
+
+// One pass: the CTAs of a thread-block cluster hold the kNormTiles tiles of one sample (the
+// cluster rank is the tile's index: run_clusters). Each leaves its tile's moments in its own
+// shared memory; after a cluster barrier every CTA merges all of them in tile order (the merge
+// kernel's order: the same statistics) and normalizes its accumulators, still in registers.
+struct NormCluster {
   using Params = s1::Args;
   static constexpr bool kStaged = false;
   static constexpr int kScratchFloats = kNormScratchFloats;
 
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
-    using G = Geometry<P>;
-    const int tid = team_thread<P>();  // this thread in its team
-    float* means = scratch + P::kWarpsM * P::kBN;
-    bool valid[G::kMT][2];  // whether the thread's position m(mt, 2h) is an output position
-#pragma unroll
-    for (int mt = 0; mt < G::kMT; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = fm.m(mt, 2 * h);
-        const int d0 = c.od + row_d<P>(m), d1 = c.oh + row_h<P>(m), d2 = c.ow + row_w<P>(m);
-        valid[mt][h] = row_valid<P>(c, m);
-#pragma unroll
-        for (int nt = 0; nt < G::kNT; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {  // the norm's input (its prologue ops on the convolution); 0 outside the output
-            const int ch = fm.n(nt, j);
-            float& v = acc[mt][nt][2 * h + j];
-            v = valid[mt][h] && ch < P::kCout ? s1::pre(a, c.n, ch, d0, d1, d2, v) : 0.f;
-          }
-      }
-    }
-    const float count = static_cast<float>(valid_rows<P>(c));
-    channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) { return acc[mt][nt][i]; });
-    if (tid < P::kBN) {
-      float s = 0.f;
-      for (int w = 0; w < P::kWarpsM; ++w) s += scratch[w * P::kBN + tid];
-      means[tid] = s / count;
-    }
-    team_sync<P>();
-    channel_sums<P>(fm, scratch, [&](int mt, int nt, int i) {
-      const float d = acc[mt][nt][i] - means[fm.n(nt, i)];
-      return valid[mt][i / 2] ? d * d : 0.f;
-    });
+    static_assert(kNormScratchFloats >= (P::kWarpsM + 1) * P::kBN + 6 * P::kBN, "sums, means, moments and statistics fit the scratch");
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    const int tid = team_thread<P>();
+    auto* moments = reinterpret_cast<kgen::TileMoments*>(scratch + (P::kWarpsM + 1) * P::kBN);  // this tile's, read by the cluster
+    float* stats = scratch + (P::kWarpsM + 1) * P::kBN + 3 * P::kBN;  // per channel: shift, mean offset, rstd
+    tile_moments<P>(a, acc, fm, scratch, c, [&](int ch, const kgen::TileMoments& t) { moments[ch] = t; });
+    cluster.sync();  // every tile of the sample has its moments in its CTA's shared memory
     if (tid < P::kCout) {
-      float m2 = 0.f;
-      for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + tid];
-      a.moments[(static_cast<long long>(c.n) * P::kCout + tid) * kNormTiles + c.index] =
-          kgen::TileMoments{count, means[tid], m2};
-    }
-  }
-};
-
-// One thread per (sample, group): the tiles' moments merged in order.
-constexpr int kMergeThreads = 128;
-__global__ void __launch_bounds__(kMergeThreads) merge_moments_kernel(const s1::Args a) {
-  const long long ng = static_cast<long long>(blockIdx.x) * kMergeThreads + threadIdx.x;
-  if (ng < a.batch * s1::kGroups) s1::finalize_moments(a, ng, kNormTiles);
-}
-
-// Pass 2: normalize, max over the channels (a thread holds every channel of its positions), store.
-struct NormApply {
-  using Params = s1::Args;
-  static constexpr bool kStaged = false;
-  static constexpr int kScratchFloats = kNormScratchFloats;
-
-  template <class P, class Acc>
-  __device__ static void apply_fragments(const Params& a, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
-    using G = Geometry<P>;
-    const int tid = team_thread<P>();  // this thread in its team
-    static_assert(3 * P::kBN <= kScratchFloats, "the statistics of the tile's channels fit the scratch");
-    float* stats = scratch;  // per channel: shift, mean offset, rstd of its group in the tile's sample
-    if (tid < P::kCout) {
-      const s1::Stats s = s1::group_stats(a, c.n, tid / s1::kGroupChannels);
+      const int g = tid / s1::kGroupChannels;
+      const s1::Stats s = s1::merged_stats(kNormTiles, [&](int i) {  // channel-major, then tile (= rank)
+        const int ch = g * s1::kGroupChannels + i / kNormTiles;
+        return cluster.map_shared_rank(moments, static_cast<unsigned>(i % kNormTiles))[ch];
+      });
       stats[3 * tid] = s.shift;
       stats[3 * tid + 1] = s.mean_offset;
       stats[3 * tid + 2] = s.rstd;
     }
     team_sync<P>();
-    auto normalized = [&](int mt, int nt, int i, int d0, int d1, int d2) {
-      const int ch = fm.n(nt, i);
-      const s1::Stats s{stats[3 * ch], stats[3 * ch + 1], stats[3 * ch + 2]};
-      return s1::apply_at(a, c.n, ch, d0, d1, d2, acc[mt][nt][i], s);
-    };
-#pragma unroll
-    for (int mt = 0; mt < G::kMT; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // the thread's positions m(mt, 2h) and m(mt, 2h + 1)
-        const int m = fm.m(mt, 2 * h);
-        const int d0 = c.od + row_d<P>(m), d1 = c.oh + row_h<P>(m), d2 = c.ow + row_w<P>(m);
-        const s1::Index s = ((d0) * 30 + d1) * 30 + d2;
-        const bool valid = row_valid<P>(c, m);
-        float r = s1::identity();
-#pragma unroll
-        for (int nt = 0; nt < G::kNT; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)  // channels in order
-            if (fm.n(nt, j) < P::kCout) r = s1::combine(r, normalized(mt, nt, 2 * h + j, d0, d1, d2));
-        if (valid) a.out[static_cast<long long>(c.n) * s1::kSpatial + s] = s1::finish(a, c.n, s, r);
-      }
-    }
+    normalize_store<true, P>(a, acc, fm, stats, c);
+    cluster.sync();  // no CTA of the cluster reads this one's moments any more: they may be overwritten, or the CTA exit
   }
 };
 
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
-  cudaError_t err = run<NormMoments>(x, w, packed, pack, a, batch, stream);
-  if (err != cudaSuccess) return err;
-  const long long groups = static_cast<long long>(batch) * s1::kGroups;
-  merge_moments_kernel<<<static_cast<unsigned>((groups + kMergeThreads - 1) / kMergeThreads), kMergeThreads, 0, stream>>>(a);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  return run<NormApply>(x, w, packed, false, a, batch, stream);
+  static_assert(Geometry<Problem>::kCBlocks == 1, "a cluster holds all the channels of its sample");
+  static_assert(smem_bytes<Problem, NormCluster>() <= kPlanSmemBytes, "the plan's shared memory covers the epilogue's");
+  if (pack) pack_weights<Problem>(w, packed, stream);
+  return kgen::conv_gemm::run_clusters<Problem, NormCluster, kNormTiles>(x, packed, a, batch, stream);
 }
 
 }  // namespace s0

@@ -36,8 +36,8 @@ constexpr long long kPackedFloats = 1296;
 // The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 30, 30].
 // `packed` holds the re-laid weights (kPackedFloats); `pack` says whether to write them from `w` first.
 cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
-// The convolution with stage 1 (a norm) as its epilogue, computed twice: the
-// statistics into `a.moments` (kNormTiles per sample and channel) and `a.stats`, then `a.out`.
+// The convolution with stage 1 (a norm) as its epilogue, computed once by a cluster
+// of kNormTiles CTAs per sample (the statistics shared on chip), into `a.out`.
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
 constexpr int kNormTiles = 14;  // tiles per sample
 #endif
@@ -182,23 +182,39 @@ KGEN_HD Stats group_stats(const Args& a, long long n, int g) {
 }
 
 // Stage 0 gathers the statistics in its epilogue: (count, mean, M2)
-// of each tile's values per channel. Merges those of (n, g) in channel, then tile
-// order, and stores them as shift = mean, mean offset 0, rstd.
-KGEN_HD void finalize_moments(const Args& a, long long ng, int tiles) {
+// of each tile's values per channel. Merges those of one (n, g), tile_at(i) for i <
+// kGroupChannels * tiles in channel, then tile order, in double: shift = mean, mean offset 0.
+template <class TileAt>
+KGEN_HD Stats merged_stats(int tiles, const TileAt& tile_at) {
   kgen::Moments total = kgen::moments_empty();
-  const kgen::TileMoments* p = a.moments + ng * kGroupChannels * tiles;
-  for (int i = 0; i < kGroupChannels * tiles; ++i) kgen::moments_merge(total, p[i]);
-  float* out = a.stats + ng * kStatsStride;
-  out[0] = kgen::moments_stats(total, kEps, out[2]);
-  out[1] = 0.f;
+  for (int i = 0; i < kGroupChannels * tiles; ++i) kgen::moments_merge(total, tile_at(i));
+  Stats s;
+  s.shift = kgen::moments_stats(total, kEps, s.rstd);
+  s.mean_offset = 0.f;
+  return s;
 }
 
-// The input `x` at channel c, position (d0, d1, d2), normalized, then ops[3].clamp, ops[4].mul.
-KGEN_HD float apply_at(const Args& a, long long n, int c, int d0, int d1, int d2, float x, const Stats& stats) {
-  float v = ((pre(a, n, c, d0, d1, d2, x) - stats.shift) - stats.mean_offset) * stats.rstd;
+// The same from `a.moments` ([sample][channel][tile]) into `a.stats`.
+KGEN_HD void finalize_moments(const Args& a, long long ng, int tiles) {
+  const kgen::TileMoments* p = a.moments + ng * kGroupChannels * tiles;
+  const Stats s = merged_stats(tiles, [&](int i) { return p[i]; });
+  float* out = a.stats + ng * kStatsStride;
+  out[0] = s.shift;
+  out[1] = s.mean_offset;
+  out[2] = s.rstd;
+}
+
+// `v`, the norm's input (after its prologue ops) at channel c, position (d0, d1, d2), normalized, then ops[3].clamp, ops[4].mul.
+KGEN_HD float normalize_at(const Args& a, long long n, int c, int d0, int d1, int d2, float v, const Stats& stats) {
+  v = ((v - stats.shift) - stats.mean_offset) * stats.rstd;
   v = kgen::clamp(v, -1.0f, 1.0f);  // ops[3].clamp: clamp(-1.0, 1.0)
   v = kgen::mul(v, a.multiplier[c]);  // ops[4].mul: mul(multiplier)
   return v;
+}
+
+// The input `x` (before the prologue ops) at the same place, normalized and so on.
+KGEN_HD float apply_at(const Args& a, long long n, int c, int d0, int d1, int d2, float x, const Stats& stats) {
+  return normalize_at(a, n, c, d0, d1, d2, pre(a, n, c, d0, d1, d2, x), stats);
 }
 
 // The same at spatial index s (row-major over the spatial dims).

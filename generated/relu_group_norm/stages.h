@@ -152,11 +152,16 @@ KGEN_HD Stats group_stats(const Args& a, long long n, int g) {
   return Stats{s[0], s[1], s[2]};
 }
 
-// The input `x` at channel c, position (d0, d1, d2), normalized, scaled and shifted.
-KGEN_HD float apply_at(const Args& a, long long n, int c, int d0, int d1, int d2, float x, const Stats& stats) {
-  float v = ((pre(a, n, c, d0, d1, d2, x) - stats.shift) - stats.mean_offset) * stats.rstd;
+// `v`, the norm's input (after its prologue ops) at channel c, position (d0, d1, d2), normalized, scaled and shifted.
+KGEN_HD float normalize_at(const Args& a, long long n, int c, int d0, int d1, int d2, float v, const Stats& stats) {
+  v = ((v - stats.shift) - stats.mean_offset) * stats.rstd;
   v = v * a.group_norm_weight[c] + a.group_norm_bias[c];
   return v;
+}
+
+// The input `x` (before the prologue ops) at the same place, normalized and so on.
+KGEN_HD float apply_at(const Args& a, long long n, int c, int d0, int d1, int d2, float x, const Stats& stats) {
+  return normalize_at(a, n, c, d0, d1, d2, pre(a, n, c, d0, d1, d2, x), stats);
 }
 
 // The same at spatial index s (row-major over the spatial dims).

@@ -54,6 +54,7 @@
 // a shared-memory copy of the tile (E::kStaged: pools, plain stores).
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -1237,6 +1238,45 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
   const long long grid = tiles < resident ? tiles : resident;  // teams beyond the tiles have none
   if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, smem_bytes<P, E>(), stream>>>(x, packed, ep, batch);
   return cudaGetLastError();
+}
+
+// Runs the convolution with epilogue E as clusters of kCluster CTAs (sm_90): a sample's
+// kCluster = kTilesPerSample tiles run at once, one per CTA, and the CTA of cluster rank r
+// always holds tile r (the grid is whole clusters, so worker % kCluster is the rank and the
+// tile index alike). E may synchronize and share memory across the cluster (cluster barriers
+// and distributed shared memory), e.g. to combine statistics of the whole sample.
+template <class P, class E, int kCluster>
+cudaError_t run_clusters(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  using G = Geometry<P>;
+  static_assert(G::kTilesPerSample == kCluster && G::kCBlocks == 1, "a cluster is one sample's tiles");
+  constexpr int kSmem = smem_bytes<P, E>();
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(G::kThreads);
+  config.dynamicSmemBytes = kSmem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  static int resident = 0;  // CTAs of the clusters that fit at once, found once per process
+  if (resident == 0) {
+    cudaError_t err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err == cudaSuccess && kCluster > 8)  // above the portable cluster size
+      err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    int clusters = 0;
+    config.gridDim = dim3(kCluster);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveClusters(&clusters, conv_kernel<P, E>, &config);
+    if (err != cudaSuccess) return err;
+    if (clusters < 1) return cudaErrorInvalidConfiguration;
+    resident = clusters * kCluster;
+  }
+  const long long tiles = static_cast<long long>(batch) * kCluster;
+  config.gridDim = dim3(static_cast<unsigned>(tiles < resident ? tiles : resident));  // whole clusters either way
+  if (tiles == 0) return cudaSuccess;
+  return cudaLaunchKernelEx(&config, conv_kernel<P, E>, x, packed, ep, batch);
 }
 
 // Runs every phase of a transposed convolution in one launch (weights packed per phase).
