@@ -874,7 +874,7 @@ class Pipeline:
     rewrites: dict = field(default_factory=dict)
     conv_layout: str = "auto"
     conv_impl: str = "auto"  # plan.conv: aten | gemm forces who computes the convolutions
-    conv_norm: str = "auto"  # plan.conv_norm: written | recompute | cluster forces how a generated convolution meets a norm
+    conv_norm: str = "auto"  # plan.conv_norm: written | recompute | onepass forces how a generated convolution meets a norm
     example: dict = field(default_factory=dict)
     description: str = ""
     spec: Spec | None = field(default=None, compare=False, repr=False)  # what it was built from

@@ -40,9 +40,9 @@ PARAM_INITS = ("randn", "ones", "zeros")
 CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
 CONV_IMPLS = ("auto", "aten", "gemm")  # plan.conv: who computes a convolution (auto: the planner chooses)
 # plan.conv_norm: a generated convolution before a norm writes its output for the norm stage,
-# or computes itself twice with the norm as its epilogue, or once in a cluster of CTAs per sample
+# or computes itself twice with the norm as its epilogue, or once on co-resident CTAs per sample
 # (auto: the planner chooses)
-CONV_NORM_FORMS = ("auto", "written", "recompute", "cluster")
+CONV_NORM_FORMS = ("auto", "written", "recompute", "onepass")
 DEFAULT_MAX_ELEMENTS = 2**34  # per sample of an activation, per parameter tensor (KGEN_MAX_ELEMENTS)
 MAX_FILE_BYTES = 1 << 20
 MAX_YAML_DEPTH = 32  # nested collections

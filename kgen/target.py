@@ -35,12 +35,6 @@ class Target:
     wgmma: bool = True  # Hopper's warpgroup MMA (sm_90a): conv_gemm's wgmma main loop
 
     @property
-    def clusters(self) -> bool:
-        """Thread-block clusters with distributed shared memory (sm_90; the kernels build for sm_90a,
-        as the wgmma flag says)."""
-        return self.wgmma
-
-    @property
     def resident_threads(self) -> int:
         """Threads the device holds at once."""
         return self.sm_count * self.max_threads_per_sm

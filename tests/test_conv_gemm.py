@@ -24,7 +24,7 @@ def plan_of(shape, ops, **kw):
 CONV3 = {"conv3d": {"out_channels": 16, "kernel_size": 3}}
 GEMM = {"conv": "gemm"}  # plan.conv: rendered specs pin the generated convolution (else tuning or the cost model chooses)
 RECOMPUTE = {"conv": "gemm", "conv_norm": "recompute"}  # ... and the norm after it as its two-pass epilogue
-CLUSTER = {"conv": "gemm", "conv_norm": "cluster"}  # ... or as its one-pass epilogue over a cluster per sample
+ONEPASS = {"conv": "gemm", "conv_norm": "onepass"}  # ... or as its one-pass epilogue on co-resident CTAs
 
 
 # ------------------------------------------------------------------ planning
@@ -110,7 +110,7 @@ def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
     pass, merge, apply pass); the plain conv_gemm candidate writes the output for the norm stage."""
     shape, params = [3, 8, 18, 20], {"m": {"shape": [16, 1, 1, 1]}}
     conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=GEMM).stages
-    assert conv.candidates == ("conv_gemm", "conv_gemm:recompute", "conv_gemm:cluster")
+    assert conv.candidates == ("conv_gemm", "conv_gemm:recompute", "conv_gemm:onepass")
     written, _ = plan_of(shape, INSTNORM_MAX, params=params, plan={**GEMM, "conv_norm": "written"}).stages
     assert written.candidates == ("conv_gemm",) and written.epilogue is None and written.schedule.mma == "tf32x3"
     conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=RECOMPUTE).stages
@@ -135,31 +135,25 @@ def test_norm_after_a_small_convolution_is_fused_in_by_computing_it_twice():
     assert conv.fused_norm is not None and conv.fused_norm.groups == 3 and conv.fused_norm.reduce == ""
 
 
-def test_norm_after_a_small_convolution_can_run_once_in_a_cluster_per_sample():
-    """conv_gemm:cluster: the same direct loop, one pass; a sample's tiles are one thread-block
-    cluster (at most MAX_CLUSTER), whose CTAs share the tiles' moments on chip. Its scratch holds
-    the moments and statistics too; not offered without clusters or where a sample has more tiles."""
+def test_norm_after_a_small_convolution_can_run_once_on_coresident_ctas():
+    """conv_gemm:onepass: the same direct loop and scratch, one pass; the tiles of a sample run
+    at once (at most one per SM at plan time) and wait for each other's moments."""
     shape, params = [3, 8, 18, 20], {"m": {"shape": [16, 1, 1, 1]}}
-    conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=CLUSTER).stages
-    assert conv.candidates == ("conv_gemm:cluster",) and conv.epilogue is norm and norm.absorbed_by is conv
+    conv, norm = plan_of(shape, INSTNORM_MAX, params=params, plan=ONEPASS).stages
+    assert conv.candidates == ("conv_gemm:onepass",) and conv.epilogue is norm and norm.absorbed_by is conv
     sc, fn = conv.schedule, conv.fused_norm
-    assert fn.cluster and fn.groups == 16 and fn.reduce == "max"
-    assert 1 <= fn.tiles == math.prod(-(-o // t) for o, t in zip(conv.problems[0].out, sc.tile)) <= conv_gemm.MAX_CLUSTER
-    scratch = conv_gemm.norm_scratch_floats(sc, True)
-    assert scratch == conv_gemm.norm_scratch_floats(sc) + 6 * sc.block_n  # + moments and statistics per channel
-    assert sc.smem_bytes == conv_gemm.FAMILY.smem_bytes(conv.problems[0], sc, False, scratch)
+    assert fn.one_pass and fn.groups == 16 and fn.reduce == "max"
+    assert fn.tiles == math.prod(-(-o // t) for o, t in zip(conv.problems[0].out, sc.tile))
+    assert sc.smem_bytes == conv_gemm.FAMILY.smem_bytes(conv.problems[0], sc, False, conv_gemm.norm_scratch_floats(sc))
     assert [w.what for w in conv_gemm.FAMILY.work(conv, 2, DEFAULT)][1:] == ["direct convolution + statistics + apply"]
     from kgen.explain import explain_text
 
-    text = explain_text(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=CLUSTER)))
-    assert f"the convolution runs once, a cluster of {fn.tiles} CTAs per sample" in text
-    # a device without thread-block clusters: the two-pass form and the written output remain
-    no_clusters = replace(DEFAULT, wgmma=False)
-    auto = make_plan(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=GEMM)), target=no_clusters).stages[0]
+    text = explain_text(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=ONEPASS)))
+    assert f"the convolution runs once, the {fn.tiles} tiles of a sample on co-resident CTAs" in text
+    # a device of fewer SMs than a sample has tiles: the two-pass form and the written output remain
+    small = replace(DEFAULT, sm_count=fn.tiles - 1)
+    auto = make_plan(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=GEMM)), target=small).stages[0]
     assert auto.candidates == ("conv_gemm", "conv_gemm:recompute")
-    # a sample of more tiles than a cluster holds (instnorm's convolution at 64 x 64)
-    big = plan_of([3, 16, 64, 64], INSTNORM_MAX, params=params, plan=GEMM).stages[0]
-    assert big.candidates == ("conv_gemm", "conv_gemm:recompute")
 
 
 @pytest.mark.parametrize("shape,conv", [
@@ -353,16 +347,16 @@ SPECS = {
                                       {"instance_norm": {}}, {"mean": {"dim": 1}}, "sigmoid"], name="cg_norm_1d",
                             plan=RECOMPUTE),
 }
-# the same three as one pass over a cluster per sample (8, 2 and 1 tiles), and a 3-d group norm of
-# 4 groups over 12 tiles (above the portable cluster size of 8) with partial tiles in H and W
+# the same three in one pass (8, 2 and 1 tiles per sample), and a 3-d group norm of 4 groups of 4
+# channels over 12 tiles, partial in H and W
 for _name in ("cg_norm_max", "cg_norm_gn", "cg_norm_1d"):
-    SPECS[_name.replace("norm", "cluster")] = SPECS[_name].replace(f"name: {_name}", f"name: {_name.replace('norm', 'cluster')}").replace(
-        "conv_norm: recompute", "conv_norm: cluster")
-SPECS["cg_cluster_gn3d"] = spec_text([2, 7, 20, 40], [{"conv3d": {"out_channels": 16, "kernel_size": 3}},
+    SPECS[_name.replace("norm", "onepass")] = SPECS[_name].replace(
+        f"name: {_name}", f"name: {_name.replace('norm', 'onepass')}").replace("conv_norm: recompute", "conv_norm: onepass")
+SPECS["cg_onepass_gn3d"] = spec_text([2, 7, 20, 40], [{"conv3d": {"out_channels": 16, "kernel_size": 3}},
                                                      {"group_norm": {"num_groups": 4}}, {"mul": {"scalar": -2.0}}],
-                                     name="cg_cluster_gn3d", plan=CLUSTER)
+                                     name="cg_onepass_gn3d", plan=ONEPASS)
 NORM_SPECS = ("cg_norm_max", "cg_norm_gn", "cg_norm_1d")
-CLUSTER_SPECS = ("cg_cluster_max", "cg_cluster_gn", "cg_cluster_1d", "cg_cluster_gn3d")
+ONEPASS_SPECS = ("cg_onepass_max", "cg_onepass_gn", "cg_onepass_1d", "cg_onepass_gn3d")
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +391,7 @@ def test_cpu_builds_validate(cg_modules):
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
     for name in ("cg_transposed", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr", "cg_direct_pool", "cg_direct_sig",
-                 "cg_direct_tr") + NORM_SPECS + CLUSTER_SPECS:
+                 "cg_direct_tr") + NORM_SPECS + ONEPASS_SPECS:
         kernels = ptxas_report(cg_modules[name][1], "9.0a")
         assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
         bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}" for k in kernels if not k.clean]
@@ -405,20 +399,19 @@ def test_generated_kernels_compile_without_spills(cg_modules):
 
 
 def test_fused_norms_render_both_passes(cg_modules):
-    for name in NORM_SPECS + CLUSTER_SPECS:
+    for name in NORM_SPECS + ONEPASS_SPECS:
         spec, d = cg_modules[name]
         plan = make_plan(pipeline_of(spec.read_text()), target=DEFAULT)
         fn = plan.stages[0].fused_norm
-        assert fn is not None and fn.cluster == (name in CLUSTER_SPECS), name
+        assert fn is not None and fn.one_pass == (name in ONEPASS_SPECS), name
         kernel, binding = (d / "kernel.cu").read_text(), (d / "binding.cpp").read_text()
         two_pass = "run<NormMoments>" in kernel and "merge_moments_kernel<<<" in kernel and "run<NormApply>" in kernel
-        one_pass = ("run_clusters<Problem, NormCluster, kNormTiles>" in kernel
-                    and f"kNormTiles = {fn.tiles};" in (d / "stages.h").read_text())
-        assert (one_pass, two_pass) == ((True, False) if fn.cluster else (False, True)), name
-        assert ("kgen::workspace<kgen::TileMoments>" in binding) == (not fn.cluster), name
+        one_pass = "run_coresident<Problem, NormOnePass>" in kernel and "cudaMemsetAsync(a.arrived" in kernel
+        assert (one_pass, two_pass) == ((True, False) if fn.one_pass else (False, True)), name
+        assert ("kgen::workspace<int>(arrived, batch" in binding) == fn.one_pass, name
     tiles = {n: make_plan(pipeline_of(cg_modules[n][0].read_text()), target=DEFAULT).stages[0].fused_norm.tiles
-             for n in CLUSTER_SPECS}
-    assert tiles == {"cg_cluster_max": 8, "cg_cluster_gn": 2, "cg_cluster_1d": 1, "cg_cluster_gn3d": 12}
+             for n in ONEPASS_SPECS}
+    assert tiles == {"cg_onepass_max": 8, "cg_onepass_gn": 2, "cg_onepass_1d": 1, "cg_onepass_gn3d": 12}
 
 
 @pytest.mark.cuda
@@ -426,13 +419,20 @@ def test_fused_norms_render_both_passes(cg_modules):
 def test_fused_norms_match_float64(cg_modules):
     """The norm epilogues on the GPU: validate's cases (batches, NaN, inf, large values) against
     float64; a NaN or inf in one sample's convolution makes that sample's normalized output NaN."""
-    dirs = [cg_modules[n][1] for n in NORM_SPECS + CLUSTER_SPECS]
+    dirs = [cg_modules[n][1] for n in NORM_SPECS + ONEPASS_SPECS]
     build_modules(dirs, "cuda")
-    for name in NORM_SPECS + CLUSTER_SPECS:
+    for name in NORM_SPECS + ONEPASS_SPECS:
         spec, d = cg_modules[name]
         report = validate(spec, d, "cuda")
         bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
         assert report.passed, f"{name}: {bad}"
+    # one pass at a batch of several rounds of co-resident samples (an H100 holds 264 of these CTAs:
+    # 33 samples of 8 tiles, 22 of 12), every round waiting on its own samples' counts
+    for name in ONEPASS_SPECS:
+        spec, d = cg_modules[name]
+        report = validate(spec, d, "cuda", stages=False, batch=101)
+        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+        assert report.passed, f"{name} at batch 101: {bad}"
 
 
 # ------------------------------------------------------------------ GPU: many convolutions against float64

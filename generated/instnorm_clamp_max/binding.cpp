@@ -89,7 +89,9 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
   a.out = out.data_ptr<float>();
   a.batch = batch;
   if (batch == 0) return out;
-  // (the statistics stay on chip: no workspace)
+  at::Tensor moments, arrived;
+  a.moments = kgen::workspace<kgen::TileMoments>(moments, batch * s1::kChannels * s0::kNormTiles, x.options());
+  a.arrived = kgen::workspace<int>(arrived, batch, x.options());
   bool stale = true;
   const at::Tensor packed = stage0_weights().get(conv_weight, s0::kPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
   at::Tensor w;

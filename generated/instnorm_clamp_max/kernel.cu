@@ -50,7 +50,7 @@ struct Problem {
   static constexpr Mma kMma = Mma::kFp32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
-constexpr int kPlanSmemBytes = 68288;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
+constexpr int kPlanSmemBytes = 67904;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
 
 // The convolution output (+ bias), NC[D]HW (conv_gemm.cuh StoreEpilogue).
 // Stores from the accumulators, no staged tile: the direct loop's lanes hold consecutive positions.
@@ -69,10 +69,10 @@ cudaError_t launch(const float* x, const float* w, const float* bias, float* pac
   return run<Store>(x, w, packed, pack, Store::Params{bias, out}, batch, stream);
 }
 
-// ---- stage 1 (norm) fused in: its math (stages.h) on the accumulators, one cluster of CTAs per sample.
+// ---- stage 1 (norm) fused in: its math (stages.h) on the accumulators, the convolution once.
 static_assert(Geometry<Problem>::kTilesPerSample == kNormTiles, "the plan's tiles per sample");
 static_assert(Problem::kLoop == Loop::kDirect && Problem::kBN >= Problem::kCout, "a thread holds whole channels of its positions");
-constexpr int kNormScratchFloats = 176;  // per warp row channel sums + means; per channel moments and statistics
+constexpr int kNormScratchFloats = 80;  // per warp row channel sums + means; per channel statistics
 
 // The tile's (count, mean, M2) of stage 1's input per channel (two passes over the
 // registers: the sums, then the squared deviations), handed to sink(channel, moments) by the
@@ -154,45 +154,104 @@ __device__ __forceinline__ void normalize_store(const s1::Args& a, const Acc& ac
   }
 }
 
-// One pass: the CTAs of a thread-block cluster hold the kNormTiles tiles of one sample (the
-// cluster rank is the tile's index: run_clusters). Each leaves its tile's moments in its own
-// shared memory; after a cluster barrier every CTA merges all of them in tile order (the merge
-// kernel's order: the same statistics) and normalizes its accumulators, still in registers.
-struct NormCluster {
+// The statistics of (sample n, group g) from its tiles' moments in `a.moments`, by kMergeLanes
+// lanes of one warp: each adds every kMergeLanes-th of the group's (channel, tile) terms, then the
+// lanes combine them in a fixed order (every lane gets the same bits); in double, two passes: the
+// mean, then M2 about it. NaN or inf anywhere in the group makes them NaN, as in PyTorch. Every
+// lane of the warp calls it; `ok`: (n, g) exists. L2 loads: other SMs wrote the moments.
+constexpr int kMergeLanes = 8;
+__device__ s1::Stats merged_stats(const s1::Args& a, long long n, int g, bool ok) {
+  constexpr int kTerms = s1::kGroupChannels * kNormTiles;
+  const int lane = static_cast<int>(threadIdx.x % kMergeLanes);
+  const kgen::TileMoments* p = a.moments + (n * s1::kGroups + g) * kTerms;  // [channel of the group][tile]
+  auto lanes_sum = [](double v) {
+#pragma unroll
+    for (int o = 1; o < kMergeLanes; o *= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  };
+  double count = 0.0, sum = 0.0;
+  for (int i = lane; ok && i < kTerms; i += kMergeLanes) {
+    const float c = __ldcg(&p[i].count);
+    if (c > 0.f) {
+      count += c;
+      sum += static_cast<double>(c) * __ldcg(&p[i].mean);
+    }
+  }
+  count = lanes_sum(count);
+  sum = lanes_sum(sum);
+  const double mean = sum / count;
+  double m2 = 0.0;
+  for (int i = lane; ok && i < kTerms; i += kMergeLanes) {
+    const float c = __ldcg(&p[i].count);
+    if (c > 0.f) {
+      const double d = static_cast<double>(__ldcg(&p[i].mean)) - mean;
+      m2 += static_cast<double>(__ldcg(&p[i].m2)) + c * d * d;
+    }
+  }
+  m2 = lanes_sum(m2);
+  s1::Stats s;
+  s.shift = kgen::moments_stats(kgen::Moments{count, mean, m2}, s1::kEps, s.rstd);
+  s.mean_offset = 0.f;
+  return s;
+}
+
+// Pass 1 (both forms): the tile's moments into `a.moments`.
+template <class P, class Acc>
+__device__ __forceinline__ void store_tile_moments(const s1::Args& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
+  tile_moments<P>(a, acc, fm, scratch, c, [&](int ch, const kgen::TileMoments& t) {
+    a.moments[(static_cast<long long>(c.n) * P::kCout + ch) * kNormTiles + c.index] = t;
+  });
+}
+
+// One pass: the grid is whole samples' worth of co-resident CTAs (run_coresident: a cooperative
+// launch), so all kNormTiles tiles of a sample run at once. Each stores its tile's moments and
+// counts itself in `a.arrived`, waits until the sample's other tiles have, merges their moments
+// (every CTA the same statistics) and normalizes its accumulators, still in registers.
+struct NormOnePass {
   using Params = s1::Args;
   static constexpr bool kStaged = false;
   static constexpr int kScratchFloats = kNormScratchFloats;
 
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
-    static_assert(kNormScratchFloats >= (P::kWarpsM + 1) * P::kBN + 6 * P::kBN, "sums, means, moments and statistics fit the scratch");
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    static_assert(3 * P::kBN <= kScratchFloats, "the statistics of the tile's channels fit the scratch");
     const int tid = team_thread<P>();
-    auto* moments = reinterpret_cast<kgen::TileMoments*>(scratch + (P::kWarpsM + 1) * P::kBN);  // this tile's, read by the cluster
-    float* stats = scratch + (P::kWarpsM + 1) * P::kBN + 3 * P::kBN;  // per channel: shift, mean offset, rstd
-    tile_moments<P>(a, acc, fm, scratch, c, [&](int ch, const kgen::TileMoments& t) { moments[ch] = t; });
-    cluster.sync();  // every tile of the sample has its moments in its CTA's shared memory
-    if (tid < P::kCout) {
-      const int g = tid / s1::kGroupChannels;
-      const s1::Stats s = s1::merged_stats(kNormTiles, [&](int i) {  // channel-major, then tile (= rank)
-        const int ch = g * s1::kGroupChannels + i / kNormTiles;
-        return cluster.map_shared_rank(moments, static_cast<unsigned>(i % kNormTiles))[ch];
-      });
-      stats[3 * tid] = s.shift;
-      stats[3 * tid + 1] = s.mean_offset;
-      stats[3 * tid + 2] = s.rstd;
+    store_tile_moments<P>(a, acc, fm, scratch, c);
+    team_sync<P>();  // the tile's moments are stored (and the scratch free for the statistics)
+    if (tid == 0) {
+      __threadfence();  // the moments before the count (the reader fences after it)
+      atomicAdd(a.arrived + c.n, 1);
+      int seen;
+      do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(a.arrived + c.n) : "memory");
+      } while (seen < kNormTiles);
+      __threadfence();
+    }
+    team_sync<P>();
+    float* stats = scratch;  // per channel: shift, mean offset, rstd
+    constexpr int kGroupsAtOnce = P::kWarpsM * 32 / kMergeLanes;
+    for (int g0 = 0; g0 < s1::kGroups; g0 += kGroupsAtOnce) {  // the same count of rounds in every warp
+      const int g = g0 + tid / kMergeLanes;
+      const bool ok = g < s1::kGroups;
+      const s1::Stats s = merged_stats(a, c.n, ok ? g : 0, ok);
+      for (int k = tid % kMergeLanes; ok && k < s1::kGroupChannels; k += kMergeLanes) {
+        const int ch = g * s1::kGroupChannels + k;
+        stats[3 * ch] = s.shift;
+        stats[3 * ch + 1] = s.mean_offset;
+        stats[3 * ch + 2] = s.rstd;
+      }
     }
     team_sync<P>();
     normalize_store<true, P>(a, acc, fm, stats, c);
-    cluster.sync();  // no CTA of the cluster reads this one's moments any more: they may be overwritten, or the CTA exit
   }
 };
 
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
-  static_assert(Geometry<Problem>::kCBlocks == 1, "a cluster holds all the channels of its sample");
-  static_assert(smem_bytes<Problem, NormCluster>() <= kPlanSmemBytes, "the plan's shared memory covers the epilogue's");
+  static_assert(smem_bytes<Problem, NormOnePass>() <= kPlanSmemBytes, "the plan's shared memory covers the epilogue's");
   if (pack) pack_weights<Problem>(w, packed, stream);
-  return kgen::conv_gemm::run_clusters<Problem, NormCluster, kNormTiles>(x, packed, a, batch, stream);
+  cudaError_t err = cudaMemsetAsync(a.arrived, 0, sizeof(int) * static_cast<size_t>(batch), stream);
+  if (err != cudaSuccess) return err;
+  return kgen::conv_gemm::run_coresident<Problem, NormOnePass>(x, packed, a, batch, stream);
 }
 
 }  // namespace s0

@@ -36,8 +36,8 @@ constexpr long long kPackedFloats = 1296;
 // The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 30, 30].
 // `packed` holds the re-laid weights (kPackedFloats); `pack` says whether to write them from `w` first.
 cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
-// The convolution with stage 1 (a norm) as its epilogue, computed once by a cluster
-// of kNormTiles CTAs per sample (the statistics shared on chip), into `a.out`.
+// The convolution with stage 1 (a norm) as its epilogue, computed once: the tiles'
+// statistics into `a.moments` (kNormTiles per sample and channel; `a.arrived` counts them), then `a.out`.
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
 constexpr int kNormTiles = 14;  // tiles per sample
 #endif
@@ -62,6 +62,7 @@ struct Args {
   kgen::ShiftedSums* partial;  // per (sample, group, split): the statistics' sums
   float* stats;  // per (sample, group): shift, mean offset, rstd, unused
   kgen::TileMoments* moments;  // per (sample, channel, tile of stage 0): its epilogue's statistics
+  int* arrived;  // per sample: its tiles whose moments are in `moments` (stage 0's one-pass form)
   long long batch;
 };
 
@@ -179,29 +180,6 @@ KGEN_HD void store_stats(const Args& a, long long ng, const kgen::ShiftedSums& t
 KGEN_HD Stats group_stats(const Args& a, long long n, int g) {
   const float* s = a.stats + (n * kGroups + g) * kStatsStride;
   return Stats{s[0], s[1], s[2]};
-}
-
-// Stage 0 gathers the statistics in its epilogue: (count, mean, M2)
-// of each tile's values per channel. Merges those of one (n, g), tile_at(i) for i <
-// kGroupChannels * tiles in channel, then tile order, in double: shift = mean, mean offset 0.
-template <class TileAt>
-KGEN_HD Stats merged_stats(int tiles, const TileAt& tile_at) {
-  kgen::Moments total = kgen::moments_empty();
-  for (int i = 0; i < kGroupChannels * tiles; ++i) kgen::moments_merge(total, tile_at(i));
-  Stats s;
-  s.shift = kgen::moments_stats(total, kEps, s.rstd);
-  s.mean_offset = 0.f;
-  return s;
-}
-
-// The same from `a.moments` ([sample][channel][tile]) into `a.stats`.
-KGEN_HD void finalize_moments(const Args& a, long long ng, int tiles) {
-  const kgen::TileMoments* p = a.moments + ng * kGroupChannels * tiles;
-  const Stats s = merged_stats(tiles, [&](int i) { return p[i]; });
-  float* out = a.stats + ng * kStatsStride;
-  out[0] = s.shift;
-  out[1] = s.mean_offset;
-  out[2] = s.rstd;
 }
 
 // `v`, the norm's input (after its prologue ops) at channel c, position (d0, d1, d2), normalized, then ops[3].clamp, ops[4].mul.

@@ -22,9 +22,9 @@ one of two forms. Recompute: pass 1 leaves each tile's (count, mean, M2) per
 (sample, channel), a merge kernel combines them per (sample, group) in tile
 order, pass 2 computes the convolution again and normalizes in registers (with
 a reduction over the channels, a thread holds every channel of its positions).
-Cluster (sm_90, a sample of at most 16 tiles): one pass, a thread-block cluster
-per sample, one tile per CTA; the tiles' moments meet in distributed shared
-memory and are merged in the same order, and each CTA normalizes its
+One pass: a cooperative launch keeps whole samples' tiles on co-resident CTAs;
+each CTA stores its tile's moments, counts itself in, waits for the sample's
+other tiles, merges their moments as the merge kernel does, and normalizes its
 accumulators, still in registers. The convolution output is never written.
 
 Otherwise the convolution output is written (NC[D]HW) and the next stage reads it.
@@ -84,9 +84,6 @@ DIRECT_MAX_ACC = 128  # accumulators per thread in the direct loop (positions x 
 # K = 81 ran 0.33-0.38 ms that way in the lab, about what the written form takes (0.38); the
 # same recompute form on the split-TF32 loops took 0.42 (scripts/conv_lab dinst_stats/apply, H100)
 NORM_RECOMPUTE_MAX_K = DIRECT_MAX_K
-# CTAs of a thread-block cluster on sm_90 (above 8 is the "non-portable" size a kernel opts in to):
-# the cluster form of a fused norm holds one sample's tiles in one cluster
-MAX_CLUSTER = 16
 
 
 @dataclass(frozen=True)
@@ -147,12 +144,12 @@ class Fused:
 @dataclass(frozen=True)
 class FusedNorm:
     """How a norm epilogue stage runs (conv_gemm module docstring): the convolution twice, or
-    once in a cluster of CTAs per sample."""
+    once on co-resident CTAs."""
 
     tiles: int  # tiles per sample: (count, mean, M2) partials per (sample, channel)
     groups: int  # the norm's groups: statistics per (sample, group)
     reduce: str  # the reduction over the channels fused after it ("" if none)
-    cluster: bool = False  # one pass: a cluster of `tiles` CTAs per sample
+    one_pass: bool = False  # one pass: a sample's tiles on co-resident CTAs that wait for each other
 
 
 @dataclass
@@ -161,10 +158,10 @@ class ConvGemmStage(ConvStage):
     schedule: Schedule = None
     fused: Fused | None = None  # a pool_reduce epilogue
     fused_norm: FusedNorm | None = None  # a norm epilogue
-    # candidates conv_gemm:recompute and conv_gemm:cluster: the direct-loop schedule they run with
+    # candidates conv_gemm:recompute and conv_gemm:onepass: the direct-loop schedule they run with
     # the norm stage as the epilogue, and which of the two forms
     norm_schedule: Schedule | None = None
-    norm_cluster: bool = False
+    norm_one_pass: bool = False
     x3_reason: str = ""
 
     # ---- what the templates need (text only; the decisions are above)
@@ -211,7 +208,7 @@ class ConvGemmStage(ConvStage):
         return [f"d{i}" for i in range(self.rank)]
 
     def norm_scratch_floats(self) -> int:
-        return norm_scratch_floats(self.schedule, self.fused_norm.cluster)
+        return norm_scratch_floats(self.schedule)
 
     def position_decls(self, m: str) -> str:
         """C declarations of the output coordinates (d0, ...) of tile row ``m`` (one problem)."""
@@ -289,12 +286,10 @@ def _window_m_tiles(sc: Schedule) -> int:
     return math.prod(sc.tile) // sc.warps_m // 16
 
 
-def norm_scratch_floats(sc: Schedule, cluster: bool = False) -> int:
+def norm_scratch_floats(sc: Schedule) -> int:
     """Shared floats of the norm epilogues (norm_epilogue.j2): per warp row and channel sums,
-    then the tile's channel means (pass 1); per channel shift, mean offset, rstd (pass 2). The
-    cluster form keeps all of them at once, and per channel the tile's (count, mean, M2)."""
-    moments = (sc.warps_m + 1) * sc.block_n
-    return moments + 6 * sc.block_n if cluster else max(moments, 3 * sc.block_n)
+    then the tile's channel means (the moments); per channel shift, mean offset, rstd (the apply)."""
+    return max(sc.warps_m * sc.block_n + sc.block_n, 3 * sc.block_n)
 
 
 def _tiles_per_sample(p: Problem, sc: Schedule) -> int:
@@ -613,33 +608,34 @@ class ConvGemm(Family):
                 and all(-(-q // qt) == -(-o // t) for q, qt, o, t in zip(pooled, pooled_tile, out, sc.tile)))
 
     def _absorbs_norm(self, st: ConvGemmStage, nxt: Stage) -> bool:
-        """The candidates ``conv_gemm:recompute`` and ``conv_gemm:cluster`` take the norm stage after it."""
+        """The candidates ``conv_gemm:recompute`` and ``conv_gemm:onepass`` take the norm stage after it."""
         sc = st.norm_schedule
         if sc is None:
             return False
         st.schedule = sc
         st.x3_reason = "a normalization follows: fp32 products (the split TF32's accuracy or better)"
         st.fused_norm = FusedNorm(_tiles_per_sample(st.problems[0], sc), nxt.norm.num_groups,
-                                  nxt.reduce.fn if nxt.reduce else "", st.norm_cluster)
+                                  nxt.reduce.fn if nxt.reduce else "", st.norm_one_pass)
         return True
 
-    def norm_schedule(self, st: ConvGemmStage, cluster: bool) -> Schedule | None:
+    def norm_schedule(self, st: ConvGemmStage, one_pass: bool, target: Target) -> Schedule | None:
         """The direct-loop schedule of a fused norm, or None where it does not apply: fp32
         products are at least as accurate as the split TF32 a normalization asks for (``mma``);
         K small enough that computing the convolution twice can pay (NORM_RECOMPUTE_MAX_K, the
         shape measured); at most 32 output channels, one warp column (a thread holds every channel
-        of its positions: a reduction over them stays in registers). The cluster form also needs
-        a sample's tiles to fit one cluster (MAX_CLUSTER)."""
+        of its positions: a reduction over them stays in registers). The one-pass form also needs
+        a sample's tiles to run at once: at most one per SM here (the kernel checks the device's
+        real count at launch)."""
         if len(st.problems) != 1 or st.schedule.mma not in ("fp32", "tf32x3"):
             return None
         p = st.problems[0]
         if p.cin * math.prod(p.kernel) > NORM_RECOMPUTE_MAX_K:
             return None
         try:
-            sc = self.direct_schedule(st.conv, st.problems, False, scratch_floats=lambda sc: norm_scratch_floats(sc, cluster))
+            sc = self.direct_schedule(st.conv, st.problems, False, scratch_floats=norm_scratch_floats)
         except KgenError:
             return None
-        if sc.warps_n != 1 or (cluster and _tiles_per_sample(p, sc) > MAX_CLUSTER):
+        if sc.warps_n != 1 or (one_pass and _tiles_per_sample(p, sc) > target.sm_count):
             return None
         return sc
 
@@ -647,21 +643,21 @@ class ConvGemm(Family):
         """Before a norm stage, three ways (``kgen tune`` measures them; the issue's choice between
         writing the convolution once and computing it twice, and a third that does neither):
         ``conv_gemm`` writes the output and the norm stage reads it twice; ``conv_gemm:recompute``
-        takes the norm stage as a two-pass epilogue, ``conv_gemm:cluster`` as a one-pass epilogue
-        over a cluster of CTAs per sample (sm_90), where ``norm_schedule`` allows."""
+        takes the norm stage as a two-pass epilogue, ``conv_gemm:onepass`` as a one-pass epilogue
+        on co-resident CTAs, where ``norm_schedule`` allows."""
         st = self.make_stage(req)
         written = Candidate(self.name, st)
         form = req.pipeline.conv_norm  # plan.conv_norm
         if form == "written" or req.next_family is None or req.next_family.name != "norm":
             return [written]
         out = [] if form != "auto" else [written]
-        for name, cluster in (("recompute", False), ("cluster", True)):
-            if form not in ("auto", name) or (cluster and not req.target.clusters):
+        for name, one_pass in (("recompute", False), ("onepass", True)):
+            if form not in ("auto", name):
                 continue
-            sc = self.norm_schedule(st, cluster)
+            sc = self.norm_schedule(st, one_pass, req.target)
             if sc is not None:
                 alt = self.make_stage(req)
-                alt.norm_schedule, alt.norm_cluster = sc, cluster
+                alt.norm_schedule, alt.norm_one_pass = sc, one_pass
                 out.append(Candidate(f"{self.name}:{name}", alt))
         return out or [written]
 
@@ -677,8 +673,9 @@ class ConvGemm(Family):
                 else target.tensor_flops * GEMM_TENSOR_FRACTION)
         what = "direct convolution" if st.schedule.loop == "direct" else "implicit GEMM"
         out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()))]
-        if st.fused_norm is not None and st.fused_norm.cluster:  # one pass, the statistics inside the cluster
-            out.append(Work(f"{what} + statistics + apply", flops, nbytes, rate))
+        if st.fused_norm is not None and st.fused_norm.one_pass:  # one pass; the tiles' moments meet in L2
+            moments = FLOAT_BYTES * 3 * batch * c.out_channels * st.fused_norm.tiles
+            out.append(Work(f"{what} + statistics + apply", flops, nbytes + 2 * moments, rate))
         elif st.fused_norm is not None:  # statistics pass, merge, apply pass (the convolution again)
             moments = FLOAT_BYTES * 3 * batch * c.out_channels * st.fused_norm.tiles
             read = FLOAT_BYTES * batch * st.in_type.sample_numel
@@ -697,8 +694,8 @@ class ConvGemm(Family):
         fn = st.fused_norm
         if fn is not None:
             then = f"normalized in registers{', ' + fn.reduce + ' over the channels' if fn.reduce else ''}"
-            how = (f"the convolution runs once, a cluster of {fn.tiles} CTAs per sample (one tile each; the tiles' "
-                   f"statistics meet in distributed shared memory, merged in order; then {then})" if fn.cluster else
+            how = (f"the convolution runs once, the {fn.tiles} tiles of a sample on co-resident CTAs (each waits for "
+                   f"the others' statistics, merged in order; then {then})" if fn.one_pass else
                    f"the convolution runs twice (per-tile statistics, merged in order; then {then})")
             out.append(f"stage {st.epilogue.index} (norm) is its epilogue: {how}; its output is never written")
         elif st.fused is not None:

@@ -54,7 +54,6 @@
 // a shared-memory copy of the tile (E::kStaged: pools, plain stores).
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -1240,42 +1239,33 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
   return cudaGetLastError();
 }
 
-// Runs the convolution with epilogue E as clusters of kCluster CTAs (sm_90): a sample's
-// kCluster = kTilesPerSample tiles run at once, one per CTA, and the CTA of cluster rank r
-// always holds tile r (the grid is whole clusters, so worker % kCluster is the rank and the
-// tile index alike). E may synchronize and share memory across the cluster (cluster barriers
-// and distributed shared memory), e.g. to combine statistics of the whole sample.
-template <class P, class E, int kCluster>
-cudaError_t run_clusters(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+// Runs the convolution with epilogue E on co-resident CTAs (a cooperative launch), all of a
+// sample's tiles at once: the grid is a whole number of samples' tiles, so worker w's k-th tile,
+// w + k * grid, belongs to one of the samples in round k, and every CTA of round k is running.
+// E may then wait for the other tiles of its sample (e.g. for statistics over the whole sample).
+template <class P, class E>
+cudaError_t run_coresident(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
   using G = Geometry<P>;
-  static_assert(G::kTilesPerSample == kCluster && G::kCBlocks == 1, "a cluster is one sample's tiles");
-  constexpr int kSmem = smem_bytes<P, E>();
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(G::kThreads);
-  config.dynamicSmemBytes = kSmem;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  static int resident = 0;  // CTAs of the clusters that fit at once, found once per process
+  constexpr int kSampleTiles = G::kCBlocks * G::kTilesPerSample;
+  static int resident = 0;
   if (resident == 0) {
-    cudaError_t err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err == cudaSuccess && kCluster > 8)  // above the portable cluster size
-      err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    int clusters = 0;
-    config.gridDim = dim3(kCluster);
-    if (err == cudaSuccess) err = cudaOccupancyMaxActiveClusters(&clusters, conv_kernel<P, E>, &config);
+    const cudaError_t err = resident_ctas<P, E>(&resident);
     if (err != cudaSuccess) return err;
-    if (clusters < 1) return cudaErrorInvalidConfiguration;
-    resident = clusters * kCluster;
   }
-  const long long tiles = static_cast<long long>(batch) * kCluster;
-  config.gridDim = dim3(static_cast<unsigned>(tiles < resident ? tiles : resident));  // whole clusters either way
+  if (resident < kSampleTiles) return cudaErrorCooperativeLaunchTooLarge;  // one sample's tiles do not fit at once
+  const long long tiles = static_cast<long long>(batch) * kSampleTiles;
+  const long long workers = static_cast<long long>(resident / kSampleTiles) * kSampleTiles;
   if (tiles == 0) return cudaSuccess;
+  cudaLaunchAttribute cooperative;
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(tiles < workers ? tiles : workers));
+  config.blockDim = dim3(G::kThreads);
+  config.dynamicSmemBytes = smem_bytes<P, E>();
+  config.stream = stream;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, conv_kernel<P, E>, x, packed, ep, batch);
 }
 
