@@ -56,6 +56,31 @@ def test_the_floor_counts_a_fused_epilogue_inside_its_convolutions_kernel():
         floor_ms(flops, nbytes, DEFAULT)[0], flops / DEFAULT.tensor_flops * 1e3)
 
 
+def test_the_fused_floor_is_the_lowest_over_kgens_candidates():
+    """Bench's floor is the fully fused pipeline's: for instnorm_clamp_max the default candidate
+    writes the convolution output for the norm stage, the fused-norm candidates never write it."""
+    from kgen.explain import fused_floor_ms, plan_totals
+    from kgen.ir import load_pipeline
+    from kgen.plan import KGEN, PIPELINE, candidate_plans, make_plan
+    from kgen.target import DEFAULT
+
+    pipe = load_pipeline(ROOT / "specs" / "instnorm_clamp_max.yaml")
+    batch = 8
+    floors = {json_key(p.choices): plan_totals(p, batch)[2] for p in candidate_plans(pipe, DEFAULT, batch)
+              if p.choices.get(PIPELINE, KGEN) == KGEN}
+    default = plan_totals(make_plan(pipe, None, DEFAULT, {PIPELINE: KGEN}), batch)[2]
+    fused = fused_floor_ms(pipe, batch, DEFAULT)
+    assert fused == min(floors.values()) and fused < default / 3  # the 103 MB written and read twice, at batch 128
+    best = min(floors, key=floors.get)
+    assert "conv_gemm:recompute" in best or "conv_gemm:onepass" in best
+
+
+def json_key(choices: dict) -> str:
+    import json
+
+    return json.dumps(choices, sort_keys=True)
+
+
 def test_list_shows_the_shipped_specs_fresh():
     out = _kgen("list").stdout
     for name in SHIPPED:
