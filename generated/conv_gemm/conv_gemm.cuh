@@ -382,7 +382,8 @@ struct FragMap {
     }
   }
   __device__ __forceinline__ int n(int nt, int i) const {
-    return P::kLoop == Loop::kDirect ? n0 + 2 * nt + (i % 2) : n0 + nt * 8 + 2 * t + (i % 2);
+    const int base = P::kWarpsN == 1 ? 0 : n0;  // one warp column: a compile-time 0 (checks against kCout fold)
+    return P::kLoop == Loop::kDirect ? base + 2 * nt + (i % 2) : base + nt * 8 + 2 * t + (i % 2);
   }
 };
 

@@ -89,15 +89,18 @@ __device__ __forceinline__ void tile_moments(const s1::Args& a, Acc& acc, const 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = fm.m(mt, 2 * h);
-      const int d0 = c.od + row_d<P>(m), d1 = c.oh + row_h<P>(m), d2 = c.ow + row_w<P>(m);
+      const int d0 = min(c.od + row_d<P>(m), P::kOutD - 1), d1 = min(c.oh + row_h<P>(m), P::kOutH - 1), d2 = min(c.ow + row_w<P>(m), P::kOutW - 1);
       valid[mt][h] = row_valid<P>(c, m);
 #pragma unroll
       for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {  // the norm's input (its prologue ops on the convolution); 0 outside the output
+          // evaluated everywhere, at a channel and position clamped into the output, then selected: a
+          // parameter load under a condition is done per accumulator, an unconditional one once per channel
           const int ch = fm.n(nt, j);
           float& v = acc[mt][nt][2 * h + j];
-          v = valid[mt][h] && ch < P::kCout ? s1::pre(a, c.n, ch, d0, d1, d2, v) : 0.f;
+          const float in = s1::pre(a, c.n, min(ch, P::kCout - 1), d0, d1, d2, v);
+          v = valid[mt][h] && ch < P::kCout ? in : 0.f;
         }
     }
   }
@@ -120,25 +123,39 @@ __device__ __forceinline__ void tile_moments(const s1::Args& a, Acc& acc, const 
   }
 }
 
-// Normalizes the tile's accumulators with the per channel statistics in `stats` (shift, mean
-// offset, rstd), maxs over the channels (a thread holds every channel of its positions) and
-// stores the result. kPre: the accumulators already hold the norm's input (tile_moments made them so).
+// Normalizes the tile's accumulators in place with the per channel statistics in `stats` (shift,
+// rstd; the merged statistics' mean offset is 0), maxs over the channels (a thread holds every channel of its positions)
+// and stores the result. kPre: the accumulators already hold the norm's input (tile_moments made them
+// so). Two loops: the values first, with no store between them (so each channel's statistics and
+// parameters are loaded once, not per accumulator), then the stores.
 template <bool kPre, class P, class Acc>
-__device__ __forceinline__ void normalize_store(const s1::Args& a, const Acc& acc, const FragMap<P>& fm, const float* stats, const TileCoord& c) {
+__device__ __forceinline__ void normalize_store(const s1::Args& a, Acc& acc, const FragMap<P>& fm, const float* stats, const TileCoord& c) {
   using G = Geometry<P>;
-  auto normalized = [&](int mt, int nt, int i, int d0, int d1, int d2) {
-    const int ch = fm.n(nt, i);
-    const s1::Stats s{stats[3 * ch], stats[3 * ch + 1], stats[3 * ch + 2]};
-    if constexpr (kPre) {
-      return s1::normalize_at(a, c.n, ch, d0, d1, d2, acc[mt][nt][i], s);
-    } else {
-      return s1::apply_at(a, c.n, ch, d0, d1, d2, acc[mt][nt][i], s);
-    }
-  };
 #pragma unroll
   for (int mt = 0; mt < G::kMT; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the thread's positions m(mt, 2h) and m(mt, 2h + 1)
+      const int m = fm.m(mt, 2 * h);
+      const int d0 = min(c.od + row_d<P>(m), P::kOutD - 1), d1 = min(c.oh + row_h<P>(m), P::kOutH - 1), d2 = min(c.ow + row_w<P>(m), P::kOutW - 1);
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int ch = min(fm.n(nt, j), P::kCout - 1);  // past kCout: any channel's value, never stored
+          const s1::Stats s{stats[2 * ch], 0.f, stats[2 * ch + 1]};
+          float& v = acc[mt][nt][2 * h + j];
+          if constexpr (kPre) {
+            v = s1::normalize_at(a, c.n, ch, d0, d1, d2, v, s);
+          } else {
+            v = s1::apply_at(a, c.n, ch, d0, d1, d2, v, s);
+          }
+        }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < G::kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
       const int m = fm.m(mt, 2 * h);
       const int d0 = c.od + row_d<P>(m), d1 = c.oh + row_h<P>(m), d2 = c.ow + row_w<P>(m);
       const s1::Index s = ((d0) * 30 + d1) * 30 + d2;
@@ -148,7 +165,7 @@ __device__ __forceinline__ void normalize_store(const s1::Args& a, const Acc& ac
       for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
         for (int j = 0; j < 2; ++j)  // channels in order
-          if (fm.n(nt, j) < P::kCout) r = s1::combine(r, normalized(mt, nt, 2 * h + j, d0, d1, d2));
+          if (fm.n(nt, j) < P::kCout) r = s1::combine(r, acc[mt][nt][2 * h + j]);
       if (valid) a.out[static_cast<long long>(c.n) * s1::kSpatial + s] = s1::finish(a, c.n, s, r);
     }
   }
@@ -214,7 +231,7 @@ struct NormOnePass {
 
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
-    static_assert(3 * P::kBN <= kScratchFloats, "the statistics of the tile's channels fit the scratch");
+    static_assert(2 * P::kBN <= kScratchFloats, "the statistics of the tile's channels fit the scratch");
     const int tid = team_thread<P>();
     store_tile_moments<P>(a, acc, fm, scratch, c);
     team_sync<P>();  // the tile's moments are stored (and the scratch free for the statistics)
@@ -228,7 +245,7 @@ struct NormOnePass {
       __threadfence();
     }
     team_sync<P>();
-    float* stats = scratch;  // per channel: shift, mean offset, rstd
+    float* stats = scratch;  // per channel: shift, rstd
     constexpr int kGroupsAtOnce = P::kWarpsM * 32 / kMergeLanes;
     for (int g0 = 0; g0 < s1::kGroups; g0 += kGroupsAtOnce) {  // the same count of rounds in every warp
       const int g = g0 + tid / kMergeLanes;
@@ -236,9 +253,8 @@ struct NormOnePass {
       const s1::Stats s = merged_stats(a, c.n, ok ? g : 0, ok);
       for (int k = tid % kMergeLanes; ok && k < s1::kGroupChannels; k += kMergeLanes) {
         const int ch = g * s1::kGroupChannels + k;
-        stats[3 * ch] = s.shift;
-        stats[3 * ch + 1] = s.mean_offset;
-        stats[3 * ch + 2] = s.rstd;
+        stats[2 * ch] = s.shift;
+        stats[2 * ch + 1] = s.rstd;
       }
     }
     team_sync<P>();

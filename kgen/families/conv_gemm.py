@@ -210,9 +210,14 @@ class ConvGemmStage(ConvStage):
     def norm_scratch_floats(self) -> int:
         return norm_scratch_floats(self.schedule)
 
-    def position_decls(self, m: str) -> str:
-        """C declarations of the output coordinates (d0, ...) of tile row ``m`` (one problem)."""
-        parts = [f"d{i} = c.o{'dhw'[3 - self.rank + i]} + row_{'dhw'[3 - self.rank + i]}<P>({m})" for i in range(self.rank)]
+    def position_decls(self, m: str, clamped: bool = False) -> str:
+        """C declarations of the output coordinates (d0, ...) of tile row ``m`` (one problem);
+        ``clamped``: into the output (a row past its edge reads parameters in bounds)."""
+        parts = []
+        for i in range(self.rank):
+            dim = "dhw"[3 - self.rank + i]
+            coord = f"c.o{dim} + row_{dim}<P>({m})"
+            parts.append(f"d{i} = min({coord}, P::kOut{dim.upper()} - 1)" if clamped else f"d{i} = {coord}")
         return "const int " + ", ".join(parts) + ";"
 
     def spatial_index(self) -> str:
