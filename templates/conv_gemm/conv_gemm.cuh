@@ -382,8 +382,13 @@ struct FragMap {
     }
   }
   __device__ __forceinline__ int n(int nt, int i) const {
-    const int base = P::kWarpsN == 1 ? 0 : n0;  // one warp column: a compile-time 0 (checks against kCout fold)
-    return P::kLoop == Loop::kDirect ? base + 2 * nt + (i % 2) : base + nt * 8 + 2 * t + (i % 2);
+    if constexpr (P::kLoop == Loop::kDirect) {
+      // one warp column: a compile-time 0, so the epilogues' checks against kCout fold (kept to the
+      // direct loop: on the window loop the same change cost div_max's fused kernel 26 registers)
+      return (P::kWarpsN == 1 ? 0 : n0) + 2 * nt + (i % 2);
+    } else {
+      return n0 + nt * 8 + 2 * t + (i % 2);
+    }
   }
 };
 
