@@ -177,7 +177,7 @@ __device__ __forceinline__ void normalize_store(const s1::Args& a, Acc& acc, con
 // mean, then M2 about it. NaN or inf anywhere in the group makes them NaN, as in PyTorch. Every
 // lane of the warp calls it; `ok`: (n, g) exists. L2 loads: other SMs wrote the moments.
 constexpr int kMergeLanes = 8;
-__device__ s1::Stats merged_stats(const s1::Args& a, long long n, int g, bool ok) {
+__device__ __forceinline__ s1::Stats merged_stats(const s1::Args& a, long long n, int g, bool ok) {
   constexpr int kTerms = s1::kGroupChannels * kNormTiles;
   const int lane = static_cast<int>(threadIdx.x % kMergeLanes);
   const kgen::TileMoments* p = a.moments + (n * s1::kGroups + g) * kTerms;  // [channel of the group][tile]
@@ -236,15 +236,14 @@ struct NormOnePass {
     store_tile_moments<P>(a, acc, fm, scratch, c);
     team_sync<P>();  // the tile's moments are stored (and the scratch free for the statistics)
     if (tid == 0) {
-      __threadfence();  // the moments before the count (the reader fences after it)
+      __threadfence();  // the moments before the count (the reader's acquire load pairs with it)
       atomicAdd(a.arrived + c.n, 1);
       int seen;
       do {
         asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(a.arrived + c.n) : "memory");
       } while (seen < kNormTiles);
-      __threadfence();
     }
-    team_sync<P>();
+    team_sync<P>();  // after thread 0's acquire: the other tiles' moments are visible to the CTA (loads from L2)
     float* stats = scratch;  // per channel: shift, rstd
     constexpr int kGroupsAtOnce = P::kWarpsM * 32 / kMergeLanes;
     for (int g0 = 0; g0 < s1::kGroups; g0 += kGroupsAtOnce) {  // the same count of rounds in every warp
