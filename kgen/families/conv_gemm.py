@@ -293,7 +293,8 @@ def _window_m_tiles(sc: Schedule) -> int:
 
 def norm_scratch_floats(sc: Schedule) -> int:
     """Shared floats of the norm epilogues (norm_epilogue.j2): per warp row and channel sums,
-    then the tile's channel means (the moments); per channel shift, mean offset, rstd (the apply)."""
+    then the tile's channel means (the moments); per channel shift and rstd (the apply, which
+    uses 2 of the 3 floats per channel this leaves: the plans were measured with this size)."""
     return max(sc.warps_m * sc.block_n + sc.block_n, 3 * sc.block_n)
 
 
