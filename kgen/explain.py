@@ -60,8 +60,7 @@ def fused_floor_ms(pipe: Pipeline, batch: int, target: Target) -> float:
     over kgen's candidate plans, every rewrite the choices allow (the default candidates
     may write an intermediate that another candidate never writes: a norm fused into its
     convolution)."""
-    plans = [p for p in candidate_plans(pipe, target, batch) if p.choices.get(PIPELINE, KGEN) == KGEN]
-    return min(plan_totals(p, batch)[2] for p in plans or [make_plan(pipe, None, target, {PIPELINE: KGEN})])
+    return min(plan_totals(p, batch)[2] for p in candidate_plans(pipe, target, batch) if p.choices.get(PIPELINE, KGEN) == KGEN)
 
 
 def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None = None) -> str:

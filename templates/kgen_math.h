@@ -150,26 +150,17 @@ KGEN_HD void sums_stats(const ShiftedSums& s, float eps, float& mean_offset, flo
 
 // Statistics gathered per tile by a generated convolution's epilogue: each
 // tile's (count, mean, M2 = sum of squared deviations from its mean), two
-// passes over its registers, no shift needed. The tiles are merged in a fixed
-// order, in double (Chan, Golub and LeVeque's pairwise update). NaN or inf
-// anywhere makes the merged statistics NaN, as in PyTorch.
+// passes over its registers, no shift needed. The tiles of a group are merged
+// in double, in a fixed order (conv_gemm's norm epilogue, merged_stats). NaN or
+// inf anywhere makes the merged statistics NaN, as in PyTorch.
 struct TileMoments {
   float count, mean, m2;
 };
 
+// The merged statistics of a group.
 struct Moments {
   double count, mean, m2;
 };
-
-KGEN_HD Moments moments_empty() { return Moments{0.0, 0.0, 0.0}; }
-
-KGEN_HD void moments_merge(Moments& m, const TileMoments& t) {
-  if (t.count == 0.f) return;
-  const double total = m.count + t.count, delta = static_cast<double>(t.mean) - m.mean;
-  m.mean += delta * t.count / total;
-  m.m2 += static_cast<double>(t.m2) + delta * delta * m.count * t.count / total;
-  m.count = total;
-}
 
 // The mean; rstd = 1 / sqrt(biased variance + eps).
 KGEN_HD float moments_stats(const Moments& m, float eps, float& rstd) {

@@ -74,12 +74,11 @@ static_assert(Geometry<Problem>::kTilesPerSample == kNormTiles, "the plan's tile
 static_assert(Problem::kLoop == Loop::kDirect && Problem::kBN >= Problem::kCout, "a thread holds whole channels of its positions");
 constexpr int kNormScratchFloats = 80;  // per warp row channel sums + means; per channel statistics
 
-// The tile's (count, mean, M2) of stage 1's input per channel (two passes over the
-// registers: the sums, then the squared deviations), handed to sink(channel, moments) by the
-// threads tid < kCout. The accumulators become that input in place.
-template <class P, class Acc, class Sink>
-__device__ __forceinline__ void tile_moments(const s1::Args& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c,
-                                             const Sink& sink) {
+// Pass 1 (both forms): the tile's (count, mean, M2) of stage 1's input per channel (two
+// passes over the registers: the sums, then the squared deviations) into `a.moments`. The
+// accumulators become that input in place.
+template <class P, class Acc>
+__device__ __forceinline__ void tile_moments(const s1::Args& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
   using G = Geometry<P>;
   const int tid = team_thread<P>();  // this thread in its team
   float* means = scratch + P::kWarpsM * P::kBN;
@@ -119,7 +118,7 @@ __device__ __forceinline__ void tile_moments(const s1::Args& a, Acc& acc, const 
   if (tid < P::kCout) {
     float m2 = 0.f;
     for (int w = 0; w < P::kWarpsM; ++w) m2 += scratch[w * P::kBN + tid];
-    sink(tid, kgen::TileMoments{count, means[tid], m2});
+    a.moments[(static_cast<long long>(c.n) * P::kCout + tid) * kNormTiles + c.index] = kgen::TileMoments{count, means[tid], m2};
   }
 }
 
@@ -212,13 +211,6 @@ __device__ __forceinline__ s1::Stats merged_stats(const s1::Args& a, long long n
   return s;
 }
 
-// Pass 1 (both forms): the tile's moments into `a.moments`.
-template <class P, class Acc>
-__device__ __forceinline__ void store_tile_moments(const s1::Args& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
-  tile_moments<P>(a, acc, fm, scratch, c, [&](int ch, const kgen::TileMoments& t) {
-    a.moments[(static_cast<long long>(c.n) * P::kCout + ch) * kNormTiles + c.index] = t;
-  });
-}
 
 // One pass: the grid is whole samples' worth of co-resident CTAs (run_coresident: a cooperative
 // launch), so all kNormTiles tiles of a sample run at once. Each stores its tile's moments and
@@ -233,7 +225,7 @@ struct NormOnePass {
   __device__ static void apply_fragments(const Params& a, Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
     static_assert(2 * P::kBN <= kScratchFloats, "the statistics of the tile's channels fit the scratch");
     const int tid = team_thread<P>();
-    store_tile_moments<P>(a, acc, fm, scratch, c);
+    tile_moments<P>(a, acc, fm, scratch, c);
     team_sync<P>();  // the tile's moments are stored (and the scratch free for the statistics)
     if (tid == 0) {
       __threadfence();  // the moments before the count (the reader's acquire load pairs with it)
