@@ -19,7 +19,7 @@ namespace v0 {
 
 // ==== stage 0: conv_gemm, CUDA (kgen-template: templates/conv_gemm/kernel.cu.j2)
 namespace s1 {
-__global__ void finalize_kernel(const Args a, int splits);  // stage 1's, below
+cudaError_t launch_finalize(const Args& a, int splits, cudaStream_t stream);  // stage 1's, below
 }  // namespace s1
 namespace s0 {
 
@@ -135,9 +135,7 @@ struct Fused {
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
   const cudaError_t err = run<Fused>(x, w, packed, pack, a, batch, stream);
   if (err != cudaSuccess || kSplits == 1) return err;
-  const long long outputs = static_cast<long long>(batch) * s1::kKept;
-  s1::finalize_kernel<<<static_cast<unsigned>((outputs + s1::kThreads - 1) / s1::kThreads), s1::kThreads, 0, stream>>>(a, kSplits);
-  return cudaGetLastError();
+  return s1::launch_finalize(a, kSplits, stream);
 }
 
 }  // namespace s0
@@ -189,22 +187,34 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
   }
 }
 
-// One thread per output: combine the slices in order, then finish.
+// One warp per output: lane l combines slices l, l + 32, ... in order, then the lanes combine in a
+// fixed xor tree, so every run gives the same bits, with all the slices' loads in flight at once (a
+// thread per output, walking its slices one load after another, was latency-bound: notes/perf.md, stop 22).
 __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int splits) {
-  const long long o = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
-  if (o >= a.batch * kKept) return;
+  const long long o = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (o >= a.batch * kKept) return;  // o is the same for the whole warp
   float acc = identity();
-  for (int s = 0; s < splits; ++s) acc = combine(acc, a.partial[o * splits + s]);
-  a.out[o] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
+#pragma unroll 4
+  for (int s = lane; s < splits; s += 32) acc = combine(acc, a.partial[o * splits + s]);
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, m));
+  if (lane == 0) a.out[o] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
+}
+
+// Combines the partials of `splits` slices per output (finalize_kernel).
+cudaError_t launch_finalize(const Args& a, int splits, cudaStream_t stream) {
+  static_assert(kThreads % 32 == 0, "whole warps");
+  const long long warps = a.batch * kKept;
+  finalize_kernel<<<static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits);
+  return cudaGetLastError();
 }
 
 cudaError_t launch(const Args& a, int splits, cudaStream_t stream) {
   const long long outputs = a.batch * kKept;
   const dim3 grid(static_cast<unsigned>((outputs + kOLanes - 1) / kOLanes), static_cast<unsigned>(splits));
   reduce_kernel<<<grid, kThreads, 0, stream>>>(a, splits);
-  if (splits > 1) {
-    finalize_kernel<<<static_cast<unsigned>((outputs + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits);
-  }
+  if (splits > 1) return launch_finalize(a, splits, stream);
   return cudaGetLastError();
 }
 
