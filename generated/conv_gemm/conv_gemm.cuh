@@ -44,15 +44,6 @@
 // inputs from the box and the tap's kWarpN weights (the same for the whole
 // warp: broadcast 16-byte loads from shared memory, where the weights stay
 // for the whole kernel) and does kPPT x kWarpN FMAs.
-// `direct` with Mma::kTf32x3 (one chunk row set, 16 output channels, a fused norm): the same tiles,
-// positions and box on tensor cores, transposed from the GEMM above: M = the 16 channels (the packed
-// weights are the A fragments, two 16-byte loads a k step), N = n-tiles of 8 consecutive positions,
-// K = the chunk's box rows (channel, kd, kh) times kw, with the rows grouped four at a time so that
-// lane t of a group reads one row whose bank offset differs from the other lanes' by >= 8 (the 32
-// loads of a B fragment hit 32 banks; a group short of four reads zeros). Each input value is split
-// into hi + lo in registers (three MMAs per product, about fp32 accuracy), and after the tile the
-// accumulators are transposed through shared memory into the direct loop's layout, so its
-// epilogues run unchanged (scripts/inst_mma_lab: the design measured alone).
 //
 // Weights are packed by pack_weights_kernel (the caller keeps them while the
 // weight is unchanged); for mma.sync into MMA-fragment order and read straight
@@ -163,43 +154,6 @@ __host__ __device__ constexpr int plane_groups(int channels, int slots, int thre
   return best;
 }
 
-// The direct loop on tensor cores: the box rows (channel, kd, kh) of a chunk in groups of at most
-// four whose bank offsets (mod 32) are `span` or more apart, greedily in row order. row[q][t] is the
-// row lane t of group q reads (-1: none, it reads zeros).
-template <int kRows>
-struct RowGroups {
-  int row[kRows][4];
-  int groups;
-};
-template <int kRows>
-__host__ __device__ constexpr int mma_row_offset(int r, int kd_taps, int kh_taps, int plane, int dpitch, int hpitch) {
-  return r / (kd_taps * kh_taps) * plane + (r / kh_taps % kd_taps) * dpitch + (r % kh_taps) * hpitch;
-}
-template <int kRows>
-__host__ __device__ constexpr RowGroups<kRows> group_rows(int kd_taps, int kh_taps, int plane, int dpitch, int hpitch,
-                                                          int span) {
-  RowGroups<kRows> out{};
-  for (int q = 0; q < kRows; ++q)
-    for (int t = 0; t < 4; ++t) out.row[q][t] = -1;
-  int count[kRows] = {};
-  for (int r = 0; r < kRows; ++r) {
-    const int bank = mma_row_offset<kRows>(r, kd_taps, kh_taps, plane, dpitch, hpitch) % 32;
-    int q = 0;
-    for (; q < out.groups; ++q) {
-      bool fits = count[q] < 4;
-      for (int t = 0; t < count[q] && fits; ++t) {
-        const int other = mma_row_offset<kRows>(out.row[q][t], kd_taps, kh_taps, plane, dpitch, hpitch) % 32;
-        const int d = (bank - other + 32) % 32;
-        fits = d >= span && 32 - d >= span;
-      }
-      if (fits) break;
-    }
-    if (q == out.groups) ++out.groups;
-    out.row[q][count[q]++] = r;
-  }
-  return out;
-}
-
 // Everything derived from the problem struct P, whose members (all static constexpr) are:
 //   kCin, kCout                             channels
 //   kInD, kInH, kInW                        input spatial size (1 for missing dims)
@@ -226,9 +180,7 @@ template <class P>
 struct Geometry {
   static constexpr bool kDirect = P::kLoop == Loop::kDirect;
   static_assert(kDirect || P::kCI == 4 || P::kCI % 8 == 0, "the four k-lanes of a fragment are four channels of one tap");
-  static_assert(kDirect ? (P::kMma == Mma::kFp32 || P::kMma == Mma::kTf32x3) : P::kMma != Mma::kFp32,
-                "the direct loop and only it computes in plain fp32 (or on tensor cores in split TF32)");
-  static constexpr bool kDirectMma = kDirect && P::kMma == Mma::kTf32x3;
+  static_assert(kDirect == (P::kMma == Mma::kFp32), "the direct loop and only it computes in plain fp32");
   // K of a chunk runs over tap slots, kd-major; with kCI == 4 a k step holds
   // two taps, so each kd's slots are padded to an even count (a padded slot
   // has zero weights and its A values are compile-time zeros).
@@ -259,21 +211,7 @@ struct Geometry {
   // The window loop reads pairs up to one column past the box.
   static constexpr int kBWPad = kVecRows ? round_up(kBW + (kWindow ? 1 : 0), 4) : round_up(kBW + (kWindow ? 1 : 0), 2);
   static constexpr int kPlane = pad_to_residue(kBD * kBH * kBWPad, P::kPlaneResidue);
-  // direct loop on tensor cores: a warp's positions are kDirectWarpM consecutive tile rows; zeros
-  // after a stage's box for the lanes of short row groups (as far as their loads reach)
-  static constexpr int kDirectWarpM = P::kTD * P::kTH * P::kTW / P::kWarpsM;
-  static constexpr int kZeroStrip =
-      kDirectMma ? round_up(kDirectWarpM / P::kTW * P::kSH * kBWPad + P::kTW * P::kSW + (P::kKW - 1) * P::kDW + 8 * P::kSW, 4)
-                 : 0;
-  static constexpr int kInStage = round_up(P::kCI * kPlane + kZeroStrip, 4);
-  static constexpr int kMmaRows = P::kCI * P::kKD * P::kKH;
-  static constexpr RowGroups<kMmaRows> kRowGroups =
-      group_rows<kMmaRows>(P::kKD, P::kKH, kPlane, P::kDD * kBH * kBWPad, P::kDH * kBWPad, 8 * P::kSW < 32 ? 8 * P::kSW : 32);
-  static constexpr int kMmaGroups = kRowGroups.groups;
-  static constexpr int kMmaCombos = kMmaGroups * P::kKW;  // (row group, kw): half a k step each
-  static constexpr int kMmaSteps = (kMmaCombos + 1) / 2;
-  static constexpr int kMmaNT = kDirectWarpM / 8;          // n-tiles of a warp
-  static constexpr int kMmaChunkFloats = kMmaSteps * 32 * 8;  // a chunk's A fragments: [step][lane][hi 4, lo 4]
+  static constexpr int kInStage = round_up(P::kCI * kPlane, 4);
   // wgmma loop: the A buffer, the box as [quad][bd][bh][w phase][w / SW][4 channels].
   static constexpr int kQuads = P::kCI / 4;
   static constexpr int kColsPerPhase = ceil_div(kBW, P::kSW);
@@ -309,11 +247,6 @@ struct Geometry {
   static_assert(kWg || kM % (16 * P::kWarpsM) == 0, "tile rows must split into 16-row MMA tiles per warp");
   static_assert(!kDirect || (kWarpM % 64 == 0 && kWarpN % 4 == 0 && ceil_div(P::kCout, P::kBN) == 1),
                 "direct loop: an even number of positions per thread, whole 16-byte weight loads, one channel block");
-  static_assert(!kDirectMma || (P::kBN == 16 && P::kWarpsN == 1 && P::kTW % 8 == 0 && kWarpM % 32 == 0 &&
-                                 (P::kTW % kWarpM == 0 || (kWarpM % P::kTW == 0 && (P::kTH * P::kTW) % kWarpM == 0)) &&
-                                 P::kWarpsM * 512 <= kInStage),
-                "direct loop on tensor cores: 16 channels (one m16 tile), one warp column, n-tiles of 8 along W "
-                "inside a warp's (d, h) rows, a transposition buffer of 512 floats per warp in the lo stage");
   static_assert(!kWg || (P::kCI % 8 == 0 && P::kTW == 8 && P::kTH % 8 == 0 && P::kWarpsM % 4 == 0 &&
                          kMBlocks % kGroups == 0 && ceil_div(P::kCout, P::kBN) == 1 && P::kBN <= 128),
                 "wgmma loop: kCI a multiple of 8, tiles of 8 in W and 8k in H, warpgroups split the m-blocks, one channel block");
@@ -339,10 +272,9 @@ struct Geometry {
   static constexpr long long kPackedStep = static_cast<long long>(kNTiles) * 32 * kFragFloats;
   static constexpr int kWgStepFloats = P::kBN * 8;  // B of one k step
   static constexpr int kWgSplitFloats = kChunks * kKSteps * kWgStepFloats;
-  // direct: [chunk][channel of the chunk][tap][kBN], fp32; on tensor cores [chunk][step][lane][hi 4, lo 4].
+  // direct: [chunk][channel of the chunk][tap][kBN], fp32.
   static constexpr long long kPackedFloats =
       kWg       ? static_cast<long long>(kSplits) * kWgSplitFloats
-      : kDirectMma ? static_cast<long long>(kChunks) * kMmaChunkFloats
       : kDirect ? static_cast<long long>(kChunks) * P::kCI * kTaps * P::kBN
                 : static_cast<long long>(kCBlocks) * kChunks * kKSteps * kPackedStep;
 
@@ -905,117 +837,6 @@ __device__ __forceinline__ void chunk_direct(float (&acc)[Geometry<P>::kMT][Geom
   }
 }
 
-// Row lane T reads in group Q (a scalar constant: device code may read those, not the table itself).
-template <class P, int Q, int T>
-struct MmaRow {
-  static constexpr int value = Geometry<P>::kRowGroups.row[Q][T];
-};
-// The same for a run-time group q and lane t (compares against the constants; no local-memory table).
-template <class P, int... Q>
-__device__ __forceinline__ int mma_group_row(int q, int t, std::integer_sequence<int, Q...>) {
-  int r = -1;
-  ((r = q == Q ? (t == 0   ? MmaRow<P, Q, 0>::value
-                  : t == 1 ? MmaRow<P, Q, 1>::value
-                  : t == 2 ? MmaRow<P, Q, 2>::value
-                           : MmaRow<P, Q, 3>::value)
-               : r),
-   ...);
-  return r;
-}
-// The direct loop on tensor cores: the box offset of the row lane t reads in group Q (`base`: this
-// lane's first position), or of the zeros after the box (`zeros`) where group Q has no row for it.
-template <class P, int Q>
-__device__ __forceinline__ int mma_lane_row(int base, int zeros, int t) {
-  using G = Geometry<P>;
-  constexpr int r0 = MmaRow<P, Q, 0>::value, r1 = MmaRow<P, Q, 1>::value;
-  constexpr int r2 = MmaRow<P, Q, 2>::value, r3 = MmaRow<P, Q, 3>::value;
-  auto at = [&](int r) {
-    return r < 0 ? zeros
-                 : base + mma_row_offset<G::kMmaRows>(r, P::kKD, P::kKH, G::kPlane, P::kDD * G::kBH * G::kBWPad,
-                                                      P::kDH * G::kBWPad);
-  };
-  return t == 0 ? at(r0) : t == 1 ? at(r1) : t == 2 ? at(r2) : at(r3);
-}
-template <class P, int... Q>
-__device__ __forceinline__ void mma_lane_rows(int (&rb)[sizeof...(Q)], int base, int zeros, int t,
-                                              std::integer_sequence<int, Q...>) {
-  ((rb[Q] = mma_lane_row<P, Q>(base, zeros, t)), ...);
-}
-
-// An input value's lo part for split TF32 (the MMA truncates the value itself to its hi part):
-// 0 where the value is its hi part already (inf among them: inf - inf would be NaN).
-__device__ __forceinline__ float tf32_low(float x) {
-  const float hi = __uint_as_float(__float_as_uint(x) & 0xffffe000u);
-  return hi == x ? 0.f : x - hi;
-}
-
-// The direct loop on tensor cores over one chunk: accm[j] is the warp's n-tile j (positions
-// 8 j .. 8 j + 7 from the warp's first) x the 16 channels, as an m16n8 accumulator (rows: channels
-// g, g + 8; columns: positions 2 t, 2 t + 1). rb: this lane's rows (mma_lane_rows); a: this chunk's
-// A fragments for this lane ([step][hi 4, lo 4]). Per k step and n-tile two loads and three MMAs.
-template <class P>
-__device__ __forceinline__ void chunk_direct_mma(float (&accm)[Geometry<P>::kMmaNT][4], const float* in,
-                                                 const int (&rb)[Geometry<P>::kMmaGroups], const float* a) {
-  using G = Geometry<P>;
-  constexpr int kRound = 4;  // n-tiles whose products go round-robin: an accumulator waits 4 MMAs, not 1
-  static_assert(G::kMmaNT % kRound == 0, "whole rounds of n-tiles");
-#pragma unroll
-  for (int s = 0; s < G::kMmaSteps; ++s) {
-    // volatile: each step's fragments load after the previous step's MMAs (hoisted, every step's
-    // 8 registers stay live at once)
-    float ahi[4], alo[4];
-    const uint32_t addr = smem_addr(a + s * 256);
-    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(ahi[0]), "=f"(ahi[1]), "=f"(ahi[2]), "=f"(ahi[3]) : "r"(addr));
-    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(alo[0]), "=f"(alo[1]), "=f"(alo[2]), "=f"(alo[3]) : "r"(addr + 16));
-    const int c0 = 2 * s, c1 = 2 * s + 1;  // (row group, kw) combos of the step's two k halves
-    const bool pad1 = c1 >= G::kMmaCombos;
-    const int q0 = c0 / P::kKW, kw0 = c0 % P::kKW, q1 = pad1 ? q0 : c1 / P::kKW, kw1 = c1 % P::kKW;
-#pragma unroll
-    for (int j0 = 0; j0 < G::kMmaNT; j0 += kRound) {
-      float b0[kRound], b1[kRound];
-#pragma unroll
-      for (int jj = 0; jj < kRound; ++jj) {
-        const int m = 8 * (j0 + jj);  // the n-tile's first position, from the warp's first
-        const int off = (m / P::kTW) * P::kSH * G::kBWPad + (m % P::kTW) * P::kSW;
-        b0[jj] = in[rb[q0] + off + kw0 * P::kDW];
-        b1[jj] = pad1 ? 0.f : in[rb[q1] + off + kw1 * P::kDW];
-      }
-#pragma unroll
-      for (int jj = 0; jj < kRound; ++jj) mma_tf32(accm[j0 + jj], alo, b0[jj], b1[jj]);
-#pragma unroll
-      for (int jj = 0; jj < kRound; ++jj) mma_tf32(accm[j0 + jj], ahi, tf32_low(b0[jj]), tf32_low(b1[jj]));
-#pragma unroll
-      for (int jj = 0; jj < kRound; ++jj) mma_tf32(accm[j0 + jj], ahi, b0[jj], b1[jj]);
-    }
-  }
-}
-
-// The direct loop on tensor cores, after a tile: its n-tile accumulators into the direct loop's
-// layout (position m0 + lane + 32 j, all 16 channels: acc[j / 2][n / 2][2 (j % 2) + n % 2]), 32
-// positions at a time through this warp's 512 floats `buf`, XOR-swizzled so that both the stores
-// (8 channels x 4 column pairs) and the loads (32 positions of a channel) hit 32 banks.
-template <class P>
-__device__ __forceinline__ void mma_to_direct(const float (&accm)[Geometry<P>::kMmaNT][4],
-                                              float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4], float* buf, int lane) {
-  using G = Geometry<P>;
-  const int g = lane / 4, t = lane % 4;
-  auto swz = [](int ch) { return ((ch & 3) << 3) | ((ch >> 2) & 1); };
-#pragma unroll
-  for (int j = 0; j < G::kPPT; ++j) {
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int ch = g + 8 * (i / 2), p = 8 * a + 2 * t + i % 2;
-        buf[ch * 32 + (p ^ swz(ch))] = accm[4 * j + a][i];
-      }
-    __syncwarp();
-#pragma unroll
-    for (int ch = 0; ch < 16; ++ch) acc[j / 2][ch / 2][2 * (j % 2) + ch % 2] = buf[ch * 32 + (lane ^ swz(ch))];
-    __syncwarp();
-  }
-}
-
 // pin() on every accumulator: the asynchronous MMAs read and write them.
 template <class P>
 __device__ __forceinline__ void pin_all(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4]) {
@@ -1121,13 +942,6 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       pos[j] = (row_d<P>(m) * P::kSD * G::kBH + row_h<P>(m) * P::kSH) * G::kBWPad + row_w<P>(m) * P::kSW;
     }
   }
-  // Direct loop on tensor cores: this lane's box rows (its first position + each group's row for t).
-  int rb[G::kDirectMma ? G::kMmaGroups : 1];
-  if constexpr (G::kDirectMma) {
-    const int m = warp_m * G::kWarpM;
-    const int base = (row_d<P>(m) * P::kSD * G::kBH + row_h<P>(m) * P::kSH) * G::kBWPad + (row_w<P>(m) + g) * P::kSW;
-    mma_lane_rows<P>(rb, base, P::kCI * G::kPlane + g * P::kSW, t, std::make_integer_sequence<int, G::kMmaGroups>{});
-  }
   // This thread's B fragments: lane `lane` of n-tiles warp_n * kNT + nt.
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
@@ -1137,21 +951,13 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   auto tile_of_step = [&](long long s) { return tile_coord<P>(worker + (s / G::kChunks) * workers); };
 
   float acc[G::kMT][G::kNT][4];
-  float accm[G::kDirectMma ? G::kMmaNT : 1][4];  // direct loop on tensor cores: the main loop's (acc: the epilogue's)
   auto zero_acc = [&] {
-    if constexpr (G::kDirectMma) {
 #pragma unroll
-      for (int j = 0; j < G::kMmaNT; ++j)
+    for (int mt = 0; mt < G::kMT; ++mt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) accm[j][i] = 0.f;
-    } else {
+      for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
-      for (int mt = 0; mt < G::kMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < G::kNT; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-    }
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
   };
   // After a tile's last chunk (its input stage `stage`): the epilogue, then fresh accumulators.
   auto finish_tile = [&](const TileCoord& c, float* stage) {
@@ -1173,7 +979,6 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       team_sync<P>();
       E::template apply<P>(ep, tile, scratch, c);
     } else {
-      if constexpr (G::kDirectMma) mma_to_direct<P>(accm, acc, s_lo + warp * 512, lane);
       E::template apply_fragments<P>(ep, acc, fm, s_scratch, c);
     }
     team_sync<P>();  // the epilogue's shared memory is reused by the next tile
@@ -1186,12 +991,6 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
     const float4* src = reinterpret_cast<const float4*>(packed);
     float4* dst = reinterpret_cast<float4*>(smem);
     for (int e = threadIdx.x; e < G::kWeightFloats / 4; e += G::kThreads) dst[e] = __ldg(src + e);
-  }
-  if constexpr (G::kDirectMma) {
-    static_assert(!E::kStaged, "the direct loop on tensor cores runs register epilogues (its stages end in zeros)");
-    // the zeros after each stage's box (loads never write them; the main loop's first barrier publishes them)
-    for (int st = 0; st < P::kStages; ++st)
-      for (int e = threadIdx.x; e < G::kZeroStrip; e += G::kThreads) s_stages[st * G::kInStage + P::kCI * G::kPlane + e] = 0.f;
   }
   if constexpr (G::kWg) {
     fence_async_shared();  // wgmma reads them through the async proxy
@@ -1257,9 +1056,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       const TileCoord c = tile_of_step(s);
       const int chunk = static_cast<int>(s % G::kChunks);
       const float* w = w_lane + (static_cast<long long>(c.cblock) * G::kChunks + chunk) * G::kKSteps * G::kPackedStep;
-      if constexpr (G::kDirectMma) {
-        chunk_direct_mma<P>(accm, in, rb, smem + chunk * G::kMmaChunkFloats + lane * 8);
-      } else if constexpr (G::kDirect) {
+      if constexpr (G::kDirect) {
         chunk_direct<P>(acc, in, pos, smem + chunk * P::kCI * G::kTaps * P::kBN + fm.n0);
       } else if constexpr (G::kWindow) {
         chunk_window<P>(acc, in, s_lo, window_base, w);
@@ -1352,24 +1149,6 @@ template <class P>
 __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restrict__ packed) {
   using G = Geometry<P>;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  if constexpr (G::kDirectMma) {
-    // [chunk][step][lane][hi a0..a3, lo a0..a3], a_i = W[channel g + 8 (i % 2)][the k slot t + 4 (i / 2) of
-    // the step]: the slot's (row group, kw) combo and lane t's row of that group (none: zero)
-    for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < G::kPackedFloats / 2; e += stride) {
-      const int i = static_cast<int>(e % 4), lane = static_cast<int>((e / 4) % 32);
-      const int step = static_cast<int>((e / 128) % G::kMmaSteps), chunk = static_cast<int>(e / (128LL * G::kMmaSteps));
-      const int co = lane / 4 + 8 * (i % 2), combo = 2 * step + i / 2;
-      const int r = combo < G::kMmaCombos
-                        ? mma_group_row<P>(combo / P::kKW, lane % 4, std::make_integer_sequence<int, G::kMmaGroups>{})
-                        : -1;
-      const int ci = chunk * P::kCI + (r < 0 ? 0 : r / (P::kKD * P::kKH));
-      const bool real = r >= 0 && ci < P::kCin && co < P::kCout;
-      const float v = real ? weight_value<P>(w, ci, co, r / P::kKH % P::kKD, r % P::kKH, combo % P::kKW) : 0.f;
-      float* dst = packed + (e / 4) * 8 + i;
-      split_weight(v, real, dst[0], dst[4]);
-    }
-    return;
-  }
   if constexpr (G::kDirect) {
     // [chunk][channel of the chunk][tap][kBN], fp32 as given
     for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < G::kPackedFloats; e += stride) {

@@ -23,14 +23,14 @@ namespace v0 {
 
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
 //   ops[0].conv3d: conv3d(3->16, k=3), bias added by the next stage
-//   direct convolution, fp32 FMAs (tf32x3: a normalization follows: split TF32 (about fp32 accuracy) on tensor cores, the channels as M), stage 1 fused in as its epilogue
+//   direct convolution, fp32 FMAs (fp32: a normalization follows: fp32 products (the split TF32's accuracy or better)), stage 1 fused in as its epilogue
 namespace s1 {
 struct Args;
 }  // namespace s1
 namespace s0 {
 
 // Packed weights (MMA-fragment order) of all 1 problem(s): a workspace per call.
-constexpr long long kPackedFloats = 3072;
+constexpr long long kPackedFloats = 1296;
 
 #ifdef KGEN_STAGES_CUDA
 // The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 30, 30].

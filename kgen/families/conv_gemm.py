@@ -84,10 +84,6 @@ DIRECT_MAX_ACC = 128  # accumulators per thread in the direct loop (positions x 
 # K = 81 ran 0.33-0.38 ms that way in the lab, about what the written form takes (0.38); the
 # same recompute form on the split-TF32 loops took 0.42 (scripts/conv_lab dinst_stats/apply, H100)
 NORM_RECOMPUTE_MAX_K = DIRECT_MAX_K
-# The direct loop on tensor cores (split TF32, the 16 channels as M; conv_gemm.cuh chunk_direct_mma) ran
-# instnorm_clamp_max's convolution with a channel max in 92-95 us, 3 x 4.18 GFLOP (K 81 -> 88) at about
-# 0.37 of the TF32 rate, where the fp32 direct loop took ~140 us (scripts/inst_mma_lab, H100, stop 22)
-DIRECT_MMA_TENSOR_FRACTION = 0.37
 
 
 @dataclass(frozen=True)
@@ -195,8 +191,8 @@ class ConvGemmStage(ConvStage):
         sc = self.schedule
         total = 0
         for p in self.problems:
-            if sc.loop == "direct":  # [chunk][channel][tap][block_n]; on tensor cores [chunk][step][lane][8]
-                total += _direct_weight_floats(p, sc)
+            if sc.loop == "direct":  # [chunk][channel][tap][block_n]
+                total += -(-p.cin // sc.cin_chunk) * sc.cin_chunk * math.prod(p.kernel) * sc.block_n
                 continue
             taps_hw = p.kernel[1] * p.kernel[2]
             slots = p.kernel[0] * (taps_hw + taps_hw % 2 if sc.cin_chunk == 4 else taps_hw)
@@ -306,60 +302,6 @@ def _tiles_per_sample(p: Problem, sc: Schedule) -> int:
     return math.prod(-(-o // t) for o, t in zip(p.out, sc.tile))
 
 
-def _box_pitches(p: Problem, sc: Schedule) -> tuple[int, int, int]:
-    """(box rows in H, floats between box rows, floats between channel planes), as conv_gemm.cuh's
-    Geometry (kBH, kBWPad, kPlane)."""
-    box = [(t - 1) * s + (k - 1) * d + 1 for t, s, k, d in zip(sc.tile, p.stride, p.kernel, p.dilation)]
-    vec = (p.input[2] % 4 == 0 and (sc.tile[2] * p.stride[2]) % 4 == 0 and p.padding[2] % 4 == 0
-           and sc.plane_residue % 4 == 0)
-    row = box[2] + (1 if sc.loop == "window" else 0)
-    row = -(-row // 4) * 4 if vec else -(-row // 2) * 2
-    plane = box[0] * box[1] * row
-    plane += (sc.plane_residue - plane % 32) % 32
-    return box[1], row, plane
-
-
-def direct_mma(sc: Schedule) -> bool:
-    """The direct loop on tensor cores (split TF32): conv_gemm.cuh's Geometry::kDirectMma."""
-    return sc.loop == "direct" and sc.mma == "tf32x3"
-
-
-def mma_row_groups(p: Problem, sc: Schedule) -> int:
-    """Row groups of a chunk on the direct loop's tensor cores, as conv_gemm.cuh's group_rows: the box rows
-    (channel, kd, kh) greedily in groups of at most four whose bank offsets are 8 x stride W apart."""
-    bh, row, plane = _box_pitches(p, sc)
-    kd, kh = p.kernel[0], p.kernel[1]
-    dpitch, hpitch = p.dilation[0] * bh * row, p.dilation[1] * row
-    span = min(8 * p.stride[2], 32)
-    groups: list[list[int]] = []
-    for r in range(sc.cin_chunk * kd * kh):
-        bank = (r // (kd * kh) * plane + (r // kh % kd) * dpitch + (r % kh) * hpitch) % 32
-        for g in groups:
-            if len(g) < 4 and all(span <= (bank - o) % 32 <= 32 - span for o in g):
-                g.append(bank)
-                break
-        else:
-            groups.append([bank])
-    return len(groups)
-
-
-def _direct_weight_floats(p: Problem, sc: Schedule) -> int:
-    chunks = -(-p.cin // sc.cin_chunk)
-    if direct_mma(sc):  # [chunk][k step][lane][hi 4, lo 4]; a k step is two (row group, kw) combos
-        return chunks * -(-mma_row_groups(p, sc) * p.kernel[2] // 2) * 32 * 8
-    return chunks * sc.cin_chunk * math.prod(p.kernel) * sc.block_n
-
-
-def _zero_strip(p: Problem, sc: Schedule) -> int:
-    """Zeros after each stage's box (the tensor-core direct loop's short row groups read them)."""
-    if not direct_mma(sc):
-        return 0
-    _, row, _ = _box_pitches(p, sc)
-    warp_m = math.prod(sc.tile) // sc.warps_m
-    strip = warp_m // sc.tile[2] * p.stride[1] * row + sc.tile[2] * p.stride[2] + (p.kernel[2] - 1) * p.dilation[2] + 8 * p.stride[2]
-    return -(-strip // 4) * 4
-
-
 def _view3(t: tuple, fill) -> tuple:
     return (fill,) * (3 - len(t)) + tuple(t)
 
@@ -444,8 +386,8 @@ class ConvGemm(Family):
         m = math.prod(tile)
         tile_floats = sc.block_n * (m + (4 - m % 32) % 32) if staged else 0
         splits = 2 if sc.mma == "tf32x3" else 1
-        if sc.loop == "direct":  # resident weights | input stages (tensor cores: + zeros, and a transposition stage) | staged tile
-            weights = _direct_weight_floats(p, sc)
+        if sc.loop == "direct":  # resident weights | input stages (no rounding: no lo parts) | staged tile
+            weights = -(-p.cin // sc.cin_chunk) * sc.cin_chunk * math.prod(p.kernel) * sc.block_n
         else:
             weights = 0
         if sc.loop == "wgmma":  # resident weights | per team: the A buffer (channel quads, W phases) | staged tile, scratch
@@ -453,8 +395,13 @@ class ConvGemm(Family):
             row = 4 * p.stride[2] * -(-box[2] // p.stride[2])
             a_buffer = splits * (sc.cin_chunk // 4) * box[0] * box[1] * row
             return 4 * (weights + sc.teams * (a_buffer + tile_floats + scratch_floats))
-        _, row, plane = _box_pitches(p, sc)
-        stage = -(-(sc.cin_chunk * plane + _zero_strip(p, sc)) // 4) * 4
+        vec = (p.input[2] % 4 == 0 and (tile[2] * p.stride[2]) % 4 == 0 and p.padding[2] % 4 == 0
+               and sc.plane_residue % 4 == 0)
+        row = box[2] + (1 if sc.loop == "window" else 0)
+        row = -(-row // 4) * 4 if vec else -(-row // 2) * 2
+        plane = box[0] * box[1] * row
+        plane += (sc.plane_residue - plane % 32) % 32
+        stage = -(-sc.cin_chunk * plane // 4) * 4
         floats = weights + sc.stages * stage + (stage if sc.mma == "tf32x3" else 0)
         if staged and tile_floats + scratch_floats <= stage:
             return 4 * floats  # the staged tile and scratch live in the last chunk's input stage (tile_in_stage)
@@ -545,8 +492,7 @@ class ConvGemm(Family):
         direct = sc.loop == "direct"
         rules = {
             "kCI is 4 or a multiple of 8 (the direct loop: any)": direct or sc.cin_chunk == 4 or sc.cin_chunk % 8 == 0,
-            "the direct loop and only it computes in fp32 (or on tensor cores in split TF32)": (
-                sc.mma in ("fp32", "tf32x3") if direct else sc.mma != "fp32"),
+            "the direct loop and only it computes in fp32": direct == (sc.mma == "fp32"),
             "tile rows split into 16-row MMA tiles per warp": m % (16 * sc.warps_m) == 0,
             "kBN splits into 8-column MMA tiles per warp": sc.block_n % (8 * sc.warps_n) == 0,
             f"shared memory within {SMEM_LIMIT} bytes": sc.smem_bytes <= SMEM_LIMIT,
@@ -560,14 +506,6 @@ class ConvGemm(Family):
             rules["direct loop: an even number of positions per thread, 16-byte weight loads, one channel block"] = (
                 m % (64 * sc.warps_m) == 0 and (sc.block_n // sc.warps_n) % 4 == 0
                 and all(p.cout <= sc.block_n for p in problems))
-        if direct_mma(sc):
-            warp_m = m // sc.warps_m
-            stage = -(-(sc.cin_chunk * _box_pitches(problems[0], sc)[2] + _zero_strip(problems[0], sc)) // 4) * 4
-            rules["direct loop on tensor cores: 16 channels, one warp column, n-tiles of 8 along W inside a warp's "
-                  "(d, h) rows, 512 floats per warp in a stage"] = (
-                sc.block_n == 16 and sc.warps_n == 1 and sc.tile[2] % 8 == 0 and warp_m % 32 == 0
-                and (sc.tile[2] % warp_m == 0 or (warp_m % sc.tile[2] == 0 and (sc.tile[1] * sc.tile[2]) % warp_m == 0))
-                and sc.warps_m * 512 <= stage)
         if sc.loop == "window":
             rules["window loop: stride 1 in H and W, kCI 4 or 8, warps tile (TD, TH / kMT, TW / 16)"] = (
                 all(p.stride[1] == p.stride[2] == 1 for p in problems) and sc.cin_chunk in (4, 8)
@@ -681,8 +619,7 @@ class ConvGemm(Family):
         if sc is None:
             return False
         st.schedule = sc
-        st.x3_reason = ("a normalization follows: split TF32 (about fp32 accuracy) on tensor cores, the channels as M"
-                        if direct_mma(sc) else "a normalization follows: fp32 products (the split TF32's accuracy or better)")
+        st.x3_reason = "a normalization follows: fp32 products (the split TF32's accuracy or better)"
         st.fused_norm = FusedNorm(_tiles_per_sample(st.problems[0], sc), nxt.norm.num_groups,
                                   nxt.reduce.fn if nxt.reduce else "", st.norm_one_pass)
         return True
@@ -694,8 +631,7 @@ class ConvGemm(Family):
         shape measured); at most 32 output channels, one warp column (a thread holds every channel
         of its positions: a reduction over them stays in registers). The one-pass form also needs
         a sample's tiles to run at once: at most one per SM here (the kernel checks the device's
-        real count at launch). Where the spec's products are split TF32 and the loop's shape allows
-        (16 channels), the direct loop runs them on tensor cores (``direct_mma``)."""
+        real count at launch)."""
         if len(st.problems) != 1 or st.schedule.mma not in ("fp32", "tf32x3"):
             return None
         p = st.problems[0]
@@ -707,14 +643,6 @@ class ConvGemm(Family):
             return None
         if sc.warps_n != 1 or (one_pass and _tiles_per_sample(p, sc) > target.sm_count):
             return None
-        if st.schedule.mma == "tf32x3":  # split TF32 asked for: on tensor cores where the loop's shape allows
-            mma = replace(sc, mma="tf32x3")
-            mma = replace(mma, smem_bytes=self.smem_bytes(p, mma, False, norm_scratch_floats(mma)))
-            try:
-                self.check(mma, st.problems)
-                return mma
-            except KgenError:
-                pass
         return sc
 
     def candidates(self, req: StageRequest) -> list[Candidate]:
@@ -747,8 +675,7 @@ class ConvGemm(Family):
         flops = batch * lc.flops(st.in_type, st.out_type) * (3 if st.schedule.mma == "tf32x3" else 1)
         out_type = st.epilogue.out_type if st.epilogue is not None else st.out_type
         nbytes = FLOAT_BYTES * (batch * (st.in_type.sample_numel + out_type.sample_numel) + math.prod(c.weight_shape()))
-        rate = (target.tensor_flops * DIRECT_MMA_TENSOR_FRACTION if direct_mma(st.schedule)
-                else target.fp32_flops * DIRECT_FP32_FRACTION if st.schedule.loop == "direct"
+        rate = (target.fp32_flops * DIRECT_FP32_FRACTION if st.schedule.loop == "direct"
                 else target.tensor_flops * GEMM_TENSOR_FRACTION)
         what = "direct convolution" if st.schedule.loop == "direct" else "implicit GEMM"
         out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()))]
