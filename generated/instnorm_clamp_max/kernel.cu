@@ -175,9 +175,15 @@ __device__ __forceinline__ void normalize_store(const s1::Args& a, Acc& acc, con
 // lanes combine them in a fixed order (every lane gets the same bits); in double, two passes: the
 // mean, then M2 about it. NaN or inf anywhere in the group makes them NaN, as in PyTorch. Every
 // lane of the warp calls it; `ok`: (n, g) exists. L2 loads: other SMs wrote the moments.
+// The loops have a trip count known at compile time and no branches, so the shuffles run in
+// converged code (with lane-dependent trip counts the compiler wrapped each in a warp-collective
+// fallback: 7% of the one-pass kernel's stall samples, notes/perf.md stop 22). The second pass loads
+// the terms again (from L2): kept in registers, a group norm's many terms would sit beside the
+// one-pass form's accumulators.
 constexpr int kMergeLanes = 8;
 __device__ __forceinline__ s1::Stats merged_stats(const s1::Args& a, long long n, int g, bool ok) {
   constexpr int kTerms = s1::kGroupChannels * kNormTiles;
+  constexpr int kPerLane = (kTerms + kMergeLanes - 1) / kMergeLanes;
   const int lane = static_cast<int>(threadIdx.x % kMergeLanes);
   const kgen::TileMoments* p = a.moments + (n * s1::kGroups + g) * kTerms;  // [channel of the group][tile]
   auto lanes_sum = [](double v) {
@@ -186,23 +192,26 @@ __device__ __forceinline__ s1::Stats merged_stats(const s1::Args& a, long long n
     return v;
   };
   double count = 0.0, sum = 0.0;
-  for (int i = lane; ok && i < kTerms; i += kMergeLanes) {
-    const float c = __ldcg(&p[i].count);
-    if (c > 0.f) {
-      count += c;
-      sum += static_cast<double>(c) * __ldcg(&p[i].mean);
-    }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int i = lane + k * kMergeLanes;
+    const bool in = ok && i < kTerms;  // a term of the group; count 0: an empty tile
+    const float c = in ? __ldcg(&p[i].count) : 0.f;
+    const float mu = in ? __ldcg(&p[i].mean) : 0.f;
+    count += c > 0.f ? static_cast<double>(c) : 0.0;
+    sum += c > 0.f ? static_cast<double>(c) * mu : 0.0;
   }
   count = lanes_sum(count);
   sum = lanes_sum(sum);
   const double mean = sum / count;
   double m2 = 0.0;
-  for (int i = lane; ok && i < kTerms; i += kMergeLanes) {
-    const float c = __ldcg(&p[i].count);
-    if (c > 0.f) {
-      const double d = static_cast<double>(__ldcg(&p[i].mean)) - mean;
-      m2 += static_cast<double>(__ldcg(&p[i].m2)) + c * d * d;
-    }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int i = lane + k * kMergeLanes;
+    const bool in = ok && i < kTerms;
+    const float c = in ? __ldcg(&p[i].count) : 0.f;
+    const double d = static_cast<double>(in ? __ldcg(&p[i].mean) : 0.f) - mean;
+    m2 += c > 0.f ? static_cast<double>(in ? __ldcg(&p[i].m2) : 0.f) + c * d * d : 0.0;
   }
   m2 = lanes_sum(m2);
   s1::Stats s;
