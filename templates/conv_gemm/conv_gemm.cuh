@@ -526,6 +526,33 @@ __device__ __forceinline__ long long input_offset(int n, int ci, int id, int ih,
   }
 }
 
+// One 16-byte (row bh, piece) slot of the box, of kChannels channels from input channel c0 (stage
+// planes from `dst`): every (channel, depth) plane at compile-time offsets, in shared memory and in x,
+// no index arithmetic per copy (NC[D]HW, kVecRows).
+template <class P, int kChannels>
+__device__ __forceinline__ void load_slot(float* dst, const float* __restrict__ x, const TileCoord& c, int c0, int slot) {
+  using G = Geometry<P>;
+  constexpr int kPieces = G::kBWPad / 4;
+  const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
+  const int bh = slot / kPieces, piece = slot % kPieces;
+  const int ih = ih0 + bh, iw = iw0 + piece * 4;
+  const bool hw_ok = ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
+  constexpr long long kChannelStride = static_cast<long long>(P::kInD) * P::kInH * P::kInW;
+  constexpr int kDepthStride = P::kInH * P::kInW;
+  const long long first = (static_cast<long long>(c.n) * P::kCin + c0) * kChannelStride +
+                          static_cast<long long>(id0) * kDepthStride + ih * P::kInW + iw;
+  float* d_slot = dst + bh * G::kBWPad + piece * 4;
+#pragma unroll
+  for (int ch = 0; ch < kChannels; ++ch) {
+    const bool c_ok = hw_ok && c0 + ch < P::kCin;
+#pragma unroll
+    for (int bd = 0; bd < G::kBD; ++bd) {
+      const bool ok = c_ok && id0 + bd >= 0 && id0 + bd < P::kInD;
+      cp_async16(d_slot + ch * G::kPlane + bd * G::kBH * G::kBWPad, ok ? x + (first + ch * kChannelStride + bd * kDepthStride) : x, ok);
+    }
+  }
+}
+
 // Input box of chunk `chunk` for the tile at `c` into one shared-memory stage.
 template <class P>
 __device__ __forceinline__ void load_input(float* dst, const float* __restrict__ x, const TileCoord& c, int chunk) {
@@ -537,28 +564,15 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
   constexpr int kPlaneGroups = G::kVecRows ? plane_groups(P::kCI, kSlots, G::kThreads) : 0;
   constexpr int kGroupChannels = kPlaneGroups ? P::kCI / kPlaneGroups : 0;
   if constexpr (kPlaneGroups > 0 && kGroupChannels * G::kBD <= 64) {
-    // A thread keeps one piece (row bh, piece) of every plane: groups of kSlots threads split the
-    // chunk's channels, and a thread walks its group's (channel, depth) planes at compile-time
-    // offsets, in shared memory and in x: no index arithmetic per copy.
+    // A thread keeps one slot of every plane: groups of kSlots threads split the chunk's channels.
     const int slot = threadIdx.x % kSlots, group = threadIdx.x / kSlots;
     if (group >= kPlaneGroups) return;
-    const int bh = slot / kPieces, piece = slot % kPieces;
-    const int ih = ih0 + bh, iw = iw0 + piece * 4, c0 = ci0 + group * kGroupChannels;
-    const bool hw_ok = ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
-    constexpr long long kChannelStride = static_cast<long long>(P::kInD) * P::kInH * P::kInW;
-    constexpr int kDepthStride = P::kInH * P::kInW;
-    const long long first = (static_cast<long long>(c.n) * P::kCin + c0) * kChannelStride +
-                            static_cast<long long>(id0) * kDepthStride + ih * P::kInW + iw;
-    float* d_slot = dst + group * kGroupChannels * G::kPlane + bh * G::kBWPad + piece * 4;
-#pragma unroll
-    for (int ch = 0; ch < kGroupChannels; ++ch) {
-      const bool c_ok = hw_ok && c0 + ch < P::kCin;
-#pragma unroll
-      for (int bd = 0; bd < G::kBD; ++bd) {
-        const bool ok = c_ok && id0 + bd >= 0 && id0 + bd < P::kInD;
-        cp_async16(d_slot + ch * G::kPlane + bd * G::kBH * G::kBWPad, ok ? x + (first + ch * kChannelStride + bd * kDepthStride) : x, ok);
-      }
-    }
+    load_slot<P, kGroupChannels>(dst + group * kGroupChannels * G::kPlane, x, c, ci0 + group * kGroupChannels, slot);
+  } else if constexpr (G::kVecRows && kSlots > G::kThreads && P::kCI * G::kBD <= 64) {
+    // More slots than threads: a thread takes slots tid, tid + kThreads, ... of every plane (the row
+    // walk below cost instnorm_clamp_max's onepass kernel 10% of its stall samples, notes/perf.md stop 22).
+#pragma unroll 1
+    for (int slot = threadIdx.x; slot < kSlots; slot += G::kThreads) load_slot<P, P::kCI>(dst, x, c, ci0, slot);
   } else if constexpr (G::kVecRows) {
     // A thread keeps one 16-byte piece of a row and walks the rows (ci, bd, bh)
     // kRowsPerPass apart: its column test and offsets are found once per tile.
