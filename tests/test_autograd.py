@@ -157,6 +157,25 @@ def test_only_requested_gradients(modules):
         assert model(x).grad_fn is None
 
 
+@pytest.mark.parametrize("name", ["instnorm_clamp_max", "relu_group_norm"])
+def test_calls_without_grad_mode_skip_autograd_and_match(name, modules):
+    """Without grad mode the module's forward calls the op below the autograd key (no Python autograd
+    kernel per call): the same bits as with grad mode, no graph; with grad mode a graph to the inputs."""
+    m = modules[name]
+    torch.manual_seed(0)
+    model = m.Model()
+    x = torch.randn(load_pipeline(SPEC[name]).input.concrete(2))
+    graded = model(x)
+    assert graded.grad_fn is not None  # the parameters require gradients
+    with torch.no_grad():
+        plain = model(x)
+    with torch.inference_mode():
+        inference = model(x)
+    assert plain.grad_fn is None and torch.equal(plain, graded.detach()) and torch.equal(inference, plain)
+    source = (ROOT / "generated" / name / "__init__.py").read_text()
+    assert "torch._C._AutoDispatchBelowAutograd()" in source and "torch.compiler.is_compiling()" in source
+
+
 def _training_step(model, x, weight, opt):
     opt.zero_grad()
     loss = (model(x) * weight).mean()
