@@ -122,6 +122,13 @@ __device__ __forceinline__ void tile_moments(const s1::Args& a, Acc& acc, const 
   }
 }
 
+// The apply's per channel statistics in shared memory: (shift, rstd) of channel ch's group (the merged
+// statistics' mean offset is 0); normalize_store reads them back.
+__device__ __forceinline__ void put_stats(float* stats, int ch, const s1::Stats& s) {
+  stats[2 * ch] = s.shift;
+  stats[2 * ch + 1] = s.rstd;
+}
+
 // Normalizes the tile's accumulators in place with the per channel statistics in `stats` (shift,
 // rstd; the merged statistics' mean offset is 0), maxs over the channels (a thread holds every channel of its positions)
 // and stores the result. kPre: the accumulators already hold the norm's input (tile_moments made them
@@ -141,7 +148,7 @@ __device__ __forceinline__ void normalize_store(const s1::Args& a, Acc& acc, con
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int ch = min(fm.n(nt, j), P::kCout - 1);  // past kCout: any channel's value, never stored
-          const s1::Stats s{stats[2 * ch], 0.f, stats[2 * ch + 1]};
+          const s1::Stats s{stats[2 * ch], 0.f, stats[2 * ch + 1]};  // put_stats' layout
           float& v = acc[mt][nt][2 * h + j];
           if constexpr (kPre) {
             v = s1::normalize_at(a, c.n, ch, d0, d1, d2, v, s);
@@ -252,9 +259,7 @@ struct NormOnePass {
       const bool ok = g < s1::kGroups;
       const s1::Stats s = merged_stats(a, c.n, ok ? g : 0, ok);
       for (int k = tid % kMergeLanes; ok && k < s1::kGroupChannels; k += kMergeLanes) {
-        const int ch = g * s1::kGroupChannels + k;
-        stats[2 * ch] = s.shift;
-        stats[2 * ch + 1] = s.rstd;
+        put_stats(stats, g * s1::kGroupChannels + k, s);
       }
     }
     team_sync<P>();
