@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python scripts/host_probe.py instnorm_clamp_max div_max_gap_bias_sum
 
-Per module: the median host time (us) of a call at batch 1 (the GPU far from the bottleneck) as
-`model(x)`, as the op, as the op below the autograd key, under inference mode, and of an empty_like
-(the host's own speed); CUDA events around one drained call at the example batch (what `kgen bench`
-counts); and the time per call back to back (the GPU's own time).
+Per module, in us: the median host time of `model(x)` at batch 1 (the GPU far from the bottleneck)
+and of an empty_like (the host's own speed), one call with the queue drained before it at the
+example batch (what `kgen bench` counts: kgen.bench.time_call), and the time per call back to back
+(the GPU's own time). Models and inputs as `kgen bench` makes them (kgen.bench.models_and_inputs).
 """
 import sys
 import time
@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
+from kgen.bench import models_and_inputs, time_in_blocks
 from kgen.cli import _spec_of
-from kgen.ir import load_pipeline
-from kgen.validate import import_module_dir
 
 
 def host_us(fn, n: int = 200) -> float:
@@ -33,19 +32,6 @@ def host_us(fn, n: int = 200) -> float:
     return sorted(times)[n // 2] * 1e6
 
 
-def drained_call_us(fn, n: int = 60) -> float:
-    """Median of CUDA events around one call with the queue drained before it (as kgen bench times)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(n):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[n // 2] * 1e3
-
-
 def back_to_back_us(fn, n: int = 50) -> float:
     for _ in range(5):
         fn()
@@ -59,31 +45,15 @@ def back_to_back_us(fn, n: int = 50) -> float:
 
 def probe(name: str) -> dict:
     d = Path("generated") / name
-    pipe = load_pipeline(_spec_of(d))
-    mod = import_module_dir(d)
-    model = mod.Model().cuda().eval()
-    x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda")
-    x1 = x[:1].clone()
-    op = getattr(torch.ops.kgen, name)
-    params = dict(model.state_dict(keep_vars=True))
-    args = [params[n] for n in mod.PARAMETERS]  # the op's parameter arguments, in order
-
-    def below_autograd(inp):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.default(inp, *args)
-
-    r = {}
+    _, _, model, _, inputs = models_and_inputs(d, _spec_of(d))
+    first = [t[:1].clone() for t in inputs]
     with torch.no_grad():
-        r["model(x1)"] = host_us(lambda: model(x1))
-        r["op(x1)"] = host_us(lambda: op(x1, *args))
-        r["below_autograd(x1)"] = host_us(lambda: below_autograd(x1))
-        with torch.inference_mode():
-            r["inference_mode op(x1)"] = host_us(lambda: op(x1, *args))
-        r["empty_like(x1)"] = host_us(lambda: torch.empty_like(x1))
-        r["drained model(x)"] = drained_call_us(lambda: model(x))
-        r["drained below_autograd(x)"] = drained_call_us(lambda: below_autograd(x))
-        r["back-to-back model(x)"] = back_to_back_us(lambda: model(x))
-    return r
+        return {
+            "model(x1)": host_us(lambda: model(*first)),
+            "empty_like(x1)": host_us(lambda: torch.empty_like(first[0])),
+            "drained model(x)": time_in_blocks({"call": lambda: model(*inputs)}, 60, block=1)["call"] * 1e3,
+            "back-to-back model(x)": back_to_back_us(lambda: model(*inputs)),
+        }
 
 
 if __name__ == "__main__":
