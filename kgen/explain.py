@@ -5,6 +5,7 @@ import json
 import math
 
 from . import cost, tunefile
+from .errors import KgenError
 from .families.base import FLOAT_BYTES, typed_ops
 from .ir import Pipeline
 from .plan import KGEN, PIPELINE, Plan, candidate_plans, choose_plans, describe_choices, make_plan
@@ -69,7 +70,10 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     variant = sel.variant_for(batch)
     plan = variant.plan
     target = plan.target
-    baseline = make_plan(pipe, {n: False for n in pipe.rewrites}, target, {PIPELINE: KGEN})
+    try:
+        baseline = make_plan(pipe, {n: False for n in pipe.rewrites}, target, {PIPELINE: KGEN})
+    except KgenError as e:  # e.g. plan.conv: gemm, and no rewrite makes the convolution one conv_gemm computes
+        baseline, no_baseline = None, str(e)
     sym = pipe.batch_symbol
     out = [
         f"{pipe.name} ({pipe.path}): {pipe.input} -> {pipe.output}, precision {pipe.precision}",
@@ -112,6 +116,9 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
         model = f"   model {e.ms:.3f} ms ({e.launches} launches)" if e else ""
         out.append(f"      {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms ({bound}){model}")
     for label, p in (("total", plan), ("without rewrites", baseline)):
+        if p is None:
+            out.append(f"  {label:17s}: no plan ({no_baseline})")
+            continue
         flops, nbytes, fl = plan_totals(p, batch)
         model = cost.estimate_ms(p, batch)
         out.append(f"  {label:17s}: {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms   model {model:.3f} ms")

@@ -3,6 +3,7 @@ before the call): when the host issues each kernel, where each kernel starts and
 on the GPU, and the idle gaps between them (torch.profiler's trace). For the GPU machine:
 
     PYTHONPATH=. python scripts/gpu_timeline.py relu_group_norm maxpool_sum
+    PYTHONPATH=. python scripts/gpu_timeline.py --host instnorm_clamp_max   # and the host's own events
 """
 import argparse
 import json
@@ -19,7 +20,7 @@ from kgen.validate import import_module_dir
 GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
 
 
-def timeline(name: str, calls: int = 3) -> None:
+def timeline(name: str, calls: int = 3, host: bool = False) -> None:
     d = Path("generated") / name
     pipe = load_pipeline(_spec_of(d))
     model = import_module_dir(d).Model().cuda()
@@ -52,6 +53,15 @@ def timeline(name: str, calls: int = 3) -> None:
             issued = launches[k["args"]["correlation"]]["ts"] - start
             print(f"  {issued:8.1f}  {k['ts'] - start:8.1f}  {k['dur']:8.1f}  {max(0.0, k['ts'] - last):11.1f}  {k['name'][:80]}")
             last = max(last, k["ts"] + k["dur"])
+        if host:  # the host's own work in the call: every CPU-side event, in order, nested ones indented
+            cpu = sorted((e for e in spans if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation", "python_function")
+                          and start <= e["ts"] <= end and e is not r), key=lambda e: (e["ts"], -e["dur"]))
+            stack = []
+            for e in cpu:
+                while stack and e["ts"] >= stack[-1]:
+                    stack.pop()
+                print(f"  host {e['ts'] - start:8.1f} +{e['dur']:7.1f}  {'  ' * len(stack)}{e['name'][:90]}")
+                stack.append(e["ts"] + e["dur"])
         busy = sum(k["dur"] for k in mine)
         print(f"  GPU done {last - start:.1f} us after the call started; busy {busy:.1f} us, idle {last - start - busy:.1f} us")
 
@@ -59,9 +69,10 @@ def timeline(name: str, calls: int = 3) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="+")
+    ap.add_argument("--host", action="store_true", help="also list the host's events (ATen ops, CUDA runtime calls) of each call")
     args = ap.parse_args()
     for name in args.names:
-        timeline(name)
+        timeline(name, host=args.host)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
   if (batch == 0) return out;
   at::Tensor moments, arrived;
   a.moments = kgen::workspace<kgen::TileMoments>(moments, batch * s1::kChannels * s0::kNormTiles, x.options());
-  a.arrived = kgen::workspace<int>(arrived, batch, x.options());
+  a.arrived = kgen::workspace<int>(arrived, batch + s0::kCoresidentSyncInts, x.options());
   bool stale = true;
   const at::Tensor packed = stage0_weights().get(conv_weight, s0::kPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
   at::Tensor w;

@@ -270,9 +270,11 @@ struct NormOnePass {
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
   static_assert(smem_bytes<Problem, NormOnePass>() <= kPlanSmemBytes, "the plan's shared memory covers the epilogue's");
   if (pack) pack_weights<Problem>(w, packed, stream);
-  cudaError_t err = cudaMemsetAsync(a.arrived, 0, sizeof(int) * static_cast<size_t>(batch), stream);
+  static_assert(kCoresidentSyncInts == kgen::conv_gemm::kStaggerInts, "stages.h's sync area is conv_gemm.cuh's");
+  // the per-sample counts, then run_coresident's sync area: all zero
+  cudaError_t err = cudaMemsetAsync(a.arrived, 0, sizeof(int) * (static_cast<size_t>(batch) + kCoresidentSyncInts), stream);
   if (err != cudaSuccess) return err;
-  return kgen::conv_gemm::run_coresident<Problem, NormOnePass>(x, packed, a, batch, stream);
+  return kgen::conv_gemm::run_coresident<Problem, NormOnePass>(x, packed, a, batch, a.arrived + batch, stream);
 }
 
 }  // namespace s0

@@ -98,6 +98,18 @@ __device__ __forceinline__ float to_tf32(float x) {
   return __uint_as_float(r);
 }
 
+// A flag between CTAs of one launch (in global memory): set it; wait until it is set.
+__device__ __forceinline__ void signal_flag(int* flag) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" : : "l"(flag), "r"(1) : "memory");
+}
+
+__device__ __forceinline__ void wait_flag(const int* flag) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+  } while (seen == 0);
+}
+
 // d += a * b for one m16n8k8 tile (a: 4 regs, b: 2 regs, d: 4 fp32).
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const float (&a)[4], float b0, float b1) {
   asm volatile(
@@ -904,7 +916,13 @@ __device__ __forceinline__ void chunk_wgmma_wait(float (&acc)[Geometry<P>::kMT][
 }
 
 // The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...).
-template <class P, class E>
+// staggered_kernel: this CTA's "first main loop done" flag, which conv_ctas<..., true> sets, and
+// its worker numbers, in shared memory rather than arguments: kept in registers across the main
+// loop, they made a group norm's one-pass kernel spill.
+__shared__ int* s_first_loop_flag;
+__shared__ int s_worker[2];  // staggered_kernel: this CTA's worker number and the workers (conv_ctas' cta, ctas)
+
+template <class P, class E, bool kSignal = false>
 __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const float* __restrict__ packed,
                                           const typename E::Params& ep, int batch, int cta, int ctas) {
   using G = Geometry<P>;
@@ -962,7 +980,14 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
   const long long my_tiles = worker < total_tiles ? (total_tiles - 1 - worker) / workers + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
-  auto tile_of_step = [&](long long s) { return tile_coord<P>(worker + (s / G::kChunks) * workers); };
+  auto tile_of_step = [&](long long s) {
+    if constexpr (kSignal) {  // staggered_kernel's worker numbers, read again (not held across the main loop)
+      const volatile int* w = s_worker;
+      return tile_coord<P>(w[0] + (s / G::kChunks) * w[1]);
+    } else {
+      return tile_coord<P>(worker + (s / G::kChunks) * workers);
+    }
+  };
 
   float acc[G::kMT][G::kNT][4];
   auto zero_acc = [&] {
@@ -1077,7 +1102,12 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       } else {
         chunk_generic<P>(acc, in, s_lo, row_off, w);
       }
-      if (chunk == G::kChunks - 1) finish_tile(c, in);
+      if (chunk == G::kChunks - 1) {
+        if constexpr (kSignal) {
+          if (s == G::kChunks - 1 && threadIdx.x == 0) signal_flag(s_first_loop_flag);
+        }
+        finish_tile(c, in);
+      }
     }
     cp_async_wait<0>();
   }
@@ -1235,6 +1265,48 @@ cudaError_t resident_ctas(int* resident) {
   return cudaSuccess;
 }
 
+// Co-resident launches in staggered groups (run_coresident). A one-pass norm's CTAs run in
+// rounds: every tile's main loop (FP32 FMAs, issue-bound), then its epilogue (the moments, the
+// wait for the sample's other tiles, the merge: more latency than issue). Launched together, the
+// CTAs sharing an SM ran both phases in lockstep (instnorm_clamp_max: 13.4 us of loop, then 8.5 us
+// of epilogue, on both CTAs at once). Here the k-th CTA to start on an SM joins group k, and a
+// group's CTAs begin once the previous group's CTA on the same SM has finished its first main
+// loop, so that one's loop runs beside the other's epilogue. Every sample's tiles lie in one group:
+// its CTAs wait only for each other. Measured (notes/perf.md stop 23): a loop alone 8.4 us, an
+// epilogue beside a loop 12.7, and the groups drift back into step within a few rounds; the
+// kernel 178 -> 171 us.
+constexpr int kMaxSmIds = 256, kMaxGroups = 8;  // bounds on %smid and on CTAs per SM
+// Ints of the zeroed sync area: per SM its CTAs so far, per group its CTAs so far, per (SM, group)
+// "the first main loop is done".
+constexpr int kStaggerInts = kMaxSmIds + kMaxGroups + kMaxSmIds * kMaxGroups;
+
+// `groups` CTAs per SM (the grid fills every SM), `per_group` of each group's CTAs work (whole
+// samples' tiles); worker g * per_group + u of groups * per_group takes the tiles conv_ctas gives it.
+template <class P, class E>
+__global__ void __launch_bounds__(Geometry<P>::kThreads) staggered_kernel(const float* __restrict__ x,
+                                                                        const float* __restrict__ packed,
+                                                                        const typename E::Params ep, int batch,
+                                                                        int* sync, int groups, int per_group) {
+  if (threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    if (sm >= kMaxSmIds) __trap();
+    const int g = atomicAdd(sync + sm, 1);
+    const int u = atomicAdd(sync + kMaxSmIds + g, 1);
+    int* flags = sync + kMaxSmIds + kMaxGroups + sm * kMaxGroups;
+    s_first_loop_flag = flags + g;
+    if (u >= per_group) signal_flag(flags + g);  // no tiles: the next group's CTA need not wait
+    if (g > 0) wait_flag(flags + g - 1);
+    s_worker[0] = u < per_group ? g * per_group + u : -1;
+    s_worker[1] = groups * per_group;
+  }
+  __syncthreads();
+  const int worker = s_worker[0];
+  if (worker < 0) return;
+  conv_ctas<P, E, true>(x, packed, ep, batch, worker, s_worker[1]);
+  if (threadIdx.x == 0) signal_flag(s_first_loop_flag);  // also when the CTA had no tile
+}
+
 // Packs the weights into `packed` (Geometry<P>::kPackedFloats floats).
 template <class P>
 void pack_weights(const float* w, float* packed, cudaStream_t stream) {
@@ -1260,32 +1332,49 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
 }
 
 // Runs the convolution with epilogue E on co-resident CTAs (a cooperative launch), all of a
-// sample's tiles at once: the grid is a whole number of samples' tiles, so worker w's k-th tile,
-// w + k * grid, belongs to one of the samples in round k, and every CTA of round k is running.
-// E may then wait for the other tiles of its sample (e.g. for statistics over the whole sample).
+// sample's tiles at once: the workers are a whole number of samples' tiles, so worker w's k-th
+// tile, w + k * workers, belongs to one of the samples in round k, and every CTA of round k is
+// running. E may then wait for the other tiles of its sample (e.g. for statistics over the whole
+// sample). Where several CTAs fit on an SM and an SM count of them holds a sample, they run in
+// staggered groups (staggered_kernel); `sync`: kStaggerInts zeroed ints.
 template <class P, class E>
-cudaError_t run_coresident(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+cudaError_t run_coresident(const float* x, const float* packed, const typename E::Params& ep, int batch, int* sync,
+                           cudaStream_t stream) {
   using G = Geometry<P>;
   constexpr int kSampleTiles = G::kCBlocks * G::kTilesPerSample;
-  static int resident = 0;
-  if (resident == 0) {
-    const cudaError_t err = resident_ctas<P, E>(&resident);
+  constexpr int kSmem = smem_bytes<P, E>();
+  static int per_sm = 0, sms = 0;
+  if (per_sm == 0) {
+    cudaError_t err = cudaFuncSetAttribute(staggered_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staggered_kernel<P, E>, G::kThreads, kSmem);
+    int dev = 0;
+    if (err == cudaSuccess) err = cudaGetDevice(&dev);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
   }
+  const int resident = per_sm * sms;
   if (resident < kSampleTiles) return cudaErrorCooperativeLaunchTooLarge;  // one sample's tiles do not fit at once
   const long long tiles = static_cast<long long>(batch) * kSampleTiles;
-  const long long workers = static_cast<long long>(resident / kSampleTiles) * kSampleTiles;
   if (tiles == 0) return cudaSuccess;
   cudaLaunchAttribute cooperative;
   cooperative.id = cudaLaunchAttributeCooperative;
   cooperative.val.cooperative = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(tiles < workers ? tiles : workers));
   config.blockDim = dim3(G::kThreads);
-  config.dynamicSmemBytes = smem_bytes<P, E>();
+  config.dynamicSmemBytes = kSmem;
   config.stream = stream;
   config.attrs = &cooperative;
   config.numAttrs = 1;
+  const int per_group = sms / kSampleTiles * kSampleTiles;
+  if (per_sm > 1 && per_sm <= kMaxGroups && per_group > 0 && tiles > per_group) {
+    config.gridDim = dim3(static_cast<unsigned>(resident));  // every SM holds one CTA of each group
+    return cudaLaunchKernelEx(&config, staggered_kernel<P, E>, x, packed, ep, batch, sync, per_sm, per_group);
+  }
+  const long long workers = static_cast<long long>(resident / kSampleTiles) * kSampleTiles;
+  config.gridDim = dim3(static_cast<unsigned>(tiles < workers ? tiles : workers));
   return cudaLaunchKernelEx(&config, conv_kernel<P, E>, x, packed, ep, batch);
 }
 
