@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python scripts/host_probe.py instnorm_clamp_max div_max_gap_bias_sum
 
-Per module, in us: the median host time of `model(x)` at batch 1 (the GPU far from the bottleneck)
-and of an empty_like (the host's own speed), one call with the queue drained before it at the
+Per module, in us: the median host time of `model(x)` at batch 1 (the GPU far from the bottleneck),
+of the module's `forward(x, *params)` and of its op called below the autograd key (where the module's
+parameters are all its op's arguments after the inputs), of a `torch.add` and an empty_like (the host's own speed), one call with the queue drained before it at the
 example batch (what `kgen bench` counts: kgen.bench.time_call), and the time per call back to back
 (the GPU's own time). Models and inputs as `kgen bench` makes them (kgen.bench.models_and_inputs).
 """
@@ -15,6 +16,7 @@ import torch
 
 from kgen.bench import models_and_inputs, time_in_blocks
 from kgen.cli import _spec_of
+from kgen.validate import import_module_dir
 
 
 def host_us(fn, n: int = 200) -> float:
@@ -46,10 +48,23 @@ def back_to_back_us(fn, n: int = 50) -> float:
 def probe(name: str) -> dict:
     d = Path("generated") / name
     _, _, model, _, inputs = models_and_inputs(d, _spec_of(d))
+    mod = import_module_dir(d)
     first = [t[:1].clone() for t in inputs]
+    named = dict(model.named_parameters())
+    params = [named[k] for k in mod.PARAMETERS] if set(named) == set(mod.PARAMETERS) else None
+
+    def below():
+        with torch._C._AutoDispatchBelowAutograd():
+            return mod._OP(*first, *params)
+
     with torch.no_grad():
+        parts = {}
+        if params is not None:
+            parts = {"forward(x1, *p)": host_us(lambda: mod.forward(*first, *params)), "op below autograd": host_us(below)}
         return {
             "model(x1)": host_us(lambda: model(*first)),
+            **parts,
+            "add(x1, x1)": host_us(lambda: torch.add(first[0], first[0])),
             "empty_like(x1)": host_us(lambda: torch.empty_like(first[0])),
             "drained model(x)": time_in_blocks({"call": lambda: model(*inputs)}, 60, block=1)["call"] * 1e3,
             "back-to-back model(x)": back_to_back_us(lambda: model(*inputs)),
