@@ -97,6 +97,22 @@ def test_explain_shows_rewrites_stages_and_floor():
     assert "fired" not in off and "switched off" in off
 
 
+def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_path):
+    # plan.conv: gemm on a transposed convolution: conv_gemm computes it only as sub-pixel phases, so the
+    # plan without rewrites has no family; explain says so on that line and still shows the plan
+    spec = tmp_path / "ct_gemm.yaml"
+    spec.write_text(
+        "name: ct_gemm\ninput: {shape: [N, 4, 6, 6, 6], dtype: float32, example: {N: 2}}\n"
+        "ops:\n  - conv_transpose3d: {out_channels: 8, kernel_size: 3, stride: 2, padding: 1}\n"
+        "  - sum: {dim: 1}\nplan: {conv: gemm}\n"
+    )
+    proc = _kgen("explain", str(spec))
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.strip().startswith("without rewrites"))
+    assert "no plan" in line and "no family computes it here" in line
+    assert "conv_gemm" in proc.stdout and "fired    subpixel_conv_transpose" in proc.stdout
+
+
 def test_ops_lists_the_op_table():
     from kgen.ops import OPS
 
