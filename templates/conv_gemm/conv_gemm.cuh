@@ -1249,20 +1249,26 @@ constexpr int smem_bytes() {
   return (Geometry<P>::kTileOffset + Geometry<P>::kTeams * team_floats<P, E>()) * static_cast<int>(sizeof(float));
 }
 
-// Shared memory, CTAs per SM x SMs, found once per process (one device kind).
+// Gives `kernel` (a kernel of P with epilogue E) its shared memory; its CTAs per SM and the device's SMs.
+template <class P, class E, class Kernel>
+cudaError_t kernel_occupancy(Kernel kernel, int* per_sm, int* sms) {
+  constexpr int kSmem = smem_bytes<P, E>();
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, Geometry<P>::kThreads, kSmem);
+  int dev = 0;
+  if (err == cudaSuccess) err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  return *per_sm < 1 ? cudaErrorInvalidConfiguration : cudaSuccess;
+}
+
+// conv_kernel's CTAs per SM x SMs (callers find it once per process: one device kind).
 template <class P, class E>
 cudaError_t resident_ctas(int* resident) {
-  constexpr int kSmem = smem_bytes<P, E>();
-  cudaError_t err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
-  int per_sm = 0, dev = 0, sms = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, conv_kernel<P, E>, Geometry<P>::kThreads, kSmem);
-  if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  *resident = per_sm * sms;
-  return cudaSuccess;
+  int per_sm = 0, sms = 0;
+  const cudaError_t err = kernel_occupancy<P, E>(conv_kernel<P, E>, &per_sm, &sms);
+  *resident = err == cudaSuccess ? per_sm * sms : 0;
+  return err;
 }
 
 // Co-resident launches in staggered groups (run_coresident). A one-pass norm's CTAs run in
@@ -1342,20 +1348,13 @@ cudaError_t run_coresident(const float* x, const float* packed, const typename E
                            cudaStream_t stream) {
   using G = Geometry<P>;
   constexpr int kSampleTiles = G::kCBlocks * G::kTilesPerSample;
-  constexpr int kSmem = smem_bytes<P, E>();
-  static int per_sm = 0, sms = 0;
-  if (per_sm == 0) {
-    cudaError_t err = cudaFuncSetAttribute(staggered_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(conv_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staggered_kernel<P, E>, G::kThreads, kSmem);
-    int dev = 0;
-    if (err == cudaSuccess) err = cudaGetDevice(&dev);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  // each kernel's own occupancy (their registers differ): staggered_kernel's CTAs per SM, conv_kernel's in all
+  static int per_sm = 0, sms = 0, resident = 0;
+  if (resident == 0) {
+    cudaError_t err = kernel_occupancy<P, E>(staggered_kernel<P, E>, &per_sm, &sms);
+    if (err == cudaSuccess) err = resident_ctas<P, E>(&resident);
     if (err != cudaSuccess) return err;
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
   }
-  const int resident = per_sm * sms;
   if (resident < kSampleTiles) return cudaErrorCooperativeLaunchTooLarge;  // one sample's tiles do not fit at once
   const long long tiles = static_cast<long long>(batch) * kSampleTiles;
   if (tiles == 0) return cudaSuccess;
@@ -1364,13 +1363,13 @@ cudaError_t run_coresident(const float* x, const float* packed, const typename E
   cooperative.val.cooperative = 1;
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(G::kThreads);
-  config.dynamicSmemBytes = kSmem;
+  config.dynamicSmemBytes = smem_bytes<P, E>();
   config.stream = stream;
   config.attrs = &cooperative;
   config.numAttrs = 1;
   const int per_group = sms / kSampleTiles * kSampleTiles;
   if (per_sm > 1 && per_sm <= kMaxGroups && per_group > 0 && tiles > per_group) {
-    config.gridDim = dim3(static_cast<unsigned>(resident));  // every SM holds one CTA of each group
+    config.gridDim = dim3(static_cast<unsigned>(per_sm * sms));  // every SM holds one CTA of each group
     return cudaLaunchKernelEx(&config, staggered_kernel<P, E>, x, packed, ep, batch, sync, per_sm, per_group);
   }
   const long long workers = static_cast<long long>(resident / kSampleTiles) * kSampleTiles;
