@@ -224,8 +224,13 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int sp
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (o >= a.batch * kKept) return;  // o is the same for the whole warp
   float acc = identity();
+  // the same trip count in every lane (a lane-dependent one put the shuffles below in the compiler's
+  // warp-collective fallback, as in the norm merge; notes/perf.md stop 22)
 #pragma unroll 4
-  for (int s = lane; s < splits; s += 32) acc = combine(acc, a.partial[o * splits + s]);
+  for (int s0 = 0; s0 < splits; s0 += 32) {
+    const int s = s0 + lane;
+    if (s < splits) acc = combine(acc, a.partial[o * splits + s]);
+  }
 #pragma unroll
   for (int m = 16; m > 0; m /= 2) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, m));
   if (lane == 0) a.out[o] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
