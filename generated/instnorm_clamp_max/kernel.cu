@@ -11,6 +11,7 @@
 
 #include "stages.h"
 #include "conv_gemm/conv_gemm.cuh"
+#include "conv_gemm/phase_pool.cuh"
 
 namespace kgen_instnorm_clamp_max {
 

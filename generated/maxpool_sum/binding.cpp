@@ -18,53 +18,102 @@ constexpr const char* kOp = "kgen::maxpool_sum";
 constexpr kgen::Precision kPrecision = kgen::Precision::kTf32;
 }  // namespace
 
-// ==== plan 0: batches 1.. (measured fastest at batch 16 on NVIDIA H100 80GB HBM3: 1.743 ms (maxpool_sum.tune.json))
+// ==== plan 0: batches 1.. (cost model: 0.962 ms at batch 16, the lowest of 9 candidate(s))
 namespace v0 {
 
-// ==== stage 0: conv_aten (kgen-template: templates/conv_aten/binding.cpp.j2)
-#ifdef KGEN_WITH_CUDA
-namespace s0 {
-cudaError_t to_channels_last(const float* x, float* y, long long batch, cudaStream_t stream);  // kernel.cu
-}  // namespace s0
-#endif
-
-// Stage 0's input as its convolution reads it: channels_last, narrowed to [31, 31, 31].
-at::Tensor stage0_input(const at::Tensor& x) {
-#ifdef KGEN_WITH_CUDA
-  if (x.is_cuda() && x.is_contiguous()) {  // the generated copy reads a contiguous NC[D]HW tensor
-    at::Tensor y = at::empty({x.size(0), 32, 31, 31, 31}, x.options().memory_format(at::MemoryFormat::ChannelsLast3d));
-    if (x.size(0) > 0) {
-      kgen::check_launch(s0::to_channels_last(x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), at::cuda::getCurrentCUDAStream()),
-                         kOp, "stage 0 input copy");
-    }
-    return y;
-  }
-#endif
-  return kgen::narrow_spatial(x, {31, 31, 31}).contiguous(at::MemoryFormat::ChannelsLast3d);
+// ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/binding.cpp.j2)
+// The convolution on the CPU: ATen, as written (a transposed convolution), cropped to what is read.
+at::Tensor stage0_cpu(const at::Tensor& x, const at::Tensor& conv_transpose_weight, const at::Tensor& conv_transpose_bias) {
+  const at::Tensor& w = conv_transpose_weight;
+  const at::Tensor y = kgen::convolution(
+      kgen::narrow_spatial(x, {32, 32, 32}), w, std::nullopt,
+      {2, 2, 2}, {2, 2, 2}, {1, 1, 1}, true, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::Contiguous);
+  return kgen::narrow_spatial(y, {60, 60, 60}).contiguous();
 }
 
-// Stage 0's weights as its convolution(s) take them, kept while conv_transpose.weight is unchanged (kgen::WeightCache).
+#ifdef KGEN_WITH_CUDA
+// Stage 0's packed weights, kept while conv_transpose.weight is unchanged (kgen::WeightCache).
 kgen::WeightCache& stage0_weights() {
   static kgen::WeightCache cache;
   return cache;
+}
+// ... and those of its phase_pool kernel (another layout), kept the same way.
+kgen::WeightCache& stage0_phase_pool_weights() {
+  static kgen::WeightCache cache;
+  return cache;
+}
+#endif
+
+// Stage 0 (conv_gemm): conv_transpose3d(32->64, k=5, s=2, p=2) as 8 sub-pixel conv3d, computing only the first 60, bias added by the next stage. On the GPU the generated
+// implicit GEMM; on the CPU ATen's convolution.
+at::Tensor stage0(at::TensorList in, const at::Tensor& conv_transpose_weight, const at::Tensor& conv_transpose_bias) {
+  TORCH_CHECK(in.size() == 1, kOp, " stage 0: expected 1 input buffer, got ", in.size());
+  const at::Tensor& x = in[0];
+  const c10::DeviceGuard guard(x.device());
+  const int64_t batch = x.size(0);
+  const float* x_ptr = kgen::tile_ptr(kOp, "stage 0 input", x, x, {batch, 32, 32, 32, 32}, {1048576, 32768, 1024, 32, 1});
+  kgen::check_arg(kOp, "conv_transpose_weight", conv_transpose_weight, {32, 64, 5, 5, 5}, &x);
+  kgen::check_arg(kOp, "conv_transpose_bias", conv_transpose_bias, {64}, &x);
+  if (!x.is_cuda()) return stage0_cpu(x, conv_transpose_weight, conv_transpose_bias);
+  at::Tensor out = kgen::empty({batch, 64, 60, 60, 60}, x.options());
+  if (batch == 0) return out;
+#ifdef KGEN_WITH_CUDA
+  bool stale = true;
+  const at::Tensor packed = stage0_weights().get(conv_transpose_weight, s0::kPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
+  at::Tensor w;
+  if (stale) w = conv_transpose_weight.contiguous();
+  kgen::check_launch(s0::launch(x_ptr, stale ? w.data_ptr<float>() : nullptr, nullptr, packed.data_ptr<float>(),
+                                      stale, out.data_ptr<float>(), static_cast<int>(batch), at::cuda::getCurrentCUDAStream()), kOp, "stage 0");
+#else
+  (void)x_ptr;
+  TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
+#endif
+  return out;
+}
+
+at::Tensor stage1(at::TensorList in, const at::Tensor& conv_transpose_bias);  // below
+
+// Stages 0 and 1 in one: the convolution with stage 1 as its epilogue
+// (on the CPU: the convolution, then stage 1's own code).
+at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_transpose_weight, const at::Tensor& conv_transpose_bias) {
+  if (!x.is_cuda()) return stage1({stage0({x}, conv_transpose_weight, conv_transpose_bias)}, conv_transpose_bias);
+#ifdef KGEN_WITH_CUDA
+  const c10::DeviceGuard guard(x.device());
+  const int64_t batch = x.size(0);
+  const float* x_ptr = kgen::tile_ptr(kOp, "stage 0 input", x, x, {batch, 32, 32, 32, 32}, {1048576, 32768, 1024, 32, 1});
+  kgen::check_arg(kOp, "conv_transpose_weight", conv_transpose_weight, {32, 64, 5, 5, 5}, &x);
+  kgen::check_arg(kOp, "conv_transpose_bias", conv_transpose_bias, {64}, &x);
+  s1::Args a{};
+  kgen::check_arg(kOp, "conv_transpose_bias", conv_transpose_bias, {64}, &x);
+  const at::Tensor conv_transpose_bias_c = conv_transpose_bias.contiguous();
+  a.conv_transpose_bias = conv_transpose_bias_c.data_ptr<float>();
+  at::Tensor out = kgen::empty({batch, 1, 10, 10, 10}, x.options());
+  a.out = out.data_ptr<float>();
+  a.batch = batch;
+  if (batch == 0) return out;
+  at::Tensor partial;
+  if (s0::kSplits > 1) a.partial = kgen::workspace<float>(partial, batch * s1::kKept * s0::kSplits, x.options());
+  bool stale = true;
+  const at::Tensor packed = stage0_phase_pool_weights().get(conv_transpose_weight, s0::kPhasePoolPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
+  at::Tensor w;
+  if (stale) w = conv_transpose_weight.contiguous();
+  kgen::check_launch(s0::launch_fused(x_ptr, stale ? w.data_ptr<float>() : nullptr, packed.data_ptr<float>(), stale, a,
+                                            static_cast<int>(batch), at::cuda::getCurrentCUDAStream()), kOp, "stages 0-1");
+  return out;
+#else
+  TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
+#endif
 }
 
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/binding.cpp.j2)
 // Stage 1 (pool_reduce): ops[0].conv_transpose3d, ops[1].max_pool3d, ops[3].sum
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_transpose_bias) {
-  TORCH_CHECK(in.size() == 8, kOp, " stage 1: expected 8 input buffer(s), got ", in.size());
+  TORCH_CHECK(in.size() == 1, kOp, " stage 1: expected 1 input buffer(s), got ", in.size());
   const at::Tensor& like = in[0];
   const c10::DeviceGuard guard(like.device());
   const int64_t batch = like.size(0);
   s1::Args a{};
-  a.in[0] = kgen::tile_ptr(kOp, "stage 1 input 0", in[0], like, {batch, 64, 31, 31, 31}, {1906624, 1, 61504, 1984, 64});
-  a.in[1] = kgen::tile_ptr(kOp, "stage 1 input 1", in[1], like, {batch, 64, 31, 31, 30}, {1845120, 1, 59520, 1920, 64});
-  a.in[2] = kgen::tile_ptr(kOp, "stage 1 input 2", in[2], like, {batch, 64, 31, 30, 31}, {1845120, 1, 59520, 1984, 64});
-  a.in[3] = kgen::tile_ptr(kOp, "stage 1 input 3", in[3], like, {batch, 64, 31, 30, 30}, {1785600, 1, 57600, 1920, 64});
-  a.in[4] = kgen::tile_ptr(kOp, "stage 1 input 4", in[4], like, {batch, 64, 30, 31, 31}, {1845120, 1, 61504, 1984, 64});
-  a.in[5] = kgen::tile_ptr(kOp, "stage 1 input 5", in[5], like, {batch, 64, 30, 31, 30}, {1785600, 1, 59520, 1920, 64});
-  a.in[6] = kgen::tile_ptr(kOp, "stage 1 input 6", in[6], like, {batch, 64, 30, 30, 31}, {1785600, 1, 59520, 1984, 64});
-  a.in[7] = kgen::tile_ptr(kOp, "stage 1 input 7", in[7], like, {batch, 64, 30, 30, 30}, {1728000, 1, 57600, 1920, 64});
+  a.in[0] = kgen::tile_ptr(kOp, "stage 1 input 0", in[0], like, {batch, 64, 60, 60, 60}, {13824000, 216000, 3600, 60, 1});
   kgen::check_arg(kOp, "conv_transpose_bias", conv_transpose_bias, {64}, &like);
   const at::Tensor conv_transpose_bias_c = conv_transpose_bias.contiguous();
   a.conv_transpose_bias = conv_transpose_bias_c.data_ptr<float>();
@@ -94,50 +143,10 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
   const int64_t batch = x.size(0);
   (void)batch;
   std::optional<kgen::StageScope> scope;
-  scope.emplace("kgen::maxpool_sum stage 0 (conv_aten)");
-
-  // Stage 0: conv_transpose3d(32->64, k=5, s=2, p=2) as 8 sub-pixel conv3d, computing only the first 60, bias added by the next stage; output channels_last.
-  const at::Tensor x0 = stage0_input(x);
-  const std::vector<at::Tensor> w0 = stage0_weights().derived(conv_transpose_weight, [&] {
-    const at::Tensor flipped = conv_transpose_weight.flip({2, 3, 4});
-    return std::vector<at::Tensor>{
-        kgen::subpixel_weight(flipped, {0, 0, 0}, {2, 2, 2}, {3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
-        kgen::subpixel_weight(flipped, {0, 0, 1}, {2, 2, 2}, {3, 3, 2}).contiguous(at::MemoryFormat::ChannelsLast3d),
-        kgen::subpixel_weight(flipped, {0, 1, 0}, {2, 2, 2}, {3, 2, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
-        kgen::subpixel_weight(flipped, {0, 1, 1}, {2, 2, 2}, {3, 2, 2}).contiguous(at::MemoryFormat::ChannelsLast3d),
-        kgen::subpixel_weight(flipped, {1, 0, 0}, {2, 2, 2}, {2, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
-        kgen::subpixel_weight(flipped, {1, 0, 1}, {2, 2, 2}, {2, 3, 2}).contiguous(at::MemoryFormat::ChannelsLast3d),
-        kgen::subpixel_weight(flipped, {1, 1, 0}, {2, 2, 2}, {2, 2, 3}).contiguous(at::MemoryFormat::ChannelsLast3d),
-        kgen::subpixel_weight(flipped, {1, 1, 1}, {2, 2, 2}, {2, 2, 2}).contiguous(at::MemoryFormat::ChannelsLast3d),
-    };
-  });
-  std::vector<at::Tensor> t0;
-  t0.push_back(kgen::convolution(  // phase 0,0,0: 3x3x3 taps
-      x0, w0[0], std::nullopt,
-      {1, 1, 1}, {1, 1, 1}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
-  t0.push_back(kgen::convolution(  // phase 0,0,1: 3x3x2 taps
-      x0, w0[1], std::nullopt,
-      {1, 1, 1}, {1, 1, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
-  t0.push_back(kgen::convolution(  // phase 0,1,0: 3x2x3 taps
-      x0, w0[2], std::nullopt,
-      {1, 1, 1}, {1, 0, 1}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
-  t0.push_back(kgen::convolution(  // phase 0,1,1: 3x2x2 taps
-      x0, w0[3], std::nullopt,
-      {1, 1, 1}, {1, 0, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
-  t0.push_back(kgen::convolution(  // phase 1,0,0: 2x3x3 taps
-      x0, w0[4], std::nullopt,
-      {1, 1, 1}, {0, 1, 1}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
-  t0.push_back(kgen::convolution(  // phase 1,0,1: 2x3x2 taps
-      x0, w0[5], std::nullopt,
-      {1, 1, 1}, {0, 1, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
-  t0.push_back(kgen::convolution(  // phase 1,1,0: 2x2x3 taps
-      x0, w0[6], std::nullopt,
-      {1, 1, 1}, {0, 0, 1}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
-  t0.push_back(kgen::convolution(  // phase 1,1,1: 2x2x2 taps
-      x0, w0[7], std::nullopt,
-      {1, 1, 1}, {0, 0, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::ChannelsLast3d));
+  scope.emplace("kgen::maxpool_sum stage 0 (conv_gemm)");
+  const at::Tensor t1 = stage0_fused(x.contiguous(), conv_transpose_weight, conv_transpose_bias);  // stages 0-1
   scope.emplace("kgen::maxpool_sum stage 1 (pool_reduce)");
-  const at::Tensor t1 = stage1({t0}, conv_transpose_bias);
+  // stage 1: the epilogue of stage 0, which defines t1
   scope.reset();
   return t1;
 }
@@ -159,17 +168,20 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
 
 TORCH_LIBRARY_FRAGMENT(kgen, m) {
   m.def("maxpool_sum(Tensor x, Tensor conv_transpose_weight, Tensor conv_transpose_bias) -> Tensor");
+  m.def("maxpool_sum_stage0(Tensor[] inputs, Tensor conv_transpose_weight, Tensor conv_transpose_bias) -> Tensor");
   m.def("maxpool_sum_stage1(Tensor[] inputs, Tensor conv_transpose_bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kgen, CPU, m) {
   m.impl("maxpool_sum", &kgen_maxpool_sum::forward);
+  m.impl("maxpool_sum_stage0", &kgen_maxpool_sum::v0::stage0);
   m.impl("maxpool_sum_stage1", &kgen_maxpool_sum::v0::stage1);
 }
 
 #ifdef KGEN_WITH_CUDA
 TORCH_LIBRARY_IMPL(kgen, CUDA, m) {
   m.impl("maxpool_sum", &kgen_maxpool_sum::forward);
+  m.impl("maxpool_sum_stage0", &kgen_maxpool_sum::v0::stage0);
   m.impl("maxpool_sum_stage1", &kgen_maxpool_sum::v0::stage1);
 }
 #endif

@@ -10,68 +10,325 @@
 #include <cuda_runtime.h>
 
 #include "stages.h"
+#include "conv_gemm/conv_gemm.cuh"
+#include "conv_gemm/phase_pool.cuh"
 
 namespace kgen_maxpool_sum {
 
 // ==== plan 0: batches 1..
 namespace v0 {
 
-// ==== stage 0: conv_aten, CUDA (kgen-template: templates/conv_aten/kernel.cu.j2)
+// ==== stage 0: conv_gemm, CUDA (kgen-template: templates/conv_gemm/kernel.cu.j2)
 namespace s0 {
 
-// The convolution's input in channels_last, from an NC[D]HW input (narrowed to
-// [31, 31, 31] of [32, 32, 32]).
-// ATen's copy runs at ~1.9 TB/s on the H100 (a gather per value); here a block
-// reads kTilePositions positions of every channel (consecutive threads,
-// consecutive positions), turns them around in a shared [channel][position]
-// tile and writes whole rows of channels (consecutive threads, consecutive
-// channels).
-constexpr int kChannels = 32;  // at most 256: a tile of 32 positions fits in shared memory
-constexpr int kInSpatial = 32768;  // positions of a channel in the input
-constexpr int kOutSpatial = 29791;  // positions the convolution reads
-constexpr int kThreads = 256;
-constexpr int kTileTarget = 4096;  // values per tile
-constexpr int kTilePositions = kTileTarget / kChannels > 32 ? kTileTarget / kChannels : 32;
-constexpr int kTileValues = kChannels * kTilePositions;
-constexpr int kPerThread = (kTileValues + kThreads - 1) / kThreads;
-constexpr bool kWholeSteps = kTileValues % kThreads == 0;  // every thread has kPerThread values (no check)
+using namespace kgen::conv_gemm;
 
-// Offset in a channel of the input of position s of the extent.
-__device__ __forceinline__ int input_offset(int s) {
-  int ts = s;
-  const int d2 = static_cast<int>(ts % 31); ts /= 31;
-  const int d1 = static_cast<int>(ts % 31); ts /= 31;
-  const int d0 = static_cast<int>(ts);
-  return d0 * 32 * 32 + d1 * 32 + d2;
+// Sub-pixel phase 0 (residue 0,0,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Phase0 {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 30, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 3, kKH = 3, kKW = 3;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 1, kPH = 1, kPW = 1;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 2, kOutStrideH = 2, kOutStrideW = 2;
+  static constexpr int kOutResidueD = 0, kOutResidueH = 0, kOutResidueW = 0;
+  static constexpr int kFullD = 60, kFullH = 60, kFullW = 60;
+  static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
+  static constexpr int kWStartD = 4, kWStartH = 4, kWStartW = 4;
+  static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr bool kWeightTransposed = true, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+// Sub-pixel phase 1 (residue 0,0,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Phase1 {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 30, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 3, kKH = 3, kKW = 2;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 1, kPH = 1, kPW = 0;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 2, kOutStrideH = 2, kOutStrideW = 2;
+  static constexpr int kOutResidueD = 0, kOutResidueH = 0, kOutResidueW = 1;
+  static constexpr int kFullD = 60, kFullH = 60, kFullW = 60;
+  static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
+  static constexpr int kWStartD = 4, kWStartH = 4, kWStartW = 3;
+  static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr bool kWeightTransposed = true, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+// Sub-pixel phase 2 (residue 0,1,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Phase2 {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 30, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 3, kKH = 2, kKW = 3;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 1, kPH = 0, kPW = 1;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 2, kOutStrideH = 2, kOutStrideW = 2;
+  static constexpr int kOutResidueD = 0, kOutResidueH = 1, kOutResidueW = 0;
+  static constexpr int kFullD = 60, kFullH = 60, kFullW = 60;
+  static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
+  static constexpr int kWStartD = 4, kWStartH = 3, kWStartW = 4;
+  static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr bool kWeightTransposed = true, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+// Sub-pixel phase 3 (residue 0,1,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Phase3 {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 30, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 3, kKH = 2, kKW = 2;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 1, kPH = 0, kPW = 0;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 2, kOutStrideH = 2, kOutStrideW = 2;
+  static constexpr int kOutResidueD = 0, kOutResidueH = 1, kOutResidueW = 1;
+  static constexpr int kFullD = 60, kFullH = 60, kFullW = 60;
+  static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
+  static constexpr int kWStartD = 4, kWStartH = 3, kWStartW = 3;
+  static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr bool kWeightTransposed = true, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+// Sub-pixel phase 4 (residue 1,0,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Phase4 {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 30, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 2, kKH = 3, kKW = 3;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 0, kPH = 1, kPW = 1;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 2, kOutStrideH = 2, kOutStrideW = 2;
+  static constexpr int kOutResidueD = 1, kOutResidueH = 0, kOutResidueW = 0;
+  static constexpr int kFullD = 60, kFullH = 60, kFullW = 60;
+  static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
+  static constexpr int kWStartD = 3, kWStartH = 4, kWStartW = 4;
+  static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr bool kWeightTransposed = true, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+// Sub-pixel phase 5 (residue 1,0,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Phase5 {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 30, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 2, kKH = 3, kKW = 2;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 0, kPH = 1, kPW = 0;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 2, kOutStrideH = 2, kOutStrideW = 2;
+  static constexpr int kOutResidueD = 1, kOutResidueH = 0, kOutResidueW = 1;
+  static constexpr int kFullD = 60, kFullH = 60, kFullW = 60;
+  static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
+  static constexpr int kWStartD = 3, kWStartH = 4, kWStartW = 3;
+  static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr bool kWeightTransposed = true, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+// Sub-pixel phase 6 (residue 1,1,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Phase6 {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 30, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 2, kKH = 2, kKW = 3;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 0, kPH = 0, kPW = 1;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 2, kOutStrideH = 2, kOutStrideW = 2;
+  static constexpr int kOutResidueD = 1, kOutResidueH = 1, kOutResidueW = 0;
+  static constexpr int kFullD = 60, kFullH = 60, kFullW = 60;
+  static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
+  static constexpr int kWStartD = 3, kWStartH = 3, kWStartW = 4;
+  static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr bool kWeightTransposed = true, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+// Sub-pixel phase 7 (residue 1,1,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
+struct Phase7 {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kOutD = 30, kOutH = 30, kOutW = 30;
+  static constexpr int kKD = 2, kKH = 2, kKW = 2;
+  static constexpr int kSD = 1, kSH = 1, kSW = 1;
+  static constexpr int kPD = 0, kPH = 0, kPW = 0;
+  static constexpr int kDD = 1, kDH = 1, kDW = 1;
+  static constexpr int kOutStrideD = 2, kOutStrideH = 2, kOutStrideW = 2;
+  static constexpr int kOutResidueD = 1, kOutResidueH = 1, kOutResidueW = 1;
+  static constexpr int kFullD = 60, kFullH = 60, kFullW = 60;
+  static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
+  static constexpr int kWStartD = 3, kWStartH = 3, kWStartW = 3;
+  static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr bool kWeightTransposed = true, kWFlip = false;
+  static constexpr bool kChannelsLast = false;
+  static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
+  static constexpr int kCI = 8;  // input channels per pipeline step
+  static constexpr int kBN = 64;  // output channels per CTA
+  static constexpr int kWarpsM = 4, kWarpsN = 2;
+  static constexpr int kTeams = 1;  // teams of kWarpsM x kWarpsN warps sharing the weights (wgmma loop)
+  static constexpr int kStages = 2;  // cp.async pipeline depth (the wgmma loop: one register stage)
+  static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
+  static constexpr Loop kLoop = Loop::kWindow;  // main loop
+  static constexpr Mma kMma = Mma::kTf32;
+};
+static_assert(Geometry<Phase0>::kPackedFloats + Geometry<Phase1>::kPackedFloats + Geometry<Phase2>::kPackedFloats + Geometry<Phase3>::kPackedFloats + Geometry<Phase4>::kPackedFloats + Geometry<Phase5>::kPackedFloats + Geometry<Phase6>::kPackedFloats + Geometry<Phase7>::kPackedFloats == kPackedFloats, "the plan's packed size");
+constexpr int kPlanSmemBytes = 118272;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
+
+// The convolution output (+ bias), NC[D]HW (conv_gemm.cuh StoreEpilogue).
+using Store = StoreEpilogue<true>;
+
+// Packs the weights (unless `packed` already holds them), then runs the convolution (every phase in one launch).
+template <class E>
+cudaError_t run(const float* x, const float* w, float* packed, bool pack, const typename E::Params& ep, int batch, cudaStream_t stream) {
+  static_assert(smem_bytes<Phase0, E>() <= kPlanSmemBytes && smem_bytes<Phase1, E>() <= kPlanSmemBytes && smem_bytes<Phase2, E>() <= kPlanSmemBytes && smem_bytes<Phase3, E>() <= kPlanSmemBytes && smem_bytes<Phase4, E>() <= kPlanSmemBytes && smem_bytes<Phase5, E>() <= kPlanSmemBytes && smem_bytes<Phase6, E>() <= kPlanSmemBytes && smem_bytes<Phase7, E>() <= kPlanSmemBytes,
+                "the plan's shared memory (kgen/families/conv_gemm.py smem_bytes) covers this epilogue's");
+  PackedPhases<8> phases;
+  float* at = packed;
+  if (pack) pack_weights<Phase0>(w, at, stream);
+  phases.w[0] = at;
+  at += Geometry<Phase0>::kPackedFloats;
+  if (pack) pack_weights<Phase1>(w, at, stream);
+  phases.w[1] = at;
+  at += Geometry<Phase1>::kPackedFloats;
+  if (pack) pack_weights<Phase2>(w, at, stream);
+  phases.w[2] = at;
+  at += Geometry<Phase2>::kPackedFloats;
+  if (pack) pack_weights<Phase3>(w, at, stream);
+  phases.w[3] = at;
+  at += Geometry<Phase3>::kPackedFloats;
+  if (pack) pack_weights<Phase4>(w, at, stream);
+  phases.w[4] = at;
+  at += Geometry<Phase4>::kPackedFloats;
+  if (pack) pack_weights<Phase5>(w, at, stream);
+  phases.w[5] = at;
+  at += Geometry<Phase5>::kPackedFloats;
+  if (pack) pack_weights<Phase6>(w, at, stream);
+  phases.w[6] = at;
+  at += Geometry<Phase6>::kPackedFloats;
+  if (pack) pack_weights<Phase7>(w, at, stream);
+  phases.w[7] = at;
+  at += Geometry<Phase7>::kPackedFloats;
+  return run_phases<E, Phase0, Phase1, Phase2, Phase3, Phase4, Phase5, Phase6, Phase7>(x, phases, ep, batch, stream);
 }
 
-__global__ void __launch_bounds__(kThreads) to_channels_last_kernel(const float* __restrict__ x, float* __restrict__ y, long long batch) {
-  __shared__ float tile[kChannels][kTilePositions + 1];  // + 1: a column of the tile spans the banks
-  const long long n = kgen::grid_sample();
-  if (n >= batch) return;
-  const int p0 = static_cast<int>(blockIdx.x) * kTilePositions;
-  const float* xn = x + n * kChannels * static_cast<long long>(kInSpatial);
-  float v[kPerThread];
-  KGEN_UNROLL
-  for (int k = 0; k < kPerThread; ++k) {  // value i = channel * kTilePositions + position: all loads in flight
-    const int i = threadIdx.x + k * kThreads, p = i % kTilePositions;
-    v[k] = (kWholeSteps || i < kTileValues) && p0 + p < kOutSpatial ? xn[static_cast<long long>(i / kTilePositions) * kInSpatial + input_offset(p0 + p)] : 0.f;
-  }
-  KGEN_UNROLL
-  for (int k = 0; k < kPerThread; ++k) {
-    const int i = threadIdx.x + k * kThreads;
-    if (kWholeSteps || i < kTileValues) tile[i / kTilePositions][i % kTilePositions] = v[k];
-  }
-  __syncthreads();
-  float* yn = y + (n * kOutSpatial + p0) * kChannels;
-  for (int i = threadIdx.x; i < kTileValues; i += kThreads) {  // value i = position * kChannels + channel
-    if (p0 + i / kChannels < kOutSpatial) yn[i] = tile[i % kChannels][i / kChannels];
-  }
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream) {
+  return run<Store>(x, w, packed, pack, Store::Params{bias, out}, batch, stream);
 }
 
-cudaError_t to_channels_last(const float* x, float* y, long long batch, cudaStream_t stream) {
-  to_channels_last_kernel<<<kgen::sample_grid((kOutSpatial + kTilePositions - 1) / kTilePositions, batch), kThreads, 0, stream>>>(x, y, batch);
-  return cudaGetLastError();
+// ---- conv_gemm:phase_pool: every sub-pixel phase on wgmma, stage 1 (pool_reduce) as the
+// epilogue on the accumulators; the convolution output is never written (phase_pool.cuh; plan.json
+// stages[0].phase_pool).
+struct PhasePoolProblem {
+  static constexpr int kCin = 32, kCout = 64;
+  static constexpr int kInD = 32, kInH = 32, kInW = 32;
+  static constexpr int kSD = 2, kSH = 2, kSW = 2;  // stride: phases per dim
+  static constexpr int kTQD = 3, kTQH = 3, kTQW = 3;  // positions of a phase per pool window
+  static constexpr int kPooledD = 10, kPooledH = 10, kPooledW = 10;
+  static constexpr int kEMinD = -1, kEMinH = -1, kEMinW = -1;  // the box starts at q + e_min
+  static constexpr int kBD = 5, kBH = 5, kBW = 32;  // input box of a tile
+};
+static_assert(phase_pool::PoolGeometry<PhasePoolProblem>::kSmemBytes == 192712, "the plan's shared memory (conv_gemm.py phase_pool_layout)");
+
+// Stage 1's math (stages.h) on the accumulators: its level-0 ops on every value, the ops
+// after its pool on each window's max, its reduction over the channels in channel order.
+struct PhasePoolEpilogue {
+  using Params = s1::Args;
+  __device__ static float pre(const Params& a, long long n, int c, int d, int h, int w, float v) {
+    return s1::level0_from(a, n, c, d, h, w, v);
+  }
+  __device__ static float post(const Params& a, long long n, int c, int pd, int ph, int pw, float v) {
+    return s1::level1_after_pool(a, n, c, pd, ph, pw, v);
+  }
+  // Output k of sample n from the channels' values (values[c * stride]).
+  __device__ static void reduce_channels(const Params& a, long long n, int k, const float* values, int stride) {
+    float acc = s1::identity();
+    for (int c = 0; c < PhasePoolProblem::kCout; ++c) acc = s1::combine(acc, values[c * stride]);
+    a.out[n * s1::kKept + k] = s1::finish(a, n, static_cast<s1::Index>(k), acc);
+  }
+};
+
+cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
+  // Per warpgroup its phases and taps (balanced at plan time); per tap its place in the box and its weight tap.
+  static const phase_pool::PhasePoolTables tables = {
+      {63, 62},
+      {4, 4},
+      { {0, 3, 5, 6}, {1, 2, 4, 7} },
+      {27, 18, 18, 12, 18, 12, 12, 8},
+      { {0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1}, {1, 0, 0}, {1, 0, 1}, {1, 1, 0}, {1, 1, 1} },
+      { {386, 385, 384, 354, 353, 352, 322, 321, 320, 226, 225, 224, 194, 193, 192, 162, 161, 160, 66, 65, 64, 34, 33, 32, 2, 1, 0, 386, 385, 354, 353, 226, 225, 194, 193, 66, 65, 34, 33, 386, 385, 354, 353, 322, 321, 226, 225, 194, 193, 162, 161, 386, 385, 384, 354, 353, 352, 226, 225, 224, 194, 193, 192},
+        {386, 385, 354, 353, 322, 321, 226, 225, 194, 193, 162, 161, 66, 65, 34, 33, 2, 1, 386, 385, 384, 354, 353, 352, 226, 225, 224, 194, 193, 192, 66, 65, 64, 34, 33, 32, 386, 385, 384, 354, 353, 352, 322, 321, 320, 226, 225, 224, 194, 193, 192, 162, 161, 160, 386, 385, 354, 353, 226, 225, 194, 193} },
+      { {0, 2, 4, 10, 12, 14, 20, 22, 24, 50, 52, 54, 60, 62, 64, 70, 72, 74, 100, 102, 104, 110, 112, 114, 120, 122, 124, 6, 8, 16, 18, 56, 58, 66, 68, 106, 108, 116, 118, 26, 28, 36, 38, 46, 48, 76, 78, 86, 88, 96, 98, 30, 32, 34, 40, 42, 44, 80, 82, 84, 90, 92, 94},
+        {1, 3, 11, 13, 21, 23, 51, 53, 61, 63, 71, 73, 101, 103, 111, 113, 121, 123, 5, 7, 9, 15, 17, 19, 55, 57, 59, 65, 67, 69, 105, 107, 109, 115, 117, 119, 25, 27, 29, 35, 37, 39, 45, 47, 49, 75, 77, 79, 85, 87, 89, 95, 97, 99, 31, 33, 41, 43, 81, 83, 91, 93} },
+  };
+  return phase_pool::run_phase_pool<PhasePoolProblem, PhasePoolEpilogue>(x, w, packed, pack, a, tables, 5 * 5 * 5, batch, stream);
 }
 
 }  // namespace s0

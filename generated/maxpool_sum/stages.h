@@ -21,6 +21,29 @@ namespace kgen_maxpool_sum {
 // ==== plan 0: batches 1..
 namespace v0 {
 
+// ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
+//   ops[0].conv_transpose3d: conv_transpose3d(32->64, k=5, s=2, p=2) as 8 sub-pixel conv3d, computing only the first 60, bias added by the next stage
+//   implicit GEMM on tensor cores (tf32: pools and reductions follow: TF32 products), stage 1 fused in as its epilogue
+namespace s1 {
+struct Args;
+}  // namespace s1
+namespace s0 {
+
+// Packed weights (MMA-fragment order) of all 8 problem(s): a workspace per call.
+constexpr long long kPackedFloats = 256000;
+
+#ifdef KGEN_STAGES_CUDA
+// The convolution (without its bias: the next stage adds it) into `out` [batch, 64, 60, 60, 60].
+// `packed` holds the re-laid weights (kPackedFloats); `pack` says whether to write them from `w` first.
+cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
+// conv_gemm:phase_pool: the convolution with stage 1 as its epilogue, in one kernel: writes `a.out`.
+cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
+constexpr int kSplits = 1;  // one value per output: nothing is combined across tiles
+constexpr long long kPhasePoolPackedFloats = 256000;  // its weights: every phase's taps, TF32
+#endif
+
+}  // namespace s0
+
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
 //   ops[0].conv_transpose3d: add(conv_transpose.bias per channel)
 //   ops[1].max_pool3d: max_pool3d(k=6)
@@ -29,7 +52,7 @@ namespace s1 {
 
 // Kernel arguments: the input tile(s), parameters, output, workspace.
 struct Args {
-  const float* in[8];
+  const float* in[1];
   const float* conv_transpose_bias;  // conv_transpose.bias [64]
   float* out;
   float* partial;  // per-block partial results, when a reduction is split
@@ -39,29 +62,14 @@ struct Args {
 // Per-sample indices fit in 32 bits.
 using Index = int;
 
-// Input: logical (C, *S) = [64, 60, 60, 60] held as 8 sub-pixel
-// phase tiles (channels_last); logical position o lies in phase o % stride at o / stride.
+// Input: logical (C, *S) = [64, 60, 60, 60] in a [64, 60, 60, 60] contiguous buffer.
 KGEN_HD float load(const Args& a, long long n, int c, int d0, int d1, int d2) {
-  // unsigned: positions are never negative, and the compiler can then fold
-  // the phase of each unrolled window tap at compile time
-  const unsigned u0 = static_cast<unsigned>(d0);
-  const int r0 = static_cast<int>(u0 % 2u), m0 = static_cast<int>(u0 / 2u);
-  const unsigned u1 = static_cast<unsigned>(d1);
-  const int r1 = static_cast<int>(u1 % 2u), m1 = static_cast<int>(u1 / 2u);
-  const unsigned u2 = static_cast<unsigned>(d2);
-  const int r2 = static_cast<int>(u2 % 2u), m2 = static_cast<int>(u2 / 2u);
-  switch ((r0 * 2 + r1) * 2 + r2) {
-    case 0: return a.in[0][n * 1906624LL + c + m0 * 61504 + m1 * 1984 + m2 * 64];
-    case 1: return a.in[1][n * 1845120LL + c + m0 * 59520 + m1 * 1920 + m2 * 64];
-    case 2: return a.in[2][n * 1845120LL + c + m0 * 59520 + m1 * 1984 + m2 * 64];
-    case 3: return a.in[3][n * 1785600LL + c + m0 * 57600 + m1 * 1920 + m2 * 64];
-    case 4: return a.in[4][n * 1845120LL + c + m0 * 61504 + m1 * 1984 + m2 * 64];
-    case 5: return a.in[5][n * 1785600LL + c + m0 * 59520 + m1 * 1920 + m2 * 64];
-    case 6: return a.in[6][n * 1785600LL + c + m0 * 59520 + m1 * 1984 + m2 * 64];
-    case 7: return a.in[7][n * 1728000LL + c + m0 * 57600 + m1 * 1920 + m2 * 64];
-  }
-  return 0.f;  // unreachable: the phase index is always in range
+  return a.in[0][n * 13824000LL + c * 216000 + d0 * 3600 + d1 * 60 + d2];
 }
+
+// The same input as one dense sample: element e of its memory (e = c * S + s).
+constexpr Index kSampleSize = 13824000;
+KGEN_HD float load_flat(const Args& a, long long n, Index e) { return a.in[0][n * kSampleSize + e]; }
 
 
 // The input as this stage's own kernels read it. The levels below take their
@@ -116,9 +124,9 @@ constexpr Index kReduced = 64;  // values combined into one output
 
 // Schedule (plan.json: stages[1].schedule).
 constexpr int kThreads = 256;  // CUDA threads per block
-constexpr int kRLanes = 64;  // threads sharing one output
+constexpr int kRLanes = 16;  // threads sharing one output
 constexpr int kOLanes = kThreads / kRLanes;  // outputs per block
-constexpr bool kRFast = true;  // lanes walk the reduction (adjacent in memory)
+constexpr bool kRFast = false;  // lanes walk the reduction (adjacent in memory)
 constexpr int kUnroll = 1;  // values loaded before they are combined (loads in flight)
 constexpr int kMinPerThread = 32;  // values per thread before a reduction is split
 constexpr int kTargetBlocksPerSm = 16;  // a split reduction aims for this many blocks per SM

@@ -38,7 +38,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import KgenError
-from ..ir import Pool
+from ..ir import Elementwise, Pool, Reduce
 from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import ConvStage, Stage, flat_buffer
 from ..target import Target
@@ -152,6 +152,126 @@ class FusedNorm:
     one_pass: bool = False  # one pass: a sample's tiles on co-resident CTAs that wait for each other
 
 
+# conv_gemm:phase_pool (phase_pool.cuh): the lab kernel (scripts/tconv_lab) ran maxpool_sum's whole
+# pipeline at 288-296 TFLOP/s of useful FLOPs (H100, 0.75-0.77 ms; 221 GFLOP), ~0.6 of the TF32 peak
+PHASE_POOL_TENSOR_FRACTION = 0.58
+PHASE_POOL_MAX_N = 128  # positions of one wgmma (wgmma.cuh's widest)
+PHASE_POOL_MAX_ACC = 160  # accumulators per thread (a warpgroup holds 64 channels x the tile's positions)
+PHASE_POOL_MAX_PHASES = 27  # phase_pool.cuh kMaxPhases
+PHASE_POOL_MAX_PIECES = 128  # taps a warpgroup streams per tile (kMaxPiecesPerWg)
+PHASE_POOL_RING = 4  # weight taps in flight per warpgroup (kRing)
+PHASE_POOL_TABLE_BYTES = 4 * (2 + 2 + 2 * 27 + 27 + 3 * 27) + 2 * 2 * 2 * 128  # sizeof(PhasePoolTables)
+
+
+@dataclass(frozen=True)
+class PhasePool:
+    """conv_gemm:phase_pool: a strided transposed convolution with the next stage (a max pool over
+    whole stride periods, a reduction over the channels) in one wgmma kernel (phase_pool.cuh). Per
+    spatial dim (D, H, W) unless said otherwise."""
+
+    stride: tuple
+    tq: tuple  # positions q of one phase per pool window (window / stride)
+    pooled: tuple  # the pooled output's size
+    emin: tuple  # the smallest input offset of any tap: where the box starts
+    box: tuple  # the input box of a tile (a row padded to a multiple of 8 positions)
+    phases: tuple  # per warpgroup: its phases (index (rd SH + rh) SW + rw)
+    taps: tuple  # per phase: its taps
+    residues: tuple  # per phase: (rd, rh, rw)
+    offsets: tuple  # per warpgroup: each of its taps' offset in the box (positions)
+    weight_taps: tuple  # per warpgroup: each of its taps' weight tap ((kd KH + kh) KW + kw)
+    smem_bytes: int
+
+
+def _phase_taps(k: int, s: int, p: int, r: int) -> list[tuple[int, int]]:
+    """(weight tap, input offset) of sub-pixel phase r along one dim: output s q + r reads input q + e."""
+    return [(j, (r + p - j) // s) for j in range(k) if (r + p - j) % s == 0]
+
+
+def phase_pool_layout(c, in_spatial: tuple, window: tuple, pooled: tuple) -> PhasePool | str:
+    """The phase_pool kernel's layout for transposed convolution ``c`` pooled by ``window`` into
+    ``pooled``, or why it does not apply."""
+    if not c.transposed or c.rank != 3:
+        return "a transposed 3-D convolution only"
+    if c.in_channels % 8 or c.out_channels != 64:
+        return f"{c.in_channels} -> {c.out_channels} channels (needs a multiple of 8 -> 64)"
+    if any(d != 1 for d in c.dilation):
+        return "dilation"
+    stride, kernel, padding = tuple(c.stride), tuple(c.kernel), tuple(c.padding)
+    if any(w % s for w, s in zip(window, stride)):
+        return f"pool window {window} is not a whole number of strides {stride}"
+    tq = tuple(w // s for w, s in zip(window, stride))
+    per_dim = [[_phase_taps(k, s, p, r) for r in range(s)] for k, s, p in zip(kernel, stride, padding)]
+    if any(not taps for dim in per_dim for taps in dim):
+        return "a phase without taps"
+    emin = tuple(min(e for taps in dim for _, e in taps) for dim in per_dim)
+    emax = tuple(max(e for taps in dim for _, e in taps) for dim in per_dim)
+    qw = pooled[2] * tq[2]
+    box = (tq[0] + emax[0] - emin[0], tq[1] + emax[1] - emin[1], -(-(qw + emax[2] - emin[2]) // 8) * 8)
+    n = tq[1] * box[2]
+    if n > PHASE_POOL_MAX_N or tq[0] * n // 2 > PHASE_POOL_MAX_ACC:
+        return f"a tile of {tq[0]} x {tq[1]} x {box[2]} positions is too large for one warpgroup's accumulators"
+    sd, sh, sw = stride
+    phase_list, taps, residues, pieces = [], [], [], []
+    for rd in range(sd):
+        for rh in range(sh):
+            for rw in range(sw):
+                ps = [(((jd * kernel[1]) + jh) * kernel[2] + jw,
+                       ((ed - emin[0]) * box[1] + (eh - emin[1])) * box[2] + (ew - emin[2]))
+                      for jd, ed in per_dim[0][rd] for jh, eh in per_dim[1][rh] for jw, ew in per_dim[2][rw]]
+                phase_list.append((rd * sh + rh) * sw + rw)
+                taps.append(len(ps))
+                residues.append((rd, rh, rw))
+                pieces.append(ps)
+    if len(phase_list) > PHASE_POOL_MAX_PHASES:
+        return "more than 27 phases"
+    groups = _balanced_halves(taps)
+    load = [sum(taps[i] for i in g) for g in groups]
+    if max(load) > PHASE_POOL_MAX_PIECES:
+        return f"{max(load)} taps per warpgroup (at most {PHASE_POOL_MAX_PIECES})"
+    offsets = tuple(tuple(o for ph in g for _, o in pieces[ph]) for g in groups)
+    weight_taps = tuple(tuple(t for ph in g for t, _ in pieces[ph]) for g in groups)
+    cin = c.in_channels
+    box_floats = cin * math.prod(box) + 4 * (box[2] - qw + 1)
+    piece_floats = cin * 64
+    floats = box_floats + 2 * PHASE_POOL_RING * piece_floats + 2 * 64 * (box[2] + 8) + 64 * pooled[2]
+    smem = FLOAT_BYTES * floats + PHASE_POOL_TABLE_BYTES
+    if smem > SMEM_LIMIT:
+        return f"{smem // 1024} KB of shared memory"
+    return PhasePool(stride, tq, tuple(pooled), emin, box, tuple(tuple(g) for g in groups), tuple(taps),
+                     tuple(residues), offsets, weight_taps, smem)
+
+
+def _balanced_halves(taps: list[int]) -> list[list[int]]:
+    """The phases split between the two warpgroups with the smallest larger share of taps (phase 0
+    in the first; among equals the first split found), each in phase order; up to 16 phases by
+    trying every split, beyond that the largest phase first onto the lighter warpgroup."""
+    n = len(taps)
+    if n <= 16:
+        best = min(range(0, 1 << n, 2), key=lambda m: max(sum(t for i, t in enumerate(taps) if not m >> i & 1),
+                                                         sum(t for i, t in enumerate(taps) if m >> i & 1)))
+        return [[i for i in range(n) if not best >> i & 1], [i for i in range(n) if best >> i & 1]]
+    load, groups = [0, 0], [[], []]
+    for ph in sorted(range(n), key=lambda i: (-taps[i], i)):
+        wg = 0 if load[0] <= load[1] else 1
+        groups[wg].append(ph)
+        load[wg] += taps[ph]
+    return [sorted(g) for g in groups]
+
+
+def _pool_epilogue_window(ops) -> tuple | None:
+    """The pool window when ``ops`` (what follows a convolution, up to the first other op) are
+    elementwise ops, one max pool of non-overlapping windows (floor mode), elementwise ops and a
+    reduction over the channels alone, then elementwise ops: the epilogue phase_pool computes."""
+    pools = [o for o in ops if isinstance(o, Pool)]
+    reduces = [o for o in ops if isinstance(o, Reduce)]
+    if len(pools) != 1 or len(reduces) != 1 or not all(isinstance(o, (Elementwise, Pool, Reduce)) for o in ops):
+        return None
+    p, r = pools[0], reduces[0]
+    if ops.index(p) > ops.index(r) or p.kind != "max" or not p.non_overlapping or p.ceil_mode or tuple(r.dims) != (1,):
+        return None
+    return tuple(p.kernel)
+
+
 @dataclass
 class ConvGemmStage(ConvStage):
     problems: list = field(default_factory=list)
@@ -163,8 +283,15 @@ class ConvGemmStage(ConvStage):
     norm_schedule: Schedule | None = None
     norm_one_pass: bool = False
     x3_reason: str = ""
+    # candidate conv_gemm:phase_pool: the kernel that takes the pool_reduce stage after it (the
+    # standalone stage keeps `schedule`)
+    phase_pool: PhasePool | None = None
 
     # ---- what the templates need (text only; the decisions are above)
+
+    def phase_pool_packed_floats(self) -> int:
+        pp = self.phase_pool
+        return sum(len(o) for o in pp.offsets) * self.conv.conv.in_channels * self.conv.conv.out_channels
 
     @property
     def rank(self) -> int:
@@ -311,7 +438,7 @@ class ConvGemm(Family):
     stage_kind = "conv"
     generates_kernel = True
     pieces = ("stage.h", "kernel.cu", "binding.cpp")
-    cuda_includes = ("conv_gemm/conv_gemm.cuh",)
+    cuda_includes = ("conv_gemm/conv_gemm.cuh", "conv_gemm/phase_pool.cuh")
     summary = "generated implicit-GEMM convolution on TF32 tensor cores (ieee: fp32 FMAs), the next stage fused in"
 
     def fits(self, ops):
@@ -343,10 +470,55 @@ class ConvGemm(Family):
         if not forced and req.pipeline.precision == "ieee" and c.in_channels * taps > DIRECT_MAX_K:
             return (f"precision ieee: K = {c.in_channels} channels x {taps} taps is above {DIRECT_MAX_K}, where "
                     "the fp32 direct loop is no faster than ATen's fp32 convolution")
-        if not forced and (c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT):
+        k_rule = self._k_rule(req)
+        if k_rule and not isinstance(self.phase_pool(req), PhasePool):
+            return k_rule
+        return None
+
+    @staticmethod
+    def _k_rule(req: StageRequest) -> str | None:
+        """Why cuDNN beats the generated loops on this convolution (None: it does not, or the spec
+        asks for the generated one); conv_gemm:phase_pool is measured against it, not ruled out."""
+        if req.pipeline.conv_impl == "gemm":
+            return None
+        lc = lowered(req.ops[0])
+        c = lc.conv
+        taps = math.prod(lc.kernel) if not isinstance(lc.lowering, Subpixel) else max(
+            math.prod(ph.taps) for ph in lc.phases(req.types[0].spatial))
+        if c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT:
             return (f"K = {c.in_channels} channels x {taps} taps, {c.out_channels} output channels: "
                     "large enough for cuDNN's tensor-core GEMMs")
         return None
+
+    def phase_pool(self, req: StageRequest) -> PhasePool | str:
+        """The layout of candidate conv_gemm:phase_pool for the request, or why it does not apply:
+        a strided transposed convolution (sub-pixel phases) in TF32 on a wgmma target, read from a
+        plain NC[D]HW tensor, before a pool_reduce stage of a max pool and a channel reduction."""
+        lc = lowered(req.ops[0])
+        if not isinstance(lc.lowering, Subpixel):
+            return "not a strided transposed convolution"
+        if not req.target.wgmma:
+            return "no wgmma on this target"
+        if self.mma(req)[0] != "tf32":
+            return "TF32 products only"
+        if not req.input.flat or req.input.layout != "contiguous":
+            return "its input is not a plain NC[D]HW tensor"
+        if req.next_family is None or req.next_family.name != "pool_reduce":
+            return "no pool_reduce stage after it"
+        ops = req.pipeline.ops
+        following = []
+        for o in ops[ops.index(req.ops[-1]) + 1:]:
+            if not isinstance(o, (Elementwise, Pool, Reduce)):
+                break
+            following.append(o)
+        window = _pool_epilogue_window(following)
+        if window is None:
+            return "the next stage is not a max pool and a reduction over the channels"
+        out = req.types[1].spatial
+        pooled = tuple(o // w for o, w in zip(out, window))
+        if 0 in pooled:
+            return "no whole pool window"
+        return phase_pool_layout(lc.conv, tuple(req.types[0].spatial), window, pooled)
 
     # ------------------------------------------------------------ problems
 
@@ -547,7 +719,10 @@ class ConvGemm(Family):
 
     def absorbs_epilogue(self, st: Stage, nxt: Stage) -> bool:
         """A pool_reduce stage whose pools tile the convolution output in whole windows, or
-        a norm stage where the convolution is cheap enough to compute twice."""
+        a norm stage where the convolution is cheap enough to compute twice; for conv_gemm:phase_pool,
+        the pool_reduce stage it was planned for."""
+        if st.phase_pool is not None:
+            return self._absorbs_phase_pool(st, nxt)
         if len(st.problems) != 1 or nxt.input != st.output:
             return False
         if nxt.family.name == "norm":
@@ -613,6 +788,23 @@ class ConvGemm(Family):
                 and all(d == 1 for d in p.dilation)
                 and all(-(-q // qt) == -(-o // t) for q, qt, o, t in zip(pooled, pooled_tile, out, sc.tile)))
 
+    @staticmethod
+    def _absorbs_phase_pool(st: ConvGemmStage, nxt: Stage) -> bool:
+        """phase_pool computes nothing but its epilogue: the stage after it must be the one
+        ``phase_pool`` planned for (else the plan is not made)."""
+        pp = st.phase_pool
+        ok = (nxt.family.name == "pool_reduce" and nxt.input == st.output and len(nxt.levels) == 2
+              and nxt.reduce is not None and tuple(nxt.reduce.dims) == (1,))
+        if ok:
+            pool: Pool = nxt.levels[1].pool
+            ok = (pool.kind == "max" and pool.non_overlapping
+                  and tuple(pool.kernel) == tuple(q * s for q, s in zip(pp.tq, pp.stride))
+                  and tuple(nxt.pooled_type.spatial) == pp.pooled)
+        if not ok:
+            raise KgenError(f"conv_gemm:phase_pool at stage {st.index}: stage {nxt.index} is not the max pool and "
+                            "channel reduction it was planned for")
+        return True
+
     def _absorbs_norm(self, st: ConvGemmStage, nxt: Stage) -> bool:
         """The candidates ``conv_gemm:recompute`` and ``conv_gemm:onepass`` take the norm stage after it."""
         sc = st.norm_schedule
@@ -646,6 +838,17 @@ class ConvGemm(Family):
         return sc
 
     def candidates(self, req: StageRequest) -> list[Candidate]:
+        """The generated loops' candidates (``_loop_candidates``; none where cuDNN's GEMMs win:
+        ``_k_rule``), and ``conv_gemm:phase_pool`` where it applies (``phase_pool``)."""
+        out = [] if self._k_rule(req) else self._loop_candidates(req)
+        pp = self.phase_pool(req)
+        if isinstance(pp, PhasePool):
+            st = self.make_stage(req)
+            st.phase_pool = pp
+            out.append(Candidate(f"{self.name}:phase_pool", st))
+        return out
+
+    def _loop_candidates(self, req: StageRequest) -> list[Candidate]:
         """Before a norm stage, three ways (``kgen tune`` measures them; the issue's choice between
         writing the convolution once and computing it twice, and a third that does neither):
         ``conv_gemm`` writes the output and the norm stage reads it twice; ``conv_gemm:recompute``
@@ -679,6 +882,14 @@ class ConvGemm(Family):
                 else target.tensor_flops * GEMM_TENSOR_FRACTION)
         what = "direct convolution" if st.schedule.loop == "direct" else "implicit GEMM"
         out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()))]
+        pp = st.phase_pool
+        if pp is not None:  # the input box of each tile (halo included), the pooled output once
+            tiles = batch * pp.pooled[0] * pp.pooled[1]
+            read = FLOAT_BYTES * tiles * c.in_channels * math.prod(pp.box)
+            written = FLOAT_BYTES * batch * out_type.sample_numel
+            out.append(Work("phase_pool: transposed convolution + max pool + channel reduction", flops, read + written,
+                            target.tensor_flops * PHASE_POOL_TENSOR_FRACTION))
+            return out
         if st.fused_norm is not None and st.fused_norm.one_pass:  # one pass; the tiles' moments meet in L2
             moments = FLOAT_BYTES * 3 * batch * c.out_channels * st.fused_norm.tiles
             out.append(Work(f"{what} + statistics + apply", flops, nbytes + 2 * moments, rate))
@@ -693,6 +904,18 @@ class ConvGemm(Family):
         return out  # the folded and packed weights are kept between calls (kgen::WeightCache)
 
     def explain_lines(self, st: ConvGemmStage) -> list[str]:
+        pp = st.phase_pool
+        if pp is not None:
+            loads = [sum(pp.taps[i] for i in g) for g in pp.phases]
+            return [f"phase_pool (wgmma, tf32: {st.x3_reason}): all {len(pp.taps)} sub-pixel phases in one kernel, "
+                    f"M = 64 output channels, N = {pp.tq[1]} x {pp.box[2]} box positions per d-plane; a tile is "
+                    f"{pp.tq[0]} x {pp.tq[1]} x {pp.tq[2] * pp.pooled[2]} positions of every phase (one pooled row), "
+                    f"its input box {'x'.join(map(str, pp.box))} x {st.conv.conv.in_channels} channels loaded once; "
+                    f"two warpgroups ({loads[0]} and {loads[1]} taps) stream the weights tap by tap, "
+                    f"{pp.smem_bytes // 1024} KB shared memory",
+                    f"stage {st.epilogue.index} (pool_reduce) is its epilogue: max pools of the accumulators, "
+                    "the channel reduction in channel order; the convolution output is never written"
+                    if st.epilogue is not None else "(its epilogue stage is missing)"]
         sc = st.schedule
         teams = f" x {sc.teams} teams sharing the weights" if sc.teams > 1 else ""
         out = [f"{sc.loop} main loop, {sc.mma}: {st.x3_reason}; tile {'x'.join(map(str, sc.tile))} x {sc.block_n} channels, "
@@ -718,6 +941,8 @@ class ConvGemm(Family):
             d["fused_epilogue"] = asdict(st.fused)
         if st.fused_norm:
             d["fused_norm"] = asdict(st.fused_norm)
+        if st.phase_pool:
+            d["phase_pool"] = asdict(st.phase_pool)
         return d
 
 

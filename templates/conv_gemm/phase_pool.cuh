@@ -1,0 +1,304 @@
+// phase_pool.cuh: a strided transposed 3-D convolution, then a max pool whose window is a whole number
+// of stride periods, then a reduction over the channels: one kernel on sm_90a wgmma (TF32, fp32
+// accumulators). The convolution output is never written. Ordinary C++ templates: the generated stage
+// supplies a problem struct `P` (members below) and an epilogue struct `E` (the pool_reduce stage's
+// math); the per-tap tables come as a kernel argument (PhasePoolTables).
+//
+// The transposed convolution is S = SD x SH x SW sub-pixel phases r, each a stride-1 correlation over
+// the input: output o = s q + r reads input q + e for the taps k with (r + p - k) % s == 0,
+// e = (r + p - k) / s. A pool window of s t positions per dim is t positions q of every phase, so a
+// CTA that owns whole windows needs nothing from other CTAs.
+//
+// The GEMM is turned around, M = the 64 output channels, N = output positions: per k step one wgmma
+// m64nNk8 reads 2 KB of weights (A) and the N positions of the input box (B); with M = positions and
+// N = 64 channels the box would be read as A at 4 KB per 65 KFLOP, the shared-memory bound of that form.
+//
+// A tile: sample n, one pooled position (pd, ph) in D and H, every pooled position in W. Its input box,
+// [Cin / 4 quads][kBD][kBH][kBW][4 channels], serves all phases and is loaded once per tile; a box row
+// holds kBW positions (a multiple of 8), so the kTQH rows of one plane are one B descriptor (8-position
+// groups 128 bytes apart, the two channel quads of a k step a quad plane apart); columns past the
+// pooled ones are computed and ignored. Two warpgroups share the box, each taking a fixed set of
+// phases (balanced by taps at plan time) and streaming its weights, one tap (Cin x 64) at a time,
+// through a kRing-deep cp.async ring. A phase's accumulators (kTQD planes x 64 x N) are pooled into
+// running maxima as soon as its last tap is done, while the other warpgroup keeps the tensor cores
+// busy. Max is exact, so the order of phases and positions leaves the result unchanged; the channel
+// reduction runs in channel order (deterministic).
+//
+// Members of P (all static constexpr):
+//   kCin, kCout                     channels (kCin a multiple of 8; kCout 64: one m64 block)
+//   kInD, kInH, kInW                input size
+//   kSD, kSH, kSW                   stride (phases per dim)
+//   kTQD, kTQH, kTQW                positions q per pool window and phase, per dim (window / stride)
+//   kPooledD, kPooledH, kPooledW    pooled output size
+//   kEMinD, kEMinH, kEMinW          the smallest input offset e of any tap (the box starts there)
+//   kBD, kBH, kBW                   input box of a tile (positions)
+//   kMaxPieces                      taps of the larger warpgroup's phases
+#pragma once
+
+#include "conv_gemm.cuh"
+
+namespace kgen {
+namespace conv_gemm {
+namespace phase_pool {
+
+constexpr int kMaxPhases = 27;       // strides up to 3 per dim
+constexpr int kMaxPiecesPerWg = 128;  // taps a warpgroup streams per tile
+constexpr int kRing = 4;             // weight taps in flight per warpgroup
+
+// What changes per tap and per phase; a kernel argument (constant bank), copied to shared memory.
+struct PhasePoolTables {
+  int pieces[2];                        // taps per tile of each warpgroup
+  int phases[2];                        // phases of each warpgroup
+  int phase[2][kMaxPhases];             // each warpgroup's phases, in order: phase index
+  int taps[kMaxPhases];                 // taps of phase i
+  int residue[kMaxPhases][3];           // its residues (rd, rh, rw)
+  short offset[2][kMaxPiecesPerWg];     // each piece's B offset in the box (positions)
+  short weight_tap[2][kMaxPiecesPerWg];  // its weight tap (kd KH + kh) KW + kw
+};
+
+template <class P>
+struct PoolGeometry {
+  static_assert(P::kCin % 8 == 0 && P::kCout == 64, "phase_pool: Cin a multiple of 8, 64 output channels");
+  static constexpr int kQuads = P::kCin / 4;
+  static constexpr int kBoxPos = P::kBD * P::kBH * P::kBW;
+  static constexpr int kBoxFloats = kQuads * kBoxPos * 4;
+  static constexpr int kBoxPad = 4 * (P::kBW - P::kTQW * P::kPooledW + 1);  // garbage columns read past the box
+  static constexpr int kN = P::kTQH * P::kBW;                            // positions of one wgmma (a d-plane)
+  static constexpr int kJ = kN / 8;
+  static constexpr int kWGroups = P::kBW / 8;
+  static constexpr int kKSteps = P::kCin / 8;
+  static constexpr int kPieceFloats = kKSteps * 2 * P::kCout * 4;  // one tap: [k step][quad][64][4]
+  static constexpr int kScrStride = P::kBW + 8;
+  static constexpr int kScrFloats = P::kCout * kScrStride;
+  static constexpr int kOuts = P::kCout * P::kPooledW;  // (channel, pooled w) maxima of a tile
+  static constexpr int kItems = (kOuts + 127) / 128;    // per thread of a warpgroup
+  static constexpr int kOffRing = kBoxFloats + kBoxPad;
+  static constexpr int kOffScr = kOffRing + 2 * kRing * kPieceFloats;
+  static constexpr int kOffFinal = kOffScr + 2 * kScrFloats;
+  static constexpr int kOffTables = kOffFinal + kOuts;
+  static constexpr int kSmemBytes = kOffTables * 4 + static_cast<int>(sizeof(PhasePoolTables));
+  static_assert(P::kBW % 8 == 0 && kN <= 128 && P::kTQD * kN / 2 <= 160, "one wgmma per d-plane, accumulators in registers");
+  static_assert(kBoxPos * 16 < (1 << 18) && kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+template <class P, class E>
+__global__ void __launch_bounds__(256, 1)
+    phase_pool_kernel(const float* __restrict__ x, const float* __restrict__ packed, const typename E::Params ep,
+                      const PhasePoolTables tables, int batch) {
+  using G = PoolGeometry<P>;
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  float* box = smem;
+  PhasePoolTables& tab = *reinterpret_cast<PhasePoolTables*>(smem + G::kOffTables);
+  const int tid = threadIdx.x, wg = tid >> 7, lt = tid & 127;
+  const int warp = lt >> 5, lane = lt & 31, g = lane >> 2, t = lane & 3;
+  for (int i = tid; i < static_cast<int>(sizeof(PhasePoolTables) / 4); i += 256)
+    reinterpret_cast<int*>(&tab)[i] = reinterpret_cast<const int*>(&tables)[i];
+  for (int i = tid; i < G::kBoxPad; i += 256) box[G::kBoxFloats + i] = 0.f;
+
+  const int npc = tables.pieces[wg];
+  const float* my_packed = packed + (wg == 0 ? 0 : tables.pieces[0]) * G::kPieceFloats;
+  float* ring = smem + G::kOffRing + wg * kRing * G::kPieceFloats;
+  float* scr = smem + G::kOffScr + wg * G::kScrFloats;
+  float* fin = smem + G::kOffFinal;
+  const int tiles = batch * P::kPooledD * P::kPooledH;
+  const int my_tiles = static_cast<int>(blockIdx.x) < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const long long total = static_cast<long long>(my_tiles) * npc;
+
+  // The weight stream: piece j is tap j % npc of this warpgroup's phases.
+  auto load_piece = [&](long long j) {
+    if (j < total) {
+      const float* src = my_packed + static_cast<int>(j % npc) * G::kPieceFloats;
+      float* dst = ring + static_cast<int>(j % kRing) * G::kPieceFloats;
+#pragma unroll
+      for (int e = lt; e < G::kPieceFloats / 4; e += 128) cp_async16(dst + 4 * e, src + 4 * e, true);
+    }
+    cp_async_commit();  // an empty group past the end keeps the counting uniform
+  };
+#pragma unroll
+  for (int j = 0; j < kRing - 1; ++j) load_piece(j);
+  __syncthreads();
+
+  const uint64_t b_desc0 = smem_desc(smem_addr(box), G::kBoxPos * 16, 128);
+  const uint64_t a_desc0 = smem_desc(smem_addr(ring), P::kCout * 16, 128);
+  const int wg_phases = tab.phases[wg];
+
+  float acc[P::kTQD][G::kJ][4];
+  long long j = 0;
+#pragma unroll 1
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int n = tile / (P::kPooledD * P::kPooledH), pd = (tile / P::kPooledH) % P::kPooledD, ph = tile % P::kPooledH;
+    __syncthreads();  // both warpgroups' MMAs of the last tile are done with the box
+    {
+      // The box, rounded to TF32: a thread loads 4 channels of a position (4 coalesced loads along W)
+      // and stores them as one 16-byte quad.
+      constexpr int kItemsBox = G::kQuads * G::kBoxPos, kBatch = 4;
+      constexpr long long kC = static_cast<long long>(P::kInD) * P::kInH * P::kInW;
+      const float* xn = x + static_cast<long long>(n) * P::kCin * kC;
+#pragma unroll 1
+      for (int base = 0; base < kItemsBox; base += 256 * kBatch) {
+        float4 v[kBatch];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const int item = base + tid + 256 * k;
+          const int bw = item % P::kBW, r = item / P::kBW, bh = r % P::kBH, bd = (r / P::kBH) % P::kBD;
+          const int quad = r / (P::kBH * P::kBD);
+          const int d = P::kTQD * pd + P::kEMinD + bd, h = P::kTQH * ph + P::kEMinH + bh, w = P::kEMinW + bw;
+          const bool ok = item < kItemsBox && d >= 0 && d < P::kInD && h >= 0 && h < P::kInH && w >= 0 && w < P::kInW;
+          const float* p = xn + 4 * quad * kC + ((ok ? d : 0) * P::kInH + (ok ? h : 0)) * P::kInW + (ok ? w : 0);
+          v[k] = ok ? make_float4(__ldg(p), __ldg(p + kC), __ldg(p + 2 * kC), __ldg(p + 3 * kC)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const int item = base + tid + 256 * k;
+          if (item < kItemsBox)
+            reinterpret_cast<float4*>(box)[item] = make_float4(to_tf32(v[k].x), to_tf32(v[k].y), to_tf32(v[k].z), to_tf32(v[k].w));
+        }
+      }
+    }
+    fence_async_shared();  // the MMAs read the box through the async proxy
+    __syncthreads();
+
+    float run[G::kItems];
+#pragma unroll
+    for (int k = 0; k < G::kItems; ++k) run[k] = -INFINITY;
+
+#pragma unroll 1
+    for (int pi = 0; pi < wg_phases; ++pi) {
+      const int phase = tab.phase[wg][pi];
+      const int taps = tab.taps[phase];
+#pragma unroll
+      for (int a = 0; a < P::kTQD; ++a)
+#pragma unroll
+        for (int b = 0; b < G::kJ; ++b)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+#pragma unroll 1
+      for (int tap = 0; tap < taps; ++tap, ++j) {
+        const int off = tab.offset[wg][static_cast<int>(j % npc)];
+        cp_async_wait<kRing - 2>();
+        fence_async_shared();
+        named_sync(1 + wg, 128);  // piece j is in the ring for the whole warpgroup
+        const uint64_t a_base = a_desc0 + static_cast<uint64_t>(static_cast<int>(j % kRing) * G::kPieceFloats / 4);
+        const uint64_t b_base = b_desc0 + static_cast<uint64_t>(off);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < G::kKSteps; ++ks)
+#pragma unroll
+          for (int pl = 0; pl < P::kTQD; ++pl)
+            Wgmma<G::kN>::mma(acc[pl], a_base + ks * (2 * P::kCout * 4 * 4 / 16),
+                              b_base + ks * 2 * G::kBoxPos + pl * P::kBH * P::kBW);
+        wgmma_commit();
+        wgmma_wait<1>();  // piece j - 1's MMAs are done: its ring slot takes piece j + kRing - 1
+        load_piece(j + kRing - 1);
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int a = 0; a < P::kTQD; ++a)
+#pragma unroll
+        for (int b = 0; b < G::kJ; ++b)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) pin(acc[a][b][c]);
+      // The epilogue's ops on every value, the max over the planes and rows per (channel, column),
+      // then over each window's columns. acc[pl][j][2 c + e]: channel 16 warp + g + 8 c, position
+      // 8 j + 2 t + e of the plane (row (8 j) / kBW, column 8 (j % kWGroups) + 2 t + e).
+      const int rd = tab.residue[phase][0], rh = tab.residue[phase][1], rw = tab.residue[phase][2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int ch = 16 * warp + g + 8 * c;
+#pragma unroll
+        for (int jw = 0; jw < G::kWGroups; ++jw) {
+          float m[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * jw + 2 * t + e;
+            const int ow = P::kSW * col + rw;
+            m[e] = -INFINITY;
+#pragma unroll
+            for (int pl = 0; pl < P::kTQD; ++pl)
+#pragma unroll
+              for (int hh = 0; hh < P::kTQH; ++hh) {
+                const int od = P::kSD * (P::kTQD * pd + pl) + rd, oh = P::kSH * (P::kTQH * ph + hh) + rh;
+                m[e] = kgen::max_nan(m[e], E::pre(ep, n, ch, od, oh, ow, acc[pl][jw + G::kWGroups * hh][2 * c + e]));
+              }
+          }
+          *reinterpret_cast<float2*>(scr + ch * G::kScrStride + 8 * jw + 2 * t) = make_float2(m[0], m[1]);
+        }
+      }
+      named_sync(1 + wg, 128);
+#pragma unroll
+      for (int k = 0; k < G::kItems; ++k) {
+        const int i = lt + 128 * k;
+        if (i < G::kOuts) {
+          const float* s = scr + (i / P::kPooledW) * G::kScrStride + P::kTQW * (i % P::kPooledW);
+          float v = s[0];
+#pragma unroll
+          for (int q = 1; q < P::kTQW; ++q) v = kgen::max_nan(v, s[q]);
+          run[k] = kgen::max_nan(run[k], v);
+        }
+      }
+    }
+
+    // Both warpgroups' maxima, the ops after the pool, the reduction over the channels in order.
+    if (wg == 1) {
+#pragma unroll
+      for (int k = 0; k < G::kItems; ++k)
+        if (lt + 128 * k < G::kOuts) fin[lt + 128 * k] = run[k];
+    }
+    __syncthreads();
+    if (wg == 0) {
+#pragma unroll
+      for (int k = 0; k < G::kItems; ++k) {
+        const int i = lt + 128 * k;
+        if (i < G::kOuts) fin[i] = E::post(ep, n, i / P::kPooledW, pd, ph, i % P::kPooledW, kgen::max_nan(run[k], fin[i]));
+      }
+    }
+    __syncthreads();
+    if (tid < P::kPooledW) E::reduce_channels(ep, n, (pd * P::kPooledH + ph) * P::kPooledW + tid, fin + tid, P::kPooledW);
+  }
+  cp_async_wait<0>();
+}
+
+// Packs the weight (Cin, Cout, KD, KH, KW) into the pieces the kernel streams, TF32-rounded:
+// [warpgroup 0's taps, then 1's][k step][channel quad][64 output channels][4].
+template <class P>
+__global__ void phase_pool_pack_kernel(const float* __restrict__ w, float* __restrict__ packed, const PhasePoolTables tables,
+                                       int taps_per_channel_pair) {
+  using G = PoolGeometry<P>;
+  const int pieces = tables.pieces[0] + tables.pieces[1];
+  const long long total = static_cast<long long>(pieces) * G::kPieceFloats;
+  for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < total; e += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const int piece = static_cast<int>(e / G::kPieceFloats), r = static_cast<int>(e % G::kPieceFloats);
+    const int i = r % 4, co = (r / 4) % P::kCout, kq = (r / (4 * P::kCout)) % 2, ks = r / (8 * P::kCout);
+    const int wg = piece < tables.pieces[0] ? 0 : 1, j = wg ? piece - tables.pieces[0] : piece;
+    const int ci = 8 * ks + 4 * kq + i;
+    packed[e] = to_tf32(w[(static_cast<long long>(ci) * P::kCout + co) * taps_per_channel_pair + tables.weight_tap[wg][j]]);
+  }
+}
+
+template <class P, class E>
+cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool pack, const typename E::Params& ep,
+                           const PhasePoolTables& tables, int taps_per_channel_pair, int batch, cudaStream_t stream) {
+  using G = PoolGeometry<P>;
+  if (pack) {
+    phase_pool_pack_kernel<P><<<256, 256, 0, stream>>>(w, packed, tables, taps_per_channel_pair);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  static int sms = 0;
+  if (sms == 0) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(phase_pool_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
+    if (err != cudaSuccess) return err;
+  }
+  const int tiles = batch * P::kPooledD * P::kPooledH;
+  const int grid = tiles < sms ? tiles : sms;
+  phase_pool_kernel<P, E><<<grid, 256, G::kSmemBytes, stream>>>(x, packed, ep, tables, batch);
+  return cudaGetLastError();
+}
+
+}  // namespace phase_pool
+}  // namespace conv_gemm
+}  // namespace kgen
