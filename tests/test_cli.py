@@ -92,7 +92,7 @@ def test_explain_shows_rewrites_stages_and_floor():
     out = _kgen("explain", "specs/maxpool_sum.yaml").stdout
     assert "fired    pool_composition" in out and "fired    subpixel_conv_transpose" in out
     assert "stage 1 pool_reduce" in out and "floor" in out and "without rewrites" in out
-    assert "8 ATen convolutions (one per sub-pixel phase" in out  # how each stage runs
+    assert "all 8 sub-pixel phases in one kernel" in out and "is its epilogue" in out  # how each stage runs
     off = _kgen("explain", "--no-rewrites", "specs/maxpool_sum.yaml").stdout
     assert "fired" not in off and "switched off" in off
 

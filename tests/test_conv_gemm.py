@@ -437,6 +437,166 @@ def test_fused_norms_match_float64(cg_modules):
 
 # ------------------------------------------------------------------ GPU: many convolutions against float64
 
+# ------------------------------------------------------------------ phase_pool
+
+PHASE_POOL = "conv_gemm:phase_pool"
+MAXPOOL_SUM = ([32, 32, 32, 32], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 5, "stride": 2, "padding": 2}},
+                                  {"max_pool3d": {"kernel_size": 2}}, {"max_pool3d": {"kernel_size": 3}},
+                                  {"sum": {"dim": 1, "keepdim": True}}])
+
+
+def phase_pool_plan(shape, ops, target=DEFAULT, **kw):
+    """The plan with stage 0 on conv_gemm:phase_pool (None where it is not a candidate)."""
+    pipe = pipeline_of(spec_text(shape, ops, **kw))
+    first = make_plan(pipe, target=target)
+    if PHASE_POOL not in first.stages[0].candidates:
+        return None
+    return make_plan(pipe, target=target, choices={f"implementation @ {pipe.ops[0].key}": PHASE_POOL})
+
+
+def emulate_phase_pool(pp, x, w):
+    """The convolution as phase_pool computes it, from its tables alone (float64): every phase's taps
+    at their box offsets and weight taps, over the pooled region. x [Cin, D, H, W], w [Cin, Cout, K..]."""
+    cin, cout = w.shape[:2]
+    kernel = w.shape[2:]
+    q = [pp.tq[0] * pp.pooled[0], pp.tq[1] * pp.pooled[1], pp.tq[2] * pp.pooled[2]]
+    out = torch.zeros(cout, *(s * n for s, n in zip(pp.stride, q)), dtype=torch.float64)
+    lo = [-e for e in pp.emin]
+    pad = [lo[i] + q[i] + pp.box[i] for i in range(3)]  # room for every offset
+    xp = torch.nn.functional.pad(x, (lo[2], pad[2], lo[1], pad[1], lo[0], pad[0]))
+    wf = w.reshape(cin, cout, -1)
+    bh, bw = pp.box[1], pp.box[2]
+    for wg in range(2):
+        j = 0
+        for ph in pp.phases[wg]:
+            rd, rh, rw = pp.residues[ph]
+            acc = torch.zeros(cout, *q, dtype=torch.float64)
+            for _ in range(pp.taps[ph]):
+                off, tap = pp.offsets[wg][j], pp.weight_taps[wg][j]
+                j += 1
+                bd_, bh_, bw_ = off // (bh * bw), off // bw % bh, off % bw  # box index = q + e - e_min
+                xs = xp[:, bd_:bd_ + q[0], bh_:bh_ + q[1], bw_:bw_ + q[2]]
+                acc += torch.einsum("io,idhw->odhw", wf[:, :, tap], xs)
+            out[:, rd::pp.stride[0], rh::pp.stride[1], rw::pp.stride[2]] = acc
+    return out
+
+
+@pytest.mark.parametrize("shape,conv", [
+    ([32, 32, 32, 32], {"out_channels": 64, "kernel_size": 5, "stride": 2, "padding": 2}),  # maxpool_sum
+    ([8, 5, 9, 10], {"out_channels": 64, "kernel_size": 4, "stride": 2, "padding": 1}),
+    ([8, 4, 6, 7], {"out_channels": 64, "kernel_size": 5, "stride": 3, "padding": 2}),
+    ([16, 6, 7, 9], {"out_channels": 64, "kernel_size": 3, "stride": [2, 1, 2], "padding": 1}),
+])
+def test_phase_pool_tables_compute_the_transposed_convolution(shape, conv):
+    """Every phase's taps, box offsets and weight taps (what the kernel reads) give PyTorch's
+    transposed convolution over the pooled region, each phase on one warpgroup, the two within a
+    phase's taps of each other; the box holds every offset's reads."""
+    window = [6 if s == 2 and conv["kernel_size"] == 5 else 2 * s for s in ([conv["stride"]] * 3 if isinstance(conv["stride"], int) else conv["stride"])]
+    ops = [{"conv_transpose3d": conv}, {"max_pool3d": {"kernel_size": window}}, {"sum": {"dim": 1, "keepdim": True}}]
+    plan = phase_pool_plan(shape, ops)
+    assert plan is not None
+    st = plan.stages[0]
+    pp = st.phase_pool
+    assert st.epilogue is plan.stages[1] and plan.stages[1].absorbed_by is st
+    assert sorted(pp.phases[0] + pp.phases[1]) == list(range(len(pp.taps)))
+    loads = [sum(pp.taps[i] for i in g) for g in pp.phases]
+    assert abs(loads[0] - loads[1]) <= max(pp.taps) and [len(o) for o in pp.offsets] == loads
+    assert st.phase_pool_packed_floats() == sum(loads) * shape[0] * 64
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64)
+    w = torch.randn(shape[0], 64, *([conv["kernel_size"]] * 3), dtype=torch.float64)
+    got = emulate_phase_pool(pp, x, w)
+    ref = torch.nn.functional.conv_transpose3d(x[None], w, stride=conv["stride"], padding=conv["padding"])[0]
+    ref = ref[:, :got.shape[1], :got.shape[2], :got.shape[3]]
+    assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-10)
+    # the box: the last valid column of the last row of the last plane reads inside it
+    for o in pp.offsets[0] + pp.offsets[1]:
+        bd_, bh_, bw_ = o // (pp.box[1] * pp.box[2]), o // pp.box[2] % pp.box[1], o % pp.box[2]
+        assert bd_ + pp.tq[0] <= pp.box[0] and bh_ + pp.tq[1] <= pp.box[1] and bw_ + pp.tq[2] * pp.pooled[2] <= pp.box[2]
+
+
+def test_phase_pool_is_maxpool_sums_candidate_and_the_cost_models_choice():
+    shape, ops = MAXPOOL_SUM
+    plan = phase_pool_plan(shape, ops)
+    pp = plan.stages[0].phase_pool
+    assert pp.tq == (3, 3, 3) and pp.box == (5, 5, 32) and pp.pooled == (10, 10, 10)
+    assert sorted(pp.taps) == [8, 12, 12, 12, 18, 18, 18, 27]
+    assert sorted(sum(pp.taps[i] for i in g) for g in pp.phases) == [62, 63]
+    # K = 32 x 27 rules the generated loops out (cuDNN wins there): phase_pool is conv_gemm's only candidate
+    assert [c for c in plan.stages[0].candidates if c.startswith("conv_gemm")] == [PHASE_POOL]
+    from kgen.plan import choose_plans
+    chosen = choose_plans(pipeline_of(spec_text(shape, ops))).variants[0].plan
+    assert chosen.stages[0].phase_pool is not None
+
+
+@pytest.mark.parametrize("shape,ops,target", [
+    # the pool window (3) is not a whole number of strides (2)
+    ([8, 5, 6, 7], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 3, "stride": 2}},
+                    {"max_pool3d": {"kernel_size": 3}}, {"sum": {"dim": 1}}], DEFAULT),
+    # 32 output channels (one m64 block of 64 only)
+    ([8, 5, 6, 7], [{"conv_transpose3d": {"out_channels": 32, "kernel_size": 3, "stride": 2}},
+                    {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], DEFAULT),
+    # no reduction over the channels
+    ([8, 5, 6, 7], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 3, "stride": 2}},
+                    {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [2, 3, 4]}}], DEFAULT),
+    # an average pool
+    ([8, 5, 6, 7], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 3, "stride": 2}},
+                    {"avg_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], DEFAULT),
+    # no wgmma on the target
+    (MAXPOOL_SUM[0], MAXPOOL_SUM[1], replace(DEFAULT, wgmma=False)),
+    # 12 input channels (a k step is 8)
+    ([12, 5, 6, 7], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 3, "stride": 2}},
+                     {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], DEFAULT),
+])
+def test_phase_pool_is_not_offered_outside_its_pattern(shape, ops, target):
+    assert phase_pool_plan(shape, ops, target=target) is None
+
+
+def test_phase_pool_keeps_the_precision_the_spec_asks_for():
+    shape, ops = MAXPOOL_SUM
+    for precision in ("tf32x3", "ieee"):
+        pipe = pipeline_of(spec_text(shape, ops) + f"precision: {precision}\n")
+        assert PHASE_POOL not in make_plan(pipe, target=DEFAULT).stages[0].candidates
+
+
+PHASE_POOL_CASES = [
+    # (input [C, D, H, W], ops): a ReLU before the pool, a mean over the channels, a stride of 3, an
+    # anisotropic stride, a bias and a scale after the pool
+    ([16, 6, 7, 9], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 3, "stride": 2, "padding": 1}}, "relu",
+                     {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1, "keepdim": True}}]),
+    ([8, 5, 9, 10], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 4, "stride": 2, "padding": 1}},
+                     {"max_pool3d": {"kernel_size": 4}}, {"mean": {"dim": 1}}]),
+    ([8, 4, 6, 7], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 5, "stride": 3, "padding": 2}},
+                    {"max_pool3d": {"kernel_size": 3}}, {"mul": {"scalar": 0.5}}, {"sum": {"dim": 1, "keepdim": True}}]),
+    ([16, 6, 7, 9], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 3, "stride": [2, 1, 2], "padding": 1}},
+                     {"max_pool3d": {"kernel_size": [2, 3, 2]}}, {"sum": {"dim": 1}}]),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_phase_pool_kernels_match_float64(tmp_path):
+    """conv_gemm:phase_pool on a Hopper GPU, each case validated (batches 1 to 3, NaN, large values,
+    ties, +-inf) against float64 at the tf32 tolerance, NaN masks exact; the plans take phase_pool."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("phase_pool runs on wgmma (sm_90a)")
+    out = tmp_path / "gen"
+    cases = []
+    for i, (shape, ops) in enumerate(PHASE_POOL_CASES):
+        name = f"pp{i}"
+        spec = write_spec(tmp_path, spec_text(shape, ops, name=name, batch=3), f"{name}.yaml")
+        write_rendered(render_spec(spec, out), out)
+        cases.append((spec, out / name))
+        import json
+        stages = json.loads((out / name / "plan.json").read_text())["plans"][0]["stages"]
+        assert "phase_pool" in stages[0], f"{name}: {stages[0].get('choice')}"
+    build_modules([d for _, d in cases], "cuda")
+    for spec, d in cases:
+        report = validate(spec, d, "cuda")
+        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+        assert report.passed, f"{d.name}: {bad}"
+
+
 RANDOM_CONVS = [
     # (input shape [C, *S], conv op, precision)
     ([3, 37, 29], {"conv2d": {"out_channels": 33, "kernel_size": 3, "padding": 1}}, "tf32"),
