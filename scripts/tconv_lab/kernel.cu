@@ -100,6 +100,9 @@ __global__ void __launch_bounds__(256, 1)
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int n = tile / (kWin * kWin), pd = (tile / kWin) % kWin, ph = tile % kWin;
     __syncthreads();  // both warpgroups' MMAs of the last tile are done with the box
+#ifdef LAB_NOBOX
+    if (tile == static_cast<int>(blockIdx.x))  // timing only: the box of the first tile serves them all
+#endif
     {
       const float* xn = x + static_cast<long long>(n) * kCin * kIn * kIn * kIn;
 #pragma unroll 1

@@ -14,7 +14,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 so = HERE / "build" / "liblab.so"
 so.parent.mkdir(exist_ok=True)
-r = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
+EXTRA = [f"-D{d}" for d in os.environ.get("LAB_DEFS", "").split()]  # e.g. LAB_DEFS=LAB_NOBOX (timing only)
+so = so.with_name("liblab" + "".join("_" + d for d in os.environ.get("LAB_DEFS", "").split()) + ".so")
+r = subprocess.run(["nvcc", "-O3", "-std=c++17", *EXTRA, "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
                     "-Xptxas", "-v", "-I", str(ROOT / "templates" / "conv_gemm"), "-o", str(so), str(HERE / "kernel.cu")],
                    capture_output=True, text=True)
 print(r.stderr[-600:]); r.check_returncode()
@@ -74,6 +76,11 @@ P = pack(w)
 w64, b64 = w.double(), b.double()
 ok = True
 QUICK = os.environ.get("LAB_QUICK") == "1"  # under compute-sanitizer: two small cases, no timing
+if os.environ.get("LAB_TIME_ONLY") == "1":  # timing only (LAB_DEFS variants compute wrong results)
+    for batch in (16, 33):  # 13 rounds of tiles (the last one 12% full) and 25 full ones on 132 SMs
+        x = torch.randn(batch, 32, 32, 32, 32, device="cuda")
+        print(f"{os.environ.get('LAB_DEFS', 'default')} batch {batch}: lab {median_ms(lambda: lab(x, P, b)):.3f} ms")
+    sys.exit(0)
 cases = [(2, "randn"), (2, "nan_inf")] if QUICK else [(2, "randn"), (3, "rand"), (1, "big"), (2, "nan_inf"), (1, "ties"), (16, "randn")]
 for batch, kind in cases:
     x = torch.randn(batch, 32, 32, 32, 32, device="cuda")
