@@ -44,6 +44,7 @@ namespace phase_pool {
 constexpr int kMaxPhases = 27;       // strides up to 3 per dim
 constexpr int kMaxPiecesPerWg = 128;  // taps a warpgroup streams per tile
 constexpr int kRing = 4;             // weight taps in flight per warpgroup
+constexpr int kMaxDevices = 64;
 
 // What changes per tap and per phase; a kernel argument (constant bank), copied to shared memory.
 struct PhasePoolTables {
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(256, 1)
 // [warpgroup 0's taps, then 1's][k step][channel quad][64 output channels][4].
 template <class P>
 __global__ void phase_pool_pack_kernel(const float* __restrict__ w, float* __restrict__ packed, const PhasePoolTables tables,
-                                       int taps_per_channel_pair) {
+                                       int kernel_taps) {
   using G = PoolGeometry<P>;
   const int pieces = tables.pieces[0] + tables.pieces[1];
   const long long total = static_cast<long long>(pieces) * G::kPieceFloats;
@@ -272,29 +273,34 @@ __global__ void phase_pool_pack_kernel(const float* __restrict__ w, float* __res
     const int i = r % 4, co = (r / 4) % P::kCout, kq = (r / (4 * P::kCout)) % 2, ks = r / (8 * P::kCout);
     const int wg = piece < tables.pieces[0] ? 0 : 1, j = wg ? piece - tables.pieces[0] : piece;
     const int ci = 8 * ks + 4 * kq + i;
-    packed[e] = to_tf32(w[(static_cast<long long>(ci) * P::kCout + co) * taps_per_channel_pair + tables.weight_tap[wg][j]]);
+    packed[e] = to_tf32(w[(static_cast<long long>(ci) * P::kCout + co) * kernel_taps + tables.weight_tap[wg][j]]);
   }
 }
 
 template <class P, class E>
 cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool pack, const typename E::Params& ep,
-                           const PhasePoolTables& tables, int taps_per_channel_pair, int batch, cudaStream_t stream) {
+                           const PhasePoolTables& tables, int kernel_taps, int batch, cudaStream_t stream) {
   using G = PoolGeometry<P>;
   if (pack) {
-    phase_pool_pack_kernel<P><<<256, 256, 0, stream>>>(w, packed, tables, taps_per_channel_pair);
+    phase_pool_pack_kernel<P><<<256, 256, 0, stream>>>(w, packed, tables, kernel_taps);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  static int sms = 0;
-  if (sms == 0) {
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  // Per device (a function attribute is set per device): its SM count, once the attribute is set.
+  static int sms_of[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (sms_of[device] == 0) {
+    int sms = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) err = cudaFuncSetAttribute(phase_pool_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
     if (err != cudaSuccess) return err;
+    sms_of[device] = sms;
   }
   const int tiles = batch * P::kPooledD * P::kPooledH;
-  const int grid = tiles < sms ? tiles : sms;
+  const int grid = tiles < sms_of[device] ? tiles : sms_of[device];  // persistent CTAs, one per SM
   phase_pool_kernel<P, E><<<grid, 256, G::kSmemBytes, stream>>>(x, packed, ep, tables, batch);
   return cudaGetLastError();
 }
