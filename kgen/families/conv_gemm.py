@@ -27,6 +27,13 @@ each CTA stores its tile's moments, counts itself in, waits for the sample's
 other tiles, merges their moments as the merge kernel does, and normalizes its
 accumulators, still in registers. The convolution output is never written.
 
+Candidate ``conv_gemm:phase_pool`` (Hopper, TF32): a strided transposed 3-D convolution into
+64 channels whose next stage is a max pool over whole stride periods and a reduction over the
+channels runs as one wgmma kernel (``templates/conv_gemm/phase_pool.cuh``) with the GEMM turned
+around (M = the output channels, N = positions of an input box all sub-pixel phases share); the
+pool_reduce stage is its epilogue on the accumulators. It is offered even where cuDNN's GEMMs
+beat the other loops (``_k_rule``): maxpool_sum 0.79 ms against 1.65 for its cuDNN plan.
+
 Otherwise the convolution output is written (NC[D]HW) and the next stage reads it.
 
 On the CPU the stage runs ATen's convolution, then the epilogue stage's own
