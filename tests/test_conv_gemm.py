@@ -577,7 +577,8 @@ PHASE_POOL_CASES = [
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_phase_pool_kernels_match_float64(tmp_path):
     """conv_gemm:phase_pool on a Hopper GPU, each case validated (batches 1 to 3, NaN, large values,
-    ties, +-inf) against float64 at the tf32 tolerance, NaN masks exact; the plans take phase_pool."""
+    ties, +-inf) against float64 at the tf32 tolerance, NaN masks exact; the plans take phase_pool; and
+    one case at a batch whose last round of tiles runs split into parts."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("phase_pool runs on wgmma (sm_90a)")
     out = tmp_path / "gen"
@@ -595,6 +596,13 @@ def test_phase_pool_kernels_match_float64(tmp_path):
         report = validate(spec, d, "cuda")
         bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
         assert report.passed, f"{d.name}: {bad}"
+    # a batch whose last round runs split (phase_pool.cuh split_last_round): pp3 has 10 tiles per sample and
+    # 2 parts per tile; the tiles past the last whole round of one CTA per SM must fit 2 CTAs each
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = next(b for b in range(1, 1000) if 10 * b > sms and 0 < 2 * (10 * b % sms) <= sms)
+    spec, d = cases[3]
+    report = validate(spec, d, "cuda", stages=False, batch=batch)
+    assert report.passed, f"{d.name} at batch {batch}: {[c.case for c in report.cases if not c.passed]}"
 
 
 RANDOM_CONVS = [

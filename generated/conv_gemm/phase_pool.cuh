@@ -24,6 +24,12 @@
 // busy. Max is exact, so the order of phases and positions leaves the result unchanged; the channel
 // reduction runs in channel order (deterministic).
 //
+// The last round: tiles / CTAs rarely divides (maxpool_sum: 1600 tiles = 12 x 132 + 16, the last round
+// 16 CTAs busy for a whole tile's time). Where the workspace allows, the last round's tiles are split
+// into S parts (S = phases of the larger warpgroup; part u: each warpgroup's u-th phase), one CTA each;
+// a part leaves its partial maxima in the workspace and the last part of a tile to arrive (a counter
+// per tile) combines them and finishes the tile.
+//
 // Members of P (all static constexpr):
 //   kCin, kCout                     channels (kCin a multiple of 8; kCout 64: one m64 block)
 //   kInD, kInH, kInW                input size
@@ -45,6 +51,7 @@ constexpr int kMaxPhases = 27;       // strides up to 3 per dim
 constexpr int kMaxPiecesPerWg = 128;  // taps a warpgroup streams per tile
 constexpr int kRing = 4;             // weight taps in flight per warpgroup
 constexpr int kMaxDevices = 64;
+constexpr int kMaxWorkers = 256;     // CTAs a split last round may use (the workspace holds their maxima)
 
 // What changes per tap and per phase; a kernel argument (constant bank), copied to shared memory.
 struct PhasePoolTables {
@@ -78,9 +85,17 @@ struct PoolGeometry {
   static constexpr int kOffFinal = kOffScr + 2 * kScrFloats;
   static constexpr int kOffTables = kOffFinal + kOuts;
   static constexpr int kSmemBytes = kOffTables * 4 + static_cast<int>(sizeof(PhasePoolTables));
+  // The workspace: the split last round's partial maxima (kMaxWorkers x kOuts), then a counter per tile.
+  static constexpr long long kWorkspaceFloats = static_cast<long long>(kMaxWorkers) * kOuts + kMaxWorkers;
   static_assert(P::kBW % 8 == 0 && kN <= 128 && P::kTQD * kN / 2 <= 160, "one wgmma per d-plane, accumulators in registers");
   static_assert(kBoxPos * 16 < (1 << 18) && kSmemBytes <= 227 * 1024, "shared memory");
 };
+
+// Whether the last round (`tail` tiles) runs split into `parts` CTAs per tile: it needs the workspace,
+// one CTA per part, and room for their maxima. The host and the kernel decide alike.
+__host__ __device__ inline bool split_last_round(const float* workspace, int tail, int parts, int grid) {
+  return workspace != nullptr && tail > 0 && tail * parts <= grid && grid <= kMaxWorkers;
+}
 
 template <class P, class E>
 __global__ void __launch_bounds__(256, 1)
@@ -97,37 +112,74 @@ __global__ void __launch_bounds__(256, 1)
     reinterpret_cast<int*>(&tab)[i] = reinterpret_cast<const int*>(&tables)[i];
   for (int i = tid; i < G::kBoxPad; i += 256) box[G::kBoxFloats + i] = 0.f;
 
-  const int npc = tables.pieces[wg];
   const float* my_packed = packed + (wg == 0 ? 0 : tables.pieces[0]) * G::kPieceFloats;
   float* ring = smem + G::kOffRing + wg * kRing * G::kPieceFloats;
   float* scr = smem + G::kOffScr + wg * G::kScrFloats;
   float* fin = smem + G::kOffFinal;
   const int tiles = batch * P::kPooledD * P::kPooledH;
-  const int my_tiles = static_cast<int>(blockIdx.x) < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  const long long total = static_cast<long long>(my_tiles) * npc;
+  const int grid = gridDim.x;
+  // Work items: whole tiles, then (a split last round) the parts of the last round's tiles.
+  const int parts = tables.phases[0] > tables.phases[1] ? tables.phases[0] : tables.phases[1];
+  const int full = tiles / grid * grid, tail = tiles - full;
+  float* const ws = E::workspace(ep);
+  const bool split = split_last_round(ws, tail, parts, grid);
+  const int items = split ? full + tail * parts : tiles;
+  auto item_pb = [&](int it, int w) { return it < full || !split ? 0 : min((it - full) % parts, tab.phases[w]); };
+  auto item_pe = [&](int it, int w) {
+    return it < full || !split ? tab.phases[w] : min((it - full) % parts + 1, tab.phases[w]);
+  };
 
-  // The weight stream: piece j is tap j % npc of this warpgroup's phases.
-  auto load_piece = [&](long long j) {
-    if (j < total) {
-      const float* src = my_packed + static_cast<int>(j % npc) * G::kPieceFloats;
-      float* dst = ring + static_cast<int>(j % kRing) * G::kPieceFloats;
+  // The weight stream in the order the items consume it: the loader's cursor (item, phase, tap) and
+  // its piece (a warpgroup's pieces are its phases' taps in order); piece_of[slot] for the MMAs.
+  __shared__ int s_piece_of[2][kRing];
+  int* piece_of = s_piece_of[wg];
+  int l_item = blockIdx.x, l_pi = 0, l_tap = 0, l_piece = 0;
+  long long loads = 0;
+  auto l_first = [&] {  // the first piece of item l_item, or of a later item of this CTA's
+    for (; l_item < items; l_item += grid) {
+      const int pb = item_pb(l_item, wg);
+      if (pb < item_pe(l_item, wg)) {
+        l_pi = pb, l_tap = 0, l_piece = 0;
+        for (int i = 0; i < pb; ++i) l_piece += tab.taps[tab.phase[wg][i]];
+        return;
+      }
+    }
+  };
+  auto load_next = [&] {
+    if (l_item < items) {
+      const float* src = my_packed + l_piece * G::kPieceFloats;
+      const int slot = static_cast<int>(loads % kRing);
+      float* dst = ring + slot * G::kPieceFloats;
 #pragma unroll
       for (int e = lt; e < G::kPieceFloats / 4; e += 128) cp_async16(dst + 4 * e, src + 4 * e, true);
+      if (lt == 0) piece_of[slot] = l_piece;  // read after the barrier that publishes the piece
+      ++l_piece;
+      if (++l_tap == tab.taps[tab.phase[wg][l_pi]]) {
+        l_tap = 0;
+        if (++l_pi == item_pe(l_item, wg)) {
+          l_item += grid;
+          l_first();
+        }
+      }
     }
+    ++loads;
     cp_async_commit();  // an empty group past the end keeps the counting uniform
   };
+  __syncthreads();  // the tables
+  l_first();
 #pragma unroll
-  for (int j = 0; j < kRing - 1; ++j) load_piece(j);
-  __syncthreads();
+  for (int k = 0; k < kRing - 1; ++k) load_next();
 
   const uint64_t b_desc0 = smem_desc(smem_addr(box), G::kBoxPos * 16, 128);
   const uint64_t a_desc0 = smem_desc(smem_addr(ring), P::kCout * 16, 128);
-  const int wg_phases = tab.phases[wg];
+  __shared__ int s_last;
 
   float acc[P::kTQD][G::kJ][4];
   long long j = 0;
 #pragma unroll 1
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int it = blockIdx.x; it < items; it += grid) {
+    const bool whole = it < full || !split;
+    const int tile = whole ? it : full + (it - full) / parts;
     const int n = tile / (P::kPooledD * P::kPooledH), pd = (tile / P::kPooledH) % P::kPooledD, ph = tile % P::kPooledH;
     __syncthreads();  // both warpgroups' MMAs of the last tile are done with the box
     {
@@ -165,7 +217,7 @@ __global__ void __launch_bounds__(256, 1)
     for (int k = 0; k < G::kItems; ++k) run[k] = -INFINITY;
 
 #pragma unroll 1
-    for (int pi = 0; pi < wg_phases; ++pi) {
+    for (int pi = item_pb(it, wg); pi < item_pe(it, wg); ++pi) {
       const int phase = tab.phase[wg][pi];
       const int taps = tab.taps[phase];
 #pragma unroll
@@ -176,7 +228,7 @@ __global__ void __launch_bounds__(256, 1)
           for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
 #pragma unroll 1
       for (int tap = 0; tap < taps; ++tap, ++j) {
-        const int off = tab.offset[wg][static_cast<int>(j % npc)];
+        const int off = tab.offset[wg][piece_of[static_cast<int>(j % kRing)]];
         cp_async_wait<kRing - 2>();
         fence_async_shared();
         named_sync(1 + wg, 128);  // piece j is in the ring for the whole warpgroup
@@ -190,8 +242,8 @@ __global__ void __launch_bounds__(256, 1)
             Wgmma<G::kN>::mma(acc[pl], a_base + ks * (2 * P::kCout * 4 * 4 / 16),
                               b_base + ks * 2 * G::kBoxPos + pl * P::kBH * P::kBW);
         wgmma_commit();
-        wgmma_wait<1>();  // piece j - 1's MMAs are done: its ring slot takes piece j + kRing - 1
-        load_piece(j + kRing - 1);
+        wgmma_wait<1>();  // piece j - 1's MMAs are done: its ring slot takes the next load
+        load_next();
       }
       wgmma_wait<0>();
 #pragma unroll
@@ -240,22 +292,56 @@ __global__ void __launch_bounds__(256, 1)
       }
     }
 
-    // Both warpgroups' maxima, the ops after the pool, the reduction over the channels in order.
+    // Both warpgroups' maxima; then the ops after the pool and the reduction over the channels in
+    // order: here for a whole tile, for a part by the last of its tile's parts to arrive.
     if (wg == 1) {
 #pragma unroll
       for (int k = 0; k < G::kItems; ++k)
         if (lt + 128 * k < G::kOuts) fin[lt + 128 * k] = run[k];
     }
     __syncthreads();
-    if (wg == 0) {
+    bool finish = whole;
+    if (!whole) {
+      const int unit = it - full, t_split = unit / parts;
+      if (wg == 0) {
 #pragma unroll
-      for (int k = 0; k < G::kItems; ++k) {
-        const int i = lt + 128 * k;
-        if (i < G::kOuts) fin[i] = E::post(ep, n, i / P::kPooledW, pd, ph, i % P::kPooledW, kgen::max_nan(run[k], fin[i]));
+        for (int k = 0; k < G::kItems; ++k) {
+          const int i = lt + 128 * k;
+          if (i < G::kOuts) __stcg(ws + static_cast<long long>(unit) * G::kOuts + i, kgen::max_nan(run[k], fin[i]));
+        }
+      }
+      __threadfence();  // the partial maxima before the count
+      __syncthreads();
+      if (tid == 0) s_last = atomicAdd(reinterpret_cast<int*>(ws + kMaxWorkers * G::kOuts) + t_split, 1) == parts - 1;
+      __syncthreads();
+      finish = s_last;
+      if (finish) {
+        __threadfence();  // the other parts' maxima after their counts
+        if (wg == 0) {
+#pragma unroll
+          for (int k = 0; k < G::kItems; ++k) {
+            const int i = lt + 128 * k;
+            if (i < G::kOuts) {
+              float v = __ldcg(ws + static_cast<long long>(t_split) * parts * G::kOuts + i);
+              for (int u = 1; u < parts; ++u) v = kgen::max_nan(v, __ldcg(ws + static_cast<long long>(t_split * parts + u) * G::kOuts + i));
+              run[k] = v;
+            }
+          }
+        }
       }
     }
-    __syncthreads();
-    if (tid < P::kPooledW) E::reduce_channels(ep, n, (pd * P::kPooledH + ph) * P::kPooledW + tid, fin + tid, P::kPooledW);
+    if (finish) {
+      if (wg == 0) {
+#pragma unroll
+        for (int k = 0; k < G::kItems; ++k) {
+          const int i = lt + 128 * k;
+          if (i < G::kOuts)
+            fin[i] = E::post(ep, n, i / P::kPooledW, pd, ph, i % P::kPooledW, whole ? kgen::max_nan(run[k], fin[i]) : run[k]);
+        }
+      }
+      __syncthreads();
+      if (tid < P::kPooledW) E::reduce_channels(ep, n, (pd * P::kPooledH + ph) * P::kPooledW + tid, fin + tid, P::kPooledW);
+    }
   }
   cp_async_wait<0>();
 }
@@ -301,6 +387,12 @@ cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool p
   }
   const int tiles = batch * P::kPooledD * P::kPooledH;
   const int grid = tiles < sms_of[device] ? tiles : sms_of[device];  // persistent CTAs, one per SM
+  const int parts = tables.phases[0] > tables.phases[1] ? tables.phases[0] : tables.phases[1];
+  float* const ws = E::workspace(ep);
+  if (split_last_round(ws, tiles % grid, parts, grid)) {  // the last round's counters start at zero
+    err = cudaMemsetAsync(ws + static_cast<long long>(kMaxWorkers) * G::kOuts, 0, sizeof(int) * (tiles % grid), stream);
+    if (err != cudaSuccess) return err;
+  }
   phase_pool_kernel<P, E><<<grid, 256, G::kSmemBytes, stream>>>(x, packed, ep, tables, batch);
   return cudaGetLastError();
 }

@@ -92,7 +92,7 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_transpose_we
   a.batch = batch;
   if (batch == 0) return out;
   at::Tensor partial;
-  if (s0::kSplits > 1) a.partial = kgen::workspace<float>(partial, batch * s1::kKept * s0::kSplits, x.options());
+  a.partial = kgen::workspace<float>(partial, s0::kPhasePoolWorkspaceFloats, x.options());  // a split last round's maxima
   bool stale = true;
   const at::Tensor packed = stage0_phase_pool_weights().get(conv_transpose_weight, s0::kPhasePoolPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
   at::Tensor w;

@@ -296,11 +296,14 @@ struct PhasePoolProblem {
   static constexpr int kBD = 5, kBH = 5, kBW = 32;  // input box of a tile
 };
 static_assert(phase_pool::PoolGeometry<PhasePoolProblem>::kSmemBytes == 192712, "the plan's shared memory (conv_gemm.py phase_pool_layout)");
+static_assert(phase_pool::PoolGeometry<PhasePoolProblem>::kWorkspaceFloats == kPhasePoolWorkspaceFloats, "the binding's workspace");
 
 // Stage 1's math (stages.h) on the accumulators: its level-0 ops on every value, the ops
 // after its pool on each window's max, its reduction over the channels in channel order.
 struct PhasePoolEpilogue {
   using Params = s1::Args;
+  // Where a split last round leaves its partial maxima (phase_pool.cuh kWorkspaceFloats).
+  __host__ __device__ static float* workspace(const Params& a) { return a.partial; }
   __device__ static float pre(const Params& a, long long n, int c, int d, int h, int w, float v) {
     return s1::level0_from(a, n, c, d, h, w, v);
   }

@@ -167,6 +167,7 @@ PHASE_POOL_MAX_ACC = 160  # accumulators per thread (a warpgroup holds 64 channe
 PHASE_POOL_MAX_PHASES = 27  # phase_pool.cuh kMaxPhases
 PHASE_POOL_MAX_PIECES = 128  # taps a warpgroup streams per tile (kMaxPiecesPerWg)
 PHASE_POOL_RING = 4  # weight taps in flight per warpgroup (kRing)
+PHASE_POOL_MAX_WORKERS = 256  # CTAs a split last round may use (kMaxWorkers)
 PHASE_POOL_TABLE_BYTES = 4 * (2 + 2 + 2 * 27 + 27 + 3 * 27) + 2 * 2 * 2 * 128  # sizeof(PhasePoolTables)
 
 
@@ -295,6 +296,11 @@ class ConvGemmStage(ConvStage):
     phase_pool: PhasePool | None = None
 
     # ---- what the templates need (text only; the decisions are above)
+
+    def phase_pool_workspace_floats(self) -> int:
+        """phase_pool.cuh kWorkspaceFloats: a split last round's partial maxima, then its counters."""
+        pooled_w = self.phase_pool.pooled[2]
+        return PHASE_POOL_MAX_WORKERS * self.conv.conv.out_channels * pooled_w + PHASE_POOL_MAX_WORKERS
 
     def phase_pool_packed_floats(self) -> int:
         pp = self.phase_pool
