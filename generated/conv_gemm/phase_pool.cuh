@@ -85,8 +85,8 @@ struct PoolGeometry {
   static constexpr int kOffFinal = kOffScr + 2 * kScrFloats;
   static constexpr int kOffTables = kOffFinal + kOuts;
   static constexpr int kSmemBytes = kOffTables * 4 + static_cast<int>(sizeof(PhasePoolTables));
-  // The workspace: the split last round's partial maxima (kMaxWorkers x kOuts), then a counter per tile.
-  static constexpr long long kWorkspaceFloats = static_cast<long long>(kMaxWorkers) * kOuts + kMaxWorkers;
+  // The workspace: the split last round's partial maxima (per part, per warpgroup), then a counter per tile.
+  static constexpr long long kWorkspaceFloats = 2LL * kMaxWorkers * kOuts + kMaxWorkers;
   static_assert(P::kBW % 8 == 0 && kN <= 128 && P::kTQD * kN / 2 <= 160, "one wgmma per d-plane, accumulators in registers");
   static_assert(kBoxPos * 16 < (1 << 18) && kSmemBytes <= 227 * 1024, "shared memory");
 };
@@ -172,7 +172,6 @@ __global__ void __launch_bounds__(256, 1)
 
   const uint64_t b_desc0 = smem_desc(smem_addr(box), G::kBoxPos * 16, 128);
   const uint64_t a_desc0 = smem_desc(smem_addr(ring), P::kCout * 16, 128);
-  __shared__ int s_last;
 
   float acc[P::kTQD][G::kJ][4];
   long long j = 0;
@@ -292,51 +291,55 @@ __global__ void __launch_bounds__(256, 1)
       }
     }
 
-    // Both warpgroups' maxima; then the ops after the pool and the reduction over the channels in
-    // order: here for a whole tile, for a part by the last of its tile's parts to arrive.
-    if (wg == 1) {
-#pragma unroll
-      for (int k = 0; k < G::kItems; ++k)
-        if (lt + 128 * k < G::kOuts) fin[lt + 128 * k] = run[k];
-    }
-    __syncthreads();
+    // Both warpgroups' maxima, the ops after the pool and the reduction over the channels in order:
+    // for a whole tile here; a part leaves each warpgroup's maxima in the workspace, and the last of
+    // its tile's parts to arrive combines them all.
     bool finish = whole;
-    if (!whole) {
-      const int unit = it - full, t_split = unit / parts;
+    if (whole) {
+      if (wg == 1) {
+#pragma unroll
+        for (int k = 0; k < G::kItems; ++k)
+          if (lt + 128 * k < G::kOuts) fin[lt + 128 * k] = run[k];
+      }
+      __syncthreads();
       if (wg == 0) {
 #pragma unroll
         for (int k = 0; k < G::kItems; ++k) {
           const int i = lt + 128 * k;
-          if (i < G::kOuts) __stcg(ws + static_cast<long long>(unit) * G::kOuts + i, kgen::max_nan(run[k], fin[i]));
+          if (i < G::kOuts) run[k] = kgen::max_nan(run[k], fin[i]);
         }
       }
-      __threadfence();  // the partial maxima before the count
-      __syncthreads();
-      if (tid == 0) s_last = atomicAdd(reinterpret_cast<int*>(ws + kMaxWorkers * G::kOuts) + t_split, 1) == parts - 1;
-      __syncthreads();
-      finish = s_last;
-      if (finish) {
-        __threadfence();  // the other parts' maxima after their counts
-        if (wg == 0) {
+    } else {
+      const int unit = it - full, t_split = unit / parts;
 #pragma unroll
-          for (int k = 0; k < G::kItems; ++k) {
-            const int i = lt + 128 * k;
-            if (i < G::kOuts) {
-              float v = __ldcg(ws + static_cast<long long>(t_split) * parts * G::kOuts + i);
-              for (int u = 1; u < parts; ++u) v = kgen::max_nan(v, __ldcg(ws + static_cast<long long>(t_split * parts + u) * G::kOuts + i));
-              run[k] = v;
-            }
+      for (int k = 0; k < G::kItems; ++k) {
+        const int i = lt + 128 * k;
+        if (i < G::kOuts) __stcg(ws + (2LL * unit + wg) * G::kOuts + i, run[k]);
+      }
+      __threadfence();  // the maxima before the count
+      int* const counters = reinterpret_cast<int*>(ws + 2LL * kMaxWorkers * G::kOuts);
+      finish = __syncthreads_or(tid == 0 && atomicAdd(counters + t_split, 1) == parts - 1);
+      if (finish && wg == 0) {
+        __threadfence();  // the other parts' maxima after their counts
+#pragma unroll
+        for (int k = 0; k < G::kItems; ++k) {
+          const int i = lt + 128 * k;
+          if (i < G::kOuts) {
+            const float* first = ws + 2LL * t_split * parts * G::kOuts + i;
+            float v = __ldcg(first);
+            for (int u = 1; u < 2 * parts; ++u) v = kgen::max_nan(v, __ldcg(first + static_cast<long long>(u) * G::kOuts));
+            run[k] = v;
           }
         }
       }
     }
     if (finish) {
+      __syncthreads();  // (a whole tile) warpgroup 0 has read warpgroup 1's maxima from fin
       if (wg == 0) {
 #pragma unroll
         for (int k = 0; k < G::kItems; ++k) {
           const int i = lt + 128 * k;
-          if (i < G::kOuts)
-            fin[i] = E::post(ep, n, i / P::kPooledW, pd, ph, i % P::kPooledW, whole ? kgen::max_nan(run[k], fin[i]) : run[k]);
+          if (i < G::kOuts) fin[i] = E::post(ep, n, i / P::kPooledW, pd, ph, i % P::kPooledW, run[k]);
         }
       }
       __syncthreads();
@@ -390,7 +393,7 @@ cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool p
   const int parts = tables.phases[0] > tables.phases[1] ? tables.phases[0] : tables.phases[1];
   float* const ws = E::workspace(ep);
   if (split_last_round(ws, tiles % grid, parts, grid)) {  // the last round's counters start at zero
-    err = cudaMemsetAsync(ws + static_cast<long long>(kMaxWorkers) * G::kOuts, 0, sizeof(int) * (tiles % grid), stream);
+    err = cudaMemsetAsync(ws + 2LL * kMaxWorkers * G::kOuts, 0, sizeof(int) * (tiles % grid), stream);
     if (err != cudaSuccess) return err;
   }
   phase_pool_kernel<P, E><<<grid, 256, G::kSmemBytes, stream>>>(x, packed, ep, tables, batch);

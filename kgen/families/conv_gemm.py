@@ -298,9 +298,10 @@ class ConvGemmStage(ConvStage):
     # ---- what the templates need (text only; the decisions are above)
 
     def phase_pool_workspace_floats(self) -> int:
-        """phase_pool.cuh kWorkspaceFloats: a split last round's partial maxima, then its counters."""
+        """phase_pool.cuh kWorkspaceFloats: a split last round's partial maxima (per part and warpgroup),
+        then its counters."""
         pooled_w = self.phase_pool.pooled[2]
-        return PHASE_POOL_MAX_WORKERS * self.conv.conv.out_channels * pooled_w + PHASE_POOL_MAX_WORKERS
+        return 2 * PHASE_POOL_MAX_WORKERS * self.conv.conv.out_channels * pooled_w + PHASE_POOL_MAX_WORKERS
 
     def phase_pool_packed_floats(self) -> int:
         pp = self.phase_pool
