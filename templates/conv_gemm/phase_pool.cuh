@@ -27,8 +27,8 @@
 // The last round: tiles / CTAs rarely divides (maxpool_sum: 1600 tiles = 12 x 132 + 16, the last round
 // 16 CTAs busy for a whole tile's time). Where the workspace allows, the last round's tiles are split
 // into S parts (S = phases of the larger warpgroup; part u: each warpgroup's u-th phase), one CTA each;
-// a part leaves its partial maxima in the workspace and the last part of a tile to arrive (a counter
-// per tile) combines them and finishes the tile.
+// a part leaves its warpgroups' maxima in the workspace (E::workspace) and the last part of a tile to
+// arrive (a counter per tile) combines them and finishes the tile.
 //
 // Members of P (all static constexpr):
 //   kCin, kCout                     channels (kCin a multiple of 8; kCout 64: one m64 block)
@@ -38,7 +38,6 @@
 //   kPooledD, kPooledH, kPooledW    pooled output size
 //   kEMinD, kEMinH, kEMinW          the smallest input offset e of any tap (the box starts there)
 //   kBD, kBH, kBW                   input box of a tile (positions)
-//   kMaxPieces                      taps of the larger warpgroup's phases
 #pragma once
 
 #include "conv_gemm.cuh"
