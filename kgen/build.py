@@ -252,15 +252,19 @@ class PtxasKernel:
     stack: int
     spill_stores: int
     spill_loads: int
+    # ptxas C7518: it serialized the kernel's wgmma instructions (each waits for the last), e.g. for
+    # accumulators touched on a divergent path: correct, but the asynchronous MMAs lose their overlap
+    serialized_wgmma: bool = False
 
     @property
     def clean(self) -> bool:
-        return self.stack == 0 and self.spill_stores == 0 and self.spill_loads == 0
+        return self.stack == 0 and self.spill_stores == 0 and self.spill_loads == 0 and not self.serialized_wgmma
 
 
 def parse_ptxas(text: str) -> list[PtxasKernel]:
-    """Per-kernel registers, stack frame and spills from `nvcc -Xptxas -v` output."""
+    """Per-kernel registers, stack frame, spills and serialized wgmma from `nvcc -Xptxas -v` output."""
     kernels, current = [], None
+    serialized = set(re.findall(r"wgmma\.mma_async instructions are serialized.*?in the function '([^']+)'", text))
     for line in text.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
@@ -275,6 +279,8 @@ def parse_ptxas(text: str) -> list[PtxasKernel]:
         m = re.search(r"Used (\d+) registers", line)
         if m:
             current.registers = int(m.group(1))
+    for k in kernels:
+        k.serialized_wgmma = k.name in serialized
     return kernels
 
 

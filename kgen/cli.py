@@ -386,19 +386,21 @@ def list_(out):
 def ptxas(names, out, arch):
     """Compile the kernel.cu of NAMES (default: all) with nvcc only (no GPU,
     no torch CUDA needed) and print ptxas' registers, stack and spills per
-    kernel. Exits 1 if any kernel spills or uses local memory."""
+    kernel. Exits 1 if any kernel spills, uses local memory or has its wgmma
+    instructions serialized by ptxas (C7518)."""
     from .build import demangle, ptxas_report
 
     rows, bad = [], []
     for d in _module_dirs(out, names):
         for k in ptxas_report(d, arch):
             name = demangle(k.name)
-            rows.append([d.name, name.split("(")[0], k.registers, k.stack, f"{k.spill_stores}/{k.spill_loads}"])
+            rows.append([d.name, name.split("(")[0], k.registers, k.stack, f"{k.spill_stores}/{k.spill_loads}",
+                         "serialized" if k.serialized_wgmma else "-"])
             if not k.clean:
                 bad.append(f"{d.name}: {name}")
-    click.echo(format_table(["module", "kernel", "registers", "stack bytes", "spill st/ld bytes"], rows))
+    click.echo(format_table(["module", "kernel", "registers", "stack bytes", "spill st/ld bytes", "wgmma"], rows))
     if bad:
-        raise KgenError("kernels spill or use local memory:\n  " + "\n  ".join(bad))
+        raise KgenError("kernels spill, use local memory or run serialized wgmma:\n  " + "\n  ".join(bad))
 
 
 @main.command()

@@ -1,4 +1,5 @@
-"""Every generated CUDA source compiles for sm_90a with no spills and no local memory.
+"""Every generated CUDA source compiles for sm_90a with no spills, no local memory and no wgmma
+serialized by ptxas (C7518).
 
 Needs nvcc only (no GPU, no CUDA torch): CI compiles them on its CPU machine.
 """
@@ -12,11 +13,33 @@ from kgen.build import cuda_home, demangle, ptxas_report
 pytestmark = pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 
 
+def test_ptxas_report_flags_spills_and_serialized_wgmma():
+    """The parser behind every check here: a kernel is clean without stack, spills or serialized wgmma."""
+    from kgen.build import parse_ptxas
+
+    text = """ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to \
+program dependence on compiler-inserted WG.DP in divergent path in the function '_Z1av'
+ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 200 registers, used 16 barriers
+ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers
+ptxas info    : Compiling entry function '_Z1cv' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers"""
+    a, b, c = parse_ptxas(text)
+    assert (a.name, a.registers, a.serialized_wgmma, a.clean) == ("_Z1av", 200, True, False)
+    assert (b.stack, b.spill_stores, b.clean) == (8, 4, False)
+    assert c.clean and not c.serialized_wgmma
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_kernels_compile_without_spills(name):
     kernels = ptxas_report(ROOT / "generated" / name, "9.0a")
     assert kernels, "ptxas reported no kernels"
-    bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}" for k in kernels if not k.clean]
+    bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}, serialized wgmma {k.serialized_wgmma}"
+           for k in kernels if not k.clean]
     assert not bad, bad
     assert all(k.registers > 0 for k in kernels)
 
