@@ -90,6 +90,10 @@ struct PoolGeometry {
   static_assert(kBoxPos * 16 < (1 << 18) && kSmemBytes <= 227 * 1024, "shared memory");
 };
 
+// The parts a split last round's tile runs in: the phases of the larger warpgroup (part u: each
+// warpgroup's u-th phase).
+__host__ __device__ inline int split_parts(const PhasePoolTables& t) { return t.phases[0] > t.phases[1] ? t.phases[0] : t.phases[1]; }
+
 // Whether the last round (`tail` tiles) runs split into `parts` CTAs per tile: it needs the workspace,
 // one CTA per part, and room for their maxima. The host and the kernel decide alike.
 __host__ __device__ inline bool split_last_round(const float* workspace, int tail, int parts, int grid) {
@@ -118,7 +122,7 @@ __global__ void __launch_bounds__(256, 1)
   const int tiles = batch * P::kPooledD * P::kPooledH;
   const int grid = gridDim.x;
   // Work items: whole tiles, then (a split last round) the parts of the last round's tiles.
-  const int parts = tables.phases[0] > tables.phases[1] ? tables.phases[0] : tables.phases[1];
+  const int parts = split_parts(tables);
   const int full = tiles / grid * grid, tail = tiles - full;
   float* const ws = E::workspace(ep);
   const bool split = split_last_round(ws, tail, parts, grid);
@@ -332,8 +336,7 @@ __global__ void __launch_bounds__(256, 1)
         }
       }
     }
-    if (finish) {
-      __syncthreads();  // (a whole tile) warpgroup 0 has read warpgroup 1's maxima from fin
+    if (finish) {  // warpgroup 0 holds the tile's maxima (thread i rewrites only fin[i], which it alone read)
       if (wg == 0) {
 #pragma unroll
         for (int k = 0; k < G::kItems; ++k) {
@@ -389,9 +392,8 @@ cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool p
   }
   const int tiles = batch * P::kPooledD * P::kPooledH;
   const int grid = tiles < sms_of[device] ? tiles : sms_of[device];  // persistent CTAs, one per SM
-  const int parts = tables.phases[0] > tables.phases[1] ? tables.phases[0] : tables.phases[1];
   float* const ws = E::workspace(ep);
-  if (split_last_round(ws, tiles % grid, parts, grid)) {  // the last round's counters start at zero
+  if (split_last_round(ws, tiles % grid, split_parts(tables), grid)) {  // the last round's counters start at zero
     err = cudaMemsetAsync(ws + 2LL * kMaxWorkers * G::kOuts, 0, sizeof(int) * (tiles % grid), stream);
     if (err != cudaSuccess) return err;
   }

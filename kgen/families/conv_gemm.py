@@ -41,6 +41,7 @@ C++ code. Templates: ``templates/conv_gemm/``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
@@ -168,7 +169,8 @@ PHASE_POOL_MAX_PHASES = 27  # phase_pool.cuh kMaxPhases
 PHASE_POOL_MAX_PIECES = 128  # taps a warpgroup streams per tile (kMaxPiecesPerWg)
 PHASE_POOL_RING = 4  # weight taps in flight per warpgroup (kRing)
 PHASE_POOL_MAX_WORKERS = 256  # CTAs a split last round may use (kMaxWorkers)
-PHASE_POOL_TABLE_BYTES = 4 * (2 + 2 + 2 * 27 + 27 + 3 * 27) + 2 * 2 * 2 * 128  # sizeof(PhasePoolTables)
+PHASE_POOL_TABLE_BYTES = (4 * (2 + 2 + 2 * PHASE_POOL_MAX_PHASES + PHASE_POOL_MAX_PHASES + 3 * PHASE_POOL_MAX_PHASES)
+                          + 2 * 2 * 2 * PHASE_POOL_MAX_PIECES)  # sizeof(PhasePoolTables): ints, then two short tables
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,8 @@ def _phase_taps(k: int, s: int, p: int, r: int) -> list[tuple[int, int]]:
     return [(j, (r + p - j) // s) for j in range(k) if (r + p - j) % s == 0]
 
 
-def phase_pool_layout(c, in_spatial: tuple, window: tuple, pooled: tuple) -> PhasePool | str:
+@functools.lru_cache(maxsize=256)  # asked for by unsupported and candidates, for every candidate plan
+def phase_pool_layout(c, window: tuple, pooled: tuple) -> PhasePool | str:
     """The phase_pool kernel's layout for transposed convolution ``c`` pooled by ``window`` into
     ``pooled``, or why it does not apply."""
     if not c.transposed or c.rank != 3:
@@ -218,20 +221,14 @@ def phase_pool_layout(c, in_spatial: tuple, window: tuple, pooled: tuple) -> Pha
     n = tq[1] * box[2]
     if n > PHASE_POOL_MAX_N or tq[0] * n // 2 > PHASE_POOL_MAX_ACC:
         return f"a tile of {tq[0]} x {tq[1]} x {box[2]} positions is too large for one warpgroup's accumulators"
-    sd, sh, sw = stride
-    phase_list, taps, residues, pieces = [], [], [], []
-    for rd in range(sd):
-        for rh in range(sh):
-            for rw in range(sw):
-                ps = [(((jd * kernel[1]) + jh) * kernel[2] + jw,
-                       ((ed - emin[0]) * box[1] + (eh - emin[1])) * box[2] + (ew - emin[2]))
-                      for jd, ed in per_dim[0][rd] for jh, eh in per_dim[1][rh] for jw, ew in per_dim[2][rw]]
-                phase_list.append((rd * sh + rh) * sw + rw)
-                taps.append(len(ps))
-                residues.append((rd, rh, rw))
-                pieces.append(ps)
-    if len(phase_list) > PHASE_POOL_MAX_PHASES:
-        return "more than 27 phases"
+    # phase (rd SH + rh) SW + rw: its (weight tap, box offset) pieces
+    residues = [(rd, rh, rw) for rd in range(stride[0]) for rh in range(stride[1]) for rw in range(stride[2])]
+    if len(residues) > PHASE_POOL_MAX_PHASES:
+        return f"more than {PHASE_POOL_MAX_PHASES} phases"
+    pieces = [[(((jd * kernel[1]) + jh) * kernel[2] + jw, ((ed - emin[0]) * box[1] + (eh - emin[1])) * box[2] + (ew - emin[2]))
+               for jd, ed in per_dim[0][rd] for jh, eh in per_dim[1][rh] for jw, ew in per_dim[2][rw]]
+              for rd, rh, rw in residues]
+    taps = [len(ps) for ps in pieces]
     groups = _balanced_halves(taps)
     load = [sum(taps[i] for i in g) for g in groups]
     if max(load) > PHASE_POOL_MAX_PIECES:
@@ -264,6 +261,13 @@ def _balanced_halves(taps: list[int]) -> list[list[int]]:
         groups[wg].append(ph)
         load[wg] += taps[ph]
     return [sorted(g) for g in groups]
+
+
+def _max_taps(lc, in_spatial) -> int:
+    """Kernel taps of the convolution, or of its largest sub-pixel phase (K = Cin x this)."""
+    if not isinstance(lc.lowering, Subpixel):
+        return math.prod(lc.kernel)
+    return max(math.prod(ph.taps) for ph in lc.phases(in_spatial))
 
 
 def _pool_epilogue_window(ops) -> tuple | None:
@@ -473,8 +477,7 @@ class ConvGemm(Family):
             return "its input is not a dense tensor"
         lc = lowered(req.ops[0])
         c = lc.conv
-        taps = math.prod(lc.kernel) if not isinstance(lc.lowering, Subpixel) else max(
-            math.prod(ph.taps) for ph in lc.phases(req.types[0].spatial))
+        taps = _max_taps(lc, req.types[0].spatial)
         try:
             mma = "fp32" if req.pipeline.precision == "ieee" else "tf32x3"
             self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, mma, req.target)
@@ -497,8 +500,7 @@ class ConvGemm(Family):
             return None
         lc = lowered(req.ops[0])
         c = lc.conv
-        taps = math.prod(lc.kernel) if not isinstance(lc.lowering, Subpixel) else max(
-            math.prod(ph.taps) for ph in lc.phases(req.types[0].spatial))
+        taps = _max_taps(lc, req.types[0].spatial)
         if c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT:
             return (f"K = {c.in_channels} channels x {taps} taps, {c.out_channels} output channels: "
                     "large enough for cuDNN's tensor-core GEMMs")
@@ -532,7 +534,7 @@ class ConvGemm(Family):
         pooled = tuple(o // w for o, w in zip(out, window))
         if 0 in pooled:
             return "no whole pool window"
-        return phase_pool_layout(lc.conv, tuple(req.types[0].spatial), window, pooled)
+        return phase_pool_layout(lc.conv, window, pooled)
 
     # ------------------------------------------------------------ problems
 
