@@ -1,0 +1,230 @@
+// dm_lab: div_max_gap_bias_sum's convolution + bias + /2 + 2^3 max pool + global sum as one wgmma kernel.
+//
+// Conv3d(8 -> 16, k 3) on x [N, 8, 16, 64, 64] (output 14 x 62 x 62), then per sample the sum over channels
+// and pooled positions of max over 2^3 windows of (conv + bias) / 2 (a partial per tile; the host adds them).
+//
+// M = positions: an m-block is one output row, 64 w positions (62 real), so its A operand is 64 consecutive
+// positions of the input box ([2 channel quads][4 d][10 h][66 w][4 channels], TF32), read through a
+// descriptor at the tap's offset: no im2col. N = 2 output d-planes x 16 channels: the weights of plane j at
+// box depth sd are tap kd = sd - j, so box depths sd = 0..3 give both planes at once; sd = 0 and 3 feed one
+// plane only (m64n16 on its half of the accumulators), sd = 1, 2 both (m64n32): no wasted products.
+// A tile: sample n, output planes 2 pd, 2 pd + 1, output rows 8 hb .. 8 hb + 7; warpgroup wg takes rows
+// 4 wg .. 4 wg + 3 (4 m-blocks). The 2 x 2 x 2 pool is in registers: d pairs are the two planes (columns
+// j = 0, 1), h pairs the m-blocks 2p, 2p + 1, w pairs lanes 4 apart. The next tile's box is loaded (through
+// registers, rounded to TF32) into the other buffer while this tile's MMAs run.
+//
+// Measured (notes/perf.md, stop 25): 0.542 ms at batch 128, 0.267 without the box loads; the loads do not hide.
+// LAB_NOLOAD (timing only) skips them; LAB_N32 (timing only) puts every depth on one m64n32.
+#include "conv_gemm.cuh"
+
+using namespace kgen::conv_gemm;
+
+namespace lab {
+
+constexpr int kCin = 8, kD = 16, kH = 64, kW = 64;
+constexpr int kOW = 62, kPD = 7, kPH = 31;
+constexpr int kHB = 8;                                // row blocks of 8 output rows (the last has 6 real)
+constexpr int kBD = 4, kBH = 10, kBW = 73, kBoxPos = kBD * kBH * kBW, kQuads = kCin / 4;
+constexpr int kBoxFloats = kQuads * kBoxPos * 4;
+constexpr int kTapFloats = kQuads * 48 * 4;            // per (kh, kw): [quad][3 kd blocks (kd = 2, 1, 0) x 16 channels][4]
+constexpr int kWFloats = 9 * kTapFloats;
+constexpr int kOffW = 2 * kBoxFloats, kOffScr = kOffW + kWFloats, kSmemFloats = kOffScr + 16;  // scr: per-warp sums, two sets (tile parity)
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+#ifndef LAB_INFLIGHT
+#define LAB_INFLIGHT 1
+#endif
+// The box of `tile`, through registers (rounded to TF32 on the way). An item is 8 w positions of one box row
+// (quad, d, h): 8 float4 loads (4 channels x 2) transposed in registers into 8 positions of 4 channels.
+// Consecutive threads take consecutive rows, kBW = 1 mod 8 positions apart, so a store phase of 8 threads
+// meets 8 different 16-byte bank groups; a thread's loads are whole 32-byte sectors.
+constexpr int kRows = kQuads * kBD * kBH, kItems = kRows * (kW / 8);
+constexpr int kPerThread = (kItems + kThreads - 1) / kThreads, kInflight = LAB_INFLIGHT;
+struct BoxItem {
+  float4 v[4][2];  // 4 channels x 8 w positions of one box row
+  int row, w8;
+  bool on;
+};
+
+// Issue the loads of this thread's k-th item of the box of `tile` (into registers).
+__device__ __forceinline__ void item_load(BoxItem& it, const float* __restrict__ x, int tile, int k, int tid) {
+  const int item = tid + kThreads * k;
+  it.on = item < kItems;
+  if (!it.on) return;
+  const int n = tile / (kPD * kHB), pd = (tile / kHB) % kPD, hb = tile % kHB;
+  constexpr int kC = kD * kH * kW;
+  it.row = item % kRows;
+  it.w8 = item / kRows;
+  const int bh = it.row % kBH, bd = (it.row / kBH) % kBD, quad = it.row / (kBH * kBD);
+  if (8 * hb + bh < kH) {
+    const float4* p = reinterpret_cast<const float4*>(
+        x + (static_cast<long long>(n) * kCin * kD + 2 * pd + 4 * quad * kD + bd) * kH * kW + (8 * hb + bh) * kW + 8 * it.w8);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      it.v[i][0] = __ldg(p + i * (kC / 4));
+      it.v[i][1] = __ldg(p + i * (kC / 4) + 1);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) it.v[i][0] = it.v[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// Store a loaded item into the box, transposed to [position][4 channels] and rounded to TF32.
+__device__ __forceinline__ void item_store(const BoxItem& it, float* box) {
+  if (!it.on) return;
+  float4* dst = reinterpret_cast<float4*>(box) + it.row * kBW + 8 * it.w8;
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    dst[4 * h2 + 0] = make_float4(to_tf32(it.v[0][h2].x), to_tf32(it.v[1][h2].x), to_tf32(it.v[2][h2].x), to_tf32(it.v[3][h2].x));
+    dst[4 * h2 + 1] = make_float4(to_tf32(it.v[0][h2].y), to_tf32(it.v[1][h2].y), to_tf32(it.v[2][h2].y), to_tf32(it.v[3][h2].y));
+    dst[4 * h2 + 2] = make_float4(to_tf32(it.v[0][h2].z), to_tf32(it.v[1][h2].z), to_tf32(it.v[2][h2].z), to_tf32(it.v[3][h2].z));
+    dst[4 * h2 + 3] = make_float4(to_tf32(it.v[0][h2].w), to_tf32(it.v[1][h2].w), to_tf32(it.v[2][h2].w), to_tf32(it.v[3][h2].w));
+  }
+}
+
+__device__ __forceinline__ void load_box(float* box, const float* __restrict__ x, int tile, int tid) {
+#pragma unroll 1
+  for (int k = 0; k < kPerThread; ++k) {
+    BoxItem it;
+    item_load(it, x, tile, k, tid);
+    item_store(it, box);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    divmax_kernel(const float* __restrict__ x, const float* __restrict__ packed, const float* __restrict__ bias,
+                  float* __restrict__ partial, int batch) {
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  float* wts = smem + kOffW;
+  float* scr = smem + kOffScr;
+  const int tid = threadIdx.x, wg = tid >> 7, lt = tid & 127;
+  const int warp = lt >> 5, lane = lt & 31, g = lane >> 2, t = lane & 3;
+  const int tiles = batch * kPD * kHB;
+
+  for (int e = tid; e < kWFloats / 4; e += kThreads) cp_async16(wts + 4 * e, packed + 4 * e, true);
+  cp_async_commit();
+  for (int e = tid; e < 2 * kQuads * kBD * kBH * (kBW - kW); e += kThreads)  // columns past the input: zero for good
+    reinterpret_cast<float4*>(smem)[(e / (kBW - kW)) * kBW + kW + e % (kBW - kW)] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (blockIdx.x < tiles) load_box(smem, x, blockIdx.x, tid);
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();
+
+  float bias_c[4];  // this thread's channels: 8 nb + 2 t + (c & 1)
+#pragma unroll
+  for (int c = 0; c < 4; ++c) bias_c[c] = __ldg(bias + 8 * (c >> 1) + 2 * t + (c & 1));
+
+  const uint64_t w_desc = smem_desc(smem_addr(wts), 48 * 16, 128);
+  float acc[4][4][4];
+  // Depths 0 and 3 feed one plane each: m64n16 into accumulators of their own (an n16 MMA on half of an
+  // n32 accumulator set makes ptxas serialize all MMAs), added in after the last MMA.
+  float edge[4][2][2][4];
+  int buf = 0;
+#pragma unroll 1
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int hb = tile % kHB;
+    float* box = smem + buf * kBoxFloats;
+    float* nbox = smem + (buf ^ 1) * kBoxFloats;
+    const int next = tile + gridDim.x;
+    BoxItem it;
+    static_assert(kPerThread <= 3, "the box items of a thread are loaded at steps 0, 3, 6");
+    const uint64_t a_desc = smem_desc(smem_addr(box + (4 * wg) * kBW * 4), kBoxPos * 16, 128);
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          acc[a][b][c] = 0.f;
+          edge[a][b >> 1][b & 1][c] = 0.f;
+          pin(acc[a][b][c]);  // zeroed before the first MMA, not between MMAs (ptxas would serialize them)
+          pin(edge[a][b >> 1][b & 1][c]);
+        }
+    wgmma_fence();
+#pragma unroll
+    for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) {
+        const int step = kh * 3 + kw;
+#ifndef LAB_NOLOAD
+        // The next tile's box, one item every 3 steps: loads issued here, stored two steps later, so the loads'
+        // latency passes under this tile's MMAs (a warp issuing MMAs waits while the MMA queue is full).
+        if (step % 3 == 0 && next < tiles) item_load(it, x, next, step / 3, tid);
+        if (step % 3 == 2 && next < tiles) item_store(it, nbox);
+#endif
+        const uint64_t wb = w_desc + (step * kTapFloats) / 4;  // descriptor addresses count 16 bytes
+#pragma unroll
+        for (int mb = 0; mb < 4; ++mb) {
+          const uint64_t ab = a_desc + ((mb + kh) * kBW + kw);
+#ifdef LAB_N32
+          Wgmma<32>::mma(acc[mb], ab + 0 * kBH * kBW, wb + 2 * 16);  // timing only
+          Wgmma<32>::mma(acc[mb], ab + 1 * kBH * kBW, wb + 1 * 16);
+          Wgmma<32>::mma(acc[mb], ab + 2 * kBH * kBW, wb + 0 * 16);
+          Wgmma<32>::mma(acc[mb], ab + 3 * kBH * kBW, wb + 0 * 16);
+#else
+          Wgmma<16>::mma(edge[mb][0], ab + 0 * kBH * kBW, wb + 2 * 16);  // depth 0: plane 0, tap kd 0
+          Wgmma<32>::mma(acc[mb], ab + 1 * kBH * kBW, wb + 1 * 16);  // depth 1: kd 1, 0
+          Wgmma<32>::mma(acc[mb], ab + 2 * kBH * kBW, wb + 0 * 16);  // depth 2: kd 2, 1
+          Wgmma<16>::mma(edge[mb][1], ab + 3 * kBH * kBW, wb + 0 * 16);  // depth 3: plane 1, tap kd 2
+#endif
+        }
+      }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          pin(acc[a][b][c]);
+          pin(edge[a][b >> 1][b & 1][c]);
+          acc[a][b][c] += edge[a][b >> 1][b & 1][c];
+        }
+
+    float s = 0.f;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int ph = 4 * hb + 2 * wg + p;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float v = nan_max(nan_max(acc[2 * p][nb][c], acc[2 * p][nb + 2][c]), nan_max(acc[2 * p + 1][nb][c], acc[2 * p + 1][nb + 2][c]));
+          v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 4));
+          const int w = 16 * warp + g + 8 * (c >> 1);
+          if ((g & 1) == 0 && w < kOW && ph < kPH) s += (v + bias_c[2 * nb + (c & 1)]) * 0.5f;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) scr[8 * buf + (tid >> 5)] = s;
+    fence_async_shared();
+    __syncthreads();  // the next box is in, both warpgroups are done with this one, scr is written
+    if (tid == 0) {
+      float tot = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) tot += scr[8 * buf + i];
+      partial[tile] = tot;
+    }
+    buf ^= 1;
+  }
+}
+
+}  // namespace lab
+
+extern "C" int lab_run(const float* x, const float* packed, const float* bias, float* partial, int batch, void* stream) {
+  static int sms = 0;
+  if (!sms) {
+    cudaFuncSetAttribute(lab::divmax_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lab::kSmemFloats * 4);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  }
+  const int tiles = batch * lab::kPD * lab::kHB;
+  const int grid = tiles < sms ? tiles : sms;
+  lab::divmax_kernel<<<grid, lab::kThreads, lab::kSmemFloats * 4, static_cast<cudaStream_t>(stream)>>>(x, packed, bias, partial, batch);
+  return static_cast<int>(cudaGetLastError());
+}
