@@ -107,14 +107,67 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options)
 
 // A workspace of `count` values of T, allocated as doubles (T a struct of
 // doubles, such as ShiftedSums) or floats (float, TileMoments); `holder` keeps it alive.
+// With `kept` (a WorkspaceCache's buffer), that buffer is reused when it is large enough and of the
+// type, else replaced; poisoned on every call like a fresh one.
 template <typename T>
-T* workspace(at::Tensor& holder, int64_t count, const at::TensorOptions& options) {
+T* workspace(at::Tensor& holder, int64_t count, const at::TensorOptions& options, at::Tensor* kept = nullptr) {
   constexpr bool kDoubles = alignof(T) == alignof(double);
   using Elem = typename std::conditional<kDoubles, double, float>::type;
   static_assert(sizeof(T) % sizeof(Elem) == 0, "a workspace value must be whole floats or doubles");
-  holder = empty({count * static_cast<int64_t>(sizeof(T) / sizeof(Elem))}, options.dtype(kDoubles ? at::kDouble : at::kFloat));
+  const int64_t elems = count * static_cast<int64_t>(sizeof(T) / sizeof(Elem));
+  const at::ScalarType type = kDoubles ? at::kDouble : at::kFloat;
+  if (kept == nullptr) {
+    holder = empty({elems}, options.dtype(type));
+  } else {
+    if (!kept->defined() || kept->scalar_type() != type || kept->numel() < elems) *kept = empty({elems}, options.dtype(type));
+    else if (poison_enabled()) *kept = empty({kept->numel()}, options.dtype(type));
+    holder = *kept;
+  }
   return reinterpret_cast<T*>(holder.data_ptr<Elem>());
 }
+
+// Workspaces of one call site, kept between calls: a buffer per (device, stream), grown when a call needs
+// more. Calls on one stream run in order, so a buffer is never in use by two kernels at once; calls on
+// another stream get their own. Saves an allocation per call (a few microseconds of host time before the
+// first launch). On the CPU and while the stream captures a CUDA graph (a replay must not share the buffer
+// with later calls) each call gets a fresh allocation. A static of the generated stage function owns it.
+class WorkspaceCache {
+ public:
+  template <typename T>
+  T* get(at::Tensor& holder, int64_t count, const at::TensorOptions& options) {
+#ifdef KGEN_WITH_CUDA
+    if (options.device().is_cuda()) {
+      const c10::DeviceIndex device = options.device().index();
+      const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+      TORCH_CHECK(err == cudaSuccess, "kgen: workspace: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
+      if (capture == cudaStreamCaptureStatusNone) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        at::Tensor* kept = nullptr;
+        for (Entry& e : entries_)
+          if (e.device == device && e.stream == stream) kept = &e.buffer;
+        if (kept == nullptr) {
+          entries_.push_back(Entry{device, stream, at::Tensor()});
+          kept = &entries_.back().buffer;
+        }
+        T* p = workspace<T>(holder, count, options, kept);
+        return p;
+      }
+    }
+#endif
+    return workspace<T>(holder, count, options);
+  }
+
+ private:
+  struct Entry {
+    c10::DeviceIndex device;
+    const void* stream;
+    at::Tensor buffer;
+  };
+  std::mutex mutex_;
+  std::vector<Entry> entries_;
+};
 
 // Blocks along a split reduction, chosen at run time because it depends on the
 // batch: `blocks` blocks before splitting, and enough splits that the device gets

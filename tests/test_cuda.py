@@ -96,6 +96,38 @@ def test_runs_on_the_current_stream(modules):
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_kept_workspaces_per_stream_and_batch(name, modules):
+    """Workspaces (partial sums, moments, arrival counters) are kept between calls, one buffer per
+    (device, stream), grown for a larger batch (kgen::WorkspaceCache): calls alternating between two
+    streams, queued without waiting, and a larger batch between smaller ones, each give the result of
+    that input alone."""
+    torch.manual_seed(7)
+    model = modules[name].Model().to("cuda")
+    shape = load_pipeline(ROOT / "specs" / f"{name}.yaml").input.concrete(2)
+    xs = [torch.randn(shape, device="cuda") * s for s in (1.0, 2.0, -0.5, 3.0)]
+    big = torch.randn((5, *shape[1:]), device="cuda")
+    with torch.no_grad():
+        expected = [model(x).clone() for x in xs]
+        expected_big = model(big).clone()
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        for st in streams:
+            st.wait_stream(torch.cuda.current_stream())
+        got = []
+        for i, x in enumerate(xs):
+            with torch.cuda.stream(streams[i % 2]):
+                got.append(model(x))
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
+        small, grown, small_again = model(xs[0]), model(big), model(xs[1])
+        torch.cuda.synchronize()
+    for y, e in zip(got, expected):
+        torch.testing.assert_close(y, e, rtol=0, atol=0)
+    torch.testing.assert_close(small, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(grown, expected_big, rtol=0, atol=0)
+    torch.testing.assert_close(small_again, expected[1], rtol=0, atol=0)
+
+
 def test_parameters_on_another_device_are_rejected(modules):
     m = modules["div_max_gap_bias_sum"]
     model, x = _setup(modules, "div_max_gap_bias_sum")

@@ -90,8 +90,10 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
   a.batch = batch;
   if (batch == 0) return out;
   at::Tensor moments, arrived;
-  a.moments = kgen::workspace<kgen::TileMoments>(moments, batch * s1::kChannels * s0::kNormTiles, x.options());
-  a.arrived = kgen::workspace<int>(arrived, batch + s0::kCoresidentSyncInts, x.options());
+  static kgen::WorkspaceCache moments_cache;
+  a.moments = moments_cache.get<kgen::TileMoments>(moments, batch * s1::kChannels * s0::kNormTiles, x.options());
+  static kgen::WorkspaceCache arrived_cache;
+  a.arrived = arrived_cache.get<int>(arrived, batch + s0::kCoresidentSyncInts, x.options());
   bool stale = true;
   const at::Tensor packed = stage0_weights().get(conv_weight, s0::kPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
   at::Tensor w;
@@ -124,13 +126,15 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tens
   a.batch = batch;
   if (batch == 0) return out;
   at::Tensor partial;
-  at::Tensor stats = kgen::empty({batch * s1::kGroups * s1::kStatsStride}, like.options());
-  a.stats = stats.data_ptr<float>();
+  static kgen::WorkspaceCache stats_cache;
+  at::Tensor stats;
+  a.stats = stats_cache.get<float>(stats, batch * s1::kGroups * s1::kStatsStride, like.options());
   if (like.is_cuda()) {
 #ifdef KGEN_WITH_CUDA
     const int splits = kgen::cuda_splits(batch * s1::kGroups, kgen::sm_count(), s1::kTargetBlocksPerSm,
                                          s1::kGroupSize, s1::kThreads, s1::kMinPerThread, s1::kMaxSplits);
-    a.partial = kgen::workspace<kgen::ShiftedSums>(partial, batch * s1::kGroups * splits, like.options());
+    static kgen::WorkspaceCache partial_cache;
+    a.partial = partial_cache.get<kgen::ShiftedSums>(partial, batch * s1::kGroups * splits, like.options());
     kgen::check_launch(s1::launch(a, splits, at::cuda::getCurrentCUDAStream()), kOp, "stage 1");
 #else
     TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");

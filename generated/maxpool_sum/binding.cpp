@@ -92,7 +92,8 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_transpose_we
   a.batch = batch;
   if (batch == 0) return out;
   at::Tensor partial;
-  a.partial = kgen::workspace<float>(partial, s0::kPhasePoolWorkspaceFloats, x.options());  // a split last round's maxima
+  static kgen::WorkspaceCache partial_cache;
+  a.partial = partial_cache.get<float>(partial, s0::kPhasePoolWorkspaceFloats, x.options());  // a split last round's maxima
   bool stale = true;
   const at::Tensor packed = stage0_phase_pool_weights().get(conv_transpose_weight, s0::kPhasePoolPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
   at::Tensor w;
@@ -126,7 +127,8 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& conv_transpose_bias) {
 #ifdef KGEN_WITH_CUDA
     const int splits = kgen::cuda_splits((batch * s1::kKept + s1::kOLanes - 1) / s1::kOLanes, kgen::sm_count(), s1::kTargetBlocksPerSm,
                                          s1::kReduced, s1::kRLanes, s1::kMinPerThread, s1::kMaxSplits);
-    if (splits > 1) a.partial = kgen::workspace<float>(partial, batch * s1::kKept * splits, like.options());
+    static kgen::WorkspaceCache partial_cache;
+    if (splits > 1) a.partial = partial_cache.get<float>(partial, batch * s1::kKept * splits, like.options());
     kgen::check_launch(s1::launch(a, splits, at::cuda::getCurrentCUDAStream()), kOp, "stage 1");
 #else
     TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");

@@ -69,14 +69,16 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& group_norm_weight, const 
   a.batch = batch;
   if (batch == 0) return out;
   at::Tensor partial;
-  at::Tensor stats = kgen::empty({batch * s1::kGroups * s1::kStatsStride}, like.options());
-  a.stats = stats.data_ptr<float>();
+  static kgen::WorkspaceCache stats_cache;
+  at::Tensor stats;
+  a.stats = stats_cache.get<float>(stats, batch * s1::kGroups * s1::kStatsStride, like.options());
   if (like.is_cuda()) {
 #ifdef KGEN_WITH_CUDA
     // blocks per sample: slices of its rows (channels_last)
     const int splits = kgen::cuda_splits(batch, kgen::sm_count(), s1::kTargetBlocksPerSm,
                                          s1::kSpatial * s1::kChannels, s1::kThreads, s1::kMinPerThread, s1::kMaxSplits);
-    a.partial = kgen::workspace<kgen::ShiftedSums>(partial, batch * s1::kGroups * splits, like.options());
+    static kgen::WorkspaceCache partial_cache;
+    a.partial = partial_cache.get<kgen::ShiftedSums>(partial, batch * s1::kGroups * splits, like.options());
     kgen::check_launch(s1::launch(a, splits, at::cuda::getCurrentCUDAStream()), kOp, "stage 1");
 #else
     TORCH_CHECK(false, kOp, " was built without CUDA: run `kgen build` on a machine with a GPU");
