@@ -98,7 +98,7 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
     (on the CPU by wall time: for tests of the flow, not for choices). At each batch the
     candidates that pass their check and eager PyTorch are timed in turns, in blocks of
     consecutive calls (``time_in_blocks``), so that drift weighs on all of them alike."""
-    from .validate import import_module_dir
+    from .validate import import_module_dir, init_args
 
     pipe = t.pipe
     torch.manual_seed(0)
@@ -116,7 +116,8 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                     m.ms[b], m.problem = math.inf, f"does not build: {failed[m.module]}"
                     continue
                 try:
-                    model = import_module_dir(m.module).Model().to(device).eval()
+                    mod = import_module_dir(m.module)
+                    model = mod.Model(*init_args(mod)).to(device).eval()  # an imported model's constructor arguments
                     model.load_state_dict(state)
                     err = _rel_l2(model(x), expected)
                     if not err <= CHECK_TOLERANCE:

@@ -409,7 +409,7 @@ def test_fused_norms_render_both_passes(cg_modules):
         two_pass = "run<NormMoments>" in kernel and "merge_moments_kernel<<<" in kernel and "run<NormApply>" in kernel
         one_pass = "run_coresident<Problem, NormOnePass>" in kernel and "cudaMemsetAsync(a.arrived" in kernel
         assert (one_pass, two_pass) == ((True, False) if fn.one_pass else (False, True)), name
-        assert ("kgen::workspace<int>(arrived, batch" in binding) == fn.one_pass, name
+        assert ("arrived_cache.get<int>(arrived, batch" in binding) == fn.one_pass, name
     tiles = {n: make_plan(pipeline_of(cg_modules[n][0].read_text()), target=DEFAULT).stages[0].fused_norm.tiles
              for n in ONEPASS_SPECS}
     assert tiles == {"cg_onepass_max": 8, "cg_onepass_gn": 2, "cg_onepass_1d": 1, "cg_onepass_gn3d": 12}

@@ -372,3 +372,17 @@ def test_imported_model_validates_on_the_gpu(imported):
         build_module(module_dir, "cuda", quiet=True)
         report = validate(spec, module_dir, "cuda", example_batch=True)
         assert not [c.case for c in report.cases if not c.passed]
+
+
+def test_tune_measures_an_imported_model_with_constructor_arguments(imported, tmp_path):
+    """`kgen tune` builds each candidate's Model with the imported file's constructor arguments
+    (get_init_inputs) and times it; without them Model() failed for every imported model."""
+    from kgen import tune
+    from kgen.build import build_modules
+
+    spec = imported["conv"][0]
+    t = tune.prepare(spec, [2], 2, tmp_path / "tune")  # the model's best and the eager plan
+    build_modules([m.module for m in t.measured], "cpu")
+    tune.measure(t, 20, device="cpu")
+    for m in t.measured:
+        assert not m.problem and all(0 < m.ms[b] < float("inf") for b in t.batches), (m.problem, m.ms)
