@@ -183,7 +183,9 @@ def main() -> None:
     ap.add_argument("--kernelbench", type=Path, required=True,
                     help="KernelBench checkout, its level2 folder, or a bare git mirror of it")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "kernelbench", help="specs, modules and logs")
-    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "kernelbench_level2.md")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="default: reports/kernelbench_level2.md for a whole run; with --only, or without kgen all,\n"
+                         "under --work (a partial run does not replace the committed report)")
     ap.add_argument("--jobs", type=int, default=2, help="problems at a time")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per step of a problem")
     ap.add_argument("--only", default="", help="comma-separated problem numbers")
@@ -198,6 +200,9 @@ def main() -> None:
     if args.batch is None and (args.device or "cpu").startswith("cpu"):
         args.batch = 1
     args.work = args.work.resolve()
+    if args.report is None:
+        whole = not args.only and args.all
+        args.report = ROOT / "reports" / "kernelbench_level2.md" if whole else args.work / "kernelbench_level2.md"
     files = problems(checkout(args.kernelbench.expanduser(), args.work))
     if args.only:
         wanted = {int(v) for v in args.only.split(",")}
