@@ -209,6 +209,41 @@ def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_pat
     assert tuple(y.shape) == (0, 3, 4)  # batch 0 returns before any plan
 
 
+def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_activations(tmp_path):
+    """Softmax, log_softmax, layer norm, reshape, linear, a matmul by a parameter and the activations
+    (gelu, silu, mish, softplus, hardswish, hardsigmoid, hardtanh, leaky_relu, elu) have ATen calls in
+    the eager family (kgen.families.eager.aten_call, shared with the aten family), so such a
+    pipeline has an eager candidate, and `kgen tune` never picks a plan slower than eager: the
+    eager plan builds and validates on the CPU."""
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
+
+    text = spec_text([3, 6, 6], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, {"softmax": {"dim": 1}},
+                                 {"layer_norm": {"normalized_shape": [4]}}, {"reshape": {"shape": [64]}},
+                                 {"linear": {"out_features": 5}}, {"log_softmax": {"dim": 1}},
+                                 {"matmul": {"param": "proj", "transpose": True}}, "gelu", "silu", "mish",
+                                 {"softplus": {"beta": 2.0, "threshold": 1.5}}, "hardswish", "hardsigmoid",
+                                 {"hardtanh": {"min_val": -0.5, "max_val": 0.75}}, {"leaky_relu": {"negative_slope": 0.2}},
+                                 {"elu": {"alpha": 0.7}}, "tanh"],
+                     params={"proj": {"shape": [3, 5], "init": "randn"}}, batch=2, name="eager_more")
+    spec = write_spec(tmp_path, text, "eager_more.yaml")
+    plans = candidate_plans(load_pipeline(spec), DEFAULT)
+    assert sum(_is_eager(p.choices) for p in plans) == 1
+    t = _fake_tuning(spec, [], {2: _is_eager}, tmp_path / "tune")
+    tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    binding = (out / "eager_more" / "binding.cpp").read_text()
+    for call in ("at::softmax(y, 1)", "at::layer_norm(y, {4}", "y.reshape({y.size(0), 64})", "kgen::linear(y, ",
+                 "at::log_softmax(y, 1)", "kgen::matmul(y, proj.t())", "at::gelu(y)", "at::softplus(y, at::Scalar(2.0), at::Scalar(1.5))",
+                 "at::hardtanh(y, at::Scalar(-0.5), at::Scalar(0.75))", "at::leaky_relu(y, at::Scalar(0.2))", "at::elu(y, at::Scalar(0.7))"):
+        assert call in binding, call
+    build_module(out / "eager_more")
+    report = validate(spec, out / "eager_more", "cpu")
+    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+
+
 def test_measure_times_the_checked_candidates_and_eager_in_turns(tmp_path, monkeypatch):
     """The measuring flow on the CPU (wall clock): each candidate that computes what eager
     PyTorch does gets a time at each batch, eager PyTorch too; one that does not is out."""

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..cexpr import braces
-from ..ir import Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType
+from ..ir import Conv, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape, Softmax, TensorType
 from ..ops import OPS, ElementwiseOp
 from ..stage import Stage, flat_buffer
 from ..target import Target
@@ -61,8 +61,32 @@ def _scalar(v) -> str:
     return "std::nullopt" if v is None or math.isinf(v) else f"std::optional<at::Scalar>({float(v)!r})"
 
 
+def aten_call(op: Op, src: str, ident) -> str | None:
+    """The ATen expression of an op that is not elementwise on ``src`` (a C++ tensor), for the eager
+    and aten families alike (``ident``: a parameter's state_dict name -> its C++ argument); None for
+    an op without one here."""
+    if isinstance(op, Softmax):
+        return f"at::{op.fn}({src}, {op.dim})"
+    if isinstance(op, LayerNorm):
+        names = op.tensor_names()
+        return (f"at::layer_norm({src}, {braces(op.normalized_shape)}, {_opt(ident(names[0]) if names else None)}, "
+                f"{_opt(ident(names[1]) if len(names) > 1 else None)}, {op.eps!r}, true)")
+    if isinstance(op, Reshape):
+        return f"{src}.reshape({braces([f'{src}.size(0)'] + list(op.shape))})"
+    if isinstance(op, Linear):
+        names = op.tensor_names()
+        return f"kgen::linear({src}, {ident(names[0])}, {_opt(ident(names[1]) if op.bias else None)})"  # fp32, as PyTorch
+    if isinstance(op, Matmul) and op.param is not None:
+        w = ident(op.param)
+        return f"kgen::matmul({src}, {w + '.t()' if op.transpose else w})"  # fp32, as PyTorch
+    return None
+
+
 def _call(op: Op, t: TensorType, ident) -> str:
     r = len(t.spatial)
+    other = aten_call(op, "y", ident)
+    if other is not None:
+        return other
     if isinstance(op, Conv):
         bias = _opt(ident(op.bias_name)) if op.bias else "std::nullopt"
         return (f"kgen::convolution(y, {ident(op.weight_name)}, {bias}, {braces(op.stride)}, {braces(op.padding)}, "
@@ -90,14 +114,19 @@ def _call(op: Op, t: TensorType, ident) -> str:
     if op.entry.operand:
         other = ident(op.param) if op.param else f"at::Scalar({float(op.scalar)!r})"
         return f"{fn}(y, {other})"
-    return f"{fn}(y{''.join(', ' + _scalar(c) for c in op.consts)})"
+    if op.fn == "clamp":  # optional bounds; the other ops' constants are plain Scalars
+        return f"{fn}(y{''.join(', ' + _scalar(c) for c in op.consts)})"
+    return f"{fn}(y{''.join(f', at::Scalar({float(c)!r})' for c in op.consts)})"
 
 
 def _has_call(op: Op) -> bool:
     """Whether ``_call`` renders ``op``: a chain op on the running value (no values read or
-    named; the ops of imported models beyond these are not offered eagerly yet)."""
-    if op.src is not None or type(op) not in (Conv, Pool, Reduce, Norm, Elementwise):
+    named; batch norm, logsumexp and dropout, whose calls depend on the mode or keep dims, are
+    not offered eagerly yet)."""
+    if op.src is not None or type(op) not in (Conv, Pool, Reduce, Norm, Elementwise, Softmax, LayerNorm, Reshape, Linear, Matmul):
         return False
+    if isinstance(op, Matmul):
+        return op.param is not None
     if isinstance(op, Reduce):
         return op.fn in ("sum", "mean", "max")
     if isinstance(op, Elementwise):
@@ -106,8 +135,12 @@ def _has_call(op: Op) -> bool:
 
 
 def _headers(op: Op) -> list[str]:
-    if isinstance(op, Conv):
-        return []  # kgen_runtime.h has the convolution
+    if isinstance(op, (Conv, Reshape, Linear, Matmul)):
+        return []  # kgen_runtime.h has the convolution, linear and matmul; reshape is a Tensor method
+    if isinstance(op, Softmax):
+        return [f"ATen/ops/{op.fn}.h"]
+    if isinstance(op, LayerNorm):
+        return ["ATen/ops/layer_norm.h"]
     if isinstance(op, Pool):
         return [f"ATen/ops/{op.kind}_pool{op.rank}d.h"]
     if isinstance(op, Reduce):
