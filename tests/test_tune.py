@@ -211,7 +211,7 @@ def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_pat
 
 def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_activations(tmp_path):
     """Softmax, log_softmax, layer norm, reshape, linear, a matmul by a parameter and the activations
-    (gelu, silu, mish, softplus, hardswish, hardsigmoid, hardtanh, leaky_relu, elu) have ATen calls in
+    (gelu, silu, mish, softplus, hardswish, hardsigmoid, hardtanh, leaky_relu, elu), logsumexp and min have ATen calls in
     the eager family (kgen.families.eager.aten_call, shared with the aten family), so such a
     pipeline has an eager candidate, and `kgen tune` never picks a plan slower than eager: the
     eager plan builds and validates on the CPU."""
@@ -225,7 +225,8 @@ def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_act
                                  {"matmul": {"param": "proj", "transpose": True}}, "gelu", "silu", "mish",
                                  {"softplus": {"beta": 2.0, "threshold": 1.5}}, "hardswish", "hardsigmoid",
                                  {"hardtanh": {"min_val": -0.5, "max_val": 0.75}}, {"leaky_relu": {"negative_slope": 0.2}},
-                                 {"elu": {"alpha": 0.7}}, "tanh"],
+                                 {"elu": {"alpha": 0.7}}, {"reshape": {"shape": [1, 3]}}, {"logsumexp": {"dim": 1, "keepdim": True}},
+                                 {"min": {"dim": 2}}, "tanh"],
                      params={"proj": {"shape": [3, 5], "init": "randn"}}, batch=2, name="eager_more")
     spec = write_spec(tmp_path, text, "eager_more.yaml")
     plans = candidate_plans(load_pipeline(spec), DEFAULT)
@@ -237,7 +238,8 @@ def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_act
     binding = (out / "eager_more" / "binding.cpp").read_text()
     for call in ("at::softmax(y, 1)", "at::layer_norm(y, {4}", "y.reshape({y.size(0), 64})", "kgen::linear(y, ",
                  "at::log_softmax(y, 1)", "kgen::matmul(y, proj.t())", "at::gelu(y)", "at::softplus(y, at::Scalar(2.0), at::Scalar(1.5))",
-                 "at::hardtanh(y, at::Scalar(-0.5), at::Scalar(0.75))", "at::leaky_relu(y, at::Scalar(0.2))", "at::elu(y, at::Scalar(0.7))"):
+                 "at::hardtanh(y, at::Scalar(-0.5), at::Scalar(0.75))", "at::leaky_relu(y, at::Scalar(0.2))", "at::elu(y, at::Scalar(0.7))",
+                 "at::logsumexp(y, at::IntArrayRef{1}, true)", "at::amin(y, at::IntArrayRef{2}, false)"):
         assert call in binding, call
     build_module(out / "eager_more")
     report = validate(spec, out / "eager_more", "cpu")

@@ -101,7 +101,7 @@ def _call(op: Op, t: TensorType, ident) -> str:
     if isinstance(op, Reduce):
         if op.origin.startswith("adaptive_avg_pool"):
             return f"at::{op.origin}(y, {braces([1] * r)})"
-        fn = {"sum": "at::sum", "mean": "at::mean", "max": "at::amax"}[op.fn]
+        fn = {"sum": "at::sum", "mean": "at::mean", "max": "at::amax", "min": "at::amin", "logsumexp": "at::logsumexp"}[op.fn]
         return f"{fn}(y, at::IntArrayRef{braces(op.dims)}, {'true' if op.kept else 'false'})"
     if isinstance(op, Norm):
         w, b = (_opt(ident(n)) for n in op.tensor_names()) if op.affine else ("std::nullopt", "std::nullopt")
@@ -121,14 +121,13 @@ def _call(op: Op, t: TensorType, ident) -> str:
 
 def _has_call(op: Op) -> bool:
     """Whether ``_call`` renders ``op``: a chain op on the running value (no values read or
-    named; batch norm, logsumexp and dropout, whose calls depend on the mode or keep dims, are
-    not offered eagerly yet)."""
+    named; batch norm and dropout, whose calls depend on the mode, are not offered eagerly yet)."""
     if op.src is not None or type(op) not in (Conv, Pool, Reduce, Norm, Elementwise, Softmax, LayerNorm, Reshape, Linear, Matmul):
         return False
     if isinstance(op, Matmul):
         return op.param is not None
     if isinstance(op, Reduce):
-        return op.fn in ("sum", "mean", "max")
+        return op.fn in ("sum", "mean", "max", "min", "logsumexp")
     if isinstance(op, Elementwise):
         return op.tensor is None and not op.reverse and aten_function(OPS[op.fn]) is not None
     return True
@@ -144,7 +143,7 @@ def _headers(op: Op) -> list[str]:
     if isinstance(op, Pool):
         return [f"ATen/ops/{op.kind}_pool{op.rank}d.h"]
     if isinstance(op, Reduce):
-        name = op.origin if op.origin.startswith("adaptive_avg_pool") else {"max": "amax"}.get(op.fn, op.fn)
+        name = op.origin if op.origin.startswith("adaptive_avg_pool") else {"max": "amax", "min": "amin"}.get(op.fn, op.fn)
         return [f"ATen/ops/{name}.h"]
     if isinstance(op, Norm):
         return [f"ATen/ops/{op.kind}.h"]
