@@ -4,7 +4,7 @@
 // and pooled positions of max over 2^3 windows of (conv + bias) / 2 (a partial per tile; the host adds them).
 //
 // M = positions: an m-block is one output row, 64 w positions (62 real), so its A operand is 64 consecutive
-// positions of the input box ([2 channel quads][4 d][10 h][66 w][4 channels], TF32), read through a
+// positions of the input box (box.cuh: [2 channel quads][4 d][10 h][73 w][4 channels], TF32), read through a
 // descriptor at the tap's offset: no im2col. N = 2 output d-planes x 16 channels: the weights of plane j at
 // box depth sd are tap kd = sd - j, so box depths sd = 0..3 give both planes at once; sd = 0 and 3 feed one
 // plane only (m64n16 on its half of the accumulators), sd = 1, 2 both (m64n32): no wasted products.
@@ -15,81 +15,24 @@
 //
 // Measured (notes/perf.md, stop 25): 0.542 ms at batch 128, 0.267 without the box loads; the loads do not hide.
 // LAB_NOLOAD (timing only) skips them; LAB_N32 (timing only) puts every depth on one m64n32.
-#include "conv_gemm.cuh"
+#include "box.cuh"
 
 using namespace kgen::conv_gemm;
 
 namespace lab {
 
-constexpr int kCin = 8, kD = 16, kH = 64, kW = 64;
-constexpr int kOW = 62, kPD = 7, kPH = 31;
-constexpr int kHB = 8;                                // row blocks of 8 output rows (the last has 6 real)
-constexpr int kBD = 4, kBH = 10, kBW = 73, kBoxPos = kBD * kBH * kBW, kQuads = kCin / 4;
-constexpr int kBoxFloats = kQuads * kBoxPos * 4;
 constexpr int kTapFloats = kQuads * 48 * 4;            // per (kh, kw): [quad][3 kd blocks (kd = 2, 1, 0) x 16 channels][4]
 constexpr int kWFloats = 9 * kTapFloats;
 constexpr int kOffW = 2 * kBoxFloats, kOffScr = kOffW + kWFloats, kSmemFloats = kOffScr + 16;  // scr: per-warp sums, two sets (tile parity)
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
-
-#ifndef LAB_INFLIGHT
-#define LAB_INFLIGHT 1
-#endif
-// The box of `tile`, through registers (rounded to TF32 on the way). An item is 8 w positions of one box row
-// (quad, d, h): 8 float4 loads (4 channels x 2) transposed in registers into 8 positions of 4 channels.
-// Consecutive threads take consecutive rows, kBW = 1 mod 8 positions apart, so a store phase of 8 threads
-// meets 8 different 16-byte bank groups; a thread's loads are whole 32-byte sectors.
-constexpr int kRows = kQuads * kBD * kBH, kItems = kRows * (kW / 8);
-constexpr int kPerThread = (kItems + kThreads - 1) / kThreads, kInflight = LAB_INFLIGHT;
-struct BoxItem {
-  float4 v[4][2];  // 4 channels x 8 w positions of one box row
-  int row, w8;
-  bool on;
-};
-
-// Issue the loads of this thread's k-th item of the box of `tile` (into registers).
-__device__ __forceinline__ void item_load(BoxItem& it, const float* __restrict__ x, int tile, int k, int tid) {
-  const int item = tid + kThreads * k;
-  it.on = item < kItems;
-  if (!it.on) return;
-  const int n = tile / (kPD * kHB), pd = (tile / kHB) % kPD, hb = tile % kHB;
-  constexpr int kC = kD * kH * kW;
-  it.row = item % kRows;
-  it.w8 = item / kRows;
-  const int bh = it.row % kBH, bd = (it.row / kBH) % kBD, quad = it.row / (kBH * kBD);
-  if (8 * hb + bh < kH) {
-    const float4* p = reinterpret_cast<const float4*>(
-        x + (static_cast<long long>(n) * kCin * kD + 2 * pd + 4 * quad * kD + bd) * kH * kW + (8 * hb + bh) * kW + 8 * it.w8);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      it.v[i][0] = __ldg(p + i * (kC / 4));
-      it.v[i][1] = __ldg(p + i * (kC / 4) + 1);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) it.v[i][0] = it.v[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-}
-
-// Store a loaded item into the box, transposed to [position][4 channels] and rounded to TF32.
-__device__ __forceinline__ void item_store(const BoxItem& it, float* box) {
-  if (!it.on) return;
-  float4* dst = reinterpret_cast<float4*>(box) + it.row * kBW + 8 * it.w8;
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-    dst[4 * h2 + 0] = make_float4(to_tf32(it.v[0][h2].x), to_tf32(it.v[1][h2].x), to_tf32(it.v[2][h2].x), to_tf32(it.v[3][h2].x));
-    dst[4 * h2 + 1] = make_float4(to_tf32(it.v[0][h2].y), to_tf32(it.v[1][h2].y), to_tf32(it.v[2][h2].y), to_tf32(it.v[3][h2].y));
-    dst[4 * h2 + 2] = make_float4(to_tf32(it.v[0][h2].z), to_tf32(it.v[1][h2].z), to_tf32(it.v[2][h2].z), to_tf32(it.v[3][h2].z));
-    dst[4 * h2 + 3] = make_float4(to_tf32(it.v[0][h2].w), to_tf32(it.v[1][h2].w), to_tf32(it.v[2][h2].w), to_tf32(it.v[3][h2].w));
-  }
-}
-
+// The whole box of `tile` (the first tile's, before the loop), an item at a time (box.cuh).
+constexpr int kPerThread = (kItems + kThreads - 1) / kThreads;
 __device__ __forceinline__ void load_box(float* box, const float* __restrict__ x, int tile, int tid) {
 #pragma unroll 1
   for (int k = 0; k < kPerThread; ++k) {
     BoxItem it;
-    item_load(it, x, tile, k, tid);
+    item_load<kThreads>(it, x, tile, k, tid);
     item_store(it, box);
   }
 }
@@ -153,7 +96,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifndef LAB_NOLOAD
         // The next tile's box, one item every 3 steps: loads issued here, stored two steps later, so the loads'
         // latency passes under this tile's MMAs (a warp issuing MMAs waits while the MMA queue is full).
-        if (step % 3 == 0 && next < tiles) item_load(it, x, next, step / 3, tid);
+        if (step % 3 == 0 && next < tiles) item_load<kThreads>(it, x, next, step / 3, tid);
         if (step % 3 == 2 && next < tiles) item_store(it, nbox);
 #endif
         const uint64_t wb = w_desc + (step * kTapFloats) / 4;  // descriptor addresses count 16 bytes

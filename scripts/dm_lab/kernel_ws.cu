@@ -7,22 +7,16 @@
 // channels [zero, kd 2, kd 1, kd 0, zero], so depth sd reads blocks 3 - sd, 4 - sd (plane 0: tap sd, plane
 // 1: tap sd - 1; a zero block where the tap does not exist). 128 accumulators, no separate edge sets.
 // Producer (warpgroup 1): fills the other box buffer; full / empty named barriers per buffer.
-#include "conv_gemm.cuh"
+#include "box.cuh"
 
 using namespace kgen::conv_gemm;
 
 namespace lab {
 
-constexpr int kCin = 8, kD = 16, kH = 64, kW = 64;
-constexpr int kOW = 62, kPD = 7, kPH = 31;
-constexpr int kHB = 8;
-constexpr int kBD = 4, kBH = 10, kBW = 73, kBoxPos = kBD * kBH * kBW, kQuads = kCin / 4;
-constexpr int kBoxFloats = kQuads * kBoxPos * 4;
 constexpr int kTapFloats = kQuads * 80 * 4;  // per (kh, kw): [quad][5 blocks x 16 channels][4]
 constexpr int kWFloats = 9 * kTapFloats;
 constexpr int kOffW = 2 * kBoxFloats, kOffScr = kOffW + kWFloats, kSmemFloats = kOffScr + 8;
 constexpr int kThreads = 256;
-constexpr int kRows = kQuads * kBD * kBH, kItems = kRows * (kW / 8);
 constexpr int kPerThread = (kItems + 127) / 128;  // the producer's items per tile
 #ifndef LAB_INFLIGHT
 #define LAB_INFLIGHT 2
@@ -30,61 +24,7 @@ constexpr int kPerThread = (kItems + 127) / 128;  // the producer's items per ti
 constexpr int kInflight = LAB_INFLIGHT;
 enum Barrier { kFull0 = 1, kEmpty0 = 3, kConsumers = 5 };
 
-__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
-
-struct BoxItem {
-  float4 v[4][2];
-  int row, w8;
-  bool on;
-};
-
-__device__ __forceinline__ void item_load(BoxItem& it, const float* __restrict__ x, int tile, int k, int pt) {
-  const int item = pt + 128 * k;
-  it.on = item < kItems;
-  if (!it.on) return;
-  const int n = tile / (kPD * kHB), pd = (tile / kHB) % kPD, hb = tile % kHB;
-  constexpr int kC = kD * kH * kW;
-#ifdef LAB_MAP_COALESCED  // consecutive threads: consecutive 8-position groups of a row (stores 8-way conflicted)
-  it.row = item / (kW / 8);
-  it.w8 = item % (kW / 8);
-#else
-  it.row = item % kRows;
-  it.w8 = item / kRows;
-#endif
-  const int bh = it.row % kBH, bd = (it.row / kBH) % kBD, quad = it.row / (kBH * kBD);
-#ifdef LAB_NOGLOBAL  // timing only: no global loads
-  if (false) {
-#else
-  if (8 * hb + bh < kH) {
-#endif
-    const float4* p = reinterpret_cast<const float4*>(
-        x + (static_cast<long long>(n) * kCin * kD + 2 * pd + 4 * quad * kD + bd) * kH * kW + (8 * hb + bh) * kW + 8 * it.w8);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      it.v[i][0] = __ldg(p + i * (kC / 4));
-      it.v[i][1] = __ldg(p + i * (kC / 4) + 1);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) it.v[i][0] = it.v[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-}
-
-__device__ __forceinline__ void item_store(const BoxItem& it, float* box) {
-  if (!it.on) return;
-#ifdef LAB_NOSTORE  // timing only: the loaded values are not stored (a test the compiler cannot drop)
-  if (it.v[0][0].x != 1.2345e-38f) return;
-#endif
-  float4* dst = reinterpret_cast<float4*>(box) + it.row * kBW + 8 * it.w8;
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-    dst[4 * h2 + 0] = make_float4(to_tf32(it.v[0][h2].x), to_tf32(it.v[1][h2].x), to_tf32(it.v[2][h2].x), to_tf32(it.v[3][h2].x));
-    dst[4 * h2 + 1] = make_float4(to_tf32(it.v[0][h2].y), to_tf32(it.v[1][h2].y), to_tf32(it.v[2][h2].y), to_tf32(it.v[3][h2].y));
-    dst[4 * h2 + 2] = make_float4(to_tf32(it.v[0][h2].z), to_tf32(it.v[1][h2].z), to_tf32(it.v[2][h2].z), to_tf32(it.v[3][h2].z));
-    dst[4 * h2 + 3] = make_float4(to_tf32(it.v[0][h2].w), to_tf32(it.v[1][h2].w), to_tf32(it.v[2][h2].w), to_tf32(it.v[3][h2].w));
-  }
-}
 
 __global__ void __launch_bounds__(kThreads, 1)
     divmax_kernel(const float* __restrict__ x, const float* __restrict__ packed, const float* __restrict__ bias,
@@ -142,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         BoxItem it[kInflight];
 #pragma unroll
         for (int k = 0; k < kInflight; ++k)
-          if (k0 + k < kPerThread) item_load(it[k], x, tile, k0 + k, lt);
+          if (k0 + k < kPerThread) item_load<128>(it[k], x, tile, k0 + k, lt);
 #pragma unroll
         for (int k = 0; k < kInflight; ++k)
           if (k0 + k < kPerThread) item_store(it[k], box);
