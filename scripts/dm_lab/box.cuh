@@ -75,4 +75,33 @@ __device__ __forceinline__ void item_store(const BoxItem& it, float* box) {
   }
 }
 
+
+// Shared memory before the first box: the packed weights (cp.async, committed) and the box columns past the
+// input (w >= kW) of both buffers, zero for good.
+__device__ __forceinline__ void prologue(float* smem, float* wts, const float* __restrict__ packed, int w_floats, int tid,
+                                         int threads) {
+  for (int e = tid; e < w_floats / 4; e += threads) kgen::conv_gemm::cp_async16(wts + 4 * e, packed + 4 * e, true);
+  kgen::conv_gemm::cp_async_commit();
+  for (int e = tid; e < 2 * kRows * (kBW - kW); e += threads)
+    reinterpret_cast<float4*>(smem)[(e / (kBW - kW)) * kBW + kW + e % (kBW - kW)] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// This thread's share of one pooled row: the 2 x 2 x 2 max over two m-blocks' accumulators (rows h, h + 1;
+// columns: plane 0 in blocks 0, 1 and plane 1 in blocks 2, 3; w pairs in lanes 4 apart), plus the bias, / 2,
+// summed over its valid pooled positions and channels. `ph`: the pooled row; bias_c: this thread's channels'.
+__device__ __forceinline__ float pooled_row_sum(const float (&a0)[4][4], const float (&a1)[4][4], int ph, int warp, int g,
+                                                const float (&bias_c)[4]) {
+  float s = 0.f;
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float v = nan_max(nan_max(a0[nb][c], a0[nb + 2][c]), nan_max(a1[nb][c], a1[nb + 2][c]));
+      v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 4));
+      const int w = 16 * warp + g + 8 * (c >> 1);
+      if ((g & 1) == 0 && w < kOW && ph < kPH) s += (v + bias_c[2 * nb + (c & 1)]) * 0.5f;
+    }
+  return s;
+}
+
 }  // namespace lab

@@ -48,10 +48,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = lt >> 5, lane = lt & 31, g = lane >> 2, t = lane & 3;
   const int tiles = batch * kPD * kHB;
 
-  for (int e = tid; e < kWFloats / 4; e += kThreads) cp_async16(wts + 4 * e, packed + 4 * e, true);
-  cp_async_commit();
-  for (int e = tid; e < 2 * kQuads * kBD * kBH * (kBW - kW); e += kThreads)  // columns past the input: zero for good
-    reinterpret_cast<float4*>(smem)[(e / (kBW - kW)) * kBW + kW + e % (kBW - kW)] = make_float4(0.f, 0.f, 0.f, 0.f);
+  prologue(smem, wts, packed, kWFloats, tid, kThreads);
   if (blockIdx.x < tiles) load_box(smem, x, blockIdx.x, tid);
   cp_async_wait<0>();
   fence_async_shared();
@@ -131,18 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     float s = 0.f;
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const int ph = 4 * hb + 2 * wg + p;
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float v = nan_max(nan_max(acc[2 * p][nb][c], acc[2 * p][nb + 2][c]), nan_max(acc[2 * p + 1][nb][c], acc[2 * p + 1][nb + 2][c]));
-          v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 4));
-          const int w = 16 * warp + g + 8 * (c >> 1);
-          if ((g & 1) == 0 && w < kOW && ph < kPH) s += (v + bias_c[2 * nb + (c & 1)]) * 0.5f;
-        }
-    }
+    for (int p = 0; p < 2; ++p) s += pooled_row_sum(acc[2 * p], acc[2 * p + 1], 4 * hb + 2 * wg + p, warp, g, bias_c);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) scr[8 * buf + (tid >> 5)] = s;

@@ -6,6 +6,8 @@
 // box depth sd = 0..3 is one m64n32k8 per (kh, kw, m-block): the weights are packed as 5 blocks of 16
 // channels [zero, kd 2, kd 1, kd 0, zero], so depth sd reads blocks 3 - sd, 4 - sd (plane 0: tap sd, plane
 // 1: tap sd - 1; a zero block where the tap does not exist). 128 accumulators, no separate edge sets.
+// A zero weight times an infinite input is NaN where eager has +-inf: this form fails the lab's inf case
+// (CHECK FAILED there); it is kept for its timings (notes/perf.md stop 25).
 // Producer (warpgroup 1): fills the other box buffer; full / empty named barriers per buffer.
 #include "box.cuh"
 
@@ -37,10 +39,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = lt >> 5, lane = lt & 31, g = lane >> 2, t = lane & 3;
   const int tiles = batch * kPD * kHB;
 
-  for (int e = tid; e < kWFloats / 4; e += kThreads) cp_async16(wts + 4 * e, packed + 4 * e, true);
-  cp_async_commit();
-  for (int e = tid; e < 2 * kRows * (kBW - kW); e += kThreads)  // columns past the input: zero for good
-    reinterpret_cast<float4*>(smem)[(e / (kBW - kW)) * kBW + kW + e % (kBW - kW)] = make_float4(0.f, 0.f, 0.f, 0.f);
+  prologue(smem, wts, packed, kWFloats, tid, kThreads);
   cp_async_wait<0>();
   fence_async_shared();
   __syncthreads();
@@ -138,18 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < 4; ++c) pin(acc[a][nb][c]);
     float s = 0.f;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int ph = 4 * hb + p;
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float v = nan_max(nan_max(acc[2 * p][nb][c], acc[2 * p][nb + 2][c]), nan_max(acc[2 * p + 1][nb][c], acc[2 * p + 1][nb + 2][c]));
-          v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 4));
-          const int w = 16 * warp + g + 8 * (c >> 1);
-          if ((g & 1) == 0 && w < kOW && ph < kPH) s += (v + bias_c[2 * nb + (c & 1)]) * 0.5f;
-        }
-    }
+    for (int p = 0; p < 4; ++p) s += pooled_row_sum(acc[2 * p], acc[2 * p + 1], 4 * hb + p, warp, g, bias_c);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) scr[4 * b + warp] = s;
