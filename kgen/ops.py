@@ -149,10 +149,10 @@ _OPERAND_FIELDS = {
 }
 
 
-def _binary(name: str, torch_fn, c_fn: str, doc: str, example: dict, check=_check_operand) -> ElementwiseOp:
+def _binary(name: str, torch_fn, c_fn: str, doc: str, example: dict, check=_check_operand, aten: str = "") -> ElementwiseOp:
     return ElementwiseOp(
         name, "elementwise", dict(_OPERAND_FIELDS), FUSED, doc, check, torch_fn=torch_fn, c_fn=c_fn, operand=True,
-        example=example,
+        example=example, aten=aten,
     )
 
 
@@ -203,11 +203,11 @@ def _table() -> dict[str, OpDef]:
         _binary("mul", torch.mul, "kgen::mul", "x * operand", {"scalar": -1.25}),
         _binary("div", torch.div, "kgen::div", "x / operand", {"scalar": 3.0}, _check_div),
         _binary("minimum", _minimum, "kgen::minimum", "torch.minimum(x, operand) (torch.min with a tensor); NaN wins",
-                {"scalar": 0.25}),
+                {"scalar": 0.25}, aten="at::minimum"),
         _binary("maximum", _maximum, "kgen::maximum", "torch.maximum(x, operand) (torch.max with a tensor); NaN wins",
-                {"scalar": -0.25}),
+                {"scalar": -0.25}, aten="at::maximum"),
         _unary("gelu", F.gelu, "F.gelu(x) (the erf form)", slope=1.13, aten="at::gelu"),
-        _unary("gelu_tanh", _gelu_tanh, "F.gelu(x, approximate='tanh')", slope=1.13),
+        _unary("gelu_tanh", _gelu_tanh, "F.gelu(x, approximate='tanh')", slope=1.13, aten="at::gelu"),
         _unary("silu", F.silu, "x * sigmoid(x) (SiLU, Swish)", slope=1.1, aten="at::silu"),
         _unary("mish", F.mish, "x * tanh(softplus(x))", slope=1.1, aten="at::mish"),
         _unary("softplus", F.softplus, "log(1 + exp(beta x)) / beta; x where beta x > threshold",

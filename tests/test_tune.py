@@ -211,7 +211,8 @@ def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_pat
 
 def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_activations(tmp_path):
     """Softmax, log_softmax, layer norm, reshape, linear, a matmul by a parameter and the activations
-    (gelu, silu, mish, softplus, hardswish, hardsigmoid, hardtanh, leaky_relu, elu), logsumexp and min have ATen calls in
+    (gelu in both forms, silu, mish, softplus, hardswish, hardsigmoid, hardtanh, leaky_relu, elu), minimum, maximum,
+    logsumexp and min have ATen calls in
     the eager family (kgen.families.eager.aten_call, shared with the aten family), so such a
     pipeline has an eager candidate, and `kgen tune` never picks a plan slower than eager: the
     eager plan builds and validates on the CPU."""
@@ -226,7 +227,8 @@ def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_act
                                  {"softplus": {"beta": 2.0, "threshold": 1.5}}, "hardswish", "hardsigmoid",
                                  {"hardtanh": {"min_val": -0.5, "max_val": 0.75}}, {"leaky_relu": {"negative_slope": 0.2}},
                                  {"elu": {"alpha": 0.7}}, {"reshape": {"shape": [1, 3]}}, {"logsumexp": {"dim": 1, "keepdim": True}},
-                                 {"min": {"dim": 2}}, "tanh"],
+                                 {"min": {"dim": 2}}, {"minimum": {"scalar": 0.5}}, {"maximum": {"scalar": -0.5}}, "gelu_tanh",
+                                 "tanh"],
                      params={"proj": {"shape": [3, 5], "init": "randn"}}, batch=2, name="eager_more")
     spec = write_spec(tmp_path, text, "eager_more.yaml")
     plans = candidate_plans(load_pipeline(spec), DEFAULT)
@@ -239,11 +241,54 @@ def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_act
     for call in ("at::softmax(y, 1)", "at::layer_norm(y, {4}", "y.reshape({y.size(0), 64})", "kgen::linear(y, ",
                  "at::log_softmax(y, 1)", "kgen::matmul(y, proj.t())", "at::gelu(y)", "at::softplus(y, at::Scalar(2.0), at::Scalar(1.5))",
                  "at::hardtanh(y, at::Scalar(-0.5), at::Scalar(0.75))", "at::leaky_relu(y, at::Scalar(0.2))", "at::elu(y, at::Scalar(0.7))",
-                 "at::logsumexp(y, at::IntArrayRef{1}, true)", "at::amin(y, at::IntArrayRef{2}, false)"):
+                 "at::logsumexp(y, at::IntArrayRef{1}, true)", "at::amin(y, at::IntArrayRef{2}, false)",
+                 "at::minimum(y, at::scalar_tensor(0.5, y.options()))", 'at::gelu(y, "tanh")'):
         assert call in binding, call
     build_module(out / "eager_more")
     report = validate(spec, out / "eager_more", "cpu")
     assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+
+
+def _eager_module(tmp_path, name, ops):
+    """The spec ``ops`` rendered with the eager plan chosen (a tuning file), built for the CPU."""
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+
+    spec = write_spec(tmp_path, spec_text([3, 6, 6], ops, batch=3, name=name), f"{name}.yaml")
+    assert sum(_is_eager(p.choices) for p in candidate_plans(load_pipeline(spec), DEFAULT)) == 1
+    t = _fake_tuning(spec, [], {3: _is_eager}, tmp_path / "tune")
+    tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    build_module(out / name)
+    return spec, out / name
+
+
+def test_eager_candidate_covers_batch_norm_in_both_modes_and_dropout(tmp_path):
+    """Batch norms (running statistics updated in training mode, returned by the op; without running
+    statistics: batch statistics) and dropout (the identity in eval mode, refused in training mode with
+    p > 0) have ATen calls in the eager family: the eager plan validates in both modes on the CPU,
+    running statistics included."""
+    from kgen.validate import import_module_dir, validate
+
+    spec, mod = _eager_module(tmp_path, "eager_bn", [
+        {"conv2d": {"out_channels": 4, "kernel_size": 3}}, {"batch_norm": {"name": "bn1", "momentum": 0.3}}, "relu",
+        {"dropout": {"p": 0.0}}, {"batch_norm": {"name": "bn2", "momentum": None}},
+        {"batch_norm": {"name": "bn3", "track_running_stats": False, "affine": False}}, {"sum": {"dim": 1}}])
+    binding = (mod / "binding.cpp").read_text()
+    assert "new_bn1_running_mean, new_bn1_running_var, training, training ? factors[0] : 0.0" in binding
+    assert "training ? factors[1] : 0.0" in binding and "std::nullopt, std::nullopt, true, 0.0" in binding
+    report = validate(spec, mod, "cpu")
+    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert any("(training mode)" in c.case for c in report.cases) and any("running_var" in c.case for c in report.cases)
+
+    spec, mod = _eager_module(tmp_path, "eager_dropout", [{"conv2d": {"out_channels": 4, "kernel_size": 3}},
+                                                          {"dropout": {"p": 0.3}}, "tanh", {"mean": {"dim": 1}}])
+    report = validate(spec, mod, "cpu")
+    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    model = import_module_dir(mod).Model().train()
+    with pytest.raises(RuntimeError, match="dropout"):
+        model(torch.randn(2, 3, 6, 6))
 
 
 def test_measure_times_the_checked_candidates_and_eager_in_turns(tmp_path, monkeypatch):

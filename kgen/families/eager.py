@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 
 from ..cexpr import braces
-from ..ir import Conv, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape, Softmax, TensorType
+from ..ir import (BatchNorm, Conv, Dropout, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
+                  Softmax, TensorType, dropout_refusal)
 from ..ops import OPS, ElementwiseOp
 from ..stage import Stage, flat_buffer
 from ..target import Target
@@ -44,10 +45,25 @@ def aten_function(entry: ElementwiseOp) -> str | None:
 class EagerStage(Stage):
     """Every op of the pipeline as written; ``y`` is the running value in ``calls``."""
 
-    def calls(self, ident) -> list[tuple[str, str]]:
+    def calls(self, ident, buffers=()) -> list[tuple[str, str]]:
         """(comment, C++ expression of the op applied to ``y``) per op; ``ident`` maps a
-        parameter's state_dict name to its C++ argument."""
-        return [(f"{op.key}: {op.describe()}", _call(op, t, ident)) for op, t, _ in typed_ops(self)]
+        parameter's state_dict name to its C++ argument; ``buffers``: the op's running-statistics
+        arguments' names in order (a batch norm's update weight is factors[its index // 2])."""
+        return [(f"{op.key}: {op.describe()}", _call(op, t, ident, list(buffers))) for op, t, _ in typed_ops(self)]
+
+    def prelude(self, ident) -> list[str]:
+        """C++ statements before the calls: the copies of the running statistics that batch norms
+        update in training mode (the op returns them), the refusal of dropout in training mode."""
+        lines = []
+        for op in self.ops:
+            if isinstance(op, BatchNorm):
+                for n in op.buffer_names():
+                    line = f"at::Tensor new_{ident(n)} = {ident(n)}.clone();"
+                    if line not in lines:
+                        lines.append(line)
+            if isinstance(op, Dropout) and op.p > 0:
+                lines.append(f'TORCH_CHECK(!training, kOp, ": {dropout_refusal(op.p)}");')
+        return lines
 
     def includes(self) -> list[str]:
         return sorted({h for op in self.ops for h in _headers(op)})
@@ -82,11 +98,23 @@ def aten_call(op: Op, src: str, ident) -> str | None:
     return None
 
 
-def _call(op: Op, t: TensorType, ident) -> str:
+def _call(op: Op, t: TensorType, ident, buffers: list) -> str:
     r = len(t.spatial)
     other = aten_call(op, "y", ident)
     if other is not None:
         return other
+    if isinstance(op, BatchNorm):
+        names = op.tensor_names()
+        w, b = (_opt(ident(n)) for n in names) if names else ("std::nullopt", "std::nullopt")
+        cudnn = "at::globalContext().userEnabledCuDNN()"
+        if not op.track_running_stats:  # batch statistics in both modes
+            return f"at::batch_norm(y, {w}, {b}, std::nullopt, std::nullopt, true, 0.0, {op.eps!r}, {cudnn})"
+        rm, rv = op.buffer_names()
+        k = buffers.index(rm) // 2
+        return (f"at::batch_norm(y, {w}, {b}, new_{ident(rm)}, new_{ident(rv)}, training, training ? factors[{k}] : 0.0, "
+                f"{op.eps!r}, {cudnn})")
+    if isinstance(op, Dropout):
+        return "y"  # the identity in eval mode (the prelude refuses training mode with p > 0)
     if isinstance(op, Conv):
         bias = _opt(ident(op.bias_name)) if op.bias else "std::nullopt"
         return (f"kgen::convolution(y, {ident(op.weight_name)}, {bias}, {braces(op.stride)}, {braces(op.padding)}, "
@@ -112,8 +140,15 @@ def _call(op: Op, t: TensorType, ident) -> str:
     assert isinstance(op, Elementwise), op
     fn = aten_function(OPS[op.fn])
     if op.entry.operand:
-        other = ident(op.param) if op.param else f"at::Scalar({float(op.scalar)!r})"
+        if op.param:
+            other = ident(op.param)
+        elif op.fn in ("minimum", "maximum"):  # tensor-only ATen functions: a 0-d tensor, as torch.as_tensor
+            other = f"at::scalar_tensor({float(op.scalar)!r}, y.options())"
+        else:
+            other = f"at::Scalar({float(op.scalar)!r})"
         return f"{fn}(y, {other})"
+    if op.fn == "gelu_tanh":
+        return f'{fn}(y, "tanh")'
     if op.fn == "clamp":  # optional bounds; the other ops' constants are plain Scalars
         return f"{fn}(y{''.join(', ' + _scalar(c) for c in op.consts)})"
     return f"{fn}(y{''.join(f', at::Scalar({float(c)!r})' for c in op.consts)})"
@@ -121,8 +156,9 @@ def _call(op: Op, t: TensorType, ident) -> str:
 
 def _has_call(op: Op) -> bool:
     """Whether ``_call`` renders ``op``: a chain op on the running value (no values read or
-    named; batch norm and dropout, whose calls depend on the mode, are not offered eagerly yet)."""
-    if op.src is not None or type(op) not in (Conv, Pool, Reduce, Norm, Elementwise, Softmax, LayerNorm, Reshape, Linear, Matmul):
+    named)."""
+    if op.src is not None or type(op) not in (Conv, Pool, Reduce, Norm, Elementwise, Softmax, LayerNorm, Reshape, Linear, Matmul,
+                                              BatchNorm, Dropout):
         return False
     if isinstance(op, Matmul):
         return op.param is not None
@@ -134,8 +170,8 @@ def _has_call(op: Op) -> bool:
 
 
 def _headers(op: Op) -> list[str]:
-    if isinstance(op, (Conv, Reshape, Linear, Matmul)):
-        return []  # kgen_runtime.h has the convolution, linear and matmul; reshape is a Tensor method
+    if isinstance(op, (Conv, Reshape, Linear, Matmul, BatchNorm, Dropout)):
+        return []  # kgen_runtime.h has the convolution, linear, matmul and batch norm; reshape is a Tensor method
     if isinstance(op, Softmax):
         return [f"ATen/ops/{op.fn}.h"]
     if isinstance(op, LayerNorm):
@@ -147,7 +183,8 @@ def _headers(op: Op) -> list[str]:
         return [f"ATen/ops/{name}.h"]
     if isinstance(op, Norm):
         return [f"ATen/ops/{op.kind}.h"]
-    return [f"ATen/ops/{aten_function(OPS[op.fn]).removeprefix('at::')}.h"]
+    scalar = ["ATen/ops/scalar_tensor.h"] if op.fn in ("minimum", "maximum") else []  # a scalar operand as a 0-d tensor
+    return [f"ATen/ops/{aten_function(OPS[op.fn]).removeprefix('at::')}.h"] + scalar
 
 
 class Eager(Family):
