@@ -190,7 +190,7 @@ def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_pat
     out = tmp_path / "gen"
     write_rendered(render_spec(spec, out), out)
     binding = (out / "tuned" / "binding.cpp").read_text()
-    assert "at::max_pool2d(y, {2, 2}" in binding and "at::sigmoid(y)" in binding  # the eager plan's ATen calls
+    assert "at::max_pool2d(Y, {2, 2}" in binding and "at::sigmoid(Y)" in binding  # the eager plan's ATen calls
     assert "if (batch <= 2) return v0::forward(" in binding
     build_module(out / "tuned")
     report = validate(spec, out / "tuned", "cpu")
@@ -238,11 +238,11 @@ def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_act
     out = tmp_path / "gen"
     write_rendered(render_spec(spec, out), out)
     binding = (out / "eager_more" / "binding.cpp").read_text()
-    for call in ("at::softmax(y, 1)", "at::layer_norm(y, {4}", "y.reshape({y.size(0), 64})", "kgen::linear(y, ",
-                 "at::log_softmax(y, 1)", "kgen::matmul(y, proj.t())", "at::gelu(y)", "at::softplus(y, at::Scalar(2.0), at::Scalar(1.5))",
-                 "at::hardtanh(y, at::Scalar(-0.5), at::Scalar(0.75))", "at::leaky_relu(y, at::Scalar(0.2))", "at::elu(y, at::Scalar(0.7))",
-                 "at::logsumexp(y, at::IntArrayRef{1}, true)", "at::amin(y, at::IntArrayRef{2}, false)",
-                 "at::minimum(y, at::scalar_tensor(0.5, y.options()))", 'at::gelu(y, "tanh")'):
+    for call in ("at::softmax(Y, 1)", "at::layer_norm(Y, {4}", "Y.reshape({Y.size(0), 64})", "kgen::linear(Y, ",
+                 "at::log_softmax(Y, 1)", "kgen::matmul(Y, proj.t())", "at::gelu(Y)", "at::softplus(Y, at::Scalar(2.0), at::Scalar(1.5))",
+                 "at::hardtanh(Y, at::Scalar(-0.5), at::Scalar(0.75))", "at::leaky_relu(Y, at::Scalar(0.2))", "at::elu(Y, at::Scalar(0.7))",
+                 "at::logsumexp(Y, at::IntArrayRef{1}, true)", "at::amin(Y, at::IntArrayRef{2}, false)",
+                 "at::minimum(Y, at::scalar_tensor(0.5, Y.options()))", 'at::gelu(Y, "tanh")'):
         assert call in binding, call
     build_module(out / "eager_more")
     report = validate(spec, out / "eager_more", "cpu")

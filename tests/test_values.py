@@ -159,18 +159,35 @@ def test_batch_norm_reference_is_nn_batch_norm_in_both_modes():
     assert int(tensors["bn.num_batches_tracked"]) == 2
 
 
-def test_a_pipeline_with_values_or_several_inputs_has_no_eager_candidate():
-    """The eager family calls a chain of ops on one running value; a pipeline that names or
-    reads values, or takes several inputs, is planned without it (no `pipeline` decision)."""
+@pytest.mark.parametrize("text", [SWISH, RESIDUAL, DAG], ids=["swish", "residual", "dag"])
+def test_a_pipeline_with_values_or_several_inputs_has_an_eager_candidate(text, tmp_path):
+    """The eager family names values (`as:` -> v_NAME), reads them as operands, as `from:` starts
+    and reversed (`reverse: true`), and takes the other inputs: such pipelines have an eager
+    candidate (so `kgen tune` can fall back to eager PyTorch's kernels), and its plan validates
+    on the CPU build."""
+    from conftest import write_spec
+    from kgen.build import build_module
     from kgen.families import EAGER
-    from kgen.plan import PIPELINE
+    from kgen import tune, tunefile
+    from kgen.plan import EAGER as EAGER_PIPELINE, PIPELINE
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
 
-    plain = pipeline_of(RESIDUAL.replace(", as: c", "").replace(" {as: r}", "").replace("  - add: {tensor: c}\n", ""))
-    assert EAGER.whole(plain) is not None and PIPELINE in make_plan(plain, target=DEFAULT).options
-    for text in (RESIDUAL, DAG, SWISH):
-        pipe = pipeline_of(text)
-        assert EAGER.whole(pipe) is None, pipe.name
-        assert PIPELINE not in make_plan(pipe, target=DEFAULT).options, pipe.name
+    pipe = pipeline_of(text)
+    assert EAGER.whole(pipe) is not None and PIPELINE in make_plan(pipe, target=DEFAULT).options
+    spec = write_spec(tmp_path, text, f"{pipe.name}.yaml")
+    t = tune.prepare(spec, [], tune.MAX_CANDIDATES, tmp_path / "tune")  # a tuning file that picks the eager plan
+    for m in t.measured:
+        m.ms = {b: 1.0 if m.plan.choices.get(PIPELINE) == EAGER_PIPELINE else 2.0 for b in t.batches}
+    t.eager_pytorch_ms = {b: 3.0 for b in t.batches}
+    tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    binding = (out / pipe.name / "binding.cpp").read_text()
+    assert "const at::Tensor v_" in binding  # a named value
+    build_module(out / pipe.name)
+    report = validate(spec, out / pipe.name, "cpu")
+    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
 
 
 def test_a_stage_that_starts_from_another_value_is_no_epilogue(tmp_path):

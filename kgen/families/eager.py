@@ -16,15 +16,15 @@ its convolutions (``plan.conv: aten | gemm``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cexpr import braces
-from ..ir import (BatchNorm, Conv, Dropout, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
+from ..ir import (BatchNorm, Capture, Conv, Dropout, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
                   Softmax, TensorType, dropout_refusal)
 from ..ops import OPS, ElementwiseOp
 from ..stage import Stage, flat_buffer
 from ..target import Target
-from .base import FLOAT_BYTES, Family, Work, typed_ops
+from .base import FLOAT_BYTES, Family, Work
 from .conv_aten import conv_work
 
 NORM_LAUNCHES = 3  # ATen's group and instance norms: statistics, (finalize), apply
@@ -43,13 +43,43 @@ def aten_function(entry: ElementwiseOp) -> str | None:
 
 @dataclass
 class EagerStage(Stage):
-    """Every op of the pipeline as written; ``y`` is the running value in ``calls``."""
+    """Every op of the pipeline as written; ``Y`` is the running value in ``calls`` (upper case: no spec
+    identifier can take it), a named value (``as:``) a tensor ``v_NAME``, the first input ``x`` and the
+    others their own names."""
+
+    inputs: dict = field(default_factory=dict)  # the pipeline's inputs: name -> type, the first is x
+
+    def chain(self) -> list[tuple[Op, TensorType, TensorType]]:
+        """(op, input type, output type) in order, an op reading a value (``from:``) from its type."""
+        values, t, out = dict(self.inputs), self.in_type, []
+        for op in self.ops:
+            t_in = values[op.src] if op.src is not None else t
+            t = op.infer(t_in)
+            if isinstance(op, Capture):
+                values[op.name] = t
+            out.append((op, t_in, t))
+        return out
+
+    def value(self, name: str) -> str:
+        """The C++ tensor of a value: an input's argument, or a named result."""
+        names = list(self.inputs)
+        return ("x" if name == names[0] else name) if name in self.inputs else f"v_{name}"
 
     def calls(self, ident, buffers=()) -> list[tuple[str, str]]:
-        """(comment, C++ expression of the op applied to ``y``) per op; ``ident`` maps a
-        parameter's state_dict name to its C++ argument; ``buffers``: the op's running-statistics
-        arguments' names in order (a batch norm's update weight is factors[its index // 2])."""
-        return [(f"{op.key}: {op.describe()}", _call(op, t, ident, list(buffers))) for op, t, _ in typed_ops(self)]
+        """(comment, C++ statement) per op: ``Y`` set to the op applied to it (or to the value it
+        reads), or a named value defined; ``ident`` maps a parameter's state_dict name to its C++
+        argument; ``buffers``: the op's running-statistics arguments' names in order (a batch norm's
+        update weight is factors[its index // 2])."""
+        out = []
+        for op, t, _ in self.chain():
+            comment = f"{op.key}: {op.describe()}"
+            if op.src is not None:
+                out.append((f"{op.key} reads {op.src}", f"Y = {self.value(op.src)};"))
+            if isinstance(op, Capture):
+                out.append((comment, f"const at::Tensor {self.value(op.name)} = Y;"))
+            else:
+                out.append((comment, f"Y = {_call(op, t, ident, list(buffers), self.value)};"))
+        return out
 
     def prelude(self, ident) -> list[str]:
         """C++ statements before the calls: the copies of the running statistics that batch norms
@@ -98,9 +128,13 @@ def aten_call(op: Op, src: str, ident) -> str | None:
     return None
 
 
-def _call(op: Op, t: TensorType, ident, buffers: list) -> str:
+def _call(op: Op, t: TensorType, ident, buffers: list, value) -> str:
+    """The ATen expression of ``op`` on ``Y`` (its input type ``t``); ``value``: a value's C++ tensor."""
     r = len(t.spatial)
-    other = aten_call(op, "y", ident)
+    if isinstance(op, Matmul) and op.tensor is not None:  # a batched product with a value
+        v = value(op.tensor)
+        return f"kgen::matmul(Y, {v + '.transpose(-1, -2)' if op.transpose else v})"  # fp32, as PyTorch
+    other = aten_call(op, "Y", ident)
     if other is not None:
         return other
     if isinstance(op, BatchNorm):
@@ -108,68 +142,75 @@ def _call(op: Op, t: TensorType, ident, buffers: list) -> str:
         w, b = (_opt(ident(n)) for n in names) if names else ("std::nullopt", "std::nullopt")
         cudnn = "at::globalContext().userEnabledCuDNN()"
         if not op.track_running_stats:  # batch statistics in both modes
-            return f"at::batch_norm(y, {w}, {b}, std::nullopt, std::nullopt, true, 0.0, {op.eps!r}, {cudnn})"
+            return f"at::batch_norm(Y, {w}, {b}, std::nullopt, std::nullopt, true, 0.0, {op.eps!r}, {cudnn})"
         rm, rv = op.buffer_names()
         k = buffers.index(rm) // 2
-        return (f"at::batch_norm(y, {w}, {b}, new_{ident(rm)}, new_{ident(rv)}, training, training ? factors[{k}] : 0.0, "
+        return (f"at::batch_norm(Y, {w}, {b}, new_{ident(rm)}, new_{ident(rv)}, training, training ? factors[{k}] : 0.0, "
                 f"{op.eps!r}, {cudnn})")
     if isinstance(op, Dropout):
-        return "y"  # the identity in eval mode (the prelude refuses training mode with p > 0)
+        return "Y"  # the identity in eval mode (the prelude refuses training mode with p > 0)
     if isinstance(op, Conv):
         bias = _opt(ident(op.bias_name)) if op.bias else "std::nullopt"
-        return (f"kgen::convolution(y, {ident(op.weight_name)}, {bias}, {braces(op.stride)}, {braces(op.padding)}, "
+        return (f"kgen::convolution(Y, {ident(op.weight_name)}, {bias}, {braces(op.stride)}, {braces(op.padding)}, "
                 f"{braces(op.dilation)}, {'true' if op.transposed else 'false'}, {braces(op.output_padding)}, {op.groups}, "
-                "kPrecision, y.suggest_memory_format())")
+                "kPrecision, Y.suggest_memory_format())")
     if isinstance(op, Pool):
         k, s, p = braces(op.kernel), braces(op.stride), braces(op.padding)
         ceil = "true" if op.ceil_mode else "false"
         if op.kind == "max":
-            return f"at::max_pool{r}d(y, {k}, {s}, {p}, {braces(op.dilation)}, {ceil})"
-        return f"at::avg_pool{r}d(y, {k}, {s}, {p}, {ceil}, {'true' if op.count_include_pad else 'false'})"
+            return f"at::max_pool{r}d(Y, {k}, {s}, {p}, {braces(op.dilation)}, {ceil})"
+        return f"at::avg_pool{r}d(Y, {k}, {s}, {p}, {ceil}, {'true' if op.count_include_pad else 'false'})"
     if isinstance(op, Reduce):
         if op.origin.startswith("adaptive_avg_pool"):
-            return f"at::{op.origin}(y, {braces([1] * r)})"
+            return f"at::{op.origin}(Y, {braces([1] * r)})"
         fn = {"sum": "at::sum", "mean": "at::mean", "max": "at::amax", "min": "at::amin", "logsumexp": "at::logsumexp"}[op.fn]
-        return f"{fn}(y, at::IntArrayRef{braces(op.dims)}, {'true' if op.kept else 'false'})"
+        return f"{fn}(Y, at::IntArrayRef{braces(op.dims)}, {'true' if op.kept else 'false'})"
     if isinstance(op, Norm):
         w, b = (_opt(ident(n)) for n in op.tensor_names()) if op.affine else ("std::nullopt", "std::nullopt")
         if op.kind == "instance_norm":
-            return (f"at::instance_norm(y, {w}, {b}, std::nullopt, std::nullopt, true, 0.1, {op.eps!r}, "
+            return (f"at::instance_norm(Y, {w}, {b}, std::nullopt, std::nullopt, true, 0.1, {op.eps!r}, "
                     "at::globalContext().userEnabledCuDNN())")
-        return f"at::group_norm(y, {op.num_groups}, {w}, {b}, {op.eps!r}, at::globalContext().userEnabledCuDNN())"
+        return f"at::group_norm(Y, {op.num_groups}, {w}, {b}, {op.eps!r}, at::globalContext().userEnabledCuDNN())"
     assert isinstance(op, Elementwise), op
     fn = aten_function(OPS[op.fn])
     if op.entry.operand:
-        if op.param:
+        if op.tensor is not None:
+            other = value(op.tensor)
+        elif op.param:
             other = ident(op.param)
+        elif op.reverse:  # f(scalar, x) as the reference computes it: the scalar as a tensor like x
+            other = f"at::full_like(Y, {float(op.scalar)!r})"
         elif op.fn in ("minimum", "maximum"):  # tensor-only ATen functions: a 0-d tensor, as torch.as_tensor
-            other = f"at::scalar_tensor({float(op.scalar)!r}, y.options())"
+            other = f"at::scalar_tensor({float(op.scalar)!r}, Y.options())"
         else:
             other = f"at::Scalar({float(op.scalar)!r})"
-        return f"{fn}(y, {other})"
+        return f"{fn}({other}, Y)" if op.reverse else f"{fn}(Y, {other})"
     if op.fn == "gelu_tanh":
-        return f'{fn}(y, "tanh")'
+        return f'{fn}(Y, "tanh")'
     if op.fn == "clamp":  # optional bounds; the other ops' constants are plain Scalars
-        return f"{fn}(y{''.join(', ' + _scalar(c) for c in op.consts)})"
-    return f"{fn}(y{''.join(f', at::Scalar({float(c)!r})' for c in op.consts)})"
+        return f"{fn}(Y{''.join(', ' + _scalar(c) for c in op.consts)})"
+    return f"{fn}(Y{''.join(f', at::Scalar({float(c)!r})' for c in op.consts)})"
 
 
 def _has_call(op: Op) -> bool:
-    """Whether ``_call`` renders ``op``: a chain op on the running value (no values read or
-    named)."""
-    if op.src is not None or type(op) not in (Conv, Pool, Reduce, Norm, Elementwise, Softmax, LayerNorm, Reshape, Linear, Matmul,
-                                              BatchNorm, Dropout):
+    """Whether ``_call`` renders ``op`` (or ``EagerStage.calls`` names its value)."""
+    if type(op) not in (Conv, Pool, Reduce, Norm, Elementwise, Capture, Softmax, LayerNorm, Reshape, Linear, Matmul, BatchNorm,
+                        Dropout):
         return False
-    if isinstance(op, Matmul):
-        return op.param is not None
     if isinstance(op, Reduce):
         return op.fn in ("sum", "mean", "max", "min", "logsumexp")
-    if isinstance(op, Elementwise):
-        return op.tensor is None and not op.reverse and aten_function(OPS[op.fn]) is not None
+    if isinstance(op, Capture):
+        return True
+    if isinstance(op, Elementwise):  # as written: no parameter sums a rewrite made
+        return not op.param_sum_dims and aten_function(OPS[op.fn]) is not None
     return True
 
 
 def _headers(op: Op) -> list[str]:
+    if isinstance(op, Capture):
+        return []
+    if isinstance(op, Elementwise) and op.reverse and op.tensor is None and not op.param:
+        return [f"ATen/ops/{aten_function(OPS[op.fn]).removeprefix('at::')}.h", "ATen/ops/full_like.h"]
     if isinstance(op, (Conv, Reshape, Linear, Matmul, BatchNorm, Dropout)):
         return []  # kgen_runtime.h has the convolution, linear, matmul and batch norm; reshape is a Tensor method
     if isinstance(op, Softmax):
@@ -203,9 +244,10 @@ class Eager(Family):
     def whole(self, pipe: Pipeline) -> EagerStage | None:
         """The eager stage of the whole pipeline as written; None when an op has no ATen call
         or the spec pins who computes its convolutions (plan.conv)."""
-        if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto" or len(pipe.input_names) > 1:
+        if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto":
             return None
-        st = EagerStage(0, list(pipe.ops), pipe.input, pipe.output, input=flat_buffer(pipe.input), output=flat_buffer(pipe.output))
+        st = EagerStage(0, list(pipe.ops), pipe.input, pipe.output, input=flat_buffer(pipe.input), output=flat_buffer(pipe.output),
+                        inputs=dict(pipe.inputs) or {"x": pipe.input})
         st.family, st.candidates = self, ("eager",)
         return st
 
@@ -216,7 +258,7 @@ class Eager(Family):
         """Each op reads its input and writes its output; the convolution as in conv_aten,
         its bias added by ATen in a pass of its own."""
         out = []
-        for op, t_in, t_out in typed_ops(st):
+        for op, t_in, t_out in st.chain():
             n_in, n_out = batch * t_in.sample_numel, batch * t_out.sample_numel
             flops = batch * op.flops(t_in, t_out)
             if isinstance(op, Conv):
