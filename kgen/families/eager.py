@@ -9,9 +9,10 @@ wherever the op does (CPU, CUDA graphs, torch.compile: it is the same custom
 op). Templates: ``templates/eager/``.
 
 An elementwise op needs an ATen function for it (the op table's ``aten``, by
-default ``at::`` and the name of its torch function); a pipeline with an op
-that has none has no eager candidate, and so has a spec that pins who computes
-its convolutions (``plan.conv: aten | gemm``).
+default ``at::`` and the name of its torch function; every op of the table has
+one); named values (``as:``) are tensors of their own, read as operands or as
+``from:`` starts, and the other inputs are the op's arguments. A spec that pins
+who computes its convolutions (``plan.conv: aten | gemm``) has no eager candidate.
 """
 from __future__ import annotations
 
