@@ -7,7 +7,7 @@ import math
 from . import cost, tunefile
 from .errors import KgenError
 from .families.base import FLOAT_BYTES, typed_ops
-from .ir import Pipeline
+from .ir import Conv, Pipeline
 from .plan import KGEN, PIPELINE, Plan, candidate_plans, choose_plans, describe_choices, make_plan
 from .stage import ConvStage
 from .target import Target
@@ -87,6 +87,10 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     out.append(f"  chosen by {sel.source}")
     for n in sel.notes:
         out.append(f"  note: {n}")
+    if sel.source == "cost model" and any(isinstance(op, Conv) and len(op.kernel) == 3 for op in pipe.ops):
+        # measured on the H100 (notes/next_kernelbench.md): which 3-d kernel cuDNN picks is not a rate
+        out.append(f"  note: the cost model's estimates for cuDNN's 3-d convolutions are rough (off by up to 6x either way "
+                   f"on the H100): `kgen tune {pipe.path}` measures the candidates on this GPU")
     if len(sel.variants) > 1:
         for i, v in enumerate(sel.variants):
             out.append(f"  plan {i} for batches {v.batches}: {describe_choices(v.plan.choices)}")

@@ -374,6 +374,20 @@ def test_explain_shows_the_candidates_estimates_and_choice():
     assert "model" in text.split("kernels of the plan")[1]
 
 
+def test_explain_says_to_tune_a_3d_convolution_the_cost_model_chose(tmp_path):
+    """The cost model misjudges cuDNN's 3-d convolutions (KernelBench, stop 25): explain says to tune
+    such a spec while no tuning file chose its plan, and not for a 2-d one or a tuned spec."""
+    from kgen.explain import explain_text
+
+    spec = write_spec(tmp_path, spec_text([4, 6, 6, 6], [{"conv3d": {"out_channels": 8, "kernel_size": 3}}, "relu"], batch=2),
+                      "c3.yaml")
+    assert "kgen tune" in explain_text(load_pipeline(spec))
+    spec2 = write_spec(tmp_path, spec_text([4, 6, 6], [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, "relu"], batch=2),
+                       "c2.yaml")
+    assert "kgen tune" not in explain_text(load_pipeline(spec2))
+    assert "kgen tune" not in explain_text(load_pipeline(ROOT / "specs" / "maxpool_sum.yaml"))  # tuned
+
+
 def _bench_result(rows):
     return dict(environment=dict(device="NVIDIA H100 80GB HBM3"), reps=30, warmup=5, rows=rows)
 
