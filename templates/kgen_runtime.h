@@ -126,6 +126,16 @@ T* workspace(at::Tensor& holder, int64_t count, const at::TensorOptions& options
   return reinterpret_cast<T*>(holder.data_ptr<Elem>());
 }
 
+#ifdef KGEN_WITH_CUDA
+// Whether `stream` is capturing a CUDA graph (what the caches keep must then not be shared with the replays).
+inline bool stream_capturing(cudaStream_t stream, const char* who) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  TORCH_CHECK(err == cudaSuccess, "kgen: ", who, ": cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
+  return capture != cudaStreamCaptureStatusNone;
+}
+#endif
+
 // Workspaces of one call site, kept between calls: a buffer per (device, stream), grown when a call needs
 // more. Calls on one stream run in order, so a buffer is never in use by two kernels at once; calls on
 // another stream get their own. Saves an allocation per call (a few microseconds of host time before the
@@ -139,10 +149,7 @@ class WorkspaceCache {
     if (options.device().is_cuda()) {
       const c10::DeviceIndex device = options.device().index();
       const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
-      TORCH_CHECK(err == cudaSuccess, "kgen: workspace: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
-      if (capture == cudaStreamCaptureStatusNone) {
+      if (!stream_capturing(stream, "workspace")) {
         std::lock_guard<std::mutex> lock(mutex_);
         at::Tensor* kept = nullptr;
         for (Entry& e : entries_)
@@ -151,8 +158,7 @@ class WorkspaceCache {
           entries_.push_back(Entry{device, stream, at::Tensor()});
           kept = &entries_.back().buffer;
         }
-        T* p = workspace<T>(holder, count, options, kept);
-        return p;
+        return workspace<T>(holder, count, options, kept);
       }
     }
 #endif
@@ -376,12 +382,7 @@ class WeightCache {
   bool may_keep(const at::Tensor& w, const void* stream) const {
     if (w.is_inference() || (source_.defined() && stream_ != stream)) return false;
 #ifdef KGEN_WITH_CUDA
-    if (w.is_cuda()) {
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      const cudaError_t err = cudaStreamIsCapturing(static_cast<cudaStream_t>(const_cast<void*>(stream)), &capture);
-      TORCH_CHECK(err == cudaSuccess, "kgen: weight cache: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
-      return capture == cudaStreamCaptureStatusNone;
-    }
+    if (w.is_cuda()) return !stream_capturing(static_cast<cudaStream_t>(const_cast<void*>(stream)), "weight cache");
 #endif
     return true;
   }
