@@ -87,13 +87,7 @@ class EagerStage(Stage):
         update in training mode (the op returns them), the refusal of dropout in training mode."""
         lines = []
         for op in self.ops:
-            if isinstance(op, BatchNorm):
-                for n in op.buffer_names():
-                    line = f"at::Tensor new_{ident(n)} = {ident(n)}.clone();"
-                    if line not in lines:
-                        lines.append(line)
-            if isinstance(op, Dropout) and op.p > 0:
-                lines.append(f'TORCH_CHECK(!training, kOp, ": {dropout_refusal(op.p)}");')
+            lines += [line for line in aten_prelude(op, ident) if line not in lines]
         return lines
 
     def includes(self) -> list[str]:
@@ -108,10 +102,34 @@ def _scalar(v) -> str:
     return "std::nullopt" if v is None or math.isinf(v) else f"std::optional<at::Scalar>({float(v)!r})"
 
 
-def aten_call(op: Op, src: str, ident) -> str | None:
+def aten_prelude(op: Op, ident) -> list[str]:
+    """C++ statements ``aten_call``'s expression of ``op`` needs before it: a batch norm's copies of
+    the running statistics it updates in training mode (the op returns them), dropout's refusal of
+    training mode."""
+    if isinstance(op, BatchNorm):
+        return [f"at::Tensor new_{ident(n)} = {ident(n)}.clone();" for n in op.buffer_names()]
+    if isinstance(op, Dropout) and op.p > 0:
+        return [f'TORCH_CHECK(!training, kOp, ": {dropout_refusal(op.p)}");']
+    return []
+
+
+def aten_call(op: Op, src: str, ident, buffers=()) -> str | None:
     """The ATen expression of an op that is not elementwise on ``src`` (a C++ tensor), for the eager
-    and aten families alike (``ident``: a parameter's state_dict name -> its C++ argument); None for
-    an op without one here."""
+    and aten families alike (``ident``: a parameter's state_dict name -> its C++ argument;
+    ``buffers``: the op's running-statistics arguments' names in order, a batch norm's update weight
+    being factors[its index // 2]); None for an op without one here."""
+    if isinstance(op, BatchNorm):
+        names = op.tensor_names()
+        w, b = (_opt(ident(n)) for n in names) if names else ("std::nullopt", "std::nullopt")
+        cudnn = "at::globalContext().userEnabledCuDNN()"
+        if not op.track_running_stats:  # batch statistics in both modes
+            return f"at::batch_norm({src}, {w}, {b}, std::nullopt, std::nullopt, true, 0.0, {op.eps!r}, {cudnn})"
+        rm, rv = op.buffer_names()  # training mode: batch statistics, and the copies of aten_prelude updated
+        k = list(buffers).index(rm) // 2
+        return (f"at::batch_norm({src}, {w}, {b}, new_{ident(rm)}, new_{ident(rv)}, training, training ? factors[{k}] : 0.0, "
+                f"{op.eps!r}, {cudnn})")
+    if isinstance(op, Dropout):
+        return src  # the identity in eval mode (aten_prelude refuses training mode with p > 0)
     if isinstance(op, Softmax):
         return f"at::{op.fn}({src}, {op.dim})"
     if isinstance(op, LayerNorm):
@@ -135,21 +153,9 @@ def _call(op: Op, t: TensorType, ident, buffers: list, value) -> str:
     if isinstance(op, Matmul) and op.tensor is not None:  # a batched product with a value
         v = value(op.tensor)
         return f"kgen::matmul(Y, {v + '.transpose(-1, -2)' if op.transpose else v})"  # fp32, as PyTorch
-    other = aten_call(op, "Y", ident)
+    other = aten_call(op, "Y", ident, buffers)
     if other is not None:
         return other
-    if isinstance(op, BatchNorm):
-        names = op.tensor_names()
-        w, b = (_opt(ident(n)) for n in names) if names else ("std::nullopt", "std::nullopt")
-        cudnn = "at::globalContext().userEnabledCuDNN()"
-        if not op.track_running_stats:  # batch statistics in both modes
-            return f"at::batch_norm(Y, {w}, {b}, std::nullopt, std::nullopt, true, 0.0, {op.eps!r}, {cudnn})"
-        rm, rv = op.buffer_names()
-        k = buffers.index(rm) // 2
-        return (f"at::batch_norm(Y, {w}, {b}, new_{ident(rm)}, new_{ident(rv)}, training, training ? factors[{k}] : 0.0, "
-                f"{op.eps!r}, {cudnn})")
-    if isinstance(op, Dropout):
-        return "Y"  # the identity in eval mode (the prelude refuses training mode with p > 0)
     if isinstance(op, Conv):
         bias = _opt(ident(op.bias_name)) if op.bias else "std::nullopt"
         return (f"kgen::convolution(Y, {ident(op.weight_name)}, {bias}, {braces(op.stride)}, {braces(op.padding)}, "
