@@ -74,6 +74,23 @@ def validate_drawn_spec(paths: list, out: Path, prefix: str, i: int, where) -> N
     assert report.cases and not failures, where(i) + "\n".join(failures)
 
 
+def fake_tuning(spec, batches, fastest, root):
+    """``kgen.tune.prepare`` for real (candidates planned and rendered), then invented times:
+    ``fastest`` (a predicate on a candidate's choices, or a dict of them by batch) picks the winner
+    at each batch; eager PyTorch is slower than every candidate."""
+    import json
+
+    from kgen import tune
+
+    t = tune.prepare(spec, batches, tune.MAX_CANDIDATES, root)
+    for m in t.measured:
+        for b in t.batches:
+            wins = (fastest if callable(fastest) else fastest[b])(m.plan.choices)
+            m.ms[b] = 1.0 if wins else 2.0 + len(json.dumps(m.plan.choices)) / 1e3
+    t.eager_pytorch_ms = {b: 3.0 for b in t.batches}
+    return t
+
+
 def spec_text(shape, ops, params=None, rewrites=None, batch=2, name="t", plan=None) -> str:
     """A spec as YAML text: input [N] + shape with a symbolic batch N (example value ``batch``)."""
     import yaml

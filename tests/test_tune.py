@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, pipeline_of, spec_text, write_spec
+from conftest import ROOT, fake_tuning, pipeline_of, spec_text, write_spec
 from kgen import cost, tune, tunefile
 from kgen.errors import KgenError
 from kgen.ir import load_pipeline
@@ -20,17 +20,6 @@ SMALL = spec_text([3, 9, 10], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}
                   params={"scale": {"shape": [4, 1, 1], "init": "randn"}}, batch=4, name="tuned")
 TINY_TRANSPOSED = [{"conv_transpose3d": {"out_channels": 20, "kernel_size": 3, "stride": 2}},
                    {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}]
-
-
-def _fake_tuning(spec, batches, fastest, root):
-    """``tune.prepare`` for real (candidates planned and rendered), then invented times:
-    ``fastest[batch]`` picks the winner at each batch (a predicate on its choices)."""
-    t = tune.prepare(spec, batches, tune.MAX_CANDIDATES, root)
-    for m in t.measured:
-        for b in t.batches:
-            m.ms[b] = 1.0 if fastest[b](m.plan.choices) else 2.0 + len(json.dumps(m.plan.choices)) / 1e3
-    t.eager_pytorch_ms = {b: 3.0 for b in t.batches}
-    return t
 
 
 def _is_eager(choices):
@@ -100,7 +89,7 @@ def test_ranges_follow_the_best_candidate_per_batch():
 
 def test_tuning_file_round_trip(tmp_path):
     spec = write_spec(tmp_path, SMALL, "tuned.yaml")
-    t = _fake_tuning(spec, [1, 16], {1: _is_eager, 4: _is_default_kgen, 16: _is_default_kgen}, tmp_path / "tune")
+    t = fake_tuning(spec, [1, 16], {1: _is_eager, 4: _is_default_kgen, 16: _is_default_kgen}, tmp_path / "tune")
     assert t.batches == [1, 4, 16] and any(_is_eager(m.plan.choices) for m in t.measured)
     broken = next(m for m in t.measured if not _is_eager(m.plan.choices) and not _is_default_kgen(m.plan.choices))
     broken.ms, broken.problem = {b: math.inf for b in t.batches}, "does not build: (a stand-in)"
@@ -127,7 +116,7 @@ def test_tuning_file_round_trip(tmp_path):
 
 def test_foreign_and_stale_entries_are_ignored_with_a_note(tmp_path):
     spec = write_spec(tmp_path, SMALL, "tuned.yaml")
-    t = _fake_tuning(spec, [], {4: _is_eager}, tmp_path / "tune")
+    t = fake_tuning(spec, [], {4: _is_eager}, tmp_path / "tune")
     entry = tune.entry(t, 30, DEFAULT.name)
     # another device: the cost model decides, and says why
     tunefile.write_entry(spec, dict(entry, device="NVIDIA H200"))
@@ -160,7 +149,7 @@ def test_render_prints_the_note_and_a_broken_file_is_one_line(tmp_path):
     from kgen.cli import main
 
     spec = write_spec(tmp_path, SMALL, "tuned.yaml")
-    t = _fake_tuning(spec, [], {4: _is_eager}, tmp_path / "tune")
+    t = fake_tuning(spec, [], {4: _is_eager}, tmp_path / "tune")
     tunefile.write_entry(spec, dict(tune.entry(t, 30, DEFAULT.name), device="NVIDIA H200"))
     result = CliRunner().invoke(main, ["render", str(spec), "--out", str(tmp_path / "gen")])
     assert result.exit_code == 0 and "not on NVIDIA H100 80GB HBM3: ignored" in result.stderr
@@ -185,7 +174,7 @@ def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_pat
     from kgen.validate import import_module_dir, validate
 
     spec = write_spec(tmp_path, SMALL, "tuned.yaml")
-    t = _fake_tuning(spec, [1], {1: _is_eager, 4: _is_default_kgen}, tmp_path / "tune")
+    t = fake_tuning(spec, [1], {1: _is_eager, 4: _is_default_kgen}, tmp_path / "tune")
     tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
     out = tmp_path / "gen"
     write_rendered(render_spec(spec, out), out)
@@ -233,7 +222,7 @@ def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_act
     spec = write_spec(tmp_path, text, "eager_more.yaml")
     plans = candidate_plans(load_pipeline(spec), DEFAULT)
     assert sum(_is_eager(p.choices) for p in plans) == 1
-    t = _fake_tuning(spec, [], {2: _is_eager}, tmp_path / "tune")
+    t = fake_tuning(spec, [], {2: _is_eager}, tmp_path / "tune")
     tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
     out = tmp_path / "gen"
     write_rendered(render_spec(spec, out), out)
@@ -256,7 +245,7 @@ def _eager_module(tmp_path, name, ops):
 
     spec = write_spec(tmp_path, spec_text([3, 6, 6], ops, batch=3, name=name), f"{name}.yaml")
     assert sum(_is_eager(p.choices) for p in candidate_plans(load_pipeline(spec), DEFAULT)) == 1
-    t = _fake_tuning(spec, [], {3: _is_eager}, tmp_path / "tune")
+    t = fake_tuning(spec, [], {3: _is_eager}, tmp_path / "tune")
     tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
     out = tmp_path / "gen"
     write_rendered(render_spec(spec, out), out)

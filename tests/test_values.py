@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import pipeline_of
+from conftest import fake_tuning, pipeline_of, write_spec
 from kgen.ir import Capture, Elementwise
 from kgen.plan import make_plan
 from kgen.render import render_plan
@@ -165,7 +165,6 @@ def test_a_pipeline_with_values_or_several_inputs_has_an_eager_candidate(text, t
     and reversed (`reverse: true`), and takes the other inputs: such pipelines have an eager
     candidate (so `kgen tune` can fall back to eager PyTorch's kernels), and its plan validates
     on the CPU build."""
-    from conftest import write_spec
     from kgen.build import build_module
     from kgen.families import EAGER
     from kgen import tune, tunefile
@@ -176,11 +175,8 @@ def test_a_pipeline_with_values_or_several_inputs_has_an_eager_candidate(text, t
     pipe = pipeline_of(text)
     assert EAGER.whole(pipe) is not None and PIPELINE in make_plan(pipe, target=DEFAULT).options
     spec = write_spec(tmp_path, text, f"{pipe.name}.yaml")
-    t = tune.prepare(spec, [], tune.MAX_CANDIDATES, tmp_path / "tune")  # a tuning file that picks the eager plan
-    for m in t.measured:
-        m.ms = {b: 1.0 if m.plan.choices.get(PIPELINE) == EAGER_PIPELINE else 2.0 for b in t.batches}
-    t.eager_pytorch_ms = {b: 3.0 for b in t.batches}
-    tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))
+    t = fake_tuning(spec, [], lambda choices: choices.get(PIPELINE) == EAGER_PIPELINE, tmp_path / "tune")
+    tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))  # a tuning file that picks the eager plan
     out = tmp_path / "gen"
     write_rendered(render_spec(spec, out), out)
     binding = (out / pipe.name / "binding.cpp").read_text()
