@@ -108,9 +108,9 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
     i = 0
     with torch.no_grad():
         for b in t.batches:
-            x = torch.randn(pipe.input.concrete(b), device=device)
-            expected = reference(x)
-            runs = {"eager": lambda: reference(x)}
+            xs = [torch.randn(pipe.inputs[n].concrete(b), device=device) for n in pipe.input_names]  # every input
+            expected = reference(*xs)
+            runs = {"eager": lambda: reference(*xs)}
             for m in t.measured:
                 if m.module in (failed or {}):
                     m.ms[b], m.problem = math.inf, f"does not build: {failed[m.module]}"
@@ -119,11 +119,11 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                     mod = import_module_dir(m.module)
                     model = mod.Model(*init_args(mod)).to(device).eval()  # an imported model's constructor arguments
                     model.load_state_dict(state)
-                    err = _rel_l2(model(x), expected)
+                    err = _rel_l2(model(*xs), expected)
                     if not err <= CHECK_TOLERANCE:
                         m.ms[b], m.problem = math.inf, f"output differs from eager PyTorch at batch {b} (rel L2 {err:.2e})"
                     else:
-                        runs[m.module] = lambda model=model: model(x)
+                        runs[m.module] = lambda model=model: model(*xs)
                 except RuntimeError as e:  # a launch that fails (resources): this candidate is out
                     m.ms[b], m.problem = math.inf, f"fails at batch {b}: {str(e).splitlines()[0][:160]}"
             _log(f"tune {pipe.name}: timing {len(runs) - 1} candidate(s) and eager PyTorch in turns at batch {b}")

@@ -215,3 +215,18 @@ ops:
     build_module(out / "other_source", "cpu")
     report = validate(spec, out / "other_source", "cpu", stages=False)
     assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+
+
+def test_tune_measures_a_pipeline_with_several_inputs(tmp_path):
+    """`kgen tune` gives every input of a multi-input spec (the dag's y too) to eager PyTorch and to
+    each candidate it times (on the CPU here: the flow)."""
+    from kgen import tune
+    from kgen.build import build_modules
+
+    spec = write_spec(tmp_path, DAG, "dag.yaml")
+    t = tune.prepare(spec, [], 2, tmp_path / "tune")  # the model's best and the eager plan
+    build_modules([m.module for m in t.measured], "cpu")
+    tune.measure(t, 20, device="cpu")
+    assert all(0 < v < float("inf") for v in t.eager_pytorch_ms.values())
+    for m in t.measured:
+        assert not m.problem and all(0 < m.ms[b] < float("inf") for b in t.batches), (m.problem, m.ms)
