@@ -3,6 +3,7 @@ against float64 on random and adversarial inputs, timed.
 
     PYTHONPATH=. python scripts/dm_lab/run.py                        # kernel.cu
     LAB_SRC=kernel_ws.cu PYTHONPATH=. python scripts/dm_lab/run.py   # the warp-specialized form
+    LAB_SRC=kernel_cm.cu PYTHONPATH=. python scripts/dm_lab/run.py   # mma.sync, output channels as M
 
 LAB_DEFS (macros, e.g. "LAB_NOLOAD"), LAB_TIME_ONLY=1, LAB_QUICK=1, LAB_NCU=1 (one call). Results: notes/perf.md, stop 25.
 """
@@ -51,13 +52,24 @@ def pack_ws(w):
     return tf32(out).contiguous()
 
 
+def pack_cm(w):
+    """w -> [27 taps][32 lanes][4]: lane 4 g + t's m16n8k8 A fragment (rows g, g + 8; columns t, t + 4) of the tap (kernel_cm.cu)."""
+    taps = w.reshape(16, 8, 27).permute(2, 0, 1)  # [tap][co][ci]
+    g, t = torch.arange(8).repeat_interleave(4), torch.arange(4).repeat(8)
+    out = torch.stack([taps[:, g, t], taps[:, g + 8, t], taps[:, g, t + 4], taps[:, g + 8, t + 4]], dim=-1)
+    return tf32(out).contiguous()
+
+
+TILES = lib.lab_tiles_per_sample() if hasattr(lib, "lab_tiles_per_sample") else 56
+
+
 def lab(x, packed, b, bias2):
     n = x.shape[0]
-    partial = torch.empty(n * 7 * 8, device="cuda")
+    partial = torch.empty(n * TILES, device="cuda")
     err = lib.lab_run(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(b.data_ptr()),
                       ctypes.c_void_p(partial.data_ptr()), n, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     assert err == 0, err
-    return partial.view(n, 56).sum(1) / P_POOLED + bias2.sum()
+    return partial.view(n, TILES).sum(1) / P_POOLED + bias2.sum()
 
 
 def reference(x, w, b, bias2):
@@ -78,7 +90,7 @@ torch.manual_seed(0)
 conv = torch.nn.Conv3d(8, 16, 3).cuda()
 w, b = conv.weight.detach(), conv.bias.detach()
 bias2 = torch.randn(16, device="cuda")
-P = pack_ws(w) if SRC == 'kernel_ws.cu' else pack(w)
+P = {'kernel_ws.cu': pack_ws, 'kernel_cm.cu': pack_cm}.get(SRC, pack)(w)
 ok = True
 QUICK = os.environ.get("LAB_QUICK") == "1"
 if os.environ.get("LAB_NCU") == "1":  # one call, for ncu
