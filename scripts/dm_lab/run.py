@@ -90,7 +90,7 @@ torch.manual_seed(0)
 conv = torch.nn.Conv3d(8, 16, 3).cuda()
 w, b = conv.weight.detach(), conv.bias.detach()
 bias2 = torch.randn(16, device="cuda")
-P = {'kernel_ws.cu': pack_ws, 'kernel_cm.cu': pack_cm}.get(SRC, pack)(w)
+P = {'kernel_ws.cu': pack_ws, 'kernel_cm.cu': pack_cm, 'kernel_cp.cu': pack_cm}.get(SRC, pack)(w)
 ok = True
 QUICK = os.environ.get("LAB_QUICK") == "1"
 if os.environ.get("LAB_NCU") == "1":  # one call, for ncu
