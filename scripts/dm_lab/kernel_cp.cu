@@ -34,8 +34,6 @@ constexpr int kBoxRows = kBD * kBH;
 constexpr int kPair = (kBoxRows * kBW * 2 + 31) / 32 * 32 + 4;  // pair plane stride, = 4 mod 32
 constexpr int kBoxFloats = 4 * kPair;
 constexpr int kWFloats = 27 * 32 * 4;       // [tap][lane][4]: the A fragment of every tap
-constexpr int kFills = 4 * kBoxRows * (kW / 4);  // (pair plane, row, 4 columns) items per box
-constexpr int kFillsPerThread = (kFills + kThreads - 1) / kThreads;
 constexpr int kOffW = kBoxFloats, kOffScr = kOffW + kWFloats, kSmemFloats = kOffScr + 2 * kWarps;
 #ifdef LAB_AREG
 constexpr int kKdUnroll = 3;  // areg is indexed by kd: unrolled, or it goes to local memory
@@ -47,31 +45,38 @@ static_assert(kSmemFloats * 4 * LAB_MINB <= 227 * 1024, "shared memory for LAB_M
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ int block_of(int n) { return (n & 4) | (n & 1) << 1 | (n >> 1) & 1; }  // b(n)
 
-// Fills the box of `tile`: item e = (q, row, col) holds channels q and q + 4 at 4 columns; rows past the input are 0.
+// Fills the box of `tile` through registers: a slot (pair plane q, box row bh, 4 columns) per thread and
+// kSlotsPerThread slots, each with the kBD depths at compile-time offsets (in x and in the box); rows past the
+// input are zeros.
+constexpr int kSlots = 4 * kBH * (kW / 4), kSlotsPerThread = kSlots / kThreads;
+static_assert(kSlots % kThreads == 0, "whole slots per thread");
 __device__ __forceinline__ void fill_box(float* box, const float* __restrict__ x, int tile, int tid) {
   asm volatile("" : "+r"(tid));  // recomputed per tile (hoisted out of the tile loop, the offsets cost registers)
   const int n = tile / (kPD * kHB), pd = (tile / kHB) % kPD, hb = tile % kHB;
   const float* xs = x + (static_cast<long long>(n) * kCin * kD + 2 * pd) * kH * kW + hb * kTH * kW;
-  float4 v[kFillsPerThread][2];
+  constexpr int kDepth = kH * kW, kChan = kD * kH * kW;
+  float4 v[kSlotsPerThread][kBD][2];
 #pragma unroll
-  for (int k = 0; k < kFillsPerThread; ++k) {
-    const int e = tid + k * kThreads;
-    const int q = e / (kBoxRows * 16), rr = (e / 16) % kBoxRows, col = e % 16;
-    const int bd = rr / kBH, bh = rr % kBH;
-    const bool ok = (kFills % kThreads == 0 || e < kFills) && hb * kTH + bh < kH;
-    const float* src = xs + (q * kD + bd) * kH * kW + bh * kW + 4 * col;
-    v[k][0] = ok ? __ldg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    v[k][1] = ok ? __ldg(reinterpret_cast<const float4*>(src + 4 * kD * kH * kW)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int m = 0; m < kSlotsPerThread; ++m) {
+    const int s = tid + m * kThreads, q = s / (kBH * 16), bh = (s / 16) % kBH, col = s % 16;
+    const bool ok = hb * kTH + bh < kH;
+    const float* src = xs + q * kChan + bh * kW + 4 * col;
+#pragma unroll
+    for (int bd = 0; bd < kBD; ++bd)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        v[m][bd][e] = ok ? __ldg(reinterpret_cast<const float4*>(src + bd * kDepth + 4 * e * kChan)) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 #pragma unroll
-  for (int k = 0; k < kFillsPerThread; ++k) {
-    const int e = tid + k * kThreads;
-    if (kFills % kThreads != 0 && e >= kFills) break;
-    const int q = e / (kBoxRows * 16), rr = (e / 16) % kBoxRows, col = e % 16;
-    float4* dst = reinterpret_cast<float4*>(box + q * kPair + (rr * kBW + 4 * col) * 2);
-    const float4 a = v[k][0], b = v[k][1];
-    dst[0] = make_float4(to_tf32(a.x), to_tf32(b.x), to_tf32(a.y), to_tf32(b.y));
-    dst[1] = make_float4(to_tf32(a.z), to_tf32(b.z), to_tf32(a.w), to_tf32(b.w));
+  for (int m = 0; m < kSlotsPerThread; ++m) {
+    const int s = tid + m * kThreads, q = s / (kBH * 16), bh = (s / 16) % kBH, col = s % 16;
+    float4* dst = reinterpret_cast<float4*>(box + q * kPair + (bh * kBW + 4 * col) * 2);
+#pragma unroll
+    for (int bd = 0; bd < kBD; ++bd) {
+      const float4 a = v[m][bd][0], b = v[m][bd][1];
+      dst[bd * kBH * kBW / 2] = make_float4(to_tf32(a.x), to_tf32(b.x), to_tf32(a.y), to_tf32(b.y));
+      dst[bd * kBH * kBW / 2 + 1] = make_float4(to_tf32(a.z), to_tf32(b.z), to_tf32(a.w), to_tf32(b.w));
+    }
   }
 }
 
@@ -130,14 +135,21 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
       for (int i = 0; i < 9; ++i) load_a(A[i], wts, kd * 9 + i, lane);
 #endif
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int r = 0; r < 4; ++r) {
+        // box row r of depths kd (plane 0) and kd + 1 (plane 1): up to 16 accumulators between an MMA and
+        // the next one on the same accumulator
+        float v[2][12];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
+        for (int j = 0; j < 2; ++j) {
           const float4* p = reinterpret_cast<const float4*>(wb + ((kd + j) * kBH + r) * kBW * 2);
           const float4 q0 = p[0], q1 = p[1], q2 = p[2];
-          const float v[12] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w, q2.x, q2.y, q2.z, q2.w};
+          v[j][0] = q0.x, v[j][1] = q0.y, v[j][2] = q0.z, v[j][3] = q0.w, v[j][4] = q1.x, v[j][5] = q1.y;
+          v[j][6] = q1.z, v[j][7] = q1.w, v[j][8] = q2.x, v[j][9] = q2.y, v[j][10] = q2.z, v[j][11] = q2.w;
+        }
 #pragma unroll
-          for (int kw = 0; kw < 3; ++kw)
+        for (int kw = 0; kw < 3; ++kw)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
               const int kh = r - i;
@@ -148,9 +160,9 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
               const float(&a)[4] = A[kh * 3 + kw];
 #endif
 #pragma unroll
-              for (int jn = 0; jn < 4; ++jn) mma_tf32(acc[j][i][jn], a, v[2 * (jn + kw)], v[2 * (jn + kw) + 1]);
+              for (int jn = 0; jn < 4; ++jn) mma_tf32(acc[j][i][jn], a, v[j][2 * (jn + kw)], v[j][2 * (jn + kw) + 1]);
             }
-        }
+      }
     }
 
     // 2^3 max pool in the thread (planes j, rows i, n-tiles 2 jp, 2 jp + 1), + bias, / 2, summed.
