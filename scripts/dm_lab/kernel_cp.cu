@@ -9,6 +9,8 @@
 // Lane group g owns window columns 4 b(g) .. 4 b(g) + 5 with b(g) = (g & 4) | (g & 1) << 1 | (g >> 1) & 1:
 // pair planes 4 mod 32 floats apart (q = t) and b two apart in a quarter-warp meet 8 different 16-byte groups.
 //
+// LAB_PRE: slots of the next step's fill whose loads are issued before this step's MMAs (0..3).
+// Timing only: LAB_NOFILL (no refills), LAB_NOMMA (no MMAs).
 // LAB_WH (row-pair warps, default 2), LAB_MINB (CTAs per SM for ptxas, default 3), LAB_AREG (all 27 taps'
 // A fragments held in registers).
 #include "conv_gemm.cuh"
@@ -20,6 +22,9 @@ using namespace kgen::conv_gemm;
 #endif
 #ifndef LAB_MINB
 #define LAB_MINB 3
+#endif
+#ifndef LAB_PRE
+#define LAB_PRE 0
 #endif
 
 namespace lab {
@@ -45,39 +50,53 @@ static_assert(kSmemFloats * 4 * LAB_MINB <= 227 * 1024, "shared memory for LAB_M
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ int block_of(int n) { return (n & 4) | (n & 1) << 1 | (n >> 1) & 1; }  // b(n)
 
-// Fills the box of `tile` through registers: a slot (pair plane q, box row bh, 4 columns) per thread and
-// kSlotsPerThread slots, each with the kBD depths at compile-time offsets (in x and in the box); rows past the
-// input are zeros.
+// Fills depths d0 .. d0 + kCount - 1 of step `step`'s sample and row block into their ring slots (depth d in
+// slot d % 4) through registers: a slot (pair plane q, box row bh, 4 columns) per thread and kSlotsPerThread
+// slots, the depths at compile-time offsets in x; rows past the input are zeros.
 constexpr int kSlots = 4 * kBH * (kW / 4), kSlotsPerThread = kSlots / kThreads;
 static_assert(kSlots % kThreads == 0, "whole slots per thread");
-__device__ __forceinline__ void fill_box(float* box, const float* __restrict__ x, int tile, int tid) {
-  asm volatile("" : "+r"(tid));  // recomputed per tile (hoisted out of the tile loop, the offsets cost registers)
-  const int n = tile / (kPD * kHB), pd = (tile / kHB) % kPD, hb = tile % kHB;
-  const float* xs = x + (static_cast<long long>(n) * kCin * kD + 2 * pd) * kH * kW + hb * kTH * kW;
+// Slots kM0 .. kM1 - 1 of this thread: the loads (into v) and the stores (rounded to TF32, interleaved).
+template <int kCount, int kM0, int kM1>
+__device__ __forceinline__ void load_slots(float4 (*v)[kCount][2], const float* __restrict__ x, int step, int d0, int tid) {
+  asm volatile("" : "+r"(tid));  // recomputed per step (hoisted out of the loop, the offsets cost registers)
+  const int n = step / (kPD * kHB), hb = (step / kPD) % kHB;
   constexpr int kDepth = kH * kW, kChan = kD * kH * kW;
-  float4 v[kSlotsPerThread][kBD][2];
+  const float* xs = x + static_cast<long long>(n) * kCin * kChan + d0 * kDepth + hb * kTH * kW;
 #pragma unroll
-  for (int m = 0; m < kSlotsPerThread; ++m) {
+  for (int m = kM0; m < kM1; ++m) {
     const int s = tid + m * kThreads, q = s / (kBH * 16), bh = (s / 16) % kBH, col = s % 16;
     const bool ok = hb * kTH + bh < kH;
     const float* src = xs + q * kChan + bh * kW + 4 * col;
 #pragma unroll
-    for (int bd = 0; bd < kBD; ++bd)
+    for (int i = 0; i < kCount; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        v[m][bd][e] = ok ? __ldg(reinterpret_cast<const float4*>(src + bd * kDepth + 4 * e * kChan)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[m - kM0][i][e] = ok ? __ldg(reinterpret_cast<const float4*>(src + i * kDepth + 4 * e * kChan)) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
+}
+
+template <int kCount, int kM0, int kM1>
+__device__ __forceinline__ void store_slots(float* box, const float4 (*v)[kCount][2], int d0, int tid) {
+  asm volatile("" : "+r"(tid));
 #pragma unroll
-  for (int m = 0; m < kSlotsPerThread; ++m) {
+  for (int m = kM0; m < kM1; ++m) {
     const int s = tid + m * kThreads, q = s / (kBH * 16), bh = (s / 16) % kBH, col = s % 16;
-    float4* dst = reinterpret_cast<float4*>(box + q * kPair + (bh * kBW + 4 * col) * 2);
+    float* row = box + q * kPair + (bh * kBW + 4 * col) * 2;
 #pragma unroll
-    for (int bd = 0; bd < kBD; ++bd) {
-      const float4 a = v[m][bd][0], b = v[m][bd][1];
-      dst[bd * kBH * kBW / 2] = make_float4(to_tf32(a.x), to_tf32(b.x), to_tf32(a.y), to_tf32(b.y));
-      dst[bd * kBH * kBW / 2 + 1] = make_float4(to_tf32(a.z), to_tf32(b.z), to_tf32(a.w), to_tf32(b.w));
+    for (int i = 0; i < kCount; ++i) {
+      float4* dst = reinterpret_cast<float4*>(row + ((d0 + i) & 3) * kBH * kBW * 2);
+      const float4 a = v[m - kM0][i][0], b = v[m - kM0][i][1];
+      dst[0] = make_float4(to_tf32(a.x), to_tf32(b.x), to_tf32(a.y), to_tf32(b.y));
+      dst[1] = make_float4(to_tf32(a.z), to_tf32(b.z), to_tf32(a.w), to_tf32(b.w));
     }
   }
+}
+
+template <int kCount>
+__device__ __forceinline__ void fill_depths(float* box, const float* __restrict__ x, int step, int d0, int tid) {
+  float4 v[kSlotsPerThread][kCount][2];
+  load_slots<kCount, 0, kSlotsPerThread>(v, x, step, d0, tid);
+  store_slots<kCount, 0, kSlotsPerThread>(box, v, d0, tid);
 }
 
 __device__ __forceinline__ void load_a(float (&a)[4], const float* wts, int tap, int lane) {
@@ -103,7 +122,11 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
     const int r = e / ((kBW - kW) / 2), q = r / kBoxRows, rr = r % kBoxRows;
     *reinterpret_cast<float4*>(box + q * kPair + (rr * kBW + kW) * 2 + 4 * (e % ((kBW - kW) / 2))) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  if (blockIdx.x < tiles) fill_box(box, x, blockIdx.x, tid);
+  // steps (sample, row block, plane pair pd), pd fastest: this CTA's contiguous share; along pd the box is a
+  // ring of depth slots, so a step loads only its two new depths
+  const int begin = static_cast<long long>(blockIdx.x) * tiles / gridDim.x;
+  const int end = static_cast<long long>(blockIdx.x + 1) * tiles / gridDim.x;
+  if (begin < end) fill_depths<4>(box, x, begin, 2 * (begin % kPD), tid);
   cp_async_wait<0>();
   __syncthreads();
 
@@ -116,7 +139,15 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
 #endif
   int parity = 0;
 #pragma unroll 1
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int tile = begin; tile < end; ++tile) {
+    const int rot = 2 * (tile % kPD % 2);  // the ring slot of box depth 0
+    const int next = tile + 1, npd = next % kPD;
+    // the next step's two new depths of the first kPre slots, loaded now, stored after this step's MMAs
+    constexpr int kPre = LAB_PRE;
+    float4 pv[kPre > 0 ? kPre : 1][2][2];
+    if constexpr (kPre > 0) {
+      if (next < end && npd != 0) load_slots<2, 0, kPre>(pv, x, next, 2 * npd + 2, tid);
+    }
     float acc[2][2][4][4];  // [plane j][row i][n-tile jn][fragment]
 #pragma unroll
     for (int a = 0; a < 2; ++a)
@@ -134,18 +165,25 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
 #pragma unroll
       for (int i = 0; i < 9; ++i) load_a(A[i], wts, kd * 9 + i, lane);
 #endif
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        // box row r of depths kd (plane 0) and kd + 1 (plane 1): up to 16 accumulators between an MMA and
-        // the next one on the same accumulator
-        float v[2][12];
+      // box row r of depths kd (plane 0) and kd + 1 (plane 1), loaded one row ahead of its MMAs; the MMAs of a
+      // row keep up to 16 accumulators between an MMA and the next one on the same accumulator
+      float v[2][12], vn[2][12];
+      auto load_row = [&](float (&w)[2][12], int r) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const float4* p = reinterpret_cast<const float4*>(wb + ((kd + j) * kBH + r) * kBW * 2);
+          const float4* p = reinterpret_cast<const float4*>(wb + (((rot + kd + j) & 3) * kBH + r) * kBW * 2);
           const float4 q0 = p[0], q1 = p[1], q2 = p[2];
-          v[j][0] = q0.x, v[j][1] = q0.y, v[j][2] = q0.z, v[j][3] = q0.w, v[j][4] = q1.x, v[j][5] = q1.y;
-          v[j][6] = q1.z, v[j][7] = q1.w, v[j][8] = q2.x, v[j][9] = q2.y, v[j][10] = q2.z, v[j][11] = q2.w;
+          w[j][0] = q0.x, w[j][1] = q0.y, w[j][2] = q0.z, w[j][3] = q0.w, w[j][4] = q1.x, w[j][5] = q1.y;
+          w[j][6] = q1.z, w[j][7] = q1.w, w[j][8] = q2.x, w[j][9] = q2.y, w[j][10] = q2.z, w[j][11] = q2.w;
         }
+      };
+      load_row(v, 0);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (r < 3) load_row(vn, r + 1);
+#ifdef LAB_NOMMA  // timing only
+        if (v[0][0] == 1.2345e-38f && v[1][5] == 1.2345e-38f) acc[0][0][0][0] += 1.f;
+#else
 #pragma unroll
         for (int kw = 0; kw < 3; ++kw)
 #pragma unroll
@@ -162,11 +200,18 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
 #pragma unroll
               for (int jn = 0; jn < 4; ++jn) mma_tf32(acc[j][i][jn], a, v[j][2 * (jn + kw)], v[j][2 * (jn + kw) + 1]);
             }
+#endif
+        if (r < 3) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int k = 0; k < 12; ++k) v[j][k] = vn[j][k];
+        }
       }
     }
 
     // 2^3 max pool in the thread (planes j, rows i, n-tiles 2 jp, 2 jp + 1), + bias, / 2, summed.
-    const int hb = tile % kHB, ph = hb * kTH / 2 + hp;
+    const int hb = tile / kPD % kHB, ph = hb * kTH / 2 + hp;
     float s = 0.f;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
@@ -195,9 +240,22 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
       for (int i = 0; i < kWarps; ++i) tot += scr[parity * kWarps + i];
       partial[tile] = tot;
     }
-    const int next = tile + gridDim.x;
-    if (next < tiles) {
-      fill_box(box, x, next, tid);
+#ifdef LAB_NOFILL  // timing only: every step computes on the first step's box
+    if (false) {
+#else
+    if (next < end) {
+#endif
+      if (npd == 0) {
+        fill_depths<4>(box, x, next, 0, tid);  // a new row block: the whole box
+      } else {
+        // its two new depths, into the slots of the two retired
+        if constexpr (kPre > 0) store_slots<2, 0, kPre>(box, pv, 2 * npd + 2, tid);
+        if constexpr (kPre < kSlotsPerThread) {
+          float4 v[kSlotsPerThread - kPre > 0 ? kSlotsPerThread - kPre : 1][2][2];
+          load_slots<2, kPre, kSlotsPerThread>(v, x, next, 2 * npd + 2, tid);
+          store_slots<2, kPre, kSlotsPerThread>(box, v, 2 * npd + 2, tid);
+        }
+      }
       __syncthreads();
     }
     parity ^= 1;
@@ -216,7 +274,7 @@ extern "C" int lab_run(const float* x, const float* packed, const float* bias, f
   }
   const int tiles = batch * lab::kPD * lab::kHB;
   const int slots = sms * LAB_MINB;
-  const int grid = tiles < slots ? tiles : slots;
+  const int grid = tiles < slots ? tiles : slots;  // persistent: each CTA a contiguous share of the steps
   lab::cp_kernel<<<grid, lab::kThreads, lab::kSmemFloats * 4, static_cast<cudaStream_t>(stream)>>>(x, packed, bias, partial, batch);
   return static_cast<int>(cudaGetLastError());
 }
