@@ -559,6 +559,70 @@ def test_phase_pool_keeps_the_precision_the_spec_asks_for():
         assert PHASE_POOL not in make_plan(pipe, target=DEFAULT).stages[0].candidates
 
 
+# ------------------------------------------------------------------ pool_ring
+
+POOL_RING = "conv_gemm:pool_ring"
+DIV_MAX = ([8, 16, 64, 64], [CONV3, {"div": {"scalar": 2.0}}, {"max_pool3d": {"kernel_size": 2}},
+                             {"adaptive_avg_pool3d": {"output_size": [1, 1, 1]}}, {"sum": {"dim": 1}}])
+POOL_ALL = [{"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}]
+
+
+def pool_ring_plan(shape, ops, target=DEFAULT, **kw):
+    """The plan with stage 0 on conv_gemm:pool_ring (None where it is not a candidate)."""
+    pipe = pipeline_of(spec_text(shape, ops, **kw))
+    first = make_plan(pipe, target=target)
+    if POOL_RING not in first.stages[0].candidates:
+        return None
+    return make_plan(pipe, target=target, choices={f"implementation @ {pipe.ops[0].key}": POOL_RING})
+
+
+def test_pool_ring_is_div_maxs_candidate_and_the_cost_models_choice(tmp_path):
+    shape, ops = DIV_MAX
+    plan = pool_ring_plan(shape, ops)
+    st = plan.stages[0]
+    pr = st.pool_ring
+    assert st.epilogue is plan.stages[1] and plan.stages[1].absorbed_by is st and st.fused is None
+    # 7 plane pairs x 16 blocks of 4 rows (62 rows) per sample; pool_ring.cuh's layout: 4 pair planes of 4
+    # ring slots x 6 box rows x 68 columns x 2 channels (+4 floats: 4 mod 32), the A fragments, 8 sums
+    assert pr.pooled == (7, 31, 31) and pr.row_blocks == 16 and pr.splits == 7 * 16
+    assert pr.packed_floats == 27 * 32 * 4 and pr.smem_bytes == 4 * (4 * (4 * 6 * 68 * 2 + 4) + 27 * 32 * 4 + 8)
+    from kgen.plan import choose_plans
+    chosen = choose_plans(pipeline_of(spec_text(shape, ops))).variants[0].plan
+    assert chosen.stages[0].pool_ring is not None
+    # what the templates render from it
+    spec = write_spec(tmp_path, spec_text(shape, ops, name="dm"), "dm.yaml")
+    files = render_spec(spec, tmp_path / "gen").files
+    kernel, stage_h, binding = (files[f"dm/{f}"] for f in ("kernel.cu", "stages.h", "binding.cpp"))
+    assert "struct PoolRingProblem" in kernel and "kPooledD = 7, kPooledH = 31, kPooledW = 31" in kernel
+    assert "level1_after_pool(" in kernel and "launch_finalize(a, kSplits" in kernel
+    assert "constexpr int kSplits = 112;" in stage_h and f"kPoolRingPackedFloats = {27 * 32 * 4}" in stage_h
+    assert "kPoolRingPackedFloats" in binding and "kSplits" in binding
+
+
+@pytest.mark.parametrize("shape,ops,kw", [
+    ([8, 8, 12, 32], [{"conv3d": {"out_channels": 16, "kernel_size": 3, "stride": 2}}] + POOL_ALL, {}),
+    ([8, 8, 12, 32], [{"conv3d": {"out_channels": 16, "kernel_size": 3, "padding": 1}}] + POOL_ALL, {}),
+    ([8, 8, 12, 32], [{"conv3d": {"out_channels": 16, "kernel_size": 5}}] + POOL_ALL, {}),
+    ([8, 8, 12, 32], [{"conv3d": {"out_channels": 32, "kernel_size": 3}}] + POOL_ALL, {}),  # two m16 tiles
+    ([12, 8, 12, 32], [CONV3] + POOL_ALL, {}),  # a k step is 8 channels
+    ([8, 8, 12, 68], [CONV3] + POOL_ALL, {}),  # rows past 64 positions
+    ([8, 8, 12, 30], [CONV3] + POOL_ALL, {}),  # rows not in 16-byte pieces
+    ([8, 8, 12, 32], [CONV3, {"avg_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}], {}),
+    ([8, 8, 12, 32], [CONV3, {"max_pool3d": {"kernel_size": 3}}, {"sum": {"dim": [1, 2, 3, 4]}}], {}),
+    ([8, 8, 12, 32], [CONV3, {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [2, 3, 4]}}], {}),  # channels kept
+    ([8, 8, 12, 32], [CONV3] + POOL_ALL, {"plan": {"conv": "aten"}}),
+])
+def test_pool_ring_is_not_offered_outside_its_pattern(shape, ops, kw):
+    assert pool_ring_plan(shape, ops, **kw) is None
+
+
+def test_pool_ring_keeps_the_precision_the_spec_asks_for():
+    shape, ops = DIV_MAX
+    for precision in ("tf32x3", "ieee"):
+        pipe = pipeline_of(spec_text(shape, ops) + f"precision: {precision}\n")
+        assert POOL_RING not in make_plan(pipe, target=DEFAULT).stages[0].candidates
+
+
 PHASE_POOL_CASES = [
     # (input [C, D, H, W], ops): a ReLU before the pool, a mean over the channels, a stride of 3, an
     # anisotropic stride, a bias and a scale after the pool

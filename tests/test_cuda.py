@@ -297,3 +297,37 @@ def test_register_pool_validates(tmp_path):
     report = validate(spec, tmp_path / "gen" / "rpool", "cuda", example_batch=True)
     failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
     assert report.cases and not failures, failures
+
+
+POOL_RING_CASES = [
+    # (input [C, D, H, W], ops): two input-channel octets (one CTA per SM), 12 of 16 output channels, a
+    # negative division before the pool, odd D and H (floor-mode windows left out, a partial row block)
+    ([16, 9, 21, 64], [{"conv3d": {"out_channels": 12, "kernel_size": 3}}, {"div": {"scalar": -2.0}},
+                       {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}]),
+    # rows of 60 positions (columns past them computed and left out), tanh before the pool, a mean after it
+    ([8, 6, 13, 60], [{"conv3d": {"out_channels": 16, "kernel_size": 3}}, "tanh", {"max_pool3d": {"kernel_size": 2}},
+                      {"mean": {"dim": [1, 2, 3, 4]}}]),
+]
+
+
+def test_pool_ring_validates(tmp_path):
+    """conv_gemm:pool_ring (the output channels as M, a ring of depth slots, the pool in the thread) against
+    the float64 reference with the adversarial cases, at the example batch and at a batch whose steps do not
+    divide among the CTAs; the plans take pool_ring."""
+    import json
+
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
+
+    for i, (shape, ops) in enumerate(POOL_RING_CASES):
+        name = f"ring{i}"
+        spec = write_spec(tmp_path, spec_text(shape, ops, name=name, batch=3), f"{name}.yaml")
+        write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+        stages = json.loads((tmp_path / "gen" / name / "plan.json").read_text())["plans"][0]["stages"]
+        assert "pool_ring" in stages[0], f"{name}: {stages[0].get('choice')}"
+        build_module(tmp_path / "gen" / name, quiet=True)
+        for batch in (None, 7):
+            report = validate(spec, tmp_path / "gen" / name, "cuda", example_batch=batch is None, stages=batch is None, batch=batch)
+            failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+            assert report.cases and not failures, (name, batch, failures)

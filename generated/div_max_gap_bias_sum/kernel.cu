@@ -12,6 +12,7 @@
 #include "stages.h"
 #include "conv_gemm/conv_gemm.cuh"
 #include "conv_gemm/phase_pool.cuh"
+#include "conv_gemm/pool_ring.cuh"
 
 namespace kgen_div_max_gap_bias_sum {
 
@@ -54,7 +55,7 @@ struct Problem {
   static constexpr Mma kMma = Mma::kTf32;
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
-constexpr int kPlanSmemBytes = 53888;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
+constexpr int kPlanSmemBytes = 51712;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
 
 // The convolution output (+ bias), NC[D]HW (conv_gemm.cuh StoreEpilogue).
 using Store = StoreEpilogue<true>;
@@ -72,98 +73,37 @@ cudaError_t launch(const float* x, const float* w, const float* bias, float* pac
   return run<Store>(x, w, packed, pack, Store::Params{bias, out}, batch, stream);
 }
 
-// ---- stage 1 (pool_reduce) fused in: its math (stages.h) on the output tile.
-
-// The tile as stage 1's input: channel c, position (d0, d1, d2) of the convolution output.
-struct TileInput {
-  const float* tile;
-  int od, oh, ow, c0;
-  __device__ float operator()(const s1::Args&, long long, int c, int d0, int d1, int d2) const {
-    using G = Geometry<Problem>;
-    const int m = ((d0 - od) * Problem::kTH + (d1 - oh)) * Problem::kTW + (d2 - ow);
-    return tile[(c - c0) * G::kMPad + m];
-  }
+// ---- conv_gemm:pool_ring: mma.sync with the output channels as M, the input box a ring of depth slots,
+// stage 1 (pool_reduce) as the epilogue on the accumulators; the convolution output is never
+// written (pool_ring.cuh; plan.json stages[0].pool_ring).
+struct PoolRingProblem {
+  static constexpr int kCin = 8, kCout = 16;
+  static constexpr int kInD = 16, kInH = 64, kInW = 64;
+  static constexpr int kPooledD = 7, kPooledH = 31, kPooledW = 31;
 };
+static_assert(pool_ring::RingGeometry<PoolRingProblem>::kSmemBytes == 66144, "the plan's shared memory (conv_gemm.py pool_ring_layout)");
+static_assert(pool_ring::RingGeometry<PoolRingProblem>::kSteps == kSplits, "a partial per step");
+static_assert(pool_ring::RingGeometry<PoolRingProblem>::kPackedFloats == kPoolRingPackedFloats, "the binding's packed weights");
 
-// Stage 1: a 2 x 2 x 2 max pool, then everything reduced. The window loop's thread holds 2 x 2
-// (H, W) of its pool windows (m-tiles mt and mt + 1, positions 2g and 2g + 1) and max-pools them in
-// registers (each value through level 0 first); the depth pair is the warp with d0 = 1, whose maxima
-// reach its d0 = 0 partner through shared memory. Then as a register epilogue: the CTA combines the
-// threads' values in a fixed order into one partial per tile (stage 1's finalize kernel combines them).
-struct Fused {
+// Stage 1's math (stages.h) on the accumulators: its level-0 ops on every value, the ops after
+// its pool on each window's max, its reduction (everything: one output per sample), a partial per step.
+struct PoolRingEpilogue {
   using Params = s1::Args;
-  static constexpr bool kStaged = false;
-  static constexpr int kScratchFloats = 544;  // one value per warp, then the depth-1 warps' maxima
-
-  template <class P, class Acc>
-  __device__ static void apply_fragments(const Params& a, const Acc& acc, const FragMap<P>& fm, float* scratch, const TileCoord& c) {
-    using G = Geometry<P>;
-    static_assert(P::kLoop == Loop::kWindow && P::kTD == 2 && G::kMT % 2 == 0 && P::kWarpsN == 1, "window loop, two depths per tile");
-    constexpr int kPairs = G::kMT / 2, kCh = 2 * G::kNT, kVals = kPairs * kCh;  // a lane's windows
-    static_assert(32 + P::kWarpsM / 2 * 32 * kVals <= kScratchFloats, "the plan's scratch holds the maxima");
-    const int tid = team_thread<P>();  // this thread in its team
-    const int lane = tid % 32;
-    float* partner = scratch + 32 + ((fm.h0 / G::kMT * G::kWSegs + fm.w0 / 16) * 32 + lane) * kVals;  // shared by the warps at d0 = 0, 1
-    float v[kVals];
-#pragma unroll
-    for (int hp = 0; hp < kPairs; ++hp)
-#pragma unroll
-      for (int nt = 0; nt < G::kNT; ++nt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          // level 0 at a channel and position clamped into the output (loads stay in bounds); windows
-          // outside the pooled output are left out below
-          const int ch = min(c.cblock * P::kBN + fm.n(nt, j), P::kCout - 1);
-          float m = -INFINITY;
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int i = j; i < 4; i += 2) {
-              const int row = fm.m(2 * hp + r, i);
-              const int pd = min(c.od + row_d<P>(row), P::kOutD - 1), ph = min(c.oh + row_h<P>(row), P::kOutH - 1),
-                        pw = min(c.ow + row_w<P>(row), P::kOutW - 1);
-              m = kgen::max_nan(m, s1::level0_from(a, c.n, ch, pd, ph, pw, acc[2 * hp + r][nt][i]));
-            }
-          v[hp * kCh + nt * 2 + j] = m;
-        }
-    if (fm.d0 == 1) {
-#pragma unroll
-      for (int k = 0; k < kVals; ++k) partner[k] = v[k];
-    }
-    team_sync<P>();
-    float s = s1::identity();
-    if (fm.d0 == 0) {
-      const int pd = c.od / 2, pw = (c.ow + fm.w0) / 2 + fm.g;
-#pragma unroll
-      for (int hp = 0; hp < kPairs; ++hp) {
-        const int ph = (c.oh + fm.h0) / 2 + hp;
-        const bool in_pooled = pd < P::kOutD / 2 && ph < P::kOutH / 2 && pw < P::kOutW / 2;  // floor mode
-#pragma unroll
-        for (int nt = 0; nt < G::kNT; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int k = hp * kCh + nt * 2 + j, ch = c.cblock * P::kBN + fm.n(nt, j);
-            const bool ok = in_pooled && ch < P::kCout;
-            const float w = s1::level1_after_pool(a, c.n, min(ch, P::kCout - 1), min(pd, P::kOutD / 2 - 1), min(ph, P::kOutH / 2 - 1),
-                                                min(pw, P::kOutW / 2 - 1), kgen::max_nan(v[k], partner[k]));
-            s = s1::combine(s, ok ? w : s1::identity());
-          }
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) s = s1::combine(s, __shfl_xor_sync(0xffffffffu, s, o));
-    if (tid % 32 == 0) scratch[tid / 32] = s;
-    team_sync<P>();
-    if (tid == 0) {
-      s = s1::identity();
-      for (int w = 0; w < G::kTeamThreads / 32; ++w) s = s1::combine(s, scratch[w]);
-      a.partial[c.n * s1::kKept * kSplits + c.index] = s;  // tile c.index of the sample
-    }
+  __device__ static float pre(const Params& a, long long n, int c, int d, int h, int w, float v) {
+    return s1::level0_from(a, n, c, d, h, w, v);
+  }
+  __device__ static float post(const Params& a, long long n, int c, int pd, int ph, int pw, float v) {
+    return s1::level1_after_pool(a, n, c, pd, ph, pw, v);
+  }
+  __device__ static float identity() { return s1::identity(); }
+  __device__ static float combine(float acc, float v) { return s1::combine(acc, v); }
+  __device__ static void write(const Params& a, long long n, int step, float v) {
+    a.partial[n * kSplits + step] = v;  // stage 1's finalize kernel combines them in step order
   }
 };
 
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
-  const cudaError_t err = run<Fused>(x, w, packed, pack, a, batch, stream);
+  const cudaError_t err = pool_ring::run_pool_ring<PoolRingProblem, PoolRingEpilogue>(x, w, packed, pack, a, batch, stream);
   if (err != cudaSuccess || kSplits == 1) return err;
   return s1::launch_finalize(a, kSplits, stream);
 }

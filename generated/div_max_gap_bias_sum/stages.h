@@ -36,9 +36,10 @@ constexpr long long kPackedFloats = 3456;
 // The convolution (without its bias: the next stage adds it) into `out` [batch, 16, 14, 62, 62].
 // `packed` holds the re-laid weights (kPackedFloats); `pack` says whether to write them from `w` first.
 cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
-// The convolution with stage 1 as its epilogue: writes `a.out` (and `a.partial`: 224 per output).
+// conv_gemm:pool_ring: the convolution with stage 1 as its epilogue: writes `a.out` (and `a.partial`: 112 per sample).
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
-constexpr int kSplits = 224;  // partials per output of stage 1: tiles along its reduced dims
+constexpr int kSplits = 112;  // partials per sample: the kernel's steps (plane pairs x row blocks)
+constexpr long long kPoolRingPackedFloats = 3456;  // its weights: A fragments per tap, TF32
 #endif
 
 }  // namespace s0

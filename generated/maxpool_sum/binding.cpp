@@ -38,7 +38,7 @@ kgen::WeightCache& stage0_weights() {
   return cache;
 }
 // ... and those of its phase_pool kernel (another layout), kept the same way.
-kgen::WeightCache& stage0_phase_pool_weights() {
+kgen::WeightCache& stage0_fused_weights() {
   static kgen::WeightCache cache;
   return cache;
 }
@@ -95,7 +95,7 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_transpose_we
   static kgen::WorkspaceCache partial_cache;
   a.partial = partial_cache.get<float>(partial, s0::kPhasePoolWorkspaceFloats, x.options());  // a split last round's maxima
   bool stale = true;
-  const at::Tensor packed = stage0_phase_pool_weights().get(conv_transpose_weight, s0::kPhasePoolPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
+  const at::Tensor packed = stage0_fused_weights().get(conv_transpose_weight, s0::kPhasePoolPackedFloats, at::cuda::getCurrentCUDAStream(), &stale);
   at::Tensor w;
   if (stale) w = conv_transpose_weight.contiguous();
   kgen::check_launch(s0::launch_fused(x_ptr, stale ? w.data_ptr<float>() : nullptr, packed.data_ptr<float>(), stale, a,

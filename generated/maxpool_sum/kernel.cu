@@ -12,6 +12,7 @@
 #include "stages.h"
 #include "conv_gemm/conv_gemm.cuh"
 #include "conv_gemm/phase_pool.cuh"
+#include "conv_gemm/pool_ring.cuh"
 
 namespace kgen_maxpool_sum {
 

@@ -34,6 +34,12 @@ around (M = the output channels, N = positions of an input box all sub-pixel pha
 pool_reduce stage is its epilogue on the accumulators. It is offered even where cuDNN's GEMMs
 beat the other loops (``_k_rule``): maxpool_sum 0.79 ms against 1.65 for its cuDNN plan.
 
+Candidate ``conv_gemm:pool_ring`` (TF32): a 3 x 3 x 3 convolution into at most 16 channels (stride 1,
+no padding, input rows of at most 64 positions) whose next stage is a 2 x 2 x 2 max pool and a reduction
+of everything runs as one mma.sync kernel (``templates/conv_gemm/pool_ring.cuh``) with the output
+channels as M and the input box a ring of depth slots; the pool_reduce stage is its epilogue on the
+accumulators (div_max_gap_bias_sum 0.273 ms against the window loop's 0.338 in the lab).
+
 Otherwise the convolution output is written (NC[D]HW) and the next stage reads it.
 
 On the CPU the stage runs ATen's convolution, then the epilogue stage's own
@@ -263,6 +269,53 @@ def _balanced_halves(taps: list[int]) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+# conv_gemm:pool_ring (pool_ring.cuh): div_max_gap_bias_sum's convolution + pool + sum in the lab
+# (scripts/dm_lab/kernel_cp.cu, H100, batch 128): 0.273 ms for the 50.7 GFLOP it computes (47.6 useful:
+# it computes 16 channels x 64 columns x whole row blocks), 186 TFLOP/s
+POOL_RING_TENSOR_FRACTION = 0.46
+POOL_RING_THREADS = 128  # pool_ring.cuh kThreads
+POOL_RING_ROWS = 4  # output rows per step (kRowsPerStep)
+POOL_RING_BOX_W = 68  # box columns (kBoxW): 64 computed + the halo
+POOL_RING_SLOTS = 4  # depth slots of the ring (kRing)
+
+
+@dataclass(frozen=True)
+class PoolRing:
+    """conv_gemm:pool_ring: the convolution, a 2 x 2 x 2 max pool and a reduction of everything in one
+    mma.sync kernel (pool_ring.cuh). A step: 2 output planes x 4 rows x all columns of one sample."""
+
+    pooled: tuple  # the pooled output's size (D, H, W)
+    row_blocks: int  # steps along H per plane pair
+    splits: int  # steps per sample: the partials the pool_reduce stage's finalize combines
+    packed_floats: int  # the weights as A fragments
+    smem_bytes: int
+
+
+@functools.lru_cache(maxsize=256)
+def pool_ring_layout(c, in_spatial: tuple, pooled: tuple) -> PoolRing | str:
+    """The pool_ring kernel's layout for convolution ``c`` on input ``in_spatial`` pooled (2 x 2 x 2,
+    floor mode) into ``pooled``, or why it does not apply."""
+    if c.transposed or c.rank != 3:
+        return "a 3-D convolution (not transposed) only"
+    if tuple(c.kernel) != (3, 3, 3) or any(s != 1 for s in c.stride) or any(c.padding) or any(d != 1 for d in c.dilation):
+        return "a 3 x 3 x 3 kernel, stride 1, no padding or dilation only"
+    if c.in_channels % 8 or c.out_channels > 16:
+        return f"{c.in_channels} -> {c.out_channels} channels (needs a multiple of 8 -> at most 16)"
+    if in_spatial[2] % 4 or in_spatial[2] > 64:
+        return f"input rows of {in_spatial[2]} positions (needs a multiple of 4, at most 64)"
+    if 0 in pooled:
+        return "no whole pool window"
+    octets = c.in_channels // 8
+    row_blocks = -(-2 * pooled[1] // POOL_RING_ROWS)
+    box_rows = POOL_RING_ROWS + 2
+    pair = -(-POOL_RING_SLOTS * box_rows * POOL_RING_BOX_W * 2 // 32) * 32 + 4
+    packed = octets * 27 * 32 * 4
+    smem = FLOAT_BYTES * (octets * 4 * pair + packed + 2 * POOL_RING_THREADS // 32)
+    if smem > SMEM_LIMIT:
+        return f"{smem // 1024} KB of shared memory"
+    return PoolRing(tuple(pooled), row_blocks, pooled[0] * row_blocks, packed, smem)
+
+
 def _max_taps(lc, in_spatial) -> int:
     """Kernel taps of the convolution, or of its largest sub-pixel phase (K = Cin x this)."""
     if not isinstance(lc.lowering, Subpixel):
@@ -284,6 +337,23 @@ def _pool_epilogue_window(ops) -> tuple | None:
     return tuple(p.kernel)
 
 
+def _is_pool_2x2x2(p: Pool) -> bool:
+    """A 2 x 2 x 2 max pool of non-overlapping windows, floor mode, no padding or dilation."""
+    return (p.kind == "max" and tuple(p.kernel) == (2, 2, 2) and tuple(p.stride) == (2, 2, 2) and not any(p.padding)
+            and not p.ceil_mode and all(d == 1 for d in p.dilation))
+
+
+def _pools_then_reduces_all(ops, rank: int) -> bool:
+    """``ops`` (what follows a convolution) are elementwise ops, one 2 x 2 x 2 max pool, elementwise ops
+    and a reduction of every dim (channels and space), then elementwise ops: conv_gemm:pool_ring's epilogue."""
+    pools = [o for o in ops if isinstance(o, Pool)]
+    reduces = [o for o in ops if isinstance(o, Reduce)]
+    if len(pools) != 1 or len(reduces) != 1:
+        return False
+    p, r = pools[0], reduces[0]
+    return ops.index(p) < ops.index(r) and _is_pool_2x2x2(p) and sorted(r.dims) == list(range(1, rank))
+
+
 @dataclass
 class ConvGemmStage(ConvStage):
     problems: list = field(default_factory=list)
@@ -298,6 +368,8 @@ class ConvGemmStage(ConvStage):
     # candidate conv_gemm:phase_pool: the kernel that takes the pool_reduce stage after it (the
     # standalone stage keeps `schedule`)
     phase_pool: PhasePool | None = None
+    # candidate conv_gemm:pool_ring: likewise
+    pool_ring: PoolRing | None = None
 
     # ---- what the templates need (text only; the decisions are above)
 
@@ -456,7 +528,7 @@ class ConvGemm(Family):
     stage_kind = "conv"
     generates_kernel = True
     pieces = ("stage.h", "kernel.cu", "binding.cpp")
-    cuda_includes = ("conv_gemm/conv_gemm.cuh", "conv_gemm/phase_pool.cuh")
+    cuda_includes = ("conv_gemm/conv_gemm.cuh", "conv_gemm/phase_pool.cuh", "conv_gemm/pool_ring.cuh")
     summary = "generated implicit-GEMM convolution on TF32 tensor cores (ieee: fp32 FMAs), the next stage fused in"
 
     def fits(self, ops):
@@ -488,7 +560,7 @@ class ConvGemm(Family):
             return (f"precision ieee: K = {c.in_channels} channels x {taps} taps is above {DIRECT_MAX_K}, where "
                     "the fp32 direct loop is no faster than ATen's fp32 convolution")
         k_rule = self._k_rule(req)
-        if k_rule and not isinstance(self.phase_pool(req), PhasePool):
+        if k_rule and not isinstance(self.phase_pool(req), PhasePool) and not isinstance(self.pool_ring(req), PoolRing):
             return k_rule
         return None
 
@@ -535,6 +607,32 @@ class ConvGemm(Family):
         if 0 in pooled:
             return "no whole pool window"
         return phase_pool_layout(lc.conv, window, pooled)
+
+    def pool_ring(self, req: StageRequest) -> PoolRing | str:
+        """The layout of candidate conv_gemm:pool_ring for the request, or why it does not apply: a
+        convolution in TF32 read from a plain NC[D]HW tensor (its bias left to the next stage),
+        before a pool_reduce stage of elementwise ops, a 2 x 2 x 2 max pool and a reduction of everything."""
+        lc = lowered(req.ops[0])
+        if type(lc.lowering) is not Direct:  # a crop (dead region) is fine: it keeps every whole pool window
+            return "not a plain convolution"
+        if lc.conv.bias and not lc.bias_deferred:
+            return "the convolution adds its own bias"
+        if self.mma(req)[0] != "tf32":
+            return "TF32 products only"
+        if not req.input.flat or req.input.layout != "contiguous":
+            return "its input is not a plain NC[D]HW tensor"
+        if req.next_family is None or req.next_family.name != "pool_reduce":
+            return "no pool_reduce stage after it"
+        ops = req.pipeline.ops
+        following = []
+        for o in ops[ops.index(req.ops[-1]) + 1:]:
+            if not isinstance(o, (Elementwise, Pool, Reduce)):
+                break
+            following.append(o)
+        if not _pools_then_reduces_all(following, req.types[1].rank):
+            return "the next stage is not a 2 x 2 x 2 max pool and a reduction of everything"
+        pooled = tuple(o // 2 for o in req.types[1].spatial)
+        return pool_ring_layout(lc.conv, tuple(req.types[0].spatial), pooled)
 
     # ------------------------------------------------------------ problems
 
@@ -739,6 +837,8 @@ class ConvGemm(Family):
         the pool_reduce stage it was planned for."""
         if st.phase_pool is not None:
             return self._absorbs_phase_pool(st, nxt)
+        if st.pool_ring is not None:
+            return self._absorbs_pool_ring(st, nxt)
         if len(st.problems) != 1 or nxt.input != st.output:
             return False
         if nxt.family.name == "norm":
@@ -821,6 +921,18 @@ class ConvGemm(Family):
                             "channel reduction it was planned for")
         return True
 
+    @staticmethod
+    def _absorbs_pool_ring(st: ConvGemmStage, nxt: Stage) -> bool:
+        """pool_ring computes nothing but its epilogue: the stage after it must be the 2 x 2 x 2 max pool
+        and reduction of everything ``pool_ring`` planned for (else the plan is not made)."""
+        ok = (nxt.family.name == "pool_reduce" and nxt.input == st.output and len(nxt.levels) == 2
+              and nxt.reduce is not None and sorted(nxt.reduce.dims) == list(range(1, 1 + st.rank + 1))
+              and _is_pool_2x2x2(nxt.levels[1].pool) and tuple(nxt.pooled_type.spatial) == st.pool_ring.pooled)
+        if not ok:
+            raise KgenError(f"conv_gemm:pool_ring at stage {st.index}: stage {nxt.index} is not the max pool and "
+                            "reduction it was planned for")
+        return True
+
     def _absorbs_norm(self, st: ConvGemmStage, nxt: Stage) -> bool:
         """The candidates ``conv_gemm:recompute`` and ``conv_gemm:onepass`` take the norm stage after it."""
         sc = st.norm_schedule
@@ -855,13 +967,19 @@ class ConvGemm(Family):
 
     def candidates(self, req: StageRequest) -> list[Candidate]:
         """The generated loops' candidates (``_loop_candidates``; none where cuDNN's GEMMs win:
-        ``_k_rule``), and ``conv_gemm:phase_pool`` where it applies (``phase_pool``)."""
+        ``_k_rule``), and ``conv_gemm:phase_pool`` and ``conv_gemm:pool_ring`` where they apply
+        (``phase_pool``, ``pool_ring``)."""
         out = [] if self._k_rule(req) else self._loop_candidates(req)
         pp = self.phase_pool(req)
         if isinstance(pp, PhasePool):
             st = self.make_stage(req)
             st.phase_pool = pp
             out.append(Candidate(f"{self.name}:phase_pool", st))
+        pr = self.pool_ring(req)
+        if isinstance(pr, PoolRing):
+            st = self.make_stage(req)
+            st.pool_ring = pr
+            out.append(Candidate(f"{self.name}:pool_ring", st))
         return out
 
     def _loop_candidates(self, req: StageRequest) -> list[Candidate]:
@@ -906,6 +1024,15 @@ class ConvGemm(Family):
             out.append(Work("phase_pool: transposed convolution + max pool + channel reduction", flops, read + written,
                             target.tensor_flops * PHASE_POOL_TENSOR_FRACTION))
             return out
+        pr = st.pool_ring
+        if pr is not None:  # what it computes (16 channels, 64 columns, whole row blocks, the pooled planes);
+            # each input plane read once per row block (its halo rows again), the partials written
+            flops = 2 * batch * c.in_channels * 27 * 16 * (2 * pr.pooled[0]) * (POOL_RING_ROWS * pr.row_blocks) * 64
+            read = FLOAT_BYTES * batch * st.in_type.sample_numel * (POOL_RING_ROWS + 2) / POOL_RING_ROWS
+            written = FLOAT_BYTES * batch * pr.splits
+            out.append(Work("pool_ring: convolution + max pool + reduction", flops, read + written,
+                            target.tensor_flops * POOL_RING_TENSOR_FRACTION, launches=2 if pr.splits > 1 else 1))
+            return out
         if st.fused_norm is not None and st.fused_norm.one_pass:  # one pass; the tiles' moments meet in L2
             moments = FLOAT_BYTES * 3 * batch * c.out_channels * st.fused_norm.tiles
             out.append(Work(f"{what} + statistics + apply", flops, nbytes + 2 * moments, rate))
@@ -931,6 +1058,16 @@ class ConvGemm(Family):
                     f"{pp.smem_bytes // 1024} KB shared memory",
                     f"stage {st.epilogue.index} (pool_reduce) is its epilogue: max pools of the accumulators, "
                     "the channel reduction in channel order; the convolution output is never written"
+                    if st.epilogue is not None else "(its epilogue stage is missing)"]
+        pr = st.pool_ring
+        if pr is not None:
+            return [f"pool_ring (mma.sync, tf32: {st.x3_reason}): M = the output channels (the weights), N = 8 output "
+                    f"positions, K = 8 input channels of a tap; a step is 2 planes x {POOL_RING_ROWS} rows x all columns "
+                    f"of a sample ({pr.splits} per sample), its input box a ring of {POOL_RING_SLOTS} depth slots (a step "
+                    f"loads its 2 new depths); CTAs of {POOL_RING_THREADS} threads, {pr.smem_bytes // 1024} KB shared memory "
+                    f"each ({'2' if 2 * pr.smem_bytes <= SMEM_LIMIT else '1'} per SM)",
+                    f"stage {st.epilogue.index} (pool_reduce) is its epilogue: 2 x 2 x 2 max pools of each thread's own "
+                    "accumulators, a partial per step; the convolution output is never written"
                     if st.epilogue is not None else "(its epilogue stage is missing)"]
         sc = st.schedule
         teams = f" x {sc.teams} teams sharing the weights" if sc.teams > 1 else ""
@@ -959,6 +1096,8 @@ class ConvGemm(Family):
             d["fused_norm"] = asdict(st.fused_norm)
         if st.phase_pool:
             d["phase_pool"] = asdict(st.phase_pool)
+        if st.pool_ring:
+            d["pool_ring"] = asdict(st.pool_ring)
         return d
 
 
