@@ -446,13 +446,17 @@ MAXPOOL_SUM = ([32, 32, 32, 32], [{"conv_transpose3d": {"out_channels": 64, "ker
                                   {"sum": {"dim": 1, "keepdim": True}}])
 
 
-def phase_pool_plan(shape, ops, target=DEFAULT, **kw):
-    """The plan with stage 0 on conv_gemm:phase_pool (None where it is not a candidate)."""
+def plan_on(candidate, shape, ops, target=DEFAULT, **kw):
+    """The plan with stage 0 on ``candidate`` (None where it is not one)."""
     pipe = pipeline_of(spec_text(shape, ops, **kw))
     first = make_plan(pipe, target=target)
-    if PHASE_POOL not in first.stages[0].candidates:
+    if candidate not in first.stages[0].candidates:
         return None
-    return make_plan(pipe, target=target, choices={f"implementation @ {pipe.ops[0].key}": PHASE_POOL})
+    return make_plan(pipe, target=target, choices={f"implementation @ {pipe.ops[0].key}": candidate})
+
+
+def phase_pool_plan(shape, ops, target=DEFAULT, **kw):
+    return plan_on(PHASE_POOL, shape, ops, target, **kw)
 
 
 def emulate_phase_pool(pp, x, w):
@@ -568,12 +572,7 @@ POOL_ALL = [{"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}]
 
 
 def pool_ring_plan(shape, ops, target=DEFAULT, **kw):
-    """The plan with stage 0 on conv_gemm:pool_ring (None where it is not a candidate)."""
-    pipe = pipeline_of(spec_text(shape, ops, **kw))
-    first = make_plan(pipe, target=target)
-    if POOL_RING not in first.stages[0].candidates:
-        return None
-    return make_plan(pipe, target=target, choices={f"implementation @ {pipe.ops[0].key}": POOL_RING})
+    return plan_on(POOL_RING, shape, ops, target, **kw)
 
 
 def test_pool_ring_is_div_maxs_candidate_and_the_cost_models_choice(tmp_path):

@@ -578,15 +578,9 @@ class ConvGemm(Family):
                     "large enough for cuDNN's tensor-core GEMMs")
         return None
 
-    def phase_pool(self, req: StageRequest) -> PhasePool | str:
-        """The layout of candidate conv_gemm:phase_pool for the request, or why it does not apply:
-        a strided transposed convolution (sub-pixel phases) in TF32 on a wgmma target, read from a
-        plain NC[D]HW tensor, before a pool_reduce stage of a max pool and a channel reduction."""
-        lc = lowered(req.ops[0])
-        if not isinstance(lc.lowering, Subpixel):
-            return "not a strided transposed convolution"
-        if not req.target.wgmma:
-            return "no wgmma on this target"
+    def _fused_pool_epilogue(self, req: StageRequest) -> list | str:
+        """What phase_pool and pool_ring share: TF32 products, a plain NC[D]HW input and a pool_reduce
+        stage next; its ops (the elementwise ops, pools and reductions after the convolution), or why not."""
         if self.mma(req)[0] != "tf32":
             return "TF32 products only"
         if not req.input.flat or req.input.layout != "contiguous":
@@ -599,6 +593,20 @@ class ConvGemm(Family):
             if not isinstance(o, (Elementwise, Pool, Reduce)):
                 break
             following.append(o)
+        return following
+
+    def phase_pool(self, req: StageRequest) -> PhasePool | str:
+        """The layout of candidate conv_gemm:phase_pool for the request, or why it does not apply:
+        a strided transposed convolution (sub-pixel phases) in TF32 on a wgmma target, read from a
+        plain NC[D]HW tensor, before a pool_reduce stage of a max pool and a channel reduction."""
+        lc = lowered(req.ops[0])
+        if not isinstance(lc.lowering, Subpixel):
+            return "not a strided transposed convolution"
+        if not req.target.wgmma:
+            return "no wgmma on this target"
+        following = self._fused_pool_epilogue(req)
+        if isinstance(following, str):
+            return following
         window = _pool_epilogue_window(following)
         if window is None:
             return "the next stage is not a max pool and a reduction over the channels"
@@ -617,18 +625,9 @@ class ConvGemm(Family):
             return "not a plain convolution"
         if lc.conv.bias and not lc.bias_deferred:
             return "the convolution adds its own bias"
-        if self.mma(req)[0] != "tf32":
-            return "TF32 products only"
-        if not req.input.flat or req.input.layout != "contiguous":
-            return "its input is not a plain NC[D]HW tensor"
-        if req.next_family is None or req.next_family.name != "pool_reduce":
-            return "no pool_reduce stage after it"
-        ops = req.pipeline.ops
-        following = []
-        for o in ops[ops.index(req.ops[-1]) + 1:]:
-            if not isinstance(o, (Elementwise, Pool, Reduce)):
-                break
-            following.append(o)
+        following = self._fused_pool_epilogue(req)
+        if isinstance(following, str):
+            return following
         if not _pools_then_reduces_all(following, req.types[1].rank):
             return "the next stage is not a 2 x 2 x 2 max pool and a reduction of everything"
         pooled = tuple(o // 2 for o in req.types[1].spatial)
