@@ -331,3 +331,31 @@ def test_pool_ring_validates(tmp_path):
             report = validate(spec, tmp_path / "gen" / name, "cuda", example_batch=batch is None, stages=batch is None, batch=batch)
             failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
             assert report.cases and not failures, (name, batch, failures)
+
+
+@pytest.mark.parametrize("shape", [
+    [8, 4, 5, 16],  # one plane pair and one row block: a single step per sample (no partials: the kernel finishes)
+    [8, 7, 10, 32],  # rows of 32 positions (the second column half computes zeros), 3 depths left out at the end
+])
+def test_pool_ring_pinned_on_small_shapes(shape, tmp_path):
+    """conv_gemm:pool_ring pinned (the cost model prefers the window loop on such narrow rows) on shapes the
+    shipped spec never reaches, against the float64 reference with the adversarial cases, batches 1 to 3."""
+    from kgen.build import build_module
+    from kgen.plan import Selection, Variant, make_plan
+    from kgen.render import render_plan, write_rendered
+    from kgen.validate import validate
+
+    ops = [{"conv3d": {"out_channels": 16, "kernel_size": 3}}, {"max_pool3d": {"kernel_size": 2}},
+           {"adaptive_avg_pool3d": {"output_size": [1, 1, 1]}}, {"sum": {"dim": 1}}]
+    name = "ringpin_" + "_".join(map(str, shape))  # one op name per module in a process
+    spec = write_spec(tmp_path, spec_text(shape, ops, name=name, batch=3), f"{name}.yaml")
+    pipe = load_pipeline(spec)
+    plan = make_plan(pipe, choices={f"implementation @ {pipe.ops[0].key}": "conv_gemm:pool_ring"})
+    assert plan.stages[0].pool_ring is not None
+    sel = Selection(pipe, [Variant(plan)], "pinned by the test")
+    write_rendered(render_plan(sel, tmp_path / "gen"), tmp_path / "gen")
+    build_module(tmp_path / "gen" / name, quiet=True)
+    for batch in (1, 2, 3):
+        report = validate(spec, tmp_path / "gen" / name, "cuda", selection=sel, stages=batch == 3, batch=batch)
+        failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
+        assert report.cases and not failures, (batch, failures)
