@@ -8,16 +8,32 @@ import torch
 
 from .errors import KgenError
 
+# module name -> the library that registered its kgen::NAME ops in this process
+_LOADED: dict = {}
+
+
 def load_library(module_file: str) -> str:
     """Build (if needed) and load the library of the generated module at ``module_file``.
 
-    Loading registers the module's ``kgen::NAME`` ops with the dispatcher.
+    Loading registers the module's ``kgen::NAME`` ops with the dispatcher, which takes one
+    definition per name: a second library of the same name (another output folder, another
+    build) would abort the process while it loads, so that is refused here with the reason.
     """
     from .build import ensure_built
 
-    lib = ensure_built(Path(module_file).resolve().parent)
-    torch.ops.load_library(str(lib))
-    return str(lib)
+    here = Path(module_file).resolve().parent
+    lib = str(ensure_built(here))
+    name = here.name
+    prior = _LOADED.get(name)
+    if prior is None and hasattr(torch.ops.kgen, name):
+        prior = "a library loaded before"
+    if prior is not None and prior != lib:
+        raise KgenError(f"kgen::{name} is already registered in this process (by {prior}); loading {lib} as well "
+                        "would abort it: one module per name and process (give the spec another `name`, or "
+                        "import it in a new process)")
+    torch.ops.load_library(lib)
+    _LOADED[name] = lib
+    return lib
 
 
 # op name -> (the spec's original pipeline, state_dict names of the op's parameter arguments)

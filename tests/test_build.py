@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import kgen.build
 from conftest import ROOT, write_spec
@@ -209,3 +210,22 @@ def test_read_only_generated_directory_is_one_line(tmp_path):
             d.chmod(0o755)
     assert rendered.returncode == 1
     assert proc.returncode == 1 and "Permission denied" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_second_library_of_the_same_module_name_is_refused(tmp_path, monkeypatch):
+    """The dispatcher takes one kgen::NAME definition per process and aborts the process on a second
+    library of that name: load_library says so instead (and loads the same library again as before)."""
+    import kgen.build
+    from kgen import runtime
+    from kgen.errors import KgenError
+
+    loaded = []
+    monkeypatch.setattr(kgen.build, "ensure_built", lambda d: d / "_build" / "lib.so")
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(runtime, "_LOADED", {})
+    first, second = (tmp_path / d / "kgen_twice" / "module.py" for d in ("a", "b"))
+    runtime.load_library(str(first))
+    runtime.load_library(str(first))  # the same library: fine
+    with pytest.raises(KgenError, match=r"kgen::kgen_twice is already registered .*a[/\\]kgen_twice"):
+        runtime.load_library(str(second))
+    assert loaded == [str(first.parent / "_build" / "lib.so")] * 2
