@@ -9,6 +9,8 @@
 // Lane group g owns window columns 4 b(g) .. 4 b(g) + 5 with b(g) = (g & 4) | (g & 1) << 1 | (g >> 1) & 1:
 // pair planes 4 mod 32 floats apart (q = t) and b two apart in a quarter-warp meet 8 different 16-byte groups.
 //
+// LAB_SLOTS: depth slots of the ring (4; 6: the next step's depths are stored before the barrier).
+// LAB_NOAHEAD: no row-ahead window loads.
 // LAB_PRE: slots of the next step's fill whose loads are issued before this step's MMAs (0..3).
 // Timing only: LAB_NOFILL (no refills), LAB_NOMMA (no MMAs).
 // LAB_WH (row-pair warps, default 2), LAB_MINB (CTAs per SM for ptxas, default 3), LAB_AREG (all 27 taps'
@@ -26,6 +28,9 @@ using namespace kgen::conv_gemm;
 #ifndef LAB_PRE
 #define LAB_PRE 0
 #endif
+#ifndef LAB_SLOTS
+#define LAB_SLOTS 4
+#endif
 
 namespace lab {
 
@@ -34,7 +39,7 @@ constexpr int kPD = 7, kPH = 31, kPW = 31;
 constexpr int kWarpsH = LAB_WH, kWarpsW = 2, kWarps = kWarpsH * kWarpsW, kThreads = 32 * kWarps;
 constexpr int kTH = 2 * kWarpsH;            // output rows of a tile
 constexpr int kHB = (62 + kTH - 1) / kTH;   // row blocks per plane pair
-constexpr int kBD = 4, kBH = kTH + 2, kBW = 68;  // box; columns 64..67 stay zero
+constexpr int kBD = LAB_SLOTS, kBH = kTH + 2, kBW = 68;  // box: a ring of kBD depth slots; columns 64..67 stay zero
 constexpr int kBoxRows = kBD * kBH;
 constexpr int kPair = (kBoxRows * kBW * 2 + 31) / 32 * 32 + 4;  // pair plane stride, = 4 mod 32
 constexpr int kBoxFloats = 4 * kPair;
@@ -84,7 +89,7 @@ __device__ __forceinline__ void store_slots(float* box, const float4 (*v)[kCount
     float* row = box + q * kPair + (bh * kBW + 4 * col) * 2;
 #pragma unroll
     for (int i = 0; i < kCount; ++i) {
-      float4* dst = reinterpret_cast<float4*>(row + ((d0 + i) & 3) * kBH * kBW * 2);
+      float4* dst = reinterpret_cast<float4*>(row + ((d0 + i) % kBD) * kBH * kBW * 2);
       const float4 a = v[m - kM0][i][0], b = v[m - kM0][i][1];
       dst[0] = make_float4(to_tf32(a.x), to_tf32(b.x), to_tf32(a.y), to_tf32(b.y));
       dst[1] = make_float4(to_tf32(a.z), to_tf32(b.z), to_tf32(a.w), to_tf32(b.w));
@@ -140,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
   int parity = 0;
 #pragma unroll 1
   for (int tile = begin; tile < end; ++tile) {
-    const int rot = 2 * (tile % kPD % 2);  // the ring slot of box depth 0
+    const int rot = 2 * (tile % kPD) % kBD;  // the ring slot of box depth 0
     const int next = tile + 1, npd = next % kPD;
     // the next step's two new depths of the first kPre slots, loaded now, stored after this step's MMAs
     constexpr int kPre = LAB_PRE;
@@ -171,16 +176,22 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
       auto load_row = [&](float (&w)[2][12], int r) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const float4* p = reinterpret_cast<const float4*>(wb + (((rot + kd + j) & 3) * kBH + r) * kBW * 2);
+          const float4* p = reinterpret_cast<const float4*>(wb + (((rot + kd + j) % kBD) * kBH + r) * kBW * 2);
           const float4 q0 = p[0], q1 = p[1], q2 = p[2];
           w[j][0] = q0.x, w[j][1] = q0.y, w[j][2] = q0.z, w[j][3] = q0.w, w[j][4] = q1.x, w[j][5] = q1.y;
           w[j][6] = q1.z, w[j][7] = q1.w, w[j][8] = q2.x, w[j][9] = q2.y, w[j][10] = q2.z, w[j][11] = q2.w;
         }
       };
+#ifdef LAB_NOAHEAD  // each row's window loaded right before its MMAs (24 registers fewer)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        load_row(v, r);
+#else
       load_row(v, 0);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         if (r < 3) load_row(vn, r + 1);
+#endif
 #ifdef LAB_NOMMA  // timing only
         if (v[0][0] == 1.2345e-38f && v[1][5] == 1.2345e-38f) acc[0][0][0][0] += 1.f;
 #else
@@ -201,13 +212,21 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
               for (int jn = 0; jn < 4; ++jn) mma_tf32(acc[j][i][jn], a, v[j][2 * (jn + kw)], v[j][2 * (jn + kw) + 1]);
             }
 #endif
+#ifndef LAB_NOAHEAD
         if (r < 3) {
 #pragma unroll
           for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int k = 0; k < 12; ++k) v[j][k] = vn[j][k];
         }
+#endif
       }
+    }
+
+    // with 6 slots the next step's two new depths go to the two slots this step does not read: stored now
+    constexpr bool kEarly = kBD == 6 && LAB_PRE == kSlotsPerThread;
+    if constexpr (kEarly) {
+      if (next < end && npd != 0) store_slots<2, 0, LAB_PRE>(box, pv, 2 * npd + 2, tid);
     }
 
     // 2^3 max pool in the thread (planes j, rows i, n-tiles 2 jp, 2 jp + 1), + bias, / 2, summed.
@@ -243,13 +262,13 @@ __global__ void __launch_bounds__(kThreads, LAB_MINB)
 #ifdef LAB_NOFILL  // timing only: every step computes on the first step's box
     if (false) {
 #else
-    if (next < end) {
+    if (next < end && (npd == 0 || !kEarly)) {  // (early stores are visible after the barrier above)
 #endif
       if (npd == 0) {
         fill_depths<4>(box, x, next, 0, tid);  // a new row block: the whole box
       } else {
         // its two new depths, into the slots of the two retired
-        if constexpr (kPre > 0) store_slots<2, 0, kPre>(box, pv, 2 * npd + 2, tid);
+        if constexpr (kPre > 0 && !kEarly) store_slots<2, 0, kPre>(box, pv, 2 * npd + 2, tid);
         if constexpr (kPre < kSlotsPerThread) {
           float4 v[kSlotsPerThread - kPre > 0 ? kSlotsPerThread - kPre : 1][2][2];
           load_slots<2, kPre, kSlotsPerThread>(v, x, next, 2 * npd + 2, tid);
