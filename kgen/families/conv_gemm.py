@@ -275,7 +275,10 @@ def _balanced_halves(taps: list[int]) -> list[list[int]]:
 POOL_RING_TENSOR_FRACTION = 0.46
 POOL_RING_THREADS = 128  # pool_ring.cuh kThreads
 POOL_RING_ROWS = 4  # output rows per step (kRowsPerStep)
-POOL_RING_BOX_W = 68  # box columns (kBoxW): 64 computed + the halo
+POOL_RING_COLUMNS = 64  # output columns a step computes (2 warps x 32)
+POOL_RING_CHANNELS = 16  # output channels it computes (one m16 tile; fewer are zero-padded weights)
+POOL_RING_TAPS = 27  # a 3 x 3 x 3 kernel (kTaps)
+POOL_RING_BOX_W = 68  # box columns (kBoxW): the computed ones + the halo, rounded to 4
 POOL_RING_SLOTS = 4  # depth slots of the ring (kRing)
 
 
@@ -299,9 +302,9 @@ def pool_ring_layout(c, in_spatial: tuple, pooled: tuple) -> PoolRing | str:
         return "a 3-D convolution (not transposed) only"
     if tuple(c.kernel) != (3, 3, 3) or any(s != 1 for s in c.stride) or any(c.padding) or any(d != 1 for d in c.dilation):
         return "a 3 x 3 x 3 kernel, stride 1, no padding or dilation only"
-    if c.in_channels % 8 or c.out_channels > 16:
+    if c.in_channels % 8 or c.out_channels > POOL_RING_CHANNELS:
         return f"{c.in_channels} -> {c.out_channels} channels (needs a multiple of 8 -> at most 16)"
-    if in_spatial[2] % 4 or in_spatial[2] > 64:
+    if in_spatial[2] % 4 or in_spatial[2] > POOL_RING_COLUMNS:
         return f"input rows of {in_spatial[2]} positions (needs a multiple of 4, at most 64)"
     if 0 in pooled:
         return "no whole pool window"
@@ -309,7 +312,7 @@ def pool_ring_layout(c, in_spatial: tuple, pooled: tuple) -> PoolRing | str:
     row_blocks = -(-2 * pooled[1] // POOL_RING_ROWS)
     box_rows = POOL_RING_ROWS + 2
     pair = -(-POOL_RING_SLOTS * box_rows * POOL_RING_BOX_W * 2 // 32) * 32 + 4
-    packed = octets * 27 * 32 * 4
+    packed = octets * POOL_RING_TAPS * 32 * 4  # an A fragment (32 lanes x 4) per octet and tap
     smem = FLOAT_BYTES * (octets * 4 * pair + packed + 2 * POOL_RING_THREADS // 32)
     if smem > SMEM_LIMIT:
         return f"{smem // 1024} KB of shared memory"
@@ -1026,7 +1029,8 @@ class ConvGemm(Family):
         pr = st.pool_ring
         if pr is not None:  # what it computes (16 channels, 64 columns, whole row blocks, the pooled planes);
             # each input plane read once per row block (its halo rows again), the partials written
-            flops = 2 * batch * c.in_channels * 27 * 16 * (2 * pr.pooled[0]) * (POOL_RING_ROWS * pr.row_blocks) * 64
+            flops = (2 * batch * c.in_channels * POOL_RING_TAPS * POOL_RING_CHANNELS * (2 * pr.pooled[0])
+                     * (POOL_RING_ROWS * pr.row_blocks) * POOL_RING_COLUMNS)
             read = FLOAT_BYTES * batch * st.in_type.sample_numel * (POOL_RING_ROWS + 2) / POOL_RING_ROWS
             written = FLOAT_BYTES * batch * pr.splits
             out.append(Work("pool_ring: convolution + max pool + reduction", flops, read + written,

@@ -69,9 +69,19 @@ struct RingGeometry {
 
 __device__ __forceinline__ int column_block(int n) { return (n & 4) | (n & 1) << 1 | (n >> 1) & 1; }  // b(n)
 
-// Fill slot s = (pair plane q, box row bh, piece): the kCount depths d0.. of (sample n, row block rb) from
-// x into registers (rows past the input: zeros), then rounded and interleaved into their ring slots. The
-// slot's offsets are recomputed per step: hoisted out of the step loop they held ~80 registers.
+// Fill slot s of a box: (pair plane q, box row bh, 16-byte piece of the row).
+struct Slot {
+  int q, bh, piece;
+};
+template <class P>
+__device__ __forceinline__ Slot slot_of(int s) {
+  constexpr int kPieces = RingGeometry<P>::kPieces;
+  return Slot{s / (kBoxRows * kPieces), (s / kPieces) % kBoxRows, s % kPieces};
+}
+
+// Thread tid's fill slots kM0 .. kM1 - 1 (slot tid + m kThreads): the kCount depths d0.. of (sample n, row
+// block rb) from x into registers (rows past the input: zeros), then rounded and interleaved into their ring
+// slots. The slots' offsets are recomputed per step: hoisted out of the step loop they held ~80 registers.
 template <class P, int kCount, int kM0, int kM1>
 __device__ __forceinline__ void load_slots(float4 (*v)[kCount][2], const float* __restrict__ x, int n, int rb, int d0, int tid) {
   using G = RingGeometry<P>;
@@ -81,9 +91,9 @@ __device__ __forceinline__ void load_slots(float4 (*v)[kCount][2], const float* 
 #pragma unroll
   for (int m = kM0; m < kM1; ++m) {
     const int s = tid + m * kThreads;
-    const int q = s / (kBoxRows * G::kPieces), bh = (s / G::kPieces) % kBoxRows, piece = s % G::kPieces;
-    const bool ok = (G::kSlots % kThreads == 0 || s < G::kSlots) && rb * kRowsPerStep + bh < P::kInH;
-    const float* src = xs + (8 * (q / 4) + q % 4) * kChan + bh * P::kInW + 4 * piece;
+    const Slot sl = slot_of<P>(s);
+    const bool ok = (G::kSlots % kThreads == 0 || s < G::kSlots) && rb * kRowsPerStep + sl.bh < P::kInH;
+    const float* src = xs + (8 * (sl.q / 4) + sl.q % 4) * kChan + sl.bh * P::kInW + 4 * sl.piece;
 #pragma unroll
     for (int i = 0; i < kCount; ++i)
 #pragma unroll
@@ -100,8 +110,8 @@ __device__ __forceinline__ void store_slots(float* box, const float4 (*v)[kCount
   for (int m = kM0; m < kM1; ++m) {
     const int s = tid + m * kThreads;
     if (G::kSlots % kThreads != 0 && s >= G::kSlots) break;
-    const int q = s / (kBoxRows * G::kPieces), bh = (s / G::kPieces) % kBoxRows, piece = s % G::kPieces;
-    float* row = box + q * G::kPair + (bh * kBoxW + 4 * piece) * 2;
+    const Slot sl = slot_of<P>(s);
+    float* row = box + sl.q * G::kPair + (sl.bh * kBoxW + 4 * sl.piece) * 2;
 #pragma unroll
     for (int i = 0; i < kCount; ++i) {
       float4* dst = reinterpret_cast<float4*>(row + ((d0 + i) % kRing) * kBoxRows * kBoxW * 2);
@@ -112,13 +122,12 @@ __device__ __forceinline__ void store_slots(float* box, const float4 (*v)[kCount
   }
 }
 
-// Depths d0 .. d0 + kCount - 1 of every slot, loaded and stored.
-template <class P, int kCount>
+// Depths d0 .. d0 + kCount - 1 of slots kM0 .. kM1 - 1 (default: all of the thread's), loaded and stored.
+template <class P, int kCount, int kM0 = 0, int kM1 = RingGeometry<P>::kSlotsPerThread>
 __device__ __forceinline__ void fill(float* box, const float* __restrict__ x, int n, int rb, int d0, int tid) {
-  using G = RingGeometry<P>;
-  float4 v[G::kSlotsPerThread][kCount][2];
-  load_slots<P, kCount, 0, G::kSlotsPerThread>(v, x, n, rb, d0, tid);
-  store_slots<P, kCount, 0, G::kSlotsPerThread>(box, v, d0, tid);
+  float4 v[kM1 - kM0][kCount][2];
+  load_slots<P, kCount, kM0, kM1>(v, x, n, rb, d0, tid);
+  store_slots<P, kCount, kM0, kM1>(box, v, d0, tid);
 }
 
 template <class P, class E>
@@ -257,11 +266,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     if (step + 1 < end) {
       if (next_in_ring) {  // the two new depths into the slots of the two retired
         store_slots<P, 2, 0, G::kPre>(box, pre, 2 * pd + 4, tid);
-        if constexpr (G::kPre < G::kSlotsPerThread) {
-          float4 rest[G::kSlotsPerThread - G::kPre][2][2];
-          load_slots<P, 2, G::kPre, G::kSlotsPerThread>(rest, x, n, rb, 2 * pd + 4, tid);
-          store_slots<P, 2, G::kPre, G::kSlotsPerThread>(box, rest, 2 * pd + 4, tid);
-        }
+        if constexpr (G::kPre < G::kSlotsPerThread) fill<P, 2, G::kPre>(box, x, n, rb, 2 * pd + 4, tid);
       } else {  // a new sample or row block: the whole box
         const int nj = (j + 1) % G::kSteps, nn = n + (j + 1) / G::kSteps;
         fill<P, kRing>(box, x, nn, nj / P::kPooledD, 2 * (nj % P::kPooledD), tid);
