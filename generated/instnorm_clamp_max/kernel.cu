@@ -230,8 +230,8 @@ __device__ __forceinline__ s1::Stats merged_stats(const s1::Args& a, long long n
 }
 
 
-// One pass: the grid is whole samples' worth of co-resident CTAs (run_coresident: a cooperative
-// launch), so all kNormTiles tiles of a sample run at once. Each stores its tile's moments and
+// One pass: the tiles run on co-resident CTAs (run_coresident: a cooperative launch), in an order
+// where every tile of a sample is running or next on its CTA once one is. Each stores its tile's moments and
 // counts itself in `a.arrived`, waits until the sample's other tiles have, merges their moments
 // (every CTA the same statistics) and normalizes its accumulators, still in registers.
 struct NormOnePass {

@@ -1277,17 +1277,16 @@ cudaError_t resident_ctas(int* resident) {
 // CTAs sharing an SM ran both phases in lockstep (instnorm_clamp_max: 13.4 us of loop, then 8.5 us
 // of epilogue, on both CTAs at once). Here the k-th CTA to start on an SM joins group k, and a
 // group's CTAs begin once the previous group's CTA on the same SM has finished its first main
-// loop, so that one's loop runs beside the other's epilogue. Every sample's tiles lie in one group:
-// its CTAs wait only for each other. Measured (notes/perf.md stop 23): a loop alone 8.4 us, an
-// epilogue beside a loop 12.7, and the groups drift back into step within a few rounds; the
-// kernel 178 -> 171 us.
+// loop, so that one's loop runs beside the other's epilogue. Measured (notes/perf.md stop 23): a
+// loop alone 8.4 us, an epilogue beside a loop 12.7, and the groups drift back into step within a
+// few rounds; the kernel 178 -> 171 us.
 constexpr int kMaxSmIds = 256, kMaxGroups = 8;  // bounds on %smid and on CTAs per SM
 // Ints of the zeroed sync area: per SM its CTAs so far, per group its CTAs so far, per (SM, group)
 // "the first main loop is done".
 constexpr int kStaggerInts = kMaxSmIds + kMaxGroups + kMaxSmIds * kMaxGroups;
 
-// `groups` CTAs per SM (the grid fills every SM), `per_group` of each group's CTAs work (whole
-// samples' tiles); worker g * per_group + u of groups * per_group takes the tiles conv_ctas gives it.
+// `groups` CTAs per SM (the grid fills every SM), `per_group` of each group's CTAs work; worker
+// g * per_group + u of groups * per_group takes the tiles conv_ctas gives it.
 template <class P, class E>
 __global__ void __launch_bounds__(Geometry<P>::kThreads) staggered_kernel(const float* __restrict__ x,
                                                                         const float* __restrict__ packed,
@@ -1337,11 +1336,14 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
   return cudaGetLastError();
 }
 
-// Runs the convolution with epilogue E on co-resident CTAs (a cooperative launch), all of a
-// sample's tiles at once: the workers are a whole number of samples' tiles, so worker w's k-th
-// tile, w + k * workers, belongs to one of the samples in round k, and every CTA of round k is
-// running. E may then wait for the other tiles of its sample (e.g. for statistics over the whole
-// sample). Where several CTAs fit on an SM and an SM count of them holds a sample, they run in
+// Runs the convolution with epilogue E on co-resident CTAs (a cooperative launch): E may wait for
+// the other tiles of its sample (e.g. for statistics over the whole sample). Worker w's k-th tile
+// is w + k * workers, tiles in sample order, and every resident CTA works: a sample's tiles lie in
+// one round or straddle two (rounds of whole samples left instnorm_clamp_max's 128 samples 8 rounds
+// of 18, the last one 2 samples on 28 of 264 CTAs; now 6.8 rounds' worth in 7). No deadlock while
+// the workers are at least a sample's tiles: a tile waits only for tiles of its sample, and a
+// worker's tile in round k + 1 (which another waits for) comes after its tile in round k, which is
+// of another sample, waiting only for rounds up to k. Where several CTAs fit on an SM they run in
 // staggered groups (staggered_kernel); `sync`: kStaggerInts zeroed ints.
 template <class P, class E>
 cudaError_t run_coresident(const float* x, const float* packed, const typename E::Params& ep, int batch, int* sync,
@@ -1367,13 +1369,11 @@ cudaError_t run_coresident(const float* x, const float* packed, const typename E
   config.stream = stream;
   config.attrs = &cooperative;
   config.numAttrs = 1;
-  const int per_group = sms / kSampleTiles * kSampleTiles;
-  if (per_sm > 1 && per_sm <= kMaxGroups && per_group > 0 && tiles > per_group) {
+  if (per_sm > 1 && per_sm <= kMaxGroups && tiles > sms) {
     config.gridDim = dim3(static_cast<unsigned>(per_sm * sms));  // every SM holds one CTA of each group
-    return cudaLaunchKernelEx(&config, staggered_kernel<P, E>, x, packed, ep, batch, sync, per_sm, per_group);
+    return cudaLaunchKernelEx(&config, staggered_kernel<P, E>, x, packed, ep, batch, sync, per_sm, sms);
   }
-  const long long workers = static_cast<long long>(resident / kSampleTiles) * kSampleTiles;
-  config.gridDim = dim3(static_cast<unsigned>(tiles < workers ? tiles : workers));
+  config.gridDim = dim3(static_cast<unsigned>(tiles < resident ? tiles : resident));
   return cudaLaunchKernelEx(&config, conv_kernel<P, E>, x, packed, ep, batch);
 }
 
