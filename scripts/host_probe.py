@@ -1,6 +1,7 @@
 """The host's share of a call of generated modules, for the GPU machine:
 
     PYTHONPATH=. python scripts/host_probe.py instnorm_clamp_max div_max_gap_bias_sum
+    PYTHONPATH=. python scripts/host_probe.py /tmp/gen_old/instnorm_clamp_max   (a module folder: an A/B copy)
 
 Per module, in us: the median host time of `model(x)` at batch 1 (the GPU far from the bottleneck),
 of the module's `forward(x, *params)` and of its op called below the autograd key (where the module's
@@ -46,7 +47,7 @@ def back_to_back_us(fn, n: int = 50) -> float:
 
 
 def probe(name: str) -> dict:
-    d = Path("generated") / name
+    d = Path(name) if "/" in name else Path("generated") / name
     _, _, model, _, inputs = models_and_inputs(d, _spec_of(d))
     mod = import_module_dir(d)
     first = [t[:1].clone() for t in inputs]
@@ -67,6 +68,7 @@ def probe(name: str) -> dict:
             "add(x1, x1)": host_us(lambda: torch.add(first[0], first[0])),
             "empty_like(x1)": host_us(lambda: torch.empty_like(first[0])),
             "drained model(x)": time_in_blocks({"call": lambda: model(*inputs)}, 60, block=1)["call"] * 1e3,
+            "drained model(x), blocks as kgen bench": time_in_blocks({"call": lambda: model(*inputs)}, 60)["call"] * 1e3,
             "back-to-back model(x)": back_to_back_us(lambda: model(*inputs)),
         }
 
