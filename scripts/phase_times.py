@@ -42,21 +42,18 @@ __device__ __forceinline__ unsigned long long pt_now() {
 }
 __device__ unsigned long long pt_cta[4096][8];    // the current tile's stamps, per CTA
 __device__ unsigned long long pt_tile[65536][9];  // per tile: stamps 0-6, SM, CTA
-__device__ int pt_mine[4096][64];                  // per CTA: the tiles it ran
-__device__ int pt_count[4096];
 """, "conv_gemm.cuh")
     s = patch(s, """      cp_async_wait<P::kStages - 2>();
-      if constexpr (kCoresident) {""", """      if (threadIdx.x == 0) pt_cta[blockIdx.x][0] = pt_now();
+      __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
+""", """      if (threadIdx.x == 0) pt_cta[blockIdx.x][0] = pt_now();
       cp_async_wait<P::kStages - 2>();
-      if constexpr (kCoresident) {""", "conv_gemm.cuh (the main loop)")
-    s = patch(s, """      __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo (kCoresident: the ring published)
-""", """      __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo (kCoresident: the ring published)
+      __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
       if (threadIdx.x == 0) pt_cta[blockIdx.x][1] = pt_now();
-""", "conv_gemm.cuh (the main loop's barrier)")
+""", "conv_gemm.cuh (the main loop)")
     s = patch(s, """      if (chunk == G::kChunks - 1) {
-        if constexpr (kCoresident) {""", """      if (threadIdx.x == 0) pt_cta[blockIdx.x][2] = pt_now();
+        if constexpr (kSignal) {""", """      if (threadIdx.x == 0) pt_cta[blockIdx.x][2] = pt_now();
       if (chunk == G::kChunks - 1) {
-        if constexpr (kCoresident) {""", "conv_gemm.cuh (the tile's end)")
+        if constexpr (kSignal) {""", "conv_gemm.cuh (the tile's end)")
     s = patch(s, """        finish_tile(c, in);
       }
     }
@@ -69,14 +66,13 @@ __device__ int pt_count[4096];
           row[6] = pt_now();
           row[7] = sm;
           row[8] = blockIdx.x;
-          pt_mine[blockIdx.x][pt_count[blockIdx.x]++] = c.n * G::kTilesPerSample + c.index;
         }
       }
     }
     cp_async_wait<0>();
     if (G::kDirect && threadIdx.x == 0) {
-      for (int k = 0; k < pt_count[blockIdx.x]; ++k) {
-        const TileCoord c = tile_coord<P>(pt_mine[blockIdx.x][k]);
+      for (long long s = 0; s < steps; ++s) {
+        const TileCoord c = tile_of_step(s);
         const unsigned long long* r = pt_tile[c.n * G::kTilesPerSample + c.index];
         printf("PT %llu %d %d %llu %llu %llu %llu %llu %llu %llu %llu\\n", r[8], c.n, c.index, r[7], r[0], r[1], r[2], r[3],
                r[4], r[5], r[6]);

@@ -348,8 +348,8 @@ SPECS = {
                             plan=RECOMPUTE),
 }
 # the same three in one pass (8, 2 and 1 tiles per sample), and a 3-d group norm of 4 groups of 4
-# channels over 16 tiles, partial in D, H and W (16 divides no count of co-resident CTAs on an H100
-# (132 SMs): its samples straddle rounds and staggered groups)
+# channels over 16 tiles, partial in D, H and W (16 does not divide an H100's 132 SMs: each staggered
+# group leaves CTAs without tiles)
 for _name in ("cg_norm_max", "cg_norm_gn", "cg_norm_1d"):
     SPECS[_name.replace("norm", "onepass")] = SPECS[_name].replace(
         f"name: {_name}", f"name: {_name.replace('norm', 'onepass')}").replace("conv_norm: recompute", "conv_norm: onepass")
@@ -428,8 +428,8 @@ def test_fused_norms_match_float64(cg_modules):
         report = validate(spec, d, "cuda")
         bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
         assert report.passed, f"{name}: {bad}"
-    # one pass at a batch of several rounds of co-resident tiles (an H100 holds 264 of these CTAs: 33
-    # samples of 8 tiles, 16.5 of 16, so some samples' tiles lie in two rounds)
+    # one pass at a batch of several rounds of co-resident samples (an H100 holds 264 of these CTAs:
+    # 33 samples of 8 tiles, 16 of 16), every round waiting on its own samples' counts
     for name in ONEPASS_SPECS:
         spec, d = cg_modules[name]
         report = validate(spec, d, "cuda", stages=False, batch=101)

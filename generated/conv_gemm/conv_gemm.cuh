@@ -915,21 +915,14 @@ __device__ __forceinline__ void chunk_wgmma_wait(float (&acc)[Geometry<P>::kMT][
   pin_all<P>(acc);
 }
 
-// The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...),
-// or, kCoresident (coresident_kernel), the tiles of one column (a tile's place in its sample) for
-// the samples its column's counter hands out, one at a time: see coresident_kernel. Thread 0 takes
-// the tile a step's loads need before that step's barrier, which publishes it in a ring of the
-// CTA's next tiles.
-// coresident_kernel's state, in shared memory rather than arguments (kept in registers across the
-// main loop, such values made a group norm's one-pass kernel spill): this CTA's "first main loop
-// done" flag, its column and the column's sample counter, and the ring (-1: no tile left).
-constexpr int kTileRing = 8;
+// The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...).
+// staggered_kernel: this CTA's "first main loop done" flag, which conv_ctas<..., true> sets, and
+// its worker numbers, in shared memory rather than arguments: kept in registers across the main
+// loop, they made a group norm's one-pass kernel spill.
 __shared__ int* s_first_loop_flag;
-__shared__ int* s_column_counter;
-__shared__ int s_column;
-__shared__ int s_tile_ring[kTileRing];
+__shared__ int s_worker[2];  // staggered_kernel: this CTA's worker number and the workers (conv_ctas' cta, ctas)
 
-template <class P, class E, bool kCoresident = false>
+template <class P, class E, bool kSignal = false>
 __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const float* __restrict__ packed,
                                           const typename E::Params& ep, int batch, int cta, int ctas) {
   using G = Geometry<P>;
@@ -987,31 +980,13 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
   const long long my_tiles = worker < total_tiles ? (total_tiles - 1 - worker) / workers + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
-  // The tile of step s (kCoresident: from the ring, -1 past the CTA's last).
-  auto tile_number = [&](long long s) -> long long {
-    if constexpr (kCoresident) {
-      return s_tile_ring[(s / G::kChunks) % kTileRing];
+  auto tile_of_step = [&](long long s) {
+    if constexpr (kSignal) {  // staggered_kernel's worker numbers, read again (not held across the main loop)
+      const volatile int* w = s_worker;
+      return tile_coord<P>(w[0] + (s / G::kChunks) * w[1]);
     } else {
-      return worker + (s / G::kChunks) * workers;
+      return tile_coord<P>(worker + (s / G::kChunks) * workers);
     }
-  };
-  auto has_step = [&](long long s) {
-    if constexpr (kCoresident) {
-      return tile_number(s) >= 0;
-    } else {
-      return s < steps;
-    }
-  };
-  auto tile_of_step = [&](long long s) { return tile_coord<P>(tile_number(s)); };
-  // kCoresident, thread 0: the CTA's k-th tile into the ring (its column of the next sample its
-  // column's counter hands out).
-  auto take_tile = [&](long long k) {
-    int t = -1;
-    if (k == 0 || s_tile_ring[(k - 1) % kTileRing] >= 0) {
-      const int n = atomicAdd(s_column_counter, 1);
-      if (n < batch) t = n * (G::kCBlocks * G::kTilesPerSample) + s_column;
-    }
-    s_tile_ring[k % kTileRing] = t;
   };
 
   float acc[G::kMT][G::kNT][4];
@@ -1057,7 +1032,6 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
     for (int e = threadIdx.x; e < G::kWeightFloats / 4; e += G::kThreads) dst[e] = __ldg(src + e);
   }
   if constexpr (G::kWg) {
-    static_assert(!kCoresident, "co-resident launches run the cp.async loops");
     fence_async_shared();  // wgmma reads them through the async proxy
     if constexpr (G::kTeams > 1) __syncthreads();  // every team's first barrier is its own
     // The warpgroup, from lane 0: the compiler then knows it is warp-uniform (descriptors in uniform registers).
@@ -1102,30 +1076,17 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       }
     }
   } else {
-    // kCoresident: step s takes the tile step s + kAhead starts; its ring slot is none that a
-    // thread still in step s - 1 reads (the ring spans more than the steps in flight).
-    constexpr int kAhead = P::kStages - 1;
-    static_assert(!kCoresident || (kTileRing - 1) * G::kChunks >= P::kStages, "the tile ring outlives its readers");
-    if constexpr (kCoresident) {
-      if (threadIdx.x == 0) {
-        for (int k = 0; k <= (kAhead - 1) / G::kChunks; ++k) take_tile(k);
-      }
-      __syncthreads();
-    }
     auto issue = [&](long long s) {
-      if (has_step(s)) load_input<P>(s_stages + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
+      if (s < steps) load_input<P>(s_stages + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
       cp_async_commit();  // an empty group keeps the count uniform
     };
 #pragma unroll 1
-    for (int s = 0; s < kAhead; ++s) issue(s);
+    for (int s = 0; s < P::kStages - 1; ++s) issue(s);
 #pragma unroll 1
-    for (long long s = 0; has_step(s); ++s) {
+    for (long long s = 0; s < steps; ++s) {
       cp_async_wait<P::kStages - 2>();
-      if constexpr (kCoresident) {
-        if (threadIdx.x == 0 && (s + kAhead) % G::kChunks == 0) take_tile((s + kAhead) / G::kChunks);
-      }
-      __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo (kCoresident: the ring published)
-      issue(s + kAhead);
+      __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
+      issue(s + P::kStages - 1);
       float* in = s_stages + (s % P::kStages) * G::kInStage;
       if constexpr (!G::kDirect) {
         round_stage<P>(in, s_lo);
@@ -1142,7 +1103,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
         chunk_generic<P>(acc, in, s_lo, row_off, w);
       }
       if (chunk == G::kChunks - 1) {
-        if constexpr (kCoresident) {
+        if constexpr (kSignal) {
           if (s == G::kChunks - 1 && threadIdx.x == 0) signal_flag(s_first_loop_flag);
         }
         finish_tile(c, in);
@@ -1310,52 +1271,45 @@ cudaError_t resident_ctas(int* resident) {
   return err;
 }
 
-// Co-resident launches (run_coresident: a cooperative launch), for an epilogue that waits for the
-// other tiles of its sample (a one-pass norm's statistics).
-//
-// Which tiles a CTA runs: the CTAs are numbered as they start; CTA w takes column w % C of the C
-// tiles of a sample, for the samples its column's counter hands out, one at a time (a CTA takes
-// its next tile before the current one's epilogue waits, so its loads land under that). No rounds:
-// a static share in rounds of whole samples left instnorm_clamp_max's 128 samples 8 rounds of 18
-// on 264 CTAs, the last 2 samples on 28 of them; and none of a CTA's tiles waits for another of
-// that CTA, which a single counter over all tiles would allow. No deadlock while every column has
-// a CTA (the grid is at least C): the lowest sample any CTA waits for has each tile running, or
-// next on a CTA whose current tile is of a lower sample (which nobody waits for, so that CTA goes
-// on), or not handed out yet, when its column's CTAs all hold lower samples and go on too.
-//
-// Staggered groups: a one-pass norm's CTA runs a tile's main loop (FP32 FMAs, issue-bound), then
-// its epilogue (the moments, the wait, the merge: more latency than issue). Launched together, the
+// Co-resident launches in staggered groups (run_coresident). A one-pass norm's CTAs run in
+// rounds: every tile's main loop (FP32 FMAs, issue-bound), then its epilogue (the moments, the
+// wait for the sample's other tiles, the merge: more latency than issue). Launched together, the
 // CTAs sharing an SM ran both phases in lockstep (instnorm_clamp_max: 13.4 us of loop, then 8.5 us
-// of epilogue, on both CTAs at once). Here the k-th CTA to start on an SM joins group k, and begins
-// once the SM's CTA of group k - 1 has finished its first main loop, so that one's loop runs beside
-// the other's epilogue (notes/perf.md stop 23: a loop alone 8.4 us, an epilogue beside a loop 12.7).
-constexpr int kMaxSmIds = 256, kMaxGroups = 8, kMaxColumns = 256;  // bounds on %smid, CTAs per SM, tiles per sample
-// Ints of the zeroed sync area: per SM its CTAs so far; the launch's CTAs so far; per column the
-// samples handed out; per (SM, group) "the first main loop is done".
-constexpr int kCoresidentInts = kMaxSmIds + 1 + kMaxColumns + kMaxSmIds * kMaxGroups;
+// of epilogue, on both CTAs at once). Here the k-th CTA to start on an SM joins group k, and a
+// group's CTAs begin once the previous group's CTA on the same SM has finished its first main
+// loop, so that one's loop runs beside the other's epilogue. Every sample's tiles lie in one group:
+// its CTAs wait only for each other. Measured (notes/perf.md stop 23): a loop alone 8.4 us, an
+// epilogue beside a loop 12.7, and the groups drift back into step within a few rounds; the
+// kernel 178 -> 171 us.
+constexpr int kMaxSmIds = 256, kMaxGroups = 8;  // bounds on %smid and on CTAs per SM
+// Ints of the zeroed sync area: per SM its CTAs so far, per group its CTAs so far, per (SM, group)
+// "the first main loop is done".
+constexpr int kStaggerInts = kMaxSmIds + kMaxGroups + kMaxSmIds * kMaxGroups;
 
+// `groups` CTAs per SM (the grid fills every SM), `per_group` of each group's CTAs work (whole
+// samples' tiles); worker g * per_group + u of groups * per_group takes the tiles conv_ctas gives it.
 template <class P, class E>
-__global__ void __launch_bounds__(Geometry<P>::kThreads) coresident_kernel(const float* __restrict__ x,
-                                                                         const float* __restrict__ packed,
-                                                                         const typename E::Params ep, int batch,
-                                                                         int* sync) {
-  constexpr int kColumns = Geometry<P>::kCBlocks * Geometry<P>::kTilesPerSample;
-  static_assert(kColumns <= kMaxColumns, "a counter per column");
+__global__ void __launch_bounds__(Geometry<P>::kThreads) staggered_kernel(const float* __restrict__ x,
+                                                                        const float* __restrict__ packed,
+                                                                        const typename E::Params ep, int batch,
+                                                                        int* sync, int groups, int per_group) {
   if (threadIdx.x == 0) {
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     if (sm >= kMaxSmIds) __trap();
-    // more CTAs on an SM than groups: the last group's share its flag (each waits for the one before)
-    const int g = min(atomicAdd(sync + sm, 1), kMaxGroups - 1);
-    const int w = atomicAdd(sync + kMaxSmIds, 1);
-    int* flags = sync + kMaxSmIds + 1 + kMaxColumns + sm * kMaxGroups;
+    const int g = atomicAdd(sync + sm, 1);
+    const int u = atomicAdd(sync + kMaxSmIds + g, 1);
+    int* flags = sync + kMaxSmIds + kMaxGroups + sm * kMaxGroups;
     s_first_loop_flag = flags + g;
-    s_column = w % kColumns;
-    s_column_counter = sync + kMaxSmIds + 1 + s_column;
+    if (u >= per_group) signal_flag(flags + g);  // no tiles: the next group's CTA need not wait
     if (g > 0) wait_flag(flags + g - 1);
+    s_worker[0] = u < per_group ? g * per_group + u : -1;
+    s_worker[1] = groups * per_group;
   }
   __syncthreads();
-  conv_ctas<P, E, true>(x, packed, ep, batch, 0, 1);
+  const int worker = s_worker[0];
+  if (worker < 0) return;
+  conv_ctas<P, E, true>(x, packed, ep, batch, worker, s_worker[1]);
   if (threadIdx.x == 0) signal_flag(s_first_loop_flag);  // also when the CTA had no tile
 }
 
@@ -1383,19 +1337,23 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
   return cudaGetLastError();
 }
 
-// Runs the convolution with epilogue E on co-resident CTAs (coresident_kernel): E may wait for the
-// other tiles of its sample. `sync`: kCoresidentInts zeroed ints.
+// Runs the convolution with epilogue E on co-resident CTAs (a cooperative launch), all of a
+// sample's tiles at once: the workers are a whole number of samples' tiles, so worker w's k-th
+// tile, w + k * workers, belongs to one of the samples in round k, and every CTA of round k is
+// running. E may then wait for the other tiles of its sample (e.g. for statistics over the whole
+// sample). Where several CTAs fit on an SM and an SM count of them holds a sample, they run in
+// staggered groups (staggered_kernel); `sync`: kStaggerInts zeroed ints.
 template <class P, class E>
 cudaError_t run_coresident(const float* x, const float* packed, const typename E::Params& ep, int batch, int* sync,
                            cudaStream_t stream) {
   using G = Geometry<P>;
   constexpr int kSampleTiles = G::kCBlocks * G::kTilesPerSample;
-  static int resident = 0;
+  // each kernel's own occupancy (their registers differ): staggered_kernel's CTAs per SM, conv_kernel's in all
+  static int per_sm = 0, sms = 0, resident = 0;
   if (resident == 0) {
-    int per_sm = 0, sms = 0;
-    const cudaError_t err = kernel_occupancy<P, E>(coresident_kernel<P, E>, &per_sm, &sms);
+    cudaError_t err = kernel_occupancy<P, E>(staggered_kernel<P, E>, &per_sm, &sms);
+    if (err == cudaSuccess) err = resident_ctas<P, E>(&resident);
     if (err != cudaSuccess) return err;
-    resident = per_sm * sms;
   }
   if (resident < kSampleTiles) return cudaErrorCooperativeLaunchTooLarge;  // one sample's tiles do not fit at once
   const long long tiles = static_cast<long long>(batch) * kSampleTiles;
@@ -1404,13 +1362,19 @@ cudaError_t run_coresident(const float* x, const float* packed, const typename E
   cooperative.id = cudaLaunchAttributeCooperative;
   cooperative.val.cooperative = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(tiles < resident ? tiles : resident));  // >= kSampleTiles: every column
   config.blockDim = dim3(G::kThreads);
   config.dynamicSmemBytes = smem_bytes<P, E>();
   config.stream = stream;
   config.attrs = &cooperative;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, coresident_kernel<P, E>, x, packed, ep, batch, sync);
+  const int per_group = sms / kSampleTiles * kSampleTiles;
+  if (per_sm > 1 && per_sm <= kMaxGroups && per_group > 0 && tiles > per_group) {
+    config.gridDim = dim3(static_cast<unsigned>(per_sm * sms));  // every SM holds one CTA of each group
+    return cudaLaunchKernelEx(&config, staggered_kernel<P, E>, x, packed, ep, batch, sync, per_sm, per_group);
+  }
+  const long long workers = static_cast<long long>(resident / kSampleTiles) * kSampleTiles;
+  config.gridDim = dim3(static_cast<unsigned>(tiles < workers ? tiles : workers));
+  return cudaLaunchKernelEx(&config, conv_kernel<P, E>, x, packed, ep, batch);
 }
 
 // Runs every phase of a transposed convolution in one launch (weights packed per phase).

@@ -230,8 +230,8 @@ __device__ __forceinline__ s1::Stats merged_stats(const s1::Args& a, long long n
 }
 
 
-// One pass: the tiles run on co-resident CTAs (run_coresident: a cooperative launch; a sample's
-// tiles on different CTAs, each running or next on its CTA once one is). Each stores its tile's moments and
+// One pass: the grid is whole samples' worth of co-resident CTAs (run_coresident: a cooperative
+// launch), so all kNormTiles tiles of a sample run at once. Each stores its tile's moments and
 // counts itself in `a.arrived`, waits until the sample's other tiles have, merges their moments
 // (every CTA the same statistics) and normalizes its accumulators, still in registers.
 struct NormOnePass {
@@ -272,7 +272,7 @@ struct NormOnePass {
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream) {
   static_assert(smem_bytes<Problem, NormOnePass>() <= kPlanSmemBytes, "the plan's shared memory covers the epilogue's");
   if (pack) pack_weights<Problem>(w, packed, stream);
-  static_assert(kCoresidentSyncInts == kgen::conv_gemm::kCoresidentInts, "stages.h's sync area is conv_gemm.cuh's");
+  static_assert(kCoresidentSyncInts == kgen::conv_gemm::kStaggerInts, "stages.h's sync area is conv_gemm.cuh's");
   // the per-sample counts, then run_coresident's sync area: all zero
   cudaError_t err = cudaMemsetAsync(a.arrived, 0, sizeof(int) * (static_cast<size_t>(batch) + kCoresidentSyncInts), stream);
   if (err != cudaSuccess) return err;

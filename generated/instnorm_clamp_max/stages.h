@@ -40,7 +40,7 @@ cudaError_t launch(const float* x, const float* w, const float* bias, float* pac
 // statistics into `a.moments` (kNormTiles per sample and channel; `a.arrived` counts them), then `a.out`.
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
 constexpr int kNormTiles = 14;  // tiles per sample
-constexpr int kCoresidentSyncInts = 2561;  // after a.arrived's per-sample counts: conv_gemm.cuh's kCoresidentInts
+constexpr int kCoresidentSyncInts = 2312;  // after a.arrived's per-sample counts: conv_gemm.cuh's kStaggerInts
 #endif
 
 }  // namespace s0

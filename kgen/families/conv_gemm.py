@@ -22,7 +22,7 @@ one of two forms. Recompute: pass 1 leaves each tile's (count, mean, M2) per
 (sample, channel), a merge kernel combines them per (sample, group) in tile
 order, pass 2 computes the convolution again and normalizes in registers (with
 a reduction over the channels, a thread holds every channel of its positions).
-One pass: a cooperative launch runs the tiles on co-resident CTAs, in sample order;
+One pass: a cooperative launch keeps whole samples' tiles on co-resident CTAs;
 each CTA stores its tile's moments, counts itself in, waits for the sample's
 other tiles, merges their moments as the merge kernel does, and normalizes its
 accumulators, still in registers. The convolution output is never written.
