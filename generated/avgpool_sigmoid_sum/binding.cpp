@@ -79,7 +79,6 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
   kgen::check_arg(kOp, "conv_weight", conv_weight, {64, 8, 3, 3}, &x);
   kgen::check_arg(kOp, "conv_bias", conv_bias, {64}, &x);
   s1::Args a{};
-  kgen::check_arg(kOp, "conv_bias", conv_bias, {64}, &x);
   const at::Tensor conv_bias_c = conv_bias.contiguous();
   a.conv_bias = conv_bias_c.data_ptr<float>();
   at::Tensor out = kgen::empty({batch}, x.options());

@@ -84,7 +84,6 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
   kgen::check_arg(kOp, "conv_weight", conv_weight, {16, 8, 3, 3, 3}, &x);
   kgen::check_arg(kOp, "conv_bias", conv_bias, {16}, &x);
   s1::Args a{};
-  kgen::check_arg(kOp, "conv_bias", conv_bias, {16}, &x);
   const at::Tensor conv_bias_c = conv_bias.contiguous();
   a.conv_bias = conv_bias_c.data_ptr<float>();
   kgen::check_arg(kOp, "bias", bias, {16, 1, 1, 1}, &x);

@@ -84,7 +84,6 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_transpose_we
   kgen::check_arg(kOp, "conv_transpose_weight", conv_transpose_weight, {32, 64, 5, 5, 5}, &x);
   kgen::check_arg(kOp, "conv_transpose_bias", conv_transpose_bias, {64}, &x);
   s1::Args a{};
-  kgen::check_arg(kOp, "conv_transpose_bias", conv_transpose_bias, {64}, &x);
   const at::Tensor conv_transpose_bias_c = conv_transpose_bias.contiguous();
   a.conv_transpose_bias = conv_transpose_bias_c.data_ptr<float>();
   at::Tensor out = kgen::empty({batch, 1, 10, 10, 10}, x.options());
