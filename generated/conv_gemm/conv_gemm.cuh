@@ -1249,7 +1249,18 @@ constexpr int smem_bytes() {
   return (Geometry<P>::kTileOffset + Geometry<P>::kTeams * team_floats<P, E>()) * static_cast<int>(sizeof(float));
 }
 
-// Gives `kernel` (a kernel of P with epilogue E) its shared memory; its CTAs per SM and the device's SMs.
+// Launch setup is kept per device: a kernel's shared-memory attribute is set per device, and CTAs
+// per SM and SMs are the device's (a process may run the module on several GPUs).
+constexpr int kMaxDevices = 64;
+
+// The current device, an index into the per-device caches.
+inline cudaError_t current_device(int* device) {
+  const cudaError_t err = cudaGetDevice(device);
+  return err == cudaSuccess && (*device < 0 || *device >= kMaxDevices) ? cudaErrorInvalidDevice : err;
+}
+
+// Gives `kernel` (a kernel of P with epilogue E) its shared memory on the current device; its CTAs
+// per SM and the device's SMs.
 template <class P, class E, class Kernel>
 cudaError_t kernel_occupancy(Kernel kernel, int* per_sm, int* sms) {
   constexpr int kSmem = smem_bytes<P, E>();
@@ -1262,7 +1273,7 @@ cudaError_t kernel_occupancy(Kernel kernel, int* per_sm, int* sms) {
   return *per_sm < 1 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
-// conv_kernel's CTAs per SM x SMs (callers find it once per process: one device kind).
+// conv_kernel's CTAs per SM x SMs on the current device (callers keep it per device).
 template <class P, class E>
 cudaError_t resident_ctas(int* resident) {
   int per_sm = 0, sms = 0;
@@ -1326,9 +1337,13 @@ void pack_weights(const float* w, float* packed, cudaStream_t stream) {
 template <class P, class E>
 cudaError_t run(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
   using G = Geometry<P>;
-  static int resident = 0;
+  static int resident_of[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = current_device(&device);
+  if (err != cudaSuccess) return err;
+  int& resident = resident_of[device];
   if (resident == 0) {
-    const cudaError_t err = resident_ctas<P, E>(&resident);
+    err = resident_ctas<P, E>(&resident);
     if (err != cudaSuccess) return err;
   }
   const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
@@ -1349,9 +1364,13 @@ cudaError_t run_coresident(const float* x, const float* packed, const typename E
   using G = Geometry<P>;
   constexpr int kSampleTiles = G::kCBlocks * G::kTilesPerSample;
   // each kernel's own occupancy (their registers differ): staggered_kernel's CTAs per SM, conv_kernel's in all
-  static int per_sm = 0, sms = 0, resident = 0;
+  static int per_sm_of[kMaxDevices] = {}, sms_of[kMaxDevices] = {}, resident_of[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = current_device(&device);
+  if (err != cudaSuccess) return err;
+  int &per_sm = per_sm_of[device], &sms = sms_of[device], &resident = resident_of[device];
   if (resident == 0) {
-    cudaError_t err = kernel_occupancy<P, E>(staggered_kernel<P, E>, &per_sm, &sms);
+    err = kernel_occupancy<P, E>(staggered_kernel<P, E>, &per_sm, &sms);
     if (err == cudaSuccess) err = resident_ctas<P, E>(&resident);
     if (err != cudaSuccess) return err;
   }
@@ -1387,17 +1406,20 @@ cudaError_t run_phases(const float* x, const PackedPhases<sizeof...(Ps)>& packed
     return m;
   }();
   constexpr int kThreads = Geometry<std::tuple_element_t<0, std::tuple<Ps...>>>::kThreads;
-  static int grid_x = 0;
+  static int grid_x_of[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = current_device(&device);
+  if (err != cudaSuccess) return err;
+  int& grid_x = grid_x_of[device];
   if (grid_x == 0) {
     auto kernel = phases_kernel<E, Ps...>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
-    int per_sm = 0, dev = 0, sms = 0;
+    int per_sm = 0, sms = 0;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return err;
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     grid_x = (per_sm * sms + static_cast<int>(sizeof...(Ps)) - 1) / static_cast<int>(sizeof...(Ps));
   }
   if (batch > 0) {

@@ -49,7 +49,6 @@ namespace phase_pool {
 constexpr int kMaxPhases = 27;       // strides up to 3 per dim
 constexpr int kMaxPiecesPerWg = 128;  // taps a warpgroup streams per tile
 constexpr int kRing = 4;             // weight taps in flight per warpgroup
-constexpr int kMaxDevices = 64;
 constexpr int kMaxWorkers = 256;     // CTAs a split last round may use (the workspace holds their maxima)
 
 // What changes per tap and per phase; a kernel argument (constant bank), copied to shared memory.
@@ -380,9 +379,8 @@ cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool p
   // Per device (a function attribute is set per device): its SM count, once the attribute is set.
   static int sms_of[kMaxDevices] = {};
   int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  cudaError_t err = current_device(&device);
   if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
   if (sms_of[device] == 0) {
     int sms = 0;
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);

@@ -38,7 +38,6 @@ namespace kgen {
 namespace conv_gemm {
 namespace pool_ring {
 
-constexpr int kMaxDevices = 64;
 constexpr int kThreads = 128;   // 4 warps
 constexpr int kCtasPerSm = 2;   // ptxas's register budget (the prefetch: the lab's 190 registers)
 constexpr int kKernel = 3;      // taps per dim
@@ -302,9 +301,8 @@ cudaError_t run_pool_ring(const float* x, const float* w, float* packed, bool pa
   // attribute is set (kCtasPerSm where the shared memory allows: 8 input channels; else fewer).
   static int resident_of[kMaxDevices] = {};
   int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  cudaError_t err = current_device(&device);
   if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
   if (resident_of[device] == 0) {
     int sms = 0, per_sm = 0;
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
