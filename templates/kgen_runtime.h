@@ -338,8 +338,9 @@ inline void check_launch(cudaError_t err, const char* op, const char* stage) {
 // Weights derived for a stage (re-laid and packed for a generated kernel; flipped,
 // cut into sub-pixel phases, folded or put in the convolution's memory format for
 // ATen's), kept while their source is unchanged: the same tensor (held, so its
-// storage is not reused), the same version (in-place updates, an optimizer step,
-// bump it), used on the same stream. Not kept while the stream captures a CUDA
+// storage is not reused) with the same data on the same device (`.data =`, as
+// Module.to moves a parameter, keeps the tensor and its version), the same version
+// (in-place updates, an optimizer step, bump it), used on the same stream. Not kept while the stream captures a CUDA
 // graph (a replay must re-derive weights updated in place since) or for inference
 // tensors (no version counter): then derived afresh each call.
 class WeightCache {
@@ -386,10 +387,15 @@ class WeightCache {
 #endif
     return true;
   }
-  bool unchanged(const at::Tensor& w) const { return source_.defined() && source_.is_same(w) && version_ == w._version(); }
+  bool unchanged(const at::Tensor& w) const {
+    return source_.defined() && source_.is_same(w) && version_ == w._version() && data_ == w.data_ptr() &&
+           device_ == w.device();
+  }
   void remember(const at::Tensor& w, const void* stream) {
     source_ = w;
     version_ = w._version();
+    data_ = w.data_ptr();
+    device_ = w.device();
     stream_ = stream;
   }
 
@@ -397,7 +403,9 @@ class WeightCache {
   at::Tensor source_, buffer_;
   std::vector<at::Tensor> derived_;
   int64_t version_ = -1;
-  const void* stream_ = nullptr;
+  const void* data_ = nullptr;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  const void* stream_ = nullptr;  // (each device's default stream is the same null handle: the device tells them apart)
 };
 
 }  // namespace kgen

@@ -40,8 +40,9 @@ def test_cuda_graph_capture_and_replay(name, modules):
 def test_kept_packed_weights_follow_the_weights(name, modules):
     """The generated convolution keeps its packed (and folded) weights between calls, and
     an ATen convolution stage its flipped sub-pixel weights (kgen::WeightCache): an in-place
-    update, a new weight tensor and a CUDA graph replayed after an in-place update all
-    compute with the current weights."""
+    update, a new weight tensor, new data under the same tensor (`.data =`, its version
+    unchanged) and a CUDA graph replayed after an in-place update all compute with the
+    current weights."""
     from kgen.reference import ReferenceModel
 
     model, x = _setup(modules, name)
@@ -60,7 +61,9 @@ def test_kept_packed_weights_follow_the_weights(name, modules):
         conv.weight.mul_(-0.5)  # in place: the version counter moves
         assert not torch.allclose(check(), first)
         conv.weight = torch.nn.Parameter(torch.randn_like(conv.weight) * 0.1)  # another tensor
-        check()
+        second = check()
+        conv.weight.data = torch.randn_like(conv.weight) * 0.1  # new data, the same tensor and version
+        assert not torch.allclose(check(), second)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

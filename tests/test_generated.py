@@ -78,8 +78,10 @@ def test_functional_forward_matches_model(name, modules):
 
 def test_aten_convolution_weights_follow_the_weights(modules):
     """An ATen convolution stage keeps its flipped sub-pixel weights between calls
-    (kgen::WeightCache, on the CPU as on the GPU): an in-place update and a new
-    weight tensor are seen, and an inference tensor is derived afresh each call."""
+    (kgen::WeightCache, on the CPU as on the GPU): an in-place update, a new weight
+    tensor and new data under the same tensor (`.data =`, as Module.to moves a
+    parameter to another device, with its version counter unchanged) are seen, and
+    an inference tensor is derived afresh each call."""
     from kgen.reference import ReferenceModel
 
     name = "relu_group_norm"
@@ -100,7 +102,11 @@ def test_aten_convolution_weights_follow_the_weights(modules):
         model.conv_transpose.weight.mul_(-0.5)  # in place: the version counter moves
         assert not torch.allclose(check(), first)
         model.conv_transpose.weight = torch.nn.Parameter(torch.randn_like(model.conv_transpose.weight) * 0.1)
-        check()
+        second = check()
+        version = model.conv_transpose.weight._version
+        model.conv_transpose.weight.data = torch.randn_like(model.conv_transpose.weight) * 0.1
+        assert model.conv_transpose.weight._version == version
+        assert not torch.allclose(check(), second)
     with torch.inference_mode():
         model.conv_transpose.weight = torch.nn.Parameter(torch.randn_like(model.conv_transpose.weight), requires_grad=False)
         assert model.conv_transpose.weight.is_inference()
