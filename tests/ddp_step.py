@@ -4,10 +4,13 @@
 
 BACKEND is nccl (rank r on cuda:r) or gloo (CPU). Each rank takes its half of
 one batch through DistributedDataParallel(Model()), backward on a linear loss
-(so the gradient does not depend on forward rounding), and an SGD step. Rank 0
-also runs the hand-written model eagerly on the whole batch. Every rank writes
-OUT_DIR/NAME-RANK.pt: its gradients and parameters after the step, and on rank
-0 the eager gradients. The test compares them.
+(so the gradient does not depend on forward rounding), and an SGD step; then the
+hand-written model, eagerly, through DistributedDataParallel on the same halves
+(the same shapes, so cuDNN picks the same algorithms: on two H200s the whole
+batch's weight gradient, taken once on rank 0, differed from the halves' by up to
+7e-4 of the largest gradient when the GPUs' free memory changed cuDNN's choice).
+Every rank writes OUT_DIR/NAME-RANK.pt: its gradients and parameters after the
+step, and the eager gradients. The test compares them.
 """
 import os
 import sys
@@ -43,11 +46,11 @@ def _step(rank: int, device: torch.device, name: str, out_dir: Path) -> None:
     result = {"grads": {k: p.grad.detach().cpu() for k, p in model.named_parameters()}}
     torch.optim.SGD(ddp.parameters(), lr=0.01).step()
     result["params"] = {k: p.detach().cpu() for k, p in model.named_parameters()}
-    if rank == 0:  # the same step, eagerly, on the whole batch: mean of the ranks' losses
-        hand = MODELS[name]().to(device)
-        hand.load_state_dict(initial)
-        ((hand(x.to(device)) * weight.to(device)).sum() / WORLD).backward()
-        result["eager_grads"] = {k: p.grad.detach().cpu() for k, p in hand.named_parameters()}
+    hand = MODELS[name]().to(device)  # the same step, eagerly, on the same halves
+    hand.load_state_dict(initial)
+    ddp_hand = DistributedDataParallel(hand, device_ids=[rank] if device.type == "cuda" else None)
+    (ddp_hand(x[part].to(device)) * weight[part].to(device)).sum().backward()
+    result["eager_grads"] = {k: p.grad.detach().cpu() for k, p in hand.named_parameters()}
     torch.save(result, out_dir / f"{name}-{rank}.pt")
 
 
