@@ -339,10 +339,11 @@ inline void check_launch(cudaError_t err, const char* op, const char* stage) {
 // cut into sub-pixel phases, folded or put in the convolution's memory format for
 // ATen's), kept while their source is unchanged: the same tensor (held, so its
 // storage is not reused) with the same data on the same device (`.data =`, as
-// Module.to moves a parameter, keeps the tensor and its version), the same version
-// (in-place updates, an optimizer step, bump it), used on the same stream. Not kept while the stream captures a CUDA
-// graph (a replay must re-derive weights updated in place since) or for inference
-// tensors (no version counter): then derived afresh each call.
+// Module.to moves a parameter, keeps the tensor and its version), the same
+// version (in-place updates, an optimizer step, bump it), used on the same
+// stream. Not kept while the stream captures a CUDA graph (a replay must
+// re-derive weights updated in place since) or for inference tensors (no version
+// counter): then derived afresh each call.
 class WeightCache {
  public:
 #ifdef KGEN_WITH_CUDA
