@@ -135,3 +135,22 @@ def test_shared_templates_know_no_family():
         for word in [f.name for f in FAMILIES] + ["conv"]:
             assert not re.search(rf"\b{re.escape(word)}\b", text), f"{p.name} names {word!r}"
         assert not re.search(r"\b(kind|family)\b[\w.]*\s*(==|!=|in\b)", text), f"{p.name} branches on a family"
+
+
+def test_launch_setup_is_kept_per_device():
+    """A kernel's shared-memory attribute is set per device, and occupancy is the device's: host
+    code that sets it up once must keep it per device (kMaxDevices arrays). Kept once per process,
+    a module used on a second GPU failed to launch (seen on two H200s, notes/perf.md stop 27); no
+    CPU-only machine and no single GPU can see that, so the templates are read for the pattern."""
+    from kgen.render import TEMPLATES
+
+    sources = [p for p in TEMPLATES.rglob("*") if p.suffix in (".cuh", ".h", ".j2")]
+    setters = [p for p in sources if "cudaFuncSetAttribute" in p.read_text()]
+    assert setters, "no template sets a kernel attribute: update this test"
+    for p in sources:
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            cache = re.match(r"\s*static\s+(int|bool|long long|size_t)\s+(.*);", line)
+            if cache:
+                names = [v.strip() for v in cache.group(2).split(",")]
+                assert all(re.match(r"\w+\[kMaxDevices\]", v) for v in names), (
+                    f"{p.relative_to(TEMPLATES)}:{n}: a static launch cache not kept per device: {line.strip()}")
