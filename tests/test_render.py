@@ -144,11 +144,10 @@ def test_launch_setup_is_kept_per_device():
     CPU-only machine and no single GPU can see that, so the templates are read for the pattern."""
     from kgen.render import TEMPLATES
 
-    sources = [p for p in TEMPLATES.rglob("*") if p.suffix in (".cuh", ".h", ".j2")]
-    setters = [p for p in sources if "cudaFuncSetAttribute" in p.read_text()]
-    assert setters, "no template sets a kernel attribute: update this test"
-    for p in sources:
-        for n, line in enumerate(p.read_text().splitlines(), 1):
+    sources = {p: p.read_text() for p in TEMPLATES.rglob("*") if p.suffix in (".cuh", ".h", ".j2")}
+    assert any("cudaFuncSetAttribute" in text for text in sources.values()), "no template sets a kernel attribute: update this test"
+    for p, text in sources.items():
+        for n, line in enumerate(text.splitlines(), 1):
             cache = re.match(r"\s*static\s+(int|bool|long long|size_t)\s+(.*);", line)
             if cache:
                 names = [v.strip() for v in cache.group(2).split(",")]
