@@ -376,20 +376,11 @@ cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool p
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  // Per device (a function attribute is set per device): its SM count, once the attribute is set.
-  static int sms_of[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = current_device(&device);
+  KernelSetup setup;
+  cudaError_t err = kernel_setup<phase_pool_kernel<P, E>>(256, G::kSmemBytes, &setup);
   if (err != cudaSuccess) return err;
-  if (sms_of[device] == 0) {
-    int sms = 0;
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(phase_pool_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    sms_of[device] = sms;
-  }
   const int tiles = batch * P::kPooledD * P::kPooledH;
-  const int grid = tiles < sms_of[device] ? tiles : sms_of[device];  // persistent CTAs, one per SM
+  const int grid = tiles < setup.sms ? tiles : setup.sms;  // persistent CTAs, one per SM
   float* const ws = E::workspace(ep);
   if (split_last_round(ws, tiles % grid, split_parts(tables), grid)) {  // the last round's counters start at zero
     err = cudaMemsetAsync(ws + 2LL * kMaxWorkers * G::kOuts, 0, sizeof(int) * (tiles % grid), stream);

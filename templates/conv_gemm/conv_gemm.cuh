@@ -56,6 +56,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <utility>
@@ -1259,27 +1260,36 @@ inline cudaError_t current_device(int* device) {
   return err == cudaSuccess && (*device < 0 || *device >= kMaxDevices) ? cudaErrorInvalidDevice : err;
 }
 
-// Gives `kernel` (a kernel of P with epilogue E) its shared memory on the current device; its CTAs
-// per SM and the device's SMs.
-template <class P, class E, class Kernel>
-cudaError_t kernel_occupancy(Kernel kernel, int* per_sm, int* sms) {
-  constexpr int kSmem = smem_bytes<P, E>();
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, Geometry<P>::kThreads, kSmem);
-  int dev = 0;
-  if (err == cudaSuccess) err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
-  if (err != cudaSuccess) return err;
-  return *per_sm < 1 ? cudaErrorInvalidConfiguration : cudaSuccess;
-}
-
-// conv_kernel's CTAs per SM x SMs on the current device (callers keep it per device).
-template <class P, class E>
-cudaError_t resident_ctas(int* resident) {
+// A kernel's launch setup on one device: its CTAs per SM (at its threads and shared memory) and
+// the device's SMs.
+struct KernelSetup {
   int per_sm = 0, sms = 0;
-  const cudaError_t err = kernel_occupancy<P, E>(conv_kernel<P, E>, &per_sm, &sms);
-  *resident = err == cudaSuccess ? per_sm * sms : 0;
-  return err;
+  int resident() const { return per_sm * sms; }
+};
+
+// Sets up `Kernel` on the current device, the first time per device: its dynamic shared memory
+// (`smem` bytes) and the occupancy at `threads` threads; later calls return what was kept. One
+// cache per kernel (the template argument); racing first calls store the same value.
+template <auto Kernel>
+cudaError_t kernel_setup(int threads, int smem, KernelSetup* setup) {
+  static std::atomic<long long> kept[kMaxDevices] = {};  // per_sm << 32 | sms; 0: not set up
+  int device = 0;
+  cudaError_t err = current_device(&device);
+  if (err != cudaSuccess) return err;
+  long long v = kept[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int per_sm = 0, sms = 0;
+    err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, smem);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1 || sms < 1) return cudaErrorInvalidConfiguration;  // the kernel does not fit on an SM
+    v = static_cast<long long>(per_sm) << 32 | sms;
+    kept[device].store(v, std::memory_order_relaxed);
+  }
+  setup->per_sm = static_cast<int>(v >> 32);
+  setup->sms = static_cast<int>(v & 0xffffffff);
+  return cudaSuccess;
 }
 
 // Co-resident launches in staggered groups (run_coresident). A one-pass norm's CTAs run in
@@ -1337,17 +1347,11 @@ void pack_weights(const float* w, float* packed, cudaStream_t stream) {
 template <class P, class E>
 cudaError_t run(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
   using G = Geometry<P>;
-  static int resident_of[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = current_device(&device);
+  KernelSetup setup;
+  const cudaError_t err = kernel_setup<conv_kernel<P, E>>(G::kThreads, smem_bytes<P, E>(), &setup);
   if (err != cudaSuccess) return err;
-  int& resident = resident_of[device];
-  if (resident == 0) {
-    err = resident_ctas<P, E>(&resident);
-    if (err != cudaSuccess) return err;
-  }
   const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long grid = tiles < resident ? tiles : resident;  // teams beyond the tiles have none
+  const long long grid = tiles < setup.resident() ? tiles : setup.resident();  // teams beyond the tiles have none
   if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, smem_bytes<P, E>(), stream>>>(x, packed, ep, batch);
   return cudaGetLastError();
 }
@@ -1364,16 +1368,11 @@ cudaError_t run_coresident(const float* x, const float* packed, const typename E
   using G = Geometry<P>;
   constexpr int kSampleTiles = G::kCBlocks * G::kTilesPerSample;
   // each kernel's own occupancy (their registers differ): staggered_kernel's CTAs per SM, conv_kernel's in all
-  static int per_sm_of[kMaxDevices] = {}, sms_of[kMaxDevices] = {}, resident_of[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = current_device(&device);
+  KernelSetup staggered, plain;
+  cudaError_t err = kernel_setup<staggered_kernel<P, E>>(G::kThreads, smem_bytes<P, E>(), &staggered);
+  if (err == cudaSuccess) err = kernel_setup<conv_kernel<P, E>>(G::kThreads, smem_bytes<P, E>(), &plain);
   if (err != cudaSuccess) return err;
-  int &per_sm = per_sm_of[device], &sms = sms_of[device], &resident = resident_of[device];
-  if (resident == 0) {
-    err = kernel_occupancy<P, E>(staggered_kernel<P, E>, &per_sm, &sms);
-    if (err == cudaSuccess) err = resident_ctas<P, E>(&resident);
-    if (err != cudaSuccess) return err;
-  }
+  const int per_sm = staggered.per_sm, sms = staggered.sms, resident = plain.resident();
   if (resident < kSampleTiles) return cudaErrorCooperativeLaunchTooLarge;  // one sample's tiles do not fit at once
   const long long tiles = static_cast<long long>(batch) * kSampleTiles;
   if (tiles == 0) return cudaSuccess;
@@ -1406,24 +1405,13 @@ cudaError_t run_phases(const float* x, const PackedPhases<sizeof...(Ps)>& packed
     return m;
   }();
   constexpr int kThreads = Geometry<std::tuple_element_t<0, std::tuple<Ps...>>>::kThreads;
-  static int grid_x_of[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = current_device(&device);
+  KernelSetup setup;
+  const cudaError_t err = kernel_setup<phases_kernel<E, Ps...>>(kThreads, kSmem, &setup);
   if (err != cudaSuccess) return err;
-  int& grid_x = grid_x_of[device];
-  if (grid_x == 0) {
-    auto kernel = phases_kernel<E, Ps...>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-    int per_sm = 0, sms = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    grid_x = (per_sm * sms + static_cast<int>(sizeof...(Ps)) - 1) / static_cast<int>(sizeof...(Ps));
-  }
+  constexpr int kPhases = static_cast<int>(sizeof...(Ps));
+  const int grid_x = (setup.resident() + kPhases - 1) / kPhases;  // the phases share the resident CTAs
   if (batch > 0) {
-    phases_kernel<E, Ps...><<<dim3(grid_x, sizeof...(Ps)), kThreads, kSmem, stream>>>(x, packed, ep, batch);
+    phases_kernel<E, Ps...><<<dim3(grid_x, kPhases), kThreads, kSmem, stream>>>(x, packed, ep, batch);
   }
   return cudaGetLastError();
 }

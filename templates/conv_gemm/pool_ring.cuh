@@ -297,21 +297,11 @@ cudaError_t run_pool_ring(const float* x, const float* w, float* packed, bool pa
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  // Per device (a function attribute is set per device): how many CTAs it holds at once, once the
-  // attribute is set (kCtasPerSm where the shared memory allows: 8 input channels; else fewer).
-  static int resident_of[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = current_device(&device);
+  // kCtasPerSm resident where the shared memory allows (8 input channels), else fewer
+  KernelSetup setup;
+  const cudaError_t err = kernel_setup<pool_ring_kernel<P, E>>(kThreads, G::kSmemBytes, &setup);
   if (err != cudaSuccess) return err;
-  if (resident_of[device] == 0) {
-    int sms = 0, per_sm = 0;
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(pool_ring_kernel<P, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
-    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pool_ring_kernel<P, E>, kThreads, G::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    resident_of[device] = sms * (per_sm > 0 ? per_sm : 1);
-  }
-  const long long steps = static_cast<long long>(batch) * G::kSteps, slots = resident_of[device];
+  const long long steps = static_cast<long long>(batch) * G::kSteps, slots = setup.resident();
   const int grid = static_cast<int>(steps < slots ? steps : slots);  // persistent CTAs, a contiguous share of the steps each
   if (grid > 0) pool_ring_kernel<P, E><<<grid, kThreads, G::kSmemBytes, stream>>>(x, packed, ep, batch);
   return cudaGetLastError();
