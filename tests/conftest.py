@@ -70,8 +70,25 @@ def validate_drawn_spec(paths: list, out: Path, prefix: str, i: int, where) -> N
     from kgen.validate import validate
 
     report = validate(paths[i], out / f"{prefix}_{i}", "cpu")
-    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-    assert report.cases and not failures, where(i) + "\n".join(failures)
+    assert_report_passed(report, where(i))
+
+
+def assert_report_passed(report, context: str = "", rel_l2: bool = False) -> None:
+    """Fail unless a ``kgen.validate`` Report has cases and every one of them passed (what
+    ``report.passed`` says: a report with no cases does not pass). The message starts with
+    ``context`` (the spec, the batch, ...: any text, several lines too), then names each failing
+    case with its problem, and its rel L2 error too with ``rel_l2``; or says there were no cases."""
+    failures = [f"  {c.case}: " + (f"rel L2 {c.rel_l2:.3g}, " if rel_l2 else "") + c.problem
+                for c in report.cases if not c.passed]
+    if report.cases and not failures:
+        return
+    lines = [context.rstrip()] if context.strip() else []
+    if not report.cases:
+        lines.append(f"validating {report.name} on {report.device} gave no cases")
+    else:
+        lines.append(f"{len(failures)} of {len(report.cases)} cases of {report.name} on {report.device} failed:")
+        lines += failures
+    raise AssertionError("\n".join(lines))
 
 
 def fake_tuning(spec, batches, fastest, root):

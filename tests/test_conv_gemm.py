@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import HAS_CUDA, ROOT, pipeline_of, spec_text, write_spec
+from conftest import HAS_CUDA, ROOT, assert_report_passed, pipeline_of, spec_text, write_spec
 from kgen.build import build_modules, cuda_home, demangle, ptxas_report
 from kgen.families import conv_gemm
 from kgen.plan import make_plan
@@ -385,8 +385,7 @@ def test_cpu_builds_validate(cg_modules):
     build_modules([d for _, d in cg_modules.values()], "cpu")
     for name, (spec, d) in cg_modules.items():
         report = validate(spec, d, "cpu")
-        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-        assert report.passed, f"{name}: {bad}"
+        assert_report_passed(report, name)
 
 
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
@@ -426,15 +425,13 @@ def test_fused_norms_match_float64(cg_modules):
     for name in NORM_SPECS + ONEPASS_SPECS:
         spec, d = cg_modules[name]
         report = validate(spec, d, "cuda")
-        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-        assert report.passed, f"{name}: {bad}"
+        assert_report_passed(report, name)
     # one pass at a batch of several rounds of co-resident samples (an H100 holds 264 of these CTAs:
     # 33 samples of 8 tiles, 16 of 16), every round waiting on its own samples' counts
     for name in ONEPASS_SPECS:
         spec, d = cg_modules[name]
         report = validate(spec, d, "cuda", stages=False, batch=101)
-        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-        assert report.passed, f"{name} at batch 101: {bad}"
+        assert_report_passed(report, f"{name} at batch 101")
 
 
 # ------------------------------------------------------------------ GPU: many convolutions against float64
@@ -658,15 +655,14 @@ def test_phase_pool_kernels_match_float64(tmp_path):
     build_modules([d for _, d in cases], "cuda")
     for spec, d in cases:
         report = validate(spec, d, "cuda")
-        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-        assert report.passed, f"{d.name}: {bad}"
+        assert_report_passed(report, d.name)
     # a batch whose last round runs split (phase_pool.cuh split_last_round): pp3 has 10 tiles per sample and
     # 2 parts per tile; the tiles past the last whole round of one CTA per SM must fit 2 CTAs each
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = next(b for b in range(1, 1000) if 10 * b > sms and 0 < 2 * (10 * b % sms) <= sms)
     spec, d = cases[3]
     report = validate(spec, d, "cuda", stages=False, batch=batch)
-    assert report.passed, f"{d.name} at batch {batch}: {[c.case for c in report.cases if not c.passed]}"
+    assert_report_passed(report, f"{d.name} at batch {batch}")
 
 
 RANDOM_CONVS = [
@@ -718,8 +714,7 @@ def test_random_convolutions_match_float64(tmp_path):
     for spec, d, precision in cases:
         pipe_text = spec.read_text()
         report = validate(spec, d, "cuda")
-        bad = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-        assert report.passed, f"{d.name} ({pipe_text.splitlines()[-2]}): {bad}"
+        assert_report_passed(report, f"{d.name} ({pipe_text.splitlines()[-2]})")
         st = make_plan(pipeline_of(pipe_text)).stages[0]
         assert st.family is conv_gemm.FAMILY
         loops.append(st.schedule.loop)

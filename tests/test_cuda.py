@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import CL_ATEN, HAS_CUDA, INPUT_COPIES, NORM_LAYOUTS, ROOT, SHIPPED, render_norm_layout, spec_text, write_spec
+from conftest import CL_ATEN, HAS_CUDA, INPUT_COPIES, NORM_LAYOUTS, ROOT, SHIPPED, assert_report_passed, render_norm_layout, spec_text, write_spec
 from kgen.ir import load_pipeline
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -165,8 +165,7 @@ def test_precision_modes(precision, tmp_path):
     build_module(out / f"dmx_{precision}", quiet=True)
     report = validate(spec, out / f"dmx_{precision}", "cuda", stages=False)
     assert report.precision == precision
-    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-    assert not failures, failures
+    assert_report_passed(report)
     assert report.worst_rel_l2() <= TOLERANCES[precision][0]
 
 
@@ -198,7 +197,7 @@ def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
     write_rendered(render_spec(spec, out), out)
     build_module(out / "tiny_tuned", quiet=True)
     report = validate(spec, out / "tiny_tuned", "cuda")
-    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert_report_passed(report)
 
 
 @pytest.mark.parametrize("name", sorted(NORM_LAYOUTS))
@@ -211,8 +210,7 @@ def test_norm_layouts_validate(name, tmp_path):
     spec, module_dir = render_norm_layout(name, tmp_path)
     build_module(module_dir, quiet=True)
     report = validate(spec, module_dir, "cuda", example_batch=True)
-    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-    assert report.cases and not failures, failures
+    assert_report_passed(report)
 
 
 @pytest.mark.parametrize("name", sorted(INPUT_COPIES))
@@ -233,8 +231,7 @@ def test_generated_input_copy_validates(name, tmp_path):
     assert [s.get("input_copy") for p in plan["plans"] for s in p["stages"] if s.get("kind") == "conv"] == ["kernel"] * len(plan["plans"])
     build_module(tmp_path / "gen" / name, quiet=True)
     report = validate(spec, tmp_path / "gen" / name, "cuda", example_batch=True)
-    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-    assert report.cases and not failures, failures
+    assert_report_passed(report)
     model = import_module_dir(tmp_path / "gen" / name).Model().cuda()
     x = torch.randn(3, *shape, device="cuda")
     with torch.no_grad():
@@ -298,8 +295,7 @@ def test_register_pool_validates(tmp_path):
     assert "level1_after_pool(" in (tmp_path / "gen" / "rpool" / "kernel.cu").read_text()
     build_module(tmp_path / "gen" / "rpool", quiet=True)
     report = validate(spec, tmp_path / "gen" / "rpool", "cuda", example_batch=True)
-    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-    assert report.cases and not failures, failures
+    assert_report_passed(report)
 
 
 POOL_RING_CASES = [
@@ -332,8 +328,7 @@ def test_pool_ring_validates(tmp_path):
         build_module(tmp_path / "gen" / name, quiet=True)
         for batch in (None, 7):
             report = validate(spec, tmp_path / "gen" / name, "cuda", example_batch=batch is None, stages=batch is None, batch=batch)
-            failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-            assert report.cases and not failures, (name, batch, failures)
+            assert_report_passed(report, f"{name} at batch {batch}")
 
 
 @pytest.mark.parametrize("shape", [
@@ -360,5 +355,4 @@ def test_pool_ring_pinned_on_small_shapes(shape, tmp_path):
     build_module(tmp_path / "gen" / name, quiet=True)
     for batch in (1, 2, 3):
         report = validate(spec, tmp_path / "gen" / name, "cuda", selection=sel, stages=batch == 3, batch=batch)
-        failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-        assert report.cases and not failures, (batch, failures)
+        assert_report_passed(report, f"{name} at batch {batch}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, assert_report_passed
 from kgen.errors import KgenError
 from kgen.importer import ImportFailed, import_model
 from kgen.ir import load_pipeline
@@ -154,8 +154,7 @@ def _load_model_file(path):
 @pytest.mark.parametrize("name", ["conv", "gemm"])
 def test_imported_model_builds_and_validates(imported, name):
     spec, _, report, _ = imported[name]
-    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-    assert report.cases and not failures, failures
+    assert_report_passed(report, name)
     kinds = {k for op in load_pipeline(spec).spec.ops for k in [op.kind]}
     assert IMPORTED_KINDS[name] <= kinds, IMPORTED_KINDS[name] - kinds
     if name == "conv":  # batch norm: both modes, and the running statistics the op returns
@@ -371,7 +370,7 @@ def test_imported_model_validates_on_the_gpu(imported):
     for spec, module_dir, _, _ in imported.values():
         build_module(module_dir, "cuda", quiet=True)
         report = validate(spec, module_dir, "cuda", example_batch=True)
-        assert not [c.case for c in report.cases if not c.passed]
+        assert_report_passed(report)
 
 
 def test_tune_measures_an_imported_model_with_constructor_arguments(imported, tmp_path):

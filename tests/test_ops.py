@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import pipeline_of, spec_text, write_spec
+from conftest import assert_report_passed, pipeline_of, spec_text, write_spec
 from kgen.errors import SpecError
 from kgen.ir import Elementwise
 from kgen.ops import FUSED, INTERNAL, OPS, ElementwiseOp, elementwise_ops, spec_op_names
@@ -101,5 +101,4 @@ def test_every_elementwise_op_in_one_module_builds_and_validates(tmp_path):
     write_rendered(render_spec(spec, out), out)
     build_module(out / "all_elementwise", "cpu", quiet=True)
     report = validate(spec, out / "all_elementwise", "cpu")
-    failures = [f"{c.case}: {c.problem}" for c in report.cases if not c.passed]
-    assert report.cases and not failures, failures
+    assert_report_passed(report)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, fake_tuning, pipeline_of, spec_text, write_spec
+from conftest import ROOT, assert_report_passed, fake_tuning, pipeline_of, spec_text, write_spec
 from kgen import cost, tune, tunefile
 from kgen.errors import KgenError
 from kgen.ir import load_pipeline
@@ -183,7 +183,7 @@ def test_eager_candidate_builds_validates_and_the_op_dispatches_by_batch(tmp_pat
     assert "if (batch <= 2) return v0::forward(" in binding
     build_module(out / "tuned")
     report = validate(spec, out / "tuned", "cpu")
-    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert_report_passed(report)
     assert any("(plan 0: batches 1..2)" in c.case for c in report.cases)
     assert any(c.case.startswith("stage 1 of plan 1") for c in report.cases)
     model = import_module_dir(out / "tuned").Model()
@@ -235,7 +235,7 @@ def test_eager_candidate_covers_softmax_layer_norm_reshape_linear_matmul_and_act
         assert call in binding, call
     build_module(out / "eager_more")
     report = validate(spec, out / "eager_more", "cpu")
-    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert_report_passed(report)
 
 
 def _eager_module(tmp_path, name, ops):
@@ -268,13 +268,13 @@ def test_eager_candidate_covers_batch_norm_in_both_modes_and_dropout(tmp_path):
     assert "new_bn1_running_mean, new_bn1_running_var, training, training ? factors[0] : 0.0" in binding
     assert "training ? factors[1] : 0.0" in binding and "std::nullopt, std::nullopt, true, 0.0" in binding
     report = validate(spec, mod, "cpu")
-    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert_report_passed(report)
     assert any("(training mode)" in c.case for c in report.cases) and any("running_var" in c.case for c in report.cases)
 
     spec, mod = _eager_module(tmp_path, "eager_dropout", [{"conv2d": {"out_channels": 4, "kernel_size": 3}},
                                                           {"dropout": {"p": 0.3}}, "tanh", {"mean": {"dim": 1}}])
     report = validate(spec, mod, "cpu")
-    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert_report_passed(report)
     model = import_module_dir(mod).Model().train()
     with pytest.raises(RuntimeError, match="dropout"):
         model(torch.randn(2, 3, 6, 6))

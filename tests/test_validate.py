@@ -5,13 +5,13 @@ import types
 import pytest
 import torch
 
-from conftest import HAS_CUDA, write_spec
+from conftest import HAS_CUDA, assert_report_passed, write_spec
 from kgen.build import build_module
 from kgen.ir import build_pipeline
 from kgen.reference import add_members
 from kgen.render import render_spec, write_rendered
 from kgen.spec import parse_spec
-from kgen.validate import TOLERANCES, check_model, compare, run_with_magnitude, validate
+from kgen.validate import TOLERANCES, CaseResult, Report, check_model, compare, run_with_magnitude, validate
 
 # The mean over all non-batch dims of a GroupNorm output is exactly 0 (weight 1,
 # bias 0): the float64 reference is rounding noise, the kernel's error ~1e-9.
@@ -41,8 +41,7 @@ def gn_mean(tmp_path_factory):
     pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
 def test_cancelling_reduction_validates_and_real_errors_still_fail(gn_mean, device):
     report = validate(*gn_mean, device)
-    failures = [f"{c.case}: rel L2 {c.rel_l2:.3g}, {c.problem}" for c in report.cases if not c.passed]
-    assert not failures, failures
+    assert_report_passed(report, rel_l2=True)
     assert any(c.case.startswith("Model()") for c in report.cases)
     # the same measure on this pipeline: an error of 1e-3 of the normalized values fails
     pipe = build_pipeline(parse_spec(GN_MEAN))
@@ -146,3 +145,34 @@ def test_where_float32_and_float64_differ_in_kind_either_is_the_reference():
     assert compare("quirk", f32(3.0, inf), f64(3.0, inf), tol, f32(3.0, nan)).passed
     # where float32 and float64 agree, kgen must too
     assert not compare("agreeing", f32(3.0, nan), f64(3.0, inf), tol, f32(3.0, inf)).passed
+
+
+def test_assert_report_passed_fails_on_a_failing_case_and_on_no_cases():
+    """conftest's assert_report_passed, the tests' check of a validate() report: it passes only a
+    report with cases, all passed, and names each failing case with its problem."""
+    ref = torch.linspace(-1.0, 1.0, 64, dtype=torch.float64)
+    good = compare("normal 0", ref.float(), ref, TOLERANCES["ieee"])
+    off = compare("normal 1", (ref + 0.5).float(), ref, TOLERANCES["ieee"])
+    raised = CaseResult("Model()", math.inf, math.inf, False, "raised RuntimeError: boom")
+    assert good.passed and not off.passed
+
+    report = Report("mod", "cpu", "ieee")
+    report.cases.append(good)
+    assert report.passed
+    assert_report_passed(report, "spec x")
+
+    report.cases += [off, raised]
+    assert not report.passed
+    with pytest.raises(AssertionError) as failed:
+        assert_report_passed(report, "spec x at batch 3")
+    message = str(failed.value)
+    assert message.startswith("spec x at batch 3\n2 of 3 cases of mod on cpu failed:"), message
+    assert f"normal 1: {off.problem}" in message and "Model(): raised RuntimeError: boom" in message
+    assert "normal 0" not in message and "rel L2 inf" not in message
+    with pytest.raises(AssertionError, match="rel L2 inf, raised RuntimeError: boom"):
+        assert_report_passed(report, rel_l2=True)
+
+    empty = Report("mod", "cpu", "ieee")
+    assert not empty.passed
+    with pytest.raises(AssertionError, match="spec x\nvalidating mod on cpu gave no cases"):
+        assert_report_passed(empty, "spec x")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import fake_tuning, pipeline_of, write_spec
+from conftest import assert_report_passed, fake_tuning, pipeline_of, write_spec
 from kgen.ir import Capture, Elementwise
 from kgen.plan import make_plan
 from kgen.render import render_plan
@@ -183,7 +183,7 @@ def test_a_pipeline_with_values_or_several_inputs_has_an_eager_candidate(text, t
     assert "const at::Tensor v_" in binding  # a named value
     build_module(out / pipe.name)
     report = validate(spec, out / pipe.name, "cpu")
-    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert_report_passed(report)
 
 
 def test_a_stage_that_starts_from_another_value_is_no_epilogue(tmp_path):
@@ -214,7 +214,7 @@ ops:
     write_rendered(render_plan(make_plan(pipeline_of(text, str(spec)), target=DEFAULT), out), out)
     build_module(out / "other_source", "cpu")
     report = validate(spec, out / "other_source", "cpu", stages=False)
-    assert report.passed, [(c.case, c.problem) for c in report.cases if not c.passed]
+    assert_report_passed(report)
 
 
 def test_tune_measures_a_pipeline_with_several_inputs(tmp_path):
