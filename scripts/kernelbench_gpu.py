@@ -155,6 +155,26 @@ def build_all(specs, rows, args, deadline):
     print(f"built {sum(r['status'] == 'built' for r in rows.values())}/{len(rows)} in {time.time() - t:.0f} s", flush=True)
 
 
+def kernelbench_allclose(spec: Path, gen: Path, trials: int = 5) -> str:
+    """KernelBench's own correctness check: kgen's Model and the reference with the same weights,
+    `trials` inputs from torch.rand at the file's batch, torch.allclose(atol = rtol = 1e-4); "k/n"
+    and the largest difference. PyTorch's defaults (cuDNN may use TF32)."""
+    import torch
+
+    from kgen.bench import models_and_inputs
+
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False  # PyTorch's defaults
+    _, _, model, ref, inputs = models_and_inputs(gen / spec.stem, spec)
+    passed, worst = 0, 0.0
+    with torch.no_grad():
+        for _ in range(trials):
+            xs = [torch.rand_like(x) for x in inputs]
+            a, b = model(*xs), ref(*xs)
+            passed += bool(torch.allclose(a, b, atol=1e-4, rtol=1e-4))
+            worst = max(worst, float((a - b).abs().max()))
+    return f"{passed}/{trials} (max |diff| {worst:.2g})"
+
+
 def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
     """In a worker process: validate one built module; then compile its reference once."""
     import torch
@@ -176,6 +196,7 @@ def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
         row.update(status="validation failed", reason=f"{bad.case}: {bad.problem}")
         return row
     row["status"] = "validated"
+    row["kb_allclose"] = kernelbench_allclose(spec, gen)
     if compile_too:
         t = time.time()
         try:
@@ -298,15 +319,18 @@ def markdown(rows, env, args) -> str:
         f"{len(ok)} of {len(rows)} validated and timed; kgen faster than eager on {faster}, than torch.compile on "
         f"{faster_c} of {with_c}.",
         "",
-        "| # | module | status | cases | batch | eager ms | torch.compile ms | kgen ms | vs eager | vs compile | reason |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "KernelBench's check: its evaluator's criterion, torch.allclose(kgen, eager, atol = rtol = 1e-4) on 5 inputs "
+        "from torch.rand, the same weights (PyTorch's defaults: cuDNN may use TF32).",
+        "",
+        "| # | module | status | cases | KernelBench's check | batch | eager ms | torch.compile ms | kgen ms | vs eager | vs compile | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         e, c, k = r.get("eager_ms"), r.get("compile_ms"), r.get("kgen_ms")
         ve = f"{e / k:.2f}x" if e and k else "-"
         vc = f"{c / k:.2f}x" if c and k else "-"
         reason = (r.get("reason") or r.get("compile_error") or "").replace("|", "\\|")
-        lines.append(f"| {r['number']} | {r['module']} | {r['status']} | {r.get('cases', '')} | {r.get('batch', '')} | "
+        lines.append(f"| {r['number']} | {r['module']} | {r['status']} | {r.get('cases', '')} | {r.get('kb_allclose', '')} | {r.get('batch', '')} | "
                      f"{_f(e)} | {_f(c)} | {_f(k)} | {ve} | {vc} | {reason} |")
     return "\n".join(lines) + "\n"
 

@@ -211,8 +211,10 @@ def test_wgmma_teams_share_the_weights_as_far_as_shared_memory_allows(tmp_path):
     a_buffer = 2 * 34 * 4 * 4 * 9  # two channel quads x 34 box rows x (4 W phases x 9 columns x 4 channels)
     assert conv_gemm.FAMILY.smem_bytes(p, sc, False, conv_gemm.FUSED_SCRATCH_FLOATS) == 4 * (
         weights + 3 * (a_buffer + conv_gemm.FUSED_SCRATCH_FLOATS)) == sc.smem_bytes
-    # a staged epilogue (a pool kept per position) needs its tile per team: fewer teams fit
-    big = ([32, 40, 40], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, {"max_pool2d": {"kernel_size": 2}}])
+    # a staged epilogue (a pool kept per position, then summed over the channels: TF32) needs its tile
+    # per team: fewer teams fit
+    big = ([32, 40, 40], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, {"max_pool2d": {"kernel_size": 2}},
+                          {"sum": {"dim": 1}}])
     pooled = plan_of(*big, plan=GEMM).stages[0]
     assert pooled.schedule.loop == "wgmma" and not pooled.fused.registers
     assert pooled.schedule.teams < 3 and pooled.schedule.smem_bytes <= conv_gemm.SMEM_LIMIT
@@ -223,10 +225,11 @@ def test_wgmma_teams_share_the_weights_as_far_as_shared_memory_allows(tmp_path):
 
 
 def test_wgmma_store_stages_its_tile_where_the_plans_shared_memory_holds_it(tmp_path):
-    """A written conv output on the wgmma loop goes through a staged tile (stores of consecutive
-    positions) when the plan's shared memory holds one; a fused plan whose teams fill it stores
-    its Store (the stage run alone) from the accumulators; the direct loop never stages."""
-    written = ([16, 20, 24], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}, "relu"])
+    """The conv output of the stage run alone (its Store epilogue) on the wgmma loop goes through a
+    staged tile (stores of consecutive positions) when the plan's shared memory holds one; a fused
+    plan whose teams fill it stores from the accumulators; the direct loop never stages. (A channel
+    sum follows, so the products are TF32 and the loop wgmma.)"""
+    written = ([16, 20, 24], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}, "relu", {"sum": {"dim": 1}}])
     st = plan_of(*written, plan=GEMM).stages[0]
     assert st.schedule.loop == "wgmma" and st.store_staged()
     p = st.problems[0]
@@ -698,13 +701,13 @@ RANDOM_CONVS = [
 def test_random_convolutions_match_float64(tmp_path):
     """Each convolution built in parallel and validated (batches 1 to 3, NaN, large values,
     +-inf into the kernel) against float64 at its precision's tolerance, NaN masks exact.
-    tf32: the convolution then a ReLU (fused in as its epilogue, TF32 products); tf32x3 and
-    ieee: the convolution is the output (split TF32; fp32 FMAs)."""
+    tf32: the convolution, a ReLU and a sum over the channels (TF32 products, as a sum follows);
+    tf32x3 and ieee: the convolution is the output (split TF32; fp32 FMAs)."""
     out = tmp_path / "gen"
     cases = []
     for i, (shape, op, precision) in enumerate(RANDOM_CONVS):
         name = f"cg_rand{i}"
-        ops = [op, "relu"] if precision == "tf32" else [op]
+        ops = [op, "relu", {"sum": {"dim": 1}}] if precision == "tf32" else [op]
         spec = write_spec(tmp_path, spec_text(shape, ops, name=name, plan=GEMM) + f"precision: {precision}\n", f"{name}.yaml")
         rendered = render_spec(spec, out)
         write_rendered(rendered, out)

@@ -805,19 +805,26 @@ class ConvGemm(Family):
 
     @staticmethod
     def mma(req: StageRequest) -> tuple[str, str]:
-        """TF32 products, or split TF32 (about fp32 accuracy) where the result must match
-        a plain fp32 convolution: before a normalization (it removes the scale and leaves the
-        relative error), before an exponential (softmax and logsumexp turn the absolute error
-        of large logits into a relative error of the result), or when the convolution is the
-        output. cuDNN itself often runs such small convolutions in fp32 even where TF32 is allowed."""
+        """TF32 products where a sum or mean over the convolution's values follows (the products'
+        rounding averages out there), else split TF32 (about fp32 accuracy): where each output
+        value carries a convolution value's error (elementwise ops, max or min pools and
+        reductions, or the convolution itself is the output), before a normalization (it removes
+        the scale and leaves the relative error) or an exponential (softmax and logsumexp turn the
+        absolute error of large logits into a relative error of the result). cuDNN runs many of
+        the small convolutions offered here in plain fp32 even where TF32 is allowed (8 -> 64
+        channels k3 in 2-d and 3-d, 3 -> 16 in 3-d: scripts/tf32_lab/cudnn_precision.py), so TF32
+        products there would be less accurate than eager PyTorch."""
         if req.pipeline.precision == "ieee":
             return "fp32", "the spec asks for ieee: plain fp32 FMAs (the direct loop)"
         if req.pipeline.precision == "tf32x3":
             return "tf32x3", "the spec asks for tf32x3"
         later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
-        if not later or any(o.op_name in X3_AFTER for o in later):
-            return "tf32x3", "a normalization or an exponential follows (or the output is the convolution): fp32-level accuracy"
-        return "tf32", "pools and reductions follow: TF32 products"
+        if any(o.op_name in X3_AFTER for o in later):
+            return "tf32x3", "a normalization or an exponential follows: fp32-level accuracy"
+        if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later):
+            return "tf32x3", ("no sum or mean over its values follows (each output carries a convolution value's "
+                              "error): fp32-level accuracy, as eager's fp32 convolution")
+        return "tf32", "a sum or mean over its values follows: TF32 products"
 
     def make_stage(self, req: StageRequest) -> ConvGemmStage:
         lc = lowered(req.ops[0])
