@@ -135,3 +135,4 @@ class ConvStage(Stage):
     input_extent: tuple = ()  # prefix of the input that is read (dead region)
     phases: list = field(default_factory=list)  # SubpixelPhase, for a sub-pixel lowering
     epilogue: Stage | None = None
+    fp32_products: str = ""  # ATen's convolution: why it runs with TF32 off ("": the spec's precision)

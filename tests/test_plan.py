@@ -109,6 +109,33 @@ def test_conv_layout_follows_the_reader():
     assert forced.stages[0].layout == "contiguous"
 
 
+def test_aten_convolution_runs_with_tf32_off_where_it_is_not_eagers_call(tmp_path):
+    """conv_aten.fp32_products: a small convolution whose values reach the output one by one (no sum
+    or mean after it), run in another memory format than eager's NC[D]HW call, gets cuDNN's TF32 off
+    (cuDNN picked TF32 kernels in channels_last where eager's call ran fp32); eager's own call keeps
+    the spec's precision (cuDNN picks what eager gets), and so do a convolution whose values are
+    summed, one large enough for cuDNN's tensor-core GEMMs, and a spec at ieee. The binding passes it."""
+    from conftest import write_spec
+    from kgen.render import render_spec
+
+    conv = {"conv2d": {"out_channels": 64, "kernel_size": 3}}
+    cl = {"conv": "aten", "conv_layout": "channels_last"}
+    elementwise = plan_of([8, 40, 40], [conv, "relu"], plan=cl).stages[0]
+    assert elementwise.layout == "channels_last" and "no sum or mean" in elementwise.fp32_products
+    as_eager = plan_of([8, 40, 40], [conv, "relu"], plan={"conv": "aten", "conv_layout": "contiguous"}).stages[0]
+    summed = plan_of([8, 40, 40], [conv, "relu", {"sum": {"dim": 1}}], plan=cl).stages[0]
+    large = plan_of([64, 20, 20], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}, "relu"], plan=cl).stages[0]  # K = 576
+    ieee = make_plan(pipeline_of(spec_text([8, 40, 40], [conv, "relu"], plan=cl) + "precision: ieee\n")).stages[0]
+    assert not as_eager.fp32_products and not summed.fp32_products and not large.fp32_products and not ieee.fp32_products
+    for name, ops, precision in (("off", [conv, "relu"], "kgen::Precision::kIeee"),
+                                 ("kept", [conv, "relu", {"sum": {"dim": 1}}], "kPrecision")):
+        rendered = render_spec(write_spec(tmp_path, spec_text([8, 40, 40], ops, name=name, plan=cl), f"{name}.yaml"),
+                               tmp_path / "gen")
+        binding = next(v for k, v in rendered.files.items() if str(k).endswith("binding.cpp"))
+        call = binding[binding.index("kgen::convolution("):]
+        assert f", {precision}, at::MemoryFormat::ChannelsLast)" in call[:call.index(";")], (name, call[:400])
+
+
 def test_how_the_aten_convolution_gets_its_input():
     """conv_aten.input_copy: a generated copy into channels_last from an NC[D]HW input (narrowed in
     place), ATen's copy where the generated one does not apply, none where the input is read as is."""

@@ -22,12 +22,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from ..lowering import Subpixel, lowered
+from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import Buffer, ConvStage, Tile, dense_buffer, strides_of
 from ..target import Target
-from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work
+from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_fp32_level
 
 LAYOUTS = ("channels_last", "contiguous")
+# K = input channels x taps and output channels above which cuDNN runs its large tensor-core GEMMs (TF32
+# where allowed, in eager PyTorch too) and beats the generated convolution (notes/perf.md)
+CUDNN_GEMM_K = 512
+CUDNN_GEMM_COUT = 128
+CUDNN_FP32_FRACTION = 0.5  # of the fp32 peak, cuDNN's fp32 convolutions (TF32 off)
 CUDNN_FRACTION = 0.75  # of the tensor-core peak on large convolutions (~300 of 400 TFLOP/s)
 CUDNN_FULL_N = 128  # output channels (per group) that fill cuDNN's tensor-core tiles
 CUDNN_FULL_K = 128  # input channels x taps that fill them
@@ -81,6 +86,7 @@ class ConvAten(Family):
         layout = layout or self.layouts(req, conv)[0]
         C = conv.conv.out_channels
         st = ConvStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=conv, layout=layout)
+        st.fp32_products = self.fp32_products(req, conv, layout)
         if isinstance(conv.lowering, Subpixel):
             st.phases = conv.phases(t_in.spatial)
             tiles = []
@@ -97,6 +103,25 @@ class ConvAten(Family):
         # a cropped output is a view of what the convolution produces from the input prefix
         st.output = dense_buffer(t_out.shape[1:], (C,) + conv.physical_out(t_in.spatial), layout)
         return st
+
+    @staticmethod
+    def fp32_products(req: StageRequest, conv, layout: str) -> str:
+        """Why this convolution runs with cuDNN's TF32 off ("" where it keeps the spec's precision):
+        a small convolution (below CUDNN_GEMM_K and CUDNN_GEMM_COUT) that needs fp32-level products
+        (base.conv_fp32_level) and is not the call eager PyTorch makes (another memory format, sub-pixel
+        phases, a folded pool): cuDNN picks its kernels per call, and in channels_last it ran
+        KernelBench's 8 -> 64 channel k3 convolutions (2-d and 3-d) in TF32 where eager's NC[D]HW call
+        ran fp32 (scripts/tf32_lab/cudnn_precision.py; kgen 3.6e-4 to 9.7e-4 off eager, above
+        KernelBench's 1e-4). The same call as eager's keeps TF32 allowed: cuDNN picks what eager gets."""
+        c = conv.conv
+        if req.pipeline.precision != "tf32":
+            return ""
+        as_eager = layout == "contiguous" and isinstance(conv.lowering, Direct) and not isinstance(conv.lowering, Folded)
+        k = c.in_channels // c.groups * math.prod(c.kernel)  # the largest sub-pixel phase has at most these taps
+        if as_eager or k > CUDNN_GEMM_K or c.out_channels > CUDNN_GEMM_COUT:
+            return ""
+        why = conv_fp32_level(req)
+        return "" if why is None else f"{why}, and in this form cuDNN may pick TF32 kernels where eager's call runs fp32"
 
     def input_copy(self, st: ConvStage) -> str | None:
         """How the input reaches the convolution when it must be copied first (narrowed to
@@ -122,13 +147,13 @@ class ConvAten(Family):
                 taps = math.prod(ph.taps)
                 flops = 2 * batch * c.in_channels * c.out_channels * taps * math.prod(ph.count)
                 out += conv_work(f"phase {ph.residue}", flops, read, batch * c.out_channels * math.prod(ph.conv_out),
-                                 c.out_channels, c.in_channels * taps, st.layout, target)
+                                 c.out_channels, c.in_channels * taps, st.layout, target, fp32=bool(st.fp32_products))
             return out
         flops = batch * lc.flops(st.in_type, st.out_type)
         written = batch * sum(math.prod(t.dims) for t in st.output.tiles)
         K = c.in_channels // c.groups * math.prod(lc.kernel)
         out += conv_work("convolution", flops, read, written, c.out_channels // c.groups, K, st.layout, target,
-                         transposed_stride=c.stride if c.transposed else None)
+                         transposed_stride=c.stride if c.transposed else None, fp32=bool(st.fp32_products))
         return out
 
     def explain_lines(self, st: ConvStage) -> list[str]:
@@ -137,22 +162,24 @@ class ConvAten(Family):
         copy = {"kernel": "; the input is copied into channels_last first by a generated kernel (ATen's copy where it is"
                           " not a contiguous NC[D]HW tensor)",
                 "aten": "; the input is copied into that layout (or narrowed) first", None: ""}[self.input_copy(st)]
-        return [f"{calls}, output {st.layout}{copy}"]
+        tf32 = f"; cuDNN with TF32 off: {st.fp32_products}" if st.fp32_products else ""
+        return [f"{calls}, output {st.layout}{copy}{tf32}"]
 
     def stage_json(self, st: ConvStage) -> dict:
-        d = dict(lowering=st.conv.lowering.name, layout=st.layout, input_extent=list(st.input_extent), input_copy=self.input_copy(st))
+        d = dict(lowering=st.conv.lowering.name, layout=st.layout, input_extent=list(st.input_extent), input_copy=self.input_copy(st),
+                 fp32_products=st.fp32_products)
         if st.phases:
             d["phases"] = [asdict(p) for p in st.phases]
         return d
 
 
 def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, layout: str, target: Target,
-              transposed_stride: tuple | None = None) -> list[Work]:
+              transposed_stride: tuple | None = None, fp32: bool = False) -> list[Work]:
     """One cuDNN convolution call: ``read`` input and ``written`` output elements, a GEMM of
     N = ``n`` output channels and K = ``k`` (input channels x taps); ``transposed_stride``:
-    the stride of a transposed convolution run as written."""
+    the stride of a transposed convolution run as written; ``fp32``: TF32 off (fp32 kernels)."""
     fill = min(1.0, n / CUDNN_FULL_N) * min(1.0, k / CUDNN_FULL_K)
-    rate = target.tensor_flops * CUDNN_FRACTION * fill
+    rate = target.fp32_flops * CUDNN_FP32_FRACTION if fp32 else target.tensor_flops * CUDNN_FRACTION * fill
     conv = lambda rate: Work(what, flops, FLOAT_BYTES * (read + written), rate, calls=1, call_s=CUDNN_CALL_S)  # noqa: E731
     if transposed_stride is not None:
         strided = any(s > 1 for s in transposed_stride)

@@ -56,13 +56,10 @@ from ..ir import Elementwise, Pool, Reduce
 from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import ConvStage, Stage, flat_buffer
 from ..target import Target
-from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, pow2_floor
+from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_fp32_level, pow2_floor
+from .conv_aten import CUDNN_GEMM_COUT, CUDNN_GEMM_K
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
-MAX_K_PER_CHUNK_TAPS = 512  # K = Cin x taps above which ATen/cuDNN's large-GEMM kernels win (notes/perf.md)
-MAX_COUT = 128  # output channels above which cuDNN wins
-# ops after which the convolution runs in split TF32 (mma): normalizations and exponentials
-X3_AFTER = ("group_norm", "instance_norm", "batch_norm", "layer_norm", "softmax", "log_softmax", "logsumexp", "exp")
 WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
 # The wgmma loop wins where a warpgroup's MMA is at least 16 columns wide with two
 # warpgroups per m-block (avgpool_sigmoid_sum's 64 channels: 0.436 ms against 0.685 in
@@ -576,7 +573,7 @@ class ConvGemm(Family):
         lc = lowered(req.ops[0])
         c = lc.conv
         taps = _max_taps(lc, req.types[0].spatial)
-        if c.in_channels * taps > MAX_K_PER_CHUNK_TAPS or c.out_channels > MAX_COUT:
+        if c.in_channels * taps > CUDNN_GEMM_K or c.out_channels > CUDNN_GEMM_COUT:
             return (f"K = {c.in_channels} channels x {taps} taps, {c.out_channels} output channels: "
                     "large enough for cuDNN's tensor-core GEMMs")
         return None
@@ -805,25 +802,15 @@ class ConvGemm(Family):
 
     @staticmethod
     def mma(req: StageRequest) -> tuple[str, str]:
-        """TF32 products where a sum or mean over the convolution's values follows (the products'
-        rounding averages out there), else split TF32 (about fp32 accuracy): where each output
-        value carries a convolution value's error (elementwise ops, max or min pools and
-        reductions, or the convolution itself is the output), before a normalization (it removes
-        the scale and leaves the relative error) or an exponential (softmax and logsumexp turn the
-        absolute error of large logits into a relative error of the result). cuDNN runs many of
-        the small convolutions offered here in plain fp32 even where TF32 is allowed (8 -> 64
-        channels k3 in 2-d and 3-d, 3 -> 16 in 3-d: scripts/tf32_lab/cudnn_precision.py), so TF32
-        products there would be less accurate than eager PyTorch."""
+        """TF32 products where a sum or mean over the convolution's values follows, else split
+        TF32 (about fp32 accuracy; base.conv_fp32_level says why)."""
         if req.pipeline.precision == "ieee":
             return "fp32", "the spec asks for ieee: plain fp32 FMAs (the direct loop)"
         if req.pipeline.precision == "tf32x3":
             return "tf32x3", "the spec asks for tf32x3"
-        later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
-        if any(o.op_name in X3_AFTER for o in later):
-            return "tf32x3", "a normalization or an exponential follows: fp32-level accuracy"
-        if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later):
-            return "tf32x3", ("no sum or mean over its values follows (each output carries a convolution value's "
-                              "error): fp32-level accuracy, as eager's fp32 convolution")
+        why = conv_fp32_level(req)
+        if why is not None:
+            return "tf32x3", f"{why}: fp32-level accuracy, as eager's"
         return "tf32", "a sum or mean over its values follows: TF32 products"
 
     def make_stage(self, req: StageRequest) -> ConvGemmStage:
