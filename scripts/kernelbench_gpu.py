@@ -155,16 +155,14 @@ def build_all(specs, rows, args, deadline):
     print(f"built {sum(r['status'] == 'built' for r in rows.values())}/{len(rows)} in {time.time() - t:.0f} s", flush=True)
 
 
-def kernelbench_allclose(spec: Path, gen: Path, trials: int = 5) -> str:
-    """KernelBench's own correctness check: kgen's Model and the reference with the same weights,
-    `trials` inputs from torch.rand at the file's batch, torch.allclose(atol = rtol = 1e-4); "k/n"
-    and the largest difference. PyTorch's defaults (cuDNN may use TF32)."""
+def kernelbench_allclose(model, ref, inputs, trials: int = 5) -> str:
+    """KernelBench's own correctness check: kgen's Model and the reference with the same weights
+    (kgen.bench.models_and_inputs), `trials` inputs from torch.rand shaped as `inputs`,
+    torch.allclose(atol = rtol = 1e-4); "k/n" and the largest difference. PyTorch's defaults (cuDNN
+    may use TF32)."""
     import torch
 
-    from kgen.bench import models_and_inputs
-
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False  # PyTorch's defaults
-    _, _, model, ref, inputs = models_and_inputs(gen / spec.stem, spec)
     passed, worst = 0, 0.0
     with torch.no_grad():
         for _ in range(trials):
@@ -196,11 +194,11 @@ def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
         row.update(status="validation failed", reason=f"{bad.case}: {bad.problem}")
         return row
     row["status"] = "validated"
-    row["kb_allclose"] = kernelbench_allclose(spec, gen)
+    _, _, model, ref, inputs = models_and_inputs(gen / spec.stem, spec)  # the module and its reference, built once
+    row["kb_allclose"] = kernelbench_allclose(model, ref, inputs)
     if compile_too:
         t = time.time()
         try:
-            _, _, _, ref, inputs = models_and_inputs(gen / spec.stem, spec)
             compiled = torch.compile(ref)
             with torch.no_grad():
                 compiled(*inputs)
