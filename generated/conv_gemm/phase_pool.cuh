@@ -50,6 +50,7 @@ constexpr int kMaxPhases = 27;       // strides up to 3 per dim
 constexpr int kMaxPiecesPerWg = 128;  // taps a warpgroup streams per tile
 constexpr int kRing = 4;             // weight taps in flight per warpgroup
 constexpr int kMaxWorkers = 256;     // CTAs a split last round may use (the workspace holds their maxima)
+constexpr int kThreads = 256;        // a CTA: two warpgroups
 
 // What changes per tap and per phase; a kernel argument (constant bank), copied to shared memory.
 struct PhasePoolTables {
@@ -100,7 +101,7 @@ __host__ __device__ inline bool split_last_round(const float* workspace, int tai
 }
 
 template <class P, class E>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(kThreads, 1)
     phase_pool_kernel(const float* __restrict__ x, const float* __restrict__ packed, const typename E::Params ep,
                       const PhasePoolTables tables, int batch) {
   using G = PoolGeometry<P>;
@@ -110,9 +111,9 @@ __global__ void __launch_bounds__(256, 1)
   PhasePoolTables& tab = *reinterpret_cast<PhasePoolTables*>(smem + G::kOffTables);
   const int tid = threadIdx.x, wg = tid >> 7, lt = tid & 127;
   const int warp = lt >> 5, lane = lt & 31, g = lane >> 2, t = lane & 3;
-  for (int i = tid; i < static_cast<int>(sizeof(PhasePoolTables) / 4); i += 256)
+  for (int i = tid; i < static_cast<int>(sizeof(PhasePoolTables) / 4); i += kThreads)
     reinterpret_cast<int*>(&tab)[i] = reinterpret_cast<const int*>(&tables)[i];
-  for (int i = tid; i < G::kBoxPad; i += 256) box[G::kBoxFloats + i] = 0.f;
+  for (int i = tid; i < G::kBoxPad; i += kThreads) box[G::kBoxFloats + i] = 0.f;
 
   const float* my_packed = packed + (wg == 0 ? 0 : tables.pieces[0]) * G::kPieceFloats;
   float* ring = smem + G::kOffRing + wg * kRing * G::kPieceFloats;
@@ -190,11 +191,11 @@ __global__ void __launch_bounds__(256, 1)
       constexpr long long kC = static_cast<long long>(P::kInD) * P::kInH * P::kInW;
       const float* xn = x + static_cast<long long>(n) * P::kCin * kC;
 #pragma unroll 1
-      for (int base = 0; base < kItemsBox; base += 256 * kBatch) {
+      for (int base = 0; base < kItemsBox; base += kThreads * kBatch) {
         float4 v[kBatch];
 #pragma unroll
         for (int k = 0; k < kBatch; ++k) {
-          const int item = base + tid + 256 * k;
+          const int item = base + tid + kThreads * k;
           const int bw = item % P::kBW, r = item / P::kBW, bh = r % P::kBH, bd = (r / P::kBH) % P::kBD;
           const int quad = r / (P::kBH * P::kBD);
           const int d = P::kTQD * pd + P::kEMinD + bd, h = P::kTQH * ph + P::kEMinH + bh, w = P::kEMinW + bw;
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(256, 1)
         }
 #pragma unroll
         for (int k = 0; k < kBatch; ++k) {
-          const int item = base + tid + 256 * k;
+          const int item = base + tid + kThreads * k;
           if (item < kItemsBox)
             reinterpret_cast<float4*>(box)[item] = make_float4(to_tf32(v[k].x), to_tf32(v[k].y), to_tf32(v[k].z), to_tf32(v[k].w));
         }
@@ -377,7 +378,7 @@ cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool p
     if (err != cudaSuccess) return err;
   }
   KernelSetup setup;
-  cudaError_t err = kernel_setup<phase_pool_kernel<P, E>>(256, G::kSmemBytes, &setup);
+  cudaError_t err = kernel_setup<phase_pool_kernel<P, E>>(kThreads, G::kSmemBytes, &setup);
   if (err != cudaSuccess) return err;
   const int tiles = batch * P::kPooledD * P::kPooledH;
   const int grid = tiles < setup.sms ? tiles : setup.sms;  // persistent CTAs, one per SM
@@ -386,7 +387,7 @@ cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool p
     err = cudaMemsetAsync(ws + 2LL * kMaxWorkers * G::kOuts, 0, sizeof(int) * (tiles % grid), stream);
     if (err != cudaSuccess) return err;
   }
-  phase_pool_kernel<P, E><<<grid, 256, G::kSmemBytes, stream>>>(x, packed, ep, tables, batch);
+  phase_pool_kernel<P, E><<<grid, kThreads, G::kSmemBytes, stream>>>(x, packed, ep, tables, batch);
   return cudaGetLastError();
 }
 
