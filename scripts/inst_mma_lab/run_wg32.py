@@ -14,10 +14,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from lab_checks import check_conv_chanmax, print_shipped_time
+from scripts.host_probe import back_to_back_us
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -74,41 +76,11 @@ def median_us(fn, n=40):
     return t[len(t) // 2] * 1e3
 
 
-def back_to_back_us(fn, n=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 torch.manual_seed(0)
 w = torch.randn(16, 3, 3, 3, 3, device="cuda") * 0.2
 b = torch.randn(16, device="cuda")
 P = pack(w)
-for batch, kind in [(3, "randn"), (2, "rand"), (2, "big"), (2, "inf"), (5, "ties"), (128, "randn")]:
-    x = torch.randn(batch, 3, 16, 32, 32, device="cuda")
-    if kind == "rand":
-        x = torch.rand(batch, 3, 16, 32, 32, device="cuda")
-    if kind == "big":
-        x = x * 1e30
-    if kind == "ties":
-        x = torch.randint(-2, 3, x.shape, device="cuda").float()
-    if kind == "inf":
-        x[0, 1, 5, 7, 9] = float("inf"); x[1, 0, 3, 3, 3] = float("nan"); x[1, 2, 9, 20, 20] = -float("inf")
-    y = lab(x, P, b); torch.cuda.synchronize()
-    ref = torch.nn.functional.conv3d(x.double(), w.double(), b.double()).amax(1)
-    fin = torch.isfinite(ref)
-    same_nonfinite = bool(((~torch.isfinite(y.double())) == (~fin)).all())
-    err = ((y.double() - ref).abs() / (ref.abs() + 1))[fin].max().item()
-    eager = torch.nn.functional.conv3d(x, w, b).amax(1)
-    err_eager = ((eager.double() - ref).abs() / (ref.abs() + 1))[fin].max().item()
-    ok = torch.allclose(y[fin], eager[fin], atol=1e-4, rtol=1e-4)
-    print(f"{kind:5s} batch {batch:3d}: max rel err {err:.2e} (eager's {err_eager:.2e}), allclose(eager, 1e-4) {ok}, "
-          f"non-finite where float64's are {same_nonfinite} ({(~fin).sum().item()} such)")
+check_conv_chanmax(lambda x: lab(x, P, b), w, b)
 
 x = torch.randn(128, 3, 16, 32, 32, device="cuda")
 print(f"wg32 T={T} minb={MINB} sync_box={SYNC}: conv+bias+chanmax: event {median_us(lambda: lab(x, P, b)):.1f} us, "
@@ -137,10 +109,4 @@ with tempfile.TemporaryDirectory() as tmp:  # kgen's FP32 direct loop for the sa
             d = (model(x) - lab(x, P, b)).abs().max().item()
             print(f"kgen direct loop (ieee) conv+bias+chanmax: back-to-back {back_to_back_us(lambda: model(x)):.1f} us, "
                   f"event {median_us(lambda: model(x)):.1f} us; max |lab - it| {d:.2e}")
-try:
-    from generated import instnorm_clamp_max as m
-    model = m.Model().cuda()
-    with torch.no_grad():
-        print(f"shipped instnorm_clamp_max: back-to-back {back_to_back_us(lambda: model(x)):.1f} us")
-except Exception as e:  # noqa: BLE001 (a lab: report and go on)
-    print("shipped module:", e)
+print_shipped_time(x)

@@ -12,12 +12,16 @@ Results: notes/perf.md (stop 28).
 import ctypes
 import os
 import subprocess
-import time
+import sys
 from pathlib import Path
 
 import torch
 
+from scripts.host_probe import back_to_back_us
+
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "inst_mma_lab"))
+from lab_checks import check_conv_chanmax, print_shipped_time  # noqa: E402 (the instnorm labs' shared check)
 BT = torch.tensor([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=torch.float64)
 G = torch.tensor([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], dtype=torch.float64)
 AT = torch.tensor([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=torch.float64)
@@ -65,53 +69,15 @@ def lab(x, U, bias):
     return out
 
 
-def back_to_back_us(fn, n=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 torch.manual_seed(0)
 w = torch.randn(16, 3, 3, 3, 3, device="cuda") * 0.2
 b = torch.randn(16, device="cuda")
 U = transformed_weights(w).cuda()
-for batch, kind in [(3, "randn"), (2, "rand"), (2, "big"), (2, "inf"), (5, "ties"), (128, "randn")]:
-    x = torch.randn(batch, 3, 16, 32, 32, device="cuda")
-    if kind == "rand":
-        x = torch.rand(batch, 3, 16, 32, 32, device="cuda")
-    if kind == "big":
-        x = x * 1e30
-    if kind == "ties":
-        x = torch.randint(-2, 3, x.shape, device="cuda").float()
-    if kind == "inf":
-        x[0, 1, 5, 7, 9] = float("inf"); x[1, 0, 3, 3, 3] = float("nan"); x[1, 2, 9, 20, 20] = -float("inf")
-    y = lab(x, U, b); torch.cuda.synchronize()
-    ref = torch.nn.functional.conv3d(x.double(), w.double(), b.double()).amax(1)
-    fin = torch.isfinite(ref)
-    same_nonfinite = bool(((~torch.isfinite(y.double())) == (~fin)).all())
-    err = ((y.double() - ref).abs() / (ref.abs() + 1))[fin].max().item()
-    torch.backends.cudnn.allow_tf32 = False
-    eager = torch.nn.functional.conv3d(x, w, b).amax(1)
-    torch.backends.cudnn.allow_tf32 = True
-    err_eager = ((eager.double() - ref).abs() / (ref.abs() + 1))[fin].max().item()
-    ok = torch.allclose(y[fin], eager[fin], atol=1e-4, rtol=1e-4)
-    print(f"{kind:5s} batch {batch:3d}: max rel err {err:.2e} (eager fp32's {err_eager:.2e}), allclose(eager, 1e-4) {ok}, "
-          f"non-finite where float64's are {same_nonfinite} ({(~fin).sum().item()} such)")
+check_conv_chanmax(lambda x: lab(x, U, b), w, b, eager_fp32=True)
 
 x = torch.randn(128, 3, 16, 32, 32, device="cuda")
 for _ in range(3):
     print(f"wino {TAG} conv+bias+chanmax: back-to-back {back_to_back_us(lambda: lab(x, U, b)):.1f} us")
 if os.environ.get("LAB_SHIPPED", "1") == "0":
     raise SystemExit
-try:
-    from generated import instnorm_clamp_max as m
-    model = m.Model().cuda()
-    with torch.no_grad():
-        print(f"shipped instnorm_clamp_max: back-to-back {back_to_back_us(lambda: model(x)):.1f} us")
-except Exception as e:  # noqa: BLE001 (a lab: report and go on)
-    print("shipped module:", e)
+print_shipped_time(x)
