@@ -158,19 +158,29 @@ def build_all(specs, rows, args, deadline):
 def kernelbench_allclose(model, ref, inputs, trials: int = 5) -> str:
     """KernelBench's own correctness check: kgen's Model and the reference with the same weights
     (kgen.bench.models_and_inputs), `trials` inputs from torch.rand shaped as `inputs`,
-    torch.allclose(atol = rtol = 1e-4); "k/n" and the largest difference. PyTorch's defaults (cuDNN
-    may use TF32)."""
+    torch.allclose(atol = rtol = 1e-4); "k/n", the largest difference, and for the worst trial
+    whose error it is: each side's largest difference from the reference run in float64 on the
+    same input. PyTorch's defaults (cuDNN may use TF32)."""
+    import copy
+
     import torch
 
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False  # PyTorch's defaults
-    passed, worst = 0, 0.0
+    ref64 = copy.deepcopy(ref).double()
+    passed, worst, worst_xs = 0, -1.0, None
     with torch.no_grad():
         for _ in range(trials):
             xs = [torch.rand_like(x) for x in inputs]
             a, b = model(*xs), ref(*xs)
             passed += bool(torch.allclose(a, b, atol=1e-4, rtol=1e-4))
-            worst = max(worst, float((a - b).abs().max()))
-    return f"{passed}/{trials} (max |diff| {worst:.2g})"
+            diff = float((a - b).abs().max())
+            if diff > worst:
+                worst, worst_xs = diff, xs
+        a, b = model(*worst_xs), ref(*worst_xs)
+        exact = ref64(*[x.double() for x in worst_xs])
+        kgen_err, eager_err = (float((y.double() - exact).abs().max()) for y in (a, b))
+    return (f"{passed}/{trials} (max |diff| {worst:.2g}; off float64: kgen {kgen_err:.2g}, "
+            f"eager {eager_err:.2g})")
 
 
 def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
