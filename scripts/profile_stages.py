@@ -4,6 +4,7 @@ stage op timed alone on a full-size input. For the GPU machine:
     PYTHONPATH=. python scripts/profile_stages.py maxpool_sum avgpool_sigmoid_sum
     PYTHONPATH=. python scripts/profile_stages.py --norewrite relu_group_norm
     PYTHONPATH=. python scripts/profile_stages.py --host maxpool_sum   # + the host side: where a call's time goes
+    PYTHONPATH=. python scripts/profile_stages.py --gen build/kernelbench/generated_gpu kb2_34_...   # modules built elsewhere
 """
 import argparse
 from pathlib import Path
@@ -16,7 +17,7 @@ from kgen.cli import _spec_of
 from kgen.ir import load_pipeline
 from kgen.plan import choose_plans, stage_op_name
 from kgen.spec import REWRITE_NAMES
-from kgen.validate import import_module_dir, pack_buffer
+from kgen.validate import import_module_dir, init_args, pack_buffer
 from kgen.variants import baseline_module
 
 
@@ -26,18 +27,20 @@ def main():
     ap.add_argument("--norewrite", action="store_true")
     ap.add_argument("--once", action="store_true", help="only run each stage op once (for ncu)")
     ap.add_argument("--host", action="store_true", help="also profile the CPU side (ops by self CPU time)")
+    ap.add_argument("--gen", type=Path, default=Path("generated"), help="where the built modules are")
     args = ap.parse_args()
     for name in args.names:
-        spec = _spec_of(Path("generated") / name)
+        module_dir = args.gen / name
+        spec = _spec_of(module_dir)
         pipe = load_pipeline(spec)
-        d = baseline_module(spec) if args.norewrite else Path("generated") / name
+        d = baseline_module(spec) if args.norewrite else module_dir
         sel = choose_plans(pipe, rewrites={n: False for n in REWRITE_NAMES} if args.norewrite else None)
         index = sel.variants.index(sel.variant_for(pipe.example_batch()))
         plan = sel.plans[index]
         op_of = lambda st: getattr(torch.ops.kgen, stage_op_name(d.name, index, len(sel.variants), st.index))  # noqa: E731
         mod = import_module_dir(d)
         torch.manual_seed(0)
-        model = mod.Model().cuda()
+        model = mod.Model(*init_args(mod)).cuda()
         x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda")
         if args.once:
             stage_once(pipe, plan, op_of, model)

@@ -160,6 +160,35 @@ INPUT_COPIES = {
 }
 
 
+# A channels_last convolution output read by an elementwise stage that writes the NC[D]HW output: the
+# shared-memory tile (pool_reduce's schedule.transpose_channels) and its channels per tile; 0: threads
+# walk the output (too few channels). (input shape, ops, tile channels)
+TRANSPOSE_TILES = {
+    "tile_c40_3d": ([8, 5, 7, 9], [{"conv3d": {"out_channels": 40, "kernel_size": 3, "padding": 1}}, "relu",
+                                   {"mul": {"scalar": 3.0}}], 32),
+    "tile_c12_2d": ([3, 13, 17], [{"conv2d": {"out_channels": 12, "kernel_size": 3}}, "sigmoid"], 8),
+    "tile_phases": ([8, 6, 7, 5], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}},
+                                   {"clamp": {"min": -1.0}}, {"div": {"scalar": 2.0}}], 16),
+    "tile_c4_off": ([3, 9, 11], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, "tanh"], 0),
+}
+
+
+def render_transpose_tile(name: str, root: Path) -> tuple[Path, Path]:
+    """TRANSPOSE_TILES[name] (convolution pinned to ATen, channels_last; example batch 3) rendered
+    under root/gen, checked to have the tile it stands for; returns (spec, module directory)."""
+    import json
+
+    from kgen.render import render_spec, write_rendered
+
+    shape, ops, channels = TRANSPOSE_TILES[name]
+    spec = write_spec(root, spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN), f"{name}.yaml")
+    write_rendered(render_spec(spec, root / "gen"), root / "gen")
+    plan = json.loads((root / "gen" / name / "plan.json").read_text())
+    tiles = [s["schedule"]["transpose_channels"] for p in plan["plans"] for s in p["stages"] if s.get("kind") == "pool_reduce"]
+    assert tiles == [channels] * len(plan["plans"]), tiles
+    return spec, root / "gen" / name
+
+
 def norm_layout_spec(name: str, directory: Path) -> Path:
     """NORM_LAYOUTS[name] written as directory/NAME.yaml (example batch 37)."""
     shape, ops, _, *plan = NORM_LAYOUTS[name]

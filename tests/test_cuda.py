@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from conftest import CL_ATEN, HAS_CUDA, INPUT_COPIES, NORM_LAYOUTS, ROOT, SHIPPED, assert_report_passed, render_norm_layout, spec_text, write_spec
+from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, NORM_LAYOUTS, ROOT, SHIPPED, TRANSPOSE_TILES, assert_report_passed,
+                      render_norm_layout, render_transpose_tile, spec_text, write_spec)
 from kgen.ir import load_pipeline
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -239,6 +240,19 @@ def test_generated_input_copy_validates(name, tmp_path):
         memory_format = torch.channels_last if len(shape) == 3 else torch.channels_last_3d
         torch.testing.assert_close(model(x.contiguous(memory_format=memory_format)), y, rtol=0, atol=0)
         torch.testing.assert_close(model(x.transpose(-1, -2).contiguous().transpose(-1, -2)), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSE_TILES))
+def test_transpose_tiles_validate(name, tmp_path):
+    """The channels_last -> NC[D]HW tile of an elementwise stage (channels and positions not multiples
+    of the tile; sub-pixel phase tiles) against the float64 reference, with the adversarial cases,
+    at batches 1 to 3."""
+    from kgen.build import build_module
+    from kgen.validate import validate
+
+    spec, module_dir = render_transpose_tile(name, tmp_path)
+    build_module(module_dir, quiet=True)
+    assert_report_passed(validate(spec, module_dir, "cuda", example_batch=True))
 
 
 # More samples than a grid's y dimension takes (65535): the kernels that run a block row per sample spread

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import ROOT, SHIPPED, SPECS, pipeline_of, spec_text, write_spec
+from conftest import ROOT, SHIPPED, SPECS, TRANSPOSE_TILES, pipeline_of, render_transpose_tile, spec_text, write_spec
 from kgen.render import render_plan, render_spec, stale_files
 
 
@@ -97,6 +97,19 @@ def test_pool_reduce_schedule_fields_render_as_named_constants(tmp_path):
     for number in ("128", "17", "99"):
         assert not re.search(rf"\b{number}\b", binding + files["one/kernel.cu"] + files["one/kernel_cpu.cpp"]), number
     assert json.loads(files["one/plan.json"])["plans"][0]["stages"][0]["schedule"]["r_lanes"] == 8
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSE_TILES))
+def test_channels_last_input_to_nchw_output_goes_through_a_tile(name, tmp_path):
+    """An elementwise stage reading a channels_last convolution output and writing the NC[D]HW output
+    transposes through shared memory (its tile sizes named constants), unless the channels are too few."""
+    _, module_dir = render_transpose_tile(name, tmp_path)
+    kernel = (module_dir / "kernel.cu").read_text()
+    channels = TRANSPOSE_TILES[name][2]
+    assert ("transpose_kernel" in kernel) == bool(channels)
+    assert ("reduce_kernel" in kernel) == (not channels)
+    if channels:
+        assert f"constexpr int kTileC = {channels};" in kernel and f"constexpr int kTileP = {1024 // channels};" in kernel
 
 
 def test_norm_schedule_fields_render_as_named_constants(tmp_path):

@@ -24,6 +24,9 @@ LOADS_IN_FLIGHT = 16  # loads per thread before their values are combined (a win
 MAX_UNROLL = 8
 MAX_UNROLLED_WINDOW = 512  # window taps up to which the window loops are unrolled
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
+TRANSPOSE_TILE = 1024  # values of a shared-memory tile when a channels_last input becomes an NC[D]HW output
+MAX_TRANSPOSE_CHANNELS = 32  # channels of such a tile (its positions: TRANSPOSE_TILE / channels)
+MIN_TRANSPOSE_CHANNELS = 8  # below this a channels_last input is read as it is
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ class Schedule:
     cpu_grain: int  # outputs per ATen task
     cpu_chunk: int  # values per partial sum on the CPU (rounding does not grow with the reduction)
     index_type: str  # of per-sample indices: int when they fit in 32 bits
+    # channels of a shared-memory tile that turns a channels_last input into the NC[D]HW output (a map
+    # without pools or a reduction; 0: not used): threads walking the output in its memory order read
+    # a channels_last input one value per memory sector, 8-9x below the bandwidth (notes/perf.md stop 29)
+    transpose_channels: int = 0
+    transpose_positions: int = 0  # positions of such a tile
 
 
 @dataclass
@@ -150,8 +158,25 @@ class PoolReduce(Family):
             cpu_grain=max(1, CPU_TASK_VALUES // max(1, st.reduced_count * st.window_loads)),
             cpu_chunk=max(1, math.isqrt(st.reduced_count)),
             index_type=index_type(st),
+            transpose_channels=(tc := self._transpose_channels(st)),
+            transpose_positions=TRANSPOSE_TILE // tc if tc else 0,
         )
         return st
+
+    @staticmethod
+    def _transpose_channels(st: PoolReduceStage) -> int:
+        channels = st.pooled_type.shape[1]
+        if (st.input.layout != "channels_last" or len(st.levels) > 1 or st.reduce is not None
+                or channels < MIN_TRANSPOSE_CHANNELS):
+            return 0
+        return min(MAX_TRANSPOSE_CHANNELS, pow2_floor(channels))
+
+    def explain_lines(self, st: PoolReduceStage) -> list[str]:
+        if st.schedule.transpose_channels:
+            sc = st.schedule
+            return [f"channels_last input to the NC[D]HW output through shared-memory tiles of {sc.transpose_channels} "
+                    f"channels x {sc.transpose_positions} positions (whole memory sectors read and written)"]
+        return []
 
     @staticmethod
     def _r_lanes(st: PoolReduceStage, r_fast: bool, req: StageRequest) -> int:
