@@ -169,6 +169,8 @@ TRANSPOSE_TILES = {
     "tile_c12_2d": ([3, 13, 17], [{"conv2d": {"out_channels": 12, "kernel_size": 3}}, "sigmoid"], 8),
     "tile_phases": ([8, 6, 7, 5], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}},
                                    {"clamp": {"min": -1.0}}, {"div": {"scalar": 2.0}}], 16),
+    "tile_pool": ([8, 9, 10, 11], [{"conv3d": {"out_channels": 24, "kernel_size": 3, "padding": 1}},
+                                   {"max_pool3d": {"kernel_size": 2}}, "relu"], 16),
     "tile_c4_off": ([3, 9, 11], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, "tanh"], 0),
 }
 

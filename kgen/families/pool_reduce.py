@@ -41,9 +41,9 @@ class Schedule:
     cpu_grain: int  # outputs per ATen task
     cpu_chunk: int  # values per partial sum on the CPU (rounding does not grow with the reduction)
     index_type: str  # of per-sample indices: int when they fit in 32 bits
-    # channels of a shared-memory tile that turns a channels_last input into the NC[D]HW output (a map
-    # without pools or a reduction; 0: not used): threads walking the output in its memory order read
-    # a channels_last input one value per memory sector, 8-9x below the bandwidth (notes/perf.md stop 29)
+    # channels of a shared-memory tile that turns a channels_last input into the NC[D]HW output (no
+    # reduction; pools and elementwise ops; 0: not used): threads walking the output in its memory order
+    # read a channels_last input one value per memory sector, 5-9x below the bandwidth (notes/perf.md stop 29)
     transpose_channels: int = 0
     transpose_positions: int = 0  # positions of such a tile
 
@@ -166,8 +166,7 @@ class PoolReduce(Family):
     @staticmethod
     def _transpose_channels(st: PoolReduceStage) -> int:
         channels = st.pooled_type.shape[1]
-        if (st.input.layout != "channels_last" or len(st.levels) > 1 or st.reduce is not None
-                or channels < MIN_TRANSPOSE_CHANNELS):
+        if st.input.layout != "channels_last" or st.reduce is not None or channels < MIN_TRANSPOSE_CHANNELS:
             return 0
         return min(MAX_TRANSPOSE_CHANNELS, pow2_floor(channels))
 
