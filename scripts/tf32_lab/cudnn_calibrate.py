@@ -10,11 +10,11 @@ cuDNN picked an fp32 kernel anyway. GPU machine:
 import argparse
 import json
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from kgen.bench import time_ms
 from kgen.cost import work_s
 from kgen.families.conv_aten import conv_work
 from kgen.ir import Conv, load_pipeline
@@ -29,21 +29,6 @@ def fmt_of(layout, rank):
     if layout == "contiguous":
         return torch.contiguous_format
     return torch.channels_last if rank == 2 else torch.channels_last_3d
-
-
-def time_ms(fn, reps):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def measure(calls, reps):
