@@ -7,6 +7,12 @@
 # run stops at DEADLINE seconds (default 570, under the tool's 600), so packing always runs.
 # A command sees the seconds left to it in DEVICE_RUN_LEFT (to time-box itself).
 set -uo pipefail
+# The device copy's git metadata can be older than its tree (stop 29: it named the session's first commit), so
+# the reports' commit comes from the caller: KGEN_COMMIT=<hash, evaluated on this side>.
+if [ -z "${KGEN_COMMIT:-}" ]; then
+  echo "[device_run] KGEN_COMMIT is not set: reports will say 'unknown' (pass the hash of the tree you sent)"
+  export KGEN_COMMIT=unknown
+fi
 FINAL=${OUT:-gpu-out}; mkdir -p "$FINAL"
 export OUT=/tmp/kgen-device-out; rm -rf "$OUT"; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KGEN_TARGET=${KGEN_TARGET:-default}
