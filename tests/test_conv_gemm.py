@@ -105,6 +105,13 @@ def test_mma_precision_follows_what_comes_after_the_convolution():
     averaged = plan_of([3, 8, 16, 16], [CONV3, "relu", {"mean": {"dim": [2, 3, 4]}}], plan=GEMM)
     assert elementwise.stages[0].schedule.mma == max_pooled.stages[0].schedule.mma == "tf32x3"
     assert averaged.stages[0].schedule.mma == "tf32"
+    # eager's cuDNN call for a transposed convolution is TF32 (cudnn_calibrate.py): TF32 products even before
+    # a norm, and cuDNN keeps TF32 allowed in any form
+    up = {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}
+    up_normed = plan_of([3, 8, 16, 16], [up, {"group_norm": {"num_groups": 4}}], plan=GEMM).stages[0]
+    assert up_normed.schedule.mma == "tf32" and "transposed" in up_normed.x3_reason
+    up_aten = plan_of([3, 8, 16, 16], [up, "relu"], plan={"conv": "aten", "conv_layout": "channels_last"}).stages[0]
+    assert up_aten.layout == "channels_last" and not up_aten.fp32_products
 
 
 INSTNORM_MAX = [CONV3, {"mul": {"param": "m"}}, {"instance_norm": {}}, {"clamp": {"min": -1.0, "max": 1.0}},

@@ -153,22 +153,26 @@ STRIDED_READ_FACTOR = 4  # a channels_last input read in contiguous order: each 
 FP32_LEVEL_AFTER = ("group_norm", "instance_norm", "batch_norm", "layer_norm", "softmax", "log_softmax", "logsumexp", "exp")
 
 
-def conv_fp32_level(req: StageRequest) -> str | None:
-    """Why the convolution of ``req`` (a spec at precision tf32) needs fp32-level products to be as
-    accurate as eager PyTorch, or None where TF32 products are: only where a sum or mean over its
-    values follows (the products' rounding averages out). Elsewhere each output value carries a
-    convolution value's error (elementwise ops, max or min pools and reductions, or the
-    convolution is the output), or a normalization (it removes the scale and leaves the relative
-    error) or an exponential (softmax and logsumexp turn the absolute error of large logits into
-    a relative error) follows; and cuDNN runs many small convolutions in plain fp32 even where
-    TF32 is allowed (8 -> 64 channels k3 in 2-d and 3-d, 3 -> 16 in 3-d:
-    scripts/tf32_lab/cudnn_precision.py)."""
+def conv_precision(req: StageRequest) -> tuple[bool, str]:
+    """Whether the convolution of ``req`` (a spec at precision tf32) needs fp32-level products to be as
+    accurate as eager PyTorch, and why. TF32 products where eager's own cuDNN call is TF32: every
+    transposed convolution (cuDNN's data-gradient kernels ran TF32 in all 19 KernelBench level-2
+    problems that have one, 3 -> 16 channels included: scripts/tf32_lab/cudnn_calibrate.py), and
+    where a sum or mean over its values follows (the products' rounding averages out). fp32-level
+    elsewhere: each output value carries a convolution value's error (elementwise ops, max or min pools
+    and reductions, or the convolution is the output), or a normalization (it removes the scale and
+    leaves the relative error) or an exponential (softmax and logsumexp turn the absolute error of
+    large logits into a relative error) follows; and cuDNN runs many small forward convolutions in
+    plain fp32 even where TF32 is allowed (3 or 8 input channels, k3, 2-d and 3-d)."""
+    conv = getattr(req.ops[0], "conv", req.ops[0])  # as written (a LoweredConv wraps it)
+    if conv.transposed:
+        return False, "eager's cuDNN call for a transposed convolution runs TF32"
     later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
     if any(o.op_name in FP32_LEVEL_AFTER for o in later):
-        return "a normalization or an exponential follows"
+        return True, "a normalization or an exponential follows"
     if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later):
-        return "no sum or mean over its values follows (each output carries a convolution value's error)"
-    return None
+        return True, "no sum or mean over its values follows (each output carries a convolution value's error)"
+    return False, "a sum or mean over its values follows"
 
 
 def typed_ops(stage: Stage):

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import Buffer, ConvStage, Tile, dense_buffer, strides_of
 from ..target import Target
-from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_fp32_level
+from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision
 
 LAYOUTS = ("channels_last", "contiguous")
 # K = input channels x taps and output channels above which cuDNN runs its large tensor-core GEMMs (TF32
@@ -108,7 +108,7 @@ class ConvAten(Family):
     def fp32_products(req: StageRequest, conv, layout: str) -> str:
         """Why this convolution runs with cuDNN's TF32 off ("" where it keeps the spec's precision):
         a small convolution (below CUDNN_GEMM_K and CUDNN_GEMM_COUT) that needs fp32-level products
-        (base.conv_fp32_level) and is not the call eager PyTorch makes (another memory format, sub-pixel
+        (base.conv_precision) and is not the call eager PyTorch makes (another memory format, sub-pixel
         phases, a folded pool): cuDNN picks its kernels per call, and in channels_last it ran
         KernelBench's 8 -> 64 channel k3 convolutions (2-d and 3-d) in TF32 where eager's NC[D]HW call
         ran fp32 (scripts/tf32_lab/cudnn_precision.py; kgen 3.6e-4 to 9.7e-4 off eager, above
@@ -120,8 +120,8 @@ class ConvAten(Family):
         k = c.in_channels // c.groups * math.prod(c.kernel)  # the largest sub-pixel phase has at most these taps
         if as_eager or k > CUDNN_GEMM_K or c.out_channels > CUDNN_GEMM_COUT:
             return ""
-        why = conv_fp32_level(req)
-        return "" if why is None else f"{why}, and in this form cuDNN may pick TF32 kernels where eager's call runs fp32"
+        fp32_level, why = conv_precision(req)
+        return f"{why}, and in this form cuDNN may pick TF32 kernels where eager's call runs fp32" if fp32_level else ""
 
     def input_copy(self, st: ConvStage) -> str | None:
         """How the input reaches the convolution when it must be copied first (narrowed to

@@ -56,7 +56,7 @@ from ..ir import Elementwise, Pool, Reduce
 from ..lowering import Direct, Folded, Subpixel, lowered
 from ..stage import ConvStage, Stage, flat_buffer
 from ..target import Target
-from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_fp32_level, pow2_floor
+from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, pow2_floor
 from .conv_aten import CUDNN_GEMM_COUT, CUDNN_GEMM_K
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
@@ -802,16 +802,14 @@ class ConvGemm(Family):
 
     @staticmethod
     def mma(req: StageRequest) -> tuple[str, str]:
-        """TF32 products where a sum or mean over the convolution's values follows, else split
-        TF32 (about fp32 accuracy; base.conv_fp32_level says why)."""
+        """TF32 products where they are as accurate as eager's, else split TF32 (about fp32
+        accuracy; base.conv_precision says which and why)."""
         if req.pipeline.precision == "ieee":
             return "fp32", "the spec asks for ieee: plain fp32 FMAs (the direct loop)"
         if req.pipeline.precision == "tf32x3":
             return "tf32x3", "the spec asks for tf32x3"
-        why = conv_fp32_level(req)
-        if why is not None:
-            return "tf32x3", f"{why}: fp32-level accuracy, as eager's"
-        return "tf32", "a sum or mean over its values follows: TF32 products"
+        fp32_level, why = conv_precision(req)
+        return ("tf32x3", f"{why}: fp32-level accuracy, as eager's") if fp32_level else ("tf32", f"{why}: TF32 products")
 
     def make_stage(self, req: StageRequest) -> ConvGemmStage:
         lc = lowered(req.ops[0])
