@@ -242,21 +242,23 @@ LAYER_NORMS = {
 }
 
 
-def render_layer_norm(name: str, root: Path) -> tuple[Path, Path]:
-    """LAYER_NORMS[name] written under root and rendered into root/gen, checked to have the schedule and
-    the input form it stands for; returns (spec, module directory)."""
+def render_layer_norm(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
+    """LAYER_NORMS[name] written under root as module ``module`` (default: the name; a process loads
+    each module name once: its ops are registered under it) and rendered into root/gen, checked to
+    have the schedule and the input form it stands for; returns (spec, module directory)."""
     import json
 
     from kgen.render import render_spec, write_rendered
 
+    module = module or name
     shape, ops, params, plan, batch, schedule, form = LAYER_NORMS[name]
-    spec = write_spec(root, spec_text(shape, ops, params=params, name=name, batch=batch, plan=plan), f"{name}.yaml")
+    spec = write_spec(root, spec_text(shape, ops, params=params, name=module, batch=batch, plan=plan), f"{module}.yaml")
     write_rendered(render_spec(spec, root / "gen"), root / "gen")
-    stages = [s for p in json.loads((root / "gen" / name / "plan.json").read_text())["plans"] for s in p["stages"]
+    stages = [s for p in json.loads((root / "gen" / module / "plan.json").read_text())["plans"] for s in p["stages"]
               if s["family"] == "layer_norm"]
     assert len(stages) == 1, stages
     sc, buf = stages[0]["schedule"], stages[0]["input_buffer"]
     assert (sc["row_threads"], sc["vector"]) == schedule, sc
     got = "phased" if buf["phase_stride"] else buf["layout"] if buf["layout"] == "channels_last" else "flat"
     assert got == form, buf
-    return spec, root / "gen" / name
+    return spec, root / "gen" / module
