@@ -146,6 +146,9 @@ def test_layer_norm_rows_longer_than_the_registers_stay_with_aten():
     assert ln.candidates == ("aten",)
     assert "layer_norm declined (rows of 2048 values: more than the 1024 a block holds in registers)" in ln.choice
     assert [o.fn for o in plan.stages[2].ops] == ["gelu", "mul"]
+    # a convolution before it keeps its bias: the ATen stage would not take it
+    conv_first = plan_of([3, 34, 66], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, long_row], plan=ATEN)
+    assert families_of(conv_first) == ["conv_aten", "aten"] and not conv_first.stages[0].conv.bias_deferred
     # at the limit it is the family's
     edge = plan_of([3, 32, 32], [{"layer_norm": {"normalized_shape": [32, 32]}}, "gelu"])
     assert families_of(edge) == ["layer_norm"] and edge.stages[0].schedule.row_threads == layer_norm.CUDA_THREADS
