@@ -32,7 +32,8 @@ INTERNAL = ("as",)  # ops of the IR a spec does not name as ops (`as:` on an op 
 
 # The families that can absorb each kind of op (a new family adds its name here).
 CONV = ("conv_gemm", "conv_aten")  # implementations of a convolution stage
-FUSED = ("pool_reduce", "norm")  # families that fuse elementwise ops and reductions
+FUSED = ("pool_reduce", "norm", "layer_norm")  # families that fuse elementwise ops
+REDUCING = ("pool_reduce", "norm")  # families that fuse sum / mean / max / min too
 GEMM = ("linear_aten",)  # implementations of a matrix product
 ATEN = ("aten",)  # ops run by their ATen function in a stage of their own (not fused yet)
 
@@ -223,10 +224,10 @@ def _table() -> dict[str, OpDef]:
         _unary("log", torch.log, "log(x); NaN below 0, -inf at 0", relative=True),
         _unary("abs", torch.abs, "|x|"),
         _unary("neg", torch.neg, "-x"),
-        OpDef("sum", "reduce", _REDUCE_FIELDS, FUSED, "torch.sum(x, dim, keepdim)"),
-        OpDef("mean", "reduce", _REDUCE_FIELDS, FUSED, "torch.mean(x, dim, keepdim)"),
-        OpDef("max", "reduce", _REDUCE_FIELDS, FUSED, "torch.max(x, dim, keepdim)[0] (the values); torch.amax"),
-        OpDef("min", "reduce", _REDUCE_FIELDS, FUSED, "torch.min(x, dim, keepdim)[0] (the values); torch.amin"),
+        OpDef("sum", "reduce", _REDUCE_FIELDS, REDUCING, "torch.sum(x, dim, keepdim)"),
+        OpDef("mean", "reduce", _REDUCE_FIELDS, REDUCING, "torch.mean(x, dim, keepdim)"),
+        OpDef("max", "reduce", _REDUCE_FIELDS, REDUCING, "torch.max(x, dim, keepdim)[0] (the values); torch.amax"),
+        OpDef("min", "reduce", _REDUCE_FIELDS, REDUCING, "torch.min(x, dim, keepdim)[0] (the values); torch.amin"),
         OpDef("logsumexp", "reduce", _REDUCE_FIELDS, ATEN, "torch.logsumexp(x, dim, keepdim)"),
         OpDef("softmax", "softmax", _SOFTMAX_FIELDS, ATEN, "torch.softmax(x, dim)"),
         OpDef("log_softmax", "softmax", _SOFTMAX_FIELDS, ATEN, "torch.log_softmax(x, dim)"),
@@ -255,7 +256,7 @@ def _table() -> dict[str, OpDef]:
             "elementwise_affine": (f.boolean, True),
             "bias": (f.boolean, True),
             "name": (f.optional(f.ident), None),
-        }, ATEN, "nn.LayerNorm over the last dims; a submodule named `layer_norm`"),
+        }, ("layer_norm",) + ATEN, "nn.LayerNorm over the last dims; a submodule named `layer_norm`"),
         OpDef("reshape", "reshape", {"shape": (f.shape, REQUIRED)}, ATEN,
               "a view as [batch, *shape] (view, reshape, flatten, squeeze, unsqueeze); -1 once for the rest"),
         OpDef("dropout", "dropout", {"p": (f.number, REQUIRED)}, ATEN,

@@ -158,9 +158,13 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
         if isinstance(nxt, Capture) and i + 1 not in local:
             fused_next = False
         if lc is not None and lc.conv.bias and fused_next:
-            ops.append(replace(lc, bias_deferred=True))
             view = (lc.conv.out_channels,) + (1,) * lc.conv.rank
-            ops.append(Elementwise(key=op.key, fn="add", param=lc.conv.bias_name, param_view=view))
+            add = Elementwise(key=op.key, fn="add", param=lc.conv.bias_name, param_view=view)
+            # only where the next op's stage takes it (not a layer_norm whose rows are too long for its family)
+            fused_next = bool(families.claimants([add, nxt]))
+        if lc is not None and lc.conv.bias and fused_next:
+            ops.append(replace(lc, bias_deferred=True))
+            ops.append(add)
         else:
             ops.append(op)
     return pipe.with_ops(ops) if len(ops) != len(pipe.ops) else pipe

@@ -211,3 +211,54 @@ def render_norm_layout(name: str, root: Path) -> tuple[Path, Path]:
                if s.get("kind") == "norm"}
     assert layouts == {NORM_LAYOUTS[name][2]}, layouts
     return spec, root / "gen" / name
+
+
+# The layer_norm family's CUDA schedules (templates/layer_norm): each spec picks another row form.
+# (input shape, ops, params, plan, example batch, (row_threads, vector), input form: "flat" | "phased" | "channels_last")
+LAYER_NORMS = {
+    # KernelBench level 2 #34's row of 64 (a warp per row, float2 loads) after a per-channel prologue, then gelu and a scale
+    "ln_r64": ([5, 3, 64], [{"add": {"param": "s"}}, {"layer_norm": {"normalized_shape": [64]}}, "gelu", {"mul": {"scalar": 1.5}}],
+               {"s": {"shape": [5, 1, 1]}}, None, 37, (32, 2), "flat"),
+    # 48 values: a warp per row, its second slot half full (scalar loads); no affine part
+    "ln_r48": ([4, 7, 48], [{"layer_norm": {"normalized_shape": [48], "elementwise_affine": False}}, "relu"],
+               None, None, 37, (32, 1), "flat"),
+    # a 2-dim row (6 x 8 = 48 values over H and W): a weight and no bias, its output kept in a register for a later op
+    "ln_6x8": ([3, 6, 8], [{"layer_norm": {"normalized_shape": [6, 8], "bias": False, "as": "h"}}, "tanh",
+                           {"mul": {"tensor": "h"}}], None, None, 37, (32, 1), "flat"),
+    # rows of 8: 8 lanes per row, 4 rows per warp
+    "ln_r8": ([3, 5, 8], [{"layer_norm": {"normalized_shape": [8], "eps": 0.01}}, {"hardtanh": {"min_val": -0.5, "max_val": 0.75}}],
+              None, None, 37, (8, 1), "flat"),
+    # a block per row: 512 values (float2 loads), and a 2-dim row of 1024 (float4 loads)
+    "ln_r512": ([3, 512], [{"sub": {"scalar": 0.5}}, {"layer_norm": {"normalized_shape": [512]}}], None, None, 37, (256, 2), "flat"),
+    "ln_32x32": ([2, 32, 32], [{"layer_norm": {"normalized_shape": [32, 32]}}, "silu"], None, None, 37, (256, 4), "flat"),
+    # #34 in small: a strided transposed convolution by ATen as sub-pixel phase tiles (the cost model's choice at
+    # batch 2048), read in place, its bias added in the prologue; rows of 12 (16 lanes per row, 12 of them with a value)
+    "ln_phases": ([4, 3, 5, 6], [{"conv_transpose3d": {"out_channels": 6, "kernel_size": 4, "stride": 2, "padding": 1}},
+                                 {"layer_norm": {"normalized_shape": [12]}}, "gelu", {"mul": {"scalar": 1.0}}],
+                  None, {"conv": "aten", "conv_layout": "contiguous"}, 2048, (16, 1), "phased"),
+    # a channels_last ATen convolution output, read in place (a row's values a channel count apart)
+    "ln_cl": ([3, 6, 7], [{"conv2d": {"out_channels": 5, "kernel_size": 3, "padding": 1}}, {"layer_norm": {"normalized_shape": [7]}},
+                          {"leaky_relu": {"negative_slope": 0.2}}], None, CL_ATEN, 37, (8, 1), "channels_last"),
+}
+
+
+def render_layer_norm(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
+    """LAYER_NORMS[name] written under root as module ``module`` (default: the name; a process loads
+    each module name once: its ops are registered under it) and rendered into root/gen, checked to
+    have the schedule and the input form it stands for; returns (spec, module directory)."""
+    import json
+
+    from kgen.render import render_spec, write_rendered
+
+    module = module or name
+    shape, ops, params, plan, batch, schedule, form = LAYER_NORMS[name]
+    spec = write_spec(root, spec_text(shape, ops, params=params, name=module, batch=batch, plan=plan), f"{module}.yaml")
+    write_rendered(render_spec(spec, root / "gen"), root / "gen")
+    stages = [s for p in json.loads((root / "gen" / module / "plan.json").read_text())["plans"] for s in p["stages"]
+              if s["family"] == "layer_norm"]
+    assert len(stages) == 1, stages
+    sc, buf = stages[0]["schedule"], stages[0]["input_buffer"]
+    assert (sc["row_threads"], sc["vector"]) == schedule, sc
+    got = "phased" if buf["phase_stride"] else buf["layout"] if buf["layout"] == "channels_last" else "flat"
+    assert got == form, buf
+    return spec, root / "gen" / module

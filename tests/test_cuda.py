@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, NORM_LAYOUTS, ROOT, SHIPPED, TRANSPOSE_TILES, assert_report_passed,
-                      render_norm_layout, render_transpose_tile, spec_text, write_spec)
+from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, TRANSPOSE_TILES,
+                      assert_report_passed, render_layer_norm, render_norm_layout, render_transpose_tile, spec_text, write_spec)
 from kgen.ir import load_pipeline
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -212,6 +212,59 @@ def test_norm_layouts_validate(name, tmp_path):
     build_module(module_dir, quiet=True)
     report = validate(spec, module_dir, "cuda", example_batch=True)
     assert_report_passed(report)
+
+
+@pytest.fixture(scope="module")
+def layer_norm_cuda_modules(tmp_path_factory):
+    """conftest.LAYER_NORMS built for CUDA, as modules NAME_cuda (tests/test_layer_norm.py loads the
+    CPU builds under the plain names in the same process)."""
+    from kgen.build import build_modules
+
+    root = tmp_path_factory.mktemp("layer_norm_cuda")
+    built = {name: render_layer_norm(name, root, f"{name}_cuda") for name in sorted(LAYER_NORMS)}
+    build_modules([d for _, d in built.values()], "cuda")
+    return built
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_NORMS))
+def test_layer_norm_rows_validate(name, layer_norm_cuda_modules):
+    """Each row form of the layer_norm kernels (a warp, part of a warp or a block per row; float4,
+    float2 and scalar loads; partial slots; sub-pixel phase tiles and a channels_last input read in
+    place) against the float64 reference, normal and adversarial data (NaN and +-inf in a row, data
+    far from zero, constants), at batches 1 to 3 and at the spec's example batch."""
+    from kgen.validate import validate
+
+    spec, module_dir = layer_norm_cuda_modules[name]
+    assert_report_passed(validate(spec, module_dir, "cuda", example_batch=True), f"{name}: {LAYER_NORMS[name]}")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, case in LAYER_NORMS.items() if case[5][1] > 1))
+def test_layer_norm_unaligned_input_takes_scalar_loads(name, layer_norm_cuda_modules):
+    """An input 4 bytes off the vector loads' alignment runs the scalar kernel (checked at launch):
+    the same arithmetic in the same order as the vector kernel (equal up to the compiler's choice of
+    fused multiply-adds), and the CPU build's values within fp32 rounding."""
+    from kgen.plan import choose_plans
+    from kgen.validate import import_module_dir
+
+    spec, module_dir = layer_norm_cuda_modules[name]
+    mod = import_module_dir(module_dir)
+    plan = choose_plans(load_pipeline(spec)).plans[0]
+    (st,) = [s for s in plan.stages if s.family.name == "layer_norm"]
+    assert st.index == 0 and st.input.flat
+    stage = getattr(torch.ops.kgen, f"{name}_cuda_stage0")
+    torch.manual_seed(3)
+    model = mod.Model().cuda()
+    state = dict(model.named_parameters())
+    args = [state[a.name].detach() for a in plan.stage_args(st)]
+    x = torch.randn(3, *st.in_type.shape[1:], device="cuda")
+    storage = torch.empty(x.numel() + 1, device="cuda")
+    shifted = storage[1:].view_as(x).copy_(x)  # 4 bytes past a vector boundary
+    assert shifted.data_ptr() % 16 == 4
+    with torch.no_grad():
+        aligned, unaligned = stage([x], *args), stage([shifted], *args)
+        cpu = stage([x.cpu()], *[t.cpu() for t in args])
+    torch.testing.assert_close(unaligned, aligned, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(aligned.cpu(), cpu, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(INPUT_COPIES))

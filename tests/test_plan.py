@@ -7,9 +7,9 @@ import pytest
 
 from conftest import pipeline_of, spec_text
 from kgen import families
-from kgen.families import conv_aten, norm, pool_reduce
+from kgen.families import conv_aten, layer_norm, norm, pool_reduce
 from kgen.families.base import Family
-from kgen.ir import Elementwise, Norm, Reduce
+from kgen.ir import Capture, Elementwise, LayerNorm, Norm, Reduce
 from kgen.lowering import Subpixel
 from kgen.plan import make_plan
 from kgen.stage import ConvStage
@@ -89,6 +89,97 @@ def test_conv_bias_moves_into_the_next_stage():
     # a convolution at the end keeps its bias
     last = plan_of([3, 10, 10], ["relu", CONV2], rewrites=False)
     assert not last.stages[1].conv.bias_deferred
+
+
+LN64 = {"layer_norm": {"normalized_shape": [64]}}
+
+
+def test_layer_norm_fuses_with_the_elementwise_ops_around_it():
+    """KernelBench level 2 #34's tail: layer_norm over the last dim, gelu, a scale: one stage of the
+    layer_norm family (a warp per row of 64, float2 loads, 4 rows in flight), with the ops before it
+    as its prologue; no ATen stage."""
+    plan = plan_of([4, 3, 64], ["relu", LN64, "gelu", {"mul": {"scalar": 2.0}}])
+    (st,) = plan.stages
+    assert st.family is layer_norm.FAMILY and st.candidates == ("layer_norm",)
+    assert [o.fn for o in st.prologue] == ["relu"] and isinstance(st.norm, LayerNorm)
+    assert [o.fn for o in st.post] == ["gelu", "mul"]
+    assert (st.row_size, st.rows, st.row_dims) == (64, 12, 1)
+    sc = st.schedule
+    assert (sc.cuda_threads, sc.row_threads, sc.vector, sc.rows_in_flight) == (layer_norm.CUDA_THREADS, 32, 2, 4)
+    assert sc.cpu_grain == layer_norm.CPU_TASK_VALUES // 64 and sc.index_type == "int"
+    # alone, it is also the aten family's: both are candidates, the generated one first
+    (alone,) = plan_of([4, 3, 64], [LN64]).stages
+    assert alone.candidates == ("layer_norm", "aten") and alone.family is layer_norm.FAMILY
+    # a reduction (or a pool) after it is not the family's: the stage ends there
+    assert families_of(plan_of([4, 3, 64], [LN64, "gelu", {"sum": {"dim": 1}}])) == ["layer_norm", "pool_reduce"]
+    assert families_of(plan_of([4, 6, 64], [LN64, {"avg_pool2d": {"kernel_size": 2}}])) == ["layer_norm", "pool_reduce"]
+    # two layer norms: two stages
+    two = plan_of([4, 3, 64], [LN64, "relu", {"layer_norm": {"normalized_shape": [64], "name": "ln2"}}])
+    assert families_of(two) == ["layer_norm", "layer_norm"]
+
+
+def test_layer_norm_after_a_convolution_reads_its_buffer_in_place():
+    """A transposed convolution's sub-pixel phase tiles (#34 in small) are read in place, with the
+    convolution's bias added in the layer norm's prologue: no copy stage; the loads are scalar."""
+    ct = {"conv_transpose3d": {"out_channels": 6, "kernel_size": 4, "stride": 2, "padding": 1}}
+    plan = plan_of([4, 3, 5, 6], [ct, {"layer_norm": {"normalized_shape": [12]}}, "gelu", {"mul": {"scalar": 1.0}}],
+                   plan={"conv": "aten", "conv_layout": "contiguous"}, batch=2048)
+    conv, st = plan.stages
+    assert isinstance(conv.conv.lowering, Subpixel) and conv.conv.bias_deferred
+    assert st.family is layer_norm.FAMILY and st.input is conv.output and len(st.input.tiles) == 8
+    assert [(o.fn, o.param) for o in st.prologue] == [("add", "conv_transpose.bias")]
+    assert (st.schedule.row_threads, st.schedule.vector) == (16, 1)  # rows of 12: 16 lanes; no vectors from tiles
+    # an ATen convolution writes NC[D]HW for it first (a row's values lie a channel count apart in channels_last)
+    c2 = {"conv2d": {"out_channels": 5, "kernel_size": 3, "padding": 1}}
+    auto = plan_of([3, 40, 40], [c2, {"layer_norm": {"normalized_shape": [40]}}], plan=ATEN)
+    assert auto.stages[0].candidates == ("conv_aten:contiguous", "conv_aten:channels_last")
+    assert auto.stages[1].input.flat and auto.stages[1].schedule.vector == 1  # 40 values: no whole vectors per lane
+
+
+def test_layer_norm_rows_longer_than_the_registers_stay_with_aten():
+    """Rows of more than MAX_ROW_VALUES values: the family declines (its reason in the stage's
+    choice), the layer_norm is an ATen stage of its own and the ops around it go to pool_reduce."""
+    long_row = {"layer_norm": {"normalized_shape": [32, 64]}}  # 2048 values
+    plan = plan_of([3, 32, 64], ["relu", long_row, "gelu", {"mul": {"scalar": 2.0}}])
+    assert families_of(plan) == ["pool_reduce", "aten", "pool_reduce"]
+    ln = plan.stages[1]
+    assert ln.candidates == ("aten",)
+    assert "layer_norm declined (rows of 2048 values: more than the 1024 a block holds in registers)" in ln.choice
+    assert [o.fn for o in plan.stages[2].ops] == ["gelu", "mul"]
+    # a convolution before it keeps its bias: the ATen stage would not take it
+    conv_first = plan_of([3, 34, 66], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, long_row], plan=ATEN)
+    assert families_of(conv_first) == ["conv_aten", "aten"] and not conv_first.stages[0].conv.bias_deferred
+    # at the limit it is the family's
+    edge = plan_of([3, 32, 32], [{"layer_norm": {"normalized_shape": [32, 32]}}, "gelu"])
+    assert families_of(edge) == ["layer_norm"] and edge.stages[0].schedule.row_threads == layer_norm.CUDA_THREADS
+
+
+@pytest.mark.parametrize("shape, normalized, row_threads, vector, rows_in_flight", [
+    ([5, 8], [8], 8, 1, 8),  # short rows: 8 lanes each, 4 rows per warp
+    ([5, 48], [48], 32, 1, 4),  # 48 values: two slots, the second half full
+    ([6, 8], [6, 8], 32, 1, 4),  # a 2-dim row of 48 values
+    ([5, 128], [128], 32, 4, 2),  # float4: whole vectors per lane
+    ([5, 256], [256], 32, 4, 1),  # the longest row a warp takes
+    ([5, 384], [384], 256, 1, 4),  # a block per row: 1.5 values per thread, scalar
+    ([5, 512], [512], 256, 2, 4),
+    ([2, 32, 32], [32, 32], 256, 4, 2),
+])
+def test_layer_norm_schedule_follows_the_row(shape, normalized, row_threads, vector, rows_in_flight):
+    (st,) = plan_of(shape, [{"layer_norm": {"normalized_shape": normalized}}, "relu"]).stages
+    sc = st.schedule
+    assert (sc.row_threads, sc.vector, sc.rows_in_flight) == (row_threads, vector, rows_in_flight)
+
+
+def test_a_value_named_after_layer_norm():
+    """Named right after the norm and read in the same run of elementwise ops: a register of the
+    stage; read after a reduction: the stage ends with it and its output is the value."""
+    local = plan_of([3, 6, 8], [{"layer_norm": {"normalized_shape": [6, 8], "as": "h"}}, "tanh", {"mul": {"tensor": "h"}}])
+    (st,) = local.stages
+    assert isinstance(st.post[0], Capture) and st.post[-1].register
+    later = plan_of([3, 6, 8], [{"layer_norm": {"normalized_shape": [8], "as": "h"}}, {"mean": {"dim": 1, "keepdim": True, "as": "m"}},
+                                {"sub": {"from": "h", "tensor": "m"}}])
+    assert families_of(later) == ["layer_norm", "pool_reduce", "pool_reduce"]
+    assert later.value_exprs["h"] == "t0" and isinstance(later.stages[0].ops[-1], Capture)
 
 
 # ------------------------------------------------------------------ buffers and copies

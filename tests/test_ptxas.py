@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from conftest import CL_ATEN, INPUT_COPIES, NORM_LAYOUTS, ROOT, SHIPPED, render_norm_layout, spec_text, write_spec
+from conftest import (CL_ATEN, INPUT_COPIES, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, render_layer_norm, render_norm_layout,
+                      spec_text, write_spec)
 from kgen.build import cuda_home, demangle, ptxas_report
 
 pytestmark = pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
@@ -55,6 +56,18 @@ def test_norm_layouts_compile_without_spills(name, tmp_path):
     norm = [n for n in names if any(f in n for f in ("stats_kernel", "finalize_kernel", "apply_kernel"))]
     assert len(norm) == (2 if stats_by == "warp" else 3)  # no finalize step after a warp's statistics
     assert sum("to_channels_last_kernel" in n for n in names) == copies and len(names) == len(norm) + copies, names
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_NORMS))
+def test_layer_norms_compile_without_spills(name, tmp_path):
+    """Each row form of the layer_norm kernels (conftest.LAYER_NORMS) compiles clean: one kernel, and a
+    second one with vector loads where the rows take them (the launch picks by alignment)."""
+    _, module_dir = render_layer_norm(name, tmp_path)
+    kernels = ptxas_report(module_dir, "9.0a")
+    names = [demangle(k.name) for k in kernels]
+    vector = LAYER_NORMS[name][5][1]
+    assert sum("layer_norm_kernel" in n for n in names) == (2 if vector > 1 else 1), names
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
 
 

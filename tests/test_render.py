@@ -127,6 +127,34 @@ def test_norm_schedule_fields_render_as_named_constants(tmp_path):
     assert "s0::kCpuStatsGrain" in files["one/binding.cpp"]
 
 
+def test_layer_norm_schedule_fields_render_as_named_constants(tmp_path):
+    """The layer_norm family's sizes and schedule are named constants in stages.h; the kernels and
+    the binding use the names (a hand-made schedule whose numbers appear nowhere else)."""
+    plan = _one_stage_plan([{"mul": {"scalar": 3.0}}, {"layer_norm": {"normalized_shape": [8, 8], "eps": 0.001}}, "gelu"],
+                           shape=(5, 8, 8))
+    (st,) = plan.stages
+    st.schedule = replace(st.schedule, cuda_threads=192, row_threads=16, vector=4, rows_in_flight=3, cpu_grain=11,
+                          index_type="long long")
+    files = render_plan(plan, tmp_path).files
+    stages, kernel, cpu, binding = (files[f"one/{f}"] for f in ("stages.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp"))
+    assert "kgen-template: templates/layer_norm/stage.h.j2" in stages
+    for line in ("constexpr Index kRowSize = 64;", "constexpr Index kRows = 5;", "constexpr float kEps = 0.001f;",
+                 "constexpr int kThreads = 192;", "constexpr int kRowThreads = 16;", "constexpr int kVector = 4;",
+                 "constexpr int kRowsInFlight = 3;", "constexpr int kCpuGrain = 11;", "using Index = long long;"):
+        assert line in stages, line
+    assert "v = kgen::mul(v, 3.0f);" in stages and "v = kgen::gelu(v);" in stages
+    assert "a.layer_norm_weight[j]" in stages and "a.layer_norm_bias[j]" in stages
+    assert "s0::kRows" in binding and "s0::kCpuGrain" in binding
+    assert "layer_norm_kernel<kVector>" in kernel and "layer_norm_kernel<1>" in kernel  # aligned, and the fallback
+    for number in ("192", "16", "11"):  # (sizes and eps appear in the headers' plan summary and the shape checks)
+        assert not re.search(rf"(?<![\w.]){re.escape(number)}(?![\w.])", kernel + cpu + binding), number
+    assert json.loads(files["one/plan.json"])["plans"][0]["stages"][0]["schedule"]["row_threads"] == 16
+    # no affine part: no parameters, weight 1 and bias 0
+    bare = _one_stage_plan([{"layer_norm": {"normalized_shape": [8], "elementwise_affine": False}}], shape=(5, 8, 8))
+    text = render_plan(bare, tmp_path / "bare").files["one/stages.h"]
+    assert "layer_norm_weight" not in text and "return 1.f;" in text and "return 0.f;" in text
+
+
 def test_a_plan_without_kernels_renders_no_stage_code(tmp_path):
     plan = _one_stage_plan([{"conv2d": {"out_channels": 2, "kernel_size": 3}}], plan={"conv": "aten"})
     assert [s.family.name for s in plan.stages] == ["conv_aten"]

@@ -2,8 +2,10 @@
 
 The first home of ops no generated kernel computes yet: softmax and
 log_softmax, logsumexp, batch_norm (batch statistics and the running-statistics
-update in training mode, running statistics in eval mode), layer_norm, views
-(reshape) and dropout (the identity, refused in training mode with p > 0).
+update in training mode, running statistics in eval mode), views (reshape) and
+dropout (the identity, refused in training mode with p > 0); and layer_norm
+where the layer_norm family declines it (rows too long for its registers), or
+as the other candidate of a layer_norm stage of its own.
 Each is PyTorch's own computation, so its numerics are PyTorch's. The next
 fused stage reads its contiguous output. Templates: ``templates/aten/``.
 """

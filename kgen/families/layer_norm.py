@@ -1,0 +1,167 @@
+"""The layer_norm family: nn.LayerNorm with the elementwise ops around it, in one pass.
+
+A LayerNorm over ``normalized_shape`` normalizes each *row* of R =
+prod(normalized_shape) values: the last dims of a sample, contiguous in an
+NC[D]HW tensor. A row of at most ``MAX_ROW_VALUES`` values is held in
+registers by one group of threads: a warp or part of one for R <= 256
+(``WARP_ROW_VALUES``), a block for longer rows. Each thread loads its share of
+the row (vector loads where the input is a plain contiguous tensor and the
+row divides into whole vectors per thread; the kernel checks the pointers'
+alignment at launch), applies the prologue ops, and the group sums the row in
+a fixed butterfly (warp shuffles, then shared memory across a block's warps):
+first the mean, then, from the same registers, the sums of the centered values
+and of their squares. The corrected two-pass form (mean + sum(x - mean) / R,
+var = sum((x - mean)^2) / R - (sum(x - mean) / R)^2) removes the rounding of
+the first mean, so a row far from zero (1e4 + N(0, 1)) keeps fp32 accuracy.
+Then y = (x - mean) / sqrt(var + eps) * weight + bias and the ops after the
+norm, and one store per value. A NaN or an infinity in a row makes the whole
+row NaN, as PyTorch's layer_norm does (the mean, and with it every centered
+value, is NaN or infinite). Everything is fp32 on the GPU; the C++ build sums
+a row in double (templates/layer_norm/kernel_cpu.cpp.j2).
+
+The input: a plain contiguous tensor is read row by row (``load_flat``); any
+other buffer (sub-pixel phase tiles, a cropped or channels_last convolution
+output) through the shared ``load`` helper (templates/common.j2), in place,
+like every generated family: the planner adds no copy before a generated
+kernel. A channels_last input puts a row's values a channel count apart, so
+``reads_channels_last_fast`` is False (the cost model charges that read 4x,
+and an ATen convolution before the norm writes NC[D]HW).
+
+Declines: a row of more than ``MAX_ROW_VALUES`` values (``unsupported``). As
+the planner groups ops greedily before any family is asked to make a stage,
+``fits`` then takes the layer_norm alone, so the op stays an ATen stage of its
+own and the ops around it go to the other fused families.
+Templates: ``templates/layer_norm/``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..ir import Elementwise, LayerNorm
+from ..stage import Stage, flat_buffer
+from .base import Family, StageRequest, index_type, pow2_ceil
+
+CUDA_THREADS = 256  # threads per block
+WARP = 32
+WARP_ROW_VALUES = 256  # rows up to this long: a warp (or part of one) per row; longer rows: a block per row
+MAX_ROW_VALUES = 1024  # longest row held in registers (at most 4 values per thread of a block); longer: declined
+VECTOR_WIDTHS = (4, 2, 1)  # floats per load, widest first (float4, float2, float)
+VALUES_IN_FLIGHT = 8  # values a thread loads before it uses any (several rows when rows are short)
+CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
+
+
+@dataclass(frozen=True)
+class Schedule:
+    cuda_threads: int  # threads per block
+    row_threads: int  # threads that share one row: a power of two up to a warp, or the whole block
+    vector: int  # floats per load and store (1 where the input is not a plain tensor or rows do not divide)
+    rows_in_flight: int  # rows a thread group holds at once (their loads issued together)
+    cpu_grain: int  # rows per ATen task on the CPU
+    index_type: str  # of per-sample indices: int when they fit in 32 bits
+
+
+@dataclass
+class LayerNormStage(Stage):
+    prologue: list[Elementwise] = field(default_factory=list)  # before the norm, on each loaded value
+    norm: LayerNorm = None
+    post: list[Elementwise] = field(default_factory=list)  # after the norm (and its affine part)
+    schedule: Schedule = None
+
+    @property
+    def row_size(self) -> int:
+        """R: values normalized together (the normalized dims)."""
+        return math.prod(self.norm.normalized_shape)
+
+    @property
+    def row_dims(self) -> int:
+        """How many of the sample's dims (C, *S) a row spans (the last ones)."""
+        return len(self.norm.normalized_shape)
+
+    @property
+    def rows(self) -> int:
+        """Rows per sample."""
+        return self.in_type.sample_numel // self.row_size
+
+
+def row_size(op: LayerNorm) -> int:
+    return math.prod(op.normalized_shape)
+
+
+class LayerNormFamily(Family):
+    name = "layer_norm"
+    stage_kind = "layer_norm"
+    generates_kernel = True
+    reads_channels_last = False  # a row's values lie a channel count apart in channels_last
+    pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
+    summary = "layer norm over rows held in registers, with the elementwise ops around it, one pass"
+
+    def fits(self, ops):
+        """elementwise* layer_norm elementwise*; a layer_norm whose rows are too long for
+        registers alone (``unsupported`` then declines it, and the ATen stage computes it)."""
+        norms = [op for op in ops if isinstance(op, LayerNorm)]
+        if len(norms) != 1 or not all(isinstance(op, (Elementwise, LayerNorm)) for op in ops):
+            return False
+        return row_size(norms[0]) <= MAX_ROW_VALUES or len(ops) == 1
+
+    def unsupported(self, req: StageRequest) -> str | None:
+        norm = next(op for op in req.ops if isinstance(op, LayerNorm))
+        r = row_size(norm)
+        if r > MAX_ROW_VALUES:
+            return f"rows of {r} values: more than the {MAX_ROW_VALUES} a block holds in registers"
+        return None
+
+    def make_stage(self, req: StageRequest) -> LayerNormStage:
+        types = req.types
+        st = LayerNormStage(req.index, list(req.ops), types[0], types[-1], input=req.input, output=flat_buffer(types[-1]))
+        for op in req.ops:
+            if isinstance(op, LayerNorm):
+                st.norm = op
+            elif st.norm is None:
+                st.prologue.append(op)
+            else:
+                st.post.append(op)
+        r = st.row_size
+        row_threads = min(WARP, pow2_ceil(r)) if r <= WARP_ROW_VALUES else CUDA_THREADS
+        # whole vectors per thread, and a plain tensor: row starts are then multiples of the vector
+        vector = next(v for v in VECTOR_WIDTHS if v == 1 or (st.input.flat and r % (row_threads * v) == 0))
+        per_thread = -(-r // (row_threads * vector)) * vector  # values a thread holds of one row
+        st.schedule = Schedule(
+            cuda_threads=CUDA_THREADS,
+            row_threads=row_threads,
+            vector=vector,
+            rows_in_flight=max(1, VALUES_IN_FLIGHT // per_thread),
+            cpu_grain=max(1, CPU_TASK_VALUES // r),
+            index_type=index_type(st),
+        )
+        return st
+
+    def explain_lines(self, st: LayerNormStage) -> list[str]:
+        sc = st.schedule
+        r = st.row_size
+        per_thread = -(-r // (sc.row_threads * sc.vector)) * sc.vector
+        if sc.row_threads == sc.cuda_threads:
+            who = f"a block of {sc.row_threads} threads per row"
+        elif sc.row_threads == WARP:
+            who = "a warp per row"
+        else:
+            who = f"{sc.row_threads} lanes per row ({WARP // sc.row_threads} rows per warp)"
+        loads = {4: "float4", 2: "float2", 1: "scalar"}[sc.vector] + " loads"
+        if st.input.phased:
+            source = f"{len(st.input.tiles)} sub-pixel phase tiles read in place"
+        elif st.input.flat:
+            source = "a plain contiguous input"
+        else:
+            source = f"a {st.input.layout} buffer read in place" + (" (a row's values a channel count apart)"
+                                                                    if st.input.layout == "channels_last" else "")
+        affine = ("weight and bias" if st.norm.bias else "weight") if st.norm.affine else "no affine part"
+        return [f"{st.rows} rows of {r} values per sample, {who}: {per_thread} values per thread in registers, "
+                f"{sc.rows_in_flight} row(s) in flight, {loads} from {source}",
+                f"mean, then the centered variance from the same registers (fp32, fixed-order butterfly); {affine} "
+                f"in registers; one store per value"]
+
+    def stage_json(self, st: LayerNormStage) -> dict:
+        return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
+
+
+FAMILY = LayerNormFamily()
