@@ -155,8 +155,11 @@ def _processes_mentioning(text: str) -> list[str]:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_killed_build_leaves_no_compiler_running(tmp_path, sig):
     _, mod = _render(tmp_path, f"killed_{sig.name.lower()}")
+    # SIGINT as a terminal delivers it: a shell starts background jobs with SIGINT ignored, and the child
+    # would inherit that (then the build runs to the end and this test fails for the launcher's reasons)
     proc = subprocess.Popen([sys.executable, "-m", "kgen", "build", "--out", str(mod.parent), mod.name],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not any("binding.cpp" in c for c in _processes_mentioning(str(mod))):  # the compiler runs
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
