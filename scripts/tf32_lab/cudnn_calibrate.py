@@ -18,7 +18,8 @@ from kgen.bench import time_ms
 from kgen.cost import work_s
 from kgen.families.conv_aten import conv_work
 from kgen.ir import Conv, load_pipeline
-from kgen.lowering import Subpixel
+from kgen.lowering import LoweredConv
+from kgen.rewrites import subpixel_conv_transpose
 from kgen.target import current
 
 FWD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -46,8 +47,10 @@ def measure(calls, reps):
     return on, off, same
 
 
-def forms(conv: Conv, x: torch.Tensor, target):
-    """(form name, layout, [call], [conv_work estimate args]) for each way conv_aten can run ``conv``."""
+def forms(pipe, x: torch.Tensor):
+    """(form name, layout, [call], [conv_work estimate args]) for each way conv_aten can run the pipeline's
+    first op, a convolution."""
+    conv = pipe.ops[0]
     rank = conv.rank
     n, L = x.shape[0], tuple(x.shape[2:])
     cin, cout, g = conv.in_channels, conv.out_channels, conv.groups
@@ -69,10 +72,9 @@ def forms(conv: Conv, x: torch.Tensor, target):
                    layout=layout, transposed_stride=tuple(conv.stride) if conv.transposed else None)
         out.append(("as written", layout, [call], [est]))
         del y
-    subpixel_ok = (conv.transposed and g == 1 and all(d == 1 for d in conv.dilation)
-                   and all(p == 0 for p in conv.output_padding) and all(s <= k for s, k in zip(conv.stride, conv.kernel)))
-    if subpixel_ok:
-        phases = Subpixel().phases(conv, L, None)
+    lowered = subpixel_conv_transpose(pipe)[0][0]  # the rewrite's own test of where sub-pixel phases apply
+    if isinstance(lowered, LoweredConv):
+        phases = lowered.lowering.phases(conv, L, None)
         name = "flipped kernel" if len(phases) == 1 else f"{len(phases)} sub-pixel phases"
         for layout in ("contiguous", "channels_last"):
             f = fmt_of(layout, rank)
@@ -104,7 +106,7 @@ def main():
         batch = pipe.example_batch()
         torch.manual_seed(0)
         x = torch.randn(pipe.input.concrete(batch), device="cuda")
-        for name, layout, calls, ests in forms(conv, x, target):
+        for name, layout, calls, ests in forms(pipe, x):
             try:
                 on, off, fp32_bits = measure(calls, args.reps)
             except torch.OutOfMemoryError:
