@@ -72,6 +72,16 @@ def unravel(var: str, dims: list[tuple[str, int]], tmp: str, ty: str = "Index") 
     return "\n".join(lines)
 
 
+def ravel(dims: list[tuple[str, int]]) -> str:
+    """C expression of the row-major index of the named coordinates ``dims`` (outermost first): unravel's inverse."""
+    terms, stride = [], 1
+    for name, size in reversed(dims):
+        if size != 1:
+            terms.append(name if stride == 1 else f"{name} * {stride}")
+        stride *= size
+    return " + ".join(reversed(terms)) or "0"
+
+
 def reduced_coords(reduce, t: TensorType, names: list[str]) -> list[str]:
     """Coordinates of a reduction's output dims, in terms of the kept input dims."""
     out = []
@@ -182,5 +192,5 @@ def check_dims(t: TensorType) -> str:
 FUNCTIONS = dict(
     braces=braces, cfloat=cfloat, decl=decl, dim_names=dim_names, named_dims=named_dims, phase_coords=phase_coords,
     phase_index=phase_index, pykwargs=pykwargs, pytuple=pytuple, reduced_coords=reduced_coords, shape_expr=shape_expr,
-    check_dims=check_dims, tile_address=tile_address, unravel=unravel,
+    check_dims=check_dims, tile_address=tile_address, unravel=unravel, ravel=ravel,
 )

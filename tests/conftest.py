@@ -175,20 +175,48 @@ TRANSPOSE_TILES = {
 }
 
 
-def render_transpose_tile(name: str, root: Path) -> tuple[Path, Path]:
-    """TRANSPOSE_TILES[name] (convolution pinned to ATen, channels_last; example batch 3) rendered
-    under root/gen, checked to have the tile it stands for; returns (spec, module directory)."""
+def render_cl_aten(name: str, shape, ops, root: Path) -> tuple[Path, Path, list[dict]]:
+    """A spec (convolution pinned to ATen, channels_last; example batch 3) rendered under root/gen;
+    returns (spec, module directory, the schedules of its pool_reduce stages over all plans)."""
     import json
 
     from kgen.render import render_spec, write_rendered
 
-    shape, ops, channels = TRANSPOSE_TILES[name]
     spec = write_spec(root, spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN), f"{name}.yaml")
     write_rendered(render_spec(spec, root / "gen"), root / "gen")
     plan = json.loads((root / "gen" / name / "plan.json").read_text())
-    tiles = [s["schedule"]["transpose_channels"] for p in plan["plans"] for s in p["stages"] if s.get("kind") == "pool_reduce"]
-    assert tiles == [channels] * len(plan["plans"]), tiles
-    return spec, root / "gen" / name
+    schedules = [s["schedule"] for p in plan["plans"] for s in p["stages"] if s.get("kind") == "pool_reduce"]
+    return spec, root / "gen" / name, schedules
+
+
+def render_transpose_tile(name: str, root: Path) -> tuple[Path, Path]:
+    """TRANSPOSE_TILES[name] rendered (render_cl_aten), checked to have the tile it stands for."""
+    shape, ops, channels = TRANSPOSE_TILES[name]
+    spec, module_dir, schedules = render_cl_aten(name, shape, ops, root)
+    assert [s["transpose_channels"] for s in schedules] == [channels] * len(schedules), schedules
+    return spec, module_dir
+
+
+# A channels_last convolution output reduced over a spatial dim into an NC[D]HW output: the threads walk
+# the outputs in the input's memory order (pool_reduce's schedule.kept_walk, dims 1 = channels), so their
+# loads are adjacent. (input shape, ops, kept_walk)
+KEPT_WALKS = {
+    "walk_mean_d": ([8, 5, 7, 9], [{"conv3d": {"out_channels": 20, "kernel_size": 3, "padding": 1}},
+                                   {"mean": {"dim": 2, "keepdim": True}}, "tanh"], [3, 4, 1]),
+    "walk_max_h": ([3, 13, 17], [{"conv2d": {"out_channels": 12, "kernel_size": 3}}, {"max": {"dim": 2}}, "relu"], [3, 1]),
+    "walk_phases": ([8, 6, 7, 5], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}},
+                                   {"sum": {"dim": 3, "keepdim": True}}], [2, 4, 1]),
+    "walk_pool": ([8, 9, 10, 11], [{"conv3d": {"out_channels": 24, "kernel_size": 3, "padding": 1}},
+                                   {"max_pool3d": {"kernel_size": 2}}, {"mean": {"dim": 4}}], [2, 3, 1]),
+}
+
+
+def render_kept_walk(name: str, root: Path) -> tuple[Path, Path]:
+    """KEPT_WALKS[name] rendered (render_cl_aten), checked to walk its outputs in the order it stands for."""
+    shape, ops, walk = KEPT_WALKS[name]
+    spec, module_dir, schedules = render_cl_aten(name, shape, ops, root)
+    assert [s["kept_walk"] for s in schedules] == [walk] * len(schedules), schedules
+    return spec, module_dir
 
 
 def norm_layout_spec(name: str, directory: Path) -> Path:

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, TRANSPOSE_TILES,
-                      assert_report_passed, render_layer_norm, render_norm_layout, render_transpose_tile, spec_text, write_spec)
+from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, TRANSPOSE_TILES,
+                      assert_report_passed, render_kept_walk, render_layer_norm, render_norm_layout, render_transpose_tile,
+                      spec_text, write_spec)
 from kgen.ir import load_pipeline
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -304,6 +305,19 @@ def test_transpose_tiles_validate(name, tmp_path):
     from kgen.validate import validate
 
     spec, module_dir = render_transpose_tile(name, tmp_path)
+    build_module(module_dir, quiet=True)
+    assert_report_passed(validate(spec, module_dir, "cuda", example_batch=True))
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_WALKS))
+def test_kept_walks_validate(name, tmp_path):
+    """A reduction over a spatial dim of a channels_last input, its threads walking the outputs in the
+    input's memory order (sub-pixel phase tiles, a pool before it), against the float64 reference with the
+    adversarial cases, at batches 1 to 3."""
+    from kgen.build import build_module
+    from kgen.validate import validate
+
+    spec, module_dir = render_kept_walk(name, tmp_path)
     build_module(module_dir, quiet=True)
     assert_report_passed(validate(spec, module_dir, "cuda", example_batch=True))
 

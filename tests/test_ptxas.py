@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from conftest import (CL_ATEN, INPUT_COPIES, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, render_layer_norm, render_norm_layout,
-                      spec_text, write_spec)
+from conftest import (CL_ATEN, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, render_kept_walk, render_layer_norm,
+                      render_norm_layout, spec_text, write_spec)
 from kgen.build import cuda_home, demangle, ptxas_report
 
 pytestmark = pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
@@ -81,4 +81,13 @@ def test_input_copies_compile_without_spills(name, tmp_path):
     write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
     kernels = ptxas_report(tmp_path / "gen" / name, "9.0a")
     assert any("to_channels_last_kernel" in demangle(k.name) for k in kernels)
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_WALKS))
+def test_kept_walks_compile_without_spills(name, tmp_path):
+    """The reduction kernels that walk their outputs in a channels_last input's order (conftest.KEPT_WALKS) compile clean."""
+    _, module_dir = render_kept_walk(name, tmp_path)
+    kernels = ptxas_report(module_dir, "9.0a")
+    assert any("reduce_kernel" in demangle(k.name) for k in kernels)
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import ROOT, SHIPPED, SPECS, TRANSPOSE_TILES, pipeline_of, render_transpose_tile, spec_text, write_spec
+from conftest import (KEPT_WALKS, ROOT, SHIPPED, SPECS, TRANSPOSE_TILES, pipeline_of, render_kept_walk, render_transpose_tile, spec_text,
+                      write_spec)
 from kgen.render import render_plan, render_spec, stale_files
 
 
@@ -110,6 +111,23 @@ def test_channels_last_input_to_nchw_output_goes_through_a_tile(name, tmp_path):
     assert ("reduce_kernel" in kernel) == (not channels)
     if channels:
         assert f"constexpr int kTileC = {channels};" in kernel and f"constexpr int kTileP = {1024 // channels};" in kernel
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_WALKS))
+def test_reduction_of_channels_last_input_walks_outputs_in_its_order(name, tmp_path):
+    """A reduction over a spatial dim of a channels_last input: consecutive threads take the outputs in the
+    input's memory order (channels innermost) and kept_of_walk maps them back to the output's row-major
+    index; a contiguous input keeps the identity walk."""
+    _, module_dir = render_kept_walk(name, tmp_path)
+    kernel = (module_dir / "kernel.cu").read_text()
+    assert "const Index k = kept_of_walk(" in kernel
+    assert "return j;" not in kernel.split("KGEN_HD Index kept_of_walk")[1].split("}")[0]
+    # a contiguous input: the threads walk the outputs in their own order
+    spec = write_spec(tmp_path, spec_text([5, 7, 9], [{"mean": {"dim": 2}}, "tanh"], name="plain", batch=3), "plain.yaml")
+    files = render_spec(spec, tmp_path / "plain").files
+    (st,) = json.loads(files["plain/plan.json"])["plans"][0]["stages"]
+    assert st["schedule"]["kept_walk"] == [1, 3]
+    assert "KGEN_HD Index kept_of_walk(Index j) { return j; }" in files["plain/kernel.cu"]
 
 
 def test_norm_schedule_fields_render_as_named_constants(tmp_path):

@@ -145,6 +145,8 @@ cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pac
 // ==== stage 1: pool_reduce, CUDA (kgen-template: templates/pool_reduce/kernel.cu.j2)
 namespace s1 {
 
+KGEN_HD Index kept_of_walk(Index j) { return j; }  // the threads walk the outputs in their own order
+
 // Block = kOLanes outputs x kRLanes lanes; blockIdx.y picks a slice of the
 // reduction when it is split (then `partial` gets one value per slice).
 __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int splits) {
@@ -152,10 +154,11 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
   const int t = threadIdx.x;
   const int lane_r = kRFast ? t % kRLanes : t / kOLanes;
   const int lane_o = kRFast ? t / kRLanes : t % kOLanes;
-  const long long o = static_cast<long long>(blockIdx.x) * kOLanes + lane_o;
-  const bool live = o < a.batch * kKept;
-  const long long n = o / kKept;
-  const Index k = static_cast<Index>(o % kKept);
+  const long long j = static_cast<long long>(blockIdx.x) * kOLanes + lane_o;
+  const bool live = j < a.batch * kKept;
+  const long long n = j / kKept;
+  const Index k = kept_of_walk(static_cast<Index>(j % kKept));
+  const long long o = n * kKept + k;
   float acc = identity();
   if (live) {
     const Index per_split = (kReduced + splits - 1) / splits;

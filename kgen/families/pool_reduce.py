@@ -46,6 +46,11 @@ class Schedule:
     # read a channels_last input one value per memory sector, 5-9x below the bandwidth (notes/perf.md stop 29)
     transpose_channels: int = 0
     transpose_positions: int = 0  # positions of such a tile
+    # kept dims (1 = channels) in the order consecutive threads walk the outputs, innermost last: the
+    # output's row-major order, or the input's memory order where that differs and the threads walk the
+    # outputs (a channels_last input reduced over a spatial dim: walking the NC[D]HW output read one value
+    # per memory sector, ~8 ms of #13's 16; the scattered writes are the smaller side: notes/perf.md stop 30)
+    kept_walk: tuple = ()
 
 
 @dataclass
@@ -160,6 +165,7 @@ class PoolReduce(Family):
             index_type=index_type(st),
             transpose_channels=(tc := self._transpose_channels(st)),
             transpose_positions=TRANSPOSE_TILE // tc if tc else 0,
+            kept_walk=tuple(d for d in mem if d in st.kept_dims) if not r_fast and not tc else st.kept_dims,
         )
         return st
 

@@ -49,22 +49,22 @@ def measure(calls, reps):
 
 def forms(pipe, x: torch.Tensor):
     """(form name, layout, [call], [conv_work estimate args]) for each way conv_aten can run the pipeline's
-    first op, a convolution."""
+    first op, a convolution (on x's device: "meta" gives the estimate arguments without a GPU)."""
     conv = pipe.ops[0]
     rank = conv.rank
     n, L = x.shape[0], tuple(x.shape[2:])
     cin, cout, g = conv.in_channels, conv.out_channels, conv.groups
-    bias = torch.randn(cout, device="cuda")
+    bias = torch.randn(cout, device=x.device)
     out = []
     for layout in ("contiguous", "channels_last"):
         f = fmt_of(layout, rank)
         xl = x.contiguous(memory_format=f)
         if conv.transposed:
-            w = torch.randn(cin, cout // g, *conv.kernel, device="cuda").contiguous(memory_format=f)
+            w = torch.randn(cin, cout // g, *conv.kernel, device=x.device).contiguous(memory_format=f)
             call = lambda xl=xl, w=w: TRANSPOSED[rank](xl, w, bias, conv.stride, conv.padding,  # noqa: E731
                                                        conv.output_padding, g, conv.dilation)
         else:
-            w = torch.randn(cout, cin // g, *conv.kernel, device="cuda").contiguous(memory_format=f)
+            w = torch.randn(cout, cin // g, *conv.kernel, device=x.device).contiguous(memory_format=f)
             call = lambda xl=xl, w=w: FWD[rank](xl, w, bias, conv.stride, conv.padding, conv.dilation, g)  # noqa: E731
         y = call()
         flops = 2 * n * cin // g * cout * math.prod(conv.kernel) * (math.prod(L) if conv.transposed else math.prod(y.shape[2:]))
@@ -81,7 +81,7 @@ def forms(pipe, x: torch.Tensor):
             xin = x[(slice(None), slice(None)) + tuple(slice(0, e) for e in phases[0].input_extent)].contiguous(memory_format=f)
             calls, ests = [], []
             for ph in phases:
-                w = torch.randn(cout, cin, *ph.taps, device="cuda").contiguous(memory_format=f)
+                w = torch.randn(cout, cin, *ph.taps, device=x.device).contiguous(memory_format=f)
                 calls.append(lambda w=w, ph=ph: FWD[rank](xin, w, bias, 1, ph.padding))
                 ests.append(dict(flops=2 * n * cin * cout * math.prod(ph.taps) * math.prod(ph.count), read=xin.numel(),
                                  written=n * cout * math.prod(ph.conv_out), n=cout, k=cin * math.prod(ph.taps),
