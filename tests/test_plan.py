@@ -286,6 +286,9 @@ def test_schedule_fields_come_from_the_family_and_the_target():
     assert big.cuda_threads == pool_reduce.CUDA_THREADS and big.min_per_thread == pool_reduce.MIN_PER_THREAD
     # contiguous input, spatial reduction innermost: lanes walk the reduction
     assert big.r_fast and big.r_lanes == 256
+    # a short reduction adjacent in memory: R_FAST_PER_LANE values per lane (128 -> 32 lanes), not one each
+    short = plan_of([4, 6, 128], [{"min": {"dim": 3}}], batch=1, target=DEFAULT).stages[0].schedule
+    assert short.r_fast and short.r_lanes == 128 // pool_reduce.R_FAST_PER_LANE == 32
     # reducing channels of a contiguous tensor: threads walk the outputs, lanes fill the device
     chans = [{"sum": {"dim": 1}}]
     lanes_big = plan_of([64, 32, 32], chans, batch=1, target=DEFAULT).stages[0].schedule

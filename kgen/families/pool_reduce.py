@@ -20,6 +20,9 @@ CUDA_THREADS = 256  # threads per block
 MIN_PER_THREAD = 32  # values a thread combines before a reduction is split across blocks
 WAVES = 2  # a split reduction aims for this many times the blocks the device holds at once
 MAX_R_LANES_ACROSS = 32  # lanes of one output when threads walk the outputs: >= 8 adjacent outputs per block
+# values per lane when lanes walk a reduction adjacent in memory: one value per lane left a short reduction (min
+# over 128 channels_last channels) to a shared-memory tree of 7 synchronized steps per 2 outputs (#36, stop 30)
+R_FAST_PER_LANE = 4
 LOADS_IN_FLIGHT = 16  # loads per thread before their values are combined (a window pool issues its own)
 MAX_UNROLL = 8
 MAX_UNROLLED_WINDOW = 512  # window taps up to which the window loops are unrolled
@@ -190,7 +193,7 @@ class PoolReduce(Family):
         if st.reduced_count == 1:
             return 1
         if r_fast:
-            return min(CUDA_THREADS, pow2_floor(st.reduced_count))
+            return min(CUDA_THREADS, pow2_floor(max(1, st.reduced_count // R_FAST_PER_LANE)))
         outputs = req.batch * st.kept_count
         want = pow2_ceil(max(1, req.target.resident_threads // max(outputs, 1)))
         return max(1, min(want, MAX_R_LANES_ACROSS, pow2_floor(st.reduced_count)))
