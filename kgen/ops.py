@@ -32,10 +32,11 @@ INTERNAL = ("as",)  # ops of the IR a spec does not name as ops (`as:` on an op 
 
 # The families that can absorb each kind of op (a new family adds its name here).
 CONV = ("conv_gemm", "conv_aten")  # implementations of a convolution stage
-FUSED = ("pool_reduce", "norm", "layer_norm")  # families that fuse elementwise ops
+FUSED = ("pool_reduce", "norm", "layer_norm", "softmax")  # families that fuse elementwise ops
 REDUCING = ("pool_reduce", "norm")  # families that fuse sum / mean / max / min too
 GEMM = ("linear_aten",)  # implementations of a matrix product
-ATEN = ("aten",)  # ops run by their ATen function in a stage of their own (not fused yet)
+SOFTMAX = ("softmax",)  # softmax, log_softmax and logsumexp over one axis (alone, also the aten family's)
+ATEN = ("aten",)  # ops run by their ATen function in a stage of their own (not fused yet, or as a candidate)
 
 
 @dataclass(frozen=True)
@@ -228,9 +229,10 @@ def _table() -> dict[str, OpDef]:
         OpDef("mean", "reduce", _REDUCE_FIELDS, REDUCING, "torch.mean(x, dim, keepdim)"),
         OpDef("max", "reduce", _REDUCE_FIELDS, REDUCING, "torch.max(x, dim, keepdim)[0] (the values); torch.amax"),
         OpDef("min", "reduce", _REDUCE_FIELDS, REDUCING, "torch.min(x, dim, keepdim)[0] (the values); torch.amin"),
-        OpDef("logsumexp", "reduce", _REDUCE_FIELDS, ATEN, "torch.logsumexp(x, dim, keepdim)"),
-        OpDef("softmax", "softmax", _SOFTMAX_FIELDS, ATEN, "torch.softmax(x, dim)"),
-        OpDef("log_softmax", "softmax", _SOFTMAX_FIELDS, ATEN, "torch.log_softmax(x, dim)"),
+        OpDef("logsumexp", "reduce", _REDUCE_FIELDS, SOFTMAX + ATEN,
+              "torch.logsumexp(x, dim, keepdim); over dims that are not consecutive: an ATen stage"),
+        OpDef("softmax", "softmax", _SOFTMAX_FIELDS, SOFTMAX + ATEN, "torch.softmax(x, dim)"),
+        OpDef("log_softmax", "softmax", _SOFTMAX_FIELDS, SOFTMAX + ATEN, "torch.log_softmax(x, dim)"),
         OpDef("linear", "linear", {
             "out_features": (f.integer(1), REQUIRED),
             "bias": (f.boolean, True),

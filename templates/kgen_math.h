@@ -168,4 +168,39 @@ KGEN_HD float moments_stats(const Moments& m, float eps, float& rstd) {
   return static_cast<float>(m.mean);
 }
 
+// Neither infinite nor NaN (a comparison, not x - x == 0, which fast-math may fold).
+constexpr float kFloatMax = 3.402823466e38f;
+KGEN_HD bool is_finite(float x) { return fabsf(x) <= kFloatMax; }
+
+// Softmax, log_softmax and logsumexp over a slice of values: the slice's max
+// and the sum of exp(v - max), in the max-subtracted form (no exp overflows).
+// Values are pushed one by one or gathered per thread and merged:
+//   m = max(m1, m2), s = s1 * exp(m1 - m) + s2 * exp(m2 - m)
+// with one exp per push or merge (the larger side's factor is 1). The sum is
+// kept only while the max is finite; a max that is NaN (a NaN anywhere: max_nan
+// keeps it), +inf or -inf (every value -inf) decides the result alone, as in
+// PyTorch: logsumexp is then that max, and every softmax / log_softmax output
+// of the slice is NaN (PyTorch's exp(inf - inf) and -inf - -inf). merge(a, b)
+// and merge(b, a) are the same value, so a butterfly leaves every lane equal.
+struct ExpSum {
+  float max;
+  float sum;  // of exp(v - max); 0 while max is not finite
+};
+
+KGEN_HD ExpSum expsum_empty() { return ExpSum{-INFINITY, 0.f}; }
+
+KGEN_HD ExpSum expsum_merge(const ExpSum& a, const ExpSum& b) {
+  const float hi = max_nan(a.max, b.max);
+  if (!is_finite(hi)) return ExpSum{hi, 0.f};
+  const float e = expf((a.max < b.max ? a.max : b.max) - hi);  // the smaller side's factor, 0 for a max of -inf
+  if (a.max > b.max) return ExpSum{hi, a.sum + b.sum * e};
+  if (b.max > a.max) return ExpSum{hi, a.sum * e + b.sum};
+  return ExpSum{hi, a.sum + b.sum};
+}
+
+KGEN_HD void expsum_push(ExpSum& p, float v) { p = expsum_merge(p, ExpSum{v, 1.f}); }
+
+// log(sum of exp(v)) of the slice: torch.logsumexp's value, inf, -inf and NaN included.
+KGEN_HD float expsum_log(const ExpSum& p) { return is_finite(p.max) ? p.max + logf(p.sum) : p.max; }
+
 }  // namespace kgen

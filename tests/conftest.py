@@ -1,3 +1,4 @@
+import math
 import os
 import sys
 from pathlib import Path
@@ -290,3 +291,123 @@ def render_layer_norm(name: str, root: Path, module: str | None = None) -> tuple
     got = "phased" if buf["phase_stride"] else buf["layout"] if buf["layout"] == "channels_last" else "flat"
     assert got == form, buf
     return spec, root / "gen" / module
+
+
+# The softmax family's forms (kgen/families/softmax.py): shape, ops, params, plan, example batch,
+# (form, slice_threads, cached), input form (flat | phased | channels_last).
+SOFTMAXES = {
+    # KernelBench level 2 #49 in small: softmax over 24 channels (not a power of two), a thread per
+    # position, a per-channel prologue, then sigmoid
+    "sm_c24": ([24, 5, 7], [{"add": {"param": "b"}}, {"softmax": {"dim": 1}}, "sigmoid"], {"b": {"shape": [24, 1, 1]}}, None, 37,
+               ("columns", 1, True), "flat"),
+    # #91's 128 channels in small: 4 lanes per slice, 8 positions apart, 32 values each
+    "sm_c128": ([128, 3, 5], [{"softmax": {"dim": 1}}, {"add": {"param": "b"}}, "sigmoid"], {"b": {"shape": [128, 1, 1]}}, None, 37,
+                ("columns", 4, True), "flat"),
+    # 300 channels: 4 lanes of 75 values, more than registers hold, so the slice is read twice; log_softmax
+    "lsm_c300": ([300, 3, 5], [{"log_softmax": {"dim": 1}}, {"mul": {"scalar": 0.5}}], None, None, 37, ("columns", 4, False), "flat"),
+    # 48 channels over two lanes (24 values each); log_softmax
+    "lsm_c48": ([48, 9], [{"log_softmax": {"dim": 1}}], None, None, 37, ("columns", 2, True), "flat"),
+    # #58 in small: logsumexp over 16 channels of a 3-d volume, kept as a value for the ops after it
+    "lse_c16": ([16, 4, 6, 5], [{"logsumexp": {"dim": 1, "keepdim": True, "as": "l"}}, {"add": {"scalar": 3.0}}, "sigmoid",
+                                {"mul": {"tensor": "l"}}, {"sub": {"param": "b"}}, {"clamp": {"min": -1.0, "max": 1.0}}],
+                {"b": {"shape": [1, 1, 1, 1]}}, None, 37, ("columns", 1, True), "flat"),
+    # the middle axis: 6 slices' values 5 apart (columns), logsumexp without keepdim
+    "lse_mid": ([4, 6, 5], [{"logsumexp": {"dim": 2}}, "relu"], None, None, 37, ("columns", 1, True), "flat"),
+    # two consecutive dims as one axis of 30 values (rows: 32 lanes)
+    "lse_hw": ([4, 6, 5], [{"logsumexp": {"dim": [2, 3], "keepdim": True}}, {"mul": {"param": "s"}}], {"s": {"shape": [4, 1, 1]}},
+               None, 37, ("rows", 32, True), "flat"),
+    # short rows: 10 values over 16 lanes, two slices per warp
+    "sm_r10": ([6, 10], ["tanh", {"softmax": {"dim": 2}}], None, None, 37, ("rows", 16, True), "flat"),
+    # #99 and #84 in small: a GEMM row of 1000 (256 threads, 4 values each, the last slot partial), gelu before
+    "sm_r1000": ([1000], ["gelu", {"softmax": {"dim": 1}}], None, None, 37, ("rows", 256, True), "flat"),
+    # a row of 8192: 512 threads, 16 values each; log_softmax
+    "lsm_r8192": ([8192], [{"mul": {"param": "s"}}, {"log_softmax": {"dim": 1}}], {"s": {"shape": [8192]}}, None, 4,
+                  ("rows", 512, True), "flat"),
+    # #45 / #64: logsumexp of a row of 4100 values without keepdim (a [N] output), then leaky_relu
+    "lse_r4100": ([4100], [{"logsumexp": {"dim": 1}}, {"leaky_relu": {"negative_slope": 0.2}}], None, None, 5,
+                  ("rows", 512, True), "flat"),
+    # a row of 40000: 1024 threads, 40 values each (more than registers hold: read twice)
+    "sm_r40000": ([40000], [{"softmax": {"dim": 1}}, {"mul": {"scalar": 3.0}}], None, None, 3, ("rows", 1024, False), "flat"),
+    # a strided transposed convolution by ATen as sub-pixel phase tiles, read in place, its bias in the prologue
+    "sm_phases": ([4, 3, 5, 6], [{"conv_transpose3d": {"out_channels": 10, "kernel_size": 4, "stride": 2, "padding": 1}},
+                              {"softmax": {"dim": 1}}, "sigmoid"],
+                  None, {"conv": "aten", "conv_layout": "contiguous"}, 2048, ("columns", 1, True), "phased"),
+    # a channels_last ATen convolution output, read in place
+    "lse_cl": ([3, 6, 7], [{"conv2d": {"out_channels": 12, "kernel_size": 3, "padding": 1}}, {"logsumexp": {"dim": 1, "keepdim": True}}],
+               None, CL_ATEN, 37, ("columns", 1, True), "channels_last"),
+}
+
+
+def render_softmax(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
+    """SOFTMAXES[name] written under root as module ``module`` (default: the name) and rendered into
+    root/gen, checked to have the schedule and the input form it stands for; returns (spec, module directory)."""
+    import json
+
+    from kgen.render import render_spec, write_rendered
+
+    module = module or name
+    shape, ops, params, plan, batch, schedule, form = SOFTMAXES[name]
+    spec = write_spec(root, spec_text(shape, ops, params=params, name=module, batch=batch, plan=plan), f"{module}.yaml")
+    write_rendered(render_spec(spec, root / "gen"), root / "gen")
+    stages = [s for p in json.loads((root / "gen" / module / "plan.json").read_text())["plans"] for s in p["stages"]
+              if s["family"] == "softmax"]
+    assert len(stages) == 1, stages
+    sc, buf = stages[0]["schedule"], stages[0]["input_buffer"]
+    assert (sc["form"], sc["slice_threads"], sc["cached"]) == schedule, sc
+    got = "phased" if buf["phase_stride"] else buf["layout"] if buf["layout"] == "channels_last" else "flat"
+    assert got == form, buf
+    return spec, root / "gen" / module
+
+
+# Shapes (without the batch) whose dim-1 slices test_softmax.py and test_cuda.py fill with NaN and
+# infinities: columns held in registers by 1 and by 4 lanes, read twice; rows held by a block, read twice.
+NON_FINITE_SOFTMAX_SHAPES = {"c24": [24, 3, 4], "c128": [128, 3, 4], "c300": [300, 3, 4], "r1000": [1000], "r40000": [40000]}
+NON_FINITE_SLICES = 8  # slices non_finite_slices fills (the batch gives at least these)
+
+
+def non_finite_slices(shape) -> torch.Tensor:
+    """Normal values of ``shape`` (batch first) whose slices along dim 1 (in order of the other dims)
+    hold: a NaN; a +inf; -inf and +inf; -inf only; -inf in half and finite values; NaN and +inf; ties;
+    values x 1e3 (exp overflows without the max subtracted); the rest normal."""
+    x = torch.randn(shape)
+    s = x.movedim(1, -1).reshape(-1, shape[1])  # a copy: slice k is row k
+    length = shape[1]
+    assert s.shape[0] >= NON_FINITE_SLICES, s.shape
+    s[0, length // 3] = math.nan
+    s[1, length - 1] = math.inf
+    s[2, 0], s[2, length // 2] = -math.inf, math.inf
+    s[3, :] = -math.inf
+    s[4, : length // 2] = -math.inf
+    s[5, 1], s[5, length - 2] = math.nan, math.inf
+    s[6, :] = 0.75
+    s[7, :] *= 1e3
+    moved = list(shape[:1]) + list(shape[2:]) + [length]
+    return s.reshape(moved).movedim(-1, 1).contiguous()
+
+
+def render_non_finite_softmax(fn: str, shape_name: str, root: Path, module: str) -> tuple[Path, Path]:
+    """``fn`` (softmax, log_softmax or logsumexp with keepdim) over dim 1 of NON_FINITE_SOFTMAX_SHAPES[shape_name],
+    after x * 1 (exact; the op alone is also the aten family's candidate), rendered into root/gen."""
+    from kgen.render import render_spec, write_rendered
+
+    op = {fn: {"dim": 1, "keepdim": True}} if fn == "logsumexp" else {fn: {"dim": 1}}
+    shape = NON_FINITE_SOFTMAX_SHAPES[shape_name]
+    spec = write_spec(root, spec_text(shape, [{"mul": {"scalar": 1.0}}, op], name=module), f"{module}.yaml")
+    write_rendered(render_spec(spec, root / "gen"), root / "gen")
+    return spec, root / "gen" / module
+
+
+def check_non_finite_softmax(fn: str, shape_name: str, stage, device: str) -> torch.Tensor:
+    """The stage op of render_non_finite_softmax on non_finite_slices against PyTorch in float64 on the
+    CPU: NaN and +-inf exactly where it has them, the finite values within fp32 rounding; returns the output."""
+    shape = NON_FINITE_SOFTMAX_SHAPES[shape_name]
+    torch.manual_seed(11)
+    x = non_finite_slices([NON_FINITE_SLICES if len(shape) == 1 else 2] + shape)
+    y = stage([x.to(device)]).cpu()
+    ref = torch.logsumexp(x.double(), 1, keepdim=True) if fn == "logsumexp" else getattr(torch, fn)(x.double(), 1)
+    for what in (torch.isnan, torch.isposinf, torch.isneginf):
+        got, want = what(y), what(ref)
+        assert torch.equal(got, want), f"{what.__name__}: at {int((got & ~want).sum())} extra, {int((want & ~got).sum())} missing"
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(y.double()[finite], ref[finite], rtol=1e-5, atol=1e-6)
+    return y

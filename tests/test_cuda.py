@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, TRANSPOSE_TILES,
-                      assert_report_passed, render_kept_walk, render_layer_norm, render_norm_layout, render_transpose_tile,
+from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NON_FINITE_SOFTMAX_SHAPES, NORM_LAYOUTS, ROOT,
+                      SHIPPED, SOFTMAXES, TRANSPOSE_TILES, assert_report_passed, check_non_finite_softmax, render_kept_walk,
+                      render_layer_norm, render_non_finite_softmax, render_norm_layout, render_softmax, render_transpose_tile,
                       spec_text, write_spec)
 from kgen.ir import load_pipeline
 
@@ -266,6 +267,61 @@ def test_layer_norm_unaligned_input_takes_scalar_loads(name, layer_norm_cuda_mod
         cpu = stage([x.cpu()], *[t.cpu() for t in args])
     torch.testing.assert_close(unaligned, aligned, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(aligned.cpu(), cpu, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def softmax_cuda_modules(tmp_path_factory):
+    """conftest.SOFTMAXES built for CUDA, as modules NAME_cuda (tests/test_softmax.py loads the CPU
+    builds under the plain names in the same process)."""
+    from kgen.build import build_modules
+
+    root = tmp_path_factory.mktemp("softmax_cuda")
+    built = {name: render_softmax(name, root, f"{name}_cuda") for name in sorted(SOFTMAXES)}
+    build_modules([d for _, d in built.values()], "cuda")
+    return built
+
+
+@pytest.mark.parametrize("name", sorted(SOFTMAXES))
+def test_softmax_forms_validate(name, softmax_cuda_modules):
+    """Each form of the softmax kernel (columns: 1, 2 or 4 lanes per slice, channels not a power of two;
+    rows: part of a warp, a warp, a block; values held in registers or read twice; sub-pixel phase tiles
+    and a channels_last input read in place; softmax, log_softmax, logsumexp with and without keepdim)
+    against the float64 reference, normal and adversarial data (NaN and +-inf in a slice, ties, data far
+    from zero, large values, constants), at batches 1 to 3 and at the spec's example batch."""
+    from kgen.validate import validate
+
+    spec, module_dir = softmax_cuda_modules[name]
+    assert_report_passed(validate(spec, module_dir, "cuda", example_batch=True), f"{name}: {SOFTMAXES[name]}")
+
+
+NON_FINITE_SOFTMAX_CASES = [(fn, shape) for fn in ("softmax", "log_softmax", "logsumexp") for shape in sorted(NON_FINITE_SOFTMAX_SHAPES)]
+
+
+@pytest.fixture(scope="module")
+def non_finite_softmax_cuda_modules(tmp_path_factory):
+    from kgen.build import build_modules
+
+    root = tmp_path_factory.mktemp("softmax_non_finite_cuda")
+    built = {case: render_non_finite_softmax(*case, root, f"nf_{case[0]}_{case[1]}_cuda") for case in NON_FINITE_SOFTMAX_CASES}
+    build_modules([d for _, d in built.values()], "cuda")
+    return built
+
+
+@pytest.mark.parametrize("fn, shape_name", NON_FINITE_SOFTMAX_CASES)
+def test_softmax_non_finite_slices_match_pytorch(fn, shape_name, non_finite_softmax_cuda_modules):
+    """Slices with a NaN, a +inf, -inf and +inf, -inf only, half -inf, ties and values x 1e3, in both
+    shapes (columns held by 1 and 4 lanes or read twice; rows held by a block or read twice): NaN and
+    +-inf exactly where PyTorch's float64 has them, the values within fp32 rounding of it and of the
+    CPU build of the same op."""
+    from kgen.validate import import_module_dir
+
+    _, module_dir = non_finite_softmax_cuda_modules[(fn, shape_name)]
+    import_module_dir(module_dir)
+    stage = getattr(torch.ops.kgen, f"nf_{fn}_{shape_name}_cuda_stage0")
+    with torch.no_grad():
+        y = check_non_finite_softmax(fn, shape_name, stage, "cuda")
+        cpu = check_non_finite_softmax(fn, shape_name, stage, "cpu")
+    torch.testing.assert_close(y, cpu, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", sorted(INPUT_COPIES))

@@ -7,9 +7,9 @@ import pytest
 
 from conftest import pipeline_of, spec_text
 from kgen import families
-from kgen.families import conv_aten, layer_norm, norm, pool_reduce
+from kgen.families import conv_aten, layer_norm, norm, pool_reduce, softmax
 from kgen.families.base import Family
-from kgen.ir import Capture, Elementwise, LayerNorm, Norm, Reduce
+from kgen.ir import Capture, Elementwise, LayerNorm, Norm, Reduce, Softmax
 from kgen.lowering import Subpixel
 from kgen.plan import make_plan
 from kgen.stage import ConvStage
@@ -180,6 +180,91 @@ def test_a_value_named_after_layer_norm():
                                 {"sub": {"from": "h", "tensor": "m"}}])
     assert families_of(later) == ["layer_norm", "pool_reduce", "pool_reduce"]
     assert later.value_exprs["h"] == "t0" and isinstance(later.stages[0].ops[-1], Capture)
+
+
+def test_softmax_fuses_with_the_elementwise_ops_around_it():
+    """softmax, log_softmax and logsumexp over one axis: one stage of the softmax family with the
+    elementwise ops before it as its prologue and those after it as its post ops; no ATen stage.
+    Alone, the op is also the aten family's candidate (the generated one first)."""
+    plan = plan_of([24, 5, 7], ["relu", {"softmax": {"dim": 1}}, "sigmoid", {"mul": {"scalar": 2.0}}])
+    (st,) = plan.stages
+    assert st.family is softmax.FAMILY and st.candidates == ("softmax",)
+    assert [o.fn for o in st.prologue] == ["relu"] and isinstance(st.op, Softmax) and [o.fn for o in st.post] == ["sigmoid", "mul"]
+    assert (st.axis, st.length, st.inner, st.slices) == ((1,), 24, 35, 35)
+    (alone,) = plan_of([24, 5, 7], [{"log_softmax": {"dim": 1}}]).stages
+    assert alone.candidates == ("softmax", "aten") and alone.family is softmax.FAMILY
+    # logsumexp: its output keeps the axis as 1 (keepdim) or drops it; two consecutive dims are one axis
+    (lse,) = plan_of([4, 6, 5], [{"logsumexp": {"dim": [2, 3], "keepdim": True}}, "relu"]).stages
+    assert lse.family is softmax.FAMILY and (lse.axis, lse.length, lse.inner, lse.slices) == ((2, 3), 30, 1, 4)
+    assert str(lse.out_type) == "[N, 4, 1, 1]"
+    # over dims that are not consecutive: an ATen stage of its own, the ops around it elsewhere
+    gap = plan_of([4, 6, 5], ["relu", {"logsumexp": {"dim": [1, 3]}}, "relu"])
+    assert families_of(gap) == ["pool_reduce", "aten", "pool_reduce"]
+    # a reduction or a pool after it is not the family's; two softmaxes are two stages
+    assert families_of(plan_of([8, 6], [{"softmax": {"dim": 1}}, {"max": {"dim": 1}}])) == ["softmax", "pool_reduce"]
+    assert families_of(plan_of([8, 6, 6], [{"softmax": {"dim": 1}}, {"max_pool2d": {"kernel_size": 2}}])) == ["softmax", "pool_reduce"]
+    assert families_of(plan_of([8, 6], [{"softmax": {"dim": 1}}, "relu", {"logsumexp": {"dim": 1}}])) == ["softmax", "softmax"]
+
+
+def test_kernelbench_softmax_and_logsumexp_stages_are_fused():
+    """The KernelBench level 2 shapes in small: #49 (ConvTranspose3d, softmax over the channels, sigmoid),
+    #58 (logsumexp over the channels kept as a value for the ops after it), #92 (group norm, then
+    logsumexp over the channels) and #99 (a GEMM, gelu, softmax over a row of 8192): no ATen stage, the
+    convolution's bias added in the softmax stage's prologue, the value in a register."""
+    ct = {"conv_transpose3d": {"out_channels": 64, "kernel_size": 3, "stride": 2, "padding": 1, "output_padding": 1}}
+    kb49 = plan_of([32, 4, 4, 4], [ct, {"softmax": {"dim": 1}}, "sigmoid"], plan=ATEN)
+    assert families_of(kb49) == ["conv_aten", "softmax"] and kb49.stages[0].conv.bias_deferred
+    st = kb49.stages[1]
+    assert [(o.fn, o.param) for o in st.prologue] == [("add", "conv_transpose.bias")] and [o.fn for o in st.post] == ["sigmoid"]
+    sc = st.schedule  # 64 channels: two lanes of 32 values each, in registers
+    assert (sc.form, sc.cuda_threads, sc.slice_threads, sc.cached) == ("columns", softmax.COLUMN_THREADS, 2, True)
+    ct16 = {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}
+    kb58 = plan_of([3, 4, 4, 4], [ct16, {"logsumexp": {"dim": 1, "keepdim": True, "as": "l"}}, {"add": {"scalar": 3.0}}, "sigmoid",
+                                  {"mul": {"tensor": "l"}}, {"clamp": {"min": -1.0, "max": 1.0}}], plan=ATEN)
+    assert families_of(kb58)[-1] == "softmax" and "aten" not in families_of(kb58)
+    lse = kb58.stages[-1]
+    assert isinstance(lse.post[0], Capture) and lse.post[3].tensor == "l" and lse.post[3].register
+    assert (lse.schedule.form, lse.schedule.slice_threads) == ("columns", 1)
+    kb92 = plan_of([8, 10, 10], [{"group_norm": {"num_groups": 4, "name": "gn"}}, "tanh", {"logsumexp": {"dim": 1, "keepdim": True}}])
+    assert families_of(kb92) == ["norm", "softmax"]
+    kb99 = plan_of([256], [{"linear": {"out_features": 8192}}, "gelu", {"softmax": {"dim": 1}}], batch=1024,
+                   choices={"pipeline": "kgen"})
+    assert families_of(kb99) == ["linear_aten", "softmax"]
+    sc = kb99.stages[1].schedule  # a block of 512 threads per row, 16 values each in registers
+    assert (sc.form, sc.cuda_threads, sc.slice_threads, sc.cached) == ("rows", 512, 512, True)
+
+
+@pytest.mark.parametrize("shape, op, form, threads, slice_threads, cached", [
+    ([16, 6, 6], {"softmax": {"dim": 1}}, "columns", 128, 1, True),  # a thread per slice
+    ([24, 6, 6], {"softmax": {"dim": 1}}, "columns", 128, 1, True),
+    ([33, 6, 6], {"softmax": {"dim": 1}}, "columns", 128, 2, True),  # two lanes 16 apart
+    ([128, 6, 6], {"log_softmax": {"dim": 1}}, "columns", 128, 4, True),  # four lanes 8 apart, 32 values each
+    ([256, 6, 6], {"softmax": {"dim": 1}}, "columns", 128, 4, True),  # 64 values each: the most a thread holds
+    ([257, 6, 6], {"softmax": {"dim": 1}}, "columns", 128, 4, False),  # read twice
+    ([6, 10], {"softmax": {"dim": 2}}, "rows", 256, 16, True),  # short rows: part of a warp
+    ([256], {"logsumexp": {"dim": 1}}, "rows", 256, 32, True),  # the longest row a warp takes
+    ([300], {"softmax": {"dim": 1}}, "rows", 256, 256, True),  # a block
+    ([8192], {"softmax": {"dim": 1}}, "rows", 512, 512, True),
+    ([16384], {"softmax": {"dim": 1}}, "rows", 1024, 1024, True),
+    ([16385], {"softmax": {"dim": 1}}, "rows", 1024, 1024, False),  # more than a block holds: read twice
+    ([131072], {"logsumexp": {"dim": 1}}, "rows", 1024, 1024, False),  # pushed while loading, one pass
+])
+def test_softmax_schedule_follows_the_slice(shape, op, form, threads, slice_threads, cached):
+    (st,) = plan_of(shape, ["relu", op]).stages
+    sc = st.schedule
+    assert (sc.form, sc.cuda_threads, sc.slice_threads, sc.cached) == (form, threads, slice_threads, cached)
+    assert sc.cpu_grain == max(1, softmax.CPU_TASK_VALUES // st.length)
+
+
+def test_softmax_cost_counts_a_second_read_where_the_slice_is_not_held():
+    from kgen.families.base import FLOAT_BYTES
+
+    held, twice = (plan_of([n], [{"softmax": {"dim": 1}}], choices={"implementation @ ops[0].softmax": "softmax"}).stages[0]
+                   for n in (16384, 16385))
+    (w1,), (w2,) = softmax.FAMILY.work(held, 4, DEFAULT), softmax.FAMILY.work(twice, 4, DEFAULT)
+    assert w1.bytes == 2 * FLOAT_BYTES * 4 * 16384 and w2.bytes == 3 * FLOAT_BYTES * 4 * 16385
+    (lse,) = plan_of([16385], [{"logsumexp": {"dim": 1}}], choices={"implementation @ ops[0].logsumexp": "softmax"}).stages
+    assert softmax.FAMILY.work(lse, 4, DEFAULT)[0].bytes == FLOAT_BYTES * 4 * (16385 + 1)  # one pass
 
 
 # ------------------------------------------------------------------ buffers and copies

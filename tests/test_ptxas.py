@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from conftest import (CL_ATEN, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, render_kept_walk, render_layer_norm,
-                      render_norm_layout, spec_text, write_spec)
+from conftest import (CL_ATEN, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, render_kept_walk,
+                      render_layer_norm, render_norm_layout, render_softmax, spec_text, write_spec)
 from kgen.build import cuda_home, demangle, ptxas_report
 
 pytestmark = pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
@@ -68,6 +68,17 @@ def test_layer_norms_compile_without_spills(name, tmp_path):
     names = [demangle(k.name) for k in kernels]
     vector = LAYER_NORMS[name][5][1]
     assert sum("layer_norm_kernel" in n for n in names) == (2 if vector > 1 else 1), names
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+@pytest.mark.parametrize("name", sorted(SOFTMAXES))
+def test_softmaxes_compile_without_spills(name, tmp_path):
+    """Each form of the softmax kernel (conftest.SOFTMAXES: columns of 1, 2 or 4 lanes per slice, rows of
+    part of a warp, a warp or a block; values held in registers or read twice) compiles clean: one kernel."""
+    _, module_dir = render_softmax(name, tmp_path)
+    kernels = ptxas_report(module_dir, "9.0a")
+    names = [demangle(k.name) for k in kernels]
+    assert sum("softmax_kernel" in n for n in names) == 1, names
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
 
 

@@ -173,6 +173,31 @@ def test_layer_norm_schedule_fields_render_as_named_constants(tmp_path):
     assert "layer_norm_weight" not in text and "return 1.f;" in text and "return 0.f;" in text
 
 
+def test_softmax_schedule_fields_render_as_named_constants(tmp_path):
+    """The softmax family's sizes and schedule are named constants in stages.h; the kernels and the
+    binding use the names (a hand-made schedule whose numbers appear nowhere else)."""
+    plan = _one_stage_plan([{"mul": {"scalar": 3.0}}, {"softmax": {"dim": 1}}, "gelu"], shape=(20, 8, 8))
+    (st,) = plan.stages
+    assert st.family.name == "softmax" and st.schedule.form == "columns"
+    st.schedule = replace(st.schedule, cuda_threads=96, slice_threads=2, unroll=6, cpu_grain=13, index_type="long long")
+    files = render_plan(plan, tmp_path).files
+    stages, kernel, cpu, binding = (files[f"one/{f}"] for f in ("stages.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp"))
+    assert "kgen-template: templates/softmax/stage.h.j2" in stages
+    for line in ("constexpr Index kLen = 20;", "constexpr Index kInner = 64;", "constexpr Index kSlices = 64;",
+                 "constexpr int kThreads = 96;", "constexpr int kSliceThreads = 2;", "constexpr int kUnroll = 6;",
+                 "constexpr int kCpuGrain = 13;", "using Index = long long;"):
+        assert line in stages, line
+    assert "v = kgen::mul(v, 3.0f);" in stages and "v = kgen::gelu(v);" in stages
+    assert "s0::kSlices" in binding and "s0::kCpuGrain" in binding
+    for number in ("96", "6", "13"):  # (sizes appear in the headers' plan summary and the shape checks)
+        assert not re.search(rf"(?<![\w.]){re.escape(number)}(?![\w.])", kernel + cpu + binding), number
+    assert json.loads(files["one/plan.json"])["plans"][0]["stages"][0]["schedule"]["slice_threads"] == 2
+    # logsumexp: one output per slice, its post ops at the output's coordinates
+    lse = _one_stage_plan([{"logsumexp": {"dim": 2, "keepdim": True}}, {"mul": {"scalar": 2.0}}], shape=(4, 6, 5))
+    text = render_plan(lse, tmp_path / "lse").files["one/stages.h"]
+    assert "constexpr Index kOutSize = kSlices;" in text and "KGEN_HD float post(const Args& a, long long n, Index o, Index i, float v)" in text
+
+
 def test_a_plan_without_kernels_renders_no_stage_code(tmp_path):
     plan = _one_stage_plan([{"conv2d": {"out_channels": 2, "kernel_size": 3}}], plan={"conv": "aten"})
     assert [s.family.name for s in plan.stages] == ["conv_aten"]

@@ -1,11 +1,12 @@
 """The aten family: one op run by its ATen function, in a stage of its own.
 
-The first home of ops no generated kernel computes yet: softmax and
-log_softmax, logsumexp, batch_norm (batch statistics and the running-statistics
-update in training mode, running statistics in eval mode), views (reshape) and
-dropout (the identity, refused in training mode with p > 0); and layer_norm
-where the layer_norm family declines it (rows too long for its registers), or
-as the other candidate of a layer_norm stage of its own.
+The first home of ops no generated kernel computes yet: batch_norm (batch
+statistics and the running-statistics update in training mode, running
+statistics in eval mode), views (reshape) and dropout (the identity, refused in
+training mode with p > 0); layer_norm where the layer_norm family declines it
+(rows too long for its registers) and logsumexp over dims that are not
+consecutive (the softmax family's axis); and the other candidate of a stage of
+a layer_norm, softmax, log_softmax or logsumexp alone.
 Each is PyTorch's own computation, so its numerics are PyTorch's. The next
 fused stage reads its contiguous output. Templates: ``templates/aten/``.
 """
@@ -20,7 +21,7 @@ class Aten(Family):
     stage_kind = "aten"
     generates_kernel = False
     pieces = ("binding.cpp",)
-    summary = "one op by its ATen function (softmax, logsumexp, batch/layer norm, views, dropout)"
+    summary = "one op by its ATen function (batch/layer norm, views, dropout; softmax and logsumexp alone)"
 
     def fits(self, ops):
         return len(ops) == 1

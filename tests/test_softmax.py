@@ -1,0 +1,63 @@
+"""The softmax family (templates/softmax): softmax, log_softmax and logsumexp over one axis, through
+the CPU build and validation, and the non-finite values of a slice as PyTorch has them.
+
+Each spec of conftest.SOFTMAXES (channels of 24, 128, 300, 48 and 16, a middle axis, two dims as one
+axis, rows of 10, 1000, 8192, 4100 and 40000 values; prologue and post ops, a value in a register, a
+[N] output; a plain input, sub-pixel phase tiles and a channels_last convolution output read in
+place) is rendered, built for the CPU and validated against the float64 reference, with the
+adversarial cases (NaN and +-inf in a slice, data far from zero, ties, constants) fed straight into
+the stage. The same specs run on CUDA in tests/test_cuda.py and through ptxas in tests/test_ptxas.py.
+"""
+import math
+
+import pytest
+import torch
+
+from conftest import (NON_FINITE_SLICES, SOFTMAXES, assert_report_passed, check_non_finite_softmax, render_non_finite_softmax,
+                      render_softmax)
+
+INF, NAN = math.inf, math.nan
+
+
+@pytest.fixture(scope="module")
+def softmax_modules(tmp_path_factory):
+    from kgen.build import build_modules
+
+    root = tmp_path_factory.mktemp("softmax")
+    built = {name: render_softmax(name, root) for name in sorted(SOFTMAXES)}
+    build_modules([d for _, d in built.values()], "cpu")
+    return built
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SOFTMAXES))
+def test_softmax_validates_on_the_cpu_build(name, softmax_modules):
+    from kgen.validate import validate
+
+    spec, module_dir = softmax_modules[name]
+    assert_report_passed(validate(spec, module_dir, "cpu"), f"{name}: {SOFTMAXES[name]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", ["softmax", "log_softmax", "logsumexp"])
+@pytest.mark.parametrize("shape_name", ["c24", "c300", "r1000"])
+def test_non_finite_values_of_a_slice_are_pytorchs(fn, shape_name, tmp_path):
+    """PyTorch in float64 on the CPU: a NaN in a slice makes its logsumexp and all its softmax outputs
+    NaN; a +inf makes logsumexp +inf and the softmax NaN; a slice of -inf only gives -inf and NaN; -inf
+    beside finite values gives 0 (softmax) and -inf (log_softmax). The stage op puts NaN and +-inf
+    exactly there (conftest.check_non_finite_softmax), slice by slice."""
+    from kgen.build import build_module
+    from kgen.validate import import_module_dir
+
+    name = f"nf_{fn}_{shape_name}"
+    _, module_dir = render_non_finite_softmax(fn, shape_name, tmp_path, name)
+    build_module(module_dir, "cpu", quiet=True)
+    import_module_dir(module_dir)
+    y = check_non_finite_softmax(fn, shape_name, getattr(torch.ops.kgen, f"{name}_stage0"), "cpu")
+    first = y.movedim(1, -1).reshape(-1, y.shape[1])[:NON_FINITE_SLICES]  # slice k is row k
+    if fn == "logsumexp":
+        assert math.isnan(first[0, 0]) and first[1, 0] == INF and first[2, 0] == INF and first[3, 0] == -INF
+        assert math.isnan(first[5, 0]) and torch.isfinite(first[4:5]).all() and torch.isfinite(first[6:]).all()
+    else:
+        assert torch.isnan(first[:4]).all() and torch.isnan(first[5]).all() and not torch.isnan(first[4]).any()
+        assert not torch.isnan(first[6:]).any()
