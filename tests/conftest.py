@@ -328,8 +328,9 @@ SOFTMAXES = {
                   ("rows", 512, True), "flat"),
     # a row of 40000: 1024 threads, 40 values each (more than registers hold: read twice)
     "sm_r40000": ([40000], [{"softmax": {"dim": 1}}, {"mul": {"scalar": 3.0}}], None, None, 3, ("rows", 1024, False), "flat"),
-    # a strided transposed convolution by ATen as sub-pixel phase tiles, read in place, its bias in the prologue
-    "sm_phases": ([4, 3, 5, 6], [{"conv_transpose3d": {"out_channels": 10, "kernel_size": 4, "stride": 2, "padding": 1}},
+    # a strided transposed convolution by ATen as sub-pixel phase tiles (the cost model's choice at batch 2048),
+    # read in place, its bias in the prologue
+    "sm_phases": ([16, 3, 5, 6], [{"conv_transpose3d": {"out_channels": 10, "kernel_size": 4, "stride": 2, "padding": 1}},
                               {"softmax": {"dim": 1}}, "sigmoid"],
                   None, {"conv": "aten", "conv_layout": "contiguous"}, 2048, ("columns", 1, True), "phased"),
     # a channels_last ATen convolution output, read in place
