@@ -274,15 +274,15 @@ LAYER_NORMS = {
 def render_layer_norm(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
     """LAYER_NORMS[name] written under root as module ``module`` (default: the name; a process loads
     each module name once: its ops are registered under it) and rendered into root/gen, checked to
-    have the schedule and the input form it stands for; returns (spec, module directory)."""
+    have the schedule and the input form it stands for (pinned_selection's plans); returns (spec, module directory)."""
     import json
 
-    from kgen.render import render_spec, write_rendered
+    from kgen.render import render_plan, write_rendered
 
     module = module or name
     shape, ops, params, plan, batch, schedule, form = LAYER_NORMS[name]
     spec = write_spec(root, spec_text(shape, ops, params=params, name=module, batch=batch, plan=plan), f"{module}.yaml")
-    write_rendered(render_spec(spec, root / "gen"), root / "gen")
+    write_rendered(render_plan(pinned_selection(name, spec), root / "gen"), root / "gen")
     stages = [s for p in json.loads((root / "gen" / module / "plan.json").read_text())["plans"] for s in p["stages"]
               if s["family"] == "layer_norm"]
     assert len(stages) == 1, stages
@@ -328,7 +328,7 @@ SOFTMAXES = {
                   ("rows", 512, True), "flat"),
     # a row of 40000: 1024 threads, 40 values each (more than registers hold: read twice)
     "sm_r40000": ([40000], [{"softmax": {"dim": 1}}, {"mul": {"scalar": 3.0}}], None, None, 3, ("rows", 1024, False), "flat"),
-    # a strided transposed convolution by ATen as sub-pixel phase tiles (pinned: SOFTMAX_CHOICES), read in place,
+    # a strided transposed convolution by ATen as sub-pixel phase tiles (pinned: PINNED_CHOICES), read in place,
     # its bias in the prologue
     "sm_phases": ([4, 3, 5, 6], [{"conv_transpose3d": {"out_channels": 10, "kernel_size": 4, "stride": 2, "padding": 1}},
                                  {"softmax": {"dim": 1}}, "sigmoid"],
@@ -339,29 +339,31 @@ SOFTMAXES = {
 }
 
 
-# Cases planned with choices pinned (decision point -> option) rather than by the cost model: the sub-pixel
-# lowering of a transposed convolution, which the cost model takes or not as conv_work is refit.
-SOFTMAX_CHOICES = {"sm_phases": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on"}}
+# Cases (of SOFTMAXES, LAYER_NORMS) planned with choices pinned (decision point -> option) rather than by the
+# cost model: the sub-pixel lowering of a transposed convolution, which the cost model takes or not as
+# conv_work is refit.
+PINNED_CHOICES = {"sm_phases": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on"},
+                  "ln_phases": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on"}}
 
 
-def softmax_selection(name: str, spec: Path):
-    """The plans SOFTMAXES[name] (written as ``spec``) is rendered and validated with: the cost model's,
-    or the plan of its pinned choices (SOFTMAX_CHOICES)."""
+def pinned_selection(name: str, spec: Path):
+    """The plans case ``name`` (written as ``spec``) is rendered and validated with: the cost model's,
+    or the plan of its pinned choices (PINNED_CHOICES)."""
     from kgen.ir import load_pipeline
     from kgen.plan import Selection, Variant, choose_plans, make_plan
 
     pipe = load_pipeline(spec)
-    if name not in SOFTMAX_CHOICES:
+    if name not in PINNED_CHOICES:
         return choose_plans(pipe)
-    why = "pinned by the test (conftest.SOFTMAX_CHOICES)"
-    plan = make_plan(pipe, choices=SOFTMAX_CHOICES[name], reason=why)
-    assert plan.choices == SOFTMAX_CHOICES[name], plan.choices
+    why = "pinned by the test (conftest.PINNED_CHOICES)"
+    plan = make_plan(pipe, choices=PINNED_CHOICES[name], reason=why)
+    assert plan.choices == PINNED_CHOICES[name], plan.choices
     return Selection(pipe, [Variant(plan, why=why)], why, candidates=[plan])
 
 
 def render_softmax(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
     """SOFTMAXES[name] written under root as module ``module`` (default: the name) and rendered into
-    root/gen (softmax_selection's plans), checked to have the schedule and the input form it stands for;
+    root/gen (pinned_selection's plans), checked to have the schedule and the input form it stands for;
     returns (spec, module directory)."""
     import json
 
@@ -370,7 +372,7 @@ def render_softmax(name: str, root: Path, module: str | None = None) -> tuple[Pa
     module = module or name
     shape, ops, params, plan, batch, schedule, form = SOFTMAXES[name]
     spec = write_spec(root, spec_text(shape, ops, params=params, name=module, batch=batch, plan=plan), f"{module}.yaml")
-    write_rendered(render_plan(softmax_selection(name, spec), root / "gen"), root / "gen")
+    write_rendered(render_plan(pinned_selection(name, spec), root / "gen"), root / "gen")
     stages = [s for p in json.loads((root / "gen" / module / "plan.json").read_text())["plans"] for s in p["stages"]
               if s["family"] == "softmax"]
     assert len(stages) == 1, stages

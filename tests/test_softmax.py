@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import (NON_FINITE_SLICES, SOFTMAXES, assert_report_passed, check_non_finite_softmax, render_non_finite_softmax,
-                      render_softmax, softmax_selection)
+                      render_softmax, pinned_selection)
 
 INF, NAN = math.inf, math.nan
 
@@ -35,7 +35,7 @@ def test_softmax_validates_on_the_cpu_build(name, softmax_modules):
     from kgen.validate import validate
 
     spec, module_dir = softmax_modules[name]
-    report = validate(spec, module_dir, "cpu", selection=softmax_selection(name, spec))
+    report = validate(spec, module_dir, "cpu", selection=pinned_selection(name, spec))
     assert_report_passed(report, f"{name}: {SOFTMAXES[name]}")
 
 
