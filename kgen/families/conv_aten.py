@@ -39,7 +39,7 @@ CUDNN_GEMM_COUT = 128
 CUDNN_FP32_FRACTION = 0.32  # of the fp32 peak, cuDNN's fp32 convolutions (TF32 off; fitted on forward calls)
 CUDNN_FRACTION = 0.53  # of the tensor-core peak on convolutions that fill its tiles (~210 of 400 TFLOP/s)
 CUDNN_FULL_N = 96  # output channels (per group) and input channels x taps (below) at which the rate stops falling:
-CUDNN_FULL_K = 320  # below them it falls in proportion (fitted; K matters more than N on the H100)
+CUDNN_FULL_K = 320  # below them it falls in proportion (kept out of the fit: fit_conv_work.py says why)
 # cuDNN's data-gradient kernels for a transposed convolution run as written, against the
 # equivalent forward convolution's rate (stride 1; strided), and in NCHW against channels_last
 TRANSPOSED_STRIDE1_EFFICIENCY = 0.87
