@@ -175,6 +175,13 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
     return False, "a sum or mean over its values follows"
 
 
+def split_around(ops, is_core) -> tuple[list, Op | None, list]:
+    """(the ops before the one op ``is_core`` picks, that op, the ops after it): a family that fuses
+    elementwise ops on both sides of its one op (layer_norm, softmax)."""
+    i = next((i for i, op in enumerate(ops) if is_core(op)), len(ops))
+    return list(ops[:i]), (ops[i] if i < len(ops) else None), list(ops[i + 1:])
+
+
 def typed_ops(stage: Stage):
     """(op, input type, output type) of each op of a stage."""
     types = [stage.in_type]

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..ir import Elementwise, LayerNorm
 from ..stage import Stage, flat_buffer
-from .base import Family, StageRequest, index_type, pow2_ceil
+from .base import Family, StageRequest, index_type, pow2_ceil, split_around
 
 CUDA_THREADS = 256  # threads per block
 WARP = 32
@@ -114,13 +114,7 @@ class LayerNormFamily(Family):
     def make_stage(self, req: StageRequest) -> LayerNormStage:
         types = req.types
         st = LayerNormStage(req.index, list(req.ops), types[0], types[-1], input=req.input, output=flat_buffer(types[-1]))
-        for op in req.ops:
-            if isinstance(op, LayerNorm):
-                st.norm = op
-            elif st.norm is None:
-                st.prologue.append(op)
-            else:
-                st.post.append(op)
+        st.prologue, st.norm, st.post = split_around(req.ops, lambda op: isinstance(op, LayerNorm))
         r = st.row_size
         row_threads = min(WARP, pow2_ceil(r)) if r <= WARP_ROW_VALUES else CUDA_THREADS
         # whole vectors per thread, and a plain tensor: row starts are then multiples of the vector

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from ..ir import Elementwise, Op, Reduce, Softmax
 from ..stage import Stage, flat_buffer
 from ..target import Target
-from .base import FLOAT_BYTES, Family, StageRequest, Work, index_type, pow2_ceil, typed_ops
+from .base import FLOAT_BYTES, Family, StageRequest, Work, index_type, pow2_ceil, split_around, typed_ops
 
 CUDA_THREADS = 256  # threads per block where part of a warp or a warp takes a row
 WARP = 32
@@ -147,13 +147,7 @@ class SoftmaxFamily(Family):
     def make_stage(self, req: StageRequest) -> SoftmaxStage:
         types = req.types
         st = SoftmaxStage(req.index, list(req.ops), types[0], types[-1], input=req.input, output=flat_buffer(types[-1]))
-        for op in req.ops:
-            if not isinstance(op, Elementwise):
-                st.op = op
-            elif st.op is None:
-                st.prologue.append(op)
-            else:
-                st.post.append(op)
+        st.prologue, st.op, st.post = split_around(req.ops, lambda op: not isinstance(op, Elementwise))
         length = st.length
         if st.inner > 1:
             wanted = pow2_ceil(-(-length // COLUMN_VALUES_PER_THREAD))
