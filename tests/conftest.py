@@ -271,26 +271,34 @@ LAYER_NORMS = {
 }
 
 
-def render_layer_norm(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
-    """LAYER_NORMS[name] written under root as module ``module`` (default: the name; a process loads
-    each module name once: its ops are registered under it) and rendered into root/gen, checked to
-    have the schedule and the input form it stands for (pinned_selection's plans); returns (spec, module directory)."""
+def render_one_stage_case(table: dict, family: str, schedule_keys: tuple, name: str, root: Path,
+                          module: str | None = None) -> tuple[Path, Path]:
+    """table[name] (shape, ops, params, plan, example batch, schedule, input form) written under root as module
+    ``module`` (default: the name; a process loads each module name once: its ops are registered under it) and
+    rendered into root/gen (pinned_selection's plans), checked to have one ``family`` stage whose schedule fields
+    ``schedule_keys`` and input form (flat | phased | channels_last) are the ones it stands for; returns (spec,
+    module directory)."""
     import json
 
     from kgen.render import render_plan, write_rendered
 
     module = module or name
-    shape, ops, params, plan, batch, schedule, form = LAYER_NORMS[name]
+    shape, ops, params, plan, batch, schedule, form = table[name]
     spec = write_spec(root, spec_text(shape, ops, params=params, name=module, batch=batch, plan=plan), f"{module}.yaml")
     write_rendered(render_plan(pinned_selection(name, spec), root / "gen"), root / "gen")
     stages = [s for p in json.loads((root / "gen" / module / "plan.json").read_text())["plans"] for s in p["stages"]
-              if s["family"] == "layer_norm"]
+              if s["family"] == family]
     assert len(stages) == 1, stages
     sc, buf = stages[0]["schedule"], stages[0]["input_buffer"]
-    assert (sc["row_threads"], sc["vector"]) == schedule, sc
+    assert tuple(sc[k] for k in schedule_keys) == schedule, sc
     got = "phased" if buf["phase_stride"] else buf["layout"] if buf["layout"] == "channels_last" else "flat"
     assert got == form, buf
     return spec, root / "gen" / module
+
+
+def render_layer_norm(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
+    """LAYER_NORMS[name] rendered (render_one_stage_case)."""
+    return render_one_stage_case(LAYER_NORMS, "layer_norm", ("row_threads", "vector"), name, root, module)
 
 
 # The softmax family's forms (kgen/families/softmax.py): shape, ops, params, plan, example batch,
@@ -362,25 +370,8 @@ def pinned_selection(name: str, spec: Path):
 
 
 def render_softmax(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
-    """SOFTMAXES[name] written under root as module ``module`` (default: the name) and rendered into
-    root/gen (pinned_selection's plans), checked to have the schedule and the input form it stands for;
-    returns (spec, module directory)."""
-    import json
-
-    from kgen.render import render_plan, write_rendered
-
-    module = module or name
-    shape, ops, params, plan, batch, schedule, form = SOFTMAXES[name]
-    spec = write_spec(root, spec_text(shape, ops, params=params, name=module, batch=batch, plan=plan), f"{module}.yaml")
-    write_rendered(render_plan(pinned_selection(name, spec), root / "gen"), root / "gen")
-    stages = [s for p in json.loads((root / "gen" / module / "plan.json").read_text())["plans"] for s in p["stages"]
-              if s["family"] == "softmax"]
-    assert len(stages) == 1, stages
-    sc, buf = stages[0]["schedule"], stages[0]["input_buffer"]
-    assert (sc["form"], sc["slice_threads"], sc["cached"]) == schedule, sc
-    got = "phased" if buf["phase_stride"] else buf["layout"] if buf["layout"] == "channels_last" else "flat"
-    assert got == form, buf
-    return spec, root / "gen" / module
+    """SOFTMAXES[name] rendered (render_one_stage_case)."""
+    return render_one_stage_case(SOFTMAXES, "softmax", ("form", "slice_threads", "cached"), name, root, module)
 
 
 # Shapes (without the batch) whose dim-1 slices test_softmax.py and test_cuda.py fill with NaN and
