@@ -347,11 +347,19 @@ def test_generated_input_copy_validates(name, tmp_path):
     assert_report_passed(report)
     model = import_module_dir(tmp_path / "gen" / name).Model().cuda()
     x = torch.randn(3, *shape, device="cuda")
-    with torch.no_grad():
-        y = model(x)
-        memory_format = torch.channels_last if len(shape) == 3 else torch.channels_last_3d
-        torch.testing.assert_close(model(x.contiguous(memory_format=memory_format)), y, rtol=0, atol=0)
-        torch.testing.assert_close(model(x.transpose(-1, -2).contiguous().transpose(-1, -2)), y, rtol=0, atol=0)
+    # cuDNN's data-gradient kernels (a transposed convolution run as written, copy_narrowed since the stop-30
+    # refit) may combine partial sums in any order: the bitwise comparison of the two copies needs its
+    # deterministic algorithms (the GPU sweep's first failure of this test, 1.4e-6 apart)
+    deterministic = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        with torch.no_grad():
+            y = model(x)
+            memory_format = torch.channels_last if len(shape) == 3 else torch.channels_last_3d
+            torch.testing.assert_close(model(x.contiguous(memory_format=memory_format)), y, rtol=0, atol=0)
+            torch.testing.assert_close(model(x.transpose(-1, -2).contiguous().transpose(-1, -2)), y, rtol=0, atol=0)
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
 
 
 @pytest.mark.parametrize("name", sorted(TRANSPOSE_TILES))
