@@ -157,14 +157,14 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
         fused_next = nxt is not None and any(f in FUSED for f in OPS[nxt.op_name].families) and nxt.src is None
         if isinstance(nxt, Capture) and i + 1 not in local:
             fused_next = False
-        if lc is not None and lc.conv.bias and fused_next:
-            view = (lc.conv.out_channels,) + (1,) * lc.conv.rank
-            add = Elementwise(key=op.key, fn="add", param=lc.conv.bias_name, param_view=view)
-            # only where the next op's stage takes it (not a layer_norm whose rows are too long for its family)
-            fused_next = bool(families.claimants([add, nxt]))
-        if lc is not None and lc.conv.bias and fused_next:
-            ops.append(replace(lc, bias_deferred=True))
-            ops.append(add)
+        if not (lc is not None and lc.conv.bias and fused_next):
+            ops.append(op)
+            continue
+        view = (lc.conv.out_channels,) + (1,) * lc.conv.rank
+        add = Elementwise(key=op.key, fn="add", param=lc.conv.bias_name, param_view=view)
+        # only where the next op's stage takes it (not a layer_norm whose rows are too long for its family)
+        if families.claimants([add, nxt]):
+            ops += [replace(lc, bias_deferred=True), add]
         else:
             ops.append(op)
     return pipe.with_ops(ops) if len(ops) != len(pipe.ops) else pipe

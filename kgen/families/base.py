@@ -22,7 +22,7 @@ A family computes one kind of stage. It declares:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from ..ir import Op, Pipeline, Reduce, TensorType
@@ -180,6 +180,29 @@ def split_around(ops, is_core) -> tuple[list, Op | None, list]:
     elementwise ops on both sides of its one op (layer_norm, softmax)."""
     i = next((i for i, op in enumerate(ops) if is_core(op)), len(ops))
     return list(ops[:i]), (ops[i] if i < len(ops) else None), list(ops[i + 1:])
+
+
+def group_words(threads: int, block_threads: int, unit: str, warp: int = 32) -> str:
+    """`kgen explain`'s words for ``threads`` sharing one ``unit`` (a row, a slice) in blocks of ``block_threads``."""
+    if threads == block_threads:
+        return f"a block of {threads} threads per {unit}"
+    if threads == warp:
+        return f"a warp per {unit}"
+    return f"{threads} lanes per {unit} ({warp // threads} {unit}s per warp)"
+
+
+def input_words(buf: Buffer) -> str:
+    """`kgen explain`'s words for how a fused stage reads its input buffer."""
+    if buf.phased:
+        return f"{len(buf.tiles)} sub-pixel phase tiles read in place"
+    if buf.flat:
+        return "a plain contiguous input"
+    return f"a {buf.layout} buffer read in place"
+
+
+def fused_stage_json(stage: Stage) -> dict:
+    """plan.json's fields of a fused stage (pool_reduce, norm, layer_norm, softmax): its input buffer and schedule."""
+    return {"input_buffer": asdict(stage.input), "schedule": asdict(stage.schedule)}
 
 
 def typed_ops(stage: Stage):

@@ -36,11 +36,11 @@ Templates: ``templates/layer_norm/``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ..ir import Elementwise, LayerNorm
 from ..stage import Stage, flat_buffer
-from .base import Family, StageRequest, index_type, pow2_ceil, split_around
+from .base import Family, StageRequest, fused_stage_json, group_words, index_type, input_words, pow2_ceil, split_around
 
 CUDA_THREADS = 256  # threads per block
 WARP = 32
@@ -134,20 +134,11 @@ class LayerNormFamily(Family):
         sc = st.schedule
         r = st.row_size
         per_thread = -(-r // (sc.row_threads * sc.vector)) * sc.vector
-        if sc.row_threads == sc.cuda_threads:
-            who = f"a block of {sc.row_threads} threads per row"
-        elif sc.row_threads == WARP:
-            who = "a warp per row"
-        else:
-            who = f"{sc.row_threads} lanes per row ({WARP // sc.row_threads} rows per warp)"
+        who = group_words(sc.row_threads, sc.cuda_threads, "row", WARP)
         loads = {4: "float4", 2: "float2", 1: "scalar"}[sc.vector] + " loads"
-        if st.input.phased:
-            source = f"{len(st.input.tiles)} sub-pixel phase tiles read in place"
-        elif st.input.flat:
-            source = "a plain contiguous input"
-        else:
-            source = f"a {st.input.layout} buffer read in place" + (" (a row's values a channel count apart)"
-                                                                    if st.input.layout == "channels_last" else "")
+        source = input_words(st.input)
+        if not st.input.phased and not st.input.flat and st.input.layout == "channels_last":
+            source += " (a row's values a channel count apart)"
         affine = ("weight and bias" if st.norm.bias else "weight") if st.norm.affine else "no affine part"
         return [f"{st.rows} rows of {r} values per sample, {who}: {per_thread} values per thread in registers, "
                 f"{sc.rows_in_flight} row(s) in flight, {loads} from {source}",
@@ -155,7 +146,7 @@ class LayerNormFamily(Family):
                 f"in registers; one store per value"]
 
     def stage_json(self, st: LayerNormStage) -> dict:
-        return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
+        return fused_stage_json(st)
 
 
 FAMILY = LayerNormFamily()

@@ -9,12 +9,12 @@ Templates: ``templates/norm/``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ..ir import Elementwise, Norm, Reduce
 from ..stage import Stage, flat_buffer
 from ..target import Target
-from .base import FLOAT_BYTES, Family, StageRequest, Work, index_type, target_blocks_per_sm, typed_ops
+from .base import FLOAT_BYTES, Family, StageRequest, Work, fused_stage_json, index_type, target_blocks_per_sm, typed_ops
 
 CUDA_THREADS = 256  # threads per block
 MIN_PER_THREAD = 32  # values per thread before the statistics of a group are split across blocks
@@ -131,7 +131,7 @@ class NormFamily(Family):
         return [f"statistics by {sc.stats_by}, apply by {sc.apply_by} ({st.input.layout} input)"]
 
     def stage_json(self, st: NormStage) -> dict:
-        return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
+        return fused_stage_json(st)
 
 
 def rows_input(st: NormStage) -> bool:

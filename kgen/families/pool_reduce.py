@@ -10,11 +10,11 @@ batch leaves the device idle. Templates: ``templates/pool_reduce/``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ..ir import Elementwise, Pool, Reduce, TensorType
 from ..stage import Stage, flat_buffer
-from .base import Family, StageRequest, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
+from .base import Family, StageRequest, fused_stage_json, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
 
 CUDA_THREADS = 256  # threads per block
 MIN_PER_THREAD = 32  # values a thread combines before a reduction is split across blocks
@@ -199,7 +199,7 @@ class PoolReduce(Family):
         return max(1, min(want, MAX_R_LANES_ACROSS, pow2_floor(st.reduced_count)))
 
     def stage_json(self, st: PoolReduceStage) -> dict:
-        return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
+        return fused_stage_json(st)
 
 
 FAMILY = PoolReduce()

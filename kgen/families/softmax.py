@@ -47,12 +47,13 @@ aten family's candidate (the plan chooses). Templates: ``templates/softmax/``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..ir import Elementwise, Op, Reduce, Softmax
 from ..stage import Stage, flat_buffer
 from ..target import Target
-from .base import FLOAT_BYTES, Family, StageRequest, Work, index_type, pow2_ceil, split_around, typed_ops
+from .base import (Family, StageRequest, Work, fused_stage_json, group_words, index_type, input_words, pow2_ceil,
+                   split_around)
 
 CUDA_THREADS = 256  # threads per block where part of a warp or a warp takes a row
 WARP = 32
@@ -175,10 +176,10 @@ class SoftmaxFamily(Family):
         """One kernel: the input read once (twice where a softmax's slices are not held in
         registers: the second read finds them in L2 only if the device's resident slices fit
         there, which the model does not assume), the output written once."""
-        flops = batch * sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(st))
-        reads = 1 if st.schedule.cached or st.fn == "logsumexp" else 2
-        nbytes = reads * self.read_bytes(st, batch) + FLOAT_BYTES * batch * st.out_type.sample_numel
-        return [Work(self.name, flops, nbytes)]
+        (one_pass,) = super().work(st, batch, target)
+        if st.schedule.cached or st.fn == "logsumexp":
+            return [one_pass]
+        return [replace(one_pass, bytes=one_pass.bytes + self.read_bytes(st, batch))]
 
     def explain_lines(self, st: SoftmaxStage) -> list[str]:
         sc = st.schedule
@@ -187,18 +188,9 @@ class SoftmaxFamily(Family):
             lanes = "a thread" if sc.slice_threads == 1 else f"{sc.slice_threads} lanes {WARP // sc.slice_threads} apart"
             who = (f"{lanes} per slice, its values {st.inner} apart in memory (neighbouring lanes at neighbouring "
                    "positions)")
-        elif sc.slice_threads == sc.cuda_threads:
-            who = f"a block of {sc.slice_threads} threads per slice"
-        elif sc.slice_threads == WARP:
-            who = "a warp per slice"
         else:
-            who = f"{sc.slice_threads} lanes per slice ({WARP // sc.slice_threads} slices per warp)"
-        if st.input.phased:
-            source = f"{len(st.input.tiles)} sub-pixel phase tiles read in place"
-        elif st.input.flat:
-            source = "a plain contiguous input"
-        else:
-            source = f"a {st.input.layout} buffer read in place"
+            who = group_words(sc.slice_threads, sc.cuda_threads, "slice", WARP)
+        source = input_words(st.input)
         held = (f"{n} value(s) per thread in registers" if sc.cached else
                 f"{n} values per thread, pushed while loading" + ("" if st.fn == "logsumexp" else "; read again to apply"))
         result = {"logsumexp": "m + log(s), one store per slice", "softmax": "exp(v - m) / s, one store per value",
@@ -207,7 +199,7 @@ class SoftmaxFamily(Family):
                 f"(max m, sum s of exp(v - m)) per thread, merged in a fixed order (fp32); {result}"]
 
     def stage_json(self, st: SoftmaxStage) -> dict:
-        return {"input_buffer": asdict(st.input), "schedule": asdict(st.schedule)}
+        return fused_stage_json(st)
 
 
 FAMILY = SoftmaxFamily()
