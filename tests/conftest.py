@@ -296,6 +296,16 @@ def render_one_stage_case(table: dict, family: str, schedule_keys: tuple, name: 
     return spec, root / "gen" / module
 
 
+def build_cases(render, names, root: Path, device: str, suffix: str = "") -> dict:
+    """Each case name rendered by ``render(name, root, module)`` (module: the name + ``suffix``; a process loads
+    each module name once) and all built together for ``device``: name -> (spec, module directory)."""
+    from kgen.build import build_modules
+
+    built = {name: render(name, root, name + suffix) for name in sorted(names)}
+    build_modules([d for _, d in built.values()], device)
+    return built
+
+
 def render_layer_norm(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:
     """LAYER_NORMS[name] rendered (render_one_stage_case)."""
     return render_one_stage_case(LAYER_NORMS, "layer_norm", ("row_threads", "vector"), name, root, module)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NON_FINITE_SOFTMAX_SHAPES, NORM_LAYOUTS, ROOT,
-                      SHIPPED, SOFTMAXES, TRANSPOSE_TILES, assert_report_passed, check_non_finite_softmax, render_kept_walk,
+                      SHIPPED, SOFTMAXES, TRANSPOSE_TILES, assert_report_passed, build_cases, check_non_finite_softmax, render_kept_walk,
                       render_layer_norm, render_non_finite_softmax, render_norm_layout, render_softmax, render_transpose_tile,
                       pinned_selection, spec_text, write_spec)
 from kgen.ir import load_pipeline
@@ -220,12 +220,7 @@ def test_norm_layouts_validate(name, tmp_path):
 def layer_norm_cuda_modules(tmp_path_factory):
     """conftest.LAYER_NORMS built for CUDA, as modules NAME_cuda (tests/test_layer_norm.py loads the
     CPU builds under the plain names in the same process)."""
-    from kgen.build import build_modules
-
-    root = tmp_path_factory.mktemp("layer_norm_cuda")
-    built = {name: render_layer_norm(name, root, f"{name}_cuda") for name in sorted(LAYER_NORMS)}
-    build_modules([d for _, d in built.values()], "cuda")
-    return built
+    return build_cases(render_layer_norm, LAYER_NORMS, tmp_path_factory.mktemp("layer_norm_cuda"), "cuda", "_cuda")
 
 
 @pytest.mark.parametrize("name", sorted(LAYER_NORMS))
@@ -274,12 +269,7 @@ def test_layer_norm_unaligned_input_takes_scalar_loads(name, layer_norm_cuda_mod
 def softmax_cuda_modules(tmp_path_factory):
     """conftest.SOFTMAXES built for CUDA, as modules NAME_cuda (tests/test_softmax.py loads the CPU
     builds under the plain names in the same process)."""
-    from kgen.build import build_modules
-
-    root = tmp_path_factory.mktemp("softmax_cuda")
-    built = {name: render_softmax(name, root, f"{name}_cuda") for name in sorted(SOFTMAXES)}
-    build_modules([d for _, d in built.values()], "cuda")
-    return built
+    return build_cases(render_softmax, SOFTMAXES, tmp_path_factory.mktemp("softmax_cuda"), "cuda", "_cuda")
 
 
 @pytest.mark.parametrize("name", sorted(SOFTMAXES))

@@ -10,17 +10,12 @@ CUDA in tests/test_cuda.py and through ptxas in tests/test_ptxas.py.
 import pytest
 import torch
 
-from conftest import LAYER_NORMS, assert_report_passed, pinned_selection, render_layer_norm
+from conftest import LAYER_NORMS, assert_report_passed, build_cases, pinned_selection, render_layer_norm
 
 
 @pytest.fixture(scope="module")
 def layer_norm_modules(tmp_path_factory):
-    from kgen.build import build_modules
-
-    root = tmp_path_factory.mktemp("layer_norm")
-    built = {name: render_layer_norm(name, root) for name in sorted(LAYER_NORMS)}
-    build_modules([d for _, d in built.values()], "cpu")
-    return built
+    return build_cases(render_layer_norm, LAYER_NORMS, tmp_path_factory.mktemp("layer_norm"), "cpu")
 
 
 @pytest.mark.slow

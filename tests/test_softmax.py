@@ -13,20 +13,15 @@ import math
 import pytest
 import torch
 
-from conftest import (NON_FINITE_SLICES, SOFTMAXES, assert_report_passed, check_non_finite_softmax, render_non_finite_softmax,
-                      render_softmax, pinned_selection)
+from conftest import (NON_FINITE_SLICES, SOFTMAXES, assert_report_passed, build_cases, check_non_finite_softmax, pinned_selection,
+                      render_non_finite_softmax, render_softmax)
 
 INF, NAN = math.inf, math.nan
 
 
 @pytest.fixture(scope="module")
 def softmax_modules(tmp_path_factory):
-    from kgen.build import build_modules
-
-    root = tmp_path_factory.mktemp("softmax")
-    built = {name: render_softmax(name, root) for name in sorted(SOFTMAXES)}
-    build_modules([d for _, d in built.values()], "cpu")
-    return built
+    return build_cases(render_softmax, SOFTMAXES, tmp_path_factory.mktemp("softmax"), "cpu")
 
 
 @pytest.mark.slow
