@@ -740,6 +740,39 @@ def test_random_convolutions_match_float64(tmp_path):
         assert loops.count("wgmma") == 4, loops
 
 
+# Strided transposed convolutions whose phases run in rounds (conv_gemm.cuh phase_dispatch: loops that read
+# their weights from global memory); at the example batch each phase has several times more tiles than an H100
+# has resident CTAs, so every CTA runs several rounds of all phases. Both on the window loop (a phase is a
+# stride-1 convolution): a KernelBench #58-like 3-d one (3 input channels), a 2-d stride-3 one in split TF32.
+ROUND_CONVS = {
+    "cg_rounds_window": ([3, 8, 16, 16], {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2,
+                                                                "padding": 1}}, "tf32", 256),
+    "cg_rounds_2d": ([7, 40, 44], {"conv_transpose2d": {"out_channels": 12, "kernel_size": 4, "stride": 3,
+                                                             "padding": 1}}, "tf32x3", 512),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_transposed_phases_in_rounds_match_float64(tmp_path):
+    """Validated against float64 at batches 1 to 3 with the adversarial cases, and at the example batch
+    (several rounds per CTA)."""
+    out = tmp_path / "gen"
+    cases = []
+    for name, (shape, op, precision, batch) in ROUND_CONVS.items():
+        ops = [op, "relu", {"sum": {"dim": 1}}] if precision == "tf32" else [op]
+        text = spec_text(shape, ops, name=name, plan=GEMM, batch=batch) + f"precision: {precision}\n"
+        spec = write_spec(tmp_path, text, f"{name}.yaml")
+        write_rendered(render_spec(spec, out), out)
+        cases.append((spec, out / name))
+    build_modules([d for _, d in cases], "cuda")
+    for spec, d in cases:
+        st = make_plan(pipeline_of(spec.read_text())).stages[0]
+        assert st.family is conv_gemm.FAMILY and st.schedule.loop == "window", st.schedule
+        assert "run_phases" in (d / "kernel.cu").read_text()
+        assert_report_passed(validate(spec, d, "cuda", example_batch=True), d.name)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["avgpool_sigmoid_sum", "div_max_gap_bias_sum", "instnorm_clamp_max", "maxpool_sum", "relu_group_norm"])

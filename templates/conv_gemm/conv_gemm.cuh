@@ -916,7 +916,8 @@ __device__ __forceinline__ void chunk_wgmma_wait(float (&acc)[Geometry<P>::kMT][
   pin_all<P>(acc);
 }
 
-// The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...).
+// The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...),
+// or, given a window [lo, hi) of the tile order, the tiles of that window (lo + cta, ...).
 // staggered_kernel: this CTA's "first main loop done" flag, which conv_ctas<..., true> sets, and
 // its worker numbers, in shared memory rather than arguments: kept in registers across the main
 // loop, they made a group norm's one-pass kernel spill.
@@ -925,7 +926,8 @@ __shared__ int s_worker[2];  // staggered_kernel: this CTA's worker number and t
 
 template <class P, class E, bool kSignal = false>
 __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const float* __restrict__ packed,
-                                          const typename E::Params& ep, int batch, int cta, int ctas) {
+                                          const typename E::Params& ep, int batch, int cta, int ctas,
+                                          long long lo = 0, long long hi = -1) {
   using G = Geometry<P>;
   extern __shared__ __align__(16) float smem[];
   float* s_stages = smem + G::kStageOffset;
@@ -979,14 +981,16 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long my_tiles = worker < total_tiles ? (total_tiles - 1 - worker) / workers + 1 : 0;
+  const long long end = hi < 0 || hi > total_tiles ? total_tiles : hi;
+  const long long first = lo + worker;
+  const long long my_tiles = first < end ? (end - 1 - first) / workers + 1 : 0;
   const long long steps = my_tiles * G::kChunks;
   auto tile_of_step = [&](long long s) {
     if constexpr (kSignal) {  // staggered_kernel's worker numbers, read again (not held across the main loop)
       const volatile int* w = s_worker;
       return tile_coord<P>(w[0] + (s / G::kChunks) * w[1]);
     } else {
-      return tile_coord<P>(worker + (s / G::kChunks) * workers);
+      return tile_coord<P>(first + (s / G::kChunks) * workers);
     }
   };
 
@@ -1121,18 +1125,54 @@ __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float
   conv_ctas<P, E>(x, packed, ep, batch, blockIdx.x, gridDim.x);
 }
 
-// The sub-pixel phases of a transposed convolution in one launch: blockIdx.y
-// is the phase, each with its own problem struct and packed weights.
+// The sub-pixel phases of a transposed convolution in one launch, each with its
+// own problem struct and packed weights. A phase alone writes every stride-th
+// value of a row (half of each 32-byte sector for stride 2); with the phases far
+// apart in time (blockIdx.y per phase: phases with fewer taps ran ahead) L2
+// evicted half-written sectors, which HBM fills before writing (stop 31, ncu of
+// KernelBench #58: 1.8 GB read and 2.1 GB written for a 1.0 GB output). So where
+// the loop reads its weights from global memory (generic and window loops),
+// every CTA takes every phase, in rounds: round r is tiles [r W, (r + 1) W) of
+// each phase in turn (W: the phase's workers), and one CTA writes all phases of
+// an output region within a few microseconds. The wgmma and direct loops keep
+// their weights in shared memory, loaded once per conv_ctas: rounds would load
+// them again for every tile (and eight inlined wgmma loops spill), so there
+// blockIdx.y is the phase and the phases share the resident CTAs.
 template <int N>
 struct PackedPhases {
   const float* w[N];
 };
 
+template <class P>
+inline constexpr bool kPhasesInRounds = !Geometry<P>::kWg && !Geometry<P>::kDirect;
+
+template <class P>
+__device__ __forceinline__ long long phase_rounds(int batch, int ctas) {
+  using G = Geometry<P>;
+  const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
+  const long long workers = static_cast<long long>(ctas) * G::kTeams;
+  return (tiles + workers - 1) / workers;
+}
+
 template <class E, class... Ps, int... I>
 __device__ __forceinline__ void phase_dispatch(const float* x, const PackedPhases<sizeof...(Ps)>& packed,
                                                const typename E::Params& ep, int batch,
                                                std::integer_sequence<int, I...>) {
-  ((blockIdx.y == I ? conv_ctas<Ps, E>(x, packed.w[I], ep, batch, blockIdx.x, gridDim.x) : void()), ...);
+  using P0 = std::tuple_element_t<0, std::tuple<Ps...>>;
+  if constexpr (kPhasesInRounds<P0>) {
+    const int ctas = static_cast<int>(gridDim.x);
+    long long rounds = 0;
+    ((rounds = phase_rounds<Ps>(batch, ctas) > rounds ? phase_rounds<Ps>(batch, ctas) : rounds), ...);
+#pragma unroll 1
+    for (long long r = 0; r < rounds; ++r) {
+      // __syncthreads between phases: the next phase's stages reuse shared memory
+      ((conv_ctas<Ps, E>(x, packed.w[I], ep, batch, blockIdx.x, ctas,
+                         r * ctas * Geometry<Ps>::kTeams, (r + 1) * ctas * Geometry<Ps>::kTeams),
+        __syncthreads()), ...);
+    }
+  } else {
+    ((blockIdx.y == I ? conv_ctas<Ps, E>(x, packed.w[I], ep, batch, blockIdx.x, gridDim.x) : void()), ...);
+  }
 }
 
 template <class E, class P0, class... Ps>
@@ -1140,6 +1180,7 @@ __global__ void __launch_bounds__(Geometry<P0>::kThreads) phases_kernel(const fl
                                                                       const PackedPhases<1 + sizeof...(Ps)> packed,
                                                                       const typename E::Params ep, int batch) {
   static_assert(((Geometry<Ps>::kThreads == Geometry<P0>::kThreads) && ...), "phases share the block size");
+  static_assert(((kPhasesInRounds<Ps> == kPhasesInRounds<P0>) && ...), "phases share the main loop");
   phase_dispatch<E, P0, Ps...>(x, packed, ep, batch, std::make_integer_sequence<int, 1 + sizeof...(Ps)>{});
 }
 
@@ -1408,10 +1449,12 @@ cudaError_t run_phases(const float* x, const PackedPhases<sizeof...(Ps)>& packed
   KernelSetup setup;
   const cudaError_t err = kernel_setup<phases_kernel<E, Ps...>>(kThreads, kSmem, &setup);
   if (err != cudaSuccess) return err;
+  using P0 = std::tuple_element_t<0, std::tuple<Ps...>>;
   constexpr int kPhases = static_cast<int>(sizeof...(Ps));
-  const int grid_x = (setup.resident() + kPhases - 1) / kPhases;  // the phases share the resident CTAs
+  // in rounds, every resident CTA takes every phase; else the phases share the resident CTAs (phase_dispatch)
+  const dim3 grid = kPhasesInRounds<P0> ? dim3(setup.resident()) : dim3((setup.resident() + kPhases - 1) / kPhases, kPhases);
   if (batch > 0) {
-    phases_kernel<E, Ps...><<<dim3(grid_x, kPhases), kThreads, kSmem, stream>>>(x, packed, ep, batch);
+    phases_kernel<E, Ps...><<<grid, kThreads, kSmem, stream>>>(x, packed, ep, batch);
   }
   return cudaGetLastError();
 }
