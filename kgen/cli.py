@@ -174,7 +174,8 @@ def render(specs, check, out):
 
     _, rendered = _render_specs(specs, out)  # all or nothing: render everything first
     if check:
-        stale = [f"{out}/{f}" for r in rendered for f in stale_files(r, out)]
+        # dict.fromkeys: a shared header (conv_gemm.cuh) is every module's, listed once
+        stale = list(dict.fromkeys(f"{out}/{f}" for r in rendered for f in stale_files(r, out)))
         if stale:
             raise KgenError(f"{len(stale)} generated file(s) are stale; run `kgen render`:\n  " + "\n  ".join(stale))
         click.echo(f"generated/ is up to date ({len(rendered)} module(s))")

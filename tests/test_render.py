@@ -42,6 +42,20 @@ def test_render_check_detects_stale_sources(tmp_path):
     assert "stale" in proc.stderr and "maxpool_sum/stages.h" in proc.stderr
 
 
+def test_render_check_lists_a_stale_shared_header_once(tmp_path):
+    specs = []
+    for name in ("avgpool_sigmoid_sum", "maxpool_sum"):  # both include conv_gemm/conv_gemm.cuh
+        specs.append(tmp_path / f"{name}.yaml")
+        shutil.copy(ROOT / "specs" / f"{name}.yaml", specs[-1])
+    out = tmp_path / "gen"
+    assert _kgen("render", *map(str, specs), "--out", str(out)).returncode == 0
+    header = out / "conv_gemm" / "conv_gemm.cuh"
+    header.write_text(header.read_text() + "// edited\n")
+    proc = _kgen("render", "--check", *map(str, specs), "--out", str(out))
+    assert proc.returncode == 1
+    assert "1 generated file(s) are stale" in proc.stderr and proc.stderr.count("conv_gemm/conv_gemm.cuh") == 1
+
+
 def test_a_bad_spec_writes_nothing(tmp_path):
     good = tmp_path / "maxpool_sum.yaml"
     shutil.copy(ROOT / "specs" / "maxpool_sum.yaml", good)
