@@ -337,6 +337,12 @@ SPECS = {
                                      {"max": {"dim": 1}}], name="cg_conv1d", plan=GEMM),
     "cg_odd": spec_text([3, 17, 29], [{"conv2d": {"out_channels": 33, "kernel_size": 3, "padding": 1}}, "relu"],
                         name="cg_odd", plan=GEMM),
+    # KernelBench #58's convolution (a 3-d transposed one, 3 -> 16): its 8 phases in rounds on the window
+    # loop, written for a logsumexp stage. ptxas: 108 registers; an equivalent form of conv_ctas' one-tile
+    # round count compiled to 96 registers and spilled (stop 32)
+    "cg_tr3d": spec_text([3, 16, 32, 32], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2,
+                                                                "padding": 1}},
+                                         {"logsumexp": {"dim": 1, "keepdim": True}}], name="cg_tr3d", plan=GEMM),
     # the wgmma loop: a written output (staged epilogue) and a transposed convolution's phases
     "cg_wide": spec_text([16, 20, 23], [{"conv2d": {"out_channels": 48, "kernel_size": 3, "padding": 1}}, "relu"],
                          name="cg_wide", plan=GEMM),
@@ -407,8 +413,8 @@ def test_cpu_builds_validate(cg_modules):
 
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
-    for name in ("cg_transposed", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr", "cg_direct_pool", "cg_direct_sig",
-                 "cg_direct_tr") + NORM_SPECS + ONEPASS_SPECS:
+    for name in ("cg_transposed", "cg_tr3d", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr", "cg_direct_pool",
+                 "cg_direct_sig", "cg_direct_tr") + NORM_SPECS + ONEPASS_SPECS:
         kernels = ptxas_report(cg_modules[name][1], "9.0a")
         assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
         bad = [f"{demangle(k.name)}: stack {k.stack}, spills {k.spill_stores}/{k.spill_loads}, serialized wgmma {k.serialized_wgmma}"

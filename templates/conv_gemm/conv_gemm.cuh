@@ -916,18 +916,18 @@ __device__ __forceinline__ void chunk_wgmma_wait(float (&acc)[Geometry<P>::kMT][
   pin_all<P>(acc);
 }
 
-// The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...),
-// or, given a window [lo, hi) of the tile order, the tiles of that window (lo + cta, ...).
+// The whole convolution for CTA `cta` of `ctas` (persistent: it takes tiles cta, cta + ctas, ...);
+// kRound: one round of it, the tiles [round_lo, round_lo + workers) (phase_dispatch).
 // staggered_kernel: this CTA's "first main loop done" flag, which conv_ctas<..., true> sets, and
 // its worker numbers, in shared memory rather than arguments: kept in registers across the main
 // loop, they made a group norm's one-pass kernel spill.
 __shared__ int* s_first_loop_flag;
 __shared__ int s_worker[2];  // staggered_kernel: this CTA's worker number and the workers (conv_ctas' cta, ctas)
 
-template <class P, class E, bool kSignal = false>
+template <class P, class E, bool kSignal = false, bool kRound = false>
 __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const float* __restrict__ packed,
                                           const typename E::Params& ep, int batch, int cta, int ctas,
-                                          long long lo = 0, long long hi = -1) {
+                                          long long round_lo = 0) {
   using G = Geometry<P>;
   extern __shared__ __align__(16) float smem[];
   float* s_stages = smem + G::kStageOffset;
@@ -981,16 +981,23 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
   const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long end = hi < 0 || hi > total_tiles ? total_tiles : hi;
-  const long long first = lo + worker;
-  const long long my_tiles = first < end ? (end - 1 - first) / workers + 1 : 0;
+  long long my_tiles;
+  if constexpr (kRound) {  // the tiles of [round_lo, round_lo + workers): one at most
+    const long long first = round_lo + worker;
+    const long long end = round_lo + workers < total_tiles ? round_lo + workers : total_tiles;
+    my_tiles = first < end ? (end - 1 - first) / workers + 1 : 0;
+  } else {
+    my_tiles = worker < total_tiles ? (total_tiles - 1 - worker) / workers + 1 : 0;
+  }
   const long long steps = my_tiles * G::kChunks;
   auto tile_of_step = [&](long long s) {
     if constexpr (kSignal) {  // staggered_kernel's worker numbers, read again (not held across the main loop)
       const volatile int* w = s_worker;
       return tile_coord<P>(w[0] + (s / G::kChunks) * w[1]);
+    } else if constexpr (kRound) {
+      return tile_coord<P>(round_lo + worker + (s / G::kChunks) * workers);
     } else {
-      return tile_coord<P>(first + (s / G::kChunks) * workers);
+      return tile_coord<P>(worker + (s / G::kChunks) * workers);
     }
   };
 
@@ -1134,7 +1141,8 @@ __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float
 // the loop reads its weights from global memory (generic and window loops),
 // every CTA takes every phase, in rounds: round r is tiles [r W, (r + 1) W) of
 // each phase in turn (W: the phase's workers), and one CTA writes all phases of
-// an output region within a few microseconds. The wgmma and direct loops keep
+// an output region within a few microseconds (#58: DRAM reads 1.76 -> 0.99 GB,
+// writes 2.10 -> 1.99 GB, kernel 2.36 -> 2.06 ms, stop 32). The wgmma and direct loops keep
 // their weights in shared memory, loaded once per conv_ctas: rounds would load
 // them again for every tile (and eight inlined wgmma loops spill), so there
 // blockIdx.y is the phase and the phases share the resident CTAs.
@@ -1166,8 +1174,7 @@ __device__ __forceinline__ void phase_dispatch(const float* x, const PackedPhase
 #pragma unroll 1
     for (long long r = 0; r < rounds; ++r) {
       // __syncthreads between phases: the next phase's stages reuse shared memory
-      ((conv_ctas<Ps, E>(x, packed.w[I], ep, batch, blockIdx.x, ctas,
-                         r * ctas * Geometry<Ps>::kTeams, (r + 1) * ctas * Geometry<Ps>::kTeams),
+      ((conv_ctas<Ps, E, false, true>(x, packed.w[I], ep, batch, blockIdx.x, ctas, r * ctas * Geometry<Ps>::kTeams),
         __syncthreads()), ...);
     }
   } else {
