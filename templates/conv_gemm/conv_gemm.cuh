@@ -321,6 +321,12 @@ __host__ __device__ constexpr int k_offset(int k) {
   return q.c * G::kPlane + (q.kd * P::kDD * G::kBH + q.kh * P::kDH) * G::kBWPad + q.kw * P::kDW;
 }
 
+// The tiles of a batch: per sample, kCBlocks output-channel blocks of kTilesPerSample position tiles.
+template <class P>
+__host__ __device__ constexpr long long batch_tiles(int batch) {
+  return static_cast<long long>(batch) * Geometry<P>::kCBlocks * Geometry<P>::kTilesPerSample;
+}
+
 // Where a tile lies: sample, output-channel block, its number inside the sample, its first output position.
 struct TileCoord {
   int n, cblock, index;
@@ -980,7 +986,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   // This thread's B fragments: lane `lane` of n-tiles warp_n * kNT + nt.
   const float* w_lane = packed + (static_cast<long long>(warp_n) * G::kNT * 32 + lane) * G::kFragFloats;
 
-  const long long total_tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
+  const long long total_tiles = batch_tiles<P>(batch);
   long long my_tiles;
   if constexpr (kRound) {  // the tiles of [round_lo, round_lo + workers): one at most
     const long long first = round_lo + worker;
@@ -1156,9 +1162,8 @@ inline constexpr bool kPhasesInRounds = !Geometry<P>::kWg && !Geometry<P>::kDire
 
 template <class P>
 __device__ __forceinline__ long long phase_rounds(int batch, int ctas) {
-  using G = Geometry<P>;
-  const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
-  const long long workers = static_cast<long long>(ctas) * G::kTeams;
+  const long long tiles = batch_tiles<P>(batch);
+  const long long workers = static_cast<long long>(ctas) * Geometry<P>::kTeams;
   return (tiles + workers - 1) / workers;
 }
 
@@ -1398,7 +1403,7 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
   KernelSetup setup;
   const cudaError_t err = kernel_setup<conv_kernel<P, E>>(G::kThreads, smem_bytes<P, E>(), &setup);
   if (err != cudaSuccess) return err;
-  const long long tiles = static_cast<long long>(batch) * G::kCBlocks * G::kTilesPerSample;
+  const long long tiles = batch_tiles<P>(batch);
   const long long grid = tiles < setup.resident() ? tiles : setup.resident();  // teams beyond the tiles have none
   if (grid > 0) conv_kernel<P, E><<<static_cast<unsigned>(grid), G::kThreads, smem_bytes<P, E>(), stream>>>(x, packed, ep, batch);
   return cudaGetLastError();
