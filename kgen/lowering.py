@@ -4,9 +4,10 @@ The IR's ``Conv`` says what is computed (the convolution as written). A
 rewritten pipeline holds a ``LoweredConv`` instead: the same ``Conv`` with
 
 - a ``lowering``, one of ``Direct`` (as written), ``Folded`` (an average pool
-  folded into box-filtered weights with a multiplied stride) and ``Subpixel``
-  (a strided transposed convolution as stride^d ordinary phase convolutions),
-  each with its own geometry and its own float64 ``run``;
+  folded into box-filtered weights: a convolution with a multiplied stride, or
+  for a transposed convolution an ordinary one with stride pool / stride) and
+  ``Subpixel`` (a strided transposed convolution as stride^d ordinary phase
+  convolutions), each with its own geometry and its own float64 ``run``;
 - ``crop`` (dead-region rewrite): the prefix of the output, per spatial dim,
   that consumers read; only that region is computed;
 - ``bias_deferred`` (a plan step): the next fused stage adds the bias.
@@ -37,15 +38,29 @@ class Direct:
     def stride(self, conv: Conv) -> tuple[int, ...]:
         return conv.stride
 
+    def padding(self, conv: Conv) -> tuple[int, ...]:
+        return conv.padding
+
+    def dilation(self, conv: Conv) -> tuple[int, ...]:
+        return conv.dilation
+
+    def transposed(self, conv: Conv) -> bool:
+        """Whether the convolution that is run is a transposed one."""
+        return conv.transposed
+
     def weight(self, conv: Conv, w: torch.Tensor) -> torch.Tensor:
         return w
+
+    def runtime_weight(self, conv: Conv, src: str) -> str:
+        """The C++ expression (kgen_runtime.h) that makes ``weight`` from the parameter ``src`` in a generated binding."""
+        return src
 
     def out_size(self, conv: Conv, L: tuple[int, ...]) -> tuple[int, ...]:
         """Output spatial size for input ``L``, before any crop."""
         return conv.out_size(L)
 
     def can_crop(self, conv: Conv) -> bool:
-        return not conv.transposed  # a transposed convolution computes everything
+        return not self.transposed(conv)  # a transposed convolution computes everything
 
     def min_kept(self, conv: Conv) -> tuple[int, ...]:
         """The smallest crop that still computes what the lowering needs, per dim."""
@@ -58,7 +73,7 @@ class Direct:
             return tuple(L)
         return tuple(
             max(1, min(l, (e - 1) * s - p + d * (k - 1) + 1))
-            for l, e, k, s, p, d in zip(L, crop, self.kernel(conv), self.stride(conv), conv.padding, conv.dilation)
+            for l, e, k, s, p, d in zip(L, crop, self.kernel(conv), self.stride(conv), self.padding(conv), self.dilation(conv))
         )
 
     def physical_out(self, conv: Conv, L: tuple[int, ...], crop: tuple | None) -> tuple[int, ...]:
@@ -70,14 +85,19 @@ class Direct:
         if crop is not None:
             for d, e in enumerate(self.input_extent(conv, tuple(x.shape[2:]), crop)):
                 x = x.narrow(2 + d, 0, e)
-        y = conv.apply(x, self.weight(conv, w), b, self.stride(conv))
+        w = self.weight(conv, w)
+        if self.transposed(conv):
+            y = conv.apply(x, w, b)
+        else:
+            fn = (F.conv1d, F.conv2d, F.conv3d)[conv.rank - 1]
+            y = fn(x, w, b, self.stride(conv), self.padding(conv), self.dilation(conv), conv.groups)
         if crop is not None:
             for d, e in enumerate(crop):
                 y = y.narrow(2 + d, 0, e)
         return y
 
     def flops(self, conv: Conv, t_in: TensorType, t_out: TensorType, crop: tuple | None) -> int:
-        if conv.transposed:
+        if self.transposed(conv):
             return conv.flops(t_in, t_out)
         return 2 * conv.in_channels // conv.groups * math.prod(self.kernel(conv)) * t_out.sample_numel
 
@@ -87,33 +107,105 @@ class Direct:
 
 @dataclass(frozen=True)
 class Folded(Direct):
-    """conv then avg_pool as one convolution: w'[u] = mean over pool taps t of
-    w[u - t*stride], kernel (Kp-1)*s + K, stride s*sp. Needs no dilation."""
+    """conv then avg_pool (non-overlapping windows of kp) as one ordinary convolution.
+
+    Forward: w'[u] = mean over pool taps t of w[u - t*stride], kernel (kp-1)*s + K,
+    stride s*sp (any pool stride). Transposed (stride s, padding p, kp a multiple of s,
+    pool stride = kp): pooled output j = mean over u < kp of y[kp*j + u] reads inputs
+    i = (kp/s)*j + e with weight w'[e] = (1/kp) * sum over u < kp of w[u + p - s*e]
+    (w zero outside [0, K)), so it is a convolution with stride kp/s over the taps
+    e_min..e_max where some w[u + p - s*e] exists, padded by -e_min (TransposedFold).
+    Needs no dilation."""
 
     name: ClassVar[str] = "folded"
     pool_kernel: tuple = ()
     pool_stride: tuple = ()
 
+    def folds(self, conv) -> list["TransposedFold"]:
+        """Per dim, the folded geometry of a transposed convolution."""
+        return [TransposedFold.of(k, s, p, kp) for k, s, p, kp in zip(conv.kernel, conv.stride, conv.padding, self.pool_kernel)]
+
     def kernel(self, conv):
+        if conv.transposed:
+            return tuple(f.taps for f in self.folds(conv))
         return tuple((kp - 1) * s + k for k, s, kp in zip(conv.kernel, conv.stride, self.pool_kernel))
 
     def stride(self, conv):
+        if conv.transposed:
+            return tuple(kp // s for s, kp in zip(conv.stride, self.pool_kernel))
         return tuple(s * sp for s, sp in zip(conv.stride, self.pool_stride))
 
+    def padding(self, conv):
+        if conv.transposed:
+            return tuple(f.padding for f in self.folds(conv))
+        return conv.padding
+
+    def dilation(self, conv):
+        return (1,) * conv.rank
+
+    def transposed(self, conv):
+        return False
+
     def weight(self, conv, w):
-        """Box-filter the kernel, as a transposed convolution of w with a box."""
+        """The box-filtered kernel as (Cout, Cin / groups, kernel...): forward, w'[u] = mean over pool
+        taps t of w[u - t*stride]; transposed, window sums of w, flipped, one every stride taps.
+        Plain fp32 additions (kgen_runtime.h's fold_avg_pool_weight does the same on the device)."""
         kp = self.pool_kernel
-        co, ci = w.shape[:2]
-        box = torch.full((1, 1) + kp, 1.0 / math.prod(kp), dtype=w.dtype, device=w.device)
-        conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[conv.rank - 1]
-        wf = conv_t(w.reshape((co * ci, 1) + conv.kernel), box, dilation=conv.stride)
-        return wf.reshape((co, ci) + self.kernel(conv))
+        if not conv.transposed:
+            return shifted_sum(w, kp, conv.stride) / math.prod(kp)
+        sums = shifted_sum(w, kp, (1,) * conv.rank).flip(tuple(range(2, 2 + conv.rank)))
+        index = [slice(None), slice(None)] + [slice(f.start, f.start + s * (f.taps - 1) + 1, s) for f, s in zip(self.folds(conv), conv.stride)]
+        return (sums[tuple(index)] / math.prod(kp)).transpose(0, 1)
+
+    def runtime_weight(self, conv, src):
+        kp = _braces(self.pool_kernel)
+        if not conv.transposed:
+            return f"kgen::fold_avg_pool_weight({src}, {kp}, {_braces(conv.stride)})"
+        starts = _braces(f.start for f in self.folds(conv))
+        return f"kgen::fold_avg_pool_transposed_weight({src}, {kp}, {_braces(conv.stride)}, {starts}, {_braces(self.kernel(conv))})"
 
     def out_size(self, conv, L):
-        return tuple(conv_out(l, k, s, p, 1) for l, k, s, p in zip(L, self.kernel(conv), self.stride(conv), conv.padding))
+        return tuple(conv_out(l, k, s, p, 1) for l, k, s, p in zip(L, self.kernel(conv), self.stride(conv), self.padding(conv)))
 
     def describe(self, conv):
-        return f" folded with avg_pool(k={fmt(self.pool_kernel)}) -> k={fmt(self.kernel(conv))}, s={fmt(self.stride(conv))}"
+        return f" folded with avg_pool(k={fmt(self.pool_kernel)}) -> conv k={fmt(self.kernel(conv))}, s={fmt(self.stride(conv))}" + (
+            f", p={fmt(self.padding(conv))}" if conv.transposed and any(self.padding(conv)) else "")
+
+
+def _braces(values) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+def shifted_sum(w: torch.Tensor, copies: tuple, step: tuple) -> torch.Tensor:
+    """Per spatial dim d of w (N, C, K...): the sum of copies[d] copies of w, copy t shifted by
+    t * step[d] (K + (copies - 1) * step taps)."""
+    out = w
+    for d, (n, st) in enumerate(zip(copies, step)):
+        K = out.shape[2 + d]
+        acc = out.new_zeros(out.shape[: 2 + d] + (K + (n - 1) * st,) + out.shape[3 + d :])
+        for t in range(n):
+            acc.narrow(2 + d, t * st, K).add_(out)
+        out = acc
+    return out
+
+
+@dataclass(frozen=True)
+class TransposedFold:
+    """One dim of a transposed convolution (kernel K, stride s, padding p) folded with an average
+    pool of kp = a multiple of s: taps e_min..e_max of the ordinary convolution, its padding
+    -e_min, and where its taps start in the flipped window sums of w (one every s)."""
+
+    taps: int
+    padding: int
+    start: int
+
+    @staticmethod
+    def of(K: int, s: int, p: int, kp: int) -> "TransposedFold":
+        e_min = -((K - 1 - p) // s)  # ceil((p - K + 1) / s): the first e with some w[u + p - s*e]
+        e_max = (p + kp - 1) // s
+        # shifted_sum(w, kp, 1)[m] = sum over u < kp of w[m - kp + 1 + u]: w'[e] (m = p - s*e + kp - 1) is,
+        # counted from the far end, at K - 1 - p + s*e
+        return TransposedFold(taps=e_max - e_min + 1, padding=-e_min, start=K - 1 - p + s * e_min)
 
 
 @dataclass(frozen=True)
@@ -151,6 +243,9 @@ class Subpixel:
     as stride^d ordinary convolutions, one per output phase, each with only its own taps."""
 
     name: ClassVar[str] = "subpixel"
+
+    def transposed(self, conv: Conv) -> bool:
+        return False  # each phase is an ordinary convolution
 
     def phases(self, conv: Conv, L: tuple[int, ...], crop: tuple | None) -> list[SubpixelPhase]:
         """Split conv_transpose (stride s, padding p, kernel K) into s^d ordinary convolutions.
@@ -263,6 +358,19 @@ class LoweredConv(Op):
     def stride(self) -> tuple[int, ...]:
         return self.lowering.stride(self.conv)
 
+    @property
+    def padding(self) -> tuple[int, ...]:
+        return self.lowering.padding(self.conv)
+
+    @property
+    def dilation(self) -> tuple[int, ...]:
+        return self.lowering.dilation(self.conv)
+
+    @property
+    def transposed(self) -> bool:
+        """Whether the convolution that is run is a transposed one (as written, not in sub-pixel or folded form)."""
+        return self.lowering.transposed(self.conv)
+
     def tensor_names(self):
         return self.conv.tensor_names()
 
@@ -278,6 +386,9 @@ class LoweredConv(Op):
 
     def phases(self, L: tuple[int, ...]) -> list[SubpixelPhase]:
         return self.lowering.phases(self.conv, L, self.crop)
+
+    def runtime_weight(self, src: str) -> str:
+        return self.lowering.runtime_weight(self.conv, src)
 
     def infer(self, t):
         self.conv.check_input(t)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from .errors import SpecError
 from .ir import Capture, Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType, infer_types
-from .lowering import Folded, LoweredConv, Subpixel, lowered
+from .lowering import Direct, Folded, LoweredConv, Subpixel, lowered
 
 # How much of a convolution's output must be dead before the dead-region pass
 # crops it: cropping copies the input once, which a sliver does not pay for.
@@ -143,13 +143,16 @@ def _dedupe(decisions):
 
 
 def avg_pool_folding(pipe: Pipeline, fire=always):
-    """conv then avg_pool -> one conv with box-filtered weights and multiplied stride.
+    """conv then avg_pool -> one ordinary conv with box-filtered weights (lowering.Folded).
 
-    Average pooling is linear, so pool(conv(x, w) + b) = conv(x, box * w) + b
-    with kernel (Kp-1)*s + K and stride s*sp. Needs the pool right after the
-    convolution (nothing nonlinear between), a direct non-transposed convolution
-    without dilation, and a pool without padding or ceil mode (partial windows
-    would change the divisor).
+    Average pooling is linear, so pool(conv(x, w) + b) = conv'(x, box * w) + b.
+    Forward: kernel (Kp-1)*s + K, stride s*sp. Transposed with stride s: a
+    convolution with stride Kp/s, when every pool window holds whole stride periods
+    (Kp a multiple of s, stride Kp) -- the 1 GB output of a 3 -> 16 channel
+    ConvTranspose3d is then never computed, only its pooled eighth. Needs the pool
+    right after the convolution (affine_through_avg_pool moves scalar and
+    per-channel factors and offsets out of the way), no dilation, and a pool
+    without padding or ceil mode (partial windows would change the divisor).
     """
     ops, decisions = list(pipe.ops), []
     for i, op in enumerate(ops):
@@ -168,8 +171,6 @@ def avg_pool_folding(pipe: Pipeline, fire=always):
             continue
         if j != i + 1:
             why = f"{ops[i + 1].describe()} between the convolution and the pool"
-        elif conv.transposed:
-            why = "transposed convolution"
         elif op is not conv:
             why = f"convolution is already {lc.lowering.name}"
         elif any(d != 1 for d in conv.dilation):
@@ -178,26 +179,93 @@ def avg_pool_folding(pipe: Pipeline, fire=always):
             why = f"pool pads (padding {list(pool.padding)})"
         elif pool.ceil_mode:
             why = "pool uses ceil_mode"
+        elif conv.transposed:
+            why = _transposed_fold_obstacle(conv, pool)
+        crop = None
         if why is None:
             folded = LoweredConv(key=conv.key, conv=conv, lowering=Folded(pool.kernel, pool.stride))
-            t = _type_at(pipe, op)
-            if folded.infer(t) != pipe.types[j + 1]:
-                why = "folded output size differs from the pool's"
+            got, want = folded.infer(_type_at(pipe, op)).spatial, pipe.types[j + 1].spatial
+            if any(g < w for g, w in zip(got, want)) or (got != want and not conv.transposed):
+                why = f"folded output size {list(got)} differs from the pool's {list(want)}"
+            elif got != want:
+                crop = want  # the folded transposed convolution's last rows are past the floor-mode windows
         if why is None and not fire("avg_pool_folding", _site(op, pool)):
             why = NOT_CHOSEN
         if why:
             decisions.append(Decision("avg_pool_folding", _site(op, pool), False, why))
             continue
+        folded = replace(folded, crop=crop)
+        what = "transposed kernel" if conv.transposed else "kernel"
         decisions.append(
             Decision(
                 "avg_pool_folding",
                 _site(op, pool),
                 True,
-                f"kernel {list(conv.kernel)} stride {list(conv.stride)} + avg_pool {list(pool.kernel)} -> kernel {list(folded.kernel)} stride {list(folded.stride)}",
+                f"{what} {list(conv.kernel)} stride {list(conv.stride)} + avg_pool {list(pool.kernel)} -> kernel {list(folded.kernel)} stride {list(folded.stride)}"
+                + (f" padding {list(folded.padding)}" if conv.transposed and any(folded.padding) else ""),
             )
         )
         ops[i], ops[j] = folded, None
     return [o for o in ops if o is not None], decisions
+
+
+def _transposed_fold_obstacle(conv: Conv, pool: Pool) -> str | None:
+    """Why an average pool does not fold into a transposed convolution (None: it does)."""
+    if conv.groups != 1:
+        return f"transposed convolution with groups={conv.groups}"
+    if tuple(pool.stride) != tuple(pool.kernel):
+        return f"pool stride {list(pool.stride)} differs from its kernel {list(pool.kernel)} after a transposed convolution"
+    if any(kp % s for kp, s in zip(pool.kernel, conv.stride)):
+        return f"pool kernel {list(pool.kernel)} is not a multiple of the transposed convolution's stride {list(conv.stride)}"
+    if any(p > k - 1 for p, k in zip(conv.padding, conv.kernel)):
+        return f"transposed convolution's padding {list(conv.padding)} reaches past its kernel {list(conv.kernel)}"
+    return None
+
+
+# ------------------------------------------------------------ affine through avg pool
+
+
+def affine_through_avg_pool(pipe: Pipeline):
+    """conv, x*a / x/a / x+b / x-b, avg_pool -> conv, avg_pool, the same ops.
+
+    A mean commutes with a factor or offset that is constant over its window (a
+    scalar, or a parameter that varies only along the batch and channels), so
+    the ops run on the pooled values and the pool can fold into the convolution
+    (avg_pool_folding). Fires only between a convolution and an average pool
+    without padding (a zero-padded window would average the offset with zeros);
+    the rounding changes within float32 accuracy, and a non-finite factor meets
+    the window's mean instead of each value (inf * (1 - 1) is NaN where
+    inf * 1 - inf * 1 was too, but inf * (2 + -1) is inf where the sum was NaN).
+    """
+    ops, decisions = list(pipe.ops), []
+    for i, op in enumerate(ops):
+        if lowered(op) is None:
+            continue
+        j = i + 1
+        while j < len(ops) and isinstance(ops[j], Elementwise):
+            j += 1
+        if j == i + 1 or j >= len(ops) or not (isinstance(ops[j], Pool) and ops[j].kind == "avg") or ops[j].src is not None:
+            continue
+        pool, run = ops[j], ops[i + 1 : j]
+        why = f"pool pads (padding {list(pool.padding)})" if any(pool.padding) else None
+        rank = pipe.types[j].rank
+        for e in run:
+            if why:
+                break
+            if not e.plain or e.fn not in ("mul", "div", "add", "sub") or e.param_sum_dims:
+                why = f"{e.describe()} is not a factor or an offset"
+            elif e.param is not None:
+                pshape = e.param_view or tuple(pipe.params[e.param].shape)
+                aligned = (1,) * (rank - len(pshape)) + tuple(pshape)
+                if any(n != 1 for n in aligned[2:]):
+                    why = f"parameter '{e.param}' varies along the pooled dims"
+        if why:
+            decisions.append(Decision("affine_through_avg_pool", _site(*run, pool), False, why))
+            continue
+        ops[i + 1 : j + 1] = [pool] + run
+        decisions.append(Decision("affine_through_avg_pool", _site(*run, pool), True,
+                                  f"{', '.join(e.describe() for e in run)} moved after the average pool"))
+    return ops, decisions
 
 
 # ------------------------------------------------------------ sub-pixel
@@ -263,11 +331,11 @@ def _needed_input(op: Op, t_in: TensorType, t_out: TensorType, need: tuple) -> t
                 out.append(next(it))
         return tuple(out)
     lc = lowered(op)
-    if isinstance(op, Pool) or (lc is not None and not lc.conv.transposed):
+    if isinstance(op, Pool) or (lc is not None and isinstance(lc.lowering, Direct) and not lc.transposed):
         if isinstance(op, Pool):
             k, s, p, d = op.kernel, op.stride, op.padding, op.dilation
         else:
-            k, s, p, d = lc.kernel, lc.stride, lc.conv.padding, lc.conv.dilation
+            k, s, p, d = lc.kernel, lc.stride, lc.padding, lc.dilation
         spatial = tuple(
             min(l, (n - 1) * st - pp + dd * (kk - 1) + 1)
             for l, n, kk, st, pp, dd in zip(t_in.spatial, need[1:], k, s, p, d)
@@ -436,6 +504,7 @@ def reduction_algebra(pipe: Pipeline):
 REWRITES = (
     ("scalar_through_max", scalar_through_max),
     ("pool_composition", pool_composition),
+    ("affine_through_avg_pool", affine_through_avg_pool),
     ("avg_pool_folding", avg_pool_folding),
     ("subpixel_conv_transpose", subpixel_conv_transpose),
     ("dead_region", dead_region),

@@ -41,8 +41,15 @@ def path_for(spec_path) -> Path:
 
 
 def spec_hash(pipe) -> str:
-    """What the spec computes, as data: its example batch (what bench and tune default to) is left out."""
+    """What the spec computes, as data: its example batch (what bench and tune default to) is left out, and
+    so are the rewrites left on (the default), so a rewrite kgen adds does not stale every tuning file (where
+    it changes the candidates, the candidates' hash says so)."""
     data = spec_to_data(pipe.spec)
+    off = {k: v for k, v in data.get("rewrites", {}).items() if not v}
+    if off:
+        data["rewrites"] = off
+    else:
+        data.pop("rewrites", None)
     if "input" in data:
         data["input"] = {k: v for k, v in data["input"].items() if k != "example"}
     data.pop("example", None)  # a spec with several inputs gives its example batch beside them

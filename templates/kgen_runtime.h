@@ -299,21 +299,47 @@ inline at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const st
   return y.contiguous(format);
 }
 
-// Average pool folded into the kernel: w'[u] = mean over pool taps t of
-// w[u - t * conv_stride], as a transposed convolution of w with a box.
+// Per spatial dim d of w (N, C, K...): the sum of copies[d] copies of w, copy t
+// shifted by t * step[d] (K + (copies - 1) * step taps). Plain fp32 additions:
+// a convolution with a box would let cuDNN round the weights to TF32.
+inline at::Tensor shifted_sum(const at::Tensor& w, at::IntArrayRef copies, at::IntArrayRef step) {
+  at::Tensor out = w;
+  for (size_t d = 0; d < copies.size(); ++d) {
+    const int64_t dim = 2 + static_cast<int64_t>(d), K = out.size(dim);
+    std::vector<int64_t> shape = out.sizes().vec();
+    shape[dim] = K + (copies[d] - 1) * step[d];
+    at::Tensor acc = at::zeros(shape, out.options());
+    for (int64_t t = 0; t < copies[d]; ++t) acc.narrow(dim, t * step[d], K).add_(out);
+    out = acc;
+  }
+  return out;
+}
+
+inline int64_t product(at::IntArrayRef v) {
+  int64_t n = 1;
+  for (int64_t x : v) n *= x;
+  return n;
+}
+
+// Average pool folded into a convolution's kernel (kgen.lowering.Folded):
+// w'[u] = mean over pool taps t of w[u - t * conv_stride].
 inline at::Tensor fold_avg_pool_weight(const at::Tensor& w, at::IntArrayRef pool_kernel, at::IntArrayRef conv_stride) {
-  const int64_t rank = static_cast<int64_t>(pool_kernel.size());
-  std::vector<int64_t> box_shape{1, 1};
-  int64_t taps = 1;
-  for (int64_t k : pool_kernel) box_shape.push_back(k), taps *= k;
-  at::Tensor box = at::full(box_shape, 1.0 / static_cast<double>(taps), w.options());
-  std::vector<int64_t> flat{w.size(0) * w.size(1), 1};
-  for (int64_t d = 0; d < rank; ++d) flat.push_back(w.size(2 + d));
-  std::vector<int64_t> zeros(rank, 0), ones(rank, 1);
-  at::Tensor wf = at::convolution(w.reshape(flat), box, std::nullopt, ones, zeros, conv_stride, true, zeros, 1);
-  std::vector<int64_t> out{w.size(0), w.size(1)};
-  for (int64_t d = 0; d < rank; ++d) out.push_back(wf.size(2 + d));
-  return wf.reshape(out);
+  return shifted_sum(w, pool_kernel, conv_stride).div_(static_cast<double>(product(pool_kernel)));
+}
+
+// ... into a transposed convolution's (Cin, Cout, K...) kernel: window sums of kp
+// taps, flipped, one every stride taps from `start` (kgen.lowering.TransposedFold),
+// divided by the window size, as the (Cout, Cin, taps...) kernel of an ordinary
+// convolution.
+inline at::Tensor fold_avg_pool_transposed_weight(const at::Tensor& w, at::IntArrayRef pool_kernel, at::IntArrayRef stride,
+                                                  at::IntArrayRef start, at::IntArrayRef taps) {
+  std::vector<int64_t> ones(pool_kernel.size(), 1), dims;
+  for (size_t d = 0; d < pool_kernel.size(); ++d) dims.push_back(2 + static_cast<int64_t>(d));
+  at::Tensor sums = shifted_sum(w, pool_kernel, ones).flip(dims);
+  for (size_t d = 0; d < start.size(); ++d) {
+    sums = sums.slice(2 + d, start[d], start[d] + stride[d] * (taps[d] - 1) + 1, stride[d]);
+  }
+  return sums.div(static_cast<double>(product(pool_kernel))).transpose(0, 1);
 }
 
 // Weight of one sub-pixel phase: from the spatially flipped transposed-conv

@@ -370,6 +370,20 @@ SPECS = {
                                       {"instance_norm": {}}, {"mean": {"dim": 1}}, "sigmoid"], name="cg_norm_1d",
                             plan=RECOMPUTE),
 }
+# An average pool folded into a transposed convolution (rewrites.avg_pool_folding): an ordinary convolution
+# over the input, the pooled output computed directly. KernelBench #50's geometry (3 -> 16, k3 s2 p1, pool 2: a
+# 2 x 2 x 2 kernel of stride 1) at odd sizes, its scalar factor moved past the pool; a 2-d k5 s2 p2 one whose
+# two pools compose to 4 (a 4 x 4 kernel of stride 2, padded by 1).
+FOLD_SPECS = {
+    "cg_fold_tr3d": spec_text([3, 5, 9, 10], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2,
+                                                                    "padding": 1}}, {"mul": {"scalar": 0.5}},
+                                              {"avg_pool3d": {"kernel_size": 2}}, {"add": {"param": "shift"}}],
+                              params={"shift": {"shape": [16, 1, 1, 1], "init": "randn"}}, name="cg_fold_tr3d", plan=GEMM),
+    "cg_fold_tr2d": spec_text([6, 11, 13], [{"conv_transpose2d": {"out_channels": 10, "kernel_size": 5, "stride": 2,
+                                                                  "padding": 2}}, {"avg_pool2d": {"kernel_size": 2}},
+                                            {"avg_pool2d": {"kernel_size": 2}}, "tanh"], name="cg_fold_tr2d", plan=GEMM),
+}
+SPECS.update(FOLD_SPECS)
 # the same three in one pass (8, 2 and 1 tiles per sample), and a 3-d group norm of 4 groups of 4
 # channels over 16 tiles, partial in D, H and W (16 does not divide an H100's 132 SMs: each staggered
 # group leaves CTAs without tiles)
@@ -413,7 +427,7 @@ def test_cpu_builds_validate(cg_modules):
 
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
-    for name in ("cg_transposed", "cg_tr3d", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr", "cg_direct_pool",
+    for name in ("cg_transposed", "cg_tr3d", "cg_fold_tr3d", "cg_fold_tr2d", "cg_conv1d", "cg_odd", "cg_wide", "cg_wide_tr", "cg_direct_pool",
                  "cg_direct_sig", "cg_direct_tr") + NORM_SPECS + ONEPASS_SPECS:
         kernels = ptxas_report(cg_modules[name][1], "9.0a")
         assert any("conv_kernel" in k.name or "phases_kernel" in k.name for k in kernels)
@@ -776,6 +790,24 @@ def test_transposed_phases_in_rounds_match_float64(tmp_path):
         st = make_plan(pipeline_of(spec.read_text())).stages[0]
         assert st.family is conv_gemm.FAMILY and st.schedule.loop == "window", st.schedule
         assert "run_phases" in (d / "kernel.cu").read_text()
+        assert_report_passed(validate(spec, d, "cuda", example_batch=True), d.name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_folded_transposed_convolutions_match_float64(tmp_path):
+    """FOLD_SPECS on the GPU: the folded weights made on the device, the ordinary convolution's kernel, validated
+    against the pipeline as written in float64 (batches 1 to 3, adversarial cases, and the example batch)."""
+    out = tmp_path / "gen"
+    cases = []
+    for name, text in FOLD_SPECS.items():
+        spec = write_spec(tmp_path, text, f"{name}.yaml")
+        write_rendered(render_spec(spec, out), out)
+        cases.append((spec, out / name))
+    build_modules([d for _, d in cases], "cuda")
+    for spec, d in cases:
+        st = make_plan(pipeline_of(spec.read_text())).stages[0]
+        assert st.family is conv_gemm.FAMILY and st.conv.lowering.name == "folded" and not st.phases, st
         assert_report_passed(validate(spec, d, "cuda", example_batch=True), d.name)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import yaml
 
 from kgen.ir import Conv, Elementwise, Pool, Reduce, build_pipeline, load_pipeline
-from kgen.lowering import Folded, LoweredConv, Subpixel
+from kgen.lowering import Folded, LoweredConv, Subpixel, TransposedFold
 from kgen.reference import ReferenceModel
 from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites
 from kgen.spec import REWRITE_NAMES, parse_spec
@@ -445,7 +445,10 @@ def test_avg_pool_folding_fires(shape, conv, pool):
         ([{"conv2d": {"out_channels": 3, "kernel_size": 3}}, {"avg_pool2d": {"kernel_size": 2, "padding": 1}}], "pool pads"),
         ([{"conv2d": {"out_channels": 3, "kernel_size": 3}}, {"avg_pool2d": {"kernel_size": 2, "ceil_mode": True}}], "ceil_mode"),
         ([{"conv2d": {"out_channels": 3, "kernel_size": 3, "dilation": 2}}, {"avg_pool2d": {"kernel_size": 2}}], "dilat"),
-        ([{"conv_transpose2d": {"out_channels": 3, "kernel_size": 3, "stride": 2}}, {"avg_pool2d": {"kernel_size": 2}}], "transposed"),
+        ([{"conv_transpose2d": {"out_channels": 3, "kernel_size": 3, "stride": 2}}, {"avg_pool2d": {"kernel_size": 3}}], "not a multiple"),
+        ([{"conv_transpose2d": {"out_channels": 3, "kernel_size": 3, "stride": 2}}, {"avg_pool2d": {"kernel_size": 4, "stride": 2}}], "differs from its kernel"),
+        ([{"conv_transpose2d": {"out_channels": 4, "kernel_size": 3, "stride": 2, "groups": 2}}, {"avg_pool2d": {"kernel_size": 2}}], "groups=2"),
+        ([{"conv_transpose2d": {"out_channels": 3, "kernel_size": 2, "stride": 2, "dilation": 2}}, {"avg_pool2d": {"kernel_size": 2}}], "dilat"),
     ],
 )
 def test_avg_pool_folding_does_not_fire(ops, why):
@@ -456,6 +459,102 @@ def test_avg_pool_folding_does_not_fire(ops, why):
     assert why in d.reason
     assert q.ops == p.ops
     assert not ops_of(q, LoweredConv)
+
+
+def _random_transposed_fold(rng, rank):
+    """A transposed convolution and an average pool of whole stride periods (kernel = stride * 1 or 2)."""
+    while True:
+        k = [rng.randint(1, 5) for _ in range(rank)]
+        s = [rng.randint(1, 3) for _ in range(rank)]
+        p = [rng.randint(0, kk - 1) for kk in k]
+        op = [rng.randint(0, ss - 1) if rng.random() < 0.3 else 0 for ss in s]
+        L = [rng.randint(2, 6 if rank < 3 else 4) for _ in range(rank)]
+        kp = [ss * rng.randint(1, 2) for ss in s]
+        out = [(l - 1) * ss - 2 * pp + kk + o for l, ss, pp, kk, o in zip(L, s, p, k, op)]
+        folds = [TransposedFold.of(kk, ss, pp, q) for kk, ss, pp, q in zip(k, s, p, kp)]
+        # the folded convolution pads both sides alike: an output_padding may need more on the right (not folded)
+        reach = [(l + 2 * f.padding - f.taps) // (q // ss) + 1 >= o // q for l, f, q, ss, o in zip(L, folds, kp, s, out)]
+        if all(o >= q for o, q in zip(out, kp)) and all(reach):
+            return dict(cin=rng.randint(1, 3), cout=rng.randint(1, 4), k=k, s=s, p=p, op=op, L=L, kp=kp, bias=rng.random() < 0.7)
+
+
+TRANSPOSED_FOLDS = [_random_transposed_fold(random.Random(20261127 + i), rank) for rank in (1, 2, 3) for i in range((12, 12, 8)[rank - 1])]
+
+
+@pytest.mark.parametrize("c", TRANSPOSED_FOLDS, ids=lambda c: f"k{c['k']}s{c['s']}p{c['p']}op{c['op']}pool{c['kp']}L{c['L']}".replace(" ", ""))
+def test_avg_pool_folds_into_a_transposed_convolution(c):
+    """Pooled windows of whole stride periods: one ordinary convolution with stride pool / stride, equal in
+    float64 to conv_transposeNd then avg_poolNd (an independent expectation) and to the pipeline as written."""
+    rank = len(c["k"])
+    conv = {f"conv_transpose{rank}d": {"out_channels": c["cout"], "kernel_size": c["k"], "stride": c["s"], "padding": c["p"],
+                                       "output_padding": c["op"], "bias": c["bias"]}}
+    p = build(spec_text([c["cin"]] + c["L"], [conv, {f"avg_pool{rank}d": {"kernel_size": c["kp"]}}, "relu"]))
+    q, ds = rewrite(p, "avg_pool_folding")
+    (d,) = fired(ds, "avg_pool_folding")
+    assert "transposed kernel" in d.reason
+    f = q.ops[0]
+    assert isinstance(f.lowering, Folded) and not f.transposed and not ops_of(q, Pool)
+    assert f.stride == tuple(kp // s for kp, s in zip(c["kp"], c["s"]))
+    t, x = tensors(p, 5), randn(p, 5)
+    y = conv_fn(rank, True)(x, t["conv_transpose.weight"], t.get("conv_transpose.bias"), c["s"], c["p"], c["op"])
+    want = torch.relu(getattr(F, f"avg_pool{rank}d")(y, c["kp"]))
+    torch.testing.assert_close(run(q, x, t), want, rtol=1e-10, atol=1e-10)
+    check_equivalent(p, q, inf=False)
+
+
+def test_avg_pool_does_not_fold_where_the_transposed_output_padding_needs_more_right_padding():
+    conv = {"conv_transpose1d": {"out_channels": 4, "kernel_size": 5, "stride": 2, "padding": 1, "output_padding": 1}}
+    p = build(spec_text([3, 3], [conv, {"avg_pool1d": {"kernel_size": 2}}]))
+    q, ds = rewrite(p, "avg_pool_folding")
+    (d,) = not_fired(ds, "avg_pool_folding")
+    assert "folded output size [3] differs from the pool's [4]" in d.reason and q.ops == p.ops
+
+
+def test_transposed_fold_is_kernelbench_50s_pattern():
+    """KernelBench #50: ConvTranspose3d(3 -> 16, k3, s2, p1), x * scale, avg_pool3d(2), + bias, * scale: the factor moves
+    past the pool and the pool folds in: a 2 x 2 x 2 convolution of stride 1 over the input (the transposed
+    convolution's 31 x 63 x 63 output is never computed); the rewritten pipeline equals the written one in float64."""
+    ops = [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}, {"mul": {"param": "scale1"}},
+           {"avg_pool3d": {"kernel_size": 2}}, {"add": {"param": "b"}}, {"mul": {"param": "scale2"}}]
+    params = {"scale1": {"shape": [], "init": 0.5}, "b": {"shape": [16, 1, 1, 1], "init": "randn"}, "scale2": {"shape": [], "init": 1.0}}
+    p = build(spec_text([3, 4, 6, 6], ops, params=params))
+    q, ds = apply_rewrites(p)
+    assert {d.rewrite for d in ds if d.fired} == {"affine_through_avg_pool", "avg_pool_folding"}
+    f = q.ops[0]
+    assert isinstance(f.lowering, Folded) and f.kernel == (2, 2, 2) and f.stride == (1, 1, 1) and f.padding == (0, 0, 0)
+    assert [o.op_name for o in q.ops] == ["conv_transpose3d", "mul", "add", "mul"]
+    check_equivalent(p, q, inf=False)
+
+
+@pytest.mark.parametrize(
+    "ops,params",
+    [
+        ([{"mul": {"scalar": -1.5}}, {"add": {"scalar": 2.0}}], None),
+        ([{"div": {"param": "fa"}}, {"sub": {"param": "fb"}}], {"fa": {"shape": [3, 1, 1], "init": "randn"}, "fb": {"shape": [1], "init": "randn"}}),
+    ],
+)
+def test_affine_through_avg_pool_fires(ops, params):
+    conv = {"conv2d": {"out_channels": 3, "kernel_size": 3}}
+    p = build(spec_text([2, 11, 10], [conv] + ops + [{"avg_pool2d": {"kernel_size": 2}}, "tanh"], params=params))
+    q, ds = rewrite(p, "affine_through_avg_pool")
+    (d,) = fired(ds, "affine_through_avg_pool")
+    assert [o.op_name for o in q.ops] == ["conv2d", "avg_pool2d"] + [o.op_name for o in p.ops[1:-2]] + ["tanh"]
+    check_equivalent(p, q, inf=False)
+
+
+@pytest.mark.parametrize(
+    "between,pool,params,why",
+    [
+        ([{"mul": {"param": "fa"}}], {"kernel_size": 2}, {"fa": {"shape": [3, 1, 8], "init": "randn"}}, "varies along the pooled dims"),
+        (["relu"], {"kernel_size": 2}, None, "not a factor or an offset"),
+        ([{"add": {"scalar": 1.0}}], {"kernel_size": 2, "padding": 1}, None, "pool pads"),
+    ],
+)
+def test_affine_through_avg_pool_does_not_fire(between, pool, params, why):
+    p = build(spec_text([2, 11, 10], [{"conv2d": {"out_channels": 3, "kernel_size": 3}}] + between + [{"avg_pool2d": pool}], params=params))
+    q, ds = rewrite(p, "affine_through_avg_pool")
+    (d,) = not_fired(ds, "affine_through_avg_pool")
+    assert why in d.reason and q.ops == p.ops
 
 
 def test_avg_pool_folding_ignores_a_max_pool():

@@ -24,7 +24,7 @@ namespace v0 {
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/binding.cpp.j2)
 // The convolution on the CPU: ATen.
 at::Tensor stage0_cpu(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias) {
-  const at::Tensor& w = conv_weight;
+  const at::Tensor w = conv_weight;
   const at::Tensor y = kgen::convolution(
       kgen::narrow_spatial(x, {16, 64, 64}), w, std::nullopt,
       {1, 1, 1}, {0, 0, 0}, {1, 1, 1}, false, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::Contiguous);

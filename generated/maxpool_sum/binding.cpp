@@ -24,7 +24,7 @@ namespace v0 {
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/binding.cpp.j2)
 // The convolution on the CPU: ATen, as written (a transposed convolution).
 at::Tensor stage0_cpu(const at::Tensor& x, const at::Tensor& conv_transpose_weight, const at::Tensor& conv_transpose_bias) {
-  const at::Tensor& w = conv_transpose_weight;
+  const at::Tensor w = conv_transpose_weight;
   const at::Tensor y = kgen::convolution(
       kgen::narrow_spatial(x, {32, 32, 32}), w, std::nullopt,
       {2, 2, 2}, {2, 2, 2}, {1, 1, 1}, true, {0, 0, 0}, 1, kPrecision, at::MemoryFormat::Contiguous);

@@ -78,7 +78,7 @@ class ConvAten(Family):
             return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions
         if req.pipeline.conv_layout != "auto":
             return (req.pipeline.conv_layout,)
-        direct_transposed = conv.conv.transposed and not isinstance(conv.lowering, Subpixel)
+        direct_transposed = conv.transposed
         nxt = req.next_family
         phased = isinstance(conv.lowering, Subpixel) and len(conv.phases(req.types[0].spatial)) > 1
         fast = nxt is not None and nxt.reads_channels_last_fast(conv.conv.out_channels, phased)
@@ -161,7 +161,7 @@ class ConvAten(Family):
         written = batch * sum(math.prod(t.dims) for t in st.output.tiles)
         K = c.in_channels // c.groups * math.prod(lc.kernel)
         out += conv_work("convolution", flops, read, written, c.out_channels // c.groups, K, st.layout, target,
-                         transposed_stride=c.stride if c.transposed else None, fp32=bool(st.fp32_products))
+                         transposed_stride=c.stride if lc.transposed else None, fp32=bool(st.fp32_products))
         return out
 
     def explain_lines(self, st: ConvStage) -> list[str]:

@@ -539,7 +539,7 @@ class ConvGemm(Family):
             return False
         if isinstance(lc.lowering, Subpixel):
             return True
-        return not lc.conv.transposed  # a transposed convolution runs as its phases
+        return not lc.transposed  # a transposed convolution runs as its phases (or folded with a pool)
 
     def unsupported(self, req: StageRequest) -> str | None:
         """Why this family cannot (or should not) compute the request's convolution; None if it can."""
@@ -655,8 +655,7 @@ class ConvGemm(Family):
         kernel = lc.kernel
         return [Problem(
             cin=c.in_channels, cout=c.out_channels, input=L, out=full, kernel=_view3(kernel, 1),
-            stride=_view3(lc.stride, 1), padding=_view3(c.padding, 0),
-            dilation=_view3(c.dilation if isinstance(lc.lowering, Direct) and not isinstance(lc.lowering, Folded) else (1,) * c.rank, 1),
+            stride=_view3(lc.stride, 1), padding=_view3(lc.padding, 0), dilation=_view3(lc.dilation, 1),
             out_stride=ones, out_residue=zeros, full=full, weight_transposed=False,
             weight_kernel=_view3(kernel, 1), weight_start=zeros, weight_step=ones,
         )]
