@@ -247,6 +247,9 @@ class Subpixel:
     def transposed(self, conv: Conv) -> bool:
         return False  # each phase is an ordinary convolution
 
+    def runtime_weight(self, conv: Conv, src: str) -> str:
+        return src  # the phases read the transposed convolution's own weight
+
     def phases(self, conv: Conv, L: tuple[int, ...], crop: tuple | None) -> list[SubpixelPhase]:
         """Split conv_transpose (stride s, padding p, kernel K) into s^d ordinary convolutions.
 
