@@ -8,8 +8,8 @@ each one is tested in float64 against the unrewritten pipeline.
 Exactness, beyond real arithmetic: every rewrite here keeps NaN propagation
 (a NaN input reaches exactly the outputs it reached before). Pool composition,
 scalar-through-max and dead-region elimination are exact in floating point too.
-Folding an average pool into the weights and the reduction algebra change the
-rounding (within float32 accuracy) and how +-inf inputs combine (inf - inf in
+Folding an average pool into the weights, moving factors and offsets past it,
+and the reduction algebra change the rounding (within float32 accuracy) and how +-inf inputs combine (inf - inf in
 the original sum can become +-inf times a folded weight); the sub-pixel form
 multiplies exactly the products the transposed convolution does.
 """
