@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: A/B of a template change on imported KernelBench problems, one device call.
 # The working tree is B; A is the same tree with templates/ taken from BASE (a folder holding a
-# templates/ tree, prepared on this side, e.g. for the last commit:
-#   mkdir -p build/ab/base && git archive HEAD templates | tar -x -C build/ab/base
+# templates/ tree, and a kgen/ tree where the plans differ, prepared on this side, e.g. for the last commit:
+#   mkdir -p build/ab/base && git archive HEAD templates kgen | tar -x -C build/ab/base
 # carry build/ab and build/kernelbench/specs). Both are built at once; B is validated
 # (kernelbench_gpu.py's check: the float64 reference with the adversarial cases, KernelBench's
 # own check); then both are timed in the same process order, eager beside each.
@@ -16,6 +16,7 @@ export PYTHONUNBUFFERED=1 KGEN_TARGET=${KGEN_TARGET:-default}
 SPECS=$PWD/build/kernelbench/specs
 A=/tmp/kgen-ab-base
 rm -rf "$A" && mkdir -p "$A" && cp -a kgen scripts pyproject.toml "$A"/ && cp -a "$BASE/templates" "$A/templates"
+if [ -d "$BASE/kgen" ]; then rm -rf "$A/kgen" && cp -a "$BASE/kgen" "$A/kgen"; fi  # a plan change: BASE's kgen/ too
 start=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - start))); }
 kb() {  # kb TREE GEN STATE PHASE [args]: kernelbench_gpu.py of TREE
