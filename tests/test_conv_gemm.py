@@ -192,6 +192,18 @@ def test_transposed_convolution_runs_as_its_phases():
     assert covered == [(h, w) for h in range(full[0]) for w in range(full[1])]
 
 
+@pytest.mark.parametrize("cin,cout,rank,big", [(3, 16, 3, True), (4, 8, 3, True), (5, 16, 3, False), (3, 24, 3, False),
+                                                (3, 16, 2, False)])
+def test_few_channel_3d_phases_take_big_window_tiles(cin, cout, rank, big):
+    """KernelBench #58's kind of convolution (3 -> 16, k3 s2, 3-d): 4 x 16 x 16 tiles of 16 warps for its phases
+    (conv_gemm.PHASE_BIG_TILE_MAX_CIN / _COUT); more channels or 2-d keep the window loop's usual tiles."""
+    shape = [cin, 6, 10, 12] if rank == 3 else [cin, 10, 12]
+    conv = {f"conv_transpose{rank}d": {"out_channels": cout, "kernel_size": 3, "stride": 2, "padding": 1}}
+    sc = plan_of(shape, [conv, "relu"], plan=GEMM).stages[0].schedule
+    assert sc.loop == "window"
+    assert (sc.tile == (4, 16, 16) and sc.warps_m == 16) == big, sc
+
+
 def test_wgmma_loop_where_it_wins_on_hopper():
     """The wgmma main loop for wide convolutions (>= 32 output channels, >= 8 input
     channels) on a Hopper target; the mma.sync loops elsewhere and on other GPUs."""

@@ -79,6 +79,7 @@ STAGES = 2  # cp.async pipeline depth
 # load and its wait, the store) is what the kernel spends; against 2 x 8 x 16 tiles of 4 warps, KernelBench
 # #58 / #72 / #96 (3 -> 16 channels, k3 s2) took 2.59 -> 2.38, 4.39 -> 4.22, 2.42 -> 2.22 ms (H100, stop 33)
 PHASE_BIG_TILE_MAX_CIN = 4
+PHASE_BIG_TILE_MAX_COUT = 16  # (measured at 16; wider blocks hold more accumulators than 512 threads' 128 registers)
 # shared floats of a fused pool_reduce epilogue (kernel.cu.j2 Fused::kScratchFloats: a value per warp); the
 # generated kernel asserts that the plan's shared memory covers every epilogue's
 FUSED_SCRATCH_FLOATS = 32
@@ -701,7 +702,7 @@ class ConvGemm(Family):
         where it wins (WGMMA_MIN_COUT), in the first of WGMMA_SHAPES that fits (teams of one
         warpgroup on 8 x 8 tiles sharing the weights); else the window loop with 4 m-tiles of 16
         per warp for stride-1 convolutions (4 x 16 x 16 for the phases of a 3-d transposed
-        convolution with few input channels: PHASE_BIG_TILE_MAX_CIN); 4 x 32 tiles otherwise. fp32
+        convolution with few input and output channels: PHASE_BIG_TILE_MAX_CIN / _COUT); 4 x 32 tiles otherwise. fp32
         (precision ieee): the direct loop."""
         c = lc.conv
         if mma == "fp32":
@@ -718,7 +719,8 @@ class ConvGemm(Family):
         rank = c.rank
         if window:  # (tile, warps_m), largest first; kMT rows in H per warp
             mt = WINDOW_M_TILES if rank >= 2 else 1
-            phases_big = [((4, 4 * mt, 16), 16)] if len(problems) > 1 and c.in_channels <= PHASE_BIG_TILE_MAX_CIN else []
+            phases_big = ([((4, 4 * mt, 16), 16)] if len(problems) > 1 and c.in_channels <= PHASE_BIG_TILE_MAX_CIN
+                          and block_n <= PHASE_BIG_TILE_MAX_COUT else [])
             tiles = {3: phases_big + [((2, 2 * mt, 16), 4), ((1, 2 * mt, 16), 2), ((1, mt, 16), 1)],
                      2: [((1, 2 * mt, 32), 4), ((1, 2 * mt, 16), 2), ((1, mt, 16), 1)],
                      1: [((1, 1, 64), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)]}[rank]
