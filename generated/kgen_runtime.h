@@ -3,6 +3,8 @@
 // Copied verbatim into generated/ by `kgen render`; edit templates/kgen_runtime.h.
 #pragma once
 
+#include <algorithm>
+
 // The ATen pieces the bindings use, rather than ATen/ATen.h: declaring every
 // operator was two thirds of a module's build time.
 #include <ATen/Context.h>
@@ -11,6 +13,7 @@
 #include <ATen/record_function.h>
 #include <ATen/ops/batch_norm.h>
 #include <ATen/ops/bitwise_and.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -24,6 +27,7 @@
 #include <ATen/ops/sub.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -340,6 +344,74 @@ inline at::Tensor fold_avg_pool_transposed_weight(const at::Tensor& w, at::IntAr
     sums = sums.slice(2 + d, start[d], start[d] + stride[d] * (taps[d] - 1) + 1, stride[d]);
   }
   return sums.div(static_cast<double>(product(pool_kernel))).transpose(0, 1);
+}
+
+// A convolution whose output is only summed over some spatial dims (kgen.lowering.TapSums): the
+// input is summed first, per summed dim `dims[j]` (0-based spatial, increasing) into one partial
+// sum per kernel tap, tap k over the input range [ranges[j][2k], ranges[j][2k + 1]) (empty when
+// lo >= hi); the taps become input channels, and the convolution runs over the other dims with
+// the written geometry (`stride` ... `output_padding` of those dims), in fp32, its bias counted
+// `count` times. Every summed dim is then 1 in the output `out_shape`. The ranges' disjoint
+// segments are summed once and added up per tap: no subtraction, so an inf a tap does not read
+// stays out of its sum.
+inline at::Tensor tap_sum_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                                      const std::vector<int64_t>& dims, const std::vector<std::vector<int64_t>>& ranges,
+                                      bool transposed, at::IntArrayRef stride, at::IntArrayRef padding,
+                                      at::IntArrayRef dilation, at::IntArrayRef output_padding, double count,
+                                      at::IntArrayRef out_shape) {
+  const int64_t rank = x.dim() - 2, n = x.size(0);
+  at::Tensor t = x;
+  for (size_t j = 0; j < dims.size(); ++j) {
+    const int64_t dim = 2 + dims[j], taps = static_cast<int64_t>(ranges[j].size() / 2);
+    std::vector<int64_t> cuts{0, t.size(dim)};
+    for (int64_t v : ranges[j]) cuts.push_back(std::min(std::max<int64_t>(v, 0), t.size(dim)));
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    std::vector<at::Tensor> segments;  // segment q: [cuts[q], cuts[q + 1])
+    for (size_t q = 0; q + 1 < cuts.size(); ++q) segments.push_back(t.narrow(dim, cuts[q], cuts[q + 1] - cuts[q]).sum(dim, true));
+    std::vector<at::Tensor> per_tap;
+    for (int64_t k = 0; k < taps; ++k) {
+      at::Tensor acc = at::zeros_like(segments.empty() ? t.narrow(dim, 0, 1) : segments[0]);
+      for (size_t q = 0; q + 1 < cuts.size(); ++q) {
+        if (cuts[q] >= ranges[j][2 * k] && cuts[q + 1] <= ranges[j][2 * k + 1]) acc = acc.add(segments[q]);
+      }
+      per_tap.push_back(acc);
+    }
+    t = at::cat(per_tap, dim);
+  }
+  // the summed dims' taps next to the channels: (N, C * taps, other dims...)
+  std::vector<int64_t> order{0, 1}, wt_order, rest;
+  for (int64_t d : dims) order.push_back(2 + d);
+  for (int64_t d = 0; d < rank; ++d) {
+    if (std::find(dims.begin(), dims.end(), d) == dims.end()) rest.push_back(d), order.push_back(2 + d);
+  }
+  t = t.permute(order);
+  std::vector<int64_t> tshape{n, -1};
+  for (int64_t d : rest) tshape.push_back(x.size(2 + d));
+  // the weight the same way: ([Cin, taps..., Cout, K_rest...] transposed, [Cout, Cin, taps..., K_rest...] forward)
+  wt_order = transposed ? std::vector<int64_t>{0} : std::vector<int64_t>{0, 1};
+  for (int64_t d : dims) wt_order.push_back(2 + d);
+  if (transposed) wt_order.push_back(1);
+  for (int64_t d : rest) wt_order.push_back(2 + d);
+  int64_t taps = 1;
+  for (int64_t d : dims) taps *= w.size(2 + d);
+  std::vector<int64_t> wshape = transposed ? std::vector<int64_t>{w.size(0) * taps, w.size(1)}
+                                           : std::vector<int64_t>{w.size(0), w.size(1) * taps};
+  for (int64_t d : rest) wshape.push_back(w.size(2 + d));
+  at::Tensor wr = w.permute(wt_order).reshape(wshape);
+  std::optional<at::Tensor> bias;
+  if (b) bias = b->mul(count);
+  at::Tensor y;
+  CudnnTf32Guard tf32(false);
+  if (rest.empty()) {  // every spatial dim summed: (N, Cin * taps) x (Cin * taps, Cout)
+    const at::Tensor w2 = wr.reshape({wr.size(0), wr.size(1)});
+    y = at::matmul(t.reshape({n, -1}), transposed ? w2 : w2.t());
+    if (bias) y = y.add(*bias);
+  } else {
+    y = at::convolution(t.reshape(tshape).contiguous(), wr.contiguous(), bias, stride, padding, dilation, transposed,
+                        output_padding, 1);
+  }
+  return y.reshape(out_shape);
 }
 
 // Weight of one sub-pixel phase: from the spatially flipped transposed-conv

@@ -336,6 +336,131 @@ class Subpixel:
         return f" as {math.prod(conv.stride)} sub-pixel conv{conv.rank}d"
 
 
+@dataclass(frozen=True)
+class TapSums:
+    """A convolution whose output is only summed over the spatial dims ``dims`` (keepdim): the sum of
+    y[o] over those dims is, per kernel tap k, w[k] times the sum of the inputs tap k reads. So the
+    input is reduced first, to one partial sum per tap along each summed dim (the ranges below), and
+    a convolution of those sums (taps as extra input channels) runs over the other dims with the
+    written geometry; the bias counts once per summed position. Groups 1; a transposed convolution
+    without dilation, a forward one with stride 1 along the summed dims (each tap then reads one
+    contiguous range of the input). The convolution of the sums runs in fp32: its inputs are sums
+    of many values, whose relative error TF32 would keep where the written convolution's averages out."""
+
+    name: ClassVar[str] = "tap_sums"
+    dims: tuple = ()  # summed spatial dims, 0-based, increasing
+
+    def transposed(self, conv: Conv) -> bool:
+        return conv.transposed
+
+    def kernel(self, conv: Conv) -> tuple[int, ...]:
+        return conv.kernel
+
+    def stride(self, conv: Conv) -> tuple[int, ...]:
+        return conv.stride
+
+    def padding(self, conv: Conv) -> tuple[int, ...]:
+        return conv.padding
+
+    def dilation(self, conv: Conv) -> tuple[int, ...]:
+        return conv.dilation
+
+    def rest(self, conv: Conv) -> tuple[int, ...]:
+        """The spatial dims the convolution of the sums runs over."""
+        return tuple(d for d in range(conv.rank) if d not in self.dims)
+
+    def ranges(self, conv: Conv, L: tuple[int, ...]) -> list[list[tuple[int, int]]]:
+        """Per summed dim, per tap k: the input range [lo, hi) whose values tap k multiplies into
+        some output position (empty: lo >= hi)."""
+        out = conv.out_size(L)
+        result = []
+        for d in self.dims:
+            l, lo_out, k_n, s, p, dl = L[d], out[d], conv.kernel[d], conv.stride[d], conv.padding[d], conv.dilation[d]
+            taps = []
+            for k in range(k_n):
+                if conv.transposed:  # o = s*i - p + k in [0, lo_out)
+                    lo, hi = -((k - p) // s), (lo_out - 1 + p - k) // s + 1
+                else:  # stride 1: i = o - p + dl*k
+                    lo, hi = dl * k - p, dl * k - p + lo_out
+                taps.append((max(0, lo), min(l, hi)))
+            result.append(taps)
+        return result
+
+    def rest_geometry(self, conv: Conv) -> dict[str, tuple[int, ...]]:
+        """stride, padding, dilation and output_padding of the convolution of the sums (the other dims)."""
+        rest = self.rest(conv)
+        return {k: tuple(getattr(conv, k)[d] for d in rest) if k != "output_padding" or conv.transposed else (0,) * len(rest)
+                for k in ("stride", "padding", "dilation", "output_padding")}
+
+    def count(self, conv: Conv, L: tuple[int, ...]) -> int:
+        """Output positions summed per (sample, channel, other position)."""
+        out = conv.out_size(L)
+        return math.prod(out[d] for d in self.dims)
+
+    def weight(self, conv: Conv, w: torch.Tensor) -> torch.Tensor:
+        """The convolution of the sums' weight: the summed dims' taps moved into the input channels,
+        ([Cin * taps, Cout, K_rest...] transposed, [Cout, Cin * taps, K_rest...] forward)."""
+        rank, rest = conv.rank, self.rest(conv)
+        order = [0] + [2 + d for d in self.dims] + [1] + [2 + d for d in rest] if conv.transposed else (
+            [0, 1] + [2 + d for d in self.dims] + [2 + d for d in rest])
+        wp = w.permute(order)
+        taps = math.prod(conv.kernel[d] for d in self.dims)
+        if conv.transposed:
+            return wp.reshape((w.shape[0] * taps, w.shape[1]) + tuple(conv.kernel[d] for d in rest))
+        return wp.reshape((w.shape[0], w.shape[1] * taps) + tuple(conv.kernel[d] for d in rest))
+
+    def out_size(self, conv: Conv, L: tuple[int, ...]) -> tuple[int, ...]:
+        out = conv.out_size(L)
+        return tuple(1 if d in self.dims else n for d, n in enumerate(out))
+
+    def can_crop(self, conv: Conv) -> bool:
+        return False
+
+    def input_extent(self, conv: Conv, L: tuple[int, ...], crop) -> tuple[int, ...]:
+        return tuple(L)
+
+    def physical_out(self, conv: Conv, L: tuple[int, ...], crop) -> tuple[int, ...]:
+        return self.out_size(conv, L)
+
+    def run(self, conv: Conv, x, w, b, crop):
+        L = tuple(x.shape[2:])
+        t = x
+        for d, taps in zip(self.dims, self.ranges(conv, L)):
+            sums = [t.narrow(2 + d, lo, hi - lo).sum(2 + d, keepdim=True) if hi > lo else
+                    t.narrow(2 + d, 0, 1) * 0.0 for lo, hi in taps]
+            t = torch.cat(sums, dim=2 + d)
+        rest = self.rest(conv)
+        n = x.shape[0]
+        t = t.permute([0, 1] + [2 + d for d in self.dims] + [2 + d for d in rest])
+        t = t.reshape((n, -1) + tuple(t.shape[2 + len(self.dims):]))
+        wr = self.weight(conv, w)
+        bias = None if b is None else b * self.count(conv, L)
+        if rest:
+            pick = lambda v: tuple(v[d] for d in rest)  # noqa: E731
+            if conv.transposed:
+                fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[len(rest) - 1]
+                y = fn(t, wr, bias, pick(conv.stride), pick(conv.padding), pick(conv.output_padding), 1, pick(conv.dilation))
+            else:
+                fn = (F.conv1d, F.conv2d, F.conv3d)[len(rest) - 1]
+                y = fn(t, wr, bias, pick(conv.stride), pick(conv.padding), pick(conv.dilation))
+        else:  # every spatial dim summed: a matrix product over (Cin, taps)
+            w2 = wr.reshape(wr.shape[:2])
+            y = t.reshape(n, -1) @ (w2 if conv.transposed else w2.t())
+            if bias is not None:
+                y = y + bias
+        return y.reshape((n, conv.out_channels) + self.out_size(conv, L))
+
+    def flops(self, conv: Conv, t_in: TensorType, t_out: TensorType, crop) -> int:
+        rest_out = math.prod(t_out.spatial)  # the summed dims are 1
+        return 2 * conv.in_channels * conv.out_channels * math.prod(conv.kernel) * rest_out + t_in.sample_numel
+
+    def runtime_weight(self, conv: Conv, src: str) -> str:
+        return src  # kgen::tap_sum_convolution re-lays it
+
+    def describe(self, conv: Conv) -> str:
+        return f" summed over spatial dims {list(self.dims)}: a convolution of the input's per-tap sums"
+
+
 DIRECT = Direct()
 
 
@@ -344,7 +469,7 @@ class LoweredConv(Op):
     """A convolution (``conv``, as written) and how it is computed."""
 
     conv: Conv = None
-    lowering: Direct | Subpixel = DIRECT
+    lowering: Direct | Subpixel | TapSums = DIRECT
     crop: tuple | None = None
     bias_deferred: bool = False  # the next fused stage adds the bias (plan step)
 

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from . import families, target as targets, values
 from .errors import KgenError
 from .ir import Capture, Elementwise, Op, Pipeline
-from .lowering import lowered
+from .lowering import TapSums, lowered
 from .ops import FUSED, OPS
 from .rewrites import Decision, apply_rewrites
 from .stage import ConvStage, Stage, flat_buffer
@@ -157,7 +157,8 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
         fused_next = nxt is not None and any(f in FUSED for f in OPS[nxt.op_name].families) and nxt.src is None
         if isinstance(nxt, Capture) and i + 1 not in local:
             fused_next = False
-        if not (lc is not None and lc.conv.bias and fused_next):
+        # a convolution of tap sums adds its bias once per summed position itself (lowering.TapSums)
+        if not (lc is not None and lc.conv.bias and fused_next) or isinstance(lc.lowering, TapSums):
             ops.append(op)
             continue
         view = (lc.conv.out_channels,) + (1,) * lc.conv.rank

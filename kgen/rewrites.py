@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from .errors import SpecError
 from .ir import Capture, Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType, infer_types
-from .lowering import Direct, Folded, LoweredConv, Subpixel, lowered
+from .lowering import Direct, Folded, LoweredConv, Subpixel, TapSums, lowered
 
 # How much of a convolution's output must be dead before the dead-region pass
 # crops it: cropping copies the input once, which a sliver does not pay for.
@@ -150,7 +150,7 @@ def avg_pool_folding(pipe: Pipeline, fire=always):
     convolution with stride Kp/s, when every pool window holds whole stride periods
     (Kp a multiple of s, stride Kp) -- the 1 GB output of a 3 -> 16 channel
     ConvTranspose3d is then never computed, only its pooled eighth. Needs the pool
-    right after the convolution (affine_through_avg_pool moves scalar and
+    right after the convolution (affine_through_pooling moves scalar and
     per-channel factors and offsets out of the way), no dilation, and a pool
     without padding or ceil mode (partial windows would change the divisor).
     """
@@ -225,17 +225,29 @@ def _transposed_fold_obstacle(conv: Conv, pool: Pool) -> str | None:
 # ------------------------------------------------------------ affine through avg pool
 
 
-def affine_through_avg_pool(pipe: Pipeline):
-    """conv, x*a / x/a / x+b / x-b, avg_pool -> conv, avg_pool, the same ops.
+def _pooling(op: Op, rank: int) -> str | None:
+    """``op`` as a linear pooling the affine ops may pass: "mean" (an average pool, or a mean over
+    spatial dims), "sum" (a sum over spatial dims); None for anything else."""
+    if op.src is not None:
+        return None
+    if isinstance(op, Pool) and op.kind == "avg":
+        return "mean"
+    if isinstance(op, Reduce) and op.fn in ("sum", "mean") and all(2 <= d < rank for d in op.dims):
+        return op.fn
+    return None
 
-    A mean commutes with a factor or offset that is constant over its window (a
-    scalar, or a parameter that varies only along the batch and channels), so
-    the ops run on the pooled values and the pool can fold into the convolution
-    (avg_pool_folding). Fires only between a convolution and an average pool
-    without padding (a zero-padded window would average the offset with zeros);
-    the rounding changes within float32 accuracy, and a non-finite factor meets
-    the window's mean instead of each value (inf * (1 - 1) is NaN where
-    inf * 1 - inf * 1 was too, but inf * (2 + -1) is inf where the sum was NaN).
+
+def affine_through_pooling(pipe: Pipeline):
+    """conv, x*a / x/a (/ x+b / x-b), linear pooling -> conv, pooling, the same ops.
+
+    An average pool or a mean over spatial dims commutes with a factor or offset that is constant
+    over its window (a scalar, or a parameter that varies only along the batch and channels); a sum
+    over spatial dims with a factor only. The ops then run on the pooled values, and the pool can
+    fold into the convolution (avg_pool_folding, sum_before_conv). Fires only right after a
+    convolution, and not through a pool with padding (a zero-padded window would average the
+    offset with zeros); the rounding changes within float32 accuracy, and a non-finite factor meets
+    the window's mean instead of each value (inf * (1 - 1) is NaN where inf * 1 - inf * 1 was too,
+    but inf * (2 + -1) is inf where the sum was NaN).
     """
     ops, decisions = list(pipe.ops), []
     for i, op in enumerate(ops):
@@ -244,27 +256,82 @@ def affine_through_avg_pool(pipe: Pipeline):
         j = i + 1
         while j < len(ops) and isinstance(ops[j], Elementwise):
             j += 1
-        if j == i + 1 or j >= len(ops) or not (isinstance(ops[j], Pool) and ops[j].kind == "avg") or ops[j].src is not None:
+        rank = pipe.types[i + 1].rank
+        kind = _pooling(ops[j], rank) if j < len(ops) and j > i + 1 else None
+        if kind is None:
             continue
         pool, run = ops[j], ops[i + 1 : j]
-        why = f"pool pads (padding {list(pool.padding)})" if any(pool.padding) else None
-        rank = pipe.types[j].rank
+        why = f"pool pads (padding {list(pool.padding)})" if isinstance(pool, Pool) and any(pool.padding) else None
+        pooled = range(2, rank) if isinstance(pool, Pool) else pool.dims
         for e in run:
             if why:
                 break
             if not e.plain or e.fn not in ("mul", "div", "add", "sub") or e.param_sum_dims:
                 why = f"{e.describe()} is not a factor or an offset"
+            elif e.fn in ("add", "sub") and kind == "sum":
+                why = f"{e.describe()} is an offset, which a sum would count once per summed value"
             elif e.param is not None:
                 pshape = e.param_view or tuple(pipe.params[e.param].shape)
                 aligned = (1,) * (rank - len(pshape)) + tuple(pshape)
-                if any(n != 1 for n in aligned[2:]):
+                if any(aligned[d] != 1 for d in pooled):
                     why = f"parameter '{e.param}' varies along the pooled dims"
         if why:
-            decisions.append(Decision("affine_through_avg_pool", _site(*run, pool), False, why))
+            decisions.append(Decision("affine_through_pooling", _site(*run, pool), False, why))
             continue
         ops[i + 1 : j + 1] = [pool] + run
-        decisions.append(Decision("affine_through_avg_pool", _site(*run, pool), True,
-                                  f"{', '.join(e.describe() for e in run)} moved after the average pool"))
+        decisions.append(Decision("affine_through_pooling", _site(*run, pool), True,
+                                  f"{', '.join(e.describe() for e in run)} moved after {pool.describe()}"))
+    return ops, decisions
+
+
+# ------------------------------------------------------------ sum before conv
+
+
+def sum_before_conv(pipe: Pipeline):
+    """conv, then a sum or mean over spatial dims (keepdim) -> a convolution of the input's per-tap sums.
+
+    The convolution is linear: summed over a dim, its output is, per kernel tap k, w[k] times the
+    sum of the inputs tap k reads (lowering.TapSums). The input is reduced first (one partial sum per
+    tap), and the convolution runs only over the other dims: KernelBench #42's ConvTranspose2d over
+    512 x 512 then a global mean becomes a (Cin x 9) x Cout product per sample. A mean is the sum
+    divided by the count after it. Needs groups 1; transposed: no dilation; forward: stride 1 along
+    the summed dims. The rounding changes (sums of inputs, not of outputs: the convolution of the
+    sums runs in fp32), and +-inf inputs meet in the input's sums rather than in the outputs.
+    """
+    ops, types, decisions = list(pipe.ops), pipe.types, []
+    i = 0
+    while i < len(ops) - 1:
+        op, red = ops[i], ops[i + 1]
+        if not (isinstance(op, Conv) and isinstance(red, Reduce) and _pooling(red, types[i + 1].rank)):
+            i += 1
+            continue
+        dims = tuple(d - 2 for d in red.dims)
+        why = None
+        if red.kept != red.dims:
+            why = "the reduction drops its dims (keepdim false)"
+        elif pipe.conv_impl == "gemm":
+            why = "the spec asks for the generated convolution (plan.conv: gemm), which does not take tap sums"
+        elif op.groups != 1:
+            why = f"groups={op.groups}"
+        elif op.transposed and any(d != 1 for d in op.dilation):
+            why = f"dilated transposed convolution (dilation {list(op.dilation)})"
+        elif not op.transposed and any(op.stride[d] != 1 for d in dims):
+            why = f"stride {list(op.stride)} along a summed dim: a tap reads every stride-th input"
+        if why:
+            decisions.append(Decision("sum_before_conv", _site(op, red), False, why))
+            i += 1
+            continue
+        lc = LoweredConv(key=op.key, conv=op, lowering=TapSums(dims))
+        new = [lc]
+        if red.fn == "mean":
+            new.append(Elementwise(key=red.key, fn="div", scalar=float(lc.lowering.count(op, types[i].spatial))))
+        ops[i : i + 2] = new
+        types = pipe.with_ops(ops).types
+        taps = math.prod(op.kernel[d] for d in dims)
+        decisions.append(Decision("sum_before_conv", _site(op, red), True,
+                                  f"{red.fn} over {list(red.dims)} first: {taps} input sums per channel, then the convolution"
+                                  + (f" over dims {[2 + d for d in lc.lowering.rest(op)]}" if lc.lowering.rest(op) else " as a matrix product")))
+        i += len(new)
     return ops, decisions
 
 
@@ -504,7 +571,8 @@ def reduction_algebra(pipe: Pipeline):
 REWRITES = (
     ("scalar_through_max", scalar_through_max),
     ("pool_composition", pool_composition),
-    ("affine_through_avg_pool", affine_through_avg_pool),
+    ("affine_through_pooling", affine_through_pooling),
+    ("sum_before_conv", sum_before_conv),
     ("avg_pool_folding", avg_pool_folding),
     ("subpixel_conv_transpose", subpixel_conv_transpose),
     ("dead_region", dead_region),

@@ -53,7 +53,8 @@ MAX_YAML_NODES = 100_000  # nodes once aliases are expanded (a billion-laughs fi
 REWRITE_NAMES = (
     "scalar_through_max",
     "pool_composition",
-    "affine_through_avg_pool",
+    "affine_through_pooling",
+    "sum_before_conv",
     "avg_pool_folding",
     "subpixel_conv_transpose",
     "dead_region",

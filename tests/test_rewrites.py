@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import yaml
 
 from kgen.ir import Conv, Elementwise, Pool, Reduce, build_pipeline, load_pipeline
-from kgen.lowering import Folded, LoweredConv, Subpixel, TransposedFold
+from kgen.lowering import Folded, LoweredConv, Subpixel, TapSums, TransposedFold
 from kgen.reference import ReferenceModel
 from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites
 from kgen.spec import REWRITE_NAMES, parse_spec
@@ -519,7 +519,7 @@ def test_transposed_fold_is_kernelbench_50s_pattern():
     params = {"scale1": {"shape": [], "init": 0.5}, "b": {"shape": [16, 1, 1, 1], "init": "randn"}, "scale2": {"shape": [], "init": 1.0}}
     p = build(spec_text([3, 4, 6, 6], ops, params=params))
     q, ds = apply_rewrites(p)
-    assert {d.rewrite for d in ds if d.fired} == {"affine_through_avg_pool", "avg_pool_folding"}
+    assert {d.rewrite for d in ds if d.fired} == {"affine_through_pooling", "avg_pool_folding"}
     f = q.ops[0]
     assert isinstance(f.lowering, Folded) and f.kernel == (2, 2, 2) and f.stride == (1, 1, 1) and f.padding == (0, 0, 0)
     assert [o.op_name for o in q.ops] == ["conv_transpose3d", "mul", "add", "mul"]
@@ -533,11 +533,11 @@ def test_transposed_fold_is_kernelbench_50s_pattern():
         ([{"div": {"param": "fa"}}, {"sub": {"param": "fb"}}], {"fa": {"shape": [3, 1, 1], "init": "randn"}, "fb": {"shape": [1], "init": "randn"}}),
     ],
 )
-def test_affine_through_avg_pool_fires(ops, params):
+def test_affine_through_pooling_fires(ops, params):
     conv = {"conv2d": {"out_channels": 3, "kernel_size": 3}}
     p = build(spec_text([2, 11, 10], [conv] + ops + [{"avg_pool2d": {"kernel_size": 2}}, "tanh"], params=params))
-    q, ds = rewrite(p, "affine_through_avg_pool")
-    (d,) = fired(ds, "affine_through_avg_pool")
+    q, ds = rewrite(p, "affine_through_pooling")
+    (d,) = fired(ds, "affine_through_pooling")
     assert [o.op_name for o in q.ops] == ["conv2d", "avg_pool2d"] + [o.op_name for o in p.ops[1:-2]] + ["tanh"]
     check_equivalent(p, q, inf=False)
 
@@ -550,11 +550,84 @@ def test_affine_through_avg_pool_fires(ops, params):
         ([{"add": {"scalar": 1.0}}], {"kernel_size": 2, "padding": 1}, None, "pool pads"),
     ],
 )
-def test_affine_through_avg_pool_does_not_fire(between, pool, params, why):
+def test_affine_through_pooling_does_not_fire(between, pool, params, why):
     p = build(spec_text([2, 11, 10], [{"conv2d": {"out_channels": 3, "kernel_size": 3}}] + between + [{"avg_pool2d": pool}], params=params))
-    q, ds = rewrite(p, "affine_through_avg_pool")
-    (d,) = not_fired(ds, "affine_through_avg_pool")
+    q, ds = rewrite(p, "affine_through_pooling")
+    (d,) = not_fired(ds, "affine_through_pooling")
     assert why in d.reason and q.ops == p.ops
+
+
+def _random_summed_conv(rng, rank):
+    """A convolution (forward with stride 1 along the summed dims, or transposed without dilation) whose
+    output is summed or averaged over a random non-empty subset of its spatial dims, keepdim."""
+    while True:
+        transposed = rng.random() < 0.5
+        k = [rng.randint(1, 4) for _ in range(rank)]
+        dims = sorted(rng.sample(range(rank), rng.randint(1, rank)))
+        L = [rng.randint(2, 7 if rank < 3 else 5) for _ in range(rank)]
+        if transposed:
+            s = [rng.randint(1, 3) for _ in range(rank)]
+            conv = {"stride": s, "padding": [rng.randint(0, kk - 1) for kk in k],
+                    "output_padding": [rng.randint(0, ss - 1) if rng.random() < 0.3 else 0 for ss in s]}
+        else:
+            conv = {"stride": [1 if d in dims else rng.randint(1, 2) for d in range(rank)],
+                    "padding": [rng.randint(0, kk) for kk in k], "dilation": [rng.randint(1, 2) for _ in range(rank)]}
+        conv.update(out_channels=rng.randint(1, 4), kernel_size=k, bias=rng.random() < 0.7)
+        op = {f"conv{'_transpose' if transposed else ''}{rank}d": conv}
+        try:
+            p = build(spec_text([rng.randint(1, 3)] + L, [op, {rng.choice(["sum", "mean"]): {"dim": [2 + d for d in dims], "keepdim": True}}, "tanh"]))
+        except Exception:
+            continue  # an empty output
+        return p
+
+
+SUMMED_CONVS = [_random_summed_conv(random.Random(7100 + i), rank) for rank in (1, 2, 3) for i in range((10, 12, 8)[rank - 1])]
+
+
+@pytest.mark.parametrize("p", SUMMED_CONVS, ids=lambda p: f"{p.ops[0].describe()}-{p.ops[1].describe()}".replace(" ", ""))
+def test_sum_before_conv_random_configurations(p):
+    """A sum / mean over spatial dims of a convolution as a convolution of the input's per-tap sums: equal in
+    float64 to the pipeline as written on normal data, ties and NaN (inf meets in the input's sums instead)."""
+    q, ds = rewrite(p, "sum_before_conv")
+    (d,) = fired(ds, "sum_before_conv")
+    c = q.ops[0]
+    assert isinstance(c.lowering, TapSums) and c.lowering.dims == tuple(x - 2 for x in p.ops[1].dims)
+    assert [o.op_name for o in q.ops[1:]] == (["div"] if p.ops[1].fn == "mean" else []) + ["tanh"]
+    check_equivalent(p, q, inf=False, must_reach=False)  # a strided or padded convolution may read no injected NaN
+
+
+def test_sum_before_conv_is_kernelbench_42s_pattern():
+    """KernelBench #42 (ConvTranspose2d 64 -> 128 k3 over 512 x 512, then a global mean) in small: the mean becomes
+    9 input sums per channel and a matrix product; #44's factor between the convolution and the mean moves after it."""
+    conv = {"conv_transpose2d": {"out_channels": 5, "kernel_size": 3, "stride": 2, "padding": 1, "output_padding": 1}}
+    p = build(spec_text([4, 9, 11], [conv, {"mul": {"scalar": 0.5}}, {"mean": {"dim": [2, 3], "keepdim": True}},
+                                      {"mean": {"dim": [2, 3], "keepdim": True}}]))
+    q, ds = apply_rewrites(p)
+    assert {d.rewrite for d in ds if d.fired} == {"affine_through_pooling", "sum_before_conv"}
+    assert isinstance(q.ops[0].lowering, TapSums) and q.ops[0].lowering.rest(q.ops[0].conv) == ()
+    check_equivalent(p, q, inf=False)
+
+
+@pytest.mark.parametrize(
+    "conv,red,why",
+    [
+        ({"conv2d": {"out_channels": 3, "kernel_size": 3}}, {"sum": {"dim": [2, 3]}}, "keepdim false"),
+        ({"conv2d": {"out_channels": 4, "kernel_size": 3, "groups": 2}}, {"mean": {"dim": [2], "keepdim": True}}, "groups=2"),
+        ({"conv2d": {"out_channels": 3, "kernel_size": 3, "stride": 2}}, {"mean": {"dim": [3], "keepdim": True}}, "stride [2, 2] along a summed dim"),
+        ({"conv_transpose2d": {"out_channels": 3, "kernel_size": 2, "dilation": 2}}, {"sum": {"dim": [2], "keepdim": True}}, "dilated transposed"),
+    ],
+)
+def test_sum_before_conv_does_not_fire(conv, red, why):
+    p = build(spec_text([2, 11, 10], [conv, red]))
+    q, ds = rewrite(p, "sum_before_conv")
+    (d,) = not_fired(ds, "sum_before_conv")
+    assert why in d.reason and q.ops == p.ops
+
+
+def test_sum_before_conv_leaves_a_channel_sum_alone():
+    p = build(spec_text([2, 8, 8], [{"conv2d": {"out_channels": 3, "kernel_size": 3}}, {"sum": {"dim": [1, 2], "keepdim": True}}]))
+    q, ds = rewrite(p, "sum_before_conv")
+    assert not ds and q.ops == p.ops
 
 
 def test_avg_pool_folding_ignores_a_max_pool():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from ..lowering import Direct, Folded, Subpixel, lowered
+from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import Buffer, ConvStage, Tile, dense_buffer, strides_of
 from ..target import Target
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision
@@ -74,8 +74,8 @@ class ConvAten(Family):
         """Memory formats of the output, preferred first: channels_last when the next stage
         reads it as fast (cuDNN is faster in channels_last, measured on the H100:
         notes/perf.md), except for a transposed convolution run as written."""
-        if conv.conv.rank < 2:
-            return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions
+        if conv.conv.rank < 2 or isinstance(conv.lowering, TapSums):
+            return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions; tap sums are small
         if req.pipeline.conv_layout != "auto":
             return (req.pipeline.conv_layout,)
         direct_transposed = conv.transposed
@@ -122,6 +122,8 @@ class ConvAten(Family):
         ran fp32 (scripts/tf32_lab/cudnn_precision.py; kgen 3.6e-4 to 9.7e-4 off eager, above
         KernelBench's 1e-4). The same call as eager's keeps TF32 allowed: cuDNN picks what eager gets."""
         c = conv.conv
+        if isinstance(conv.lowering, TapSums):
+            return "a convolution of input sums (each the sum of many values, whose rounding TF32 would keep)"
         if req.pipeline.precision != "tf32":
             return ""
         as_eager = layout == "contiguous" and isinstance(conv.lowering, Direct) and not isinstance(conv.lowering, Folded)
@@ -166,6 +168,7 @@ class ConvAten(Family):
 
     def explain_lines(self, st: ConvStage) -> list[str]:
         calls = (f"{len(st.phases)} ATen convolutions (one per sub-pixel phase; cuDNN on the GPU)" if len(st.phases) > 1
+                 else "the input's per-tap sums (ATen), then one ATen convolution of them" if isinstance(st.conv.lowering, TapSums)
                  else "one ATen convolution (cuDNN on the GPU)")
         copy = {"kernel": "; the input is copied into channels_last first by a generated kernel (ATen's copy where it is"
                           " not a contiguous NC[D]HW tensor)",

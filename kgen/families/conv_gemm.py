@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import KgenError
 from ..ir import Elementwise, Pool, Reduce
-from ..lowering import Direct, Folded, Subpixel, lowered
+from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import ConvStage, Stage, flat_buffer
 from ..target import Target
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, pow2_floor
@@ -541,8 +541,8 @@ class ConvGemm(Family):
         if len(ops) != 1:
             return False
         lc = lowered(ops[0])
-        if lc is None or lc.conv.groups != 1:
-            return False
+        if lc is None or lc.conv.groups != 1 or isinstance(lc.lowering, TapSums):
+            return False  # (a convolution of tap sums is small: ATen's)
         if isinstance(lc.lowering, Subpixel):
             return True
         return not lc.transposed  # a transposed convolution runs as its phases (or folded with a pool)

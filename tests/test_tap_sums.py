@@ -1,0 +1,63 @@
+"""A sum or mean over spatial dims of a convolution, computed as a convolution of the input's per-tap sums
+(rewrites.sum_before_conv, lowering.TapSums, kgen_runtime.h's tap_sum_convolution): rendered, built and
+validated against the float64 reference of the pipeline as written, on the CPU build and (GPU tests) the CUDA one.
+
+KernelBench's cases in small: #42 (a transposed 2-d convolution, a global mean: a matrix product of the sums),
+#13 (a transposed 3-d convolution, a mean over depth only, padding 1: a 2-d transposed convolution of the
+depth sums), and a forward 1-d one with dilation, summed over its only dim after a factor."""
+import pytest
+
+from conftest import HAS_CUDA, assert_report_passed, pipeline_of, spec_text, write_spec
+from kgen.build import build_modules
+from kgen.lowering import TapSums
+from kgen.plan import make_plan
+from kgen.render import render_spec, write_rendered
+from kgen.validate import validate
+
+SPECS = {
+    "ts_global": spec_text([6, 13, 11], [{"conv_transpose2d": {"out_channels": 7, "kernel_size": 3}},
+                                         {"mean": {"dim": [2, 3], "keepdim": True}}, {"add": {"param": "shift"}},
+                                         {"logsumexp": {"dim": 1, "keepdim": True}}],
+                           params={"shift": {"shape": [7, 1, 1], "init": "randn"}}, name="ts_global"),
+    "ts_depth": spec_text([5, 6, 9, 10], [{"conv_transpose3d": {"out_channels": 8, "kernel_size": 3, "padding": 1}},
+                                          {"mean": {"dim": 2, "keepdim": True}}, {"softmax": {"dim": 1}}, "tanh"],
+                          name="ts_depth"),
+    "ts_forward": spec_text([3, 40], [{"conv1d": {"out_channels": 4, "kernel_size": 3, "padding": 2, "dilation": 2}},
+                                      {"mul": {"scalar": 0.25}}, {"sum": {"dim": 2, "keepdim": True}}, "sigmoid"],
+                            name="ts_forward"),
+}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ts")
+    out = {}
+    for name, text in SPECS.items():
+        spec = write_spec(root, text, f"{name}.yaml")
+        write_rendered(render_spec(spec, root / "gen"), root / "gen")
+        out[name] = (spec, root / "gen" / name)
+    return out
+
+
+def test_plans_sum_the_input_first(rendered):
+    for name, (spec, d) in rendered.items():
+        st = make_plan(pipeline_of(spec.read_text())).stages[0]
+        assert isinstance(st.conv.lowering, TapSums) and st.family.name == "conv_aten", name
+        assert st.fp32_products, name  # the sums' convolution runs with TF32 off
+        assert "kgen::tap_sum_convolution(" in (d / "binding.cpp").read_text(), name
+
+
+def _build_and_validate(rendered, device):
+    build_modules([d for _, d in rendered.values()], device)
+    for name, (spec, d) in rendered.items():
+        assert_report_passed(validate(spec, d, device), name)
+
+
+def test_cpu_builds_validate(rendered):
+    _build_and_validate(rendered, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_builds_validate(rendered):
+    _build_and_validate(rendered, "cuda")
