@@ -25,11 +25,8 @@ import torch.nn.functional as F
 from .ir import Conv, Member, Op, TensorType, conv_out, fmt
 
 
-@dataclass(frozen=True)
-class Direct:
-    """One convolution with the op's own geometry (transposed or not)."""
-
-    name: ClassVar[str] = "direct"
+class WrittenGeometry:
+    """The geometry of the convolution that is run, as the op writes it (a lowering overrides what it changes)."""
 
     def kernel(self, conv: Conv) -> tuple[int, ...]:
         """Kernel extent of the convolution that is run."""
@@ -48,12 +45,19 @@ class Direct:
         """Whether the convolution that is run is a transposed one."""
         return conv.transposed
 
-    def weight(self, conv: Conv, w: torch.Tensor) -> torch.Tensor:
-        return w
-
     def runtime_weight(self, conv: Conv, src: str) -> str:
         """The C++ expression (kgen_runtime.h) that makes ``weight`` from the parameter ``src`` in a generated binding."""
         return src
+
+
+@dataclass(frozen=True)
+class Direct(WrittenGeometry):
+    """One convolution with the op's own geometry (transposed or not)."""
+
+    name: ClassVar[str] = "direct"
+
+    def weight(self, conv: Conv, w: torch.Tensor) -> torch.Tensor:
+        return w
 
     def out_size(self, conv: Conv, L: tuple[int, ...]) -> tuple[int, ...]:
         """Output spatial size for input ``L``, before any crop."""
@@ -337,7 +341,7 @@ class Subpixel:
 
 
 @dataclass(frozen=True)
-class TapSums:
+class TapSums(WrittenGeometry):
     """A convolution whose output is only summed over the spatial dims ``dims`` (keepdim): the sum of
     y[o] over those dims is, per kernel tap k, w[k] times the sum of the inputs tap k reads. So the
     input is reduced first, to one partial sum per tap along each summed dim (the ranges below), and
@@ -349,21 +353,6 @@ class TapSums:
 
     name: ClassVar[str] = "tap_sums"
     dims: tuple = ()  # summed spatial dims, 0-based, increasing
-
-    def transposed(self, conv: Conv) -> bool:
-        return conv.transposed
-
-    def kernel(self, conv: Conv) -> tuple[int, ...]:
-        return conv.kernel
-
-    def stride(self, conv: Conv) -> tuple[int, ...]:
-        return conv.stride
-
-    def padding(self, conv: Conv) -> tuple[int, ...]:
-        return conv.padding
-
-    def dilation(self, conv: Conv) -> tuple[int, ...]:
-        return conv.dilation
 
     def rest(self, conv: Conv) -> tuple[int, ...]:
         """The spatial dims the convolution of the sums runs over."""
@@ -453,9 +442,6 @@ class TapSums:
     def flops(self, conv: Conv, t_in: TensorType, t_out: TensorType, crop) -> int:
         rest_out = math.prod(t_out.spatial)  # the summed dims are 1
         return 2 * conv.in_channels * conv.out_channels * math.prod(conv.kernel) * rest_out + t_in.sample_numel
-
-    def runtime_weight(self, conv: Conv, src: str) -> str:
-        return src  # kgen::tap_sum_convolution re-lays it
 
     def describe(self, conv: Conv) -> str:
         return f" summed over spatial dims {list(self.dims)}: a convolution of the input's per-tap sums"

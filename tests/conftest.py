@@ -42,6 +42,19 @@ def write_spec(dir_path: Path, text: str, name: str = "spec.yaml") -> Path:
     return path
 
 
+def render_specs(root: Path, texts: dict) -> dict:
+    """Each spec text of ``texts`` (name -> YAML) written as ``root/NAME.yaml`` and rendered into
+    ``root/gen``; returns name -> (spec path, module dir)."""
+    from kgen.render import render_spec, write_rendered
+
+    out = {}
+    for name, text in texts.items():
+        spec = write_spec(root, text, f"{name}.yaml")
+        write_rendered(render_spec(spec, Path(root) / "gen"), Path(root) / "gen")
+        out[name] = (spec, Path(root) / "gen" / name)
+    return out
+
+
 def build_drawn_specs(root: Path, texts: list, prefix: str, where) -> tuple[list, Path]:
     """Seeded random specs (tests/test_random_*.py): each written as ``PREFIX_i.yaml``, rendered
     into ``root/gen`` and built together on the CPU; a failure names the spec (``where(i)``).

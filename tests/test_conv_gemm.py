@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import HAS_CUDA, ROOT, assert_report_passed, pipeline_of, spec_text, write_spec
+from conftest import HAS_CUDA, ROOT, assert_report_passed, pipeline_of, render_specs, spec_text, write_spec
 from kgen.build import build_modules, cuda_home, demangle, ptxas_report
 from kgen.families import conv_gemm
 from kgen.plan import make_plan
@@ -411,13 +411,7 @@ ONEPASS_SPECS = ("cg_onepass_max", "cg_onepass_gn", "cg_onepass_1d", "cg_onepass
 
 @pytest.fixture(scope="module")
 def cg_modules(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cg")
-    dirs = {}
-    for name, text in SPECS.items():
-        spec = write_spec(out, text, f"{name}.yaml")
-        write_rendered(render_spec(spec, out / "gen"), out / "gen")
-        dirs[name] = (spec, out / "gen" / name)
-    return dirs
+    return render_specs(tmp_path_factory.mktemp("cg"), SPECS)
 
 
 def test_rendered_sources_carry_the_plan(cg_modules):
@@ -789,14 +783,10 @@ ROUND_CONVS = {
 def test_transposed_phases_in_rounds_match_float64(tmp_path):
     """Validated against float64 at batches 1 to 3 with the adversarial cases, and at the example batch
     (several rounds per CTA)."""
-    out = tmp_path / "gen"
-    cases = []
-    for name, (shape, op, precision, batch) in ROUND_CONVS.items():
-        ops = [op, "relu", {"sum": {"dim": 1}}] if precision == "tf32" else [op]
-        text = spec_text(shape, ops, name=name, plan=GEMM, batch=batch) + f"precision: {precision}\n"
-        spec = write_spec(tmp_path, text, f"{name}.yaml")
-        write_rendered(render_spec(spec, out), out)
-        cases.append((spec, out / name))
+    texts = {name: spec_text(shape, [op, "relu", {"sum": {"dim": 1}}] if precision == "tf32" else [op], name=name, plan=GEMM,
+                             batch=batch) + f"precision: {precision}\n"
+             for name, (shape, op, precision, batch) in ROUND_CONVS.items()}
+    cases = list(render_specs(tmp_path, texts).values())
     build_modules([d for _, d in cases], "cuda")
     for spec, d in cases:
         st = make_plan(pipeline_of(spec.read_text())).stages[0]
@@ -810,12 +800,7 @@ def test_transposed_phases_in_rounds_match_float64(tmp_path):
 def test_folded_transposed_convolutions_match_float64(tmp_path):
     """FOLD_SPECS on the GPU: the folded weights made on the device, the ordinary convolution's kernel, validated
     against the pipeline as written in float64 (batches 1 to 3, adversarial cases, and the example batch)."""
-    out = tmp_path / "gen"
-    cases = []
-    for name, text in FOLD_SPECS.items():
-        spec = write_spec(tmp_path, text, f"{name}.yaml")
-        write_rendered(render_spec(spec, out), out)
-        cases.append((spec, out / name))
+    cases = list(render_specs(tmp_path, FOLD_SPECS).values())
     build_modules([d for _, d in cases], "cuda")
     for spec, d in cases:
         st = make_plan(pipeline_of(spec.read_text())).stages[0]

@@ -7,11 +7,10 @@ KernelBench's cases in small: #42 (a transposed 2-d convolution, a global mean: 
 depth sums), and a forward 1-d one with dilation, summed over its only dim after a factor."""
 import pytest
 
-from conftest import HAS_CUDA, assert_report_passed, pipeline_of, spec_text, write_spec
+from conftest import HAS_CUDA, assert_report_passed, pipeline_of, render_specs, spec_text
 from kgen.build import build_modules
 from kgen.lowering import TapSums
 from kgen.plan import make_plan
-from kgen.render import render_spec, write_rendered
 from kgen.validate import validate
 
 SPECS = {
@@ -30,13 +29,7 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ts")
-    out = {}
-    for name, text in SPECS.items():
-        spec = write_spec(root, text, f"{name}.yaml")
-        write_rendered(render_spec(spec, root / "gen"), root / "gen")
-        out[name] = (spec, root / "gen" / name)
-    return out
+    return render_specs(tmp_path_factory.mktemp("ts"), SPECS)
 
 
 def test_plans_sum_the_input_first(rendered):
