@@ -275,6 +275,8 @@ def affine_through_pooling(pipe: Pipeline):
                 aligned = (1,) * (rank - len(pshape)) + tuple(pshape)
                 if any(aligned[d] != 1 for d in pooled):
                     why = f"parameter '{e.param}' varies along the pooled dims"
+                elif isinstance(pool, Reduce) and pool.kept != pool.dims:
+                    why = f"parameter '{e.param}' would meet a lower-rank value (the reduction drops its dims)"
         if why:
             decisions.append(Decision("affine_through_pooling", _site(*run, pool), False, why))
             continue

@@ -542,6 +542,28 @@ def test_affine_through_pooling_fires(ops, params):
     check_equivalent(p, q, inf=False)
 
 
+def test_affine_through_pooling_before_spatial_reductions():
+    """A factor passes a spatial sum (and a mean, with offsets too), kept dims or not for a scalar; an offset does
+    not pass a sum; a parameter does not pass a reduction that drops its dims (it would broadcast differently)."""
+    conv = {"conv2d": {"out_channels": 3, "kernel_size": 3}}
+    per_channel = {"fa": {"shape": [3, 1, 1], "init": "randn"}}
+    cases = [
+        ([{"mul": {"param": "fa"}}, {"sub": {"scalar": 0.5}}], {"mean": {"dim": [2, 3], "keepdim": True}}, per_channel, True),
+        ([{"div": {"scalar": 3.0}}], {"sum": {"dim": [3]}}, None, True),
+        ([{"add": {"scalar": 1.0}}], {"sum": {"dim": [2, 3], "keepdim": True}}, None, "an offset"),
+        ([{"mul": {"param": "fa"}}], {"mean": {"dim": [2, 3]}}, per_channel, "drops its dims"),
+    ]
+    for between, red, params, expect in cases:
+        p = build(spec_text([2, 9, 8], [conv] + between + [red, "tanh"], params=params))
+        q, ds = rewrite(p, "affine_through_pooling")
+        (d,) = ds
+        if expect is True:
+            assert d.fired and [o.op_name for o in q.ops[:2]] == ["conv2d", p.ops[len(between) + 1].op_name], d
+            check_equivalent(p, q, inf=False)
+        else:
+            assert not d.fired and expect in d.reason and q.ops == p.ops, d
+
+
 @pytest.mark.parametrize(
     "between,pool,params,why",
     [
