@@ -444,7 +444,7 @@ class TapSums(WrittenGeometry):
         return 2 * conv.in_channels * conv.out_channels * math.prod(conv.kernel) * rest_out + t_in.sample_numel
 
     def describe(self, conv: Conv) -> str:
-        return f" summed over spatial dims {list(self.dims)}: a convolution of the input's per-tap sums"
+        return f" summed over dims {[2 + d for d in self.dims]}: a convolution of the input's per-tap sums"
 
 
 DIRECT = Direct()
