@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import KgenError
 from ..ir import Elementwise, Pool, Reduce
-from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
+from ..lowering import Direct, Subpixel, TapSums, lowered
 from ..stage import ConvStage, Stage, flat_buffer
 from ..target import Target
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, pow2_floor
