@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from .cexpr import braces
 from .ir import Conv, Member, Op, TensorType, conv_out, fmt
 
 
@@ -162,11 +163,11 @@ class Folded(Direct):
         return (sums[tuple(index)] / math.prod(kp)).transpose(0, 1)
 
     def runtime_weight(self, conv, src):
-        kp = _braces(self.pool_kernel)
+        kp = braces(self.pool_kernel)
         if not conv.transposed:
-            return f"kgen::fold_avg_pool_weight({src}, {kp}, {_braces(conv.stride)})"
-        starts = _braces(f.start for f in self.folds(conv))
-        return f"kgen::fold_avg_pool_transposed_weight({src}, {kp}, {_braces(conv.stride)}, {starts}, {_braces(self.kernel(conv))})"
+            return f"kgen::fold_avg_pool_weight({src}, {kp}, {braces(conv.stride)})"
+        starts = braces(f.start for f in self.folds(conv))
+        return f"kgen::fold_avg_pool_transposed_weight({src}, {kp}, {braces(conv.stride)}, {starts}, {braces(self.kernel(conv))})"
 
     def out_size(self, conv, L):
         return tuple(conv_out(l, k, s, p, 1) for l, k, s, p in zip(L, self.kernel(conv), self.stride(conv), self.padding(conv)))
@@ -174,10 +175,6 @@ class Folded(Direct):
     def describe(self, conv):
         return f" folded with avg_pool(k={fmt(self.pool_kernel)}) -> conv k={fmt(self.kernel(conv))}, s={fmt(self.stride(conv))}" + (
             f", p={fmt(self.padding(conv))}" if conv.transposed and any(self.padding(conv)) else "")
-
-
-def _braces(values) -> str:
-    return "{" + ", ".join(str(v) for v in values) + "}"
 
 
 def shifted_sum(w: torch.Tensor, copies: tuple, step: tuple) -> torch.Tensor:
