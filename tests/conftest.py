@@ -191,12 +191,15 @@ TRANSPOSE_TILES = {
 
 def render_cl_aten(name: str, shape, ops, root: Path) -> tuple[Path, Path, list[dict]]:
     """A spec (convolution pinned to ATen, channels_last; example batch 3) rendered under root/gen;
-    returns (spec, module directory, the schedules of its pool_reduce stages over all plans)."""
+    returns (spec, module directory, the schedules of its pool_reduce stages over all plans). The
+    convolution's output is what the stages read: sum_before_conv (which would sum a spatial mean's
+    input first) is off."""
     import json
 
     from kgen.render import render_spec, write_rendered
 
-    spec = write_spec(root, spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN), f"{name}.yaml")
+    spec = write_spec(root, spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN, rewrites={"sum_before_conv": False}),
+                      f"{name}.yaml")
     write_rendered(render_spec(spec, root / "gen"), root / "gen")
     plan = json.loads((root / "gen" / name / "plan.json").read_text())
     schedules = [s["schedule"] for p in plan["plans"] for s in p["stages"] if s.get("kind") == "pool_reduce"]
