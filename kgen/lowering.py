@@ -378,6 +378,17 @@ class TapSums(WrittenGeometry):
         return {k: tuple(getattr(conv, k)[d] for d in rest) if k != "output_padding" or conv.transposed else (0,) * len(rest)
                 for k in ("stride", "padding", "dilation", "output_padding")}
 
+    def aten_calls(self, conv: Conv, L: tuple[int, ...]) -> int:
+        """Kernel launches kgen_runtime.h's tap_sum_convolution makes (the cost model): per summed dim a
+        sum per segment of the taps' ranges, per tap a zero and an add per segment in its range, a cat;
+        then the product or convolution, the bias scaling and adds, and copies to contiguous."""
+        calls = 4
+        for d, taps in zip(self.dims, self.ranges(conv, L)):
+            cuts = sorted({0, L[d]} | {min(max(v, 0), L[d]) for r in taps for v in r})
+            segments = list(zip(cuts, cuts[1:]))
+            calls += len(segments) + 1 + sum(1 + sum(lo <= a and b <= hi for a, b in segments) for lo, hi in taps)
+        return calls
+
     def count(self, conv: Conv, L: tuple[int, ...]) -> int:
         """Output positions summed per (sample, channel, other position)."""
         out = conv.out_size(L)

@@ -159,6 +159,12 @@ class ConvAten(Family):
                 out += conv_work(f"phase {ph.residue}", flops, read, batch * c.out_channels * math.prod(ph.conv_out),
                                  c.out_channels, c.in_channels * taps, st.layout, target, fp32=bool(st.fp32_products))
             return out
+        if isinstance(lc.lowering, TapSums):  # the input's tap sums in ATen calls, then a small convolution of them
+            sums = batch * c.in_channels * math.prod(c.kernel[d] for d in lc.lowering.dims) * math.prod(
+                n for d, n in enumerate(st.in_type.spatial) if d not in lc.lowering.dims)
+            out.append(Work("tap sums", batch * st.in_type.sample_numel, FLOAT_BYTES * read,
+                            launches=lc.lowering.aten_calls(c, st.in_type.spatial)))
+            read = sums
         flops = batch * lc.flops(st.in_type, st.out_type)
         written = batch * sum(math.prod(t.dims) for t in st.output.tiles)
         K = c.in_channels // c.groups * math.prod(lc.kernel)
