@@ -424,7 +424,7 @@ class TapSums(WrittenGeometry):
         t = x
         for d, taps in zip(self.dims, self.ranges(conv, L)):
             sums = [t.narrow(2 + d, lo, hi - lo).sum(2 + d, keepdim=True) if hi > lo else
-                    t.narrow(2 + d, 0, 1) * 0.0 for lo, hi in taps]
+                    torch.zeros_like(t.narrow(2 + d, 0, 1)) for lo, hi in taps]
             t = torch.cat(sums, dim=2 + d)
         rest = self.rest(conv)
         n = x.shape[0]
