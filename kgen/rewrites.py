@@ -222,7 +222,13 @@ def _transposed_fold_obstacle(conv: Conv, pool: Pool) -> str | None:
     return None
 
 
-# ------------------------------------------------------------ affine through avg pool
+# ------------------------------------------------------------ affine through pooling
+
+
+def _aligned_param_shape(pipe: Pipeline, e: Elementwise, rank: int) -> tuple[int, ...]:
+    """The shape of ``e``'s parameter as it broadcasts against a value of ``rank`` dims."""
+    pshape = tuple(e.param_view or pipe.params[e.param].shape)
+    return (1,) * (rank - len(pshape)) + pshape
 
 
 def _pooling(op: Op, rank: int) -> str | None:
@@ -271,8 +277,7 @@ def affine_through_pooling(pipe: Pipeline):
             elif e.fn in ("add", "sub") and kind == "sum":
                 why = f"{e.describe()} is an offset, which a sum would count once per summed value"
             elif e.param is not None:
-                pshape = e.param_view or tuple(pipe.params[e.param].shape)
-                aligned = (1,) * (rank - len(pshape)) + tuple(pshape)
+                aligned = _aligned_param_shape(pipe, e, rank)
                 if any(aligned[d] != 1 for d in pooled):
                     why = f"parameter '{e.param}' varies along the pooled dims"
                 elif isinstance(pool, Reduce) and pool.kept != pool.dims:
@@ -529,8 +534,7 @@ def reduction_algebra(pipe: Pipeline):
                     why = f"{e.describe()} is not a scalar factor; the sum does not distribute over it"
             elif e.fn in ("add", "sub"):
                 if e.param is not None:
-                    pshape = pipe.params[e.param].shape
-                    aligned = (1,) * (rank - len(pshape)) + tuple(pshape)
+                    aligned = _aligned_param_shape(pipe, e, rank)
                     varying = {d for d, n in enumerate(aligned) if n != 1}
                     if not varying <= B:
                         why = f"parameter '{e.param}' varies along dims {sorted(varying - B)} that the sum does not reduce"
@@ -552,8 +556,7 @@ def reduction_algebra(pipe: Pipeline):
                 new.append(replace(e, scalar=e.scalar * count_B))
             elif e.fn in ("add", "sub"):
                 # where the parameter broadcasts (size 1) along a summed dim, it counts that many times
-                pshape = pipe.params[e.param].shape
-                aligned = (1,) * (rank - len(pshape)) + tuple(pshape)
+                aligned = _aligned_param_shape(pipe, e, rank)
                 scale = math.prod(types[j].shape[d] for d in b_dims if aligned[d] == 1)
                 new.append(replace(e, param_sum_dims=b_dims, param_rank=rank, param_sum_scale=scale))
             else:
