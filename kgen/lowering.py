@@ -11,6 +11,9 @@ rewritten pipeline holds a ``LoweredConv`` instead: the same ``Conv`` with
 - ``crop`` (dead-region rewrite): the prefix of the output, per spatial dim,
   that consumers read; only that region is computed;
 - ``bias_deferred`` (a plan step): the next fused stage adds the bias.
+
+A matrix product whose output features are only summed in windows is a
+``PooledProduct``: the product with its weight rows summed (rewrites.pool_into_linear).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .cexpr import braces
-from .ir import Conv, Member, Op, TensorType, conv_out, fmt
+from .ir import BLOCK_ELEMENTS, Conv, Linear, Matmul, Member, Op, TensorType, conv_out, fmt
 
 
 class WrittenGeometry:
@@ -541,3 +544,80 @@ def lowered(op: Op) -> LoweredConv | None:
     if isinstance(op, Conv):
         return LoweredConv(key=op.key, conv=op)
     return None
+
+
+@dataclass(frozen=True)
+class PooledProduct(Op):
+    """A matrix product (``Linear``, or ``Matmul`` with a parameter) whose output features are only
+    summed, ``window`` consecutive ones at a time (the last ``features % window`` dropped): the sum of
+    a window's outputs is the product with the window's weight rows summed (and its biases), so the
+    product runs with ``features // window`` outputs. The generated binding derives the summed weight
+    once per parameter version (kgen::WeightCache) and sums the bias each call."""
+
+    product: Linear | Matmul = None
+    window: int = 1
+
+    @property
+    def op_name(self) -> str:
+        return self.product.op_name
+
+    @property
+    def features(self) -> int:
+        """Output features of the product as written."""
+        p = self.product
+        return p.out_features if isinstance(p, Linear) else p._k_m()[1]
+
+    @property
+    def weight_name(self) -> str:
+        p = self.product
+        return f"{p.module}.weight" if isinstance(p, Linear) else p.param
+
+    @property
+    def feature_dim(self) -> int:
+        """The weight's dim that holds the output features: rows of a Linear's [out, in] weight (or of a
+        transposed matmul operand), columns of a matmul operand [in, out]."""
+        p = self.product
+        return 0 if isinstance(p, Linear) or p.transpose else 1
+
+    def tensor_names(self):
+        return self.product.tensor_names()
+
+    def member(self) -> Member | None:
+        return self.product.member()
+
+    def infer(self, t):
+        out = self.product.infer(t)
+        return TensorType(out.shape[:-1] + (self.features // self.window,))
+
+    def window_sums(self, w: torch.Tensor, dim: int, dtype) -> torch.Tensor:
+        """``w`` (as ``dtype``) summed over windows along ``dim``, a block of windows at a time (a
+        float32 weight too large to hold in float64 whole)."""
+        groups = self.features // self.window
+        other = w.numel() // max(1, w.shape[dim])
+        step = max(1, BLOCK_ELEMENTS // max(1, other * self.window))
+        parts = []
+        for g in range(0, groups, step):
+            n = min(step, groups - g)
+            block = w.narrow(dim, g * self.window, n * self.window).to(dtype)
+            shape = list(block.shape)
+            shape[dim : dim + 1] = [n, self.window]
+            parts.append(block.reshape(shape).sum(dim + 1))
+        return torch.cat(parts, dim=dim)
+
+    def run(self, x, tensors):
+        p = self.product
+        w = self.window_sums(tensors[self.weight_name], self.feature_dim, x.dtype)
+        if isinstance(p, Linear):
+            b = self.window_sums(tensors[f"{p.module}.bias"], 0, x.dtype) if p.bias else None
+            return F.linear(x, w, b)
+        return torch.matmul(x, w.transpose(-1, -2) if p.transpose else w)
+
+    def flops(self, t_in, t_out):
+        return 2 * t_in.shape[-1] * t_out.sample_numel
+
+    def describe(self):
+        groups = self.features // self.window
+        summed = "rows" if self.feature_dim == 0 else "columns"
+        if groups == 1:
+            return f"{self.product.describe()} summed over its outputs: the product with its weight's {summed} summed (one output)"
+        return f"{self.product.describe()} summed in windows of {self.window} outputs: the product with its weight's {summed} summed ({groups} outputs)"

@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass, replace
 
 from .errors import SpecError
-from .ir import Capture, Conv, Elementwise, Norm, Op, Pipeline, Pool, Reduce, TensorType, infer_types
-from .lowering import Direct, Folded, LoweredConv, Subpixel, TapSums, lowered
+from .ir import Capture, Conv, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape, TensorType, infer_types
+from .lowering import Direct, Folded, LoweredConv, PooledProduct, Subpixel, TapSums, lowered
 
 # How much of a convolution's output must be dead before the dead-region pass
 # crops it: cropping copies the input once, which a sliver does not pay for.
@@ -342,6 +342,105 @@ def sum_before_conv(pipe: Pipeline):
     return ops, decisions
 
 
+# ------------------------------------------------------------ pool into linear
+
+
+def _summed_offset(pipe: Pipeline, e: Elementwise, rank: int, features: int) -> Elementwise:
+    """``e`` (an offset of the summed features) as it applies to their sum: counted once per feature."""
+    if e.param is None:
+        return replace(e, scalar=e.scalar * features)
+    aligned = _aligned_param_shape(pipe, e, rank)
+    return replace(e, param_sum_dims=(rank - 1,), param_rank=rank, param_sum_scale=features if aligned[-1] == 1 else 1)
+
+
+def _feature_pool(pipe: Pipeline, ops: list, j: int) -> tuple[int, int, list] | None:
+    """The ops from ``j`` as an average pool over the features of a [N, F] product's output, written
+    reshape [N, 1, F], avg_pool1d(k, stride k), (reshape [N, F // k]): (k, ops consumed, ops that
+    keep the output's type after the window sums and their division); None if they are not."""
+    types = pipe.types
+    if j + 1 >= len(ops) or not (isinstance(ops[j], Reshape) and isinstance(ops[j + 1], Pool)):
+        return None
+    pool, t = ops[j + 1], types[j]
+    if t.rank != 2 or tuple(ops[j].shape) != (1, t.shape[1]) or pool.kind != "avg" or len(pool.kernel) != 1 or pool.src:
+        return None
+    k = pool.kernel[0]
+    if tuple(pool.stride) != (k,) or any(pool.padding) or (pool.ceil_mode and t.shape[1] % k):
+        return None
+    groups = t.shape[1] // k
+    if j + 2 < len(ops) and isinstance(ops[j + 2], Reshape) and tuple(ops[j + 2].shape) == (groups,):
+        return k, 3, []
+    return k, 2, [Reshape(key=ops[j].key, shape=(1, groups))]
+
+
+def pool_into_linear(pipe: Pipeline):
+    """linear (or matmul with a parameter), affine ops, a sum / mean over its output features ->
+    the product with its weight rows summed, then the affine ops.
+
+    Summing a product's outputs over windows of its features is the product with the window's
+    weight rows (and biases) summed (lowering.PooledProduct): a sum or mean over the features
+    (keepdim) makes a matrix-vector product of the 8192 x 8192 GEMMs of KernelBench #14, #18 and
+    #51, an avg_pool1d(16) over them (written reshape, pool, reshape, #98) a GEMM with 16x fewer
+    outputs. Factors between the product and the sum must be constant along the features; offsets
+    enter summed (a scalar times the feature count, a per-feature parameter summed over them); a
+    mean is the sum divided by its count. The rounding changes within float32 accuracy (the
+    weight's rows are summed first), and +-inf inputs meet in the summed weights' products.
+    """
+    ops, decisions = list(pipe.ops), []
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if not (isinstance(op, Linear) or (isinstance(op, Matmul) and op.param is not None)):
+            i += 1
+            continue
+        now = pipe.with_ops(ops)
+        rank, features = now.types[i + 1].rank, now.types[i + 1].shape[-1]
+        j = i + 1
+        while j < len(ops) and isinstance(ops[j], Elementwise) and ops[j].plain and ops[j].fn in ("mul", "div", "add", "sub"):
+            j += 1
+        red = ops[j] if j < len(ops) else None
+        pooled = _feature_pool(now, ops, j) if j == i + 1 else None
+        if pooled is not None:
+            k, used, tail = pooled
+            pool = ops[j + 1]
+            new = [PooledProduct(key=op.key, product=op, window=k), Elementwise(key=pool.key, fn="div", scalar=float(k))] + tail
+            decisions.append(Decision("pool_into_linear", _site(op, pool), True,
+                                      f"avg_pool1d({k}) over its {features} outputs: the product with its weight rows summed in windows of {k} ({features // k} outputs)"))
+            ops[i : j + used] = new
+            i += len(new)
+            continue
+        if not (isinstance(red, Reduce) and red.fn in ("sum", "mean") and red.dims == (rank - 1,) and red.src is None):
+            i += 1
+            continue
+        run, why = ops[i + 1 : j], None
+        if red.kept != red.dims:
+            why = "the reduction drops the feature dim (keepdim false)"
+        for e in run:
+            if why:
+                break
+            if e.param_sum_dims:
+                why = f"{e.describe()} already enters summed"
+            elif e.param is not None:
+                aligned = _aligned_param_shape(pipe, e, rank)
+                if e.fn in ("mul", "div") and aligned[-1] != 1:
+                    why = f"{e.describe()} is a factor that varies along the features"
+                elif e.fn in ("add", "sub") and any(n != 1 for n in aligned[:-1]):
+                    why = f"parameter '{e.param}' varies along other dims than the features"
+        if why:
+            decisions.append(Decision("pool_into_linear", _site(op, *run, red), False, why))
+            i = j + 1
+            continue
+        moved = [_summed_offset(pipe, e, rank, features) if e.fn in ("add", "sub") else e for e in run]
+        new = [PooledProduct(key=op.key, product=op, window=features)] + moved
+        if red.fn == "mean":
+            new.append(Elementwise(key=red.key, fn="div", scalar=float(features)))
+        ops[i : j + 1] = new
+        decisions.append(Decision("pool_into_linear", _site(op, *run, red), True,
+                                  f"{red.fn} over its {features} outputs: a product with the weight's rows summed (one output)"
+                                  + (f"; {', '.join(e.describe() for e in run)} after it" if run else "")))
+        i += len(new)
+    return ops, decisions
+
+
 # ------------------------------------------------------------ sub-pixel
 
 
@@ -578,6 +677,7 @@ REWRITES = (
     ("pool_composition", pool_composition),
     ("affine_through_pooling", affine_through_pooling),
     ("sum_before_conv", sum_before_conv),
+    ("pool_into_linear", pool_into_linear),
     ("avg_pool_folding", avg_pool_folding),
     ("subpixel_conv_transpose", subpixel_conv_transpose),
     ("dead_region", dead_region),

@@ -55,6 +55,7 @@ REWRITE_NAMES = (
     "pool_composition",
     "affine_through_pooling",
     "sum_before_conv",
+    "pool_into_linear",
     "avg_pool_folding",
     "subpixel_conv_transpose",
     "dead_region",

@@ -263,6 +263,17 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // x with the low 13 mantissa bits cleared: exactly representable in TF32.
+// Sums of `window` consecutive entries of `t` along `dim` (entries past the last whole window are
+// dropped), contiguous: a product whose outputs are only summed in windows runs with its weight's
+// window sums (kgen.lowering.PooledProduct).
+inline at::Tensor window_sums(const at::Tensor& t, int64_t dim, int64_t window) {
+  const int64_t groups = t.size(dim) / window;
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[dim] = groups;
+  shape.insert(shape.begin() + dim + 1, window);
+  return t.narrow(dim, 0, groups * window).reshape(shape).sum(dim + 1).contiguous();
+}
+
 inline at::Tensor tf32_high(const at::Tensor& x) {
   return at::bitwise_and(x.contiguous().view(at::kInt), static_cast<int64_t>(0xFFFFE000)).view(at::kFloat);
 }

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import yaml
 
 from kgen.ir import Conv, Elementwise, Pool, Reduce, build_pipeline, load_pipeline
-from kgen.lowering import Folded, LoweredConv, Subpixel, TapSums, TransposedFold
+from kgen.lowering import Folded, LoweredConv, PooledProduct, Subpixel, TapSums, TransposedFold
 from kgen.reference import ReferenceModel
 from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites
 from kgen.spec import REWRITE_NAMES, parse_spec
@@ -650,6 +650,106 @@ def test_sum_before_conv_leaves_a_channel_sum_alone():
     p = build(spec_text([2, 8, 8], [{"conv2d": {"out_channels": 3, "kernel_size": 3}}, {"sum": {"dim": [1, 2], "keepdim": True}}]))
     q, ds = rewrite(p, "sum_before_conv")
     assert not ds and q.ops == p.ops
+
+
+# ------------------------------------------------------------------ pool into linear
+
+
+def _random_summed_product(rng):
+    """A linear (bias or not) or a matmul with a parameter (transposed or not) over a rank-2 or rank-3 input,
+    random affine ops the sum passes, then a sum or mean over its output features, keepdim."""
+    rank = rng.choice([2, 3])
+    shape = [rng.randint(1, 4)] * (rank - 2) + [rng.randint(1, 9)]
+    k, f = shape[-1], rng.randint(1, 9)
+    params = {}
+    if rng.random() < 0.5:
+        product = {"linear": {"out_features": f, "bias": rng.random() < 0.7}}
+    else:
+        transpose = rng.random() < 0.5
+        params["w"] = {"shape": [f, k] if transpose else [k, f], "init": "randn"}
+        product = {"matmul": {"param": "w", "transpose": transpose}}
+    between = []
+    for n in range(rng.randint(0, 3)):
+        fn = rng.choice(["mul", "div", "add", "sub"])
+        if fn in ("add", "sub") and rng.random() < 0.5:
+            params[f"p{n}"] = {"shape": [f], "init": "randn"}  # a per-feature offset: enters summed
+            between.append({fn: {"param": f"p{n}"}})
+        elif fn in ("mul", "div") and rank == 3 and rng.random() < 0.5:
+            params[f"p{n}"] = {"shape": [shape[0], 1], "init": "randn"}  # a factor constant along the features
+            between.append({fn: {"param": f"p{n}"}})
+        else:
+            between.append({fn: {"scalar": rng.choice([0.5, -1.5, 3.0])}})
+    red = {rng.choice(["sum", "mean"]): {"dim": rank - 1 if rng.random() < 0.5 else -1, "keepdim": True}}
+    return build(spec_text(shape, [product] + between + [red, "tanh"], params=params))
+
+
+SUMMED_PRODUCTS = [_random_summed_product(random.Random(8300 + i)) for i in range(16)]
+
+
+@pytest.mark.parametrize("p", SUMMED_PRODUCTS, ids=lambda p: "-".join(o.describe() for o in p.ops).replace(" ", ""))
+def test_pool_into_linear_random_configurations(p):
+    """A sum / mean over a product's output features as the product with its weight's rows summed: equal in
+    float64 to the pipeline as written on normal data, ties and NaN (an inf input meets the summed weights
+    instead of the outputs' inf - inf, so inf cases are left out)."""
+    q, ds = rewrite(p, "pool_into_linear")
+    (d,) = fired(ds, "pool_into_linear")
+    assert isinstance(q.ops[0], PooledProduct) and q.ops[0].window == p.types[1].shape[-1]
+    assert q.types[1].shape[-1] == 1
+    check_equivalent(p, q, inf=False)
+
+
+@pytest.mark.parametrize("features,window,tail", [(32, 4, True), (30, 4, True), (12, 3, False), (8, 8, True)])
+def test_pool_into_linear_average_pool(features, window, tail):
+    """KernelBench #98's form, reshape [N, 1, F], avg_pool1d(k), reshape [N, F // k]: a product with F // k outputs
+    (a trailing partial window dropped, as the floor-mode pool drops it); without the second reshape one is kept."""
+    ops = [{"linear": {"out_features": features}}, {"reshape": {"shape": [1, features]}}, {"avg_pool1d": {"kernel_size": window}}]
+    ops += [{"reshape": {"shape": [features // window]}}, "gelu", {"max": {"dim": 1}}] if tail else ["gelu"]
+    p = build(spec_text([10], ops))
+    q, ds = rewrite(p, "pool_into_linear")
+    (d,) = fired(ds, "pool_into_linear")
+    assert isinstance(q.ops[0], PooledProduct) and q.ops[0].window == window
+    assert [o.op_name for o in q.ops[1:]] == ["div"] + (["gelu", "max"] if tail else ["reshape", "gelu"])
+    check_equivalent(p, q, inf=False)
+
+
+def test_pool_into_linear_is_kernelbench_51s_pattern():
+    """#51: linear, a per-feature subtraction, a mean over the features (keepdim), logsumexp, then a residual add
+    of the input: one output per row, the subtraction's parameter summed after it."""
+    ops = [{"linear": {"out_features": 24}}, {"sub": {"param": "s"}}, {"mean": {"dim": 1, "keepdim": True}},
+           {"logsumexp": {"dim": 1, "keepdim": True}}, {"gelu": {"as": "g"}}, {"add": {"tensor": "g", "from": "x"}}]
+    p = build(spec_text([16], ops, params={"s": {"shape": [24], "init": "randn"}}))
+    q, ds = apply_rewrites(p)
+    assert [d.rewrite for d in ds if d.fired] == ["pool_into_linear"]
+    assert [o.describe() for o in q.ops[1:3]] == ["sub(sum over dims [1] of s)", "div(24)"]
+    check_equivalent(p, q, inf=False)
+
+
+@pytest.mark.parametrize(
+    "between,red,params,why",
+    [
+        ([], {"sum": {"dim": 1}}, None, "keepdim false"),
+        ([{"mul": {"param": "fa"}}], {"sum": {"dim": 1, "keepdim": True}}, {"fa": {"shape": [6], "init": "randn"}},
+         "factor that varies along the features"),
+    ],
+)
+def test_pool_into_linear_does_not_fire(between, red, params, why):
+    p = build(spec_text([5], [{"linear": {"out_features": 6}}] + between + [red], params=params))
+    q, ds = rewrite(p, "pool_into_linear")
+    (d,) = not_fired(ds, "pool_into_linear")
+    assert why in d.reason and q.ops == p.ops
+
+
+@pytest.mark.parametrize("ops", [
+    [{"linear": {"out_features": 6}}, "relu", {"sum": {"dim": 1, "keepdim": True}}],  # not affine: no site
+    [{"linear": {"out_features": 6}}, {"max": {"dim": 1, "keepdim": True}}],
+    [{"linear": {"out_features": 6}}, {"reshape": {"shape": [1, 6]}}, {"max_pool1d": {"kernel_size": 2}}],
+    [{"linear": {"out_features": 6}}, {"reshape": {"shape": [1, 6]}}, {"avg_pool1d": {"kernel_size": 2, "padding": 1}}],
+    [{"linear": {"out_features": 6}}, {"reshape": {"shape": [1, 6]}}, {"avg_pool1d": {"kernel_size": 3, "stride": 2}}],
+])
+def test_pool_into_linear_leaves_other_patterns_alone(ops):
+    p = build(spec_text([5], ops))
+    q, ds = rewrite(p, "pool_into_linear")
+    assert not fired(ds, "pool_into_linear") and q.ops == p.ops
 
 
 def test_avg_pool_folding_ignores_a_max_pool():

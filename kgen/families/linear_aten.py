@@ -1,11 +1,14 @@
 """The linear_aten family: a matrix product (nn.Linear, torch.matmul with a parameter or a
 batched operand) run by ATen, i.e. cuBLAS on the GPU, in full fp32 as PyTorch's default
 (``torch.backends.cuda.matmul.allow_tf32 = False``) computes it, whatever the process
-has set. The next fused stage reads its contiguous output. Templates: ``templates/linear_aten/``.
+has set. A product whose outputs are only summed in windows (lowering.PooledProduct) runs with its
+weight's window sums, derived once per parameter version. The next fused stage reads its contiguous
+output. Templates: ``templates/linear_aten/``.
 """
 from __future__ import annotations
 
 from ..ir import Linear, Matmul
+from ..lowering import PooledProduct
 from ..stage import Stage, flat_buffer
 from .base import Family, StageRequest
 
@@ -18,7 +21,7 @@ class LinearAten(Family):
     summary = "ATen/cuBLAS matrix product (nn.Linear, matmul) in full fp32"
 
     def fits(self, ops):
-        return len(ops) == 1 and isinstance(ops[0], (Linear, Matmul))
+        return len(ops) == 1 and isinstance(ops[0], (Linear, Matmul, PooledProduct))
 
     def make_stage(self, req: StageRequest) -> Stage:
         t_in, t_out = req.types
