@@ -364,15 +364,15 @@ inline at::Tensor fold_avg_pool_transposed_weight(const at::Tensor& w, at::IntAr
 // the written geometry (`stride` ... `output_padding` of those dims), in fp32, its bias counted
 // `count` times. Every summed dim is then 1 in the output `out_shape`. The ranges' disjoint
 // segments are summed once and added up per tap: no subtraction, so an inf a tap does not read
-// stays out of its sum.
+// stays out of its sum. `sums`: the per-tap sums already made (a generated kernel), (N, C, taps...).
 inline at::Tensor tap_sum_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                                       const std::vector<int64_t>& dims, const std::vector<std::vector<int64_t>>& ranges,
                                       bool transposed, at::IntArrayRef stride, at::IntArrayRef padding,
                                       at::IntArrayRef dilation, at::IntArrayRef output_padding, double count,
-                                      at::IntArrayRef out_shape) {
+                                      at::IntArrayRef out_shape, const std::optional<at::Tensor>& sums = std::nullopt) {
   const int64_t rank = x.dim() - 2, n = x.size(0);
-  at::Tensor t = x;
-  for (size_t j = 0; j < dims.size(); ++j) {
+  at::Tensor t = sums ? *sums : x;
+  for (size_t j = 0; j < (sums ? 0 : dims.size()); ++j) {
     const int64_t dim = 2 + dims[j], taps = static_cast<int64_t>(ranges[j].size() / 2);
     std::vector<int64_t> cuts{0, t.size(dim)};
     for (int64_t v : ranges[j]) cuts.push_back(std::min(std::max<int64_t>(v, 0), t.size(dim)));

@@ -4,7 +4,9 @@ validated against the float64 reference of the pipeline as written, on the CPU b
 
 KernelBench's cases in small: #42 (a transposed 2-d convolution, a global mean: a matrix product of the sums),
 #13 (a transposed 3-d convolution, a mean over depth only, padding 1: a 2-d transposed convolution of the
-depth sums), and a forward 1-d one with dilation, summed over its only dim after a factor."""
+depth sums), a forward 1-d one with dilation, summed over its only dim after a factor, and a strided transposed
+3-d one summed over every dim. Summed over every dim, the CUDA build sums the input in a generated kernel
+(conv_aten.TapSumKernel: a block per plane, doubles per segment of the taps' ranges)."""
 import pytest
 
 from conftest import HAS_CUDA, assert_report_passed, pipeline_of, render_specs, spec_text
@@ -25,7 +27,11 @@ SPECS = {
     "ts_forward": spec_text([3, 40], [{"conv1d": {"out_channels": 4, "kernel_size": 3, "padding": 2, "dilation": 2}},
                                       {"mul": {"scalar": 0.25}}, {"sum": {"dim": 2, "keepdim": True}}, "sigmoid"],
                             name="ts_forward", plan=ATEN),
+    "ts_3d": spec_text([3, 5, 6, 8], [{"conv_transpose3d": {"out_channels": 4, "kernel_size": 3, "stride": 2, "padding": 1,
+                                                            "output_padding": 1}},
+                                      {"mean": {"dim": [2, 3, 4], "keepdim": True}}, "gelu"], name="ts_3d", plan=ATEN),
 }
+ALL_SUMMED = ("ts_global", "ts_forward", "ts_3d")  # the generated tap-sum kernel's cases
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +45,32 @@ def test_plans_sum_the_input_first(rendered):
         assert isinstance(st.conv.lowering, TapSums) and st.family.name == "conv_aten", name
         assert st.fp32_products, name  # the sums' convolution runs with TF32 off
         assert "kgen::tap_sum_convolution(" in (d / "binding.cpp").read_text(), name
+        assert ("tap_sums_kernel" in (d / "kernel.cu").read_text()) == (name in ALL_SUMMED), name
+
+
+def test_tap_sum_kernel_geometry():
+    """ts_3d (transposed k3 s2 p1, output_padding 1): tap 0 of each dim reads inputs [1, L), taps 1 and 2 all of
+    them, so every dim cuts into [0, 1) and [1, L): 8 segment boxes; a tap's run is segment 1, or both."""
+    from kgen.families.conv_aten import TapSumKernel
+
+    st = make_plan(pipeline_of(SPECS["ts_3d"])).stages[0]
+    k = TapSumKernel.of(st.conv, st.in_type.spatial)
+    assert k.segments == (((0, 1), (1, 5)), ((0, 1), (1, 6)), ((0, 1), (1, 8)))
+    assert k.runs == (((1, 2), (0, 2), (0, 2)),) * 3 and k.count == 8 and k.taps == 27
+    assert len(k.row_boxes()) == 4
 
 
 def test_cost_model_counts_the_tap_sums_calls():
-    """ts_global (a transposed k3 convolution, stride 1, no padding: every tap reads the whole input): per summed dim
-    one segment sum, a zero and an add per tap and a cat (8 calls), twice, and 4 around the product."""
+    """Summed over every dim (ts_global), the input's tap sums are the generated kernel's one launch; summed over
+    depth only (ts_depth), ATen's calls (lowering.TapSums.aten_calls)."""
     from kgen.target import DEFAULT
 
     st = make_plan(pipeline_of(SPECS["ts_global"]), target=DEFAULT).stages[0]
     (sums,) = [w for w in st.family.work(st, 2, DEFAULT) if w.what == "tap sums"]
-    assert sums.launches == 20 and sums.bytes == 4 * 2 * 6 * 13 * 11
+    assert sums.launches == 1 and sums.bytes == 4 * 2 * 6 * 13 * 11  # the generated kernel
+    st = make_plan(pipeline_of(SPECS["ts_depth"]), target=DEFAULT).stages[0]
+    (sums,) = [w for w in st.family.work(st, 2, DEFAULT) if w.what == "tap sums"]
+    assert sums.launches == st.conv.lowering.aten_calls(st.conv.conv, st.in_type.spatial) > 1
 
 
 def _build_and_validate(rendered, device):

@@ -19,8 +19,9 @@ and output (a transposed one run as written is faster in NCHW: notes/perf.md).
 """
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import Buffer, ConvStage, Tile, dense_buffer, strides_of
@@ -54,11 +55,53 @@ NCHW_CONVERSION = 1.86
 CUDNN_CALL_S = 30e-6
 
 
+TAP_SUM_MAX_SEGMENTS = 64  # segment sums (doubles) a thread of the generated tap-sum kernel keeps
+
+
+@dataclass(frozen=True)
+class TapSumKernel:
+    """The generated tap-sum kernel of a convolution summed over every spatial dim (conv_aten's
+    kernel.cu): a block per (sample, channel) plane reads it once; each thread adds its values into
+    one double per segment (the pieces the taps' input ranges cut each dim into: a value is in one
+    segment of each dim), the block combines them in a fixed order, and a tap's sum is the sum of
+    the segments inside its ranges (no subtraction: an inf a tap does not read stays out of it)."""
+
+    spatial: tuple  # the input plane's sizes
+    segments: tuple  # per dim: ((lo, hi), ...) covering [0, L)
+    runs: tuple  # per dim, per tap: (first, end) segment indices of its range (first >= end: empty)
+
+    @staticmethod
+    def of(lc, spatial) -> "TapSumKernel | None":
+        lw = lc.lowering
+        if not isinstance(lw, TapSums) or lw.rest(lc.conv):
+            return None
+        segments, runs = [], []
+        for L, taps in zip(spatial, lw.ranges(lc.conv, spatial)):
+            cuts = sorted({0, L} | {min(max(v, 0), L) for r in taps for v in r})
+            segments.append(tuple(zip(cuts, cuts[1:])))
+            runs.append(tuple((cuts.index(lo), cuts.index(hi)) if lo < hi else (0, 0)
+                              for lo, hi in ((min(max(a, 0), L), min(max(b, 0), L)) for a, b in taps)))
+        k = TapSumKernel(tuple(spatial), tuple(segments), tuple(runs))
+        return k if k.count <= TAP_SUM_MAX_SEGMENTS else None
+
+    @property
+    def count(self) -> int:
+        """Segment sums per plane."""
+        return math.prod(len(s) for s in self.segments)
+
+    @property
+    def taps(self) -> int:
+        return math.prod(len(r) for r in self.runs)
+
+    def row_boxes(self) -> list[tuple[tuple[int, int], ...]]:
+        """The segments of the leading dims (all but the last), row-major: each a box of rows."""
+        return list(itertools.product(*self.segments[:-1]))
+
 class ConvAten(Family):
     name = "conv_aten"
     stage_kind = "conv"
     generates_kernel = False
-    pieces = ("kernel.cu", "binding.cpp")  # kernel.cu: the input copy into channels_last
+    pieces = ("kernel.cu", "binding.cpp")  # kernel.cu: the input copy into channels_last, the tap-sum kernel
     MAX_COPY_CHANNELS = 256  # input channels of the generated copy (its 32-position tile fits in shared memory)
     summary = "ATen/cuDNN convolution, in the lowering the rewrites chose"
 
@@ -133,6 +176,13 @@ class ConvAten(Family):
         fp32_level, why = conv_precision(req)
         return f"{why}, and in this form cuDNN may pick TF32 kernels where eager's call runs fp32" if fp32_level else ""
 
+    def tap_sum_kernel(self, st: ConvStage) -> TapSumKernel | None:
+        """The generated kernel that sums a contiguous input per tap (a convolution summed over every
+        spatial dim; CUDA builds, at run time a contiguous float input), or None: ATen's calls do it."""
+        if not st.input.flat:
+            return None
+        return TapSumKernel.of(st.conv, st.in_type.spatial)
+
     def input_copy(self, st: ConvStage) -> str | None:
         """How the input reaches the convolution when it must be copied first (narrowed to
         the extent read, or into the output's memory format): "kernel" (the generated
@@ -162,8 +212,8 @@ class ConvAten(Family):
         if isinstance(lc.lowering, TapSums):  # the input's tap sums in ATen calls, then a small convolution of them
             sums = batch * c.in_channels * math.prod(c.kernel[d] for d in lc.lowering.dims) * math.prod(
                 n for d, n in enumerate(st.in_type.spatial) if d not in lc.lowering.dims)
-            out.append(Work("tap sums", batch * st.in_type.sample_numel, FLOAT_BYTES * read,
-                            launches=lc.lowering.aten_calls(c, st.in_type.spatial)))
+            calls = 1 if self.tap_sum_kernel(st) else lc.lowering.aten_calls(c, st.in_type.spatial)
+            out.append(Work("tap sums", batch * st.in_type.sample_numel, FLOAT_BYTES * read, launches=calls))
             read = sums
         flops = batch * lc.flops(st.in_type, st.out_type)
         written = batch * sum(math.prod(t.dims) for t in st.output.tiles)
@@ -174,6 +224,8 @@ class ConvAten(Family):
 
     def explain_lines(self, st: ConvStage) -> list[str]:
         calls = (f"{len(st.phases)} ATen convolutions (one per sub-pixel phase; cuDNN on the GPU)" if len(st.phases) > 1
+                 else "the input's per-tap sums (a generated kernel: a block per plane), then one ATen product of them"
+                 if self.tap_sum_kernel(st)
                  else "the input's per-tap sums (ATen), then one ATen convolution of them" if isinstance(st.conv.lowering, TapSums)
                  else "one ATen convolution (cuDNN on the GPU)")
         copy = {"kernel": "; the input is copied into channels_last first by a generated kernel (ATen's copy where it is"
