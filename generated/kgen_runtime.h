@@ -263,6 +263,17 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // x with the low 13 mantissa bits cleared: exactly representable in TF32.
+// Sums of `window` consecutive entries of `t` along `dim` (entries past the last whole window are
+// dropped), contiguous: a product whose outputs are only summed in windows runs with its weight's
+// window sums (kgen.lowering.PooledProduct).
+inline at::Tensor window_sums(const at::Tensor& t, int64_t dim, int64_t window) {
+  const int64_t groups = t.size(dim) / window;
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[dim] = groups;
+  shape.insert(shape.begin() + dim + 1, window);
+  return t.narrow(dim, 0, groups * window).reshape(shape).sum(dim + 1).contiguous();
+}
+
 inline at::Tensor tf32_high(const at::Tensor& x) {
   return at::bitwise_and(x.contiguous().view(at::kInt), static_cast<int64_t>(0xFFFFE000)).view(at::kFloat);
 }
@@ -353,15 +364,15 @@ inline at::Tensor fold_avg_pool_transposed_weight(const at::Tensor& w, at::IntAr
 // the written geometry (`stride` ... `output_padding` of those dims), in fp32, its bias counted
 // `count` times. Every summed dim is then 1 in the output `out_shape`. The ranges' disjoint
 // segments are summed once and added up per tap: no subtraction, so an inf a tap does not read
-// stays out of its sum.
+// stays out of its sum. `sums`: the per-tap sums already made (a generated kernel), (N, C, taps...).
 inline at::Tensor tap_sum_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                                       const std::vector<int64_t>& dims, const std::vector<std::vector<int64_t>>& ranges,
                                       bool transposed, at::IntArrayRef stride, at::IntArrayRef padding,
                                       at::IntArrayRef dilation, at::IntArrayRef output_padding, double count,
-                                      at::IntArrayRef out_shape) {
+                                      at::IntArrayRef out_shape, const std::optional<at::Tensor>& sums = std::nullopt) {
   const int64_t rank = x.dim() - 2, n = x.size(0);
-  at::Tensor t = x;
-  for (size_t j = 0; j < dims.size(); ++j) {
+  at::Tensor t = sums ? *sums : x;
+  for (size_t j = 0; j < (sums ? 0 : dims.size()); ++j) {
     const int64_t dim = 2 + dims[j], taps = static_cast<int64_t>(ranges[j].size() / 2);
     std::vector<int64_t> cuts{0, t.size(dim)};
     for (int64_t v : ranges[j]) cuts.push_back(std::min(std::max<int64_t>(v, 0), t.size(dim)));
@@ -369,13 +380,17 @@ inline at::Tensor tap_sum_convolution(const at::Tensor& x, const at::Tensor& w, 
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     std::vector<at::Tensor> segments;  // segment q: [cuts[q], cuts[q + 1])
     for (size_t q = 0; q + 1 < cuts.size(); ++q) segments.push_back(t.narrow(dim, cuts[q], cuts[q + 1] - cuts[q]).sum(dim, true));
-    std::vector<at::Tensor> per_tap;
+    const at::Tensor seg = segments.size() == 1 ? segments[0] : at::cat(segments, dim);
+    std::vector<at::Tensor> per_tap;  // tap k: the sum of the segments inside its range (a run of them)
     for (int64_t k = 0; k < taps; ++k) {
-      at::Tensor acc = at::zeros_like(segments.empty() ? t.narrow(dim, 0, 1) : segments[0]);
-      for (size_t q = 0; q + 1 < cuts.size(); ++q) {
-        if (cuts[q] >= ranges[j][2 * k] && cuts[q + 1] <= ranges[j][2 * k + 1]) acc = acc.add(segments[q]);
+      const auto first = std::lower_bound(cuts.begin(), cuts.end(), ranges[j][2 * k]);
+      const auto last = std::upper_bound(cuts.begin(), cuts.end(), ranges[j][2 * k + 1]);
+      const int64_t a = first - cuts.begin(), b = (last - cuts.begin()) - 1;  // segments [a, b)
+      if (b <= a) {
+        per_tap.push_back(at::zeros_like(seg.narrow(dim, 0, 1)));
+      } else {
+        per_tap.push_back(b - a == 1 ? seg.narrow(dim, a, 1) : seg.narrow(dim, a, b - a).sum(dim, true));
       }
-      per_tap.push_back(acc);
     }
     t = at::cat(per_tap, dim);
   }

@@ -383,13 +383,15 @@ class TapSums(WrittenGeometry):
 
     def aten_calls(self, conv: Conv, L: tuple[int, ...]) -> int:
         """Kernel launches kgen_runtime.h's tap_sum_convolution makes (the cost model): per summed dim a
-        sum per segment of the taps' ranges, per tap a zero and an add per segment in its range, a cat;
-        then the product or convolution, the bias scaling and adds, and copies to contiguous."""
+        sum per segment of the taps' ranges and their cat, per tap one sum over its run of segments (none
+        for a run of one, a zero for an empty one), a cat; then the product or convolution, the bias
+        scaling and adds, and copies to contiguous."""
         calls = 4
         for d, taps in zip(self.dims, self.ranges(conv, L)):
             cuts = sorted({0, L[d]} | {min(max(v, 0), L[d]) for r in taps for v in r})
             segments = list(zip(cuts, cuts[1:]))
-            calls += len(segments) + 1 + sum(1 + sum(lo <= a and b <= hi for a, b in segments) for lo, hi in taps)
+            runs = [sum(lo <= a and b <= hi for a, b in segments) for lo, hi in taps]
+            calls += len(segments) + (len(segments) > 1) + sum(r != 1 for r in runs) + 1
         return calls
 
     def count(self, conv: Conv, L: tuple[int, ...]) -> int:

@@ -380,13 +380,17 @@ inline at::Tensor tap_sum_convolution(const at::Tensor& x, const at::Tensor& w, 
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     std::vector<at::Tensor> segments;  // segment q: [cuts[q], cuts[q + 1])
     for (size_t q = 0; q + 1 < cuts.size(); ++q) segments.push_back(t.narrow(dim, cuts[q], cuts[q + 1] - cuts[q]).sum(dim, true));
-    std::vector<at::Tensor> per_tap;
+    const at::Tensor seg = segments.size() == 1 ? segments[0] : at::cat(segments, dim);
+    std::vector<at::Tensor> per_tap;  // tap k: the sum of the segments inside its range (a run of them)
     for (int64_t k = 0; k < taps; ++k) {
-      at::Tensor acc = at::zeros_like(segments.empty() ? t.narrow(dim, 0, 1) : segments[0]);
-      for (size_t q = 0; q + 1 < cuts.size(); ++q) {
-        if (cuts[q] >= ranges[j][2 * k] && cuts[q + 1] <= ranges[j][2 * k + 1]) acc = acc.add(segments[q]);
+      const auto first = std::lower_bound(cuts.begin(), cuts.end(), ranges[j][2 * k]);
+      const auto last = std::upper_bound(cuts.begin(), cuts.end(), ranges[j][2 * k + 1]);
+      const int64_t a = first - cuts.begin(), b = (last - cuts.begin()) - 1;  // segments [a, b)
+      if (b <= a) {
+        per_tap.push_back(at::zeros_like(seg.narrow(dim, 0, 1)));
+      } else {
+        per_tap.push_back(b - a == 1 ? seg.narrow(dim, a, 1) : seg.narrow(dim, a, b - a).sum(dim, true));
       }
-      per_tap.push_back(acc);
     }
     t = at::cat(per_tap, dim);
   }
