@@ -554,7 +554,7 @@ class PooledProduct(Op):
     summed, ``window`` consecutive ones at a time (the last ``features % window`` dropped): the sum of
     a window's outputs is the product with the window's weight rows summed (and its biases), so the
     product runs with ``features // window`` outputs. The generated binding derives the summed weight
-    once per parameter version (kgen::WeightCache) and sums the bias each call."""
+    and bias once per parameter version (kgen::WeightCache)."""
 
     product: Linear | Matmul = None
     window: int = 1
