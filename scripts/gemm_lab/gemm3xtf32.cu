@@ -158,10 +158,11 @@ __global__ void split_kernel(const float* __restrict__ src, float* __restrict__ 
 //      (scale-d = 0 on its first wgmma), then total += chunk in CUDA-core fp32   BN <= 192
 //   3: like 2 but only hi*hi is chunked; the two corrections (2^-11 smaller) stay in a
 //      long-lived tensor-core accumulator added at the end                       BN <= 128
-template <int BN_, int BK_, int STAGES_, int NPROD_, int ACC_>
+// CH: (ACC 2/3) k-blocks per chunk, i.e. the chunk spans CH*BK of K.
+template <int BN_, int BK_, int STAGES_, int NPROD_, int ACC_, int CH_ = 1>
 struct Cfg {
   static constexpr int BM = 128, BN = BN_, BK = BK_, STAGES = STAGES_, NPROD = NPROD_;
-  static constexpr int ACC = ACC_;
+  static constexpr int ACC = ACC_, CH = CH_;
   static_assert(NPROD == 3 || ACC == 0, "plain tf32 uses ACC 0");
   static_assert(ACC == 0 || (ACC == 2 && BN <= 192) || BN <= 128, "accumulators exceed registers");
   static constexpr int SW = BK * 4;  // bytes per smem row = swizzle width
@@ -256,9 +257,11 @@ __global__ void __maxnreg__(224)  // 288 threads x <= 224 regs fit the 64K regis
     fence_regs(acc2);
     fence_regs(acc3);
 
+    int rel = 0;  // first k-block whose stage is not yet released
     for (int kb = 0; kb < nk; ++kb) {
       const int s = kb % STAGES;
       mbar_wait(bar_full + 8 * s, (kb / STAGES) & 1);
+      const bool chunk_start = (kb % C::CH) == 0;
       const uint32_t st = sbase + s * C::STAGE_BYTES;
       const uint32_t a_hi = st + cw * 64 * BK * 4;
       const uint32_t a_lo = a_hi + C::A_BYTES;
@@ -270,7 +273,7 @@ __global__ void __maxnreg__(224)  // 288 threads x <= 224 regs fit the 64K regis
         const uint32_t off = kk * 32;  // 8 tf32 = 32 bytes along K inside the swizzle atom
         const uint64_t dah = make_desc<C::SW>(a_hi + off);
         const uint64_t dbh = make_desc<C::SW>(b_hi + off);
-        const int fresh = kk == 0 ? 0 : 1;  // scale-d: 0 starts a new chunk
+        const int fresh = (kk == 0 && chunk_start) ? 0 : 1;  // scale-d 0 starts a new chunk
         if constexpr (C::NPROD == 1) {
           wgmma_tf32<BN>(acc, dah, dbh);
         } else if constexpr (C::ACC == 0) {
@@ -293,11 +296,16 @@ __global__ void __maxnreg__(224)  // 288 threads x <= 224 regs fit the 64K regis
       }
       wg_commit();
       if constexpr (C::ACC >= 2) {
-        wg_wait<0>();  // chunk complete: promote it with round-to-nearest fp32 adds
-        fence_regs(acc2);
-        mbar_arrive(bar_empty + 8 * s);
+        if ((kb % C::CH) == C::CH - 1 || kb == nk - 1) {
+          wg_wait<0>();  // chunk complete: promote it with round-to-nearest fp32 adds
+          fence_regs(acc2);
+          for (; rel <= kb; ++rel) mbar_arrive(bar_empty + 8 * (rel % STAGES));
 #pragma unroll
-        for (int i = 0; i < R; ++i) acc[i] += acc2[i];
+          for (int i = 0; i < R; ++i) acc[i] += acc2[i];
+        } else {
+          wg_wait<1>();
+          for (; rel < kb; ++rel) mbar_arrive(bar_empty + 8 * (rel % STAGES));
+        }
       } else {
         wg_wait<1>();  // the group of kb-1 is done: its stage can be refilled
         if (kb > 0) mbar_arrive(bar_empty + 8 * ((kb - 1) % STAGES));
@@ -429,13 +437,15 @@ struct Variant {
 
 static const Variant kVariants[] = {
     {"3x_acc0_bn256_bk16_s4(inaccurate)", launch<Cfg<256, 16, 4, 3, 0>>},
-    {"3x_acc2_bn128_bk16_s6", launch<Cfg<128, 16, 6, 3, 2>>},
-    {"3x_acc2_bn128_bk32_s3", launch<Cfg<128, 32, 3, 3, 2>>},
-    {"3x_acc2_bn192_bk16_s5", launch<Cfg<192, 16, 5, 3, 2>>},
-    {"3x_acc2_bn192_bk32_s2", launch<Cfg<192, 32, 2, 3, 2>>},
-    {"3x_acc3_bn128_bk16_s6", launch<Cfg<128, 16, 6, 3, 3>>},
-    {"3x_acc3_bn128_bk32_s3", launch<Cfg<128, 32, 3, 3, 3>>},
+    {"3x_acc2_bn128_bk32_s3_ch1", launch<Cfg<128, 32, 3, 3, 2, 1>>},
+    {"3x_acc2_bn128_bk32_s3_ch2", launch<Cfg<128, 32, 3, 3, 2, 2>>},
+    {"3x_acc2_bn128_bk32_s3_ch4", launch<Cfg<128, 32, 3, 3, 2, 4>>},
+    {"3x_acc2_bn128_bk16_s6_ch2", launch<Cfg<128, 16, 6, 3, 2, 2>>},
+    {"3x_acc2_bn128_bk16_s6_ch4", launch<Cfg<128, 16, 6, 3, 2, 4>>},
     {"1x_bn256_bk16_s4(plain tf32, NOT fp32-accurate)", launch<Cfg<256, 16, 4, 1, 0>>},
+    // kept out (measured 2026-11-27, H100): ACC 3 and BN=192 need ~205 registers; with 288
+    // threads the launch fails ("too many resources requested": allocation as for 12 warps),
+    // with 384 threads ptxas caps them at 168 and spills.
 };
 
 }  // namespace g3
