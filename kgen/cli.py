@@ -48,7 +48,8 @@ def _spec_paths(specs: tuple[str, ...]) -> list[Path]:
 
 def _module_dirs(out: Path, names: tuple[str, ...]) -> list[Path]:
     if names:
-        dirs = [out / n for n in names]
+        # a spec file names its module (specs/x.yaml -> x), as `kgen render` writes it
+        dirs = [out / (Path(n).stem if n.endswith((".yaml", ".yml")) else n) for n in names]
         for d in dirs:
             if not (d / "binding.cpp").exists():
                 raise KgenError(f"no rendered module {d.name!r} under {out}/; run `kgen render specs/{d.name}.yaml`")

@@ -874,6 +874,7 @@ class Pipeline:
     rewrites: dict = field(default_factory=dict)
     conv_layout: str = "auto"
     conv_impl: str = "auto"  # plan.conv: aten | gemm forces who computes the convolutions
+    linear_impl: str = "auto"  # plan.linear: aten | gemm forces who computes the matrix products
     conv_norm: str = "auto"  # plan.conv_norm: written | recompute | onepass forces how a generated convolution meets a norm
     example: dict = field(default_factory=dict)
     description: str = ""
@@ -1293,6 +1294,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
         conv_layout=spec.conv_layout,
         conv_impl=spec.conv_impl,
         conv_norm=spec.conv_norm,
+        linear_impl=spec.linear_impl,
         example=dict(spec.example),
         description=spec.description,
         spec=spec,

@@ -34,7 +34,7 @@ INTERNAL = ("as",)  # ops of the IR a spec does not name as ops (`as:` on an op 
 CONV = ("conv_gemm", "conv_aten")  # implementations of a convolution stage
 FUSED = ("pool_reduce", "norm", "layer_norm", "softmax")  # families that fuse elementwise ops
 REDUCING = ("pool_reduce", "norm")  # families that fuse sum / mean / max / min too
-GEMM = ("linear_aten",)  # implementations of a matrix product
+GEMM = ("linear_gemm", "linear_aten")  # implementations of a matrix product
 SOFTMAX = ("softmax",)  # softmax, log_softmax and logsumexp over one axis (alone, also the aten family's)
 ATEN = ("aten",)  # ops run by their ATen function in a stage of their own (not fused yet, or as a candidate)
 

@@ -290,12 +290,13 @@ def _absorb_epilogues(plan: Plan) -> None:
     """Let a stage's family take the next stage as its epilogue (a generated convolution may).
     The absorbed stage keeps its place: its math and its own op are still rendered. Never
     where the stage's output is a value some stage reads as a tensor (the fused op does not
-    write it), where the next stage reads values (the fused op does not take them), or where
+    write it), where the next stage reads values as tensors (the fused op does not take them; a value
+    named in the same stage is a register), or where
     the next stage starts from another tensor than this stage's output (`from:`)."""
-    value_tensors = set(plan.value_exprs.values())
+    value_tensors = {plan.value_exprs[v] for s in plan.stages for v in plan.stage_values(s)}  # read as tensors, not registers
     for st, nxt in zip(plan.stages, plan.stages[1:]):
         output = f"t{st.index}"
-        if output in value_tensors or nxt.source != output or any(op.value_names() for op in nxt.ops):
+        if output in value_tensors or nxt.source != output or plan.stage_values(nxt):
             continue
         if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
             st.epilogue, nxt.absorbed_by = nxt, st

@@ -39,7 +39,7 @@ TEMPLATES = Path(str(importlib.resources.files("kgen") / "templates"))
 # Copied verbatim into the output root, under the same relative path (a family's
 # kernel.cu piece includes its headers from there: Family.cuda_includes).
 SHARED_FILES = ("kgen_math.h", "kgen_runtime.h", "conv_gemm/conv_gemm.cuh", "conv_gemm/wgmma.cuh", "conv_gemm/phase_pool.cuh",
-                "conv_gemm/pool_ring.cuh")
+                "conv_gemm/pool_ring.cuh", "linear_gemm/gemm3xtf32.cuh")
 MODULE_FILES = {  # output file -> shared template; a family's piece of it: templates/<family>/<piece>.j2
     "stages.h": "stages.h.j2",
     "kernel.cu": "kernel.cu.j2",

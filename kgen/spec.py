@@ -39,6 +39,7 @@ DTYPES = ("float32",)
 PARAM_INITS = ("randn", "ones", "zeros")
 CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
 CONV_IMPLS = ("auto", "aten", "gemm")  # plan.conv: who computes a convolution (auto: the planner chooses)
+LINEAR_IMPLS = ("auto", "aten", "gemm")  # plan.linear: who computes a matrix product (cuBLAS or linear_gemm)
 # plan.conv_norm: a generated convolution before a norm writes its output for the norm stage,
 # or computes itself twice with the norm as its epilogue, or once on co-resident CTAs per sample
 # (auto: the planner chooses)
@@ -118,6 +119,7 @@ class Spec:
     conv_layout: str = "auto"
     conv_impl: str = "auto"
     conv_norm: str = "auto"
+    linear_impl: str = "auto"
     inputs: tuple[InputSpec, ...] = ()  # every input, the first one first (`input:` gives one named x)
     multi_input: bool = False  # written as `inputs:` (kept so the spec reads back the same way)
     constructor: tuple[ArgSpec, ...] | None = None  # the reference model's __init__ arguments
@@ -542,10 +544,11 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
     ops = tuple(_load_op(o, i, path) for i, o in enumerate(ops_raw))
     precision = _choice(raw, "precision", PRECISIONS, "tf32", "precision", path)
     plan = _mapping(raw.get("plan", {}) or {}, "plan", path)
-    _no_extra(plan, {"conv_layout", "conv", "conv_norm"}, "plan", path)
+    _no_extra(plan, {"conv_layout", "conv", "conv_norm", "linear"}, "plan", path)
     conv_layout = _choice(plan, "conv_layout", CONV_LAYOUTS, "auto", "plan.conv_layout", path)
     conv_impl = _choice(plan, "conv", CONV_IMPLS, "auto", "plan.conv", path)
     conv_norm = _choice(plan, "conv_norm", CONV_NORM_FORMS, "auto", "plan.conv_norm", path)
+    linear_impl = _choice(plan, "linear", LINEAR_IMPLS, "auto", "plan.linear", path)
     return Spec(
         path=path,
         name=name,
@@ -560,6 +563,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         conv_layout=conv_layout,
         conv_impl=conv_impl,
         conv_norm=conv_norm,
+        linear_impl=linear_impl,
         inputs=inputs,
         multi_input="inputs" in raw,
         constructor=constructor,
@@ -600,6 +604,8 @@ def spec_to_data(spec: Spec) -> dict:
     })
     if spec.conv_norm != "auto":  # only when set: the data (and spec hashes) of specs without it stay as they were
         data["plan"]["conv_norm"] = spec.conv_norm
+    if spec.linear_impl != "auto":  # the same
+        data["plan"]["linear"] = spec.linear_impl
     if spec.constructor is not None:
         args = {a.name: plain(a.value) if a.default is NO_DEFAULT else {"value": plain(a.value), "default": plain(a.default)}
                 for a in spec.constructor}

@@ -250,8 +250,8 @@ class Eager(Family):
 
     def whole(self, pipe: Pipeline) -> EagerStage | None:
         """The eager stage of the whole pipeline as written; None when an op has no ATen call
-        or the spec pins who computes its convolutions (plan.conv)."""
-        if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto":
+        or the spec pins who computes its convolutions or matrix products (plan.conv, plan.linear)."""
+        if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto" or pipe.linear_impl != "auto":
             return None
         st = EagerStage(0, list(pipe.ops), pipe.input, pipe.output, input=flat_buffer(pipe.input), output=flat_buffer(pipe.output),
                         inputs=dict(pipe.inputs) or {"x": pipe.input})

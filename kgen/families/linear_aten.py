@@ -23,6 +23,11 @@ class LinearAten(Family):
     def fits(self, ops):
         return len(ops) == 1 and isinstance(ops[0], (Linear, Matmul, PooledProduct))
 
+    def unsupported(self, req: StageRequest) -> str | None:
+        if req.pipeline.linear_impl == "gemm" and not isinstance(req.ops[0], PooledProduct):  # (linear_gemm has no pooled form)
+            return "the spec asks for the generated product (plan.linear: gemm)"
+        return None
+
     def make_stage(self, req: StageRequest) -> Stage:
         t_in, t_out = req.types
         return Stage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))

@@ -1,0 +1,125 @@
+"""linear_gemm: a matrix product (nn.Linear, matmul with a parameter) generated for Hopper's TF32
+warpgroup MMAs in split TF32, fp32-accurate as PyTorch's fp32 matmul is, with the next stage's
+elementwise ops as its epilogue.
+
+The kernel is ``templates/linear_gemm/gemm3xtf32.cuh`` (TMA into a 3-stage ring, two consumer
+warpgroups of m64n128k8, each k-block's three products promoted into an fp32 total on the CUDA
+cores: the tensor cores' own accumulation truncates). The weight is split into TF32 hi and lo planes
+once per parameter version (kgen::WeightCache), the input once per call. Measured in scripts/gemm_lab
+(notes/gemm_lab.md): 1.8-2.5x cuBLAS's fp32 SGEMM on the H100, at 0.16-0.25x its error against
+float64.
+
+Epilogue: a ``pool_reduce`` stage right after the product with no pools and no reduction (elementwise
+ops on each output, values named in the same stage kept in registers) runs on each output value; the
+product is never written. Input: a plain [M, K] tensor (rank 2). On the CPU the stage runs ATen's
+product, then the epilogue stage's own C++ code. Templates: ``templates/linear_gemm/``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Linear, Matmul
+from ..stage import Stage, flat_buffer
+from ..target import Target
+from .base import FLOAT_BYTES, Family, StageRequest, Work
+
+# The split-TF32 kernel's useful rate as a fraction of the target's TF32 rate: 101-127 TFLOP/s of
+# fp32 products at M >= 1024 on the H100 (scripts/gemm_lab run 4) against tensor_flops 400e12.
+GEMM3_FRACTION = 0.28
+MIN_K = 16  # below this the product is cheaper than the split (and the lab's error check only held from K = 32)
+
+
+@dataclass
+class LinearStage(Stage):
+    """A matrix product y = x W^T (+ b) with W [N, K] as the kernel reads it; ``epilogue``: the next
+    stage, applied to each output value (the product is then not written)."""
+
+    epilogue: Stage | None = None
+
+    @property
+    def product(self):
+        return self.ops[0]
+
+    @property
+    def k(self) -> int:
+        return self.in_type.shape[-1]
+
+    @property
+    def n(self) -> int:
+        return self.out_type.shape[-1]
+
+    @property
+    def kp(self) -> int:
+        """K padded to whole 16-byte rows: the planes' row length (TMA)."""
+        return (self.k + 3) // 4 * 4
+
+    @property
+    def weight_name(self) -> str:
+        p = self.product
+        return f"{p.module}.weight" if isinstance(p, Linear) else p.param
+
+    @property
+    def bias_name(self) -> str | None:
+        p = self.product
+        return f"{p.module}.bias" if isinstance(p, Linear) and p.bias else None
+
+    def weight_nk(self, ident: str) -> str:
+        """C++: the weight as [N, K] rows from the parameter ``ident`` (a matmul operand [K, N] transposed)."""
+        p = self.product
+        return ident if isinstance(p, Linear) or p.transpose else f"{ident}.t().contiguous()"
+
+
+class LinearGemm(Family):
+    name = "linear_gemm"
+    stage_kind = "linear"
+    generates_kernel = True
+    pieces = ("stage.h", "kernel.cu", "binding.cpp")
+    cuda_includes = ("linear_gemm/gemm3xtf32.cuh",)
+    summary = "matrix product on Hopper's TF32 tensor cores in split TF32 (fp32-accurate), elementwise epilogue"
+
+    def fits(self, ops):
+        return len(ops) == 1 and (isinstance(ops[0], Linear) or (isinstance(ops[0], Matmul) and ops[0].param is not None))
+
+    def unsupported(self, req: StageRequest) -> str | None:
+        t_in = req.types[0]
+        if req.pipeline.linear_impl == "aten":
+            return "the spec asks for ATen's product (plan.linear: aten)"
+        if not req.target.wgmma:
+            return "the target has no warpgroup MMA (Hopper's sm_90a)"
+        if t_in.rank != 2:
+            return f"input of rank {t_in.rank} (the kernel takes [M, K] rows)"
+        if not req.input.flat:
+            return "its input is not a plain tensor"
+        if t_in.shape[-1] < MIN_K:
+            return f"K = {t_in.shape[-1]} < {MIN_K}"
+        return None
+
+    def make_stage(self, req: StageRequest) -> LinearStage:
+        t_in, t_out = req.types
+        return LinearStage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
+
+    def absorbs_epilogue(self, st: Stage, nxt: Stage) -> bool:
+        """A pool_reduce stage of elementwise ops only (no pools, no reduction) over the product's output."""
+        return (nxt.family.name == "pool_reduce" and len(nxt.levels) == 1 and nxt.reduce is None
+                and nxt.input.flat and nxt.in_type == st.out_type)
+
+    def work(self, st: LinearStage, batch: int, target: Target) -> list[Work]:
+        m = batch
+        flops = 2 * m * st.n * st.k
+        split = FLOAT_BYTES * 3 * m * st.k  # read x, write its hi and lo planes
+        gemm = FLOAT_BYTES * (2 * m * st.kp + 2 * st.n * st.kp + m * st.n)
+        if st.epilogue is not None:
+            flops += batch * sum(op.flops(st.epilogue.in_type, st.epilogue.out_type) for op in st.epilogue.ops)
+        return [Work("input split", 0, split, launches=1),
+                Work("split-TF32 GEMM", flops, gemm, target.tensor_flops * GEMM3_FRACTION, launches=1)]
+
+    def explain_lines(self, st: LinearStage) -> list[str]:
+        e = f"; stage {st.epilogue.index}'s elementwise ops as its epilogue (the product is not written)" if st.epilogue else ""
+        return [f"split-TF32 wgmma GEMM, M = batch x N = {st.n} x K = {st.k}, 128 x 128 tiles; the weight's TF32 planes kept "
+                f"per parameter version{e}"]
+
+    def stage_json(self, st: LinearStage) -> dict:
+        return dict(n=st.n, k=st.k, kp=st.kp, epilogue_stage=st.epilogue.index if st.epilogue else None)
+
+
+FAMILY = LinearGemm()
