@@ -15,6 +15,8 @@
 //   each k-block's three products go into a fresh chunk accumulator (scale-d 0 on its first MMA) that is
 //   then added to the fp32 total with ordinary adds on the CUDA cores.
 // - Epilogue: + bias, then the caller's functor gets each output element (row, col, value) and stores it.
+// - Rows of A holding a value TF32 cannot (+-inf, NaN, past its largest) are computed again in fp32 on the
+//   CUDA cores (fixup_kernel), so that infinities and NaN propagate as in PyTorch's fp32 product.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (the encode function is the driver's, found at run time: no link to libcuda)
@@ -120,10 +122,12 @@ __device__ __forceinline__ void wgmma_m64n128k8(float (&d)[64], uint64_t a, uint
 
 // ---- the split
 
-// [rows, K] -> hi, lo [rows, Kp] (columns K .. Kp zero); kVector: K == Kp and `src` 16-byte aligned.
+// [rows, K] -> hi, lo [rows, Kp] (columns K .. Kp zero); kVector: K == Kp and `src` 16-byte aligned. A value
+// whose hi is not finite (+-inf, NaN, or past TF32's largest value) gets lo 0 and, when `flags` is given, marks
+// its row (flags[r] = 1; the caller zeroes them first) for fixup_kernel.
 template <bool kVector>
 __global__ void __launch_bounds__(256) split_kernel(const float* __restrict__ src, float* __restrict__ hi, float* __restrict__ lo,
-                                                    long long rows, int K, int Kp) {
+                                                    int* __restrict__ flags, long long rows, int K, int Kp) {
   const int quads = Kp / 4;
   const long long total = rows * quads;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total; i += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -138,26 +142,52 @@ __global__ void __launch_bounds__(256) split_kernel(const float* __restrict__ sr
       for (int j = 0; j < 4; ++j) v[j] = c + j < K ? src[r * K + c + j] : 0.f;
     }
     float h[4], l[4];
+    bool finite = true;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       h[j] = tf32_rna(v[j]);
-      l[j] = tf32_rna(v[j] - h[j]);
+      finite = finite && isfinite(h[j]);
+      l[j] = isfinite(h[j]) ? tf32_rna(v[j] - h[j]) : 0.f;
     }
+    if (!finite && flags != nullptr) flags[r] = 1;
     *reinterpret_cast<float4*>(hi + r * Kp + c) = make_float4(h[0], h[1], h[2], h[3]);
     *reinterpret_cast<float4*>(lo + r * Kp + c) = make_float4(l[0], l[1], l[2], l[3]);
   }
 }
 
-inline cudaError_t split(const float* src, float* hi, float* lo, long long rows, int K, int Kp, int sm_count, cudaStream_t stream) {
+inline cudaError_t split(const float* src, float* hi, float* lo, int* flags, long long rows, int K, int Kp, int sm_count,
+                         cudaStream_t stream) {
   const long long quads = rows * (Kp / 4);
   if (quads == 0) return cudaSuccess;
+  if (flags != nullptr) {
+    const cudaError_t err = cudaMemsetAsync(flags, 0, rows * sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+  }
   const long long blocks = (quads + 255) / 256 < sm_count * 16LL ? (quads + 255) / 256 : sm_count * 16LL;
   if (K == Kp && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
-    split_kernel<true><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(src, hi, lo, rows, K, Kp);
+    split_kernel<true><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(src, hi, lo, flags, rows, K, Kp);
   } else {
-    split_kernel<false><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(src, hi, lo, rows, K, Kp);
+    split_kernel<false><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(src, hi, lo, flags, rows, K, Kp);
   }
   return cudaGetLastError();
+}
+
+// The rows of A that split_kernel flagged (a value TF32 cannot hold), recomputed in fp32 on the CUDA cores with
+// B = hi + lo, through the same epilogue: there an inf meets each weight as in an fp32 product (inf * 0 is NaN,
+// infinities of both signs make NaN), where in split TF32 it would also meet B's lo plane, zero where a weight is
+// a TF32 value (inf * 0: NaN where fp32 gives +-inf). Rare inputs: a block per flagged row, a thread per output.
+template <class Epilogue>
+__global__ void __launch_bounds__(256) fixup_kernel(const float* __restrict__ a, const float* __restrict__ b_hi, const float* __restrict__ b_lo,
+                                                    const float* __restrict__ bias, const int* __restrict__ flags, const Epilogue epilogue,
+                                                    int M, int N, int K, int Kp) {
+  for (int m = blockIdx.x; m < M; m += gridDim.x) {
+    if (flags[m] == 0) continue;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+      float s = 0.f;
+      for (int k = 0; k < K; ++k) s = fmaf(a[static_cast<long long>(m) * K + k], b_hi[static_cast<long long>(n) * Kp + k] + b_lo[static_cast<long long>(n) * Kp + k], s);
+      epilogue(m, n, s + (bias != nullptr ? bias[n] : 0.f));
+    }
+  }
 }
 
 // ---- the GEMM
@@ -288,8 +318,8 @@ inline cudaError_t plane_map(CUtensorMap* map, const float* plane, long long row
 
 // C = (A_hi + A_lo) (B_hi + B_lo)^T + bias through `epilogue`: A's planes [M, Kp], B's [N, Kp].
 template <class Epilogue>
-cudaError_t gemm(const float* a_hi, const float* a_lo, const float* b_hi, const float* b_lo, const float* bias, const Epilogue& epilogue,
-                 long long M, int N, int Kp, cudaStream_t stream) {
+cudaError_t gemm_planes(const float* a_hi, const float* a_lo, const float* b_hi, const float* b_lo, const float* bias,
+                        const Epilogue& epilogue, long long M, int N, int Kp, cudaStream_t stream) {
   CUtensorMap maps[4];
   cudaError_t err = plane_map(&maps[0], a_hi, M, Kp);
   if (err == cudaSuccess) err = plane_map(&maps[1], a_lo, M, Kp);
@@ -302,6 +332,21 @@ cudaError_t gemm(const float* a_hi, const float* a_lo, const float* b_hi, const 
   if (err != cudaSuccess) return err;
   gemm_kernel<Epilogue><<<static_cast<unsigned>(tiles), kThreads, kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], bias, epilogue,
                                                                                         static_cast<int>(M), N, Kp);
+  return cudaGetLastError();
+}
+
+
+// C = A B^T + bias through `epilogue`: A [M, K] split into `a_hi`, `a_lo` [M, Kp] (rows flagged in `flags`, M
+// ints), B's planes [N, Kp]; then the flagged rows again in fp32 (fixup_kernel).
+template <class Epilogue>
+cudaError_t gemm(const float* a, float* a_hi, float* a_lo, int* flags, const float* b_hi, const float* b_lo, const float* bias,
+                 const Epilogue& epilogue, long long M, int N, int K, int Kp, int sm_count, cudaStream_t stream) {
+  if (M > 0x7fffffffLL) return cudaErrorInvalidValue;
+  cudaError_t err = split(a, a_hi, a_lo, flags, M, K, Kp, sm_count, stream);
+  if (err == cudaSuccess) err = gemm_planes(a_hi, a_lo, b_hi, b_lo, bias, epilogue, M, N, Kp, stream);
+  if (err != cudaSuccess) return err;
+  const int blocks = M < sm_count * 4LL ? static_cast<int>(M) : sm_count * 4;
+  fixup_kernel<Epilogue><<<blocks, 256, 0, stream>>>(a, b_hi, b_lo, bias, flags, epilogue, static_cast<int>(M), N, K, Kp);
   return cudaGetLastError();
 }
 
