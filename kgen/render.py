@@ -38,7 +38,7 @@ from .spec import NO_DEFAULT, spec_to_data
 TEMPLATES = Path(str(importlib.resources.files("kgen") / "templates"))
 # Copied verbatim into the output root, under the same relative path (a family's
 # kernel.cu piece includes its headers from there: Family.cuda_includes).
-SHARED_FILES = ("kgen_math.h", "kgen_runtime.h", "conv_gemm/conv_gemm.cuh", "conv_gemm/wgmma.cuh", "conv_gemm/phase_pool.cuh",
+SHARED_FILES = ("kgen_math.h", "kgen_runtime.h", "kgen_launch.cuh", "conv_gemm/conv_gemm.cuh", "conv_gemm/wgmma.cuh", "conv_gemm/phase_pool.cuh",
                 "conv_gemm/pool_ring.cuh", "linear_gemm/gemm3xtf32.cuh")
 MODULE_FILES = {  # output file -> shared template; a family's piece of it: templates/<family>/<piece>.j2
     "stages.h": "stages.h.j2",

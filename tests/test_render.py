@@ -237,7 +237,7 @@ def test_shared_templates_know_no_family():
 
 def test_launch_setup_is_kept_per_device():
     """A kernel's shared-memory attribute is set per device, and occupancy is the device's: launch
-    setup has one home, conv_gemm.cuh's kernel_setup, which keeps it per device (a kMaxDevices
+    setup has one home, kgen_launch.cuh's kernel_setup, which keeps it per device (a kMaxDevices
     array), and no other static launch cache exists. Kept once per process, a module used on a
     second GPU failed to launch (seen on two H200s, notes/perf.md stop 27); no CPU-only machine and
     no single GPU can see that, so the templates are read for the pattern."""
@@ -246,8 +246,8 @@ def test_launch_setup_is_kept_per_device():
     sources = {p: p.read_text() for p in TEMPLATES.rglob("*") if p.suffix in (".cuh", ".h", ".j2")}
     setters = [f"{p.relative_to(TEMPLATES)}:{n}" for p, text in sources.items()
                for n, line in enumerate(text.splitlines(), 1) if "cudaFuncSetAttribute(" in line]
-    home = TEMPLATES / "conv_gemm" / "conv_gemm.cuh"
-    assert "cudaError_t kernel_setup(" in sources[home], "conv_gemm.cuh has no kernel_setup: update this test"
+    home = TEMPLATES / "kgen_launch.cuh"
+    assert "cudaError_t kernel_setup(" in sources[home], "kgen_launch.cuh has no kernel_setup: update this test"
     body = sources[home].split("cudaError_t kernel_setup(", 1)[1].split("\n}\n", 1)[0]
     assert setters == [f"{home.relative_to(TEMPLATES)}:{n}" for n, line in enumerate(sources[home].splitlines(), 1)
                        if "cudaFuncSetAttribute(" in line and line.strip() in body], (

@@ -24,6 +24,8 @@
 
 #include <cstdint>
 
+#include "../kgen_launch.cuh"
+
 // wgmma and TMA exist on sm_90a only; other architectures of a multi-architecture build compile a trap
 // (the plan picks linear_gemm for Hopper targets only: Target.wgmma).
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -328,7 +330,8 @@ cudaError_t gemm_planes(const float* a_hi, const float* a_lo, const float* b_hi,
   if (err != cudaSuccess) return err;
   const long long tiles = (M + kBM - 1) / kBM * ((N + kBN - 1) / kBN);
   if (M > 0x7fffffffLL || tiles > 0x7fffffffLL) return cudaErrorInvalidValue;
-  err = cudaFuncSetAttribute(gemm_kernel<Epilogue>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  KernelSetup setup;
+  err = kernel_setup<gemm_kernel<Epilogue>>(kThreads, kSmemBytes, &setup);
   if (err != cudaSuccess) return err;
   gemm_kernel<Epilogue><<<static_cast<unsigned>(tiles), kThreads, kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], bias, epilogue,
                                                                                         static_cast<int>(M), N, Kp);

@@ -1,0 +1,357 @@
+// gemm3xtf32.cuh: C[M, N] = A[M, K] @ B[N, K]^T (+ bias), fp32 in and out, on Hopper's TF32 warpgroup
+// MMAs with fp32-level accuracy ("split TF32"): a = a_hi + a_lo, a_hi = tf32(a) rounded to nearest,
+// a_lo = tf32(a - a_hi), and a * b ~ a_lo * b_hi + a_hi * b_lo + a_hi * b_hi (the a_lo * b_lo term is
+// ~2^-22 of the product). The linear_gemm family's kernel (kgen/families/linear_gemm.py); measured in
+// scripts/gemm_lab (notes/gemm_lab.md: 1.8-2.5x cuBLAS's fp32 SGEMM on the H100 at 0.16-0.25x its error).
+//
+// - split_kernel: a row-major [rows, K] matrix into hi and lo planes [rows, Kp] (Kp: K rounded up to 4,
+//   zero-padded). Once per weight version for B (the binding's WeightCache), once per call for A.
+// - gemm_kernel: one CTA per 128 x 128 output tile (grouped along M for L2 reuse of B's tiles). A producer
+//   warp's thread issues TMA loads (cp.async.bulk.tensor, 128-byte swizzle) of A_hi, A_lo, B_hi, B_lo
+//   k-blocks of 32 into a 3-stage ring (mbarriers full / empty); two consumer warpgroups each run
+//   wgmma m64n128k8 with both operands in shared memory.
+// - Accumulation: Hopper's tensor cores do not round their fp32 accumulation to nearest (with one
+//   accumulator over all of K the error grew linearly with K, 15-43x cuBLAS's; scripts/gemm_lab run 1), so
+//   each k-block's three products go into a fresh chunk accumulator (scale-d 0 on its first MMA) that is
+//   then added to the fp32 total with ordinary adds on the CUDA cores.
+// - Epilogue: + bias, then the caller's functor gets each output element (row, col, value) and stores it.
+// - Rows of A holding a value TF32 cannot (+-inf, NaN, past its largest) are computed again in fp32 on the
+//   CUDA cores (fixup_kernel), so that infinities and NaN propagate as in PyTorch's fp32 product.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (the encode function is the driver's, found at run time: no link to libcuda)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../kgen_launch.cuh"
+
+// wgmma and TMA exist on sm_90a only; other architectures of a multi-architecture build compile a trap
+// (the plan picks linear_gemm for Hopper targets only: Target.wgmma).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KGEN_LINEAR_GEMM_WGMMA 1
+#else
+#define KGEN_LINEAR_GEMM_WGMMA 0
+#endif
+
+namespace kgen {
+namespace linear_gemm {
+
+constexpr int kBM = 128;  // output rows per CTA (two consumer warpgroups of 64)
+constexpr int kBN = 128;  // output columns per CTA (one m64n128 accumulator per warpgroup)
+constexpr int kBK = 32;  // K per stage: 128-byte rows, the 128-byte swizzle's width
+constexpr int kStages = 3;  // TMA ring depth
+constexpr int kGroupM = 8;  // tile raster: groups of 8 M-tiles sweep N (B's tiles stay in L2)
+constexpr int kThreads = 288;  // two consumer warpgroups + one producer warp
+constexpr int kTileBytes = kBM * kBK * 4;  // one plane's k-block (A and B alike: kBM == kBN)
+constexpr int kStageBytes = 4 * kTileBytes;  // A_hi, A_lo, B_hi, B_lo
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // + alignment slack, barriers
+static_assert(kBM == kBN, "one tile size for both operands' TMA boxes");
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ float tf32_rna(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+
+// ---- mbarriers and TMA
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
+      : "memory");
+}
+
+// ---- warpgroup MMA
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keeps the compiler from moving accumulator reads across waits
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: 8-row atoms of 128-byte rows
+// stacked 1024 bytes apart (the stride byte offset); the leading byte offset is unused for this layout.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t saddr) {
+  constexpr uint64_t kSwizzle128 = 1, kAtomStride = 1024;
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | ((kAtomStride >> 4) << 32) | (kSwizzle128 << 62);
+}
+
+// D[64 x 128] (+)= A[64 x 8] * B[8 x 128]; scale_d 0 starts D from zero. Accumulator layout (warp w of the
+// warpgroup, lane 4 g + t): d[4 j + 2 h + i] is row 16 w + g + 8 h, column 8 j + 2 t + i.
+__device__ __forceinline__ void wgmma_m64n128k8(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+#if KGEN_LINEAR_GEMM_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(scale_d));
+#else
+  (void)d, (void)a, (void)b, (void)scale_d;
+  __trap();
+#endif
+}
+
+// ---- the split
+
+// [rows, K] -> hi, lo [rows, Kp] (columns K .. Kp zero); kVector: K == Kp and `src` 16-byte aligned. A value
+// whose hi is not finite (+-inf, NaN, or past TF32's largest value) gets lo 0 and, when `flags` is given, marks
+// its row (flags[r] = 1; the caller zeroes them first) for fixup_kernel.
+template <bool kVector>
+__global__ void __launch_bounds__(256) split_kernel(const float* __restrict__ src, float* __restrict__ hi, float* __restrict__ lo,
+                                                    int* __restrict__ flags, long long rows, int K, int Kp) {
+  const int quads = Kp / 4;
+  const long long total = rows * quads;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total; i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long r = i / quads;
+    const int c = static_cast<int>(i - r * quads) * 4;
+    float v[4];
+    if constexpr (kVector) {
+      const float4 t = __ldg(reinterpret_cast<const float4*>(src + r * K + c));
+      v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = c + j < K ? src[r * K + c + j] : 0.f;
+    }
+    float h[4], l[4];
+    bool finite = true;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      h[j] = tf32_rna(v[j]);
+      finite = finite && isfinite(h[j]);
+      l[j] = isfinite(h[j]) ? tf32_rna(v[j] - h[j]) : 0.f;
+    }
+    if (!finite && flags != nullptr) flags[r] = 1;
+    *reinterpret_cast<float4*>(hi + r * Kp + c) = make_float4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<float4*>(lo + r * Kp + c) = make_float4(l[0], l[1], l[2], l[3]);
+  }
+}
+
+inline cudaError_t split(const float* src, float* hi, float* lo, int* flags, long long rows, int K, int Kp, int sm_count,
+                         cudaStream_t stream) {
+  const long long quads = rows * (Kp / 4);
+  if (quads == 0) return cudaSuccess;
+  if (flags != nullptr) {
+    const cudaError_t err = cudaMemsetAsync(flags, 0, rows * sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const long long blocks = (quads + 255) / 256 < sm_count * 16LL ? (quads + 255) / 256 : sm_count * 16LL;
+  if (K == Kp && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    split_kernel<true><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(src, hi, lo, flags, rows, K, Kp);
+  } else {
+    split_kernel<false><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(src, hi, lo, flags, rows, K, Kp);
+  }
+  return cudaGetLastError();
+}
+
+// The rows of A that split_kernel flagged (a value TF32 cannot hold), recomputed in fp32 on the CUDA cores with
+// B = hi + lo, through the same epilogue: there an inf meets each weight as in an fp32 product (inf * 0 is NaN,
+// infinities of both signs make NaN), where in split TF32 it would also meet B's lo plane, zero where a weight is
+// a TF32 value (inf * 0: NaN where fp32 gives +-inf). Rare inputs: a block per flagged row, a thread per output.
+template <class Epilogue>
+__global__ void __launch_bounds__(256) fixup_kernel(const float* __restrict__ a, const float* __restrict__ b_hi, const float* __restrict__ b_lo,
+                                                    const float* __restrict__ bias, const int* __restrict__ flags, const Epilogue epilogue,
+                                                    int M, int N, int K, int Kp) {
+  for (int m = blockIdx.x; m < M; m += gridDim.x) {
+    if (flags[m] == 0) continue;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+      float s = 0.f;
+      for (int k = 0; k < K; ++k) s = fmaf(a[static_cast<long long>(m) * K + k], b_hi[static_cast<long long>(n) * Kp + k] + b_lo[static_cast<long long>(n) * Kp + k], s);
+      epilogue(m, n, s + (bias != nullptr ? bias[n] : 0.f));
+    }
+  }
+}
+
+// ---- the GEMM
+
+// `epilogue(row, col, v)` stores output (row, col) from its value v (the product plus the bias).
+template <class Epilogue>
+__global__ void __maxnreg__(224) gemm_kernel(  // 288 threads x 224 registers: __launch_bounds__ made ptxas cap them at 168 and spill (scripts/gemm_lab)
+    const __grid_constant__ CUtensorMap a_hi, const __grid_constant__ CUtensorMap a_lo,
+                                                           const __grid_constant__ CUtensorMap b_hi, const __grid_constant__ CUtensorMap b_lo,
+                                                           const float* __restrict__ bias, const Epilogue epilogue, int M, int N, int Kp) {
+#if KGEN_LINEAR_GEMM_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle wants 1024-byte alignment
+  const uint32_t full = base + kStages * kStageBytes;  // stage s loaded: full + 8 s
+  const uint32_t empty = full + 8 * kStages;  // stage s consumed by both warpgroups: empty + 8 s
+
+  const int tiles_m = (M + kBM - 1) / kBM, tiles_n = (N + kBN - 1) / kBN;
+  const int per_group = kGroupM * tiles_n;
+  const int first_m = static_cast<int>(blockIdx.x) / per_group * kGroupM;
+  const int group_rows = min(tiles_m - first_m, kGroupM);
+  const int in_group = static_cast<int>(blockIdx.x) % per_group;
+  const int m0 = (first_m + in_group % group_rows) * kBM, n0 = in_group / group_rows * kBN;
+  const int k_blocks = (Kp + kBK - 1) / kBK;
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 2) {  // the producer warp: one thread issues every load
+    if (tid == 0) {
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = kb % kStages;
+        mbar_wait(empty + 8 * s, ((kb / kStages) & 1) ^ 1);
+        mbar_expect_tx(full + 8 * s, kStageBytes);
+        const uint32_t st = base + s * kStageBytes;
+        tma_load(st, &a_hi, kb * kBK, m0, full + 8 * s);
+        tma_load(st + kTileBytes, &a_lo, kb * kBK, m0, full + 8 * s);
+        tma_load(st + 2 * kTileBytes, &b_hi, kb * kBK, n0, full + 8 * s);
+        tma_load(st + 3 * kTileBytes, &b_lo, kb * kBK, n0, full + 8 * s);
+      }
+    }
+    return;
+  }
+
+  float total[64], chunk[64];  // the fp32 total and this k-block's products (64 x 128 per warpgroup)
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total[i] = 0.f, chunk[i] = 0.f;
+  fence_regs(total);
+  fence_regs(chunk);
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    const int s = kb % kStages;
+    mbar_wait(full + 8 * s, (kb / kStages) & 1);
+    const uint32_t st = base + s * kStageBytes;
+    const uint32_t ah = st + wg * 64 * kBK * 4, al = ah + kTileBytes;  // this warpgroup's 64 rows of A
+    const uint32_t bh = st + 2 * kTileBytes, bl = bh + kTileBytes;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 8; ++kk) {
+      const uint32_t off = kk * 32;  // 8 TF32 values along K inside the swizzle atom
+      wgmma_m64n128k8(chunk, smem_desc(al + off), smem_desc(bh + off), kk == 0 ? 0 : 1);
+      wgmma_m64n128k8(chunk, smem_desc(ah + off), smem_desc(bl + off), 1);
+      wgmma_m64n128k8(chunk, smem_desc(ah + off), smem_desc(bh + off), 1);
+    }
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(chunk);
+    mbar_arrive(empty + 8 * s);  // the stage's tiles are read: the producer may refill it
+#pragma unroll
+    for (int i = 0; i < 64; ++i) total[i] += chunk[i];  // round-to-nearest fp32 adds
+  }
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int row0 = m0 + wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < kBN / 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int col = n0 + j * 8 + (lane % 4) * 2 + i;
+      if (col >= N) continue;
+      const float b = bias != nullptr ? __ldg(bias + col) : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        if (row < M) epilogue(row, col, total[j * 4 + h * 2 + i] + b);
+      }
+    }
+  }
+#else
+  (void)bias, (void)epilogue, (void)M, (void)N, (void)Kp;
+  __trap();
+#endif
+}
+
+// The driver's cuTensorMapEncodeTiled, through the runtime (no link to libcuda).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline EncodeTiled encode_tiled() {
+  static EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const bool ok = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+                    found == cudaDriverEntryPointSuccess;
+    return ok ? reinterpret_cast<EncodeTiled>(p) : nullptr;
+  }();
+  return fn;
+}
+
+// A TMA map of a [rows, Kp] plane read in [128, kBK] boxes (rows past the end read as zeros).
+inline cudaError_t plane_map(CUtensorMap* map, const float* plane, long long rows, int Kp) {
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(plane) % 16 != 0) return cudaErrorInvalidValue;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(Kp), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(Kp) * 4};
+  const cuuint32_t box[2] = {kBK, kBM};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(plane), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// C = (A_hi + A_lo) (B_hi + B_lo)^T + bias through `epilogue`: A's planes [M, Kp], B's [N, Kp].
+template <class Epilogue>
+cudaError_t gemm_planes(const float* a_hi, const float* a_lo, const float* b_hi, const float* b_lo, const float* bias,
+                        const Epilogue& epilogue, long long M, int N, int Kp, cudaStream_t stream) {
+  CUtensorMap maps[4];
+  cudaError_t err = plane_map(&maps[0], a_hi, M, Kp);
+  if (err == cudaSuccess) err = plane_map(&maps[1], a_lo, M, Kp);
+  if (err == cudaSuccess) err = plane_map(&maps[2], b_hi, N, Kp);
+  if (err == cudaSuccess) err = plane_map(&maps[3], b_lo, N, Kp);
+  if (err != cudaSuccess) return err;
+  const long long tiles = (M + kBM - 1) / kBM * ((N + kBN - 1) / kBN);
+  if (M > 0x7fffffffLL || tiles > 0x7fffffffLL) return cudaErrorInvalidValue;
+  KernelSetup setup;
+  err = kernel_setup<gemm_kernel<Epilogue>>(kThreads, kSmemBytes, &setup);
+  if (err != cudaSuccess) return err;
+  gemm_kernel<Epilogue><<<static_cast<unsigned>(tiles), kThreads, kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], bias, epilogue,
+                                                                                        static_cast<int>(M), N, Kp);
+  return cudaGetLastError();
+}
+
+
+// C = A B^T + bias through `epilogue`: A [M, K] split into `a_hi`, `a_lo` [M, Kp] (rows flagged in `flags`, M
+// ints), B's planes [N, Kp]; then the flagged rows again in fp32 (fixup_kernel).
+template <class Epilogue>
+cudaError_t gemm(const float* a, float* a_hi, float* a_lo, int* flags, const float* b_hi, const float* b_lo, const float* bias,
+                 const Epilogue& epilogue, long long M, int N, int K, int Kp, int sm_count, cudaStream_t stream) {
+  if (M > 0x7fffffffLL) return cudaErrorInvalidValue;
+  cudaError_t err = split(a, a_hi, a_lo, flags, M, K, Kp, sm_count, stream);
+  if (err == cudaSuccess) err = gemm_planes(a_hi, a_lo, b_hi, b_lo, bias, epilogue, M, N, Kp, stream);
+  if (err != cudaSuccess) return err;
+  const int blocks = M < sm_count * 4LL ? static_cast<int>(M) : sm_count * 4;
+  fixup_kernel<Epilogue><<<blocks, 256, 0, stream>>>(a, b_hi, b_lo, bias, flags, epilogue, static_cast<int>(M), N, K, Kp);
+  return cudaGetLastError();
+}
+
+}  // namespace linear_gemm
+}  // namespace kgen
