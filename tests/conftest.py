@@ -55,6 +55,21 @@ def render_specs(root: Path, texts: dict) -> dict:
     return out
 
 
+# A test over both builds: the CUDA one is a GPU test (marked; skipped without a GPU).
+BUILD_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])]
+
+
+def build_and_validate(rendered: dict, device: str) -> None:
+    """Build every module of ``rendered`` (render_specs' result) for ``device`` and validate each against the
+    float64 reference of its spec."""
+    from kgen.build import build_modules
+    from kgen.validate import validate
+
+    build_modules([d for _, d in rendered.values()], device)
+    for name, (spec, d) in rendered.items():
+        assert_report_passed(validate(spec, d, device), name)
+
+
 def build_drawn_specs(root: Path, texts: list, prefix: str, where) -> tuple[list, Path]:
     """Seeded random specs (tests/test_random_*.py): each written as ``PREFIX_i.yaml``, rendered
     into ``root/gen`` and built together on the CPU; a failure names the spec (``where(i)``).

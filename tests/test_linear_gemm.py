@@ -9,11 +9,10 @@ tiles, K from 16 up, a matmul operand [K, N] and its transpose, no bias, values 
 import pytest
 import torch
 
-from conftest import HAS_CUDA, assert_report_passed, pipeline_of, render_specs, spec_text
+from conftest import BUILD_DEVICES, HAS_CUDA, build_and_validate, pipeline_of, render_specs, spec_text
 from kgen.build import build_modules
 from kgen.plan import make_plan
 from kgen.target import DEFAULT
-from kgen.validate import validate
 
 GEMM = {"linear": "gemm"}
 SPECS = {
@@ -99,20 +98,9 @@ def test_rendered_kernels(rendered):
         assert ("Fused{a}" in cu) == (name not in ("lg_softmax", "lg_alone")), name
 
 
-def _build_and_validate(rendered, device):
-    build_modules([d for _, d in rendered.values()], device)
-    for name, (spec, d) in rendered.items():
-        assert_report_passed(validate(spec, d, device), name)
-
-
-def test_cpu_builds_validate(rendered):
-    _build_and_validate(rendered, "cpu")
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_builds_validate(rendered):
-    _build_and_validate(rendered, "cuda")
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_builds_validate(rendered, device):
+    build_and_validate(rendered, device)
 
 
 @pytest.mark.cuda

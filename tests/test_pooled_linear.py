@@ -8,11 +8,9 @@ KernelBench's cases in small: #14 (matmul with a transposed parameter, a factor,
 over the features, reshape, gelu, a factor, a max) and a matmul with an [in, out] parameter whose columns sum."""
 import pytest
 
-from conftest import HAS_CUDA, assert_report_passed, pipeline_of, render_specs, spec_text
-from kgen.build import build_modules
+from conftest import BUILD_DEVICES, build_and_validate, pipeline_of, render_specs, spec_text
 from kgen.lowering import PooledProduct
 from kgen.plan import make_plan
-from kgen.validate import validate
 
 SPECS = {
     "pl_sum": spec_text([40], [{"matmul": {"param": "weight", "transpose": True}}, {"div": {"scalar": 2.0}},
@@ -42,17 +40,6 @@ def test_plans_sum_the_weight(rendered):
         assert "kgen::window_sums(" in (d / "binding.cpp").read_text(), name
 
 
-def _build_and_validate(rendered, device):
-    build_modules([d for _, d in rendered.values()], device)
-    for name, (spec, d) in rendered.items():
-        assert_report_passed(validate(spec, d, device), name)
-
-
-def test_cpu_builds_validate(rendered):
-    _build_and_validate(rendered, "cpu")
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_builds_validate(rendered):
-    _build_and_validate(rendered, "cuda")
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_builds_validate(rendered, device):
+    build_and_validate(rendered, device)

@@ -9,11 +9,9 @@ depth sums), a forward 1-d one with dilation, summed over its only dim after a f
 (conv_aten.TapSumKernel: a block per plane, doubles per segment of the taps' ranges)."""
 import pytest
 
-from conftest import HAS_CUDA, assert_report_passed, pipeline_of, render_specs, spec_text
-from kgen.build import build_modules
+from conftest import BUILD_DEVICES, build_and_validate, pipeline_of, render_specs, spec_text
 from kgen.lowering import TapSums
 from kgen.plan import make_plan
-from kgen.validate import validate
 
 ATEN = {"conv": "aten"}  # pinned: at these small sizes the cost model prefers eager's one convolution to the ~20 calls
 SPECS = {
@@ -74,17 +72,6 @@ def test_cost_model_counts_the_tap_sums_calls():
     assert sums.launches == st.conv.lowering.aten_calls(st.conv.conv, st.in_type.spatial) == 12
 
 
-def _build_and_validate(rendered, device):
-    build_modules([d for _, d in rendered.values()], device)
-    for name, (spec, d) in rendered.items():
-        assert_report_passed(validate(spec, d, device), name)
-
-
-def test_cpu_builds_validate(rendered):
-    _build_and_validate(rendered, "cpu")
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_cuda_builds_validate(rendered):
-    _build_and_validate(rendered, "cuda")
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_builds_validate(rendered, device):
+    build_and_validate(rendered, device)
