@@ -293,10 +293,12 @@ def _absorb_epilogues(plan: Plan) -> None:
     write it), where the next stage reads values as tensors (the fused op does not take them; a value
     named in the same stage is a register), or where
     the next stage starts from another tensor than this stage's output (`from:`)."""
-    value_tensors = {plan.value_exprs[v] for s in plan.stages for v in plan.stage_values(s)}  # read as tensors, not registers
+    # values read as tensors (an operand kept in a register of its own stage is not)
+    value_tensors = {plan.value_exprs[v] for s in plan.stages for v in plan.stage_values(s)}
     for st, nxt in zip(plan.stages, plan.stages[1:]):
         output = f"t{st.index}"
-        if output in value_tensors or nxt.source != output or plan.stage_values(nxt):
+        read_later = output in value_tensors or any(s.source == output for s in plan.stages if s is not nxt)  # `from:` it
+        if read_later or nxt.source != output or plan.stage_values(nxt):
             continue
         if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
             st.epilogue, nxt.absorbed_by = nxt, st
