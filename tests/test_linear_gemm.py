@@ -5,7 +5,8 @@ Plans (where the family takes a product, where it declines, the epilogue it abso
 build (ATen's product, then the epilogue stage's own code) and the CUDA build validated against the float64
 reference of the spec, with KernelBench-style shapes in small: M, N and K not multiples of the 128 x 128 x 32
 tiles, K from 16 up, a matmul operand [K, N] and its transpose, no bias, values named in the epilogue
-(swish), and a product whose next stage reads it (softmax) rather than absorbing it."""
+(swish), inputs of rank 3 and 4 (the GEMM's rows: all but the last dim), and a product whose next stage reads
+it (softmax) rather than absorbing it."""
 import pytest
 import torch
 
@@ -27,6 +28,10 @@ SPECS = {
     "lg_softmax": spec_text([1030], [{"linear": {"out_features": 384}}, {"softmax": {"dim": 1}}], name="lg_softmax", batch=200,
                             plan=GEMM),
     "lg_alone": spec_text([96], [{"linear": {"out_features": 40}}], name="lg_alone", batch=3, plan=GEMM),
+    "lg_rows": spec_text([5, 48], [{"linear": {"out_features": 40}}, {"add": {"param": "b"}}, "gelu"],
+                         params={"b": {"shape": [40], "init": "randn"}}, name="lg_rows", batch=7, plan=GEMM),
+    "lg_rows4": spec_text([2, 3, 36], [{"linear": {"out_features": 20, "as": "y"}}, "sigmoid", {"mul": {"tensor": "y"}}],
+                          name="lg_rows4", batch=4, plan=GEMM),
 }
 
 
@@ -55,10 +60,15 @@ def test_padded_rows_and_operand_layouts():
     assert st.kp == 32
 
 
-@pytest.mark.parametrize("shape,why", [([8], "K = 8 < 16"), ([4, 64], "input of rank 3")])
-def test_declines_to_cublas(shape, why):
-    plan = make_plan(pipeline_of(spec_text(shape, [{"linear": {"out_features": 32}}, "relu"])), target=DEFAULT)
-    assert plan.stages[0].family.name == "linear_aten" and why in plan.stages[0].choice
+def test_declines_short_k_to_cublas():
+    plan = make_plan(pipeline_of(spec_text([8], [{"linear": {"out_features": 32}}, "relu"])), target=DEFAULT)
+    assert plan.stages[0].family.name == "linear_aten" and "K = 8 < 16" in plan.stages[0].choice
+
+
+def test_rows_of_higher_rank_inputs():
+    """An input [N, 2, 3, 36]: 6 GEMM rows per sample; the epilogue gets each row's (2, 3) position back."""
+    st = make_plan(pipeline_of(SPECS["lg_rows4"]), target=DEFAULT).stages[0]
+    assert (st.rows_per_sample, st.row_dims, st.k, st.n) == (6, (2, 3), 36, 20)
 
 
 def test_targets_without_warpgroup_mma_keep_cublas():

@@ -11,11 +11,13 @@ float64.
 
 Epilogue: a ``pool_reduce`` stage right after the product with no pools and no reduction (elementwise
 ops on each output, values named in the same stage kept in registers) runs on each output value; the
-product is never written. Input: a plain [M, K] tensor (rank 2). On the CPU the stage runs ATen's
+product is never written. Input: a plain [N, ..., K] tensor, its rows (all but the last dim) the GEMM's M.
+On the CPU the stage runs ATen's
 product, then the epilogue stage's own C++ code. Templates: ``templates/linear_gemm/``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..ir import Linear, Matmul
@@ -39,6 +41,16 @@ class LinearStage(Stage):
     @property
     def product(self):
         return self.ops[0]
+
+    @property
+    def rows_per_sample(self) -> int:
+        """GEMM rows of one sample: the product of the input's dims between the batch and K."""
+        return math.prod(self.in_type.shape[1:-1])
+
+    @property
+    def row_dims(self) -> tuple:
+        """Sizes of a sample's row dims (the input's dims between the batch and K)."""
+        return tuple(self.in_type.shape[1:-1])
 
     @property
     def k(self) -> int:
@@ -86,8 +98,6 @@ class LinearGemm(Family):
             return "the spec asks for ATen's product (plan.linear: aten)"
         if not req.target.wgmma:
             return "the target has no warpgroup MMA (Hopper's sm_90a)"
-        if t_in.rank != 2:
-            return f"input of rank {t_in.rank} (the kernel takes [M, K] rows)"
         if not req.input.flat:
             return "its input is not a plain tensor"
         if t_in.shape[-1] < MIN_K:
@@ -104,7 +114,7 @@ class LinearGemm(Family):
                 and nxt.input.flat and nxt.in_type == st.out_type)
 
     def work(self, st: LinearStage, batch: int, target: Target) -> list[Work]:
-        m = batch
+        m = batch * st.rows_per_sample
         flops = 2 * m * st.n * st.k
         split = FLOAT_BYTES * 3 * m * st.k  # read x, write its hi and lo planes
         gemm = FLOAT_BYTES * (2 * m * st.kp + 2 * st.n * st.kp + m * st.n)
@@ -115,7 +125,8 @@ class LinearGemm(Family):
 
     def explain_lines(self, st: LinearStage) -> list[str]:
         e = f"; stage {st.epilogue.index}'s elementwise ops as its epilogue (the product is not written)" if st.epilogue else ""
-        return [f"split-TF32 wgmma GEMM, M = batch x N = {st.n} x K = {st.k}, 128 x 128 tiles; the weight's TF32 planes kept "
+        m = "batch" if st.rows_per_sample == 1 else f"batch * {st.rows_per_sample}"
+        return [f"split-TF32 wgmma GEMM, M = {m} x N = {st.n} x K = {st.k}, 128 x 128 tiles; the weight's TF32 planes kept "
                 f"per parameter version{e}"]
 
     def stage_json(self, st: LinearStage) -> dict:
