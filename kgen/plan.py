@@ -287,12 +287,12 @@ def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch:
 
 
 def _absorb_epilogues(plan: Plan) -> None:
-    """Let a stage's family take the next stage as its epilogue (a generated convolution may).
-    The absorbed stage keeps its place: its math and its own op are still rendered. Never
-    where the stage's output is a value some stage reads as a tensor (the fused op does not
-    write it), where the next stage reads values as tensors (the fused op does not take them; a value
-    named in the same stage is a register), or where
-    the next stage starts from another tensor than this stage's output (`from:`)."""
+    """Let a stage's family take the next stage as its epilogue (a generated convolution or
+    product may). The absorbed stage keeps its place: its math and its own op are still rendered.
+    Never where the stage's output is read as a tensor by another stage (a value operand, a
+    `from:` start: the fused op does not write it), where the next stage reads values as tensors
+    (the fused op does not take them; a value named and read in the same stage is a register), or
+    where the next stage starts from another tensor than this stage's output (`from:`)."""
     # values read as tensors (an operand kept in a register of its own stage is not)
     value_tensors = {plan.value_exprs[v] for s in plan.stages for v in plan.stage_values(s)}
     for st, nxt in zip(plan.stages, plan.stages[1:]):
