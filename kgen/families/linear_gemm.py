@@ -120,8 +120,9 @@ class LinearGemm(Family):
         gemm = FLOAT_BYTES * (2 * m * st.kp + 2 * st.n * st.kp + m * st.n)
         if st.epilogue is not None:
             flops += batch * sum(op.flops(st.epilogue.in_type, st.epilogue.out_type) for op in st.epilogue.ops)
-        return [Work("input split", 0, split, launches=1),
-                Work("split-TF32 GEMM", flops, gemm, target.tensor_flops * GEMM3_FRACTION, launches=1)]
+        # launches: the row flags' memset and the split; the GEMM and the fp32 pass over flagged rows
+        return [Work("input split", 0, split, launches=2),
+                Work("split-TF32 GEMM", flops, gemm, target.tensor_flops * GEMM3_FRACTION, launches=2)]
 
     def explain_lines(self, st: LinearStage) -> list[str]:
         e = f"; stage {st.epilogue.index}'s elementwise ops as its epilogue (the product is not written)" if st.epilogue else ""
