@@ -88,8 +88,10 @@ def test_from_starts_a_stage_on_the_value_and_the_reference_is_the_dag():
     assert sources[0] == "x"
     starts = [s for s in plan.stages if s.ops[0].src == "r"]
     assert len(starts) == 1 and starts[0].source == plan.value_exprs["r"]
-    x, y = torch.randn(2, 4, 5, dtype=torch.float64), torch.rand(2, 4, 5, dtype=torch.float64) + 0.5
-    w = torch.randn(5, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)  # its own generator: the data must not depend on the tests run before
+    x, y = torch.randn(2, 4, 5, dtype=torch.float64, generator=g), torch.rand(2, 4, 5, dtype=torch.float64, generator=g) + 0.5
+    x[..., 0] = x[..., 0].abs() + 0.1  # no row of relu(x) all zero (r - its mean would divide y by 0)
+    w = torch.randn(5, dtype=torch.float64, generator=g)
     r = torch.relu(x)
     z = torch.maximum(y / (r - r.mean(dim=2, keepdim=True)) * w, r)
     want = z - torch.softmax(z, dim=1)
