@@ -142,13 +142,19 @@ def elementwise(op: Elementwise, act: TensorType, coords: list[str], tensors: di
     return f"v = {entry.c_fn}({', '.join(args)});"
 
 
-def summed_params(ops, tensors: dict[str, TensorArg]) -> list[tuple[str, int]]:
-    """(ident, numel) of parameters that enter summed (reduction algebra)."""
+# A parameter of at least this many values that enters summed is summed once per call by the binding
+# (ATen), not by every thread that needs it (KernelBench #51's 8192 values: 191 us a call in the stage)
+HOST_SUM_MIN = 64
+
+
+def summed_params(ops, tensors: dict[str, TensorArg]) -> list[tuple[str, int, bool]]:
+    """(ident, numel, summed by the binding) of parameters that enter summed (reduction algebra)."""
     out = []
     for op in ops:
         if isinstance(op, Elementwise) and op.param_sum_dims:
             t = tensors[op.param]
-            item = (t.ident, math.prod(t.shape))
+            numel = math.prod(t.shape)
+            item = (t.ident, numel, numel >= HOST_SUM_MIN)
             if item not in out:
                 out.append(item)
     return out

@@ -135,6 +135,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         ident=lambda n: tensors[n].ident,
         ew=lambda op, act, coords: cexpr.elementwise(op, act, coords, tensors, values),
         summed=lambda ops: cexpr.summed_params(ops, tensors),
+        host_summed=lambda ops: [i for i, _, host in cexpr.summed_params(ops, tensors) if host],
         spec_data=spec_data_literal(first),
         cuda_includes=sorted({h for v in sel.variants for st in v.plan.stages for h in st.family.cuda_includes}),
         zip=zip,

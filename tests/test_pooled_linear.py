@@ -20,6 +20,10 @@ SPECS = {
                                 {"mean": {"dim": 1, "keepdim": True}}, {"logsumexp": {"dim": 1, "keepdim": True}},
                                 {"gelu": {"as": "g"}}, {"add": {"tensor": "g", "from": "x"}}],
                          params={"shift": {"shape": [20], "init": "randn"}}, name="pl_mean"),
+    # 96 >= cexpr.HOST_SUM_MIN subtracted values: their sum is the binding's (once per call), not each thread's
+    "pl_mean_wide": spec_text([40], [{"linear": {"out_features": 96}}, {"sub": {"param": "shift"}},
+                                     {"mean": {"dim": 1, "keepdim": True}}, "tanh"],
+                              params={"shift": {"shape": [96], "init": "randn"}}, name="pl_mean_wide"),
     "pl_pool": spec_text([48], [{"linear": {"out_features": 64}}, {"reshape": {"shape": [1, 64]}},
                                 {"avg_pool1d": {"kernel_size": 16}}, {"reshape": {"shape": [4]}}, "gelu",
                                 {"mul": {"scalar": 2.0}}, {"max": {"dim": 1}}], name="pl_pool"),
@@ -38,7 +42,9 @@ def test_plans_sum_the_weight(rendered):
         st = make_plan(pipeline_of(spec.read_text())).stages[0]
         assert isinstance(st.ops[0], PooledProduct) and st.family.name == "linear_aten", name
         assert "kgen::window_sums(" in (d / "binding.cpp").read_text(), name
-
+    binding = (rendered["pl_mean_wide"][1] / "binding.cpp").read_text()
+    assert "const at::Tensor sum_shift = shift_c.sum();" in binding
+    assert "const at::Tensor sum_shift" not in (rendered["pl_mean"][1] / "binding.cpp").read_text()  # 20 values: summed inline
 
 @pytest.mark.parametrize("device", BUILD_DEVICES)
 def test_builds_validate(rendered, device):
