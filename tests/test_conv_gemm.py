@@ -827,3 +827,39 @@ def test_kernelbench_style_check(name, modules):
             x = torch.rand(shape, device="cuda")
             a, b = ours(x), eager(x)
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"trial {trial}: max abs diff {float((a - b).abs().max()):.3g}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_split_tf32_error_stays_at_eagers_over_a_long_k(tmp_path):
+    """tf32x3 over K = 1152 (conv2d 128 -> 64, k3) on one-signed data, where every add of the sum has one
+    sign: the window loop's error against float64 is at most twice eager's (cuDNN, TF32 off). Accumulated
+    in place in the tensor cores, whose adds truncate, it was ~10x (scripts/conv_lab/k_error.py)."""
+    text = spec_text([128, 20, 20], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}], name="cg_long_k",
+                     plan=GEMM, batch=4) + "precision: tf32x3\n"
+    (spec, d), = render_specs(tmp_path, {"cg_long_k": text}).values()
+    build_modules([d], "cuda")
+    st = make_plan(pipeline_of(text)).stages[0]
+    assert st.family is conv_gemm.FAMILY and st.schedule.mma == "tf32x3", st.schedule
+    mod = import_module_dir(d)
+    model = mod.Model().cuda()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.rand(4, 128, 20, 20, device="cuda", generator=g)
+    w = torch.randn(64, 128, 3, 3, device="cuda", generator=g).abs() / 34.0
+    b = torch.randn(64, device="cuda", generator=g)
+    params = dict(model.named_parameters())
+    (wname,) = [k for k, v in params.items() if v.dim() == 4]
+    (bname,) = [k for k, v in params.items() if v.dim() == 1]
+    tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        with torch.no_grad():
+            params[wname].copy_(w)
+            params[bname].copy_(b)
+            got = model(x).double()
+            torch.backends.cudnn.allow_tf32 = False
+            eager = torch.nn.functional.conv2d(x, w, b).double()
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    ref = torch.nn.functional.conv2d(x.double(), w.double(), b.double())
+    err, eager_err = (got - ref).abs().max().item(), (eager - ref).abs().max().item()
+    assert err <= 2 * eager_err, (err, eager_err)

@@ -209,6 +209,12 @@ struct Geometry {
   static constexpr int kCBlocks = ceil_div(P::kCout, P::kBN);
   static constexpr int kNTiles = P::kBN / 8;  // n-tiles of a CTA
   static constexpr int kSplits = P::kMma == Mma::kTf32x3 ? 2 : 1;
+  // tf32x3 over a long K adds each k step's products to the accumulators on the CUDA cores
+  // (mma_step): in place, the tensor cores' truncating adds grow the error with K (H100/H200,
+  // scripts/conv_lab/k_error.py: 2.9-3.1x eager's at K = 72, 3.5-5.2x at 288, 19-22x at 9216;
+  // with the adds 0.3-0.5x everywhere), but the adds cost 9-35% of the loop at K = 72-216.
+  static constexpr int kPromoteMinK = 256;
+  static constexpr bool kPromoteSteps = kSplits == 2 && P::kCin * kTaps >= kPromoteMinK;
   static constexpr bool kWindow = P::kLoop == Loop::kWindow;
   static constexpr bool kWg = P::kLoop == Loop::kWgmma;
 
@@ -732,7 +738,10 @@ struct BoxRegs {
 // ------------------------------------------------------------------ the kernel
 
 // One k step: acc += A x B for the warp's kMT x kNT tiles, B from the packed
-// fragments at `wf` (tf32x3: a_lo x b_hi + a x b_lo + a x b_hi).
+// fragments at `wf` (tf32x3: a_lo x b_hi + a x b_lo + a x b_hi). kPromoteSteps: the
+// three products go to a fresh accumulator that is then added to acc with rounded
+// fp32 adds, so that the tensor cores' truncation is relative to one step's sum,
+// not to the running total's (whose error would grow with K).
 template <class P>
 __device__ __forceinline__ void mma_step(float (&acc)[Geometry<P>::kMT][Geometry<P>::kNT][4],
                                          const float (&a)[Geometry<P>::kMT][4],
@@ -745,9 +754,18 @@ __device__ __forceinline__ void mma_step(float (&acc)[Geometry<P>::kMT][Geometry
       const float4 b = __ldg(reinterpret_cast<const float4*>(wf + nt * 32 * G::kFragFloats));  // hi0, hi1, lo0, lo1
 #pragma unroll
       for (int mt = 0; mt < G::kMT; ++mt) {
-        mma_tf32(acc[mt][nt], a_lo[mt], b.x, b.y);
-        mma_tf32(acc[mt][nt], a[mt], b.z, b.w);
-        mma_tf32(acc[mt][nt], a[mt], b.x, b.y);
+        if constexpr (G::kPromoteSteps) {
+          float step[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_tf32(step, a_lo[mt], b.x, b.y);
+          mma_tf32(step, a[mt], b.z, b.w);
+          mma_tf32(step, a[mt], b.x, b.y);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][nt][i] += step[i];
+        } else {
+          mma_tf32(acc[mt][nt], a_lo[mt], b.x, b.y);
+          mma_tf32(acc[mt][nt], a[mt], b.z, b.w);
+          mma_tf32(acc[mt][nt], a[mt], b.x, b.y);
+        }
       }
     } else {
       const float2 b = __ldg(reinterpret_cast<const float2*>(wf + nt * 32 * G::kFragFloats));
