@@ -395,6 +395,11 @@ class Elementwise(Op):
         return (self.tensor,) if self.tensor else ()
 
     @property
+    def libm(self) -> bool:
+        """Calls a libm function (expf, tanhf, ...): a long chain of dependent instructions."""
+        return getattr(self.entry, "libm", False)  # a Capture's entry is no ElementwiseOp
+
+    @property
     def plain(self) -> bool:
         """A function of x alone, or of x and a scalar or parameter on the right (what the rewrites reason about)."""
         return self.tensor is None and not self.reverse and self.src is None

@@ -63,6 +63,7 @@ class ElementwiseOp(OpDef):
     slope: float = 1.0  # largest |f'| (validation scales the input's rounding by it)
     aten: str = ""  # the ATen function the eager candidate calls (default: at:: and torch_fn's name)
     relative: bool = False  # |f'(x)| grows with |f(x)| (exp): validation scales the output by the input's size
+    libm: bool = False  # calls a libm function (expf, tanhf, erff, ...): a long chain of dependent instructions
 
 
 def _conv_fields(rank: int, transposed: bool) -> dict:
@@ -194,8 +195,8 @@ def _table() -> dict[str, OpDef]:
         ElementwiseOp("relu", "elementwise", {}, FUSED, "max(x, 0); NaN stays NaN",
                       torch_fn=torch.relu, c_fn="kgen::relu"),
         ElementwiseOp("sigmoid", "elementwise", {}, FUSED, "1 / (1 + exp(-x))",
-                      torch_fn=torch.sigmoid, c_fn="kgen::sigmoid", slope=0.25),
-        ElementwiseOp("tanh", "elementwise", {}, FUSED, "torch.tanh(x)", torch_fn=torch.tanh, c_fn="kgen::tanh"),
+                      torch_fn=torch.sigmoid, c_fn="kgen::sigmoid", slope=0.25, libm=True),
+        ElementwiseOp("tanh", "elementwise", {}, FUSED, "torch.tanh(x)", torch_fn=torch.tanh, c_fn="kgen::tanh", libm=True),
         ElementwiseOp("clamp", "elementwise", {"min": (f.optional(f.number), None), "max": (f.optional(f.number), None)},
                       FUSED, "torch.clamp(x, min, max); at least one bound", _check_clamp,
                       torch_fn=torch.clamp, c_fn="kgen::clamp", consts=(("min", -math.inf), ("max", math.inf)),
@@ -208,21 +209,21 @@ def _table() -> dict[str, OpDef]:
                 {"scalar": 0.25}, aten="at::minimum"),
         _binary("maximum", _maximum, "kgen::maximum", "torch.maximum(x, operand) (torch.max with a tensor); NaN wins",
                 {"scalar": -0.25}, aten="at::maximum"),
-        _unary("gelu", F.gelu, "F.gelu(x) (the erf form)", slope=1.13, aten="at::gelu"),
-        _unary("gelu_tanh", _gelu_tanh, "F.gelu(x, approximate='tanh')", slope=1.13, aten="at::gelu"),
-        _unary("silu", F.silu, "x * sigmoid(x) (SiLU, Swish)", slope=1.1, aten="at::silu"),
-        _unary("mish", F.mish, "x * tanh(softplus(x))", slope=1.1, aten="at::mish"),
+        _unary("gelu", F.gelu, "F.gelu(x) (the erf form)", slope=1.13, aten="at::gelu", libm=True),
+        _unary("gelu_tanh", _gelu_tanh, "F.gelu(x, approximate='tanh')", slope=1.13, aten="at::gelu", libm=True),
+        _unary("silu", F.silu, "x * sigmoid(x) (SiLU, Swish)", slope=1.1, aten="at::silu", libm=True),
+        _unary("mish", F.mish, "x * tanh(softplus(x))", slope=1.1, aten="at::mish", libm=True),
         _unary("softplus", F.softplus, "log(1 + exp(beta x)) / beta; x where beta x > threshold",
-               {"beta": 1.0, "threshold": 20.0}, example={"beta": 2.0, "threshold": 1.5}, aten="at::softplus"),
+               {"beta": 1.0, "threshold": 20.0}, example={"beta": 2.0, "threshold": 1.5}, aten="at::softplus", libm=True),
         _unary("hardswish", F.hardswish, "x * clamp(x + 3, 0, 6) / 6", slope=1.5, aten="at::hardswish"),
         _unary("hardsigmoid", F.hardsigmoid, "clamp(x + 3, 0, 6) / 6", slope=1 / 6, aten="at::hardsigmoid"),
         _unary("hardtanh", F.hardtanh, "clamp(x, min_val, max_val)", {"min_val": -1.0, "max_val": 1.0},
                example={"min_val": -0.5, "max_val": 0.75}, aten="at::hardtanh"),
         _unary("leaky_relu", F.leaky_relu, "x if x > 0 else negative_slope * x", {"negative_slope": 0.01},
                example={"negative_slope": 0.2}, aten="at::leaky_relu"),
-        _unary("elu", F.elu, "x if x > 0 else alpha * (exp(x) - 1)", {"alpha": 1.0}, example={"alpha": 0.7}, aten="at::elu"),
-        _unary("exp", torch.exp, "exp(x)", relative=True),
-        _unary("log", torch.log, "log(x); NaN below 0, -inf at 0", relative=True),
+        _unary("elu", F.elu, "x if x > 0 else alpha * (exp(x) - 1)", {"alpha": 1.0}, example={"alpha": 0.7}, aten="at::elu", libm=True),
+        _unary("exp", torch.exp, "exp(x)", relative=True, libm=True),
+        _unary("log", torch.log, "log(x); NaN below 0, -inf at 0", relative=True, libm=True),
         _unary("abs", torch.abs, "|x|"),
         _unary("neg", torch.neg, "-x"),
         OpDef("sum", "reduce", _REDUCE_FIELDS, REDUCING, "torch.sum(x, dim, keepdim)"),

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import HAS_CUDA, ROOT, assert_report_passed, pipeline_of, render_specs, spec_text, write_spec
+from conftest import HAS_CUDA, ROOT, assert_report_passed, build_and_validate, pipeline_of, render_specs, spec_text, write_spec
 from kgen.build import build_modules, cuda_home, demangle, ptxas_report
 from kgen.families import conv_gemm
 from kgen.plan import make_plan
@@ -54,6 +54,21 @@ def test_reduction_without_pools_runs_on_the_accumulators():
                                  {"sum": {"dim": [1, 2, 3]}}])
     conv = plan.stages[0]
     assert conv.fused.registers and conv.schedule.loop == "generic"  # stride 2: the generic main loop
+
+
+# An elementwise epilogue whose chain calls libm computes several outputs per thread before storing
+# them (Fused.batch); cheap chains, reductions and pools store as they go.
+@pytest.mark.parametrize("tail,batch", [
+    (["mish"], conv_gemm.EPILOGUE_BATCH),
+    ([{"sub": {"scalar": 0.5}}, "gelu", "relu"], conv_gemm.EPILOGUE_BATCH),
+    (["relu", "hardswish"], 1),
+    ([{"div": {"scalar": 2.0}}, "leaky_relu"], 1),
+    (["tanh", {"max": {"dim": 1}}], 1),
+])
+def test_libm_epilogues_compute_a_batch_before_storing(tail, batch):
+    plan = plan_of([8, 40, 40], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}] + tail, plan=GEMM)
+    conv = plan.stages[0]
+    assert conv.family is conv_gemm.FAMILY and conv.fused is not None and conv.fused.batch == batch
 
 
 @pytest.mark.parametrize("ops,kw,why", [
@@ -863,3 +878,21 @@ def test_split_tf32_error_stays_at_eagers_over_a_long_k(tmp_path):
     ref = torch.nn.functional.conv2d(x.double(), w.double(), b.double())
     err, eager_err = (got - ref).abs().max().item(), (eager - ref).abs().max().item()
     assert err <= 2 * eager_err, (err, eager_err)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_libm_epilogue_batches_match_float64(tmp_path):
+    """Fused.batch > 1 on tiles the output does not fill (37 x 45 and 7 x 11 x 19 outputs, 40 channels
+    in a 64-channel block: the clamped coordinates), validated with the adversarial cases."""
+    texts = {
+        "cg_libm_2d": spec_text([5, 39, 47], [{"conv2d": {"out_channels": 40, "kernel_size": 3}}, "mish"],
+                                name="cg_libm_2d", plan=GEMM, batch=3),
+        "cg_libm_3d": spec_text([3, 9, 13, 21], [{"conv3d": {"out_channels": 16, "kernel_size": 3}}, {"mul": {"scalar": 2.0}},
+                                                 "tanh", "sigmoid"], name="cg_libm_3d", plan=GEMM, batch=2),
+    }
+    rendered = render_specs(tmp_path, texts)
+    for name, (spec, d) in rendered.items():
+        assert make_plan(pipeline_of(texts[name])).stages[0].fused.batch == conv_gemm.EPILOGUE_BATCH, name
+        assert "constexpr int kBatch" in (d / "kernel.cu").read_text()
+    build_and_validate(rendered, "cuda")

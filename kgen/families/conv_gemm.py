@@ -59,6 +59,7 @@ from ..target import Target
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, pow2_floor
 from .conv_aten import CUDNN_GEMM_COUT, CUDNN_GEMM_K
 
+EPILOGUE_BATCH = 4  # Fused.batch where the epilogue's chain calls libm
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
 WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
 # The wgmma loop wins where a warpgroup's MMA is at least 16 columns wide with two
@@ -156,6 +157,11 @@ class Fused:
     # through shared memory (no staged tile; lab 0.464 -> 0.413 ms for div_max)
     register_pool: bool = False
     scratch: int = 32  # the epilogue's shared-memory scratch, floats
+    # one value per output: outputs a thread computes before it stores any, so that their chains
+    # overlap. Where the chain calls libm (tanhf, expf, erff: long dependent chains), 4 (H200, A/B:
+    # KernelBench #87's mish 5.88 -> 4.50 ms, #7's gelu and sigmoid 4.02 -> 3.32); cheap chains
+    # lost to the extra index work (#71 0.75 -> 0.86, #50 0.15 -> 0.18), so they store as they go.
+    batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -888,7 +894,9 @@ class ConvGemm(Family):
         if smem > SMEM_LIMIT:
             return False
         st.schedule = replace(sc, smem_bytes=smem)
-        st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers, register_pool, scratch)
+        libm = any(isinstance(op, Elementwise) and op.libm for op in nxt.ops)
+        batch = EPILOGUE_BATCH if libm and lanes == 1 and local_reduced == 1 and splits == 1 else 1
+        st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers, register_pool, scratch, batch)
         return True
 
     @staticmethod
