@@ -5,7 +5,8 @@ blocks, medians).
 
     PYTHONPATH=. python scripts/conv_lab/time_specs.py SPEC... [--reps 20] [--profile]
 
---profile also prints each module's kernels (torch.profiler, CUDA time per call).
+--profile also prints each module's kernels (torch.profiler, CUDA time per call); --once runs each
+module once, untimed (under ncu: `ncu -k regex:conv_kernel python scripts/conv_lab/time_specs.py --once ...`).
 """
 import argparse
 import tempfile
@@ -23,6 +24,7 @@ def main():
     ap.add_argument("specs", nargs="+", type=Path)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--once", action="store_true")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="time_specs_"))
     dirs = []
@@ -33,6 +35,11 @@ def main():
     build_modules(dirs, "cuda")
     for spec, d in zip(args.specs, dirs):
         _, batch, model, ref, inputs = models_and_inputs(d, spec)
+        if args.once:
+            with torch.no_grad():
+                model(*inputs)
+            torch.cuda.synchronize()
+            continue
         with torch.no_grad():
             t = time_in_blocks({"kgen": lambda: model(*inputs), "eager": lambda: ref(*inputs)}, args.reps)
         print(f"{spec.stem}: batch {batch}, kgen {t['kgen']:.3f} ms, eager {t['eager']:.3f} ms", flush=True)
