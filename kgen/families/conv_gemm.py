@@ -157,11 +157,15 @@ class Fused:
     # through shared memory (no staged tile; lab 0.464 -> 0.413 ms for div_max)
     register_pool: bool = False
     scratch: int = 32  # the epilogue's shared-memory scratch, floats
-    # one value per output: outputs a thread computes before it stores any, so that their chains
-    # overlap. Where the chain calls libm (tanhf, expf, erff: long dependent chains), 4 (H200, A/B:
-    # KernelBench #87's mish 5.88 -> 4.50 ms, #7's gelu and sigmoid 4.02 -> 3.32); cheap chains
-    # lost to the extra index work (#71 0.75 -> 0.86, #50 0.15 -> 0.18), so they store as they go.
+    # an elementwise epilogue: channels a thread computes before it stores any, so that their
+    # chains overlap; EPILOGUE_BATCH where the chain calls libm (tanhf, expf, erff: long dependent
+    # chains), else 1
     batch: int = 1
+
+    @property
+    def elementwise(self) -> bool:
+        """Nothing reduced and no pool: one value per output (the template's per-position walk)."""
+        return not self.reduced and self.window == (1, 1, 1) and self.lanes == 1 and self.splits == 1
 
 
 @dataclass(frozen=True)
@@ -894,9 +898,9 @@ class ConvGemm(Family):
         if smem > SMEM_LIMIT:
             return False
         st.schedule = replace(sc, smem_bytes=smem)
-        libm = any(isinstance(op, Elementwise) and op.libm for op in nxt.ops)
-        batch = EPILOGUE_BATCH if libm and lanes == 1 and local_reduced == 1 and splits == 1 else 1
-        st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers, register_pool, scratch, batch)
+        st.fused = Fused(window, pooled_tile, pooled, kept, reduced, splits, lanes, registers, register_pool, scratch)
+        if st.fused.elementwise and any(isinstance(op, Elementwise) and op.libm for op in nxt.ops):
+            st.fused = replace(st.fused, batch=EPILOGUE_BATCH)
         return True
 
     @staticmethod
