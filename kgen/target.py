@@ -33,6 +33,7 @@ class Target:
     dram_bytes_per_s: float = 3.0e12  # HBM3
     launch_s: float = 4e-6  # one kernel launch from a host op: a few microseconds of dispatch
     wgmma: bool = True  # Hopper's warpgroup MMA (sm_90a): conv_gemm's wgmma main loop
+    memory_bytes: int = 85_000_000_000  # device memory (an H100 80GB: 79.2 GiB)
 
     @property
     def resident_threads(self) -> int:
@@ -57,4 +58,4 @@ def current() -> Target:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return replace(DEFAULT, sm_count=props.multi_processor_count,
                    max_threads_per_sm=props.max_threads_per_multi_processor, name=props.name,
-                   wgmma=props.major == 9)
+                   wgmma=props.major == 9, memory_bytes=props.total_memory)

@@ -65,6 +65,17 @@ def test_declines_short_k_to_cublas():
     assert plan.stages[0].family.name == "linear_aten" and "K = 8 < 16" in plan.stages[0].choice
 
 
+def test_declines_weights_whose_planes_crowd_the_device_memory():
+    """The kept TF32 planes take 2x the weight: a 32768 x 32768 weight's (8.6 GB) fit an 80 GB device's
+    quarter, not a 24 GB device's."""
+    from dataclasses import replace
+
+    text = spec_text([32768], [{"linear": {"out_features": 32768}}, "relu"])
+    assert make_plan(pipeline_of(text), target=DEFAULT).stages[0].family.name == "linear_gemm"
+    small = make_plan(pipeline_of(text), target=replace(DEFAULT, memory_bytes=24_000_000_000)).stages[0]
+    assert small.family.name == "linear_aten" and "TF32 planes (8.6 GB" in small.choice and "24 GB" in small.choice
+
+
 def test_rows_of_higher_rank_inputs():
     """An input [N, 2, 3, 36]: 6 GEMM rows per sample; the epilogue gets each row's (2, 3) position back."""
     st = make_plan(pipeline_of(SPECS["lg_rows4"]), target=DEFAULT).stages[0]

@@ -29,6 +29,9 @@ from .base import FLOAT_BYTES, Family, StageRequest, Work
 # fp32 products at M >= 1024 on the H100 (scripts/gemm_lab run 4) against tensor_flops 400e12.
 GEMM3_FRACTION = 0.28
 MIN_K = 16  # below this the product is cheaper than the split (and the lab's error check only held from K = 32)
+# The weight's TF32 planes stay allocated while the weight does (2x its bytes, kgen::WeightCache); cuBLAS
+# needs nothing: beyond this share of the device's memory the product stays ATen's.
+PLANES_MEMORY_SHARE = 0.25
 
 
 @dataclass
@@ -102,6 +105,11 @@ class LinearGemm(Family):
             return "its input is not a plain tensor"
         if t_in.shape[-1] < MIN_K:
             return f"K = {t_in.shape[-1]} < {MIN_K}"
+        k, n = t_in.shape[-1], req.types[1].shape[-1]
+        planes = 2 * FLOAT_BYTES * n * ((k + 3) // 4 * 4)
+        if planes > PLANES_MEMORY_SHARE * req.target.memory_bytes:
+            return (f"the weight's TF32 planes ({planes / 1e9:.1f} GB, kept beside it) would take more than "
+                    f"{PLANES_MEMORY_SHARE:.0%} of the device's {req.target.memory_bytes / 1e9:.0f} GB")
         return None
 
     def make_stage(self, req: StageRequest) -> LinearStage:
