@@ -884,10 +884,11 @@ def test_split_tf32_error_stays_at_eagers_over_a_long_k(tmp_path):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_libm_epilogue_batches_match_float64(tmp_path):
     """Fused.batch > 1 on tiles the output does not fill (37 x 45 and 7 x 11 x 19 outputs, 40 channels
-    in a 64-channel block: the clamped coordinates), validated with the adversarial cases."""
+    in a 64-channel block: the clamped coordinates; a parameter over every output position, whose loads
+    past the output would leave it), validated with the adversarial cases."""
     texts = {
-        "cg_libm_2d": spec_text([5, 39, 47], [{"conv2d": {"out_channels": 40, "kernel_size": 3}}, "mish"],
-                                name="cg_libm_2d", plan=GEMM, batch=3),
+        "cg_libm_2d": spec_text([5, 39, 47], [{"conv2d": {"out_channels": 40, "kernel_size": 3}}, {"add": {"param": "p"}}, "mish"],
+                                params={"p": {"shape": [40, 37, 45], "init": "randn"}}, name="cg_libm_2d", plan=GEMM, batch=3),
         "cg_libm_3d": spec_text([3, 9, 13, 21], [{"conv3d": {"out_channels": 16, "kernel_size": 3}}, {"mul": {"scalar": 2.0}},
                                                  "tanh", "sigmoid"], name="cg_libm_3d", plan=GEMM, batch=2),
     }

@@ -34,6 +34,11 @@ MIN_K = 16  # below this the product is cheaper than the split (and the lab's er
 PLANES_MEMORY_SHARE = 0.25
 
 
+def padded_k(k: int) -> int:
+    """K padded to whole 16-byte rows: the planes' row length (TMA)."""
+    return (k + 3) // 4 * 4
+
+
 @dataclass
 class LinearStage(Stage):
     """A matrix product y = x W^T (+ b) with W [N, K] as the kernel reads it; ``epilogue``: the next
@@ -65,8 +70,7 @@ class LinearStage(Stage):
 
     @property
     def kp(self) -> int:
-        """K padded to whole 16-byte rows: the planes' row length (TMA)."""
-        return (self.k + 3) // 4 * 4
+        return padded_k(self.k)
 
     @property
     def weight_name(self) -> str:
@@ -106,7 +110,7 @@ class LinearGemm(Family):
         if t_in.shape[-1] < MIN_K:
             return f"K = {t_in.shape[-1]} < {MIN_K}"
         k, n = t_in.shape[-1], req.types[1].shape[-1]
-        planes = 2 * FLOAT_BYTES * n * ((k + 3) // 4 * 4)
+        planes = 2 * FLOAT_BYTES * n * padded_k(k)
         if planes > PLANES_MEMORY_SHARE * req.target.memory_bytes:
             return (f"the weight's TF32 planes ({planes / 1e9:.1f} GB, kept beside it) would take more than "
                     f"{PLANES_MEMORY_SHARE:.0%} of the device's {req.target.memory_bytes / 1e9:.0f} GB")
