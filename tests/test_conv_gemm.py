@@ -69,6 +69,8 @@ def test_libm_epilogues_compute_a_batch_before_storing(tail, batch):
     plan = plan_of([8, 40, 40], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}] + tail, plan=GEMM)
     conv = plan.stages[0]
     assert conv.family is conv_gemm.FAMILY and conv.fused is not None and conv.fused.batch == batch
+    said = "\n".join(conv.family.explain_lines(conv))
+    assert ("channels computed before any is stored (its chain calls libm)" in said) == (batch > 1), said
 
 
 @pytest.mark.parametrize("ops,kw,why", [

@@ -1099,6 +1099,10 @@ class ConvGemm(Family):
             where = ("its accumulators" if st.fused.registers else
                      "its accumulators, 2 x 2 x 2 max pools in registers and the partner warp's depth" if st.fused.register_pool
                      else "its output tile in shared memory")
+            if st.fused.elementwise:
+                where += (", each thread's positions channel by channel"
+                          + (f", {st.fused.batch} channels computed before any is stored (its chain calls libm)"
+                             if st.fused.batch > 1 else ""))
             out.append(f"stage {st.epilogue.index} ({st.epilogue.family.name}) is its epilogue, on {where}; its output is never written")
         return out
 
