@@ -20,8 +20,9 @@
 // the H200 (2.16 in stop 35's lab run); floors ~0.45-0.7 ms for the 2.1 GB output, ~0.8 ms for the split
 // HMMAs at ~60% of the dense TF32 rate. Without the moves and with ~12 warps per SM: ~1.3-1.5 ms.
 //
-// ptxas (local, CUDA 13): tf32x3 206 registers at 2 CTAs per SM (the 9 taps' hi and lo A fragments are 72
-// of them; at 3 CTAs per SM it spilled 24 bytes), tf32 135 at 3 CTAs per SM; no spills.
+// ptxas (local, CUDA 13), A in registers: tf32x3 206 registers at 2 CTAs per SM (the 9 taps' hi and lo A
+// fragments are 72 of them; at 3 CTAs per SM it spilled 24 bytes), tf32 135 at 3; taps outermost (a runtime
+// loop over the taps): tf32x3 96, tf32 84 (5 CTAs per SM by registers: 20 warps); no spills anywhere.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v pair_window.cu -o pair_window
 //   ./pair_window            # tf32x3, then tf32: max error against float64 (samples 0 and N - 1), ms
@@ -70,20 +71,30 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const float (&a)[4], flo
 }
 
 // packed: [warp][tap][lane][8] = the lane's A fragment of the tap (hi: 4, lo: 4), made on the host.
-template <bool kSplit>
-__global__ void __launch_bounds__(kThreads, kSplit ? 2 : 3) pair_window_kernel(const float* __restrict__ x, const float* __restrict__ packed,
+// kTapOuter: the taps outermost, a tap's A fragments loaded (__ldg, L1) when it starts, so that only one
+// tap's are live (~70 registers instead of ~200 for tf32x3: 4 CTAs per SM); else all 9 taps' A fragments
+// stay in registers for the CTA's life and the loop runs kh, rows, n-tiles, kw.
+template <bool kSplit, bool kTapOuter>
+__global__ void __launch_bounds__(kThreads, kTapOuter ? 4 : kSplit ? 2 : 3) pair_window_kernel(const float* __restrict__ x, const float* __restrict__ packed,
                                                                   const float* __restrict__ bias, float* __restrict__ out,
                                                                   int batch) {
   __shared__ __align__(16) float box[kBoxFloats];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-  float a_hi[kTaps][4], a_lo[kSplit ? kTaps : 1][4];
-#pragma unroll
-  for (int tap = 0; tap < kTaps; ++tap) {
+  // the tap's A fragments (hi, lo) of this thread
+  auto load_a = [&](int tap, float (&hi)[4], float (&lo)[4]) {
     const float4* src = reinterpret_cast<const float4*>(packed + ((warp * kTaps + tap) * 32 + lane) * 8);
-    const float4 h = __ldg(src), l = __ldg(src + 1);
-    a_hi[tap][0] = h.x, a_hi[tap][1] = h.y, a_hi[tap][2] = h.z, a_hi[tap][3] = h.w;
-    if constexpr (kSplit) a_lo[tap][0] = l.x, a_lo[tap][1] = l.y, a_lo[tap][2] = l.z, a_lo[tap][3] = l.w;
+    const float4 h = __ldg(src);
+    hi[0] = h.x, hi[1] = h.y, hi[2] = h.z, hi[3] = h.w;
+    if constexpr (kSplit) {
+      const float4 l = __ldg(src + 1);
+      lo[0] = l.x, lo[1] = l.y, lo[2] = l.z, lo[3] = l.w;
+    }
+  };
+  float a_hi[kTapOuter ? 1 : kTaps][4], a_lo[kTapOuter ? 1 : kTaps][4];
+  if constexpr (!kTapOuter) {
+#pragma unroll
+    for (int tap = 0; tap < kTaps; ++tap) load_a(tap, a_hi[tap], a_lo[tap]);
   }
   const int co0 = 16 * warp + g;  // the thread's channels co0 and co0 + 8
   const float b0 = bias[co0], b1 = bias[co0 + 8];
@@ -117,23 +128,34 @@ __global__ void __launch_bounds__(kThreads, kSplit ? 2 : 3) pair_window_kernel(c
         for (int i = 0; i < 4; ++i) acc[r][jn][i] = 0.f;
 
     const float* plane = box + t * kPlaneSlots * 4;
+    // one tap at one position block: B = channels (t, t + 4) at box position (r + kh, 8 jn + g + kw)
+    auto mma_at = [&](int kh, int kw, int r, int jn, const float (&hi)[4], const float (&lo)[4]) {
+      const float4 b = *reinterpret_cast<const float4*>(plane + ((r + kh) * kRowSlots + 8 * jn + g + kw) * 4);
+      if constexpr (kSplit) {
+        mma_tf32(acc[r][jn], lo, b.x, b.y);
+        mma_tf32(acc[r][jn], hi, b.z, b.w);
+      }
+      mma_tf32(acc[r][jn], hi, b.x, b.y);
+    };
+    if constexpr (kTapOuter) {
+#pragma unroll 1
+      for (int tap = 0; tap < kTaps; ++tap) {  // a loop: unrolled, ptxas hoisted every tap's loads
+        load_a(tap, a_hi[0], a_lo[0]);
 #pragma unroll
-    for (int kh = 0; kh < kK; ++kh)
+        for (int r = 0; r < kRows; ++r)
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
+          for (int jn = 0; jn < 4; ++jn) mma_at(tap / kK, tap % kK, r, jn, a_hi[0], a_lo[0]);
+      }
+    } else {
 #pragma unroll
-        for (int jn = 0; jn < 4; ++jn)
+      for (int kh = 0; kh < kK; ++kh)
 #pragma unroll
-          for (int kw = 0; kw < kK; ++kw) {
-            // B: channels (t, t + 4) at box position (r + kh, 8 jn + g + kw)
-            const float4 b = *reinterpret_cast<const float4*>(plane + ((r + kh) * kRowSlots + 8 * jn + g + kw) * 4);
-            const int tap = kh * kK + kw;
-            if constexpr (kSplit) {
-              mma_tf32(acc[r][jn], a_lo[tap], b.x, b.y);
-              mma_tf32(acc[r][jn], a_hi[tap], b.z, b.w);
-            }
-            mma_tf32(acc[r][jn], a_hi[tap], b.x, b.y);
-          }
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int jn = 0; jn < 4; ++jn)
+#pragma unroll
+            for (int kw = 0; kw < kK; ++kw) mma_at(kh, kw, r, jn, a_hi[kh * kK + kw], a_lo[kh * kK + kw]);
+    }
 
     // D: channel co0 (+ 8) x columns 8 jn + 2t, + 1 of row r0 + r.
 #pragma unroll
@@ -177,7 +199,7 @@ float tf32_host(float v) {  // round to nearest, ties away (cvt.rna), finite inp
     }                                                                                 \
   } while (0)
 
-template <bool kSplit>
+template <bool kSplit, bool kTapOuter>
 void run(const std::vector<float>& hx, const std::vector<float>& hw, const std::vector<float>& hb) {
   // A fragments: a0 = A[g][t], a1 = A[g + 8][t], a2 = A[g][t + 4], a3 = A[g + 8][t + 4]; A[m][k] = w[16 warp + m][k][tap]
   std::vector<float> packed(4 * kTaps * 32 * 8);
@@ -206,9 +228,9 @@ void run(const std::vector<float>& hx, const std::vector<float>& hw, const std::
 
   int sms = 0, per_sm = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pair_window_kernel<kSplit>, kThreads, 0));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pair_window_kernel<kSplit, kTapOuter>, kThreads, 0));
   const int grid = sms * std::max(1, per_sm);
-  auto launch = [&] { pair_window_kernel<kSplit><<<grid, kThreads>>>(dx, dp, db, dout, kN); };
+  auto launch = [&] { pair_window_kernel<kSplit, kTapOuter><<<grid, kThreads>>>(dx, dp, db, dout, kN); };
   launch();
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
@@ -250,8 +272,9 @@ void run(const std::vector<float>& hx, const std::vector<float>& hw, const std::
     ms.push_back(m);
   }
   std::sort(ms.begin(), ms.end());
-  std::printf("%s: grid %d (%d per SM), max |err| / max |ref| %.3g, non-finite %d, %.3f ms (median of 20)\n",
-              kSplit ? "tf32x3" : "tf32", grid, per_sm, worst / scale, bad, ms[ms.size() / 2]);
+  std::printf("%s, %s: grid %d (%d per SM), max |err| / max |ref| %.3g, non-finite %d, %.3f ms (median of 20)\n",
+              kSplit ? "tf32x3" : "tf32", kTapOuter ? "taps outermost" : "A in registers", grid, per_sm, worst / scale, bad,
+              ms[ms.size() / 2]);
   CHECK(cudaFree(dx));
   CHECK(cudaFree(dp));
   CHECK(cudaFree(db));
@@ -268,7 +291,9 @@ int main() {
   const float ws = 1.f / std::sqrt(static_cast<float>(kCin * kTaps));
   for (auto& v : hw) v = normal(rng) * ws;
   for (auto& v : hb) v = normal(rng) * 0.1f;
-  run<true>(hx, hw, hb);
-  run<false>(hx, hw, hb);
+  run<true, false>(hx, hw, hb);
+  run<true, true>(hx, hw, hb);
+  run<false, false>(hx, hw, hb);
+  run<false, true>(hx, hw, hb);
   return 0;
 }
