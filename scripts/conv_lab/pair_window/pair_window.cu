@@ -24,9 +24,11 @@
 // fragments are 72 of them; at 3 CTAs per SM it spilled 24 bytes), tf32 135 at 3; taps outermost (a runtime
 // loop over the taps): tf32x3 96, tf32 84 (5 CTAs per SM by registers: 20 warps); no spills anywhere.
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v pair_window.cu -o pair_window
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I../../../templates -Xptxas -v pair_window.cu -o pair_window
 //   ./pair_window            # tf32x3, then tf32: max error against float64 (samples 0 and N - 1), ms
 #include <cuda_runtime.h>
+
+#include "conv_gemm/conv_gemm.cuh"  // nvcc -I templates (run.sh)
 
 #include <algorithm>
 #include <cmath>
@@ -56,19 +58,8 @@ constexpr int kRowBlocks = (kOH + kRows - 1) / kRows;
 constexpr int kColBlocks = (kOW + kCols - 1) / kCols;
 constexpr int kTilesPerSample = kRowBlocks * kColBlocks;
 
-__device__ __forceinline__ float to_tf32(float v) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-  return __uint_as_float(r);
-}
-
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const float (&a)[4], float b0, float b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])), "r"(__float_as_uint(a[3])),
-        "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
-}
+using kgen::conv_gemm::mma_tf32;  // the product's own helpers (templates/conv_gemm/conv_gemm.cuh)
+using kgen::conv_gemm::to_tf32;
 
 // packed: [warp][tap][lane][8] = the lane's A fragment of the tap (hi: 4, lo: 4), made on the host.
 // kTapOuter: the taps outermost, a tap's A fragments loaded (__ldg, L1) when it starts, so that only one
