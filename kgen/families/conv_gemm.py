@@ -62,6 +62,7 @@ from .conv_aten import CUDNN_GEMM_COUT, CUDNN_GEMM_K
 EPILOGUE_BATCH = 4  # Fused.batch where the epilogue's chain calls libm
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may have (H100)
 WINDOW_M_TILES = 4  # m-tiles (rows in H) per warp in the window loop
+WINDOW_WIDE_WARPS_N = 4  # warp columns of the window loop's 64-channel blocks (schedule)
 # The wgmma loop wins where a warpgroup's MMA is at least 16 columns wide with two
 # warpgroups per m-block (avgpool_sigmoid_sum's 64 channels: 0.436 ms against 0.685 in
 # the lab); at 16 channels the window loop wins (div_max_gap_bias_sum: 0.49 against 0.61).
@@ -725,7 +726,12 @@ class ConvGemm(Family):
         block_n = min(-(-c.out_channels // 8) * 8, 64)
         window = all(q.stride[1] == 1 and q.stride[2] == 1 for q in problems)
         loop = "window" if window else "generic"
-        warps_n = 2 if block_n > 32 and block_n % 16 == 0 else 1  # each warp column takes whole 8-column tiles
+        # each warp column takes whole 8-column tiles; the window loop's 64-channel blocks in four columns:
+        # 16 warps of 128 registers hide its latency better than 8 of 186 (lab, H200: KernelBench #87's
+        # convolution alone 2.16 -> 1.85 ms, with its epilogue 2.39 -> 2.31; notes/next_kernelbench.md)
+        warps_n = 2 if block_n > 32 and block_n % 16 == 0 else 1
+        if window and block_n == 64 and c.rank >= 2 and len(problems) == 1:  # not sub-pixel phases (phase_pool, rounds)
+            warps_n = WINDOW_WIDE_WARPS_N
         rank = c.rank
         if window:  # (tile, warps_m), largest first; kMT rows in H per warp
             mt = WINDOW_M_TILES if rank >= 2 else 1
@@ -874,6 +880,8 @@ class ConvGemm(Family):
             return False  # a channel reduction needs every channel in the CTA
         sc = st.schedule
         registers = len(nxt.levels) == 1 and not kept
+        if sc.warps_n == WINDOW_WIDE_WARPS_N and (reduced or window != (1, 1, 1)):
+            sc = replace(sc, warps_n=2)  # a reducing epilogue's registers do not fit 128 (#82 spilled)
         if sc.loop == "wgmma":  # as many teams as fit beside this epilogue's staged tile (if any)
             sc = self.wgmma_schedule(st.problems, sc.block_n, sc.mma, not registers, FUSED_SCRATCH_FLOATS) or sc
         if any(t % w for t, w in zip(sc.tile, window)):
