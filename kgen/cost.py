@@ -4,7 +4,7 @@ Each family says what one of its stages does at a batch (``Family.work``):
 FLOPs and the rate they run at, bytes moved, kernel launches and library
 calls. A piece of work takes
 
-    launches * launch_s + calls * call_s + max(FLOPs / rate, bytes / DRAM bandwidth)
+    launches * launch_s + calls * call_s + latency_s + max(FLOPs / rate, bytes / DRAM bandwidth)
 
 and a plan's stages run one after another, so their times add. The device
 facts come from the target (``kgen.target``: the H100's ~3.0 TB/s, TF32 tensor
@@ -25,7 +25,8 @@ from .target import Target
 
 def work_s(w: Work, target: Target) -> float:
     rate = w.flop_rate or target.fp32_flops
-    return w.launches * target.launch_s + w.calls * w.call_s + max(w.flops / rate, w.bytes / target.dram_bytes_per_s)
+    return (w.launches * target.launch_s + w.calls * w.call_s + w.latency_s
+            + max(w.flops / rate, w.bytes / target.dram_bytes_per_s))
 
 
 @dataclass

@@ -34,7 +34,7 @@ from ..target import Target
 @dataclass(frozen=True)
 class Work:
     """One piece of a stage's work for the cost model: time = launches * launch cost
-    + calls * call_s + max(flops / flop_rate, bytes / bandwidth)."""
+    + calls * call_s + latency_s + max(flops / flop_rate, bytes / bandwidth)."""
 
     what: str
     flops: float = 0.0
@@ -43,6 +43,7 @@ class Work:
     launches: int = 1  # kernel launches (each costs the target's launch_s)
     calls: int = 0  # library calls with a host-side cost of their own (a cuDNN convolution)
     call_s: float = 0.0  # seconds per such call
+    latency_s: float = 0.0  # seconds of waiting that no rate covers (a chain of dependent loads)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,11 @@ TRANSPOSED_3D_EFFICIENCY = 0.59  # 3-d against 2-d (the fit: cuDNN's 3-d data-gr
 # A forward convolution in NCHW: cuDNN's tensor-core kernels are NHWC, so it converts the input and the
 # output (each a read and a write: 2x the bytes; the fit gives 1.86x)
 NCHW_CONVERSION = 1.86
+# ... and a sub-pixel phase's NCHW output is every stride-th value of the whole output: its conversion
+# writes half-used sectors. Set by hand (stop 36, H200 `kgen tune`): the fitted model put #34's
+# (ConvTranspose3d 32 -> 64, k4 s2) NCHW phases at 3.40 ms against 3.52 channels_last; they took
+# 5.47 against 3.08 (#93, #100: 1.13x and 1.33x the model)
+PHASE_NCHW_WRITE = 2.0
 # Host and setup cost of one cuDNN convolution call beyond its math: small sub-pixel
 # phase convolutions took 45-60 us each on the H100 (issue #10's 8 and 9 phase cases)
 CUDNN_CALL_S = 30e-6
@@ -207,7 +212,8 @@ class ConvAten(Family):
                 taps = math.prod(ph.taps)
                 flops = 2 * batch * c.in_channels * c.out_channels * taps * math.prod(ph.count)
                 out += conv_work(f"phase {ph.residue}", flops, read, batch * c.out_channels * math.prod(ph.conv_out),
-                                 c.out_channels, c.in_channels * taps, st.layout, target, fp32=bool(st.fp32_products))
+                                 c.out_channels, c.in_channels * taps, st.layout, target, fp32=bool(st.fp32_products),
+                                 phase=True)
             return out
         if isinstance(lc.lowering, TapSums):  # the input's tap sums in ATen calls, then a small convolution of them
             sums = batch * c.in_channels * math.prod(c.kernel[d] for d in lc.lowering.dims) * math.prod(
@@ -243,10 +249,11 @@ class ConvAten(Family):
 
 
 def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, layout: str, target: Target,
-              transposed_stride: tuple | None = None, fp32: bool = False) -> list[Work]:
+              transposed_stride: tuple | None = None, fp32: bool = False, phase: bool = False) -> list[Work]:
     """One cuDNN convolution call: ``read`` input and ``written`` output elements, a GEMM of
     N = ``n`` output channels and K = ``k`` (input channels x taps); ``transposed_stride``:
-    the stride of a transposed convolution run as written; ``fp32``: TF32 off (fp32 kernels)."""
+    the stride of a transposed convolution run as written; ``fp32``: TF32 off (fp32 kernels);
+    ``phase``: a sub-pixel phase, whose output is a strided view of the whole output."""
     fill = min(1.0, n / CUDNN_FULL_N) * min(1.0, k / CUDNN_FULL_K)
     rate = target.fp32_flops * CUDNN_FP32_FRACTION if fp32 else target.tensor_flops * CUDNN_FRACTION * fill
     conv = lambda rate: Work(what, flops, FLOAT_BYTES * (read + written), rate, calls=1, call_s=CUDNN_CALL_S)  # noqa: E731
@@ -257,7 +264,7 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
         return [conv(rate * nchw * rank3 * (TRANSPOSED_STRIDED_EFFICIENCY if strided else TRANSPOSED_STRIDE1_EFFICIENCY))]
     if layout == "contiguous":
         return [Work(f"{what}: NCHW to NHWC", 0, NCHW_CONVERSION * FLOAT_BYTES * read), conv(rate),
-                Work(f"{what}: NHWC to NCHW", 0, NCHW_CONVERSION * FLOAT_BYTES * written)]
+                Work(f"{what}: NHWC to NCHW", 0, NCHW_CONVERSION * (PHASE_NCHW_WRITE if phase else 1.0) * FLOAT_BYTES * written)]
     return [conv(rate)]
 
 

@@ -89,6 +89,24 @@ PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a 
 # Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
 # about 45% of that on the shipped convolutions (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
 GEMM_TENSOR_FRACTION = 0.22
+# The window loop on one convolution (no sub-pixel phases) after its epilogue walk (stop 35): its MMAs
+# and its memory traffic add up rather than overlap (one CTA per SM runs its loop, then its epilogue).
+# Fitted to `kgen tune` of 11 KernelBench problems (H200, stop 36; reports/kernelbench_level2_h100.md):
+# FLOPs / (0.35 x the TF32 peak) + bytes / DRAM bandwidth, rms log error 0.13 (0.27 with the old rate)
+WINDOW_TENSOR_FRACTION = 0.35
+# Sub-pixel phases (either loop): each phase's tiles store every stride-th output and reload their
+# box, so their bytes cost ~6x a streamed pass; the MMAs run at about the window loop's rate (fitted
+# to KernelBench #15, #34, #58, #72, #93, #100: within 1.4x; the old model was 2-12x low)
+PHASES_TENSOR_FRACTION = 0.34
+PHASES_BYTES_FACTOR = 6.0
+# The one-pass norm (conv_gemm:onepass): every CTA of a sample merges the sample's per-tile moments
+# itself, ONEPASS_MERGE_LANES lanes per group, two passes of dependent L2 loads, once per round of
+# co-resident samples (about two 128-thread CTAs per SM at its ~230 registers). KernelBench #21
+# (128 tiles per sample, 4 channels per group: 64 terms per lane, 63 rounds) ran 3.97 ms against
+# the written form's 2.04; instnorm_clamp_max (14 terms, 8 rounds) 0.19 ms (H200, stop 36)
+ONEPASS_CTAS_PER_SM = 2
+ONEPASS_MERGE_LANES = 8  # norm_epilogue.j2 kMergeLanes
+ONEPASS_MERGE_TERM_S = 0.33e-6  # one term's L2 loads per pass, in a dependent chain (fitted: #21, #79)
 # The direct loop reached ~43% of the FP32 rate on instnorm_clamp_max's 3 -> 16 convolution
 # in the product's recompute form (4.18 GFLOP per pass in 145 / 139 us, H100, notes/perf.md stop 17)
 DIRECT_FP32_FRACTION = 0.43
@@ -730,7 +748,9 @@ class ConvGemm(Family):
         # 16 warps of 128 registers hide its latency better than 8 of 186 (lab, H200: KernelBench #87's
         # convolution alone 2.16 -> 1.85 ms, with its epilogue 2.39 -> 2.31; notes/next_kernelbench.md)
         warps_n = 2 if block_n > 32 and block_n % 16 == 0 else 1
-        if window and block_n == 64 and c.rank >= 2 and len(problems) == 1:  # not sub-pixel phases (phase_pool, rounds)
+        # measured on 2-d convolutions only; 3-d ones hold more index registers (KernelBench #90's
+        # conv3d 8 -> 64 with a GELU epilogue spilled 20 bytes at 128 registers)
+        if window and block_n == 64 and c.rank == 2 and len(problems) == 1:  # not sub-pixel phases (phase_pool, rounds)
             warps_n = WINDOW_WIDE_WARPS_N
         rank = c.rank
         if window:  # (tile, warps_m), largest first; kMT rows in H per warp
@@ -1036,6 +1056,7 @@ class ConvGemm(Family):
         nbytes = FLOAT_BYTES * (batch * (st.in_type.sample_numel + out_type.sample_numel) + math.prod(c.weight_shape()))
         rate = (target.fp32_flops * DIRECT_FP32_FRACTION if st.schedule.loop == "direct"
                 else target.tensor_flops * GEMM_TENSOR_FRACTION)
+        phases = len(st.problems) > 1
         what = "direct convolution" if st.schedule.loop == "direct" else "implicit GEMM"
         out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()))]
         pp = st.phase_pool
@@ -1057,14 +1078,26 @@ class ConvGemm(Family):
                             target.tensor_flops * POOL_RING_TENSOR_FRACTION, launches=2 if pr.splits > 1 else 1))
             return out
         if st.fused_norm is not None and st.fused_norm.one_pass:  # one pass; the tiles' moments meet in L2
-            moments = FLOAT_BYTES * 3 * batch * c.out_channels * st.fused_norm.tiles
+            fn = st.fused_norm
+            moments = FLOAT_BYTES * 3 * batch * c.out_channels * fn.tiles
             out.append(Work(f"{what} + statistics + apply", flops, nbytes + 2 * moments, rate))
+            samples_per_round = max(1, ONEPASS_CTAS_PER_SM * target.sm_count // fn.tiles)
+            rounds = -(-batch // samples_per_round)
+            terms = -(-(c.out_channels // fn.groups) * fn.tiles // ONEPASS_MERGE_LANES)
+            out.append(Work(f"moment merges: {rounds} rounds x {terms} terms per lane", 0, 0,
+                            latency_s=rounds * 2 * terms * ONEPASS_MERGE_TERM_S, launches=0))
         elif st.fused_norm is not None:  # statistics pass, merge, apply pass (the convolution again)
             moments = FLOAT_BYTES * 3 * batch * c.out_channels * st.fused_norm.tiles
             read = FLOAT_BYTES * batch * st.in_type.sample_numel
             out += [Work(f"{what} + statistics", flops, read + moments, rate),
                     Work("merge statistics", 0, moments),
                     Work(f"{what} + apply", flops, nbytes, rate)]
+        elif phases or st.schedule.loop == "window":  # the MMAs, then the memory traffic (fitted; see the rates)
+            launches = 2 if st.fused is not None and st.fused.splits > 1 else 1
+            out += [Work(what, flops, 0, target.tensor_flops * (PHASES_TENSOR_FRACTION if phases else WINDOW_TENSOR_FRACTION),
+                         launches=launches),
+                    Work("its loads and stores" + (" (sub-pixel phases)" if phases else ""), 0,
+                         nbytes * (PHASES_BYTES_FACTOR if phases else 1.0), launches=0)]
         else:
             out.append(Work(what, flops, nbytes, rate, launches=2 if st.fused is not None and st.fused.splits > 1 else 1))
         return out  # the folded and packed weights are kept between calls (kgen::WeightCache)
