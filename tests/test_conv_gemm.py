@@ -176,7 +176,13 @@ def test_norm_after_a_small_convolution_can_run_once_on_coresident_ctas():
     assert fn.one_pass and fn.groups == 16 and fn.reduce == "max"
     assert fn.tiles == math.prod(-(-o // t) for o, t in zip(conv.problems[0].out, sc.tile))
     assert sc.smem_bytes == conv_gemm.FAMILY.smem_bytes(conv.problems[0], sc, False, conv_gemm.norm_scratch_floats(sc))
-    assert [w.what for w in conv_gemm.FAMILY.work(conv, 2, DEFAULT)][1:] == ["direct convolution + statistics + apply"]
+    work = conv_gemm.FAMILY.work(conv, 2, DEFAULT)
+    assert [w.what for w in work][1:2] == ["direct convolution + statistics + apply"]
+    # every CTA merges its sample's moments once per round of co-resident samples: the more
+    # samples than fit at once, the more rounds the cost model counts
+    merge = lambda batch: conv_gemm.FAMILY.work(conv, batch, DEFAULT)[2].latency_s  # noqa: E731
+    per_round = conv_gemm.ONEPASS_CTAS_PER_SM * DEFAULT.sm_count // fn.tiles
+    assert merge(per_round) == merge(1) > 0 and merge(per_round + 1) == 2 * merge(1)
     from kgen.explain import explain_text
 
     text = explain_text(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=ONEPASS)))
@@ -899,3 +905,28 @@ def test_libm_epilogue_batches_match_float64(tmp_path):
         assert make_plan(pipeline_of(texts[name])).stages[0].fused.batch == conv_gemm.EPILOGUE_BATCH, name
         assert "constexpr int kBatch" in (d / "kernel.cu").read_text()
     build_and_validate(rendered, "cuda")
+
+
+# The cost model's choices that stop 36's `kgen tune` of KernelBench problems measured (H200; the
+# model decides where a spec has no tuning file): the spec's own sizes, batch as in the problem.
+@pytest.mark.parametrize("shape,ops,batch,chosen", [
+    # #25: conv2d 16 -> 64 k3 and a channel min: the window loop (2.87 ms) beat cuDNN in NCHW (3.62)
+    ([16, 256, 256], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}, {"min": {"dim": 1, "keepdim": True}},
+                      "tanh", "tanh"], 128, "conv_gemm"),
+    # #21: 128 tiles per sample before a group norm: the written form (2.04 ms) beat the one-pass
+    # form (3.97), whose CTAs each merge 64 moment terms per lane in every one of 63 rounds
+    ([8, 256, 256], [{"conv2d": {"out_channels": 32, "kernel_size": 3}}, "sigmoid", {"group_norm": {"num_groups": 8}}],
+     128, "conv_gemm"),
+    # instnorm_clamp_max's shape: 14 tiles per sample, the one-pass form (0.19 ms) beat the written (0.24)
+    ([3, 16, 32, 32], [CONV3, {"instance_norm": {}}, {"clamp": {"min": -1.0, "max": 1.0}}, {"max": {"dim": 1}}],
+     128, "conv_gemm:onepass"),
+    # #34: ConvTranspose3d 32 -> 64 k4 s2 as sub-pixel phases: cuDNN in channels_last (3.08 ms) beat
+    # the generated phases (3.88) and cuDNN's NCHW phases (5.47), whose outputs are written strided
+    ([32, 16, 32, 32], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 4, "stride": 2, "padding": 1}},
+                        {"layer_norm": {"normalized_shape": [64]}}], 32, "conv_aten:channels_last"),
+])
+def test_the_cost_models_convolution_choice_follows_the_measurements(shape, ops, batch, chosen):
+    from kgen.plan import choose_plans
+
+    plan = choose_plans(pipeline_of(spec_text(shape, ops, batch=batch))).variants[0].plan
+    assert plan.choices["implementation @ ops[0]." + next(iter(ops[0]))] == chosen
