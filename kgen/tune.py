@@ -98,7 +98,7 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
     (on the CPU by wall time: for tests of the flow, not for choices). At each batch the
     candidates that pass their check and eager PyTorch are timed in turns, in blocks of
     consecutive calls (``time_in_blocks``), so that drift weighs on all of them alike."""
-    from .validate import import_module_dir, init_args
+    from .validate import import_module_dir, init_args, run_with_magnitude
 
     pipe = t.pipe
     torch.manual_seed(0)
@@ -110,6 +110,10 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
         for b in t.batches:
             xs = [torch.randn(pipe.inputs[n].concrete(b), device=device) for n in pipe.input_names]  # every input
             expected = reference(*xs)
+            # the size of what the output sums (validate's magnitude): an output that cancels to ~0 (the
+            # mean of a norm's output) is judged by it, not by its own tiny norm
+            tensors = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+            _, magnitude = run_with_magnitude(pipe.ops, xs[0], tensors, dict(zip(pipe.input_names, xs)))
             runs = {"eager": lambda: reference(*xs)}
             for m in t.measured:
                 if m.module in (failed or {}):
@@ -119,7 +123,7 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                     mod = import_module_dir(m.module)
                     model = mod.Model(*init_args(mod)).to(device).eval()  # an imported model's constructor arguments
                     model.load_state_dict(state)
-                    err = _rel_l2(model(*xs), expected)
+                    err = _rel_l2(model(*xs), expected, magnitude)
                     if not err <= CHECK_TOLERANCE:
                         m.ms[b], m.problem = math.inf, f"output differs from eager PyTorch at batch {b} (rel L2 {err:.2e})"
                     else:
@@ -137,12 +141,14 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                      f"{describe_choices(m.plan.choices)}{'  ' + m.problem if m.problem else ''}")
 
 
-def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+def _rel_l2(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor | None = None) -> float:
+    """The L2 error of ``out`` over the L2 norm of ``ref``, or of ``magnitude`` (>= |ref|) where given."""
     out, ref = out.double(), ref.double()
     finite = torch.isfinite(ref)
     if not torch.equal(finite, torch.isfinite(out)):
         return math.inf
-    return float((out[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
+    size = ref.abs() if magnitude is None else torch.maximum(ref.abs(), magnitude.double().nan_to_num(0.0, 0.0, 0.0))
+    return float((out[finite] - ref[finite]).norm() / size[finite].norm().clamp_min(1e-30))
 
 
 def entry(t: SpecTuning, reps: int, device: str) -> dict:

@@ -421,3 +421,26 @@ def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path):
 
     with pytest.raises(KgenError, match=r"needs matplotlib: pip install 'kgen\[plot\]'"):
         plot(_bench_result([_row("a", 1.0, 0.5)]), tmp_path / "plot.png")
+
+
+def test_the_check_judges_an_output_that_cancels_by_what_it_sums():
+    """The mean of a group norm's output is ~0 (all cancellation): float32 rounding alone puts two
+    correct results far apart relative to it (KernelBench #23: every candidate was rejected at
+    rel L2 2.5-3.3). Against validate's magnitude (the size of the summed values) the same
+    difference is rounding-sized; a wrong result is still out."""
+    from kgen.reference import ReferenceModel
+    from kgen.validate import run_with_magnitude
+
+    pipe = pipeline_of(spec_text([8, 6, 6], [{"group_norm": {"num_groups": 4}}, {"mean": {"dim": [1, 2, 3]}}]))
+    torch.manual_seed(0)
+    reference = ReferenceModel(pipe).eval()
+    x = torch.randn(4, 8, 6, 6)
+    with torch.no_grad():
+        ref = reference(x)
+        other = reference.double()(x.double()).float()  # a correct result, rounded differently
+        reference.float()
+        tensors = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+        _, magnitude = run_with_magnitude(pipe.ops, x, tensors, {pipe.input_names[0]: x})
+    assert tune._rel_l2(other, ref) > tune.CHECK_TOLERANCE  # the plain check rejects it
+    assert tune._rel_l2(other, ref, magnitude) < 1e-5
+    assert tune._rel_l2(other + 0.1, ref, magnitude) > tune.CHECK_TOLERANCE  # an eighth of the summed values off
