@@ -930,3 +930,19 @@ def test_the_cost_models_convolution_choice_follows_the_measurements(shape, ops,
 
     plan = choose_plans(pipeline_of(spec_text(shape, ops, batch=batch))).variants[0].plan
     assert plan.choices["implementation @ ops[0]." + next(iter(ops[0]))] == chosen
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("depth,splits", [(6, 2), (24, 11), (72, 35)])
+def test_a_reduction_over_depth_tiles_combines_its_partials(tmp_path, depth, splits):
+    """KernelBench #24's pattern: a min over the depth in the convolution's epilogue, one partial per
+    depth tile; the finalize kernel gives an output 1, 4 or 32 lanes by the count of partials (2, 11,
+    35 here), odd output counts leaving threads past the end in the last block. Against float64 with
+    validate's cases (NaN, inf, ties, large values) at several batches."""
+    ops = [{"conv3d": {"out_channels": 24, "kernel_size": 3}}, {"min": {"dim": 2}}, {"softmax": {"dim": 1}}]
+    name = f"cg_min_depth{depth}"
+    text = spec_text([3, depth, 10, 13], ops, plan=GEMM, name=name)
+    st = make_plan(pipeline_of(text), target=DEFAULT).stages[0]
+    assert st.epilogue is not None and st.fused.splits == splits
+    build_and_validate(render_specs(tmp_path, {name: text}), "cuda")

@@ -192,31 +192,38 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
   }
 }
 
-// One warp per output: lane l combines slices l, l + 32, ... in order, then the lanes combine in a
-// fixed xor tree, so every run gives the same bits, with all the slices' loads in flight at once (a
-// thread per output, walking its slices one load after another, was latency-bound: notes/perf.md, stop 22).
-__global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int splits) {
-  const long long o = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  if (o >= a.batch * kKept) return;  // o is the same for the whole warp
+// `lanes` threads per output (a power of two, up to a warp): lane l combines slices l, l + lanes, ...
+// in order, then the lanes combine in a fixed xor tree, so every run gives the same bits, with all the
+// slices' loads in flight at once (a thread per output, walking its slices one load after another, was
+// latency-bound: notes/perf.md, stop 22). Few slices share a warp among several outputs: a warp per
+// output of 11 slices left 21 lanes idle and ran KernelBench #24's 2.8 M outputs at 0.33 ms.
+__global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int splits, int lane_bits) {
+  const int lanes = 1 << lane_bits;
+  const long long t = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  const long long o = t >> lane_bits;
+  const int lane = static_cast<int>(t & (lanes - 1));
+  const bool live = o < a.batch * kKept;  // every thread of the block runs the shuffles below
   float acc = identity();
   // the same trip count in every lane (a lane-dependent one put the shuffles below in the compiler's
   // warp-collective fallback, as in the norm merge; notes/perf.md stop 22)
 #pragma unroll 4
-  for (int s0 = 0; s0 < splits; s0 += 32) {
+  for (int s0 = 0; s0 < splits; s0 += lanes) {
     const int s = s0 + lane;
-    if (s < splits) acc = combine(acc, a.partial[o * splits + s]);
+    if (live && s < splits) acc = combine(acc, a.partial[o * splits + s]);
   }
-#pragma unroll
-  for (int m = 16; m > 0; m /= 2) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, m));
-  if (lane == 0) a.out[o] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
+  for (int m = lanes / 2; m > 0; m /= 2) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, m));
+  if (live && lane == 0) a.out[o] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
 }
 
-// Combines the partials of `splits` slices per output (finalize_kernel).
+// Combines the partials of `splits` slices per output (finalize_kernel): lanes enough that each
+// loads at most kFinalizeSlicesPerLane of them.
+constexpr int kFinalizeSlicesPerLane = 4;
 cudaError_t launch_finalize(const Args& a, int splits, cudaStream_t stream) {
   static_assert(kThreads % 32 == 0, "whole warps");
-  const long long warps = a.batch * kKept;
-  finalize_kernel<<<static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits);
+  int lane_bits = 0;
+  while (lane_bits < 5 && (kFinalizeSlicesPerLane << lane_bits) < splits) ++lane_bits;
+  const long long threads = (a.batch * kKept) << lane_bits;
+  finalize_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a, splits, lane_bits);
   return cudaGetLastError();
 }
 
