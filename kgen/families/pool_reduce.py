@@ -25,6 +25,9 @@ MAX_R_LANES_ACROSS = 32  # lanes of one output when threads walk the outputs: >=
 R_FAST_PER_LANE = 4
 LOADS_IN_FLIGHT = 16  # loads per thread before their values are combined (a window pool issues its own)
 MAX_UNROLL = 8
+# outputs of a stage that reduces nothing per thread, their loads all issued first (kernel.cu.j2 map_kernel):
+# one output per thread ran #15's and #38's large elementwise stages at ~1.5-1.9 TB/s on an H200
+MAP_LOADS_IN_FLIGHT = 4
 MAX_UNROLLED_WINDOW = 512  # window taps up to which the window loops are unrolled
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 TRANSPOSE_TILE = 1024  # values of a shared-memory tile when a channels_last input becomes an NC[D]HW output
@@ -54,6 +57,7 @@ class Schedule:
     # outputs (a channels_last input reduced over a spatial dim: walking the NC[D]HW output read one value
     # per memory sector, ~8 ms of #13's 16; the scattered writes are the smaller side: notes/perf.md stop 30)
     kept_walk: tuple = ()
+    map_outputs: int = 1  # outputs per thread where nothing is reduced (map_kernel)
 
 
 @dataclass
@@ -169,6 +173,7 @@ class PoolReduce(Family):
             transpose_channels=(tc := self._transpose_channels(st)),
             transpose_positions=TRANSPOSE_TILE // tc if tc else 0,
             kept_walk=tuple(d for d in mem if d in st.kept_dims) if not r_fast and not tc else st.kept_dims,
+            map_outputs=max(1, MAP_LOADS_IN_FLIGHT // st.window_loads) if st.reduced_count == 1 else 1,
         )
         return st
 
