@@ -493,3 +493,33 @@ def test_pool_ring_pinned_on_small_shapes(shape, tmp_path):
     for batch in (1, 2, 3):
         report = validate(spec, tmp_path / "gen" / name, "cuda", selection=sel, stages=batch == 3, batch=batch)
         assert_report_passed(report, f"{name} at batch {batch}")
+
+
+# Stages that reduce nothing (pool_reduce's map_kernel): 4, 2 and 1 outputs per thread by the
+# loads each output issues, an output count that leaves the last block part-full
+MAP_STAGES = {
+    "map_elementwise": ([{"batch_norm": {}}, "tanh", {"mul": {"scalar": 2.0}}], 4),
+    "map_pool_pairs": ([{"batch_norm": {}}, {"max_pool2d": {"kernel_size": [1, 2]}}, "tanh"], 2),
+    "map_pool_squares": ([{"batch_norm": {}}, {"max_pool2d": {"kernel_size": 2}}, "tanh"], 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAP_STAGES))
+def test_stages_that_reduce_nothing_validate(name, tmp_path):
+    """Against the float64 reference with validate's cases (NaN, inf, ties, large values, both
+    modes of the batch norm before them), at batches 1 to 3 and at the example batch (37)."""
+    from conftest import pipeline_of
+    from kgen.build import build_module
+    from kgen.plan import make_plan
+    from kgen.render import render_spec, write_rendered
+    from kgen.target import DEFAULT
+    from kgen.validate import validate
+
+    ops, outputs = MAP_STAGES[name]
+    text = spec_text([6, 15, 17], ops, batch=37, name=name)
+    stage = make_plan(pipeline_of(text), target=DEFAULT).stages[1]
+    assert stage.reduced_count == 1 and stage.schedule.map_outputs == outputs
+    spec = write_spec(tmp_path, text, f"{name}.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    build_module(tmp_path / "gen" / name, quiet=True)
+    assert_report_passed(validate(spec, tmp_path / "gen" / name, "cuda", example_batch=True))
