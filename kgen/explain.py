@@ -12,6 +12,8 @@ from .plan import KGEN, PIPELINE, Plan, candidate_plans, choose_plans, describe_
 from .stage import ConvStage
 from .target import Target
 
+MODEL_PIECE_MIN_MS = 0.005  # pieces of a stage's estimate listed beside it (not a weight pack's microseconds)
+
 
 def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     """(FLOPs, bytes moved) of one stage for ``batch`` samples at best: each input read once,
@@ -119,6 +121,9 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
         e = estimates.get(id(s))
         model = f"   model {e.ms:.3f} ms ({e.launches} launches)" if e else ""
         out.append(f"      {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms ({bound}){model}")
+        pieces = [(w.what, 1e3 * cost.work_s(w, target)) for w in (e.work if e else [])]
+        if sum(ms >= MODEL_PIECE_MIN_MS for _, ms in pieces) > 1:  # what the estimate adds up
+            out.append("      model: " + " + ".join(f"{what} {ms:.3f}" for what, ms in pieces if ms >= MODEL_PIECE_MIN_MS) + " ms")
     for label, p in (("total", plan), ("without rewrites", baseline)):
         if p is None:
             out.append(f"  {label:17s}: no plan ({no_baseline})")

@@ -185,8 +185,11 @@ def test_norm_after_a_small_convolution_can_run_once_on_coresident_ctas():
     assert merge(per_round) == merge(1) > 0 and merge(per_round + 1) == 2 * merge(1)
     from kgen.explain import explain_text
 
-    text = explain_text(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=ONEPASS)))
+    text = explain_text(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=ONEPASS, batch=400)))
     assert f"the convolution runs once, the {fn.tiles} tiles of a sample on co-resident CTAs" in text
+    # the estimate's pieces, the merges' rounds among them (400 samples: more than fit at once)
+    rounds = -(-400 // per_round)
+    assert f"+ moment merges: {rounds} rounds x " in next(line for line in text.splitlines() if "      model: " in line)
     # a device of fewer SMs than a sample has tiles: the two-pass form and the written output remain
     small = replace(DEFAULT, sm_count=fn.tiles - 1)
     auto = make_plan(pipeline_of(spec_text(shape, INSTNORM_MAX, params=params, plan=GEMM)), target=small).stages[0]
