@@ -86,8 +86,9 @@ PHASE_BIG_TILE_MAX_COUT = 16  # (measured at 16; wider blocks hold more accumula
 # generated kernel asserts that the plan's shared memory covers every epilogue's
 FUSED_SCRATCH_FLOATS = 32
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
-# Cost model: mma.sync runs at about half of wgmma's TF32 rate and the kernel reaches
-# about 45% of that on the shipped convolutions (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
+# Cost model of the wgmma and generic loops on one convolution: mma.sync runs at about half of
+# wgmma's TF32 rate and the kernel reaches about 45% of that on the shipped convolutions
+# (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
 GEMM_TENSOR_FRACTION = 0.22
 # The window loop on one convolution (no sub-pixel phases) after its epilogue walk (stop 35): its MMAs
 # and its memory traffic add up rather than overlap (one CTA per SM runs its loop, then its epilogue).
@@ -1057,6 +1058,7 @@ class ConvGemm(Family):
         rate = (target.fp32_flops * DIRECT_FP32_FRACTION if st.schedule.loop == "direct"
                 else target.tensor_flops * GEMM_TENSOR_FRACTION)
         phases = len(st.problems) > 1
+        launches = 2 if st.fused is not None and st.fused.splits > 1 else 1  # the fused reduction's finalize
         what = "direct convolution" if st.schedule.loop == "direct" else "implicit GEMM"
         out = [Work("weight pack", 0, 2 * FLOAT_BYTES * math.prod(c.weight_shape()))]
         pp = st.phase_pool
@@ -1093,13 +1095,12 @@ class ConvGemm(Family):
                     Work("merge statistics", 0, moments),
                     Work(f"{what} + apply", flops, nbytes, rate)]
         elif phases or st.schedule.loop == "window":  # the MMAs, then the memory traffic (fitted; see the rates)
-            launches = 2 if st.fused is not None and st.fused.splits > 1 else 1
             out += [Work(what, flops, 0, target.tensor_flops * (PHASES_TENSOR_FRACTION if phases else WINDOW_TENSOR_FRACTION),
                          launches=launches),
                     Work("its loads and stores" + (" (sub-pixel phases)" if phases else ""), 0,
                          nbytes * (PHASES_BYTES_FACTOR if phases else 1.0), launches=0)]
         else:
-            out.append(Work(what, flops, nbytes, rate, launches=2 if st.fused is not None and st.fused.splits > 1 else 1))
+            out.append(Work(what, flops, nbytes, rate, launches=launches))
         return out  # the folded and packed weights are kept between calls (kgen::WeightCache)
 
     def explain_lines(self, st: ConvGemmStage) -> list[str]:
