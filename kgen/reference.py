@@ -44,8 +44,11 @@ class ReferenceModel(nn.Module):
         self.pipeline = pipeline
         add_members(self, pipeline)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers by their state_dict names: what the pipeline's ops read."""
+        return {**dict(self.named_parameters()), **dict(self.named_buffers())}
+
     def forward(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        tensors = dict(self.named_parameters())
-        tensors.update(self.named_buffers())
+        tensors = self.tensors()
         others = dict(zip(self.pipeline.input_names[1:], inputs))
         return self.pipeline.run(x, tensors, inputs=others, training=self.training)

@@ -112,8 +112,7 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
             expected = reference(*xs)
             # the size of what the output sums (validate's magnitude): an output that cancels to ~0 (the
             # mean of a norm's output) is judged by it, not by its own tiny norm
-            tensors = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
-            _, magnitude = run_with_magnitude(pipe.ops, xs[0], tensors, dict(zip(pipe.input_names, xs)))
+            _, magnitude = run_with_magnitude(pipe.ops, xs[0], reference.tensors(), dict(zip(pipe.input_names, xs)))
             runs = {"eager": lambda: reference(*xs)}
             for m in t.measured:
                 if m.module in (failed or {}):

@@ -439,8 +439,7 @@ def test_the_check_judges_an_output_that_cancels_by_what_it_sums():
         ref = reference(x)
         other = reference.double()(x.double()).float()  # a correct result, rounded differently
         reference.float()
-        tensors = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
-        _, magnitude = run_with_magnitude(pipe.ops, x, tensors, {pipe.input_names[0]: x})
+        _, magnitude = run_with_magnitude(pipe.ops, x, reference.tensors(), {pipe.input_names[0]: x})
     assert tune._rel_l2(other, ref) > tune.CHECK_TOLERANCE  # the plain check rejects it
     assert tune._rel_l2(other, ref, magnitude) < 1e-5
     assert tune._rel_l2(other + 0.1, ref, magnitude) > tune.CHECK_TOLERANCE  # an eighth of the summed values off
