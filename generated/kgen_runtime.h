@@ -11,9 +11,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/batch_norm.h>
 #include <ATen/ops/bitwise_and.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -23,7 +25,9 @@
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/reciprocal.h>
 #include <ATen/ops/softmax.h>
+#include <ATen/ops/sqrt.h>
 #include <ATen/ops/sub.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -429,6 +433,13 @@ inline at::Tensor tap_sum_convolution(const at::Tensor& x, const at::Tensor& w, 
   return y.reshape(out_shape);
 }
 
+// Eval-mode batch norm's per-channel scale, weight / sqrt(running_var + eps) (1 / sqrt(...) where
+// `weight` is undefined: no affine), for (x - running_mean) * scale + bias in a fused stage.
+inline at::Tensor batch_norm_eval_scale(const at::Tensor& running_var, const at::Tensor& weight, double eps) {
+  const at::Tensor root = at::sqrt(at::add(running_var, eps));
+  return weight.defined() ? at::div(weight, root) : at::reciprocal(root);
+}
+
 // Weight of one sub-pixel phase: from the spatially flipped transposed-conv
 // weight (Cin, Cout, K...), every stride-th tap from `start`, as (Cout, Cin, T...).
 inline at::Tensor subpixel_weight(const at::Tensor& flipped, at::IntArrayRef start, at::IntArrayRef stride,
@@ -465,12 +476,12 @@ class WeightCache {
   at::Tensor get(const at::Tensor& w, int64_t floats, cudaStream_t stream, bool* stale) {
     std::lock_guard<std::mutex> lock(mutex_);
     *stale = true;
-    if (!may_keep(w, stream)) return at::empty({floats}, w.options());
-    if (unchanged(w) && buffer_.numel() == floats) {
+    if (!may_keep({w}, stream)) return at::empty({floats}, w.options());
+    if (unchanged({w}) && buffer_.numel() == floats) {
       *stale = false;
       return buffer_;
     }
-    remember(w, stream);
+    remember({w}, stream);
     if (!buffer_.defined() || buffer_.numel() != floats || buffer_.device() != w.device()) {
       buffer_ = at::empty({floats}, w.options());
     }
@@ -480,45 +491,62 @@ class WeightCache {
 
   // The tensors `derive` makes from `w`, on any device (CUDA: on the current stream).
   std::vector<at::Tensor> derived(const at::Tensor& w, const std::function<std::vector<at::Tensor>()>& derive) {
+    return derived(std::vector<at::Tensor>{w}, derive);
+  }
+
+  // The tensors `derive` makes from `sources` (all on one device), kept while every one is unchanged.
+  std::vector<at::Tensor> derived(const std::vector<at::Tensor>& sources,
+                                  const std::function<std::vector<at::Tensor>()>& derive) {
     std::lock_guard<std::mutex> lock(mutex_);
     const void* stream = nullptr;
 #ifdef KGEN_WITH_CUDA
-    if (w.is_cuda()) stream = at::cuda::getCurrentCUDAStream().stream();
+    if (sources.front().is_cuda()) stream = at::cuda::getCurrentCUDAStream().stream();
 #endif
-    if (!may_keep(w, stream)) return derive();
-    if (!unchanged(w)) {
+    if (!may_keep(sources, stream)) return derive();
+    if (!unchanged(sources)) {
       derived_ = derive();
-      remember(w, stream);
+      remember(sources, stream);
     }
     return derived_;
   }
 
  private:
-  bool may_keep(const at::Tensor& w, const void* stream) const {
-    if (w.is_inference() || (source_.defined() && stream_ != stream)) return false;
+  struct Source {
+    at::Tensor tensor;  // held, so its storage is not reused
+    int64_t version;
+    const void* data;
+    c10::Device device;
+  };
+
+  bool may_keep(const std::vector<at::Tensor>& ws, const void* stream) const {
+    for (const at::Tensor& w : ws) {
+      if (w.is_inference()) return false;
+    }
+    if (!sources_.empty() && stream_ != stream) return false;
 #ifdef KGEN_WITH_CUDA
-    if (w.is_cuda()) return !stream_capturing(static_cast<cudaStream_t>(const_cast<void*>(stream)), "weight cache");
+    if (ws.front().is_cuda()) return !stream_capturing(static_cast<cudaStream_t>(const_cast<void*>(stream)), "weight cache");
 #endif
     return true;
   }
-  bool unchanged(const at::Tensor& w) const {
-    return source_.defined() && source_.is_same(w) && version_ == w._version() && data_ == w.data_ptr() &&
-           device_ == w.device();
+  bool unchanged(const std::vector<at::Tensor>& ws) const {
+    if (sources_.size() != ws.size()) return false;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const Source& s = sources_[i];
+      const at::Tensor& w = ws[i];
+      if (!s.tensor.is_same(w) || s.version != w._version() || s.data != w.data_ptr() || s.device != w.device()) return false;
+    }
+    return true;
   }
-  void remember(const at::Tensor& w, const void* stream) {
-    source_ = w;
-    version_ = w._version();
-    data_ = w.data_ptr();
-    device_ = w.device();
+  void remember(const std::vector<at::Tensor>& ws, const void* stream) {
+    sources_.clear();
+    for (const at::Tensor& w : ws) sources_.push_back(Source{w, w._version(), w.data_ptr(), w.device()});
     stream_ = stream;
   }
 
   std::mutex mutex_;
-  at::Tensor source_, buffer_;
+  std::vector<Source> sources_;
+  at::Tensor buffer_;
   std::vector<at::Tensor> derived_;
-  int64_t version_ = -1;
-  const void* data_ = nullptr;
-  c10::Device device_ = c10::Device(c10::kCPU);
   const void* stream_ = nullptr;  // (each device's default stream is the same null handle: the device tells them apart)
 };
 

@@ -95,9 +95,12 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
                    f"on the H100): `kgen tune {pipe.path}` measures the candidates on this GPU")
     if len(sel.variants) > 1:
         for i, v in enumerate(sel.variants):
-            out.append(f"  plan {i} for batches {v.batches}: {describe_choices(v.plan.choices)}")
+            out.append(f"  plan {i} for {v.runs}: {describe_choices(v.plan.choices)}")
+            if v.mode == "eval":
+                out.append(f"    ({v.why})")
     out += _candidates(sel, batch)
-    out += ["", "rewrites:" + ("" if len(sel.variants) == 1 else f" (the plan for {sym or 'batch'} = {batch})")]
+    mode = " in eval mode, as bench and tune run it" if variant.mode == "eval" else ""
+    out += ["", "rewrites:" + ("" if len(sel.variants) == 1 else f" (the plan for {sym or 'batch'} = {batch}{mode})")]
     for d in plan.decisions:
         out.append(f"  {'fired  ' if d.fired else 'skipped'}  {d.rewrite:24s} {d.site}: {d.reason}")
     if not plan.decisions:
@@ -140,7 +143,7 @@ def _candidates(sel, batch: int) -> list[str]:
     """The candidate plans with the model's estimate and, from the tuning file, the measured time."""
     if len(sel.candidates) < 2:
         return []
-    chosen = json.dumps(sel.variant_for(batch).plan.choices, sort_keys=True)
+    chosen = json.dumps(sel.variant_for(batch, training=True).plan.choices, sort_keys=True)  # the candidates
     measured = tunefile.measured(sel.tuning) if sel.tuning is not None else {}
     rows = []
     for p in sel.candidates:

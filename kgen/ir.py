@@ -110,6 +110,32 @@ class Member:
     buffers: tuple[TensorArg, ...] = ()  # running statistics the op reads and (in training mode) updates
 
 
+@dataclass(frozen=True)
+class DerivedTensor:
+    """A tensor the op computes from its parameters and buffers on each call, before its stages
+    (a stage takes it like a parameter): eval-mode batch norm's per-channel scale
+    ``weight / sqrt(running_var + eps)`` (``1 / sqrt(...)`` without a weight), which the plan for
+    eval mode applies as ``(x - running_mean) * scale + bias`` (kgen.rewrites.batch_norm_eval_affine)."""
+
+    arg: TensorArg
+    var: str  # the running variance's state_dict name
+    weight: str | None
+    eps: float
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.var,) + ((self.weight,) if self.weight else ())
+
+    def compute(self, tensors) -> torch.Tensor:
+        root = torch.sqrt(tensors[self.var] + self.eps)
+        return tensors[self.weight] / root if self.weight else torch.reciprocal(root)
+
+    def cpp(self, ident) -> str:
+        """The same formula in ATen (``ident``: a state_dict name -> its C++ argument)."""
+        weight = ident(self.weight) if self.weight else "at::Tensor()"
+        return f"kgen::batch_norm_eval_scale({ident(self.var)}, {weight}, {self.eps!r})"
+
+
 # ---------------------------------------------------------------- ops
 
 
@@ -887,6 +913,8 @@ class Pipeline:
     inputs: dict = field(default_factory=dict)  # every input: name -> TensorType, the first one first
     values: dict = field(default_factory=dict)  # inputs and named results: name -> TensorType
     member_order: tuple = ()  # submodules and parameters in the reference model's creation order
+    derived: tuple = ()  # DerivedTensors the ops read (a rewrite made them)
+    kept_members: tuple | None = None  # the model's members where a rewrite removed the ops that name them
 
     @property
     def output(self) -> TensorType:
@@ -932,6 +960,8 @@ class Pipeline:
         reads (``unused``) are created too. The reference model instantiates
         these; the generated Model prints them.
         """
+        if self.kept_members is not None:
+            return list(self.kept_members)
         seen, out = set(), []
         for op in self.ops:
             m = op.member()
@@ -954,12 +984,30 @@ class Pipeline:
 
     def tensor_args(self) -> list[TensorArg]:
         """Parameter tensors the op reads, in creation order (the functional forward's order)."""
-        read = {n for op in self.ops for n in op.tensor_names()}
+        read = {n for op in self.ops for n in op.tensor_names()} | {n for d in self.derived for n in d.sources}
         return [t for m in self.members() for t in m.tensors if t.name in read]
 
     def buffer_args(self) -> list[TensorArg]:
         """Running statistics the op reads (and returns updated in training mode), in creation order."""
         return [b for m in self.members() for b in m.buffers]
+
+    def stage_tensors(self) -> list[TensorArg]:
+        """Every tensor a stage may take like a parameter: parameters, buffers, derived tensors."""
+        return self.tensor_args() + self.buffer_args() + [d.arg for d in self.derived]
+
+    def derived_sources(self) -> list[str]:
+        """The tensors the derived tensors are made from, each once."""
+        return list(dict.fromkeys(n for d in self.derived for n in d.sources))
+
+    def updated_buffers(self) -> set[str]:
+        """The running statistics some op of the pipeline updates in training mode."""
+        return {n for op in self.ops if isinstance(op, BatchNorm) for n in op.buffer_names()}
+
+    def with_derived(self, tensors: Mapping) -> dict:
+        """``tensors`` (parameters and buffers by state_dict name) and the derived tensors made from them."""
+        out = dict(tensors)
+        out.update({d.arg.name: d.compute(tensors) for d in self.derived})
+        return out
 
     def value_args(self) -> list[str]:
         """Named values some op reads as an operand or input, in the order they are defined."""
@@ -970,7 +1018,7 @@ class Pipeline:
             training: bool = False) -> torch.Tensor:
         """The ops on ``x`` (the first input; ``inputs`` holds the others by name) with the
         parameters and buffers ``tensors``; ``training`` as a module's mode (batch norm)."""
-        env = Env(tensors)
+        env = Env(self.with_derived(tensors) if self.derived else tensors)
         env.training = training
         env[self.input_names[0]] = x
         env.update(inputs or {})

@@ -35,13 +35,14 @@ from .errors import KgenError
 from .ir import Capture, Elementwise, Op, Pipeline
 from .lowering import TapSums, lowered
 from .ops import FUSED, OPS
-from .rewrites import Decision, apply_rewrites
+from .rewrites import Decision, apply_rewrites, batch_norm_eval_affine
 from .stage import ConvStage, Stage, flat_buffer
 from .target import Target
 
 # Decision points: the keys of a plan's choices.
 PIPELINE = "pipeline"  # options KGEN, EAGER: kgen's stages or the spec's ops through ATen
 KGEN, EAGER = "kgen", "eager"
+EVAL_REWRITE = "batch_norm_eval_affine"  # the spec's switch for eval mode's own plan
 ON, OFF = "on", "off"
 MAX_CANDIDATES = 64  # plans candidate_plans enumerates at most (in order from the default)
 DEFAULT_REASON = "the default: the first candidate"
@@ -97,7 +98,7 @@ class Plan:
     def stage_args(self, stage: Stage) -> list:
         """The parameter tensors (TensorArgs) a stage takes, in the module's argument order."""
         names = stage.tensor_names()
-        return [a for a in self.pipeline.tensor_args() if a.name in names]
+        return [a for a in self.pipeline.stage_tensors() if a.name in names]
 
     def stage_values(self, stage: Stage) -> list[str]:
         """The values a stage reads as tensors (operands not in a register), in definition order."""
@@ -332,16 +333,24 @@ def candidate_plans(pipeline: Pipeline, target: Target | None = None, batch: int
 
 @dataclass
 class Variant:
-    """A plan and the batches it runs (``lo`` to ``hi`` inclusive; ``hi`` None: no bound)."""
+    """A plan and the batches it runs (``lo`` to ``hi`` inclusive; ``hi`` None: no bound) in the
+    modes it runs: ``any``, or ``train`` and ``eval`` where eval mode has a plan of its own
+    (batch norm over running statistics as a per-channel affine: rewrites.batch_norm_eval_affine)."""
 
     plan: Plan
     lo: int = 1
     hi: int | None = None
     why: str = DEFAULT_REASON  # why this plan for these batches
+    mode: str = "any"
 
     @property
     def batches(self) -> str:
         return f"{self.lo}.." + ("" if self.hi is None else str(self.hi))
+
+    @property
+    def runs(self) -> str:
+        """What it runs: its batches, and its mode where eval mode has a plan of its own."""
+        return f"batches {self.batches}" + ("" if self.mode == "any" else f", {self.mode} mode")
 
 
 @dataclass
@@ -363,9 +372,10 @@ class Selection:
     def plans(self) -> list[Plan]:
         return [v.plan for v in self.variants]
 
-    def variant_for(self, batch: int) -> Variant:
-        """The variant the op runs for ``batch`` (batch 0 returns early, before any variant)."""
-        return next(v for v in self.variants if v.hi is None or batch <= v.hi)
+    def variant_for(self, batch: int, training: bool = False) -> Variant:
+        """The variant the op runs for ``batch`` in the mode (batch 0 returns early, before any variant)."""
+        mode = "train" if training else "eval"
+        return next(v for v in self.variants if v.mode in (mode, "any") and (v.hi is None or batch <= v.hi))
 
 
 def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dict | None = None) -> Selection:
@@ -376,7 +386,7 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
     fastest at the spec's example batch. ``rewrites`` (overriding the spec's switches,
     e.g. the no-rewrite baseline) gives kgen's default plan under those switches.
     """
-    from . import cost, tunefile
+    from . import tunefile
 
     target = target or targets.current()
     if rewrites is not None:
@@ -393,13 +403,40 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
             if plan.choices != r.choices:
                 raise KgenError(f"{entry.path}: the choices {r.choices} do not make a plan kgen offers; run `kgen tune` again")
             variants.append(Variant(plan, r.lo, r.hi, why))
-        return Selection(pipeline, variants, f"tuning file {entry.path.name} ({entry.device})", notes, cands, entry)
+        sel = Selection(pipeline, variants, f"tuning file {entry.path.name} ({entry.device})", notes, cands, entry)
+    else:
+        plan, why = _cheapest(pipeline, cands, target)
+        sel = Selection(pipeline, [Variant(plan, why=why)], "cost model", notes, cands)
+    _add_eval_plan(sel, target)
+    return sel
+
+
+def _cheapest(pipeline: Pipeline, cands: list[Plan], target: Target) -> tuple[Plan, str]:
+    """The candidate the cost model estimates fastest at the spec's example batch, and why."""
+    from . import cost
+
     batch = pipeline.example_batch()
     estimates = [cost.estimate_ms(p, batch) for p in cands]
     best = min(range(len(cands)), key=lambda i: estimates[i])  # ties: the earlier (nearer the default)
     why = f"cost model: {estimates[best]:.3f} ms at batch {batch}, the lowest of {len(cands)} candidate(s)"
-    plan = make_plan(pipeline, None, target, cands[best].choices, batch, reason=why)
-    return Selection(pipeline, [Variant(plan, why=why)], "cost model", notes, cands)
+    return make_plan(pipeline, None, target, cands[best].choices, batch, reason=why), why
+
+
+def _add_eval_plan(sel: Selection, target: Target) -> None:
+    """Where a batch norm uses running statistics in eval mode, eval mode gets a plan of its own
+    (the norm as a per-channel affine that fuses), chosen by the cost model; the plans chosen so
+    far run training mode. Not where they are the spec's ops through ATen (kgen's plans are
+    slower there) or the spec switches the rewrite off."""
+    if not sel.pipeline.rewrites.get(EVAL_REWRITE, True) or any(v.plan.choices.get(PIPELINE) == EAGER for v in sel.variants):
+        return
+    eval_pipe = batch_norm_eval_affine(sel.pipeline)
+    if eval_pipe is None:
+        return
+    cands = [p for p in candidate_plans(eval_pipe, target) if p.choices.get(PIPELINE) != EAGER]
+    plan, why = _cheapest(eval_pipe, cands, target)
+    for v in sel.variants:
+        v.mode = "train"
+    sel.variants.append(Variant(plan, why=f"eval mode, batch norm as a per-channel affine; {why}", mode="eval"))
 
 
 def stage_op_name(module: str, variant: int, variants: int, stage: int) -> str:

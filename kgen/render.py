@@ -106,7 +106,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
     args = [a.name for a in sel.pipeline.tensor_args()]
     for v in sel.variants:  # every plan takes the op's arguments, in the op's order
         assert [a.name for a in v.plan.pipeline.tensor_args()] == args, (name, v.plan.choices)
-    tensors = {a.name: a for a in first.pipeline.tensor_args() + first.pipeline.buffer_args()}
+    tensors = {a.name: a for v in sel.variants for a in v.plan.pipeline.stage_tensors()}
     values = first.pipeline.values  # the spec's named results (the same in every plan)
     op_args = op_arguments(sel.pipeline)
     n = len(sel.variants)
@@ -118,8 +118,8 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
             """(stage, template) of each stage whose family renders ``piece``, in stage order."""
             return [(st, st.family.template(piece)) for st in plan.stages if piece in st.family.pieces]
 
-        return dict(index=i, plan=plan, lo=v.lo, hi=v.hi, batches=v.batches, kernels=plan.kernel_stages(), pieces=pieces,
-                    why=v.why,
+        return dict(index=i, plan=plan, lo=v.lo, hi=v.hi, batches=v.batches, runs=v.runs, kernels=plan.kernel_stages(), pieces=pieces,
+                    why=v.why, mode=v.mode,
                     op=lambda st: stage_op_name(name, i, n, st.index),
                     scope=lambda st: stage_scope_name(name, i, n, st))
 
@@ -164,7 +164,7 @@ def selection_json(sel: Selection, spec_shown: str) -> dict:
         "spec": spec_shown,
         "chosen_by": sel.source,
         "notes": sel.notes,
-        "plans": [{"batches": [v.lo, v.hi]} | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
+        "plans": [{"batches": [v.lo, v.hi], "mode": v.mode} | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
                   for v in sel.variants],
     }
 def constructor_call(args) -> list[str]:
@@ -207,7 +207,7 @@ def plan_summary(sel: Selection) -> str:
     lines = []
     for i, v in enumerate(sel.variants):
         if len(sel.variants) > 1:
-            lines.append(f"plan {i}, batches {v.batches}:")
+            lines.append(f"plan {i}, {v.runs}:")
         lines += [f"stage {s.index} ({s.kind}): " + " -> ".join(o.describe() for o in s.ops) for s in v.plan.stages]
     return "\n".join(lines)
 

@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, replace
 
 from .errors import SpecError
-from .ir import Capture, Conv, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape, TensorType, infer_types
+from .ir import (BatchNorm, Capture, Conv, DerivedTensor, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
+                 TensorArg, TensorType, infer_types)
 from .lowering import Direct, Folded, LoweredConv, PooledProduct, Subpixel, TapSums, lowered
 
 # How much of a convolution's output must be dead before the dead-region pass
@@ -683,6 +684,41 @@ REWRITES = (
     ("dead_region", dead_region),
     ("reduction_algebra", reduction_algebra),
 )
+
+
+# ------------------------------------------------------------ eval mode
+
+
+def batch_norm_eval_affine(pipe: Pipeline) -> Pipeline | None:
+    """The pipeline as eval mode computes it: each batch norm over running statistics becomes
+    ``(x - running_mean) * scale (+ bias)``, three per-channel elementwise ops that fuse like any
+    other, with ``scale = weight / sqrt(running_var + eps)`` a tensor the op derives on each call
+    (``ir.DerivedTensor``); None where no batch norm uses running statistics.
+
+    Not one of REWRITES: it holds in eval mode only, so the plan runs it for its eval-mode plan
+    (kgen.plan.choose_plans), and the op dispatches on the mode. PyTorch's eval-mode batch norm
+    computes ``((x - mean) * invstd) * weight + bias``; folding ``weight * invstd`` first changes
+    the rounding by an ulp of the scale. The model keeps its members (the running statistics stay
+    the op's arguments).
+    """
+    ops, derived = [], []
+    for op in pipe.ops:
+        if not (isinstance(op, BatchNorm) and op.track_running_stats):
+            ops.append(op)
+            continue
+        mean, var = op.buffer_names()
+        weight, bias = op.tensor_names() or (None, None)
+        view = (op.num_features,) + (1,) * (op.rank - 2)  # per channel, against the activation's dims 1..
+        name = f"{op.module}.eval_scale"
+        scale = DerivedTensor(TensorArg(name, name.replace(".", "_"), (op.num_features,)), var, weight, op.eps)
+        derived.append(scale)
+        ops += [Elementwise(key=op.key, src=op.src, fn="sub", param=mean, param_view=view),
+                Elementwise(key=f"{op.key}.scale", fn="mul", param=name, param_view=view)]
+        if bias:
+            ops.append(Elementwise(key=f"{op.key}.shift", fn="add", param=bias, param_view=view))
+    if not derived:
+        return None
+    return replace(pipe.with_ops(ops), derived=tuple(derived), kept_members=tuple(pipe.members()))
 
 
 def apply_rewrites(pipe: Pipeline, enabled: dict | None = None, fire=always) -> tuple[Pipeline, list[Decision]]:

@@ -61,6 +61,7 @@ REWRITE_NAMES = (
     "subpixel_conv_transpose",
     "dead_region",
     "reduction_algebra",
+    "batch_norm_eval_affine",  # eval mode's own plan (kgen.plan: not one of rewrites.REWRITES)
 )
 
 

@@ -592,12 +592,13 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
     plan) on ``device`` against its ops run by PyTorch on ``reference_device`` (default: the
     same); the values a stage reads as tensors are normal random data."""
     ref_device = reference_device or device
-    params = {n: p.detach().to(ref_device) for n, p in model.named_parameters()}
+    state = {n: p.detach().to(ref_device) for n, p in model.state_dict().items()}  # parameters and buffers
     results = []
     count = len(sel.variants)
     stages = [(i, plan, st) for i, plan in enumerate(sel.plans) for st in plan.kernel_stages()]
     with torch.no_grad():
         for i, plan, st in stages:
+            params = plan.pipeline.with_derived(state)  # and the tensors the op derives from them
             stage_op = getattr(torch.ops.kgen, stage_op_name(name, i, count, st.index))
             args = [params[a.name].to(device) for a in plan.stage_args(st)]
             names = plan.stage_values(st)

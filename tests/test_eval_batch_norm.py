@@ -1,0 +1,94 @@
+"""Eval mode's own plan: a batch norm over its running statistics as a per-channel affine
+(rewrites.batch_norm_eval_affine) that fuses into the stages around it, its scale derived from the
+running variance and the weight on each call (ir.DerivedTensor, kept by kgen::WeightCache while they
+are unchanged); training mode keeps the plan with ATen's batch norm. Plans, then modules rendered,
+built and validated in both modes against the float64 reference, on the CPU build and (GPU tests)
+the CUDA one."""
+import pytest
+import torch
+
+from conftest import BUILD_DEVICES, build_and_validate, pipeline_of, render_specs, spec_text
+from kgen.ir import BatchNorm
+from kgen.plan import choose_plans
+from kgen.target import DEFAULT
+
+CONV = {"conv2d": {"out_channels": 8, "kernel_size": 3}}
+SPECS = {
+    # KernelBench #72 in small: the affine moves through the pool, which folds into the convolution
+    "bn_pool": spec_text([3, 12, 12], [CONV, {"batch_norm": {}}, {"avg_pool2d": {"kernel_size": 2}}, "relu"],
+                         name="bn_pool"),
+    # in the generated convolution's epilogue
+    "bn_gemm": spec_text([4, 10, 9], [CONV, {"batch_norm": {"momentum": 0.3}}, "tanh", {"sum": {"dim": 1}}],
+                         name="bn_gemm", plan={"conv": "gemm"}),
+    # two batch norms, one without running statistics (batch statistics in both modes: ATen's stage stays)
+    "bn_two": spec_text([2, 5, 4, 6], [{"conv3d": {"out_channels": 4, "kernel_size": 2}},
+                                       {"batch_norm": {"name": "bn1", "momentum": None, "affine": False, "eps": 1e-3}},
+                                       "relu", {"batch_norm": {"name": "bn2", "track_running_stats": False}},
+                                       {"mean": {"dim": [2, 3, 4]}}], name="bn_two"),
+    # after a matrix product (BatchNorm1d over [N, C])
+    "bn_linear": spec_text([16], [{"linear": {"out_features": 24}}, {"batch_norm": {}}, "gelu"], name="bn_linear", batch=4),
+}
+
+
+def test_eval_mode_gets_a_plan_of_its_own():
+    sel = choose_plans(pipeline_of(SPECS["bn_pool"]), DEFAULT)
+    assert [v.mode for v in sel.variants] == ["train", "eval"]
+    train, ev = (v.plan for v in sel.variants)
+    assert any(isinstance(op, BatchNorm) for st in train.stages for op in st.ops)
+    assert not any(isinstance(op, BatchNorm) for op in ev.pipeline.ops)
+    assert [d.arg.name for d in ev.pipeline.derived] == ["batch_norm.eval_scale"]
+    assert sel.variant_for(2, training=True) is sel.variants[0] and sel.variant_for(2) is sel.variants[1]
+    assert len(ev.kernel_stages()) < len(train.kernel_stages()) + sum(s.family.name == "aten" for s in train.stages)
+    # the spec's switch, and batch norms without running statistics: one plan for both modes
+    off = spec_text([3, 12, 12], [CONV, {"batch_norm": {}}, "relu"], rewrites={"batch_norm_eval_affine": False})
+    assert [v.mode for v in choose_plans(pipeline_of(off), DEFAULT).variants] == ["any"]
+    batch_only = spec_text([3, 12, 12], [CONV, {"batch_norm": {"track_running_stats": False}}, "relu"])
+    assert [v.mode for v in choose_plans(pipeline_of(batch_only), DEFAULT).variants] == ["any"]
+
+
+def test_the_mixed_plan_keeps_the_batch_statistics_norm():
+    ev = choose_plans(pipeline_of(SPECS["bn_two"]), DEFAULT).variants[-1].plan
+    norms = [op for op in ev.pipeline.ops if isinstance(op, BatchNorm)]
+    assert [op.module for op in norms] == ["bn2"] and [d.weight for d in ev.pipeline.derived] == [None]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    return render_specs(tmp_path_factory.mktemp("bn"), SPECS)
+
+
+def test_the_op_dispatches_on_the_mode(rendered):
+    binding = (rendered["bn_pool"][1] / "binding.cpp").read_text()
+    assert "if (!training) {\n    return v1::forward(" in binding
+    assert "kgen::batch_norm_eval_scale(batch_norm_running_var, batch_norm_weight, 1e-05)" in binding
+
+
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_validates_in_both_modes(rendered, device):
+    build_and_validate(rendered, device)
+
+
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_eval_mode_runs_its_plan_and_follows_the_running_statistics(rendered, device):
+    """In eval mode the op runs plan 1 (its profiler range says so); the derived scale follows in-place
+    updates of the running variance and the weight (the cache's sources), as eager's batch norm does."""
+    from kgen.build import build_module
+    from kgen.validate import import_module_dir
+
+    spec, d = rendered["bn_pool"]
+    build_module(d, device)
+    mod = import_module_dir(d)
+    torch.manual_seed(3)
+    model = mod.Model().to(device).eval()
+    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.AvgPool2d(2),
+                                torch.nn.ReLU()).to(device).eval().double()
+    eager.load_state_dict({k.replace("conv.", "0.").replace("batch_norm.", "1."): v for k, v in model.state_dict().items()})
+    x = torch.randn(2, 3, 12, 12, device=device)
+    with torch.no_grad():
+        with torch.profiler.profile() as prof:
+            model(x)
+        assert any("plan 1 stage" in e.name for e in prof.events())
+        for change in (lambda m: m.running_var.mul_(4.0), lambda m: m.weight.mul_(-0.5), lambda m: m.running_mean.add_(1.0)):
+            change(model.batch_norm)
+            change(eager[1])
+            torch.testing.assert_close(model(x).double(), eager(x.double()), rtol=1e-4, atol=1e-4)
