@@ -771,17 +771,14 @@ __device__ __forceinline__ void mma_step(float (&acc)[Geometry<P>::kMT][Geometry
       const float4 b = __ldg(reinterpret_cast<const float4*>(wf + nt * 32 * G::kFragFloats));  // hi0, hi1, lo0, lo1
 #pragma unroll
       for (int mt = 0; mt < G::kMT; ++mt) {
+        float step[4] = {0.f, 0.f, 0.f, 0.f};
+        float(&dst)[4] = G::kPromoteSteps ? step : acc[mt][nt];  // promoted: the step's products, added in fp32
+        mma_tf32(dst, a_lo[mt], b.x, b.y);
+        mma_tf32(dst, a[mt], b.z, b.w);
+        mma_tf32(dst, a[mt], b.x, b.y);
         if constexpr (G::kPromoteSteps) {
-          float step[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_tf32(step, a_lo[mt], b.x, b.y);
-          mma_tf32(step, a[mt], b.z, b.w);
-          mma_tf32(step, a[mt], b.x, b.y);
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[mt][nt][i] += step[i];
-        } else {
-          mma_tf32(acc[mt][nt], a_lo[mt], b.x, b.y);
-          mma_tf32(acc[mt][nt], a[mt], b.z, b.w);
-          mma_tf32(acc[mt][nt], a[mt], b.x, b.y);
         }
       }
     } else {

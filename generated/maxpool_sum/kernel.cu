@@ -363,9 +363,9 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
     for (; r + (kUnroll - 1) * kRLanes < end; r += kUnroll * kRLanes) {
       float v[kUnroll];
       KGEN_UNROLL
-      for (int u = 0; u < kUnroll; ++u) v[u] = element(a, n, k, r + u * kRLanes);
+      for (int u = 0; u < kUnroll; ++u) v[u] = element_input(a, n, k, r + u * kRLanes);
       KGEN_UNROLL
-      for (int u = 0; u < kUnroll; ++u) acc = combine(acc, v[u]);
+      for (int u = 0; u < kUnroll; ++u) acc = combine(acc, element_from(a, n, k, r + u * kRLanes, v[u]));
     }
     for (; r < end; r += kRLanes) acc = combine(acc, element(a, n, k, r));
   }

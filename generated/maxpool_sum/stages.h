@@ -149,6 +149,11 @@ KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   return level1(a, Input{}, n, c, d0, d1, d2);
 }
 
+// With pools an element is its window(s), loaded and combined in one (element_input); the
+// loops' element_from then has nothing left to compute.
+KGEN_HD float element_input(const Args& a, long long n, Index k, Index r) { return element(a, n, k, r); }
+KGEN_HD float element_from(const Args&, long long, Index, Index, float x) { return x; }
+
 // Output k from its combined value: then the epilogue.
 KGEN_HD float finish(const Args& a, long long n, Index k, float acc) {
   float v = acc;
