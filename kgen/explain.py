@@ -96,8 +96,6 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     if len(sel.variants) > 1:
         for i, v in enumerate(sel.variants):
             out.append(f"  plan {i} for {v.runs}: {describe_choices(v.plan.choices)}")
-            if v.mode == "eval":
-                out.append(f"    ({v.why})")
     out += _candidates(sel, batch)
     mode = " in eval mode, as bench and tune run it" if variant.mode == "eval" else ""
     out += ["", "rewrites:" + ("" if len(sel.variants) == 1 else f" (the plan for {sym or 'batch'} = {batch}{mode})")]
@@ -143,7 +141,7 @@ def _candidates(sel, batch: int) -> list[str]:
     """The candidate plans with the model's estimate and, from the tuning file, the measured time."""
     if len(sel.candidates) < 2:
         return []
-    chosen = json.dumps(sel.variant_for(batch, training=True).plan.choices, sort_keys=True)  # the candidates
+    chosen = json.dumps(sel.variant_for(batch).plan.choices, sort_keys=True)  # eval mode's, as the candidates
     measured = tunefile.measured(sel.tuning) if sel.tuning is not None else {}
     rows = []
     for p in sel.candidates:
@@ -151,7 +149,8 @@ def _candidates(sel, batch: int) -> list[str]:
         ms = measured.get(key, {}).get(batch)
         rows.append((cost.estimate_ms(p, batch), ms, key == chosen, describe_choices(p.choices)))
     rows.sort(key=lambda r: (r[1] is None, r[1] if r[1] is not None else r[0]))
-    out = [f"  candidates at batch {batch} (* = chosen; measured: the tuning file's times on this target):",
+    mode = " in eval mode" if sel.variant_for(batch).mode == "eval" else ""
+    out = [f"  candidates{mode} at batch {batch} (* = chosen; measured: the tuning file's times on this target):",
            f"    {'model ms':>10s} {'measured ms':>12s}  plan"]
     for est, ms, mark, text in rows:
         out.append(f"  {'*' if mark else ' '} {est:10.3f} {'-' if ms is None else f'{ms:.3f}':>12s}  {text}")

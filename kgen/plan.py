@@ -385,6 +385,11 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
     (one plan per measured batch range), else the candidate the cost model estimates
     fastest at the spec's example batch. ``rewrites`` (overriding the spec's switches,
     e.g. the no-rewrite baseline) gives kgen's default plan under those switches.
+
+    Where a batch norm uses running statistics, eval mode has plans of its own (the norm
+    as a per-channel affine that fuses: ``tuned_candidates``); the tuning file (kgen tune
+    measures in eval mode, as bench does) or the cost model chooses them, and the cost
+    model chooses training mode's plan.
     """
     from . import tunefile
 
@@ -393,50 +398,56 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
         why = "rewrites overridden: the default candidates"
         plan = make_plan(pipeline, rewrites, target, {PIPELINE: KGEN}, reason=why)
         return Selection(pipeline, [Variant(plan, why=why)], f"fixed ({why})", candidates=[plan])
-    cands = candidate_plans(pipeline, target)
+    cands, eval_mode = tuned_candidates(pipeline, target)
     entry, notes = tunefile.applicable_entry(pipeline, target, tunefile.candidates_hash(cands))
+    mode = "eval" if eval_mode else "any"
     if entry is not None:
         variants = []
         for r in entry.ranges:  # schedules for the example batch, as kgen tune measured them
             why = f"measured fastest at batch {r.tuned_at} on {entry.device}: {r.ms:.3f} ms ({entry.path.name})"
-            plan = make_plan(pipeline, None, target, r.choices, reason=why)
+            source = next((c.original for c in cands if c.choices == r.choices), pipeline)
+            plan = make_plan(source, None, target, r.choices, reason=why)
             if plan.choices != r.choices:
                 raise KgenError(f"{entry.path}: the choices {r.choices} do not make a plan kgen offers; run `kgen tune` again")
-            variants.append(Variant(plan, r.lo, r.hi, why))
-        sel = Selection(pipeline, variants, f"tuning file {entry.path.name} ({entry.device})", notes, cands, entry)
+            variants.append(Variant(plan, r.lo, r.hi, why, mode))
+        source = f"tuning file {entry.path.name} ({entry.device})"
     else:
-        plan, why = _cheapest(pipeline, cands, target)
-        sel = Selection(pipeline, [Variant(plan, why=why)], "cost model", notes, cands)
-    _add_eval_plan(sel, target)
-    return sel
+        plan, why = _cheapest(cands, target)
+        variants, source = [Variant(plan, why=why, mode=mode)], "cost model"
+    if eval_mode:  # training mode: the candidates that compute it (ATen's batch norm), by the cost model
+        plan, why = _cheapest(candidate_plans(pipeline, target), target)
+        if all(v.plan.choices == plan.choices for v in variants):  # the same plan (eager) in both modes
+            variants = [Variant(plan, why=why)]
+        else:
+            variants.insert(0, Variant(plan, why=why, mode="train"))
+            source += "; training mode: cost model" if entry is not None else ""
+    return Selection(pipeline, variants, source, notes, cands, entry)
 
 
-def _cheapest(pipeline: Pipeline, cands: list[Plan], target: Target) -> tuple[Plan, str]:
-    """The candidate the cost model estimates fastest at the spec's example batch, and why."""
+def tuned_candidates(pipeline: Pipeline, target: Target) -> tuple[list[Plan], bool]:
+    """The candidates `kgen tune` measures and a tuning file chooses among, and whether they are
+    eval mode's own. Where a batch norm uses running statistics (and the spec does not switch
+    rewrites.batch_norm_eval_affine off), eval mode's: kgen's plans of the pipeline with the norm
+    as a per-channel affine, and the spec's ops through ATen; else every candidate."""
+    eval_pipe = batch_norm_eval_affine(pipeline) if pipeline.rewrites.get(EVAL_REWRITE, True) else None
+    if eval_pipe is None:
+        return candidate_plans(pipeline, target), False
+    cands = [p for p in candidate_plans(eval_pipe, target) if p.choices.get(PIPELINE) != EAGER]
+    if families.EAGER.whole(pipeline):
+        cands.append(make_plan(pipeline, None, target, {PIPELINE: EAGER}))
+    return cands, True
+
+
+def _cheapest(cands: list[Plan], target: Target) -> tuple[Plan, str]:
+    """The candidate the cost model estimates fastest at its spec's example batch (made again
+    with that reason), and why."""
     from . import cost
 
-    batch = pipeline.example_batch()
+    batch = cands[0].original.example_batch()
     estimates = [cost.estimate_ms(p, batch) for p in cands]
     best = min(range(len(cands)), key=lambda i: estimates[i])  # ties: the earlier (nearer the default)
     why = f"cost model: {estimates[best]:.3f} ms at batch {batch}, the lowest of {len(cands)} candidate(s)"
-    return make_plan(pipeline, None, target, cands[best].choices, batch, reason=why), why
-
-
-def _add_eval_plan(sel: Selection, target: Target) -> None:
-    """Where a batch norm uses running statistics in eval mode, eval mode gets a plan of its own
-    (the norm as a per-channel affine that fuses), chosen by the cost model; the plans chosen so
-    far run training mode. Not where they are the spec's ops through ATen (kgen's plans are
-    slower there) or the spec switches the rewrite off."""
-    if not sel.pipeline.rewrites.get(EVAL_REWRITE, True) or any(v.plan.choices.get(PIPELINE) == EAGER for v in sel.variants):
-        return
-    eval_pipe = batch_norm_eval_affine(sel.pipeline)
-    if eval_pipe is None:
-        return
-    cands = [p for p in candidate_plans(eval_pipe, target) if p.choices.get(PIPELINE) != EAGER]
-    plan, why = _cheapest(eval_pipe, cands, target)
-    for v in sel.variants:
-        v.mode = "train"
-    sel.variants.append(Variant(plan, why=f"eval mode, batch norm as a per-channel affine; {why}", mode="eval"))
+    return make_plan(cands[best].original, None, target, cands[best].choices, batch, reason=why), why
 
 
 def stage_op_name(module: str, variant: int, variants: int, stage: int) -> str:

@@ -2,9 +2,10 @@
 
 For each spec, at its example batch and the batches asked for:
 
-1. the candidate plans (``kgen.plan.candidate_plans``: every combination of the
-   size-dependent rewrites, each stage's candidates, and the eager pipeline),
-   ranked by the cost model; all of them are measured, or the model's best
+1. the candidate plans (``kgen.plan.tuned_candidates``: every combination of the
+   size-dependent rewrites, each stage's candidates, and the eager pipeline; where a
+   batch norm uses running statistics, eval mode's own, each rendered beside the
+   cost model's plan for training mode), ranked by the cost model; all of them are measured, or the model's best
    ``max_candidates - 1`` and the eager candidate when there are more;
 2. each is rendered as a module of its own under ``generated/_tune/`` (its
    schedules made for the example batch, as `kgen render` makes every plan of
@@ -33,7 +34,8 @@ from .bench import _commit, time_in_blocks
 from .build import build_modules
 from .errors import KgenError
 from .ir import Pipeline, load_pipeline
-from .plan import EAGER, PIPELINE, Plan, Selection, Variant, candidate_plans, describe_choices
+from . import target as targets
+from .plan import EAGER, PIPELINE, Plan, Selection, Variant, choose_plans, describe_choices, tuned_candidates
 from .reference import ReferenceModel
 from .render import render_plan, rename, write_rendered
 
@@ -78,7 +80,9 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
     pipe = load_pipeline(spec)
     example = pipe.example_batch()
     batches = sorted({example, *batches})
-    cands = candidate_plans(pipe)
+    cands, eval_mode = tuned_candidates(pipe, targets.current())
+    # eval mode's candidates run beside training mode's plan (the cost model's), so each module computes both
+    train = [Variant(choose_plans(pipe).variants[0].plan, mode="train")] if eval_mode else []
     ranked = sorted(cands, key=lambda p: cost.estimate_ms(p, example))
     chosen = ranked
     if len(ranked) > max_candidates:
@@ -88,7 +92,10 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
     for m in tuning.measured:
         m.model_ms = {b: cost.estimate_ms(m.plan, b) for b in batches}
         name = _module_name(pipe, m.plan)
-        write_rendered(render_plan(rename(Selection(pipe, [Variant(m.plan)], "kgen tune"), name), root), root)
+        variants = train + [Variant(m.plan, mode="eval" if eval_mode else "any")]
+        if eval_mode and m.plan.choices == train[0].plan.choices:  # the spec's ops through ATen: both modes
+            variants = [Variant(m.plan)]
+        write_rendered(render_plan(rename(Selection(pipe, variants, "kgen tune"), name), root), root)
         m.module = root / name
     return tuning
 

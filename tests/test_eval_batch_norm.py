@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import BUILD_DEVICES, build_and_validate, pipeline_of, render_specs, spec_text
-from kgen.ir import BatchNorm
-from kgen.plan import choose_plans
-from kgen.target import DEFAULT
+from kgen.ir import BatchNorm, load_pipeline
+from kgen.plan import EAGER, PIPELINE, choose_plans, tuned_candidates
+from kgen.target import DEFAULT, current
 
 CONV = {"conv2d": {"out_channels": 8, "kernel_size": 3}}
 SPECS = {
@@ -46,10 +46,18 @@ def test_eval_mode_gets_a_plan_of_its_own():
     assert [v.mode for v in choose_plans(pipeline_of(batch_only), DEFAULT).variants] == ["any"]
 
 
-def test_the_mixed_plan_keeps_the_batch_statistics_norm():
-    ev = choose_plans(pipeline_of(SPECS["bn_two"]), DEFAULT).variants[-1].plan
-    norms = [op for op in ev.pipeline.ops if isinstance(op, BatchNorm)]
-    assert [op.module for op in norms] == ["bn2"] and [d.weight for d in ev.pipeline.derived] == [None]
+def test_eval_candidates_keep_the_batch_statistics_norm_and_eager():
+    """What kgen tune measures in eval mode (and a tuning file chooses among): kgen's plans of the eval
+    pipeline, which keeps the norm without running statistics, and the spec's ops through ATen."""
+    cands, eval_mode = tuned_candidates(pipeline_of(SPECS["bn_two"]), DEFAULT)
+    assert eval_mode and [c.choices.get(PIPELINE) for c in cands].count(EAGER) == 1
+    for c in cands:
+        if c.choices.get(PIPELINE) != EAGER:
+            assert [op.module for op in c.pipeline.ops if isinstance(op, BatchNorm)] == ["bn2"]
+            assert [d.weight for d in c.pipeline.derived] == [None]
+    batch_only = spec_text([3, 12, 12], [CONV, {"batch_norm": {"track_running_stats": False}}, "relu"])
+    cands, eval_mode = tuned_candidates(pipeline_of(batch_only), DEFAULT)
+    assert not eval_mode and not any(c.pipeline.derived for c in cands)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +100,31 @@ def test_eval_mode_runs_its_plan_and_follows_the_running_statistics(rendered, de
             change(model.batch_norm)
             change(eager[1])
             torch.testing.assert_close(model(x).double(), eager(x.double()), rtol=1e-4, atol=1e-4)
+
+
+def test_a_tuning_file_chooses_eval_modes_plans(tmp_path):
+    """kgen tune measures eval mode's candidates (each module computes training mode too, with the cost
+    model's plan); its tuning file then chooses the eval plans, the cost model training mode's."""
+    from conftest import fake_tuning, write_spec
+    from kgen import tune, tunefile
+
+    spec = write_spec(tmp_path, SPECS["bn_pool"], "bn_pool.yaml")
+    pipe = pipeline_of(SPECS["bn_pool"])
+    cands, _ = tuned_candidates(pipe, DEFAULT)
+    target = choose_plans(pipe).variants[0].plan  # training mode's, by the cost model
+
+    def slowest_kgen(choices):  # the eval candidate the cost model ranks last among kgen's: a real choice
+        return choices == ranked[-1].choices
+
+    from kgen import cost
+    ranked = sorted((c for c in cands if c.choices.get(PIPELINE) != EAGER), key=lambda p: cost.estimate_ms(p, 2))
+    t = fake_tuning(spec, [2], slowest_kgen, tmp_path / "tune")
+    assert {tuple(sorted(m.plan.choices.items())) for m in t.measured} <= {tuple(sorted(c.choices.items())) for c in cands}
+    for m in t.measured:
+        binding = (m.module / "binding.cpp").read_text()
+        assert ("if (!training)" in binding) == (m.plan.choices != target.choices), m.plan.choices
+    tunefile.write_entry(spec, tune.entry(t, 20, current().name))
+    sel = choose_plans(load_pipeline(spec))
+    assert sel.source.startswith("tuning file") and sel.source.endswith("training mode: cost model")
+    assert [v.mode for v in sel.variants] == ["train", "eval"]
+    assert sel.variants[0].plan.choices == target.choices and sel.variants[1].plan.choices == ranked[-1].choices
