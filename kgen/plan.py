@@ -416,7 +416,8 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
         variants, source = [Variant(plan, why=why, mode=mode)], "cost model"
     if eval_mode:  # training mode: the candidates that compute it (ATen's batch norm), by the cost model
         plan, why = _cheapest(candidate_plans(pipeline, target), target)
-        if all(v.plan.choices == plan.choices for v in variants):  # the same plan (eager) in both modes
+        eager = lambda p: p.choices.get(PIPELINE) == EAGER  # noqa: E731  (choices alone do not tell plans of two pipelines apart)
+        if eager(plan) and all(eager(v.plan) for v in variants):  # the spec's ops through ATen in both modes
             variants = [Variant(plan, why=why)]
         else:
             variants.insert(0, Variant(plan, why=why, mode="train"))

@@ -93,7 +93,7 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
         m.model_ms = {b: cost.estimate_ms(m.plan, b) for b in batches}
         name = _module_name(pipe, m.plan)
         variants = train + [Variant(m.plan, mode="eval" if eval_mode else "any")]
-        if eval_mode and m.plan.choices == train[0].plan.choices:  # the spec's ops through ATen: both modes
+        if eval_mode and {m.plan.choices.get(PIPELINE), train[0].plan.choices.get(PIPELINE)} == {EAGER}:  # ATen's in both
             variants = [Variant(m.plan)]
         write_rendered(render_plan(rename(Selection(pipe, variants, "kgen tune"), name), root), root)
         m.module = root / name
