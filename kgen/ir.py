@@ -95,6 +95,10 @@ class TensorArg:
     ident: str  # "conv_weight"
     shape: tuple[int, ...]
 
+    @classmethod
+    def named(cls, name: str, shape) -> "TensorArg":
+        return cls(name, _ident(name), tuple(shape))
+
 
 @dataclass(frozen=True)
 class Member:

@@ -91,6 +91,11 @@ class Plan:
     def name(self) -> str:
         return self.pipeline.name
 
+    @property
+    def eager(self) -> bool:
+        """Whether it is the spec's ops through ATen (the eager candidate)."""
+        return self.choices.get(PIPELINE) == EAGER
+
     def kernel_stages(self) -> list[Stage]:
         """Stages whose kernels kgen generates; each is also the op kgen::NAME_stageK."""
         return [s for s in self.stages if s.family.generates_kernel]
@@ -405,8 +410,8 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
         variants = []
         for r in entry.ranges:  # schedules for the example batch, as kgen tune measured them
             why = f"measured fastest at batch {r.tuned_at} on {entry.device}: {r.ms:.3f} ms ({entry.path.name})"
-            source = next((c.original for c in cands if c.choices == r.choices), pipeline)
-            plan = make_plan(source, None, target, r.choices, reason=why)
+            made_from = next((c.original for c in cands if c.choices == r.choices), pipeline)  # eval mode's or the spec's
+            plan = make_plan(made_from, None, target, r.choices, reason=why)
             if plan.choices != r.choices:
                 raise KgenError(f"{entry.path}: the choices {r.choices} do not make a plan kgen offers; run `kgen tune` again")
             variants.append(Variant(plan, r.lo, r.hi, why, mode))
@@ -414,11 +419,10 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
     else:
         plan, why = _cheapest(cands, target)
         variants, source = [Variant(plan, why=why, mode=mode)], "cost model"
-    if eval_mode:  # training mode: the candidates that compute it (ATen's batch norm), by the cost model
-        plan, why = _cheapest(candidate_plans(pipeline, target), target)
-        eager = lambda p: p.choices.get(PIPELINE) == EAGER  # noqa: E731  (choices alone do not tell plans of two pipelines apart)
-        if eager(plan) and all(eager(v.plan) for v in variants):  # the spec's ops through ATen in both modes
-            variants = [Variant(plan, why=why)]
+    if eval_mode:
+        plan, why = training_plan(pipeline, target)
+        if plan.eager and all(v.plan.eager for v in variants):  # the same plan in both modes (equal choices are
+            variants = [Variant(plan, why=why)]                    # not: eval mode's are of another pipeline)
         else:
             variants.insert(0, Variant(plan, why=why, mode="train"))
             source += "; training mode: cost model" if entry is not None else ""
@@ -433,10 +437,16 @@ def tuned_candidates(pipeline: Pipeline, target: Target) -> tuple[list[Plan], bo
     eval_pipe = batch_norm_eval_affine(pipeline) if pipeline.rewrites.get(EVAL_REWRITE, True) else None
     if eval_pipe is None:
         return candidate_plans(pipeline, target), False
-    cands = [p for p in candidate_plans(eval_pipe, target) if p.choices.get(PIPELINE) != EAGER]
+    cands = [p for p in candidate_plans(eval_pipe, target) if not p.eager]
     if families.EAGER.whole(pipeline):
         cands.append(make_plan(pipeline, None, target, {PIPELINE: EAGER}))
     return cands, True
+
+
+def training_plan(pipeline: Pipeline, target: Target) -> tuple[Plan, str]:
+    """Training mode's plan where eval mode has its own: the cost model's among the candidates
+    that compute both modes (ATen's batch norm), and why."""
+    return _cheapest(candidate_plans(pipeline, target), target)
 
 
 def _cheapest(cands: list[Plan], target: Target) -> tuple[Plan, str]:

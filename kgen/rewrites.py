@@ -710,7 +710,7 @@ def batch_norm_eval_affine(pipe: Pipeline) -> Pipeline | None:
         weight, bias = op.tensor_names() or (None, None)
         view = (op.num_features,) + (1,) * (op.rank - 2)  # per channel, against the activation's dims 1..
         name = f"{op.module}.eval_scale"
-        scale = DerivedTensor(TensorArg(name, name.replace(".", "_"), (op.num_features,)), var, weight, op.eps)
+        scale = DerivedTensor(TensorArg.named(name, (op.num_features,)), var, weight, op.eps)
         derived.append(scale)
         ops += [Elementwise(key=op.key, src=op.src, fn="sub", param=mean, param_view=view),
                 Elementwise(key=f"{op.key}.scale", fn="mul", param=name, param_view=view)]

@@ -35,7 +35,7 @@ from .build import build_modules
 from .errors import KgenError
 from .ir import Pipeline, load_pipeline
 from . import target as targets
-from .plan import EAGER, PIPELINE, Plan, Selection, Variant, choose_plans, describe_choices, tuned_candidates
+from .plan import Plan, Selection, Variant, describe_choices, training_plan, tuned_candidates
 from .reference import ReferenceModel
 from .render import render_plan, rename, write_rendered
 
@@ -82,18 +82,18 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
     batches = sorted({example, *batches})
     cands, eval_mode = tuned_candidates(pipe, targets.current())
     # eval mode's candidates run beside training mode's plan (the cost model's), so each module computes both
-    train = [Variant(choose_plans(pipe).variants[0].plan, mode="train")] if eval_mode else []
+    train = [Variant(training_plan(pipe, targets.current())[0], mode="train")] if eval_mode else []
     ranked = sorted(cands, key=lambda p: cost.estimate_ms(p, example))
     chosen = ranked
     if len(ranked) > max_candidates:
-        eager = [p for p in ranked if p.choices.get(PIPELINE) == EAGER]
+        eager = [p for p in ranked if p.eager]
         chosen = [p for p in ranked if p not in eager][: max_candidates - len(eager)] + eager
     tuning = SpecTuning(Path(spec), pipe, batches, cands, [Measured(p) for p in chosen])
     for m in tuning.measured:
         m.model_ms = {b: cost.estimate_ms(m.plan, b) for b in batches}
         name = _module_name(pipe, m.plan)
         variants = train + [Variant(m.plan, mode="eval" if eval_mode else "any")]
-        if eval_mode and {m.plan.choices.get(PIPELINE), train[0].plan.choices.get(PIPELINE)} == {EAGER}:  # ATen's in both
+        if eval_mode and m.plan.eager and train[0].plan.eager:  # the spec's ops through ATen in both modes
             variants = [Variant(m.plan)]
         write_rendered(render_plan(rename(Selection(pipe, variants, "kgen tune"), name), root), root)
         m.module = root / name
@@ -218,7 +218,7 @@ def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MA
 def _rows(t: SpecTuning, e: dict) -> list[list]:
     """Per batch: the fastest candidate, its time, eager's (the candidate and PyTorch), the model's pick."""
     rows = []
-    eager = next((m for m in t.measured if m.plan.choices.get(PIPELINE) == EAGER), None)
+    eager = next((m for m in t.measured if m.plan.eager), None)
     for b in t.batches:
         r = next(r for r in e["ranges"] if r["min"] <= b and (r["max"] is None or b <= r["max"]))
         best = min((m for m in t.measured if math.isfinite(m.ms[b])), key=lambda m: m.ms[b])
