@@ -476,12 +476,12 @@ class WeightCache {
   at::Tensor get(const at::Tensor& w, int64_t floats, cudaStream_t stream, bool* stale) {
     std::lock_guard<std::mutex> lock(mutex_);
     *stale = true;
-    if (!may_keep({w}, stream)) return at::empty({floats}, w.options());
-    if (unchanged({w}) && buffer_.numel() == floats) {
+    if (!may_keep(w, stream)) return at::empty({floats}, w.options());
+    if (unchanged(w) && buffer_.numel() == floats) {
       *stale = false;
       return buffer_;
     }
-    remember({w}, stream);
+    remember(w, stream);
     if (!buffer_.defined() || buffer_.numel() != floats || buffer_.device() != w.device()) {
       buffer_ = at::empty({floats}, w.options());
     }
@@ -491,12 +491,11 @@ class WeightCache {
 
   // The tensors `derive` makes from `w`, on any device (CUDA: on the current stream).
   std::vector<at::Tensor> derived(const at::Tensor& w, const std::function<std::vector<at::Tensor>()>& derive) {
-    return derived(std::vector<at::Tensor>{w}, derive);
+    return derived(at::ArrayRef<at::Tensor>(w), derive);
   }
 
   // The tensors `derive` makes from `sources` (all on one device), kept while every one is unchanged.
-  std::vector<at::Tensor> derived(const std::vector<at::Tensor>& sources,
-                                  const std::function<std::vector<at::Tensor>()>& derive) {
+  std::vector<at::Tensor> derived(at::ArrayRef<at::Tensor> sources, const std::function<std::vector<at::Tensor>()>& derive) {
     std::lock_guard<std::mutex> lock(mutex_);
     const void* stream = nullptr;
 #ifdef KGEN_WITH_CUDA
@@ -518,7 +517,8 @@ class WeightCache {
     c10::Device device;
   };
 
-  bool may_keep(const std::vector<at::Tensor>& ws, const void* stream) const {
+  // (ArrayRef: a call with one tensor allocates nothing)
+  bool may_keep(at::ArrayRef<at::Tensor> ws, const void* stream) const {
     for (const at::Tensor& w : ws) {
       if (w.is_inference()) return false;
     }
@@ -528,7 +528,7 @@ class WeightCache {
 #endif
     return true;
   }
-  bool unchanged(const std::vector<at::Tensor>& ws) const {
+  bool unchanged(at::ArrayRef<at::Tensor> ws) const {
     if (sources_.size() != ws.size()) return false;
     for (size_t i = 0; i < ws.size(); ++i) {
       const Source& s = sources_[i];
@@ -537,7 +537,7 @@ class WeightCache {
     }
     return true;
   }
-  void remember(const std::vector<at::Tensor>& ws, const void* stream) {
+  void remember(at::ArrayRef<at::Tensor> ws, const void* stream) {
     sources_.clear();
     for (const at::Tensor& w : ws) sources_.push_back(Source{w, w._version(), w.data_ptr(), w.device()});
     stream_ = stream;
