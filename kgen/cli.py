@@ -327,21 +327,25 @@ def import_(source, name, input_shapes, out_dir):
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--no-rewrites", is_flag=True, help="Plan with every rewrite off.")
 @click.option("--batch", type=int, default=None, help="Batch for FLOPs and bytes (default: the spec's example).")
+@click.option("--training", is_flag=True,
+              help="Detail training mode's plan (where a batch norm gives eval mode a plan of its own; default: eval mode's).")
 @_fail_cleanly
-def explain(spec, no_rewrites, batch):
+def explain(spec, no_rewrites, batch, training):
     """Show how SPEC is planned: what chose the plan (the spec's tuning file
     for this target, else the cost model), every candidate plan with the
     model's estimate and the measured time, ops before and after rewrites,
     which rewrites fired and why others did not, the stages, FLOPs, bytes
     moved, the H100 floor (FLOPs / 400 TFLOP/s TF32, bytes / 3.0 TB/s) and the
-    model's estimate per stage."""
+    model's estimate per stage. Where a batch norm uses running statistics,
+    eval mode has a plan of its own; the details are eval mode's (as bench and
+    tune run the module) unless --training."""
     from .explain import explain_text
     from .ir import load_pipeline
     from .spec import REWRITE_NAMES
 
     _positive(batch, "--batch")
     pipe = load_pipeline(spec)
-    click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch))
+    click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch, training))
 
 
 @main.command(name="ops")

@@ -66,10 +66,11 @@ def fused_floor_ms(pipe: Pipeline, batch: int, target: Target) -> float:
     return min(plan_totals(p, batch)[2] for p in candidate_plans(pipe, target, batch) if p.choices.get(PIPELINE, KGEN) == KGEN)
 
 
-def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None = None) -> str:
+def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None = None, training: bool = False) -> str:
+    """``training``: detail training mode's plan where eval mode has its own (default: eval mode's)."""
     sel = choose_plans(pipe, rewrites=rewrites)
     batch = batch or pipe.example_batch()
-    variant = sel.variant_for(batch)
+    variant = sel.variant_for(batch, training)
     plan = variant.plan
     target = plan.target
     try:
@@ -97,7 +98,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
         for i, v in enumerate(sel.variants):
             out.append(f"  plan {i} for {v.runs}: {describe_choices(v.plan.choices)}")
     out += _candidates(sel, batch)
-    mode = " in eval mode, as bench and tune run it" if variant.mode == "eval" else ""
+    mode = {"eval": " in eval mode, as bench and tune run it", "train": " in training mode"}.get(variant.mode, "")
     out += ["", "rewrites:" + ("" if len(sel.variants) == 1 else f" (the plan for {sym or 'batch'} = {batch}{mode})")]
     for d in plan.decisions:
         out.append(f"  {'fired  ' if d.fired else 'skipped'}  {d.rewrite:24s} {d.site}: {d.reason}")

@@ -139,3 +139,14 @@ def test_a_tuning_file_chooses_eval_modes_plans(tmp_path):
     assert sel.source.startswith("tuning file") and sel.source.endswith("training mode: cost model")
     assert [v.mode for v in sel.variants] == ["train", "eval"]
     assert sel.variants[0].plan.choices == target.choices and sel.variants[1].plan.choices == ranked[-1].choices
+
+
+def test_explain_details_either_modes_plan():
+    from kgen.explain import explain_text
+
+    pipe = pipeline_of(SPECS["bn_gemm"])
+    after = lambda text: text.split("ops after rewrites:")[1].split("kernels of the plan")[0]  # noqa: E731
+    ev, train = explain_text(pipe), explain_text(pipe, training=True)
+    assert "plan 1 for batches 1.., eval mode" in ev and "in eval mode, as bench and tune run it" in ev
+    assert "mul(batch_norm.eval_scale per channel)" in after(ev) and "batch_norm(" not in after(ev)
+    assert "(the plan for N = 2 in training mode)" in train and "batch_norm(eps=1e-05" in after(train)
