@@ -29,12 +29,11 @@ from pathlib import Path
 
 import torch
 
-from . import cost, tunefile
+from . import cost, target as targets, tunefile
 from .bench import _commit, time_in_blocks
 from .build import build_modules
 from .errors import KgenError
 from .ir import Pipeline, load_pipeline
-from . import target as targets
 from .plan import Plan, Selection, Variant, describe_choices, training_plan, tuned_candidates
 from .reference import ReferenceModel
 from .render import render_plan, rename, write_rendered
@@ -80,9 +79,10 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
     pipe = load_pipeline(spec)
     example = pipe.example_batch()
     batches = sorted({example, *batches})
-    cands, eval_mode = tuned_candidates(pipe, targets.current())
+    target = targets.current()
+    cands, eval_mode = tuned_candidates(pipe, target)
     # eval mode's candidates run beside training mode's plan (the cost model's), so each module computes both
-    train = [Variant(training_plan(pipe, targets.current())[0], mode="train")] if eval_mode else []
+    train = [Variant(training_plan(pipe, target)[0], mode="train")] if eval_mode else []
     ranked = sorted(cands, key=lambda p: cost.estimate_ms(p, example))
     chosen = ranked
     if len(ranked) > max_candidates:

@@ -597,8 +597,9 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
     count = len(sel.variants)
     stages = [(i, plan, st) for i, plan in enumerate(sel.plans) for st in plan.kernel_stages()]
     with torch.no_grad():
+        tensors = [plan.pipeline.with_derived(state) for plan in sel.plans]  # and the tensors each plan's op derives
         for i, plan, st in stages:
-            params = plan.pipeline.with_derived(state)  # and the tensors the op derives from them
+            params = tensors[i]
             stage_op = getattr(torch.ops.kgen, stage_op_name(name, i, count, st.index))
             args = [params[a.name].to(device) for a in plan.stage_args(st)]
             names = plan.stage_values(st)
