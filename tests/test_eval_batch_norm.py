@@ -13,6 +13,8 @@ from kgen.plan import EAGER, PIPELINE, choose_plans, tuned_candidates
 from kgen.target import DEFAULT, current
 
 CONV = {"conv2d": {"out_channels": 8, "kernel_size": 3}}
+# batch statistics in both modes: nothing for eval mode to plan on its own
+BATCH_STATISTICS_ONLY = spec_text([3, 12, 12], [CONV, {"batch_norm": {"track_running_stats": False}}, "relu"])
 SPECS = {
     # KernelBench #72 in small: the affine moves through the pool, which folds into the convolution
     "bn_pool": spec_text([3, 12, 12], [CONV, {"batch_norm": {}}, {"avg_pool2d": {"kernel_size": 2}}, "relu"],
@@ -42,8 +44,7 @@ def test_eval_mode_gets_a_plan_of_its_own():
     # the spec's switch, and batch norms without running statistics: one plan for both modes
     off = spec_text([3, 12, 12], [CONV, {"batch_norm": {}}, "relu"], rewrites={"batch_norm_eval_affine": False})
     assert [v.mode for v in choose_plans(pipeline_of(off), DEFAULT).variants] == ["any"]
-    batch_only = spec_text([3, 12, 12], [CONV, {"batch_norm": {"track_running_stats": False}}, "relu"])
-    assert [v.mode for v in choose_plans(pipeline_of(batch_only), DEFAULT).variants] == ["any"]
+    assert [v.mode for v in choose_plans(pipeline_of(BATCH_STATISTICS_ONLY), DEFAULT).variants] == ["any"]
 
 
 def test_the_eval_plan_stays_where_both_modes_make_the_same_choices():
@@ -65,8 +66,7 @@ def test_eval_candidates_keep_the_batch_statistics_norm_and_eager():
         if c.choices.get(PIPELINE) != EAGER:
             assert [op.module for op in c.pipeline.ops if isinstance(op, BatchNorm)] == ["bn2"]
             assert [d.weight for d in c.pipeline.derived] == [None]
-    batch_only = spec_text([3, 12, 12], [CONV, {"batch_norm": {"track_running_stats": False}}, "relu"])
-    cands, eval_mode = tuned_candidates(pipeline_of(batch_only), DEFAULT)
+    cands, eval_mode = tuned_candidates(pipeline_of(BATCH_STATISTICS_ONLY), DEFAULT)
     assert not eval_mode and not any(c.pipeline.derived for c in cands)
 
 
