@@ -137,7 +137,7 @@ class DerivedTensor:
     def cpp(self, ident) -> str:
         """The same formula in ATen (``ident``: a state_dict name -> its C++ argument)."""
         weight = ident(self.weight) if self.weight else "at::Tensor()"
-        return f"kgen::batch_norm_eval_scale({ident(self.var)}, {weight}, {self.eps!r})"
+        return f"kgen::batch_norm_scale({ident(self.var)}, {weight}, {self.eps!r})"
 
 
 # ---------------------------------------------------------------- ops
@@ -780,6 +780,85 @@ class BatchNorm(Op):
 
 
 @dataclass(frozen=True)
+class BatchStats(Op):
+    """Training-mode batch norm's statistics (kgen.rewrites.batch_norm_batch_stats): the identity on
+    its input, which it reads once for the batch's per-channel mean and biased variance over (batch,
+    spatial); it makes two tensors for the ops after it, ``mean`` and ``scale`` = weight /
+    sqrt(var + eps), which apply the norm as ``(x - mean) * scale + bias``, and (tracked) updates
+    the running statistics as ``norm`` does (the unbiased variance, momentum or the cumulative average)."""
+
+    norm: BatchNorm = None
+
+    @property
+    def op_name(self) -> str:
+        return "batch_stats"
+
+    @property
+    def mean(self) -> TensorArg:
+        return TensorArg.named(f"{self.norm.module}.batch_mean", (self.norm.num_features,))
+
+    @property
+    def scale(self) -> TensorArg:
+        return TensorArg.named(f"{self.norm.module}.batch_scale", (self.norm.num_features,))
+
+    @property
+    def weight(self) -> str | None:
+        return self.norm.tensor_names()[0] if self.norm.affine else None
+
+    def tensor_names(self):
+        return (self.weight,) if self.weight else ()
+
+    def buffer_names(self):
+        return self.norm.buffer_names()
+
+    def made_tensors(self) -> tuple[TensorArg, ...]:
+        """The tensors it makes for the ops after it (they take them like parameters)."""
+        return (self.mean, self.scale)
+
+    def infer(self, t):
+        return self.norm.infer(t)
+
+    def flops(self, t_in, t_out):
+        return 3 * t_in.sample_numel
+
+    def run(self, x, tensors):
+        """Puts mean and scale into ``tensors``; in training mode updates the running statistics
+        there in place as ``norm`` does (and counts num_batches_tracked, when ``tensors`` has it)."""
+        dims = [0] + list(range(2, x.dim()))
+        n = x.numel() // x.shape[1]
+        if n <= 1:  # as F.batch_norm refuses it
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
+        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        if self.norm.track_running_stats and getattr(tensors, "training", False):
+            rm, rv = (tensors[b] for b in self.buffer_names())
+            count = tensors.get(f"{self.norm.module}.num_batches_tracked")
+            if count is not None:
+                count.add_(1)
+            factor = self.norm.factor(count)
+            rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)
+            rv.mul_(1 - factor).add_((var * (n / (n - 1))).to(rv.dtype), alpha=factor)
+        root = torch.sqrt(var + self.norm.eps)
+        tensors[self.mean.name] = mean
+        tensors[self.scale.name] = tensors[self.weight] / root if self.weight else torch.reciprocal(root)
+        return x
+
+    def stand_ins(self, tensors) -> dict:
+        """Values for the tensors it makes where a stage after it runs alone (validation's
+        per-stage cases): the running statistics' (eval mode's) where it tracks them."""
+        if self.norm.track_running_stats:
+            mean, var = (tensors[b] for b in self.buffer_names())
+        else:  # zero mean, unit variance, on the tensors' device
+            device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), None)
+            mean = torch.zeros(self.norm.num_features, device=device)
+            var = torch.ones(self.norm.num_features, device=device)
+        root = torch.sqrt(var + self.norm.eps)
+        return {self.mean.name: mean, self.scale.name: tensors[self.weight] / root if self.weight else torch.reciprocal(root)}
+
+    def describe(self):
+        return f"batch statistics of {self.norm.describe()}"
+
+
+@dataclass(frozen=True)
 class LayerNorm(Op):
     """nn.LayerNorm over the last ``len(normalized_shape)`` dims."""
 
@@ -945,7 +1024,7 @@ class Pipeline:
     @property
     def training_dependent(self) -> bool:
         """Whether some op computes differently in training and eval mode (batch norm, dropout)."""
-        return any(isinstance(op, (BatchNorm, Dropout)) for op in self.ops)
+        return any(isinstance(op, (BatchNorm, BatchStats, Dropout)) for op in self.ops)
 
     def with_ops(self, ops) -> "Pipeline":
         """The same pipeline with other ops; shapes are re-inferred and the output must not change."""
@@ -996,8 +1075,10 @@ class Pipeline:
         return [b for m in self.members() for b in m.buffers]
 
     def stage_tensors(self) -> list[TensorArg]:
-        """Every tensor a stage may take like a parameter: parameters, buffers, derived tensors."""
-        return self.tensor_args() + self.buffer_args() + [d.arg for d in self.derived]
+        """Every tensor a stage may take like a parameter: parameters, buffers, derived tensors,
+        and the tensors a stage makes for the stages after it (batch statistics)."""
+        made = [a for op in self.ops if isinstance(op, BatchStats) for a in op.made_tensors()]
+        return self.tensor_args() + self.buffer_args() + [d.arg for d in self.derived] + made
 
     def derived_sources(self) -> list[str]:
         """The tensors the derived tensors are made from, each once."""
@@ -1005,12 +1086,21 @@ class Pipeline:
 
     def updated_buffers(self) -> set[str]:
         """The running statistics some op of the pipeline updates in training mode."""
-        return {n for op in self.ops if isinstance(op, BatchNorm) for n in op.buffer_names()}
+        return {n for op in self.ops if isinstance(op, (BatchNorm, BatchStats)) for n in op.buffer_names()}
 
     def with_derived(self, tensors: Mapping) -> dict:
         """``tensors`` (parameters and buffers by state_dict name) and the derived tensors made from them."""
         out = dict(tensors)
         out.update({d.arg.name: d.compute(tensors) for d in self.derived})
+        return out
+
+    def with_stage_tensors(self, tensors: Mapping) -> dict:
+        """``with_derived``, and stand-ins for the tensors stages make (``BatchStats.stand_ins``):
+        every tensor a stage may take, for running a stage alone."""
+        out = self.with_derived(tensors)
+        for op in self.ops:
+            if isinstance(op, BatchStats):
+                out.update(op.stand_ins(out))
         return out
 
     def value_args(self) -> list[str]:

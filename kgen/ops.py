@@ -27,8 +27,9 @@ from .fields import REQUIRED
 
 # Roles: the IR op that computes an entry (kgen.ir builds one per role).
 ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise", "linear", "softmax", "batch_norm",
-         "layer_norm", "reshape", "dropout", "capture")
-INTERNAL = ("as",)  # ops of the IR a spec does not name as ops (`as:` on an op makes one)
+         "batch_stats", "layer_norm", "reshape", "dropout", "capture")
+# ops of the IR a spec does not name as ops (`as:` on an op makes one; a rewrite makes batch_stats)
+INTERNAL = ("as", "batch_stats")
 
 # The families that can absorb each kind of op (a new family adds its name here).
 CONV = ("conv_gemm", "conv_aten")  # implementations of a convolution stage
@@ -266,6 +267,9 @@ def _table() -> dict[str, OpDef]:
               "nn.Dropout: the identity in eval mode or with p = 0; kgen refuses it in training mode otherwise",
               _check_dropout),
         OpDef("as", "capture", {}, FUSED, "names the value at this point (spec: `as: NAME` on the op before it)"),
+        OpDef("batch_stats", "batch_stats", {}, ATEN,
+              "training-mode batch norm's batch statistics, the norm then applied as a per-channel affine that fuses "
+              "(rewrites.batch_norm_batch_stats)"),
         OpDef("group_norm", "norm", {
             "num_groups": (f.integer(1), REQUIRED),
             "eps": (f.number, 1e-5),

@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import families, target as targets, values
 from .errors import KgenError
-from .ir import Capture, Elementwise, Op, Pipeline
+from .ir import BatchNorm, Capture, Elementwise, Op, Pipeline
 from .lowering import TapSums, lowered
 from .ops import FUSED, OPS
-from .rewrites import Decision, apply_rewrites, batch_norm_eval_affine
+from .rewrites import Decision, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
 from .stage import ConvStage, Stage, flat_buffer
 from .target import Target
 
@@ -43,6 +43,7 @@ from .target import Target
 PIPELINE = "pipeline"  # options KGEN, EAGER: kgen's stages or the spec's ops through ATen
 KGEN, EAGER = "kgen", "eager"
 EVAL_REWRITE = "batch_norm_eval_affine"  # the spec's switch for eval mode's own plan
+TRAIN_REWRITE = "batch_norm_batch_stats"  # the spec's switch for training mode's batch statistics stage
 ON, OFF = "on", "off"
 MAX_CANDIDATES = 64  # plans candidate_plans enumerates at most (in order from the default)
 DEFAULT_REASON = "the default: the first candidate"
@@ -436,17 +437,34 @@ def tuned_candidates(pipeline: Pipeline, target: Target) -> tuple[list[Plan], bo
     as a per-channel affine, and the spec's ops through ATen; else every candidate."""
     eval_pipe = batch_norm_eval_affine(pipeline) if pipeline.rewrites.get(EVAL_REWRITE, True) else None
     if eval_pipe is None:
-        return candidate_plans(pipeline, target), False
-    cands = [p for p in candidate_plans(eval_pipe, target) if not p.eager]
+        tracked = any(isinstance(op, BatchNorm) and op.track_running_stats for op in pipeline.ops)
+        return (candidate_plans(pipeline, target) if tracked else training_candidates(pipeline, target)), False
+    return _and_eager(candidate_plans(eval_pipe, target), pipeline, target), True
+
+
+def training_candidates(pipeline: Pipeline, target: Target) -> list[Plan]:
+    """The candidates for training mode (or both modes, where no batch norm keeps running
+    statistics): kgen's plans of the pipeline with each batch norm as its batch statistics and a
+    per-channel affine that fuses (rewrites.batch_norm_batch_stats), and the spec's ops through
+    ATen; every candidate where there is no batch norm or the spec switches the rewrite off."""
+    stats_pipe = batch_norm_batch_stats(pipeline) if pipeline.rewrites.get(TRAIN_REWRITE, True) else None
+    if stats_pipe is None:
+        return candidate_plans(pipeline, target)
+    return _and_eager(candidate_plans(stats_pipe, target), pipeline, target)
+
+
+def _and_eager(cands: list[Plan], pipeline: Pipeline, target: Target) -> list[Plan]:
+    """kgen's candidates of a rewritten pipeline, and the eager candidate of ``pipeline`` as written."""
+    cands = [p for p in cands if not p.eager]
     if families.EAGER.whole(pipeline):
         cands.append(make_plan(pipeline, None, target, {PIPELINE: EAGER}))
-    return cands, True
+    return cands
 
 
 def training_plan(pipeline: Pipeline, target: Target) -> tuple[Plan, str]:
-    """Training mode's plan where eval mode has its own: the cost model's among the candidates
-    that compute both modes (ATen's batch norm), and why."""
-    return _cheapest(candidate_plans(pipeline, target), target)
+    """Training mode's plan where eval mode has its own: the cost model's among the training
+    candidates, and why."""
+    return _cheapest(training_candidates(pipeline, target), target)
 
 
 def _cheapest(cands: list[Plan], target: Target) -> tuple[Plan, str]:

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .errors import SpecError
-from .ir import (BatchNorm, Capture, Conv, DerivedTensor, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
+from .ir import (BatchNorm, BatchStats, Capture, Conv, DerivedTensor, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
                  TensorArg, TensorType, infer_types)
 from .lowering import Direct, Folded, LoweredConv, PooledProduct, Subpixel, TapSums, lowered
 
@@ -719,6 +719,35 @@ def batch_norm_eval_affine(pipe: Pipeline) -> Pipeline | None:
     if not derived:
         return None
     return replace(pipe.with_ops(ops), derived=tuple(derived), kept_members=tuple(pipe.members()))
+
+
+def batch_norm_batch_stats(pipe: Pipeline) -> Pipeline | None:
+    """The pipeline as training mode computes it: each batch norm becomes its batch statistics
+    (``BatchStats``: the identity on its input, read once; it makes the per-channel ``mean`` and
+    ``scale`` = weight / sqrt(var + eps) and updates the running statistics) and ``(x - mean) *
+    scale (+ bias)``, three per-channel elementwise ops that fuse into the next stage; None where
+    the pipeline has no batch norm. ATen's training-mode norm reads its input twice and writes
+    its output, which the next stage reads again; here the input is read once for the statistics
+    and once by the stage that applies them.
+
+    Not one of REWRITES, like batch_norm_eval_affine: the plan runs it for the plan of training mode
+    (or of both modes, for a norm that keeps no running statistics).
+    """
+    ops = []
+    for op in pipe.ops:
+        if not isinstance(op, BatchNorm):
+            ops.append(op)
+            continue
+        stats = BatchStats(key=f"{op.key}.stats", src=op.src, norm=op)
+        view = (op.num_features,) + (1,) * (op.rank - 2)
+        ops += [stats,
+                Elementwise(key=op.key, fn="sub", param=stats.mean.name, param_view=view),
+                Elementwise(key=f"{op.key}.scale", fn="mul", param=stats.scale.name, param_view=view)]
+        if op.affine:
+            ops.append(Elementwise(key=f"{op.key}.shift", fn="add", param=op.tensor_names()[1], param_view=view))
+    if len(ops) == len(pipe.ops):
+        return None
+    return replace(pipe.with_ops(ops), kept_members=tuple(pipe.members()))
 
 
 def apply_rewrites(pipe: Pipeline, enabled: dict | None = None, fire=always) -> tuple[Pipeline, list[Decision]]:

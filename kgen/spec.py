@@ -62,6 +62,7 @@ REWRITE_NAMES = (
     "dead_region",
     "reduction_algebra",
     "batch_norm_eval_affine",  # eval mode's own plan (kgen.plan: not one of rewrites.REWRITES)
+    "batch_norm_batch_stats",  # training mode's batch statistics stage (kgen.plan: not one of rewrites.REWRITES)
 )
 
 

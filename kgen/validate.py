@@ -597,7 +597,7 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
     count = len(sel.variants)
     stages = [(i, plan, st) for i, plan in enumerate(sel.plans) for st in plan.kernel_stages()]
     with torch.no_grad():
-        tensors = [plan.pipeline.with_derived(state) for plan in sel.plans]  # and the tensors each plan's op derives
+        tensors = [plan.pipeline.with_stage_tensors(state) for plan in sel.plans]  # and the tensors each plan's op derives or makes
         for i, plan, st in stages:
             params = tensors[i]
             stage_op = getattr(torch.ops.kgen, stage_op_name(name, i, count, st.index))

@@ -78,7 +78,7 @@ def rendered(tmp_path_factory):
 def test_the_op_dispatches_on_the_mode(rendered):
     binding = (rendered["bn_pool"][1] / "binding.cpp").read_text()
     assert "if (!training) {\n    return v1::forward(" in binding
-    assert "kgen::batch_norm_eval_scale(batch_norm_running_var, batch_norm_weight, 1e-05)" in binding
+    assert "kgen::batch_norm_scale(batch_norm_running_var, batch_norm_weight, 1e-05)" in binding
 
 
 @pytest.mark.parametrize("device", BUILD_DEVICES)

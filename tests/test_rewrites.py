@@ -1344,7 +1344,7 @@ def test_batch_norm_eval_affine_is_eval_mode(shape, affine, conv):
         r, decisions = rewrite(e, "affine_through_pooling", "avg_pool_folding")
         assert fired(decisions, "affine_through_pooling")
         torch.testing.assert_close(run(r, x, t), want, rtol=1e-10, atol=1e-10)
-    # the derived scale as the generated binding computes it (kgen_runtime.h: batch_norm_eval_scale)
+    # the derived scale as the generated binding computes it (kgen_runtime.h: batch_norm_scale)
     scale = e.with_derived(t)["batch_norm.eval_scale"]
     w = t["batch_norm.weight"] if affine else 1.0
     torch.testing.assert_close(scale, w / torch.sqrt(t["batch_norm.running_var"] + 1e-3), rtol=0, atol=0)

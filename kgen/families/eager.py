@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..cexpr import braces
-from ..ir import (BatchNorm, Capture, Conv, Dropout, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
+from ..ir import (BatchNorm, BatchStats, Capture, Conv, Dropout, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
                   Softmax, TensorType, dropout_refusal)
 from ..ops import OPS, ElementwiseOp
 from ..stage import Stage, flat_buffer
@@ -106,11 +106,27 @@ def aten_prelude(op: Op, ident) -> list[str]:
     """C++ statements ``aten_call``'s expression of ``op`` needs before it: a batch norm's copies of
     the running statistics it updates in training mode (the op returns them), dropout's refusal of
     training mode."""
-    if isinstance(op, BatchNorm):
+    if isinstance(op, (BatchNorm, BatchStats)):
         return [f"at::Tensor new_{ident(n)} = {ident(n)}.clone();" for n in op.buffer_names()]
     if isinstance(op, Dropout) and op.p > 0:
         return [f'TORCH_CHECK(!training, kOp, ": {dropout_refusal(op.p)}");']
     return []
+
+
+def batch_stats_lines(op: BatchStats, src: str, ident, buffers, index: int) -> list[str]:
+    """C++ statements of the batch_stats stage ``index`` (after ``aten_prelude``'s copies of the
+    running statistics it updates): its mean and scale under the names the stages after it take
+    them by (``ident``), its update of the copies in training mode."""
+    w = ident(op.weight) if op.weight else "at::Tensor()"
+    if op.norm.track_running_stats:
+        rm, rv = op.buffer_names()
+        k = list(buffers).index(rm) // 2
+        update = f"training ? new_{ident(rm)} : at::Tensor(), new_{ident(rv)}, training ? factors[{k}] : 0.0"
+    else:
+        update = "at::Tensor(), at::Tensor(), 0.0"
+    return [f"const auto stats{index} = kgen::batch_norm_batch_stats({src}, {w}, {op.norm.eps!r}, {update});",
+            f"const at::Tensor& {op.mean.ident} = stats{index}.first;",
+            f"const at::Tensor& {op.scale.ident} = stats{index}.second;"]
 
 
 def aten_call(op: Op, src: str, ident, buffers=()) -> str | None:
