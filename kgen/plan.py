@@ -434,12 +434,14 @@ def tuned_candidates(pipeline: Pipeline, target: Target) -> tuple[list[Plan], bo
     """The candidates `kgen tune` measures and a tuning file chooses among, and whether they are
     eval mode's own. Where a batch norm uses running statistics (and the spec does not switch
     rewrites.batch_norm_eval_affine off), eval mode's: kgen's plans of the pipeline with the norm
-    as a per-channel affine, and the spec's ops through ATen; else every candidate."""
+    as a per-channel affine (a norm without running statistics as its batch statistics), and the
+    spec's ops through ATen; else the training candidates (where no norm keeps running statistics),
+    or every candidate."""
     eval_pipe = batch_norm_eval_affine(pipeline) if pipeline.rewrites.get(EVAL_REWRITE, True) else None
     if eval_pipe is None:
         tracked = any(isinstance(op, BatchNorm) and op.track_running_stats for op in pipeline.ops)
         return (candidate_plans(pipeline, target) if tracked else training_candidates(pipeline, target)), False
-    return _and_eager(candidate_plans(eval_pipe, target), pipeline, target), True
+    return _and_eager(candidate_plans(_batch_stats(eval_pipe) or eval_pipe, target), pipeline, target), True
 
 
 def training_candidates(pipeline: Pipeline, target: Target) -> list[Plan]:
@@ -447,10 +449,15 @@ def training_candidates(pipeline: Pipeline, target: Target) -> list[Plan]:
     statistics): kgen's plans of the pipeline with each batch norm as its batch statistics and a
     per-channel affine that fuses (rewrites.batch_norm_batch_stats), and the spec's ops through
     ATen; every candidate where there is no batch norm or the spec switches the rewrite off."""
-    stats_pipe = batch_norm_batch_stats(pipeline) if pipeline.rewrites.get(TRAIN_REWRITE, True) else None
+    stats_pipe = _batch_stats(pipeline)
     if stats_pipe is None:
         return candidate_plans(pipeline, target)
     return _and_eager(candidate_plans(stats_pipe, target), pipeline, target)
+
+
+def _batch_stats(pipeline: Pipeline) -> Pipeline | None:
+    """rewrites.batch_norm_batch_stats unless the spec switches it off (None: not made)."""
+    return batch_norm_batch_stats(pipeline) if pipeline.rewrites.get(TRAIN_REWRITE, True) else None
 
 
 def _and_eager(cands: list[Plan], pipeline: Pipeline, target: Target) -> list[Plan]:

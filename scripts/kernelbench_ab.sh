@@ -7,6 +7,7 @@
 # (kernelbench_gpu.py's check: the float64 reference with the adversarial cases, KernelBench's
 # own check); then both are timed in the same process order, eager beside each.
 #   ONLY=15,34,58 BASE=build/ab/base bash scripts/kernelbench_ab.sh
+# TRAINING=1 times in training mode (default: eval mode, as kgen bench).
 set -uo pipefail
 ONLY=${ONLY:?problem numbers, comma-separated}
 BASE=${BASE:-build/ab/base}
@@ -35,7 +36,7 @@ calls=4
 for round in 1 2; do
   for side in b a; do
     tree=$PWD; [ $side = a ] && tree=$A
-    kb "$tree" /tmp/gen_$side /tmp/state_$side.json time --budget $(( $(left) / calls )) 2>&1 | grep -E "^ *[0-9]+ kb2" | sed "s/^/${side^^}$round /"
+    kb "$tree" /tmp/gen_$side /tmp/state_$side.json time --budget $(( $(left) / calls )) ${TRAINING:+--training} 2>&1 | grep -E "^ *[0-9]+ kb2" | sed "s/^/${side^^}$round /"
     calls=$((calls - 1))
     python3 -c "
 import json, sys

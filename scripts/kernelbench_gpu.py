@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0, help="skip problems numbered below this")
     ap.add_argument("--only", default="", help="comma-separated problem numbers")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
+    ap.add_argument("--training", action="store_true",
+                    help="time in training mode (batch norm's batch statistics; KernelBench's own check runs so)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one spec's check, JSON on stdout
     args = ap.parse_args()
     if args.worker:
@@ -270,6 +272,8 @@ def time_all(specs, rows, args, deadline, write):
         t = time.time()
         try:
             _, batch, model, ref, inputs = models_and_inputs(args.gen / s.stem, s)
+            if args.training:
+                model.train(), ref.train()
             fns = {"eager_ms": lambda: ref(*inputs), "kgen_ms": lambda: model(*inputs)}
             with torch.no_grad():
                 if args.compile and "compile_error" not in row:

@@ -1,19 +1,22 @@
-"""Eval mode's own plan: a batch norm over its running statistics as a per-channel affine
-(rewrites.batch_norm_eval_affine) that fuses into the stages around it, its scale derived from the
-running variance and the weight on each call (ir.DerivedTensor, kept by kgen::WeightCache while they
-are unchanged); training mode keeps the plan with ATen's batch norm. Plans, then modules rendered,
-built and validated in both modes against the float64 reference, on the CPU build and (GPU tests)
-the CUDA one."""
+"""Batch norm's plans per mode. Eval mode: the norm over its running statistics as a per-channel
+affine (rewrites.batch_norm_eval_affine) that fuses into the stages around it, its scale derived from
+the running variance and the weight on each call (ir.DerivedTensor, kept by kgen::WeightCache while
+they are unchanged). Training mode (and both modes for a norm without running statistics): the batch
+statistics as a stage that reads its input once (ir.BatchStats: ATen's var_mean), the norm applied as
+the same kind of affine by the next stage (rewrites.batch_norm_batch_stats). Plans, the rewritten
+pipelines against PyTorch's batch norm, then modules rendered, built and validated in both modes
+against the float64 reference, on the CPU build and (GPU tests) the CUDA one."""
 import pytest
 import torch
 
 from conftest import BUILD_DEVICES, build_and_validate, pipeline_of, render_specs, spec_text
-from kgen.ir import BatchNorm, load_pipeline
-from kgen.plan import EAGER, PIPELINE, choose_plans, tuned_candidates
+from kgen.ir import BatchNorm, BatchStats, Env, load_pipeline
+from kgen.plan import EAGER, PIPELINE, choose_plans, training_candidates, tuned_candidates
+from kgen.rewrites import batch_norm_batch_stats
 from kgen.target import DEFAULT, current
 
 CONV = {"conv2d": {"out_channels": 8, "kernel_size": 3}}
-# batch statistics in both modes: nothing for eval mode to plan on its own
+# batch statistics in both modes: one plan, with the batch_stats stage
 BATCH_STATISTICS_ONLY = spec_text([3, 12, 12], [CONV, {"batch_norm": {"track_running_stats": False}}, "relu"])
 SPECS = {
     # KernelBench #72 in small: the affine moves through the pool, which folds into the convolution
@@ -22,7 +25,7 @@ SPECS = {
     # in the generated convolution's epilogue
     "bn_gemm": spec_text([4, 10, 9], [CONV, {"batch_norm": {"momentum": 0.3}}, "tanh", {"sum": {"dim": 1}}],
                          name="bn_gemm", plan={"conv": "gemm"}),
-    # two batch norms, one without running statistics (batch statistics in both modes: ATen's stage stays)
+    # two batch norms, one without running statistics (batch statistics in both modes: a batch_stats stage)
     "bn_two": spec_text([2, 5, 4, 6], [{"conv3d": {"out_channels": 4, "kernel_size": 2}},
                                        {"batch_norm": {"name": "bn1", "momentum": None, "affine": False, "eps": 1e-3}},
                                        "relu", {"batch_norm": {"name": "bn2", "track_running_stats": False}},
@@ -36,11 +39,11 @@ def test_eval_mode_gets_a_plan_of_its_own():
     sel = choose_plans(pipeline_of(SPECS["bn_pool"]), DEFAULT)
     assert [v.mode for v in sel.variants] == ["train", "eval"]
     train, ev = (v.plan for v in sel.variants)
-    assert any(isinstance(op, BatchNorm) for st in train.stages for op in st.ops)
-    assert not any(isinstance(op, BatchNorm) for op in ev.pipeline.ops)
+    assert [type(op) for st in train.stages for op in st.ops if isinstance(op, (BatchNorm, BatchStats))] == [BatchStats]
+    assert not any(isinstance(op, (BatchNorm, BatchStats)) for op in ev.pipeline.ops)
     assert [d.arg.name for d in ev.pipeline.derived] == ["batch_norm.eval_scale"]
     assert sel.variant_for(2, training=True) is sel.variants[0] and sel.variant_for(2) is sel.variants[1]
-    assert len(ev.kernel_stages()) < len(train.kernel_stages()) + sum(s.family.name == "aten" for s in train.stages)
+    assert len(ev.stages) < len(train.stages)
     # the spec's switch, and batch norms without running statistics: one plan for both modes
     off = spec_text([3, 12, 12], [CONV, {"batch_norm": {}}, "relu"], rewrites={"batch_norm_eval_affine": False})
     assert [v.mode for v in choose_plans(pipeline_of(off), DEFAULT).variants] == ["any"]
@@ -49,25 +52,74 @@ def test_eval_mode_gets_a_plan_of_its_own():
 
 def test_the_eval_plan_stays_where_both_modes_make_the_same_choices():
     """KernelBench #73 in small: the generated convolution in both modes (the same choices), but eval mode's
-    plan has the affine in its epilogue where training mode's has ATen's batch norm: two plans."""
+    plan has the affine in its epilogue where training mode's has the batch statistics: two plans."""
     text = spec_text([8, 20, 20], [CONV, {"batch_norm": {}}, {"mul": {"scalar": 2.0}}], plan={"conv": "gemm"}, batch=8)
     sel = choose_plans(pipeline_of(text), DEFAULT)
     train, ev = (v.plan for v in sel.variants)
     assert train.choices == ev.choices and [v.mode for v in sel.variants] == ["train", "eval"]
-    assert any(isinstance(op, BatchNorm) for op in train.pipeline.ops) and ev.pipeline.derived
+    assert any(isinstance(op, BatchStats) for op in train.pipeline.ops) and ev.pipeline.derived
 
 
-def test_eval_candidates_keep_the_batch_statistics_norm_and_eager():
+def test_eval_candidates_take_the_batch_statistics_of_a_norm_without_running_statistics():
     """What kgen tune measures in eval mode (and a tuning file chooses among): kgen's plans of the eval
-    pipeline, which keeps the norm without running statistics, and the spec's ops through ATen."""
+    pipeline, where the norm without running statistics is its batch statistics, and the spec's ops
+    through ATen."""
     cands, eval_mode = tuned_candidates(pipeline_of(SPECS["bn_two"]), DEFAULT)
     assert eval_mode and [c.choices.get(PIPELINE) for c in cands].count(EAGER) == 1
     for c in cands:
         if c.choices.get(PIPELINE) != EAGER:
-            assert [op.module for op in c.pipeline.ops if isinstance(op, BatchNorm)] == ["bn2"]
+            assert not any(isinstance(op, BatchNorm) for op in c.pipeline.ops)
+            assert [op.norm.module for op in c.pipeline.ops if isinstance(op, BatchStats)] == ["bn2"]
             assert [d.weight for d in c.pipeline.derived] == [None]
     cands, eval_mode = tuned_candidates(pipeline_of(BATCH_STATISTICS_ONLY), DEFAULT)
     assert not eval_mode and not any(c.pipeline.derived for c in cands)
+    assert all(any(isinstance(op, BatchStats) for op in c.pipeline.ops) for c in cands if not c.eager)
+
+
+def test_training_candidates_and_the_switch():
+    """Training mode's candidates: kgen's with the batch statistics (no ATen batch norm), and eager;
+    `rewrites: {batch_norm_batch_stats: false}` keeps ATen's norm in every candidate."""
+    cands = training_candidates(pipeline_of(SPECS["bn_pool"]), DEFAULT)
+    assert sum(c.eager for c in cands) == 1
+    assert all(not any(isinstance(op, BatchNorm) for op in c.pipeline.ops) for c in cands if not c.eager)
+    off = spec_text([3, 12, 12], [CONV, {"batch_norm": {}}, "relu"], rewrites={"batch_norm_batch_stats": False})
+    train = choose_plans(pipeline_of(off), DEFAULT).variants[0]
+    assert train.mode == "train" and any(isinstance(op, BatchNorm) for op in train.plan.pipeline.ops)
+
+
+@pytest.mark.parametrize("spec", ["bn_pool", "bn_two", "bn_linear"])
+@pytest.mark.parametrize("data", ["normal", "offset"])
+def test_the_batch_statistics_pipeline_computes_batch_norm(spec, data):
+    """The rewritten pipeline against the spec's (PyTorch's batch norm) in float64, training mode:
+    the output and the running statistics' update (momentum, the cumulative average with its count,
+    none); ``offset``: values far from zero with a small spread (a one-pass sum of squares would
+    cancel), one channel constant."""
+    pipe = pipeline_of(SPECS[spec])
+    stats = batch_norm_batch_stats(pipe)
+    torch.manual_seed(5)
+    x = torch.randn(pipe.input.concrete(4), dtype=torch.float64)
+    if data == "offset":
+        x = 1e4 + x * 1e-2
+        x[:, 0] = 3.0
+    state = {}
+    for m in pipe.members():
+        for t in m.tensors + m.buffers:
+            state[t.name] = torch.randn(t.shape, dtype=torch.float64)
+        for t in m.buffers:
+            if t.name.endswith("running_var"):
+                state[t.name] = state[t.name].abs() + 0.5
+        if m.buffers:
+            state[f"{m.attr}.num_batches_tracked"] = torch.tensor(3)
+    outs = []
+    for p in (pipe, stats):
+        env = Env({k: v.clone() for k, v in state.items()})
+        env.training = True
+        outs.append((p.run(x, env, training=True), env))
+    (ref, ref_env), (out, env) = outs
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for k in state:
+        torch.testing.assert_close(env[k], ref_env[k], rtol=1e-9, atol=1e-9)
+        assert not torch.equal(env[k], state[k]) or not k.endswith(("running_mean", "num_batches_tracked")), k
 
 
 @pytest.fixture(scope="module")
@@ -149,4 +201,5 @@ def test_explain_details_either_modes_plan():
     ev, train = explain_text(pipe), explain_text(pipe, training=True)
     assert "plan 1 for batches 1.., eval mode" in ev and "in eval mode, as bench and tune run it" in ev
     assert "mul(batch_norm.eval_scale per channel)" in after(ev) and "batch_norm(" not in after(ev)
-    assert "(the plan for N = 2 in training mode)" in train and "batch_norm(eps=1e-05" in after(train)
+    assert "(the plan for N = 2 in training mode)" in train
+    assert "batch statistics of batch_norm(eps=1e-05" in after(train) and "mul(batch_norm.batch_scale per channel)" in after(train)
