@@ -267,7 +267,7 @@ def _table() -> dict[str, OpDef]:
               "nn.Dropout: the identity in eval mode or with p = 0; kgen refuses it in training mode otherwise",
               _check_dropout),
         OpDef("as", "capture", {}, FUSED, "names the value at this point (spec: `as: NAME` on the op before it)"),
-        OpDef("batch_stats", "batch_stats", {}, ATEN,
+        OpDef("batch_stats", "batch_stats", {}, ("batch_stats",),
               "training-mode batch norm's batch statistics, the norm then applied as a per-channel affine that fuses "
               "(rewrites.batch_norm_batch_stats)"),
         OpDef("group_norm", "norm", {

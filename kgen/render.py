@@ -28,7 +28,7 @@ import jinja2
 
 from . import cexpr
 from .errors import KgenError
-from .families.eager import aten_call, aten_prelude, batch_stats_lines
+from .families.eager import aten_call, aten_prelude
 from .ir import dropout_refusal, load_pipeline
 from .plan import Plan, Selection, Variant, choose_plans, stage_op_name, stage_scope_name
 from .spec import NO_DEFAULT, spec_to_data
@@ -64,7 +64,7 @@ def _environment() -> jinja2.Environment:
     env.filters["pyrepr"] = repr  # checked values only: None, bools, numbers, tuples of them
     env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod, dropout_refusal=dropout_refusal,
                        fail=_fail, NO_DEFAULT=NO_DEFAULT, constructor_call=constructor_call, aten_call=aten_call,
-                       aten_prelude=aten_prelude, batch_stats_lines=batch_stats_lines)
+                       aten_prelude=aten_prelude)
     return env
 
 

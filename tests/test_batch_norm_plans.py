@@ -32,6 +32,8 @@ SPECS = {
                                        {"mean": {"dim": [2, 3, 4]}}], name="bn_two"),
     # after a matrix product (BatchNorm1d over [N, C])
     "bn_linear": spec_text([16], [{"linear": {"out_features": 24}}, {"batch_norm": {}}, "gelu"], name="bn_linear", batch=4),
+    # on the input, rows of 4899 values: the generated statistics kernels' chunks of 4096 and a tail
+    "bn_first": spec_text([5, 71, 69], [{"batch_norm": {"momentum": None}}, "relu"], name="bn_first", batch=64),
 }
 
 
@@ -162,6 +164,44 @@ def test_eval_mode_runs_its_plan_and_follows_the_running_statistics(rendered, de
             change(model.batch_norm)
             change(eager[1])
             torch.testing.assert_close(model(x).double(), eager(x.double()), rtol=1e-4, atol=1e-4)
+
+
+def test_the_statistics_stage_is_generated_for_rows_with_a_spatial_extent():
+    """batch_stats: the generated CUDA kernels for rows of at least MIN_SPATIAL values; BatchNorm1d's
+    rows of one value keep ATen's var_mean."""
+    from kgen.families.batch_stats import MIN_SPATIAL
+
+    def stats_stage(spec):
+        kgen = next(c for c in training_candidates(pipeline_of(SPECS[spec]), DEFAULT) if not c.eager)
+        return next(st for st in kgen.stages if st.family.name == "batch_stats")
+
+    assert stats_stage("bn_first").kernel and stats_stage("bn_first").spatial == 71 * 69 >= MIN_SPATIAL
+    assert not stats_stage("bn_linear").kernel
+
+
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_training_mode_far_from_zero(rendered, device):
+    """Training mode on values far from zero with a small spread (a sum of squares without a shift
+    loses the variance in float32), one channel constant: against the float64 reference, the
+    running statistics included."""
+    from kgen.build import build_module
+    from kgen.validate import import_module_dir
+
+    spec, d = rendered["bn_first"]
+    build_module(d, device)
+    mod = import_module_dir(d)
+    torch.manual_seed(4)
+    model = mod.Model().to(device).train()
+    eager = torch.nn.Sequential(torch.nn.BatchNorm2d(5, momentum=None), torch.nn.ReLU()).double().to(device).train()
+    eager.load_state_dict({k.replace("batch_norm.", "0."): v for k, v in model.state_dict().items()})
+    x = 300.0 + torch.randn(3, 5, 71, 69, device=device)  # the float32 mean is exact to ~1e-5 here
+    x[:, 2] = -7.5
+    with torch.no_grad():
+        for _ in range(2):  # the cumulative average's count: 1, then 2
+            out, ref = model(x), eager(x.double())
+            torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    for name, t in model.batch_norm.state_dict().items():
+        torch.testing.assert_close(t.double(), eager[0].state_dict()[name].double(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_tuning_file_chooses_eval_modes_plans(tmp_path):

@@ -8,7 +8,7 @@ table (``kgen.ops``) for the ops it absorbs.
 """
 from __future__ import annotations
 
-from . import aten, conv_aten, conv_gemm, eager, layer_norm, linear_aten, linear_gemm, norm, pool_reduce, softmax
+from . import aten, batch_stats, conv_aten, conv_gemm, eager, layer_norm, linear_aten, linear_gemm, norm, pool_reduce, softmax
 from .base import Family, StageRequest
 
 # Registry order is the order of preference when several families accept the same ops
@@ -19,7 +19,7 @@ from .base import Family, StageRequest
 # (and a layer_norm that the layer_norm family declines: rows too long for registers); alone, a
 # layer_norm, softmax or logsumexp is also its candidate, after the generated family's.
 FAMILIES: tuple[Family, ...] = (conv_gemm.FAMILY, conv_aten.FAMILY, norm.FAMILY, layer_norm.FAMILY, softmax.FAMILY,
-                                pool_reduce.FAMILY, linear_gemm.FAMILY, linear_aten.FAMILY, aten.FAMILY)
+                                pool_reduce.FAMILY, linear_gemm.FAMILY, linear_aten.FAMILY, batch_stats.FAMILY, aten.FAMILY)
 # The whole pipeline as written, one ATen call per op: a candidate for every pipeline
 # (kgen.plan), not a family the planner groups ops with.
 EAGER = eager.FAMILY

@@ -28,7 +28,7 @@ from ..target import Target
 from .base import FLOAT_BYTES, Family, Work
 from .conv_aten import conv_work
 
-NORM_LAUNCHES = 3  # ATen's group and instance norms: statistics, (finalize), apply
+NORM_LAUNCHES = 3  # ATen's group, instance and (training mode) batch norms: statistics, (finalize), apply
 
 
 def aten_function(entry: ElementwiseOp) -> str | None:
@@ -111,22 +111,6 @@ def aten_prelude(op: Op, ident) -> list[str]:
     if isinstance(op, Dropout) and op.p > 0:
         return [f'TORCH_CHECK(!training, kOp, ": {dropout_refusal(op.p)}");']
     return []
-
-
-def batch_stats_lines(op: BatchStats, src: str, ident, buffers, index: int) -> list[str]:
-    """C++ statements of the batch_stats stage ``index`` (after ``aten_prelude``'s copies of the
-    running statistics it updates): its mean and scale under the names the stages after it take
-    them by (``ident``), its update of the copies in training mode."""
-    w = ident(op.weight) if op.weight else "at::Tensor()"
-    if op.norm.track_running_stats:
-        rm, rv = op.buffer_names()
-        k = list(buffers).index(rm) // 2
-        update = f"training ? new_{ident(rm)} : at::Tensor(), new_{ident(rv)}, training ? factors[{k}] : 0.0"
-    else:
-        update = "at::Tensor(), at::Tensor(), 0.0"
-    return [f"const auto stats{index} = kgen::batch_norm_batch_stats({src}, {w}, {op.norm.eps!r}, {update});",
-            f"const at::Tensor& {op.mean.ident} = stats{index}.first;",
-            f"const at::Tensor& {op.scale.ident} = stats{index}.second;"]
 
 
 def aten_call(op: Op, src: str, ident, buffers=()) -> str | None:
@@ -291,7 +275,7 @@ class Eager(Family):
                                  transposed_stride=op.stride if op.transposed else None)
                 if op.bias:
                     out.append(Work(f"{op.key} bias", n_out, 2 * FLOAT_BYTES * n_out))
-            elif isinstance(op, Norm):
+            elif isinstance(op, (Norm, BatchNorm)):  # a batch norm as training mode runs it (eval mode: one pass less)
                 out.append(Work(op.key, flops, FLOAT_BYTES * (2 * n_in + n_out), launches=NORM_LAUNCHES))
             else:
                 out.append(Work(op.key, flops, FLOAT_BYTES * (n_in + n_out)))

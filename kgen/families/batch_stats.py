@@ -1,0 +1,97 @@
+"""The batch_stats family: training-mode batch norm's statistics (ir.BatchStats), a stage that
+reads its input once and passes it on; the stages after it apply the norm as a per-channel affine
+(rewrites.batch_norm_batch_stats).
+
+On CUDA, for inputs with a spatial extent, two generated kernels: per-block shifted sums of
+fixed chunks of each (sample, channel) row, then one block per channel that adds them in index
+order in double, writes the mean and the scale and updates the running statistics. ATen's
+var_mean (its Welford reduction) reads the same bytes at about half the bandwidth on the H100
+(notes/perf.md stop 38). Elsewhere (the CPU build, BatchNorm1d over [N, C]): ATen's var_mean
+(kgen::batch_norm_batch_stats). Templates: ``templates/batch_stats/``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..ir import BatchStats
+from ..stage import Stage, flat_buffer
+from ..target import Target
+from .base import Family, StageRequest, Work
+
+CUDA_THREADS = 256
+PER_THREAD = 16  # values a thread loads before it adds them (loads in flight)
+MIN_SPATIAL = 64  # shorter rows (BatchNorm1d: 1) keep ATen's var_mean: a block per row would idle
+# the running statistics' update (mul_, add_ for each), the variance's correction, the scale (add, sqrt, div):
+# ATen calls on C values each, on the var_mean path
+ATEN_SMALL_CALLS = 8
+
+
+@dataclass
+class BatchStatsStage(Stage):
+    threads: int = CUDA_THREADS
+    per_thread: int = PER_THREAD
+    kernel: bool = False  # the generated CUDA kernels (else ATen's var_mean on every device)
+
+    @property
+    def stats(self) -> BatchStats:
+        return self.ops[0]
+
+    @property
+    def spatial(self) -> int:
+        return math.prod(self.in_type.spatial)
+
+    @property
+    def chunk(self) -> int:
+        """Values of a (sample, channel) row one block sums."""
+        return self.threads * self.per_thread
+
+
+class BatchStatsFamily(Family):
+    name = "batch_stats"
+    stage_kind = "batch_stats"
+    generates_kernel = False  # its kernels are the binding's helpers, not a stage op of their own
+    pieces = ("kernel.cu", "binding.cpp")
+    summary = "training-mode batch norm's per-channel statistics and running-statistics update (one read)"
+
+    def fits(self, ops):
+        return len(ops) == 1 and isinstance(ops[0], BatchStats)
+
+    def make_stage(self, req: StageRequest) -> BatchStatsStage:
+        t_in, t_out = req.types
+        st = BatchStatsStage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
+        st.kernel = st.spatial >= MIN_SPATIAL
+        return st
+
+    def work(self, st: BatchStatsStage, batch: int, target: Target) -> list[Work]:
+        """One read of the input; nothing written (its output is its input)."""
+        launches = 2 if st.kernel else 1 + ATEN_SMALL_CALLS
+        return [Work("batch statistics", 0, self.read_bytes(st, batch), launches=launches)]
+
+    def call_lines(self, st: BatchStatsStage, fn: str, src: str, ident, buffers) -> list[str]:
+        """C++ statements of the stage in forward (after aten_prelude's copies of the running
+        statistics it updates): ``fn`` (kgen::batch_norm_batch_stats's arguments) makes the mean
+        and the scale, under the names the stages after it take them by (``ident``), and updates
+        the copies in training mode (``buffers``: the op's running-statistics arguments in order;
+        a norm's update weight is factors[its index // 2])."""
+        op = st.stats
+        w = ident(op.weight) if op.weight else "at::Tensor()"
+        if op.norm.track_running_stats:
+            rm, rv = op.buffer_names()
+            k = list(buffers).index(rm) // 2
+            update = f"training ? new_{ident(rm)} : at::Tensor(), training ? new_{ident(rv)} : at::Tensor(), training ? factors[{k}] : 0.0"
+        else:
+            update = "at::Tensor(), at::Tensor(), 0.0"
+        i = st.index
+        return [f"const auto stats{i} = {fn}({src}, {w}, {op.norm.eps!r}, {update});",
+                f"const at::Tensor& {op.mean.ident} = stats{i}.first;",
+                f"const at::Tensor& {op.scale.ident} = stats{i}.second;"]
+
+    def explain_lines(self, st: BatchStatsStage) -> list[str]:
+        if st.kernel:
+            return [f"CUDA: shifted sums of {st.chunk}-value chunks of each (sample, channel) row, then a block per "
+                    "channel adds them in order (double) and updates the running statistics; CPU: ATen's var_mean"]
+        return ["ATen's var_mean over (batch, spatial) (rows too short for the generated kernels)"]
+
+
+FAMILY = BatchStatsFamily()
