@@ -24,11 +24,13 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/logsumexp.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/reciprocal.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sqrt.h>
 #include <ATen/ops/sub.h>
+#include <ATen/ops/var_mean.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -433,11 +435,31 @@ inline at::Tensor tap_sum_convolution(const at::Tensor& x, const at::Tensor& w, 
   return y.reshape(out_shape);
 }
 
-// Eval-mode batch norm's per-channel scale, weight / sqrt(running_var + eps) (1 / sqrt(...) where
-// `weight` is undefined: no affine), for (x - running_mean) * scale + bias in a fused stage.
-inline at::Tensor batch_norm_eval_scale(const at::Tensor& running_var, const at::Tensor& weight, double eps) {
-  const at::Tensor root = at::sqrt(at::add(running_var, eps));
+// Batch norm's per-channel scale, weight / sqrt(var + eps) (1 / sqrt(...) where `weight` is
+// undefined: no affine), for (x - mean) * scale + bias in a fused stage; eval mode's from the
+// running variance, training mode's from the batch's (batch_norm_batch_stats).
+inline at::Tensor batch_norm_scale(const at::Tensor& var, const at::Tensor& weight, double eps) {
+  const at::Tensor root = at::sqrt(at::add(var, eps));
   return weight.defined() ? at::div(weight, root) : at::reciprocal(root);
+}
+
+// Training-mode batch norm's statistics (the batch_stats stage): x's per-channel mean and biased
+// variance over (batch, spatial), in one pass; returns {mean, scale} (batch_norm_scale). Where
+// running_mean is defined, updates it and running_var in place as nn.BatchNorm does:
+// (1 - factor) * running + factor * the batch's, the variance unbiased.
+inline std::pair<at::Tensor, at::Tensor> batch_norm_batch_stats(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                                at::Tensor running_mean, at::Tensor running_var,
+                                                                double factor) {
+  std::vector<int64_t> dims{0};
+  for (int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+  const int64_t n = x.numel() / x.size(1);
+  TORCH_CHECK(n > 1, "Expected more than 1 value per channel when training, got input size ", x.sizes());
+  const auto [var, mean] = at::var_mean(x, dims, std::optional<at::Scalar>(0), /*keepdim=*/false);
+  if (running_mean.defined()) {
+    running_mean.mul_(1.0 - factor).add_(mean, factor);
+    running_var.mul_(1.0 - factor).add_(at::mul(var, static_cast<double>(n) / static_cast<double>(n - 1)), factor);
+  }
+  return {mean, batch_norm_scale(var, weight, eps)};
 }
 
 // Weight of one sub-pixel phase: from the spatially flipped transposed-conv

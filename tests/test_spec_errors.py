@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, SPECS
 from kgen.errors import KgenError, SpecError
 from kgen.ir import build_pipeline, load_pipeline
-from kgen.plan import EVAL_REWRITE
+from kgen.plan import EVAL_REWRITE, TRAIN_REWRITE
 from kgen.rewrites import REWRITES
 from kgen.spec import REWRITE_NAMES, load_spec, parse_spec
 
@@ -357,8 +357,8 @@ def test_shipped_specs_load(path):
 
 
 def test_rewrite_names_match_the_rewrite_table():
-    # every switch a spec may name is a pass of the driver, or eval mode's own plan (kgen.plan)
-    assert REWRITE_NAMES == tuple(name for name, _ in REWRITES) + (EVAL_REWRITE,)
+    # every switch a spec may name is a pass of the driver, or a mode's own plan of batch norm (kgen.plan)
+    assert REWRITE_NAMES == tuple(name for name, _ in REWRITES) + (EVAL_REWRITE, TRAIN_REWRITE)
 
 
 def test_rewrites_switch(tmp_path):
