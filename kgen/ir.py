@@ -114,6 +114,13 @@ class Member:
     buffers: tuple[TensorArg, ...] = ()  # running statistics the op reads and (in training mode) updates
 
 
+def batch_norm_scale(var: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """A batch norm's per-channel scale ``weight / sqrt(var + eps)`` (``1 / sqrt(...)`` without a
+    weight), as kgen::batch_norm_scale computes it in the generated bindings."""
+    root = torch.sqrt(var + eps)
+    return weight / root if weight is not None else torch.reciprocal(root)
+
+
 @dataclass(frozen=True)
 class DerivedTensor:
     """A tensor the op computes from its parameters and buffers on each call, before its stages
@@ -131,8 +138,7 @@ class DerivedTensor:
         return (self.var,) + ((self.weight,) if self.weight else ())
 
     def compute(self, tensors) -> torch.Tensor:
-        root = torch.sqrt(tensors[self.var] + self.eps)
-        return tensors[self.weight] / root if self.weight else torch.reciprocal(root)
+        return batch_norm_scale(tensors[self.var], tensors[self.weight] if self.weight else None, self.eps)
 
     def cpp(self, ident) -> str:
         """The same formula in ATen (``ident``: a state_dict name -> its C++ argument)."""
@@ -762,11 +768,16 @@ class BatchNorm(Op):
         if self.track_running_stats:
             rm, rv = (tensors[n] for n in self.buffer_names())
             if training:
-                count = tensors.get(f"{self.module}.num_batches_tracked")
-                if count is not None:
-                    count.add_(1)
-                factor = self.factor(count)
+                factor = self.count_batch(tensors)
         return F.batch_norm(x, rm, rv, w, b, training or not self.track_running_stats, factor, self.eps)
+
+    def count_batch(self, tensors) -> float:
+        """Training mode's step: counts this batch in num_batches_tracked (when ``tensors`` has it)
+        and returns the running statistics' update weight."""
+        count = tensors.get(f"{self.module}.num_batches_tracked")
+        if count is not None:
+            count.add_(1)
+        return self.factor(count)
 
     def factor(self, num_batches_tracked) -> float:
         """The running statistics' update weight: momentum, or (momentum None) 1 / the batches
@@ -831,15 +842,11 @@ class BatchStats(Op):
         var, mean = torch.var_mean(x, dim=dims, correction=0)
         if self.norm.track_running_stats and getattr(tensors, "training", False):
             rm, rv = (tensors[b] for b in self.buffer_names())
-            count = tensors.get(f"{self.norm.module}.num_batches_tracked")
-            if count is not None:
-                count.add_(1)
-            factor = self.norm.factor(count)
+            factor = self.norm.count_batch(tensors)
             rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)
             rv.mul_(1 - factor).add_((var * (n / (n - 1))).to(rv.dtype), alpha=factor)
-        root = torch.sqrt(var + self.norm.eps)
         tensors[self.mean.name] = mean
-        tensors[self.scale.name] = tensors[self.weight] / root if self.weight else torch.reciprocal(root)
+        tensors[self.scale.name] = batch_norm_scale(var, tensors[self.weight] if self.weight else None, self.norm.eps)
         return x
 
     def stand_ins(self, tensors) -> dict:
@@ -851,8 +858,8 @@ class BatchStats(Op):
             device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), None)
             mean = torch.zeros(self.norm.num_features, device=device)
             var = torch.ones(self.norm.num_features, device=device)
-        root = torch.sqrt(var + self.norm.eps)
-        return {self.mean.name: mean, self.scale.name: tensors[self.weight] / root if self.weight else torch.reciprocal(root)}
+        return {self.mean.name: mean,
+                self.scale.name: batch_norm_scale(var, tensors[self.weight] if self.weight else None, self.norm.eps)}
 
     def describe(self):
         return f"batch statistics of {self.norm.describe()}"
