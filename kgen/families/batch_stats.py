@@ -46,6 +46,11 @@ class BatchStatsStage(Stage):
         """Values of a (sample, channel) row one block sums."""
         return self.threads * self.per_thread
 
+    @property
+    def chunks(self) -> int:
+        """Blocks per (sample, channel) row: the partials of a channel are batch x chunks."""
+        return -(-self.spatial // self.chunk)
+
 
 class BatchStatsFamily(Family):
     name = "batch_stats"
