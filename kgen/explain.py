@@ -27,7 +27,7 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
         written = batch * sum(math.prod(t.dims) for t in stage.output.tiles)
     else:
         read = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
-        written = batch * stage.out_type.sample_numel
+        written = batch * stage.out_type.sample_numel if stage.family.writes_output else 0
     if isinstance(stage, ConvStage) and stage.epilogue is not None:  # set only with the epilogue's absorbed_by
         written = 0
     if stage.absorbed_by is not None:

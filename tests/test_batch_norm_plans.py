@@ -177,6 +177,12 @@ def test_the_statistics_stage_is_generated_for_rows_with_a_spatial_extent():
 
     assert stats_stage("bn_first").kernel and stats_stage("bn_first").spatial == 71 * 69 >= MIN_SPATIAL
     assert not stats_stage("bn_linear").kernel
+    # it reads its input once and writes nothing: the floor's bytes and the cost model's alike
+    from kgen.explain import stage_cost
+
+    st = stats_stage("bn_first")
+    one_read = 4 * 7 * st.in_type.sample_numel
+    assert stage_cost(None, st, 7)[1] == one_read == sum(w.bytes for w in st.family.work(st, 7, DEFAULT))
 
 
 @pytest.mark.parametrize("device", BUILD_DEVICES)

@@ -74,6 +74,7 @@ class Family:
     stage_kind: ClassVar[str]  # what its stages compute ("conv"): peers share it
     generates_kernel: ClassVar[bool]  # renders kernels; its stage is also the op kgen::NAME_stageK
     reads_channels_last: ClassVar[bool] = False  # reads a channels_last input as fast as a contiguous one
+    writes_output: ClassVar[bool] = True  # False: its output is its input (a stage that only reads, batch_stats)
     pieces: ClassVar[tuple[str, ...]]  # generated files it contributes to, from templates/<name>/<piece>.j2
     cuda_includes: ClassVar[tuple[str, ...]] = ()  # headers (under the output root) its kernel.cu piece needs
     summary: ClassVar[str]

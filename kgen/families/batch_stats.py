@@ -56,6 +56,7 @@ class BatchStatsFamily(Family):
     name = "batch_stats"
     stage_kind = "batch_stats"
     generates_kernel = False  # its kernels are the binding's helpers, not a stage op of their own
+    writes_output = False
     pieces = ("kernel.cu", "binding.cpp")
     summary = "training-mode batch norm's per-channel statistics and running-statistics update (one read)"
 
