@@ -34,6 +34,9 @@ SPECS = {
     "bn_linear": spec_text([16], [{"linear": {"out_features": 24}}, {"batch_norm": {}}, "gelu"], name="bn_linear", batch=4),
     # on the input, rows of 4899 values: the generated statistics kernels' chunks of 4096 and a tail
     "bn_first": spec_text([5, 71, 69], [{"batch_norm": {"momentum": None}}, "relu"], name="bn_first", batch=64),
+    # BatchNorm1d over [N, C, L]: the statistics over (batch, L), a conv1d before it
+    "bn_1d": spec_text([4, 130], [{"conv1d": {"out_channels": 6, "kernel_size": 3}}, {"batch_norm": {"eps": 1e-3}},
+                                  {"max": {"dim": 1}}], name="bn_1d", batch=256),
 }
 
 
