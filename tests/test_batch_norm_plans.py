@@ -188,6 +188,20 @@ def test_the_statistics_stage_is_generated_for_rows_with_a_spatial_extent():
     assert stage_cost(None, st, 7)[1] == one_read == sum(w.bytes for w in st.family.work(st, 7, DEFAULT))
 
 
+def test_statistics_kernels_compile_without_spills(rendered):
+    """The batch_stats kernels of training mode's plans (nvcc, sm_90a: no GPU needed): both kernels
+    there, no stack, no spills."""
+    from kgen.build import cuda_home, demangle, ptxas_report
+
+    if cuda_home() is None:
+        pytest.skip("needs nvcc")
+    for name in ("bn_first", "bn_1d"):
+        # the statistics kernels take the partials (float2 *); pool_reduce has a finalize_kernel of its own
+        kernels = [k for k in ptxas_report(rendered[name][1], "9.0a") if "float2" in demangle(k.name)]
+        assert sorted(demangle(k.name).split("(")[0].rsplit("::", 1)[-1] for k in kernels) == ["finalize_kernel", "partials_kernel"], name
+        assert all(k.clean for k in kernels), [(demangle(k.name), k.stack, k.spill_stores) for k in kernels]
+
+
 @pytest.mark.parametrize("device", BUILD_DEVICES)
 def test_training_mode_far_from_zero(rendered, device):
     """Training mode on values far from zero with a small spread (a sum of squares without a shift
