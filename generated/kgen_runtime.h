@@ -24,8 +24,8 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/logsumexp.h>
-#include <ATen/ops/mul.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/reciprocal.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sqrt.h>
