@@ -354,13 +354,13 @@ def ops_():
     fields with their defaults (* = required), its role (the IR op that
     computes it) and the template families that can absorb it."""
     from .fields import REQUIRED
-    from .ops import OPS
+    from .ops import MADE_BY_REWRITES, OPS
 
     def field(name, default):
         return f"{name}*" if default is REQUIRED else (name if default is None else f"{name}={default}")
 
     rows = [[e.name, e.role, ", ".join(field(n, d) for n, (_, d) in e.fields.items()) or "-", ", ".join(e.families), e.doc]
-            for e in OPS.values()]
+            for e in OPS.values() if e.name not in MADE_BY_REWRITES]
     click.echo(format_table(["op", "role", "fields", "families", "what"], rows))
 
 

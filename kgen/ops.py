@@ -28,8 +28,9 @@ from .fields import REQUIRED
 # Roles: the IR op that computes an entry (kgen.ir builds one per role).
 ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise", "linear", "softmax", "batch_norm",
          "batch_stats", "layer_norm", "reshape", "dropout", "capture")
-# ops of the IR a spec does not name as ops (`as:` on an op makes one; a rewrite makes batch_stats)
-INTERNAL = ("as", "batch_stats")
+MADE_BY_REWRITES = ("batch_stats",)  # ops only a rewrite makes (not in `kgen ops`)
+# ops of the IR a spec does not name as ops (`as:` on an op makes one)
+INTERNAL = ("as",) + MADE_BY_REWRITES
 
 # The families that can absorb each kind of op (a new family adds its name here).
 CONV = ("conv_gemm", "conv_aten")  # implementations of a convolution stage
