@@ -176,3 +176,19 @@ def test_assert_report_passed_fails_on_a_failing_case_and_on_no_cases():
     assert not empty.passed
     with pytest.raises(AssertionError, match="spec x\nvalidating mod on cpu gave no cases"):
         assert_report_passed(empty, "spec x")
+
+
+def test_compare_finds_non_finite_values_on_either_side():
+    """An all-finite pair skips the per-kind masks; a NaN or an infinity on either side alone still fails."""
+    torch.manual_seed(0)
+    r = torch.randn(1000, dtype=torch.float64)
+    assert compare("finite", r.float(), r, (1e-5, 1e-5)).passed
+    for value, what in ((math.nan, "NaN"), (math.inf, "+inf"), (-math.inf, "-inf")):
+        o = r.float().clone()
+        o[3] = value
+        res = compare("ours", o, r, (1e-5, 1e-5))
+        assert not res.passed and res.problem.startswith(f"{what} at 1 places the reference has none"), res.problem
+        ref = r.clone()
+        ref[5] = value
+        res = compare("reference", r.float(), ref, (1e-5, 1e-5))
+        assert not res.passed and res.problem.startswith(f"{what} at 0 places") and "missing at 1" in res.problem, res.problem
