@@ -90,9 +90,9 @@ class Report:
 # ------------------------------------------------------------ comparing
 
 
-def _errors(o: torch.Tensor, r: torch.Tensor, m: torch.Tensor) -> tuple[float, float]:
-    """(max abs error, L2 error relative to the magnitude m) of o against r over r's finite elements."""
-    finite = torch.isfinite(r)
+def _errors(o: torch.Tensor, r: torch.Tensor, m: torch.Tensor, finite: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, L2 error relative to the magnitude m) of o against r over r's finite elements
+    (``finite``: torch.isfinite(r))."""
     if not finite.any():
         return 0.0, 0.0
     # where() rather than boolean indexing, which copies and was most of a large module's validation time
@@ -111,8 +111,6 @@ def _kind(t: torch.Tensor) -> torch.Tensor:
     return torch.isnan(t).to(u8) + torch.isposinf(t).to(u8) * 2 + torch.isneginf(t).to(u8) * 3
 
 
-def _all_finite(*ts: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
 def compare(
@@ -141,7 +139,9 @@ def compare(
         return CaseResult(case, math.inf, math.inf, False, f"{unwritten} output elements were never written")
     o, r = out.double(), ref.double()
     e = None if eager is None else eager.detach().to(dev).double()
-    if e is not None and not _all_finite(e, r):  # (all finite: of one kind everywhere)
+    finite = torch.isfinite(r)  # (each mask once: on a large stage's values every pass is tens of ms)
+    e_finite = None if e is None else torch.isfinite(e)
+    if e is not None and not (bool(e_finite.all()) and bool(finite.all())):  # (all finite: one kind everywhere)
         # Where PyTorch's own float32 result and the float64 reference differ in kind (finite,
         # NaN, +inf, -inf), float32's range or rounding decided (exp(100) overflows in float32
         # only and may turn into NaN later; silu(-700) is -0 in float32, so its log is -inf
@@ -152,7 +152,10 @@ def compare(
         float32_kind = (kind_e != _kind(r)) & (_kind(o) == kind_e)
         if float32_kind.any():
             r = torch.where(float32_kind, e, r)
-    for what, fn in (() if _all_finite(o, r) else (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf))):
+            finite = torch.isfinite(r)
+    masks = () if bool(finite.all()) and bool(torch.isfinite(o).all()) else (
+        ("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf))
+    for what, fn in masks:
         mo, mr = fn(o), fn(r)
         if not torch.equal(mo, mr):
             return CaseResult(
@@ -163,14 +166,13 @@ def compare(
     if magnitude is not None:
         mag = magnitude.detach().to(dev).double()
         m = torch.where(torch.isfinite(mag), torch.maximum(mag, m), m)
-    max_abs, rel_l2 = _errors(o, r, m)
-    finite = torch.isfinite(r)
+    max_abs, rel_l2 = _errors(o, r, m, finite)
     scale = float(torch.where(finite, m, 0.0).max()) if finite.any() else 0.0
     allowed_rel, allowed_abs = tol[0], tol[1] * scale
     eager_rel = math.nan
     if e is not None:
-        if torch.equal(torch.isfinite(e), finite):
-            eager_abs, eager_rel = _errors(e, r, m)
+        if torch.equal(e_finite, finite):
+            eager_abs, eager_rel = _errors(e, r, m, finite)
             allowed_rel, allowed_abs = max(allowed_rel, 2 * eager_rel), max(allowed_abs, 2 * eager_abs)
     ok = rel_l2 <= allowed_rel and max_abs <= allowed_abs
     problem = "" if ok else (f"error rel L2 {rel_l2:.3g} / max abs {max_abs:.3g} above the allowed rel L2 "
