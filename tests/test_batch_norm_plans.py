@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import BUILD_DEVICES, build_and_validate, pipeline_of, render_specs, spec_text
-from kgen.ir import BatchNorm, BatchStats, Env, load_pipeline
+from kgen.ir import BatchNorm, BatchStats, load_pipeline
 from kgen.plan import EAGER, PIPELINE, choose_plans, training_candidates, tuned_candidates
 from kgen.rewrites import batch_norm_batch_stats
 from kgen.target import DEFAULT, current
@@ -92,7 +92,7 @@ def test_training_candidates_and_the_switch():
     assert train.mode == "train" and any(isinstance(op, BatchNorm) for op in train.plan.pipeline.ops)
 
 
-@pytest.mark.parametrize("spec", ["bn_pool", "bn_two", "bn_linear"])
+@pytest.mark.parametrize("spec", ["bn_pool", "bn_two", "bn_linear", "bn_1d"])
 @pytest.mark.parametrize("data", ["normal", "offset"])
 def test_the_batch_statistics_pipeline_computes_batch_norm(spec, data):
     """The rewritten pipeline against the spec's (PyTorch's batch norm) in float64, training mode:
@@ -117,13 +117,15 @@ def test_the_batch_statistics_pipeline_computes_batch_norm(spec, data):
             state[f"{m.attr}.num_batches_tracked"] = torch.tensor(3)
     outs = []
     for p in (pipe, stats):
-        env = Env({k: v.clone() for k, v in state.items()})
-        env.training = True
-        outs.append((p.run(x, env, training=True), env))
+        tensors = {k: v.clone() for k, v in state.items()}  # the running statistics are updated in place
+        outs.append((p.run(x, tensors, training=True), tensors))
     (ref, ref_env), (out, env) = outs
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    # float64 on both sides; far from zero, each side's own rounding of the mean is amplified by
+    # mean / spread (1e6 after bn_1d's convolution)
+    tol = 1e-9 if data == "normal" else 1e-7
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     for k in state:
-        torch.testing.assert_close(env[k], ref_env[k], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(env[k], ref_env[k], rtol=tol, atol=tol)
         assert not torch.equal(env[k], state[k]) or not k.endswith(("running_mean", "num_batches_tracked")), k
 
 
