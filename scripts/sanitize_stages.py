@@ -23,7 +23,7 @@ from kgen.cli import _spec_of
 from kgen.families.batch_stats import BatchStatsStage
 from kgen.ir import load_pipeline
 from kgen.plan import choose_plans
-from kgen.validate import check_stages, import_module_dir, op_call
+from kgen.validate import check_stages, import_module_dir, init_args, op_call
 
 
 def kgen_kernels_only(plan) -> bool:
@@ -36,7 +36,8 @@ def main(root="generated"):
     for d in sorted(p for p in Path(root).iterdir() if (p / "binding.cpp").exists()):
         sel = choose_plans(load_pipeline(_spec_of(d)))
         torch.manual_seed(0)
-        model = import_module_dir(d).Model()
+        mod = import_module_dir(d)
+        model = mod.Model(*init_args(mod))  # an imported spec's module takes its constructor's arguments
         for r in check_stages(sel, d.name, model, "cuda", reference_device="cpu"):
             failed += not r.passed
             print(f"{'ok  ' if r.passed else 'FAIL'} {d.name} {r.case} {r.problem}", flush=True)

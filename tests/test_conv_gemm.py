@@ -893,6 +893,42 @@ def test_split_tf32_error_stays_at_eagers_over_a_long_k(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_tf32_transposed_convolutions_round_as_eagers_cudnn_call(tmp_path):
+    """ConvGemmStage.tf32_half_even: a transposed convolution's TF32 operands round ties to even, as
+    cuDNN's transposed-convolution kernels do, so kgen's TF32 phases and eager's call (TF32 allowed)
+    differ only by the order of their fp32 sums: far less than either is off float64 (ties away from
+    zero left ~45% of TF32's error between them, which a batch norm after it scaled past 1e-4).
+    The window loop (3 -> 16, KernelBench #72's) and the wgmma loop (16 -> 32, #15's) on Hopper."""
+    convs = {"cg_round_window": [3, 6, 10, 12], "cg_round_wide": [16, 6, 10, 12]}
+    texts = {name: spec_text(shape, [{"conv_transpose3d": {"out_channels": 16 if shape[0] == 3 else 32, "kernel_size": 3,
+                                                              "stride": 2, "padding": 1}}], name=name, plan=GEMM, batch=4)
+             for name, shape in convs.items()}
+    cases = render_specs(tmp_path, texts)
+    build_modules([d for _, d in cases.values()], "cuda")
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        for name, (spec, d) in cases.items():
+            st = make_plan(pipeline_of(texts[name])).stages[0]
+            assert st.family is conv_gemm.FAMILY and st.schedule.mma == "tf32" and st.tf32_half_even, st.schedule
+            assert "kTf32HalfEven = true" in (d / "kernel.cu").read_text()
+            torch.manual_seed(0)
+            model = import_module_dir(d).Model().cuda()
+            (w,) = [v for v in model.parameters() if v.dim() == 5]
+            (b,) = [v for v in model.parameters() if v.dim() == 1]
+            x = torch.randn([4] + convs[name], device="cuda")
+            with torch.no_grad():
+                ours = model(x).double()
+                eager = torch.nn.functional.conv_transpose3d(x, w, b, stride=2, padding=1).double()
+            ref = torch.nn.functional.conv_transpose3d(x.double(), w.double(), b.double(), stride=2, padding=1)
+            apart, eager_err = (ours - eager).abs().max().item(), (eager - ref).abs().max().item()
+            assert apart <= 0.05 * eager_err, (name, apart, eager_err)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_libm_epilogue_batches_match_float64(tmp_path):
     """Fused.batch > 1 on tiles the output does not fill (37 x 45 and 7 x 11 x 19 outputs, 40 channels
     in a 64-channel block: the clamped coordinates; a parameter over every output position, whose loads

@@ -11,7 +11,7 @@ from kgen.families import conv_aten, layer_norm, norm, pool_reduce, softmax
 from kgen.families.base import Family
 from kgen.ir import Capture, Elementwise, LayerNorm, Norm, Reduce, Softmax
 from kgen.lowering import Subpixel
-from kgen.plan import make_plan
+from kgen.plan import choose_plans, make_plan
 from kgen.stage import ConvStage
 from kgen.target import DEFAULT, Target, current
 
@@ -310,6 +310,28 @@ def test_aten_convolution_runs_with_tf32_off_where_it_is_not_eagers_call(tmp_pat
         binding = next(v for k, v in rendered.files.items() if str(k).endswith("binding.cpp"))
         call = binding[binding.index("kgen::convolution("):]
         assert f", {precision}, at::MemoryFormat::ChannelsLast)" in call[:call.index(";")], (name, call[:400])
+
+
+def test_a_tf32_convolution_before_a_normalization_is_eagers_own_call():
+    """conv_aten.eager_rounding_only: cuDNN rounds a forward convolution's operands to TF32 ties away from
+    zero in NC[D]HW and to even in channels_last, and a normalization scales that up past KernelBench's
+    1e-4; so a forward convolution with TF32 products (K = 576) before a group, instance or training-mode
+    batch norm makes eager's own call. An exponential after it, a transposed convolution (ties to even
+    in every form) or a spec's conv_layout leave the layout free."""
+    large = {"conv2d": {"out_channels": 64, "kernel_size": 3}}
+    for norm in ({"group_norm": {"num_groups": 4}}, {"instance_norm": {}}):
+        st = plan_of([64, 20, 20], [large, norm], plan=ATEN).stages[0]
+        assert st.layout == "contiguous" and not st.fp32_products, norm
+    sel = choose_plans(pipeline_of(spec_text([64, 20, 20], [large, "relu", {"batch_norm": {}}], plan=ATEN)))
+    train, evl = sel.variant_for(2, True).plan.stages[0], sel.variant_for(2, False).plan.stages[0]
+    assert train.layout == "contiguous"  # the batch statistics
+    assert evl.layout == "channels_last"  # eval mode: an affine over the running statistics
+    free = [plan_of([64, 20, 20], [large, "exp", {"sum": {"dim": 1}}], plan=ATEN).stages[0],
+            plan_of([64, 20, 20], [{"conv_transpose2d": {"out_channels": 64, "kernel_size": 3}},
+                                   {"group_norm": {"num_groups": 4}}], plan=ATEN).stages[0],
+            plan_of([64, 20, 20], [large, {"group_norm": {"num_groups": 4}}],
+                    plan={"conv": "aten", "conv_layout": "channels_last"}).stages[0]]
+    assert [st.layout for st in free] == ["channels_last"] * 3
 
 
 def test_how_the_aten_convolution_gets_its_input():

@@ -53,6 +53,7 @@ struct Problem {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = false;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
 constexpr int kPlanSmemBytes = 51712;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
@@ -80,6 +81,7 @@ struct PoolRingProblem {
   static constexpr int kCin = 8, kCout = 16;
   static constexpr int kInD = 16, kInH = 64, kInW = 64;
   static constexpr int kPooledD = 7, kPooledH = 31, kPooledW = 31;
+  static constexpr bool kTf32HalfEven = false;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 static_assert(pool_ring::RingGeometry<PoolRingProblem>::kSmemBytes == 66144, "the plan's shared memory (conv_gemm.py pool_ring_layout)");
 static_assert(pool_ring::RingGeometry<PoolRingProblem>::kSteps == kSplits, "a partial per step");

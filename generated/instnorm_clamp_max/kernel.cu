@@ -50,6 +50,7 @@ struct Problem {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kDirect;  // main loop
   static constexpr Mma kMma = Mma::kFp32;
+  static constexpr bool kTf32HalfEven = false;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
 constexpr int kPlanSmemBytes = 67904;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)

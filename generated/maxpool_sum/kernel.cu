@@ -50,6 +50,7 @@ struct Phase0 {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 // Sub-pixel phase 1 (residue 0,0,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase1 {
@@ -77,6 +78,7 @@ struct Phase1 {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 // Sub-pixel phase 2 (residue 0,1,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase2 {
@@ -104,6 +106,7 @@ struct Phase2 {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 // Sub-pixel phase 3 (residue 0,1,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase3 {
@@ -131,6 +134,7 @@ struct Phase3 {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 // Sub-pixel phase 4 (residue 1,0,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase4 {
@@ -158,6 +162,7 @@ struct Phase4 {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 // Sub-pixel phase 5 (residue 1,0,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase5 {
@@ -185,6 +190,7 @@ struct Phase5 {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 // Sub-pixel phase 6 (residue 1,1,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase6 {
@@ -212,6 +218,7 @@ struct Phase6 {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 // Sub-pixel phase 7 (residue 1,1,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase7 {
@@ -239,6 +246,7 @@ struct Phase7 {
   static constexpr int kPlaneResidue = 8;  // channel plane stride % 32
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 static_assert(Geometry<Phase0>::kPackedFloats + Geometry<Phase1>::kPackedFloats + Geometry<Phase2>::kPackedFloats + Geometry<Phase3>::kPackedFloats + Geometry<Phase4>::kPackedFloats + Geometry<Phase5>::kPackedFloats + Geometry<Phase6>::kPackedFloats + Geometry<Phase7>::kPackedFloats == kPackedFloats, "the plan's packed size");
 constexpr int kPlanSmemBytes = 118272;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
@@ -295,6 +303,7 @@ struct PhasePoolProblem {
   static constexpr int kPooledD = 10, kPooledH = 10, kPooledW = 10;
   static constexpr int kEMinD = -1, kEMinH = -1, kEMinW = -1;  // the box starts at q + e_min
   static constexpr int kBD = 5, kBH = 5, kBW = 32;  // input box of a tile
+  static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
 };
 static_assert(phase_pool::PoolGeometry<PhasePoolProblem>::kSmemBytes == 192712, "the plan's shared memory (conv_gemm.py phase_pool_layout)");
 static_assert(phase_pool::PoolGeometry<PhasePoolProblem>::kWorkspaceFloats == kPhasePoolWorkspaceFloats, "the binding's workspace");

@@ -151,8 +151,16 @@ FLOAT_BYTES = 4
 STRIDED_READ_FACTOR = 4  # a channels_last input read in contiguous order: each warp load touches a sector per thread (cost model)
 
 
-# ops after which a convolution needs fp32-level products: normalizations and exponentials
-FP32_LEVEL_AFTER = ("group_norm", "instance_norm", "batch_norm", "layer_norm", "softmax", "log_softmax", "logsumexp", "exp")
+# ops after which a convolution needs fp32-level products: normalizations (batch_stats: training mode's
+# batch norm) and exponentials
+NORMALIZATIONS = ("group_norm", "instance_norm", "batch_norm", "batch_stats", "layer_norm")
+EXPONENTIALS = ("softmax", "log_softmax", "logsumexp", "exp")
+
+
+def follows(req: StageRequest, op_names: tuple[str, ...]) -> bool:
+    """Whether one of ``op_names`` comes after the stage's op in the pipeline."""
+    later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
+    return any(o.op_name in op_names for o in later)
 
 
 def conv_precision(req: StageRequest) -> tuple[bool, str]:
@@ -169,9 +177,9 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
     conv = getattr(req.ops[0], "conv", req.ops[0])  # as written (a LoweredConv wraps it)
     if conv.transposed:
         return False, "eager's cuDNN call for a transposed convolution runs TF32"
-    later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
-    if any(o.op_name in FP32_LEVEL_AFTER for o in later):
+    if follows(req, NORMALIZATIONS + EXPONENTIALS):
         return True, "a normalization or an exponential follows"
+    later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
     if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later):
         return True, "no sum or mean over its values follows (each output carries a convolution value's error)"
     return False, "a sum or mean over its values follows"

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import Buffer, ConvStage, Tile, dense_buffer, strides_of
 from ..target import Target
-from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision
+from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, NORMALIZATIONS, conv_precision, follows
 
 LAYOUTS = ("channels_last", "contiguous")
 # K = input channels x taps and output channels above which cuDNN runs its large tensor-core GEMMs (TF32
@@ -126,6 +126,8 @@ class ConvAten(Family):
             return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions; tap sums are small
         if req.pipeline.conv_layout != "auto":
             return (req.pipeline.conv_layout,)
+        if self.eager_rounding_only(req, conv):
+            return ("contiguous",)
         direct_transposed = conv.transposed
         nxt = req.next_family
         phased = isinstance(conv.lowering, Subpixel) and len(conv.phases(req.types[0].spatial)) > 1
@@ -159,6 +161,20 @@ class ConvAten(Family):
         # a cropped output is a view of what the convolution produces from the input prefix
         st.output = dense_buffer(t_out.shape[1:], (C,) + conv.physical_out(t_in.spatial), layout)
         return st
+
+    def eager_rounding_only(self, req: StageRequest, conv) -> bool:
+        """Whether only eager's own call (NC[D]HW, as written) rounds this convolution's operands as eager
+        does: a forward convolution with TF32 products (cuDNN's large GEMMs) that a normalization follows. cuDNN rounds the operands to TF32 with ties away from zero in its NC[D]HW
+        forward kernels and to even in its channels_last ones (H100: scripts/tf32_lab/cudnn_rounding.py);
+        the normalization scales that difference up to 5-7e-4 (KernelBench's #52, #17: the check failed
+        0/5 in channels_last, passes 5/5 as eager's call). Transposed convolutions round to even in
+        every form tried, so their forms stay free; after an exponential the ties' differences stay small
+        (#43's logsumexp: 5e-6 in channels_last)."""
+        if conv.transposed or not isinstance(conv.lowering, Direct) or isinstance(conv.lowering, Folded):
+            return False
+        if req.pipeline.precision != "tf32" or self.fp32_products(req, conv, "channels_last"):
+            return False
+        return follows(req, NORMALIZATIONS)
 
     @staticmethod
     def fp32_products(req: StageRequest, conv, layout: str) -> str:

@@ -423,6 +423,14 @@ class ConvGemmStage(ConvStage):
     def rank(self) -> int:
         return self.conv.conv.rank
 
+    @property
+    def tf32_half_even(self) -> bool:
+        """Whether TF32 operands round ties to even (else away from zero): as eager's cuDNN call rounds
+        them, ties to even in its transposed-convolution kernels and away from zero in its NC[D]HW forward
+        ones (H100, every layout and form tried: scripts/tf32_lab/cudnn_rounding.py). Behind a
+        normalization another rounding than eager's leaves ~5e-4 between the two (KernelBench's #15)."""
+        return self.conv.conv.transposed
+
     def problem_names(self) -> list[str]:
         return ["Problem"] if len(self.problems) == 1 else [f"Phase{i}" for i in range(len(self.problems))]
 
@@ -1115,7 +1123,7 @@ class ConvGemm(Family):
                     f"{pp.smem_bytes // 1024} KB shared memory",
                     f"stage {st.epilogue.index} (pool_reduce) is its epilogue: max pools of the accumulators, "
                     "the channel reduction in channel order; the convolution output is never written"
-                    if st.epilogue is not None else "(its epilogue stage is missing)"]
+                    if st.epilogue is not None else "(its epilogue stage is missing)", f"TF32 operands rounded {self.rounding_words(st)}"]
         pr = st.pool_ring
         if pr is not None:
             return [f"pool_ring (mma.sync, tf32: {st.x3_reason}): M = the output channels (the weights), N = 8 output "
@@ -1125,7 +1133,7 @@ class ConvGemm(Family):
                     f"each ({'2' if 2 * pr.smem_bytes <= SMEM_LIMIT else '1'} per SM)",
                     f"stage {st.epilogue.index} (pool_reduce) is its epilogue: 2 x 2 x 2 max pools of each thread's own "
                     "accumulators, a partial per step; the convolution output is never written"
-                    if st.epilogue is not None else "(its epilogue stage is missing)"]
+                    if st.epilogue is not None else "(its epilogue stage is missing)", f"TF32 operands rounded {self.rounding_words(st)}"]
         sc = st.schedule
         teams = f" x {sc.teams} teams sharing the weights" if sc.teams > 1 else ""
         out = [f"{sc.loop} main loop, {sc.mma}: {st.x3_reason}; tile {'x'.join(map(str, sc.tile))} x {sc.block_n} channels, "
@@ -1146,7 +1154,14 @@ class ConvGemm(Family):
                           + (f", {st.fused.batch} channels computed before any is stored (its chain calls libm)"
                              if st.fused.batch > 1 else ""))
             out.append(f"stage {st.epilogue.index} ({st.epilogue.family.name}) is its epilogue, on {where}; its output is never written")
+        if sc.mma == "tf32":
+            out.append(f"TF32 operands rounded {self.rounding_words(st)}")
         return out
+
+    @staticmethod
+    def rounding_words(st: ConvGemmStage) -> str:
+        return ("ties to even, as eager's cuDNN transposed convolution" if st.tf32_half_even
+                else "ties away from zero, as eager's cuDNN forward convolution")
 
     def stage_json(self, st: ConvGemmStage) -> dict:
         d = dict(lowering=st.conv.lowering.name, layout=st.layout, schedule=asdict(st.schedule), mma_reason=st.x3_reason,

@@ -100,6 +100,21 @@ __device__ __forceinline__ float to_tf32(float x) {
   return __uint_as_float(r);
 }
 
+// An operand of TF32 products, rounded as eager's cuDNN call rounds it (a problem's kTf32HalfEven):
+// ties to even in cuDNN's transposed-convolution kernels, ties away from zero in its NC[D]HW forward
+// ones (scripts/tf32_lab/cudnn_rounding.py). Another rounding than eager's differs from eager by about
+// TF32's half ulp on ties, which a following normalization scales up past KernelBench's 1e-4.
+template <bool kHalfEven>
+__device__ __forceinline__ float to_tf32_operand(float x) {
+  if constexpr (kHalfEven) {
+    uint32_t r;
+    asm("cvt.rn.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return __uint_as_float(r);
+  } else {
+    return to_tf32(x);
+  }
+}
+
 // A flag between CTAs of one launch (in global memory): set it; wait until it is set.
 __device__ __forceinline__ void signal_flag(int* flag) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" : : "l"(flag), "r"(1) : "memory");
@@ -669,7 +684,8 @@ __device__ __forceinline__ void round_stage(float* stage, float* lo) {
   float4* l4 = reinterpret_cast<float4*>(lo);
   for (int e = threadIdx.x; e < G::kInStage / 4; e += G::kThreads) {
     const float4 v = s4[e];
-    const float4 h = make_float4(to_tf32(v.x), to_tf32(v.y), to_tf32(v.z), to_tf32(v.w));
+    constexpr bool kEven = P::kTf32HalfEven;
+    const float4 h = make_float4(to_tf32_operand<kEven>(v.x), to_tf32_operand<kEven>(v.y), to_tf32_operand<kEven>(v.z), to_tf32_operand<kEven>(v.w));
     s4[e] = h;
     if constexpr (G::kSplits == 2) {
       auto low = [](float x, float hi) { return isfinite(x) ? to_tf32(x - hi) : 0.f; };
@@ -741,7 +757,9 @@ struct BoxRegs {
       const int w = gw * 4 + j;
       if (w >= G::kBW) break;
       const int col = (w % P::kSW) * G::kColsPerPhase + w / P::kSW;
-      const float4 hi = make_float4(to_tf32(v[p][0][j]), to_tf32(v[p][1][j]), to_tf32(v[p][2][j]), to_tf32(v[p][3][j]));
+      constexpr bool kEven = P::kTf32HalfEven;
+      const float4 hi = make_float4(to_tf32_operand<kEven>(v[p][0][j]), to_tf32_operand<kEven>(v[p][1][j]), to_tf32_operand<kEven>(v[p][2][j]),
+                                    to_tf32_operand<kEven>(v[p][3][j]));
       *reinterpret_cast<float4*>(dst + col * 4) = hi;
       if constexpr (G::kSplits == 2) {
         auto low = [](float x, float h) { return isfinite(x) ? to_tf32(x - h) : 0.f; };
@@ -1304,7 +1322,7 @@ __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restri
         packed[e] = hi;
         packed[G::kWgSplitFloats + e] = lo;
       } else {
-        packed[e] = to_tf32(v);
+        packed[e] = to_tf32_operand<P::kTf32HalfEven>(v);
       }
     }
     return;
@@ -1324,7 +1342,7 @@ __global__ void pack_weights_kernel(const float* __restrict__ w, float* __restri
     if constexpr (G::kSplits == 2) {
       split_weight(v, real, dst[0], dst[2]);
     } else {
-      dst[0] = to_tf32(v);
+      dst[0] = to_tf32_operand<P::kTf32HalfEven>(v);
     }
   }
 }

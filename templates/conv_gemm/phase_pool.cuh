@@ -207,7 +207,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int k = 0; k < kBatch; ++k) {
           const int item = base + tid + kThreads * k;
           if (item < kItemsBox)
-            reinterpret_cast<float4*>(box)[item] = make_float4(to_tf32(v[k].x), to_tf32(v[k].y), to_tf32(v[k].z), to_tf32(v[k].w));
+            reinterpret_cast<float4*>(box)[item] = make_float4(to_tf32_operand<P::kTf32HalfEven>(v[k].x), to_tf32_operand<P::kTf32HalfEven>(v[k].y),
+                                                               to_tf32_operand<P::kTf32HalfEven>(v[k].z), to_tf32_operand<P::kTf32HalfEven>(v[k].w));
         }
       }
     }
@@ -364,7 +365,7 @@ __global__ void phase_pool_pack_kernel(const float* __restrict__ w, float* __res
     const int i = r % 4, co = (r / 4) % P::kCout, kq = (r / (4 * P::kCout)) % 2, ks = r / (8 * P::kCout);
     const int wg = piece < tables.pieces[0] ? 0 : 1, j = wg ? piece - tables.pieces[0] : piece;
     const int ci = 8 * ks + 4 * kq + i;
-    packed[e] = to_tf32(w[(static_cast<long long>(ci) * P::kCout + co) * kernel_taps + tables.weight_tap[wg][j]]);
+    packed[e] = to_tf32_operand<P::kTf32HalfEven>(w[(static_cast<long long>(ci) * P::kCout + co) * kernel_taps + tables.weight_tap[wg][j]]);
   }
 }
 

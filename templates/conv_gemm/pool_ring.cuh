@@ -115,8 +115,9 @@ __device__ __forceinline__ void store_slots(float* box, const float4 (*v)[kCount
     for (int i = 0; i < kCount; ++i) {
       float4* dst = reinterpret_cast<float4*>(row + ((d0 + i) % kRing) * kBoxRows * kBoxW * 2);
       const float4 a = v[m - kM0][i][0], b = v[m - kM0][i][1];
-      dst[0] = make_float4(to_tf32(a.x), to_tf32(b.x), to_tf32(a.y), to_tf32(b.y));
-      dst[1] = make_float4(to_tf32(a.z), to_tf32(b.z), to_tf32(a.w), to_tf32(b.w));
+      constexpr bool kEven = P::kTf32HalfEven;
+      dst[0] = make_float4(to_tf32_operand<kEven>(a.x), to_tf32_operand<kEven>(b.x), to_tf32_operand<kEven>(a.y), to_tf32_operand<kEven>(b.y));
+      dst[1] = make_float4(to_tf32_operand<kEven>(a.z), to_tf32_operand<kEven>(b.z), to_tf32_operand<kEven>(a.w), to_tf32_operand<kEven>(b.w));
     }
   }
 }
@@ -284,7 +285,7 @@ __global__ void pool_ring_pack_kernel(const float* __restrict__ w, float* __rest
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < G::kPackedFloats; e += gridDim.x * blockDim.x) {
     const int i = e % 4, lane = (e / 4) % 32, tap = (e / 128) % kTaps, oct = e / (128 * kTaps);
     const int co = lane / 4 + 8 * (i % 2), ci = 8 * oct + lane % 4 + 4 * (i / 2);
-    packed[e] = co < P::kCout ? to_tf32(w[(co * P::kCin + ci) * kTaps + tap]) : 0.f;
+    packed[e] = co < P::kCout ? to_tf32_operand<P::kTf32HalfEven>(w[(co * P::kCin + ci) * kTaps + tap]) : 0.f;
   }
 }
 
