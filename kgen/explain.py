@@ -19,7 +19,8 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     """(FLOPs, bytes moved) of one stage for ``batch`` samples at best: each input read once,
     each output written once (the floor's measure; the cost model's is ``Family.work``). A stage
     that runs another as its epilogue never writes its output, and the epilogue stage reads
-    nothing from memory (it works on the tile)."""
+    nothing from memory (it works on the tile); statistics gathered by the stage before read its
+    tiles' moments."""
     flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(stage)) * batch
     if isinstance(stage, ConvStage):
         conv = stage.conv.conv
@@ -32,6 +33,8 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
         written = 0
     if stage.absorbed_by is not None:
         read = 0
+    if getattr(stage, "gathered_by", None) is not None:  # statistics gathered by the stage before: its tiles' moments
+        return flops, stage.family.work(stage, batch, plan.target)[0].bytes
     return flops, FLOAT_BYTES * (read + written)
 
 

@@ -128,6 +128,8 @@ class Plan:
                 d["epilogue_stage"] = s.epilogue.index
             if s.absorbed_by is not None:
                 d["absorbed_by_stage"] = s.absorbed_by.index
+            if getattr(s, "gathered_by", None) is not None:
+                d["statistics_gathered_by_stage"] = s.gathered_by.index
             d.update(s.family.stage_json(s))
             return d
 
@@ -299,7 +301,8 @@ def _absorb_epilogues(plan: Plan) -> None:
     Never where the stage's output is read as a tensor by another stage (a value operand, a
     `from:` start: the fused op does not write it), where the next stage reads values as tensors
     (the fused op does not take them; a value named and read in the same stage is a register), or
-    where the next stage starts from another tensor than this stage's output (`from:`)."""
+    where the next stage starts from another tensor than this stage's output (`from:`). Where it does
+    not, a family may still gather the next stage's statistics in its kernel (gathers_statistics)."""
     # values read as tensors (an operand kept in a register of its own stage is not)
     value_tensors = {plan.value_exprs[v] for s in plan.stages for v in plan.stage_values(s)}
     for st, nxt in zip(plan.stages, plan.stages[1:]):
@@ -309,6 +312,8 @@ def _absorb_epilogues(plan: Plan) -> None:
             continue
         if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
             st.epilogue, nxt.absorbed_by = nxt, st
+        elif st.absorbed_by is None and st.family.gathers_statistics(st, nxt):
+            st.moments_for, nxt.gathered_by = nxt, st
 
 
 # ---------------------------------------------------------------- the choice

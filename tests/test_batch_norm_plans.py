@@ -37,6 +37,13 @@ SPECS = {
     # BatchNorm1d over [N, C, L]: the statistics over (batch, L), a conv1d before it
     "bn_1d": spec_text([4, 130], [{"conv1d": {"out_channels": 6, "kernel_size": 3}}, {"batch_norm": {"eps": 1e-3}},
                                   {"max": {"dim": 1}}], name="bn_1d", batch=256),
+    # the generated convolution gathers the statistics as it stores its tiles (partial tiles at the edges)
+    "bn_gather": spec_text([3, 20, 18], [CONV, {"batch_norm": {}}, "relu"], name="bn_gather", plan={"conv": "gemm"}),
+    # ... of all its sub-pixel phases (KernelBench #72 in small)
+    "bn_gather_phases": spec_text([3, 5, 6, 7], [{"conv_transpose3d": {"out_channels": 8, "kernel_size": 3, "stride": 2,
+                                                                       "padding": 1}},
+                                                 {"batch_norm": {"momentum": None}}, {"avg_pool3d": {"kernel_size": 2}}],
+                                  name="bn_gather_phases", plan={"conv": "gemm"}),
 }
 
 
@@ -202,6 +209,32 @@ def test_statistics_kernels_compile_without_spills(rendered):
         kernels = [k for k in ptxas_report(rendered[name][1], "9.0a") if "float2" in demangle(k.name)]
         assert sorted(demangle(k.name).split("(")[0].rsplit("::", 1)[-1] for k in kernels) == ["finalize_kernel", "partials_kernel"], name
         assert all(k.clean for k in kernels), [(demangle(k.name), k.stack, k.spill_stores) for k in kernels]
+
+
+def test_the_convolution_gathers_the_statistics_as_it_stores(rendered):
+    """A batch_stats stage right after a generated convolution that stores through a staged tile: the
+    convolution's Store epilogue writes each tile's (count, mean, M2) per channel, the stage only merges
+    them (merge_moments_kernel) on CUDA and reads nothing else; ATen's var_mean off CUDA. Both kernels
+    compile without spills (nvcc sm_90a where there is one)."""
+    from kgen.build import cuda_home, demangle, ptxas_report
+    from kgen.explain import stage_cost
+
+    for name in ("bn_gather", "bn_gather_phases"):
+        plan = choose_plans(pipeline_of(SPECS[name])).variant_for(2, True).plan
+        conv, stats = plan.stages[:2]
+        assert conv.family.name == "conv_gemm" and conv.moments_for is stats and stats.gathered_by is conv, name
+        assert stats.kernel and stage_cost(plan, stats, 2)[1] == 12 * 2 * 8 * conv.moments_tiles()
+        assert "gathers (count, mean, M2)" in stats.family.explain_lines(stats)[0]
+        d = rendered[name][1]
+        binding, kernel = (d / "binding.cpp").read_text(), (d / "kernel.cu").read_text()
+        assert "stage0_gathering({x.contiguous()}" in binding and ", moments1);" in binding
+        assert "using Store = StoreEpilogue<true, true>;" in kernel and "merge_moments_kernel" in kernel
+        # eval mode's plan (the affine over the running statistics) has no statistics to gather
+        assert "StoreEpilogue<true, true>" not in kernel.split("namespace v1 {")[-1]
+        if cuda_home() is not None:
+            kernels = ptxas_report(d, "9.0a")
+            assert all(k.clean for k in kernels), [(demangle(k.name)[:80], k.stack, k.spill_stores) for k in kernels if not k.clean]
+    assert len(choose_plans(pipeline_of(SPECS["bn_gather_phases"])).variant_for(2, True).plan.stages[0].problems) == 8
 
 
 @pytest.mark.parametrize("device", BUILD_DEVICES)

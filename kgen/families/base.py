@@ -126,6 +126,11 @@ class Family:
         """Whether ``stage`` takes the next stage as its epilogue (a generated convolution may)."""
         return False
 
+    def gathers_statistics(self, stage: Stage, nxt: Stage) -> bool:
+        """Whether ``stage``'s kernel gathers the next stage's statistics (a batch_stats stage) per tile
+        while it writes its output, so that the next stage only merges them (a generated convolution may)."""
+        return False
+
     def stage_json(self, stage: Stage) -> dict:
         """The family's fields of a stage for plan.json."""
         return {}

@@ -25,6 +25,7 @@ MIN_SPATIAL = 64  # shorter rows (BatchNorm1d: 1) keep ATen's var_mean: a block 
 # the running statistics' update (mul_, add_ for each), the variance's correction, the scale (add, sqrt, div):
 # ATen calls on C values each, on the var_mean path
 ATEN_SMALL_CALLS = 8
+MOMENT_BYTES = 12  # a tile's (count, mean, M2) in float (kgen::TileMoments)
 
 
 @dataclass
@@ -32,6 +33,9 @@ class BatchStatsStage(Stage):
     threads: int = CUDA_THREADS
     per_thread: int = PER_THREAD
     kernel: bool = False  # the generated CUDA kernels (else ATen's var_mean on every device)
+    # the stage (a generated convolution) whose kernel gathers per-tile moments of this stage's input
+    # while writing it (on CUDA this stage then only merges them: merge_kernel)
+    gathered_by: Stage | None = None
 
     @property
     def stats(self) -> BatchStats:
@@ -70,16 +74,25 @@ class BatchStatsFamily(Family):
         return st
 
     def work(self, st: BatchStatsStage, batch: int, target: Target) -> list[Work]:
-        """One read of the input; nothing written (its output is its input)."""
+        """One read of the input; nothing written (its output is its input). Gathered by the stage
+        before it: one launch that reads the tiles' moments."""
+        if st.gathered_by is not None:
+            return [Work("merge of the gathered moments", 0, MOMENT_BYTES * self.moments(st, batch), launches=1)]
         launches = 2 if st.kernel else 1 + ATEN_SMALL_CALLS
         return [Work("batch statistics", 0, self.read_bytes(st, batch), launches=launches)]
+
+    @staticmethod
+    def moments(st: BatchStatsStage, batch: int) -> int:
+        """Tile moments (count, mean, M2) the gathering stage writes per call."""
+        return batch * st.stats.norm.num_features * st.gathered_by.moments_tiles()
 
     def call_lines(self, st: BatchStatsStage, fn: str, src: str, ident, buffers) -> list[str]:
         """C++ statements of the stage in forward (after aten_prelude's copies of the running
         statistics it updates): ``fn`` (kgen::batch_norm_batch_stats's arguments) makes the mean
         and the scale, under the names the stages after it take them by (``ident``), and updates
         the copies in training mode (``buffers``: the op's running-statistics arguments in order;
-        a norm's update weight is factors[its index // 2])."""
+        a norm's update weight is factors[its index // 2]); where the stage before gathers the
+        statistics, ``moments{index}`` (its tiles' moments, undefined off CUDA) too."""
         op = st.stats
         w = ident(op.weight) if op.weight else "at::Tensor()"
         if op.norm.track_running_stats:
@@ -89,11 +102,16 @@ class BatchStatsFamily(Family):
         else:
             update = "at::Tensor(), at::Tensor(), 0.0"
         i = st.index
-        return [f"const auto stats{i} = {fn}({src}, {w}, {op.norm.eps!r}, {update});",
+        gathered = f", moments{i}" if st.gathered_by is not None else ""  # the tiles' moments (conv_gemm's binding)
+        return [f"const auto stats{i} = {fn}({src}, {w}, {op.norm.eps!r}, {update}{gathered});",
                 f"const at::Tensor& {op.mean.ident} = stats{i}.first;",
                 f"const at::Tensor& {op.scale.ident} = stats{i}.second;"]
 
     def explain_lines(self, st: BatchStatsStage) -> list[str]:
+        if st.gathered_by is not None:
+            return [f"CUDA: stage {st.gathered_by.index}'s kernel gathers (count, mean, M2) of each output tile and channel "
+                    "as it writes them; a block per channel merges them in order (double, Chan's formula) and updates "
+                    "the running statistics; CPU: ATen's var_mean"]
         if st.kernel:
             return [f"CUDA: shifted sums of {st.chunk}-value chunks of each (sample, channel) row, then a block per "
                     "channel adds them in order (double) and updates the running statistics; CPU: ATen's var_mean"]

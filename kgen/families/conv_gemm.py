@@ -202,6 +202,10 @@ class FusedNorm:
 # conv_gemm:phase_pool (phase_pool.cuh): the lab kernel (scripts/tconv_lab) ran maxpool_sum's whole
 # pipeline at 288-296 TFLOP/s of useful FLOPs (H100, 0.75-0.77 ms; 221 GFLOP), ~0.6 of the TF32 peak
 PHASE_POOL_TENSOR_FRACTION = 0.58
+# Output positions of a tile from which the Store gathers a following batch norm's statistics: per tile
+# and channel a warp's two shuffle trees (H100, training mode, gathered / the statistics kernel: #72's
+# 1024-position tiles 2.43 / 2.70 ms, #73's 256 1.09-1.10 / 1.17-1.22, #15's 64 1.79-1.89 / 1.54-1.61)
+GATHER_MIN_TILE = 256
 PHASE_POOL_MAX_N = 128  # positions of one wgmma (wgmma.cuh's widest)
 PHASE_POOL_MAX_ACC = 160  # accumulators per thread (a warpgroup holds 64 channels x the tile's positions)
 PHASE_POOL_MAX_PHASES = 27  # phase_pool.cuh kMaxPhases
@@ -406,6 +410,8 @@ class ConvGemmStage(ConvStage):
     phase_pool: PhasePool | None = None
     # candidate conv_gemm:pool_ring: likewise
     pool_ring: PoolRing | None = None
+    # the batch_stats stage after it whose per-tile moments its Store epilogue gathers (the output is still written)
+    moments_for: Stage | None = None
 
     # ---- what the templates need (text only; the decisions are above)
 
@@ -430,6 +436,19 @@ class ConvGemmStage(ConvStage):
         ones (H100, every layout and form tried: scripts/tf32_lab/cudnn_rounding.py). Behind a
         normalization another rounding than eager's leaves ~5e-4 between the two (KernelBench's #15)."""
         return self.conv.conv.transposed
+
+    def moments_offsets(self) -> list[int]:
+        """Per problem (sub-pixel phase), the index of its first tile among a sample's (conv_gemm.cuh
+        Geometry kTilesPerSample, phase after phase): where the Store writes a tile's moments."""
+        offsets, at = [], 0
+        for p in self.problems:
+            offsets.append(at)
+            at += math.prod(-(-n // t) for n, t in zip(p.out, self.schedule.tile))
+        return offsets + [at]
+
+    def moments_tiles(self) -> int:
+        """Position tiles of a sample over all problems (a channel's moments per sample)."""
+        return self.moments_offsets()[-1]
 
     def problem_names(self) -> list[str]:
         return ["Problem"] if len(self.problems) == 1 else [f"Phase{i}" for i in range(len(self.problems))]
@@ -877,6 +896,18 @@ class ConvGemm(Family):
         return st
 
     # ------------------------------------------------------------ epilogue
+
+    def gathers_statistics(self, st: Stage, nxt: Stage) -> bool:
+        """A batch_stats stage (its generated kernels) right after a convolution that stores through a
+        staged tile and has no epilogue of its own: the Store reads each tile back for its moments per
+        channel, so the statistics need no read of the output (KernelBench #72: 1 GB, 0.34 ms). Tiles of at
+        least GATHER_MIN_TILE positions: a warp reduces each channel of each tile (two shuffle trees)."""
+        from .batch_stats import BatchStatsStage
+
+        return (isinstance(nxt, BatchStatsStage) and nxt.kernel and st.epilogue is None and st.fused_norm is None
+                and st.phase_pool is None and st.pool_ring is None and st.store_staged()
+                and math.prod(st.schedule.tile) >= GATHER_MIN_TILE
+                and nxt.input == st.output and nxt.stats.norm.num_features == st.conv.conv.out_channels)
 
     def absorbs_epilogue(self, st: Stage, nxt: Stage) -> bool:
         """A pool_reduce stage whose pools tile the convolution output in whole windows, or

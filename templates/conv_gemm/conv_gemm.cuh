@@ -59,10 +59,12 @@
 #include <atomic>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "wgmma.cuh"
 #include "../kgen_launch.cuh"
+#include "../kgen_math.h"
 
 namespace kgen {
 namespace conv_gemm {
@@ -520,16 +522,26 @@ __device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratc
 
 // The convolution output (+ bias), NC[D]HW: the plain epilogue. kStagedTile: from the staged
 // tile (consecutive threads store consecutive positions), else from the accumulators.
-template <bool kStagedTile>
+template <bool kStagedTile, bool kMoments = false>
 struct StoreEpilogue {
-  struct Params {
+  struct PlainParams {
     const float* bias;
     float* out;
   };
+  // ... and the tiles' moments per channel of what is stored, for a batch_stats stage after it (null: none
+  // wanted, as when the stage runs on its own): [sample][channel][P::kMomentsTiles], this problem's tiles
+  // from P::kMomentsTile0 (TileMoments: count, mean, M2 about the tile's mean).
+  struct MomentsParams {
+    const float* bias;
+    float* out;
+    kgen::TileMoments* moments;
+  };
+  using Params = std::conditional_t<kMoments, MomentsParams, PlainParams>;
   static constexpr bool kStaged = kStagedTile;
   static constexpr int kScratchFloats = 0;
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float*, const TileCoord& c) {
+    static_assert(!kMoments, "moments are gathered from the staged tile");
     using G = Geometry<P>;
 #pragma unroll
     for (int nt = 0; nt < G::kNT; ++nt)
@@ -546,6 +558,13 @@ struct StoreEpilogue {
   }
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
+    store<P>(p, tile, c);
+    if constexpr (kMoments) {
+      if (p.moments) tile_moments<P>(p, tile, c);
+    }
+  }
+  template <class P>
+  __device__ static void store(const Params& p, const float* tile, const TileCoord& c) {
     using G = Geometry<P>;
     const int tid = team_thread<P>();  // this thread in its team
     if constexpr (P::kOutStrideD * P::kOutStrideH * P::kOutStrideW > 1) {
@@ -568,6 +587,67 @@ struct StoreEpilogue {
       for (int n = 0; n < P::kBN; ++n) {
         if (c0 + n < P::kCout) out[n * kChannelStride] = tile[n * G::kMPad + m] + (p.bias ? p.bias[c0 + n] : 0.f);
       }
+    }
+  }
+  // The tile's (count, mean, M2) per channel of the values stored (tile + bias, the same fp32 add):
+  // a warp per channel, its lanes over the positions, one pass of sums of d = value - shift and d * d
+  // reduced by the warp's shuffle tree (a fixed order), the shift being the tile's first value (row 0
+  // is always an output position), so a channel far from zero keeps its spread. It only reads the
+  // staged tile, as the store does: no barrier. NaN or inf makes the tile's mean or M2 NaN or inf, and
+  // the merged statistics NaN, as PyTorch's.
+  static constexpr int kMomentsUnroll = 4;
+  template <class P>
+  __device__ static void tile_moments(const Params& p, const float* tile, const TileCoord& c) {
+    constexpr int kWarps = Geometry<P>::kTeamThreads / 32;
+    const int warp = team_thread<P>() / 32;
+    auto part = [](int o, int t, int size) { return size - o < t ? size - o : t; };  // as valid_rows
+    const int vh = part(c.oh, P::kTH, P::kOutH), vw = part(c.ow, P::kTW, P::kOutW);
+    const int rows = part(c.od, P::kTD, P::kOutD) * vh;
+    // (the two forms are what ptxas fits in the window loop's 128 registers without spilling)
+    if constexpr (P::kBN <= kWarps) {
+#pragma unroll 1
+      for (int n = warp; n < P::kBN; n += kWarps) channel_moments<P>(p, tile, c, n, rows, vh, vw);
+    } else {
+#pragma unroll 1
+      for (int k = 0; k < (P::kBN + kWarps - 1) / kWarps; ++k) {
+        const int n = warp + k * kWarps;
+        if (P::kBN % kWarps != 0 && n >= P::kBN) break;  // the same for the whole warp
+        channel_moments<P>(p, tile, c, n, rows, vh, vw);
+      }
+    }
+  }
+  // Channel n of the tile (a warp): `rows` valid (d, h) rows of `vw` valid positions, vh rows per plane.
+  template <class P>
+  __device__ __forceinline__ static void channel_moments(const Params& p, const float* tile, const TileCoord& c, int n, int rows, int vh,
+                                                         int vw) {
+    const int co = c.cblock * P::kBN + n, lane = threadIdx.x % 32;
+    if (P::kCout % P::kBN != 0 && co >= P::kCout) return;  // the same for the whole warp
+    const float b = p.bias ? p.bias[co] : 0.f;
+    const float* row = tile + n * Geometry<P>::kMPad;
+    const float shift = row[0] + b;
+    float s1 = 0.f, s2 = 0.f;
+    constexpr int kM = Geometry<P>::kM, kStep = 32 * kMomentsUnroll;
+#pragma unroll 1
+    for (int m0 = 0; m0 < kM; m0 += kStep) {  // the lanes over the tile's positions, kMomentsUnroll loads in flight
+#pragma unroll
+      for (int u = 0; u < kMomentsUnroll; ++u) {
+        const int m = m0 + 32 * u + lane;
+        if ((kM % kStep == 0 || m < kM) && row_valid<P>(c, m)) {
+          const float d = (row[m] + b) - shift;
+          s1 += d;
+          s2 = fmaf(d, d, s2);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+      s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+    }
+    if (lane == 0) {
+      const float count = static_cast<float>(rows * vw), offset = s1 / count;  // the mean's distance from the shift
+      p.moments[(static_cast<long long>(c.n) * P::kCout + co) * P::kMomentsTiles + (P::kMomentsTile0 + c.index)] =
+          kgen::TileMoments{count, shift + offset, fmaxf(s2 - s1 * offset, 0.f)};
     }
   }
 };
