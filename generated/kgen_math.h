@@ -151,7 +151,8 @@ KGEN_HD void sums_stats(const ShiftedSums& s, float eps, float& mean_offset, flo
 // Statistics gathered per tile by a generated convolution's epilogue: each
 // tile's (count, mean, M2 = sum of squared deviations from its mean), two
 // passes over its registers, no shift needed. The tiles of a group are merged
-// in double, in a fixed order (conv_gemm's norm epilogue, merged_stats). NaN or
+// in double, in a fixed order (conv_gemm's norm epilogue, merged_stats; a batch
+// norm's after the Store epilogue: batch_stats' merge_moments_kernel). NaN or
 // inf anywhere makes the merged statistics NaN, as in PyTorch.
 struct TileMoments {
   float count, mean, m2;

@@ -34,7 +34,7 @@ class BatchStatsStage(Stage):
     per_thread: int = PER_THREAD
     kernel: bool = False  # the generated CUDA kernels (else ATen's var_mean on every device)
     # the stage (a generated convolution) whose kernel gathers per-tile moments of this stage's input
-    # while writing it (on CUDA this stage then only merges them: merge_kernel)
+    # while writing it (on CUDA this stage then only merges them: merge_moments_kernel)
     gathered_by: Stage | None = None
 
     @property

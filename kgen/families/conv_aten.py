@@ -164,8 +164,9 @@ class ConvAten(Family):
 
     def eager_rounding_only(self, req: StageRequest, conv) -> bool:
         """Whether only eager's own call (NC[D]HW, as written) rounds this convolution's operands as eager
-        does: a forward convolution with TF32 products (cuDNN's large GEMMs) that a normalization follows. cuDNN rounds the operands to TF32 with ties away from zero in its NC[D]HW
-        forward kernels and to even in its channels_last ones (H100: scripts/tf32_lab/cudnn_rounding.py);
+        does: a forward convolution with TF32 products (cuDNN's large GEMMs) that a normalization follows.
+        cuDNN rounds the operands to TF32 with ties away from zero in its NC[D]HW forward kernels and to
+        even in its channels_last ones (H100: scripts/tf32_lab/cudnn_rounding.py);
         the normalization scales that difference up to 5-7e-4 (KernelBench's #52, #17: the check failed
         0/5 in channels_last, passes 5/5 as eager's call). Transposed convolutions round to even in
         every form tried, so their forms stay free; after an exponential the ties' differences stay small
