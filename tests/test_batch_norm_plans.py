@@ -212,10 +212,11 @@ def test_statistics_kernels_compile_without_spills(rendered):
 
 
 def test_the_convolution_gathers_the_statistics_as_it_stores(rendered):
-    """A batch_stats stage right after a generated convolution that stores through a staged tile: the
-    convolution's Store epilogue writes each tile's (count, mean, M2) per channel, the stage only merges
-    them (merge_moments_kernel) on CUDA and reads nothing else; ATen's var_mean off CUDA. Both kernels
-    compile without spills (nvcc sm_90a where there is one)."""
+    """A batch_stats stage right after a generated convolution that stores through a staged tile of at
+    least GATHER_MIN_TILE positions: the convolution's Store epilogue writes each tile's (count, mean, M2)
+    per channel, the stage only merges them (merge_moments_kernel) on CUDA and reads nothing else; ATen's
+    var_mean off CUDA. Both kernels compile without spills (nvcc sm_90a where there is one). Smaller
+    tiles keep the statistics kernel (slower gathered: #15's 64-position tiles)."""
     from kgen.build import cuda_home, demangle, ptxas_report
     from kgen.explain import stage_cost
 
@@ -235,6 +236,11 @@ def test_the_convolution_gathers_the_statistics_as_it_stores(rendered):
             kernels = ptxas_report(d, "9.0a")
             assert all(k.clean for k in kernels), [(demangle(k.name)[:80], k.stack, k.spill_stores) for k in kernels if not k.clean]
     assert len(choose_plans(pipeline_of(SPECS["bn_gather_phases"])).variant_for(2, True).plan.stages[0].problems) == 8
+    # KernelBench #15's form (wgmma phases, tiles of 1 x 8 x 8 positions): the statistics kernel reads the output
+    small = spec_text([16, 6, 10, 12], [{"conv_transpose3d": {"out_channels": 32, "kernel_size": 3, "stride": 2, "padding": 1}},
+                                        {"batch_norm": {}}], plan={"conv": "gemm"})
+    conv, stats = choose_plans(pipeline_of(small)).variant_for(2, True).plan.stages[:2]
+    assert conv.schedule.tile == (1, 8, 8) and stats.kernel and stats.gathered_by is None and conv.moments_for is None
 
 
 @pytest.mark.parametrize("device", BUILD_DEVICES)
