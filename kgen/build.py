@@ -14,6 +14,9 @@ directories of builders that died anyway are removed by the next build.
 
 Include and library paths come from ``torch.utils.cpp_extension``; the ninja
 file is kgen's own so that building never loads the library into the builder.
+A CPU build puts a precompiled kgen_runtime.h (ATen's headers: about half of
+binding.cpp's compile time) first on its include path, made once per header
+content, compiler and flags in kgen's cache (``precompiled_header_dir``).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ CPU_SOURCES = ("binding.cpp", "kernel_cpu.cpp")
 CUDA_SOURCES = ("kernel.cu",)
 HEADERS = ("stages.h",)
 MANIFEST = "manifest.json"  # beside the installed library: its size and sha256
+PCH_HEADER = "kgen_runtime.h"  # every binding.cpp's first include
 
 
 def _log(msg: str) -> None:
@@ -167,12 +171,51 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _ninja_file(module_dir: Path, tc: Toolchain, lib_name: str) -> str:
+def kgen_cache() -> Path:
+    """kgen's cache directory: $KGEN_CACHE, else $XDG_CACHE_HOME/kgen, else ~/.cache/kgen."""
+    if os.environ.get("KGEN_CACHE"):
+        return Path(os.environ["KGEN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kgen"
+
+
+def precompiled_header_dir(module_dir: Path, tc: Toolchain) -> Path | None:
+    """A directory holding PCH_HEADER.gch for ``tc`` (a CPU toolchain), made once per header content,
+    compiler, flags and torch version under kgen_cache()/pch (11 s and ~290 MB on the CI machine) and put
+    first on the build's include path: g++ reads it where its settings match the compile's and the
+    header otherwise, so the build's output never depends on it (binding.cpp: 7.1 -> 4.0 s). None for
+    CUDA builds (not measured there), with KGEN_PCH=0, or where g++ could not make it."""
+    if tc.variant != "cpu" or os.environ.get("KGEN_PCH", "1") == "0":
+        return None
+    header = module_dir.parent / PCH_HEADER
+    flags = [f for f in tc.cflags if not f.startswith("-I")]  # the module's own include paths do not matter
+    try:
+        version = subprocess.run([tc.cxx, "-dumpfullversion"], capture_output=True, text=True, check=True).stdout.strip()
+        digest = hashlib.sha256(json.dumps([header.read_bytes().hex(), tc.cxx, version, flags, torch.__version__]).encode())
+        out = kgen_cache() / "pch" / digest.hexdigest()[:24]
+        if (out / f"{PCH_HEADER}.gch").exists():
+            return out
+        with _file_lock(out.parent / f"{out.name}.lock"):
+            if (out / f"{PCH_HEADER}.gch").exists():  # another build made it meanwhile
+                return out
+            tmp = out.parent / f"tmp-{out.name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            subprocess.run([tc.cxx, *flags, "-Wno-pragma-once-outside-header", "-x", "c++-header", str(header), "-o",
+                            str(tmp / f"{PCH_HEADER}.gch")], capture_output=True, check=True)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        return out
+    except (OSError, subprocess.CalledProcessError) as e:
+        _log(f"note: no precompiled {PCH_HEADER} ({e}); building from the header")
+        return None
+
+
+def _ninja_file(module_dir: Path, tc: Toolchain, lib_name: str, pch_dir: Path | None = None) -> str:
     q = lambda flags: " ".join(flags)  # noqa: E731 - flags never contain spaces we did not put there
     lines = [
         "ninja_required_version = 1.3",
         f"cxx = {tc.cxx}",
-        f"cflags = {q(tc.cflags)}",
+        f"cflags = {q(([f'-I{pch_dir}'] if pch_dir else []) + tc.cflags)}",
         f"ldflags = {q(tc.ldflags)}",
         "rule cxx",
         "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out",
@@ -471,7 +514,7 @@ def build_module(module_dir: Path, variant: str | None = None, quiet: bool = Fal
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            (tmp / "build.ninja").write_text(_ninja_file(module_dir, tc, lib_name))
+            (tmp / "build.ninja").write_text(_ninja_file(module_dir, tc, lib_name, precompiled_header_dir(module_dir, tc)))
             if not quiet:
                 _log(f"building {name} ({variant}{', ' + ' '.join(cuda_arch_flags()) if variant == 'cuda' else ''}) ...")
             returncode, output = _run_ninja(tmp, name, quiet)

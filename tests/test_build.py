@@ -1,6 +1,7 @@
 """ninja builds: content-hash cache, progress lines, concurrent builders, errors traced to templates,
 verified installs, interrupted builds, unwritable output."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +46,33 @@ def test_cache_hit_and_new_key_on_change(tmp_path, capfd):
     write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
     changed = build_module(mod, quiet=True)
     assert changed.built and changed.library != first.library
+
+
+def test_cpu_builds_read_a_precompiled_runtime_header(tmp_path, monkeypatch):
+    """A CPU build puts kgen_runtime.h precompiled (once per header content, compiler and flags, in
+    KGEN_CACHE) first on its include path; another module with the same header reuses it; a changed
+    header gets its own; KGEN_PCH=0 builds from the header. The libraries compute alike."""
+    from kgen.validate import import_module_dir
+
+    monkeypatch.setenv("KGEN_CACHE", str(tmp_path / "cache"))
+    _, a = _render(tmp_path, "pch_a")
+    _, b = _render(tmp_path, "pch_b", k=4)
+    built = [build_module(m, "cpu", quiet=True) for m in (a, b)]
+    (pch,) = (tmp_path / "cache" / "pch").glob("*/kgen_runtime.h.gch")
+    for r in built:
+        assert (r.library.parent / "build.ninja").read_text().count(f"cflags = -I{pch.parent} ") == 1
+    header = a.parent / "kgen_runtime.h"
+    assert kgen.build.precompiled_header_dir(a, kgen.build.toolchain("cpu", [str(a.parent), str(a)])) == pch.parent
+    header.write_text(header.read_text() + "\n// changed\n")
+    other = kgen.build.precompiled_header_dir(a, kgen.build.toolchain("cpu", [str(a.parent), str(a)]))
+    assert other != pch.parent and (other / "kgen_runtime.h.gch").exists()
+    monkeypatch.setenv("KGEN_PCH", "0")
+    _, c = _render(tmp_path, "pch_c")  # a's ops
+    plain = build_module(c, "cpu", quiet=True)
+    assert "-I" + str(tmp_path / "cache") not in (plain.library.parent / "build.ninja").read_text()
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(import_module_dir(a).Model()(x), import_module_dir(c).Model()(x), rtol=0, atol=0)
+    shutil.rmtree(tmp_path / "cache")  # ~290 MB a header
 
 
 def test_two_builders_at_once(tmp_path):
