@@ -182,8 +182,8 @@ def precompiled_header_dir(module_dir: Path, tc: Toolchain) -> Path | None:
     """A directory holding PCH_HEADER.gch for ``tc`` (a CPU toolchain), made once per header content,
     compiler, flags and torch version under kgen_cache()/pch (11 s and ~290 MB on the CI machine) and put
     first on the build's include path: g++ reads it where its settings match the compile's and the
-    header otherwise, so the build's output never depends on it (binding.cpp: 7.1 -> 4.0 s). None for
-    CUDA builds (not measured there), with KGEN_PCH=0, or where g++ could not make it."""
+    header otherwise, so no build needs it (binding.cpp: 7.1 -> 4.0 s). None for CUDA builds (not
+    measured there), with KGEN_PCH=0, or where g++ could not make it."""
     if tc.variant != "cpu" or os.environ.get("KGEN_PCH", "1") == "0":
         return None
     header = module_dir.parent / PCH_HEADER
@@ -197,13 +197,17 @@ def precompiled_header_dir(module_dir: Path, tc: Toolchain) -> Path | None:
         with _file_lock(out.parent / f"{out.name}.lock"):
             if (out / f"{PCH_HEADER}.gch").exists():  # another build made it meanwhile
                 return out
+            _log(f"precompiling {PCH_HEADER} for CPU builds into {out} (once) ...")
             tmp = out.parent / f"tmp-{out.name}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            subprocess.run([tc.cxx, *flags, "-Wno-pragma-once-outside-header", "-x", "c++-header", str(header), "-o",
-                            str(tmp / f"{PCH_HEADER}.gch")], capture_output=True, check=True)
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
+            try:
+                subprocess.run([tc.cxx, *flags, "-Wno-pragma-once-outside-header", "-x", "c++-header", str(header), "-o",
+                                str(tmp / f"{PCH_HEADER}.gch")], capture_output=True, check=True)
+                shutil.rmtree(out, ignore_errors=True)
+                os.replace(tmp, out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted one leaves nothing
         return out
     except (OSError, subprocess.CalledProcessError) as e:
         _log(f"note: no precompiled {PCH_HEADER} ({e}); building from the header")
