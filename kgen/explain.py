@@ -34,7 +34,7 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     if stage.absorbed_by is not None:
         read = 0
     if getattr(stage, "gathered_by", None) is not None:  # statistics gathered by the stage before: its tiles' moments
-        return flops, stage.family.work(stage, batch, plan.target)[0].bytes
+        return flops, sum(w.bytes for w in stage.family.work(stage, batch, plan.target))
     return flops, FLOAT_BYTES * (read + written)
 
 

@@ -162,10 +162,14 @@ NORMALIZATIONS = ("group_norm", "instance_norm", "batch_norm", "batch_stats", "l
 EXPONENTIALS = ("softmax", "log_softmax", "logsumexp", "exp")
 
 
+def later_ops(req: StageRequest) -> list:
+    """The pipeline's ops after the stage's (first) op."""
+    return req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
+
+
 def follows(req: StageRequest, op_names: tuple[str, ...]) -> bool:
     """Whether one of ``op_names`` comes after the stage's op in the pipeline."""
-    later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
-    return any(o.op_name in op_names for o in later)
+    return any(o.op_name in op_names for o in later_ops(req))
 
 
 def conv_precision(req: StageRequest) -> tuple[bool, str]:
@@ -184,8 +188,7 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
         return False, "eager's cuDNN call for a transposed convolution runs TF32"
     if follows(req, NORMALIZATIONS + EXPONENTIALS):
         return True, "a normalization or an exponential follows"
-    later = req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
-    if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later):
+    if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later_ops(req)):
         return True, "no sum or mean over its values follows (each output carries a convolution value's error)"
     return False, "a sum or mean over its values follows"
 

@@ -906,8 +906,7 @@ class ConvGemm(Family):
 
         return (isinstance(nxt, BatchStatsStage) and nxt.kernel and st.epilogue is None and st.fused_norm is None
                 and st.phase_pool is None and st.pool_ring is None and st.store_staged()
-                and math.prod(st.schedule.tile) >= GATHER_MIN_TILE
-                and nxt.input == st.output and nxt.stats.norm.num_features == st.conv.conv.out_channels)
+                and math.prod(st.schedule.tile) >= GATHER_MIN_TILE and nxt.input == st.output)
 
     def absorbs_epilogue(self, st: Stage, nxt: Stage) -> bool:
         """A pool_reduce stage whose pools tile the convolution output in whole windows, or
