@@ -31,6 +31,8 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
         written = batch * stage.out_type.sample_numel if stage.family.writes_output else 0
     if isinstance(stage, ConvStage) and stage.epilogue is not None:  # set only with the epilogue's absorbed_by
         written = 0
+    if getattr(stage, "output_dropped", False):  # only the statistics' tile moments (counted by their stage)
+        written = 0
     if stage.absorbed_by is not None:
         read = 0
     if getattr(stage, "gathered_by", None) is not None:  # statistics gathered by the stage before: its tiles' moments

@@ -544,7 +544,7 @@ def lowered(op: Op) -> LoweredConv | None:
     if isinstance(op, LoweredConv):
         return op
     if isinstance(op, Conv):
-        return LoweredConv(key=op.key, conv=op)
+        return LoweredConv(key=op.key, src=op.src, conv=op)
     return None
 
 

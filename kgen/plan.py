@@ -314,6 +314,11 @@ def _absorb_epilogues(plan: Plan) -> None:
             st.epilogue, nxt.absorbed_by = nxt, st
         elif st.absorbed_by is None and st.family.gathers_statistics(st, nxt):
             st.moments_for, nxt.gathered_by = nxt, st
+            # the statistics stage passes its input on: where nothing reads that either, only the moments
+            # are wanted (rewrites.batch_stats_pass) and the kernel writes no output
+            passed = f"t{nxt.index}"
+            st.output_dropped = nxt is not plan.stages[-1] and passed not in value_tensors and not any(
+                s.source == passed for s in plan.stages)
 
 
 # ---------------------------------------------------------------- the choice

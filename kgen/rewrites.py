@@ -32,7 +32,7 @@ DEAD_REGION_MIN_FRACTION = 0.05
 # `kgen tune` or estimated by the cost model. A tiny strided transposed
 # convolution is faster as one cuDNN call than as stride^d phase calls; folding
 # and cropping cost a weight transform or an input copy.
-TUNABLE = ("avg_pool_folding", "subpixel_conv_transpose", "dead_region")
+TUNABLE = ("avg_pool_folding", "subpixel_conv_transpose", "dead_region", "batch_stats_pass")
 NOT_CHOSEN = "not chosen: the plan computes it without this rewrite (kgen explain: choices)"
 
 
@@ -93,10 +93,11 @@ def pool_composition(pipe: Pipeline):
 
 
 def _type_at(pipe: Pipeline, op: Op) -> TensorType:
-    """Input type of ``op`` in ``pipe`` (ops are compared by identity)."""
-    for o, t in zip(pipe.ops, pipe.types):
+    """Input type of ``op`` in ``pipe`` (its ``src`` value's, else the previous op's result; ops are
+    compared by identity)."""
+    for i, o in enumerate(pipe.ops):
         if o is op:
-            return t
+            return pipe.in_type(i)
     raise KeyError(op.key)
 
 
@@ -184,7 +185,7 @@ def avg_pool_folding(pipe: Pipeline, fire=always):
             why = _transposed_fold_obstacle(conv, pool)
         crop = None
         if why is None:
-            folded = LoweredConv(key=conv.key, conv=conv, lowering=Folded(pool.kernel, pool.stride))
+            folded = LoweredConv(key=conv.key, src=op.src, conv=conv, lowering=Folded(pool.kernel, pool.stride))
             got, want = folded.infer(_type_at(pipe, op)).spatial, pipe.types[j + 1].spatial
             if any(g < w for g, w in zip(got, want)) or (got != want and not conv.transposed):
                 why = f"folded output size {list(got)} differs from the pool's {list(want)}"
@@ -221,6 +222,69 @@ def _transposed_fold_obstacle(conv: Conv, pool: Pool) -> str | None:
     if any(p > k - 1 for p, k in zip(conv.padding, conv.kernel)):
         return f"transposed convolution's padding {list(conv.padding)} reaches past its kernel {list(conv.kernel)}"
     return None
+
+
+# ------------------------------------------------------------ batch statistics in a pass of their own
+
+
+def batch_stats_pass(pipe: Pipeline, fire=always):
+    """transposed conv, batch statistics, the norm's affine, an average pool -> the convolution once
+    for the statistics alone, then again from the same input for the ops after them.
+
+    Training mode's batch norm needs every value of the convolution for its statistics, but an
+    average pool after the norm needs only their window means: the affine moves after the pool
+    (affine_through_pooling) and the pool folds into the convolution (avg_pool_folding), so the
+    convolution's full output is never written. The statistics come from a pass of the convolution
+    that stores nothing (its kernel gathers each tile's moments: conv_gemm, gathers_statistics).
+    KernelBench #72: a 1 GB output written and read back against a second small convolution.
+
+    Transposed convolutions only: eager's cuDNN call for one rounds its TF32 operands ties to even
+    (scripts/tf32_lab/cudnn_rounding.py), and the folded convolution that replaces it behind the
+    statistics must reproduce eager's products (conv_gemm: ConvGemmStage.eager_products). Needs the
+    convolution's input to be a named value (the pipeline's input or a `from:`) that the second pass
+    reads again, and an average pool without padding or ceil mode; the plan decides whether it pays.
+    """
+    ops, decisions = list(pipe.ops), []
+    i = 0
+    while i < len(ops):
+        conv, i0 = ops[i], i
+        i += 1
+        if not (isinstance(conv, Conv) and i0 + 1 < len(ops) and isinstance(ops[i0 + 1], BatchStats)):
+            continue
+        stats = ops[i0 + 1]
+        j = i0 + 2
+        while j < len(ops) and type(ops[j]) is Elementwise and ops[j].src is None:
+            j += 1
+        pool = ops[j] if j < len(ops) else None
+        if not (isinstance(pool, Pool) and pool.kind == "avg" and pool.src is None):
+            continue
+        source = conv.src if conv.src is not None else (pipe.input_names[0] if i0 == 0 else None)
+        why = None
+        if stats.src is not None:
+            why = "the statistics read another value than the convolution's"
+        elif not conv.transposed:
+            why = "not a transposed convolution (eager's TF32 rounding is known for those)"
+        elif source is None:
+            why = "the convolution's input is not a named value (the second pass reads it again)"
+        elif any(pool.padding) or pool.ceil_mode:
+            why = f"pool pads or uses ceil_mode (padding {list(pool.padding)})"
+        elif any(not e.plain or e.fn not in ("mul", "div", "add", "sub") for e in ops[i0 + 2:j]):
+            why = "an op between the statistics and the pool is not a factor or an offset"
+        elif _transposed_fold_obstacle(conv, pool):
+            why = _transposed_fold_obstacle(conv, pool)
+        site = _site(conv, stats, pool)
+        if why is None and not fire("batch_stats_pass", site):
+            why = NOT_CHOSEN
+        if why:
+            decisions.append(Decision("batch_stats_pass", site, False, why))
+            continue
+        first = replace(conv, key=f"{conv.key}.for_stats")
+        ops[i0:i0 + 2] = [first, stats, replace(conv, src=source)]
+        decisions.append(Decision("batch_stats_pass", site, True,
+                                  f"the statistics from a pass of {conv.describe()} that stores nothing; "
+                                  f"the ops after them from the convolution again, on {source}"))
+        i = i0 + 3
+    return ops, decisions
 
 
 # ------------------------------------------------------------ affine through pooling
@@ -329,7 +393,7 @@ def sum_before_conv(pipe: Pipeline):
             decisions.append(Decision("sum_before_conv", _site(op, red), False, why))
             i += 1
             continue
-        lc = LoweredConv(key=op.key, conv=op, lowering=TapSums(dims))
+        lc = LoweredConv(key=op.key, src=op.src, conv=op, lowering=TapSums(dims))
         new = [lc]
         if red.fn == "mean":
             new.append(Elementwise(key=red.key, fn="div", scalar=float(lc.lowering.count(op, types[i].spatial))))
@@ -477,7 +541,7 @@ def subpixel_conv_transpose(pipe: Pipeline, fire=always):
             decisions.append(Decision("subpixel_conv_transpose", _site(op), False, why))
             continue
         n = math.prod(op.stride)
-        ops[i] = LoweredConv(key=op.key, conv=op, lowering=Subpixel())
+        ops[i] = LoweredConv(key=op.key, src=op.src, conv=op, lowering=Subpixel())
         taps = "x".join("/".join(str(t) for t in sorted({-(-(k - r) // s) for r in range(s)}, reverse=True)) for k, s in zip(op.kernel, op.stride))
         what = f"{n} phase convolutions" if n > 1 else "one convolution with the flipped kernel"
         decisions.append(Decision("subpixel_conv_transpose", _site(op), True, f"{what}, {taps} taps per dim"))
@@ -530,8 +594,10 @@ def dead_region(pipe: Pipeline, fire=always):
     need = tuple(types[-1].shape[1:])
     needs = [None] * len(ops)  # needs[i]: extent of op i's output that is read
     for i in range(len(ops) - 1, -1, -1):
+        if i + 1 < len(ops) and ops[i + 1].src is not None:  # the next op reads another value: all of this one's kept
+            need = tuple(types[i + 1].shape[1:])
         needs[i] = need
-        need = _needed_input(ops[i], types[i], types[i + 1], need)
+        need = _needed_input(ops[i], pipe.in_type(i), types[i + 1], need)
     decisions = []
     for i, op in enumerate(ops):
         lc = lowered(op)
@@ -556,11 +622,11 @@ def dead_region(pipe: Pipeline, fire=always):
             decisions.append(Decision("dead_region", _site(op), False, f"parameter '{varying}' varies along the spatial dims of the cropped tensor"))
             continue
         cropped = replace(lc, crop=tuple(keep))
-        if any(c < k for c, k in zip(cropped.physical_out(types[i].spatial), keep)):
+        if any(c < k for c, k in zip(cropped.physical_out(pipe.in_type(i).spatial), keep)):
             decisions.append(Decision("dead_region", _site(op), False, "the cropped input would not produce the kept outputs"))
             continue
         try:  # the consumers must take the cropped size (avg_pool3d refuses an input smaller than its kernel)
-            after = infer_types(cropped.infer(types[i]), ops[i + 1 :], pipe.path, pipe.values)[0][-1]
+            after = infer_types(cropped.infer(pipe.in_type(i)), ops[i + 1 :], pipe.path, pipe.values)[0][-1]
         except SpecError as e:
             decisions.append(Decision("dead_region", _site(op), False, f"a consumer refuses the cropped size: {e.message}"))
             continue
@@ -676,6 +742,7 @@ def reduction_algebra(pipe: Pipeline):
 REWRITES = (
     ("scalar_through_max", scalar_through_max),
     ("pool_composition", pool_composition),
+    ("batch_stats_pass", batch_stats_pass),
     ("affine_through_pooling", affine_through_pooling),
     ("sum_before_conv", sum_before_conv),
     ("pool_into_linear", pool_into_linear),

@@ -54,6 +54,7 @@ MAX_YAML_NODES = 100_000  # nodes once aliases are expanded (a billion-laughs fi
 REWRITE_NAMES = (
     "scalar_through_max",
     "pool_composition",
+    "batch_stats_pass",
     "affine_through_pooling",
     "sum_before_conv",
     "pool_into_linear",

@@ -43,7 +43,14 @@ SPECS = {
     "bn_gather_phases": spec_text([3, 5, 6, 7], [{"conv_transpose3d": {"out_channels": 8, "kernel_size": 3, "stride": 2,
                                                                        "padding": 1}},
                                                  {"batch_norm": {"momentum": None}}, {"avg_pool3d": {"kernel_size": 2}}],
-                                  name="bn_gather_phases", plan={"conv": "gemm"}),
+                                  name="bn_gather_phases", plan={"conv": "gemm"}, rewrites={"batch_stats_pass": False}),
+    # KernelBench #72 in small: the statistics from a pass of the convolution that writes only its tiles' moments,
+    # the pooled values from the convolution folded with the pool (rewrites.batch_stats_pass)
+    "bn_stats_pass": spec_text([3, 16, 17, 18], [{"conv_transpose3d": {"out_channels": 8, "kernel_size": 3, "stride": 2,
+                                                                       "padding": 1}},
+                                              {"batch_norm": {}}, {"avg_pool3d": {"kernel_size": 2}},
+                                              {"avg_pool3d": {"kernel_size": 2}}],
+                               name="bn_stats_pass", plan={"conv": "gemm"}, batch=8),
 }
 
 
