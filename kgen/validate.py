@@ -632,8 +632,11 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
 
 def stage_precision(st, device: str) -> str:
     """The precision a stage computes in: a generated convolution's products on the GPU (its
-    direct loop's fp32 FMAs: ieee), else fp32."""
+    direct loop's fp32 FMAs: ieee; split TF32 of an input rounded to TF32 as eager's call rounds it,
+    ConvGemmStage.eager_products: TF32's), else fp32."""
     mma = getattr(getattr(st, "schedule", None), "mma", None)
+    if getattr(st, "eager_products", False) and device.startswith("cuda"):
+        return "tf32"
     return mma if mma and mma != "fp32" and device.startswith("cuda") else "ieee"
 
 
