@@ -761,13 +761,14 @@ class ConvGemm(Family):
             return 4 * floats  # the staged tile and scratch live in the last chunk's input stage (tile_in_stage)
         return 4 * (floats + tile_floats + scratch_floats)
 
-    def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target, written: bool = True) -> Schedule:
+    def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
         """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the wgmma loop
         where it wins (WGMMA_MIN_COUT), in the first of WGMMA_SHAPES that fits (teams of one
         warpgroup on 8 x 8 tiles sharing the weights); else the window loop with 4 m-tiles of 16
         per warp for stride-1 convolutions (4 x 16 x 16 for the phases of a 3-d transposed
-        convolution with few input and output channels whose output is written: PHASE_BIG_TILE_MAX_CIN / _COUT);
-        4 x 32 tiles otherwise. fp32 (precision ieee): the direct loop."""
+        convolution with few input and output channels: PHASE_BIG_TILE_MAX_CIN / _COUT; also where the kernel
+        writes only the tiles' moments: 2 x 8 x 16 tiles, 6 CTAs per SM, made #72's pass 453 -> 425 us but its
+        moments' merge 41 -> 90 us); 4 x 32 tiles otherwise. fp32 (precision ieee): the direct loop."""
         c = lc.conv
         if mma == "fp32":
             return self.direct_schedule(lc, problems, staged)
@@ -790,10 +791,8 @@ class ConvGemm(Family):
         rank = c.rank
         if window:  # (tile, warps_m), largest first; kMT rows in H per warp
             mt = WINDOW_M_TILES if rank >= 2 else 1
-            # (a pass that writes only its tiles' moments runs its phases in rounds, a tile per CTA and phase,
-            # no loads in flight across phases: smaller tiles, more CTAs per SM; #72's 4 x 16 x 16 took 453 us)
             phases_big = ([((4, 4 * mt, 16), 16)] if len(problems) > 1 and c.in_channels <= PHASE_BIG_TILE_MAX_CIN
-                          and block_n <= PHASE_BIG_TILE_MAX_COUT and written else [])
+                          and block_n <= PHASE_BIG_TILE_MAX_COUT else [])
             tiles = {3: phases_big + [((2, 2 * mt, 16), 4), ((1, 2 * mt, 16), 2), ((1, mt, 16), 1)],
                      2: [((1, 2 * mt, 32), 4), ((1, 2 * mt, 16), 2), ((1, mt, 16), 1)],
                      1: [((1, 1, 64), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)]}[rank]
@@ -882,15 +881,6 @@ class ConvGemm(Family):
             raise KgenError(f"conv_gemm schedule {sc} breaks: {'; '.join(broken)}")
 
     @staticmethod
-    def only_statistics_read(req: StageRequest) -> bool:
-        """Whether only the batch statistics right after the stage read its output: the op after them
-        starts from another value (rewrites.batch_stats_pass), so the kernel may write only its tiles'
-        moments (decided with the plan's stages: output_dropped)."""
-        ops = req.pipeline.ops
-        i = ops.index(req.ops[-1])
-        return i + 2 < len(ops) and isinstance(ops[i + 1], BatchStats) and ops[i + 2].src is not None
-
-    @staticmethod
     def eager_products_needed(req: StageRequest) -> bool:
         """Whether the stage's convolution is a transposed one folded with an average pool whose values
         a batch norm's batch statistics then scale (rewrites.batch_stats_pass). Eager pools its TF32
@@ -927,7 +917,7 @@ class ConvGemm(Family):
         mma, st.x3_reason = self.mma(req)
         st.eager_products = mma == "tf32x3" and req.pipeline.precision == "tf32" and self.eager_products_needed(req)
         # the plain epilogue stores a staged tile (the direct loop stores from its accumulators)
-        st.schedule = self.schedule(lc, st.problems, mma != "fp32", mma, req.target, written=not self.only_statistics_read(req))
+        st.schedule = self.schedule(lc, st.problems, mma != "fp32", mma, req.target)
         st.input_extent = tuple(t_in.spatial)
         st.output = flat_buffer(t_out)
         return st
