@@ -342,6 +342,19 @@ inline int64_t product(at::IntArrayRef v) {
   return n;
 }
 
+// A float32 tensor rounded to TF32 (10 mantissa bits), ties to even, as cvt.rn.tf32.f32 and eager's
+// cuDNN transposed convolutions round their operands; inf and NaN are kept. On the integer bits: add
+// half a unit less one plus the kept part's lowest bit, then clear the 13 dropped bits (a carry into the
+// exponent is the rounding up to the next binade, or to inf past the largest TF32 value).
+inline at::Tensor tf32_half_even(const at::Tensor& w) {
+  constexpr int64_t kDropped = 13, kHalfLessOne = (int64_t{1} << (kDropped - 1)) - 1;
+  const at::Tensor bits = w.contiguous().view(at::kInt);
+  const at::Tensor lowest_kept = at::div(at::bitwise_and(bits, int64_t{1} << kDropped), int64_t{1} << kDropped, "trunc");  // 0 or 1
+  const at::Tensor sum = at::add(at::add(bits, lowest_kept), at::Scalar(kHalfLessOne));
+  const at::Tensor rounded = at::bitwise_and(sum, at::Scalar(~((int64_t{1} << kDropped) - 1))).view(at::kFloat);
+  return at::where(at::isfinite(w), rounded, w);
+}
+
 // Average pool folded into a convolution's kernel (kgen.lowering.Folded):
 // w'[u] = mean over pool taps t of w[u - t * conv_stride].
 inline at::Tensor fold_avg_pool_weight(const at::Tensor& w, at::IntArrayRef pool_kernel, at::IntArrayRef conv_stride) {

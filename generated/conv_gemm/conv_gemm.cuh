@@ -558,9 +558,11 @@ struct StoreEpilogue {
   }
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
-    store<P>(p, tile, c);
     if constexpr (kMoments) {
+      if (p.out) store<P>(p, tile, c);  // null: only the moments are wanted (ConvGemmStage.output_dropped)
       if (p.moments) tile_moments<P>(p, tile, c);
+    } else {
+      store<P>(p, tile, c);
     }
   }
   template <class P>
@@ -755,8 +757,19 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
   }
 }
 
-// Rounds a landed stage to TF32 in place; tf32x3 also writes lo = x - hi
-// (zero for NaN and inf, so that only hi carries them).
+// The lo part of split-TF32 input value x whose hi part is `hi`: x - hi (zero for NaN and inf, so that
+// only hi carries them); zero for a problem with kEagerProducts, whose input is rounded as eager's TF32
+// call rounds it (hi) and multiplied by full-precision weights (hi + lo: ConvGemmStage.eager_products).
+template <class P>
+__device__ __forceinline__ float input_lo(float x, float hi) {
+  if constexpr (P::kEagerProducts) {
+    return 0.f;
+  } else {
+    return isfinite(x) ? to_tf32(x - hi) : 0.f;
+  }
+}
+
+// Rounds a landed stage to TF32 in place; tf32x3 also writes lo (input_lo).
 template <class P>
 __device__ __forceinline__ void round_stage(float* stage, float* lo) {
   using G = Geometry<P>;
@@ -768,8 +781,7 @@ __device__ __forceinline__ void round_stage(float* stage, float* lo) {
     const float4 h = make_float4(to_tf32_operand<kEven>(v.x), to_tf32_operand<kEven>(v.y), to_tf32_operand<kEven>(v.z), to_tf32_operand<kEven>(v.w));
     s4[e] = h;
     if constexpr (G::kSplits == 2) {
-      auto low = [](float x, float hi) { return isfinite(x) ? to_tf32(x - hi) : 0.f; };
-      l4[e] = make_float4(low(v.x, h.x), low(v.y, h.y), low(v.z, h.z), low(v.w, h.w));
+      l4[e] = make_float4(input_lo<P>(v.x, h.x), input_lo<P>(v.y, h.y), input_lo<P>(v.z, h.z), input_lo<P>(v.w, h.w));
     }
   }
 }
@@ -842,9 +854,8 @@ struct BoxRegs {
                                     to_tf32_operand<kEven>(v[p][3][j]));
       *reinterpret_cast<float4*>(dst + col * 4) = hi;
       if constexpr (G::kSplits == 2) {
-        auto low = [](float x, float h) { return isfinite(x) ? to_tf32(x - h) : 0.f; };
-        *reinterpret_cast<float4*>(dst + G::kABuf + col * 4) =
-            make_float4(low(v[p][0][j], hi.x), low(v[p][1][j], hi.y), low(v[p][2][j], hi.z), low(v[p][3][j], hi.w));
+        *reinterpret_cast<float4*>(dst + G::kABuf + col * 4) = make_float4(input_lo<P>(v[p][0][j], hi.x), input_lo<P>(v[p][1][j], hi.y),
+                                                                           input_lo<P>(v[p][2][j], hi.z), input_lo<P>(v[p][3][j], hi.w));
       }
     }
   }

@@ -54,6 +54,7 @@ struct Problem {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = false;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 static_assert(Geometry<Problem>::kPackedFloats == kPackedFloats, "the plan's packed size");
 constexpr int kPlanSmemBytes = 51712;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)

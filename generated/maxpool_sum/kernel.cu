@@ -51,6 +51,7 @@ struct Phase0 {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 // Sub-pixel phase 1 (residue 0,0,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase1 {
@@ -79,6 +80,7 @@ struct Phase1 {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 // Sub-pixel phase 2 (residue 0,1,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase2 {
@@ -107,6 +109,7 @@ struct Phase2 {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 // Sub-pixel phase 3 (residue 0,1,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase3 {
@@ -135,6 +138,7 @@ struct Phase3 {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 // Sub-pixel phase 4 (residue 1,0,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase4 {
@@ -163,6 +167,7 @@ struct Phase4 {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 // Sub-pixel phase 5 (residue 1,0,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase5 {
@@ -191,6 +196,7 @@ struct Phase5 {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 // Sub-pixel phase 6 (residue 1,1,0), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase6 {
@@ -219,6 +225,7 @@ struct Phase6 {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 // Sub-pixel phase 7 (residue 1,1,1), 3-D view (D, H, W); schedule: plan.json stages[0].schedule.
 struct Phase7 {
@@ -247,6 +254,7 @@ struct Phase7 {
   static constexpr Loop kLoop = Loop::kWindow;  // main loop
   static constexpr Mma kMma = Mma::kTf32;
   static constexpr bool kTf32HalfEven = true;  // TF32 operands' ties: as eager's cuDNN call (conv_gemm.cuh to_tf32_operand)
+  static constexpr bool kEagerProducts = false;  // the input rounded as eager's, its lo part zero (conv_gemm.cuh input_lo)
 };
 static_assert(Geometry<Phase0>::kPackedFloats + Geometry<Phase1>::kPackedFloats + Geometry<Phase2>::kPackedFloats + Geometry<Phase3>::kPackedFloats + Geometry<Phase4>::kPackedFloats + Geometry<Phase5>::kPackedFloats + Geometry<Phase6>::kPackedFloats + Geometry<Phase7>::kPackedFloats == kPackedFloats, "the plan's packed size");
 constexpr int kPlanSmemBytes = 118272;  // shared memory of a CTA, as the plan laid it out (plan.json schedule.smem_bytes)
