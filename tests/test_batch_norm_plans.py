@@ -250,6 +250,34 @@ def test_the_convolution_gathers_the_statistics_as_it_stores(rendered):
     assert conv.schedule.tile == (1, 8, 8) and stats.kernel and stats.gathered_by is None and conv.moments_for is None
 
 
+def test_the_statistics_pass_writes_only_their_moments(rendered):
+    """rewrites.batch_stats_pass (KernelBench #72 in small): stage 0's kernel gathers the tile moments and, with
+    nothing reading its output, writes none on the GPU (a zero-stride stand-in of its sizes; the stage run alone
+    still writes it); the pooled values come from the convolution folded with the pool, x rounded and the weights
+    folded from their TF32 values as eager's transposed convolution rounds them (split TF32 for the folded
+    weights). Eval mode's plan has none of it. Validated in both modes by test_validates_in_both_modes."""
+    from kgen.explain import stage_cost
+
+    plan = choose_plans(pipeline_of(SPECS["bn_stats_pass"])).variant_for(2, True).plan
+    conv, stats, folded = plan.stages[:3]
+    assert conv.output_dropped and conv.moments_for is stats and stats.gathered_by is conv and len(conv.problems) == 8
+    assert folded.conv.lowering.name == "folded" and folded.eager_products and folded.schedule.mma == "tf32x3"
+    assert folded.source == "x" and not getattr(plan.stages[1], "output_dropped", False)
+    c = conv.conv.conv
+    assert stage_cost(plan, conv, 2)[1] == 4 * (2 * c.in_channels * 16 * 17 * 18 + 8 * 3 * 27)  # the input and weights only
+    assert "writes only stage 1's tile moments" in " ".join(conv.family.explain_lines(conv))
+    assert "instead of writing them" in stats.family.explain_lines(stats)[0]
+    d = rendered["bn_stats_pass"][1]
+    binding, kernel = (d / "binding.cpp").read_text(), (d / "kernel.cu").read_text()
+    train, ev = binding.split("namespace v1 {")
+    assert "write_out ? out.data_ptr<float>() : nullptr" in train and "const at::Tensor& t1 = t0;" in train
+    assert "kgen::tf32_half_even(conv_transpose_weight)" in train and "tf32_half_even" not in ev
+    assert "kEagerProducts = true" in kernel.split("namespace v1 {")[0] and "kEagerProducts = true" not in kernel.split("namespace v1 {")[1]
+    # the written-output form stays where the rewrite is switched off
+    plan = choose_plans(pipeline_of(SPECS["bn_gather_phases"])).variant_for(2, True).plan
+    assert plan.stages[0].moments_for is not None and not plan.stages[0].output_dropped
+
+
 @pytest.mark.parametrize("device", BUILD_DEVICES)
 def test_training_mode_far_from_zero(rendered, device):
     """Training mode on values far from zero with a small spread (a sum of squares without a shift

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from kgen.ir import Conv, Elementwise, Pool, Reduce, build_pipeline, load_pipeline
+from kgen.ir import BatchStats, Conv, Elementwise, Pool, Reduce, build_pipeline, load_pipeline
 from kgen.lowering import Folded, LoweredConv, PooledProduct, Subpixel, TapSums, TransposedFold
 from kgen.reference import ReferenceModel
-from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites, batch_norm_eval_affine
+from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
 from kgen.spec import REWRITE_NAMES, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -536,6 +536,49 @@ def test_affine_through_pooling_fires(ops, params):
     (d,) = fired(ds, "affine_through_pooling")
     assert [o.op_name for o in q.ops] == ["conv2d", "avg_pool2d"] + [o.op_name for o in p.ops[1:-2]] + ["tanh"]
     check_equivalent(p, q, inf=False)
+
+
+BN_CONVT = {"conv_transpose3d": {"out_channels": 5, "kernel_size": 3, "stride": 2, "padding": 1}}
+
+
+def _training(ops, shape=(2, 4, 5, 6)):
+    """The pipeline as training mode plans it: each batch norm as its batch statistics and an affine."""
+    return batch_norm_batch_stats(build(spec_text(list(shape), ops)))
+
+
+@pytest.mark.parametrize("pools", [[{"avg_pool3d": {"kernel_size": 2}}, {"avg_pool3d": {"kernel_size": 2}}],
+                                   [{"avg_pool3d": {"kernel_size": 2}}, "relu"]], ids=["two_pools", "pool_relu"])
+def test_batch_stats_pass_fires(pools):
+    """KernelBench #72's pattern: the statistics from a pass of their own, the pooled values from the convolution
+    again on the input (its src), folded with the pool; equal in float64 to the batch statistics over the full
+    output, NaN and inf included (they reach every output through the statistics either way)."""
+    p = _training([BN_CONVT, {"batch_norm": {}}] + pools)
+    names = ("pool_composition", "batch_stats_pass", "affine_through_pooling", "avg_pool_folding")
+    q, ds = rewrite(p, *names)
+    (d,) = fired(ds, "batch_stats_pass")
+    assert "stores nothing" in d.reason and fired(ds, "avg_pool_folding") and fired(ds, "affine_through_pooling")
+    first, stats, again = q.ops[:3]
+    assert isinstance(first, Conv) and first.key.endswith(".for_stats") and isinstance(stats, BatchStats)
+    assert isinstance(again, LoweredConv) and isinstance(again.lowering, Folded) and again.src == "x"
+    assert not ops_of(q, Pool)  # folded: the full output of the second pass is never computed
+    check_equivalent(p, q)
+
+
+@pytest.mark.parametrize("ops, why", [
+    ([{"conv3d": {"out_channels": 5, "kernel_size": 3}}, {"batch_norm": {}}, {"avg_pool3d": {"kernel_size": 2}}],
+     "not a transposed convolution"),
+    (["relu", BN_CONVT, {"batch_norm": {}}, {"avg_pool3d": {"kernel_size": 2}}], "not a named value"),
+    ([BN_CONVT, {"batch_norm": {}}, {"avg_pool3d": {"kernel_size": 2, "padding": 1}}], "pool pads"),
+    ([BN_CONVT, {"batch_norm": {}}, {"avg_pool3d": {"kernel_size": 3}}], "not a multiple"),
+    ([BN_CONVT, {"batch_norm": {}}, {"mul": {"scalar": 2.0}}, "relu", {"avg_pool3d": {"kernel_size": 2}}],
+     "not a factor or an offset"),
+])
+def test_batch_stats_pass_does_not_fire(ops, why):
+    """A forward convolution (eager's TF32 rounding is not known), an input the second pass cannot read again,
+    a pool that does not fold, a nonlinear op between the statistics and the pool."""
+    q, ds = rewrite(_training(ops), "batch_stats_pass")
+    (d,) = not_fired(ds, "batch_stats_pass")
+    assert why in d.reason and not fired(ds, "batch_stats_pass"), d.reason
 
 
 def test_affine_through_pooling_before_spatial_reductions():
