@@ -259,6 +259,7 @@ def batch_stats_pass(pipe: Pipeline, fire=always):
         if not (isinstance(pool, Pool) and pool.kind == "avg" and pool.src is None):
             continue
         source = conv.src if conv.src is not None else (pipe.input_names[0] if i0 == 0 else None)
+        fold_obstacle = _transposed_fold_obstacle(conv, pool) if conv.transposed else None
         why = None
         if stats.src is not None:
             why = "the statistics read another value than the convolution's"
@@ -270,8 +271,8 @@ def batch_stats_pass(pipe: Pipeline, fire=always):
             why = f"pool pads or uses ceil_mode (padding {list(pool.padding)})"
         elif any(not e.plain or e.fn not in ("mul", "div", "add", "sub") for e in ops[i0 + 2:j]):
             why = "an op between the statistics and the pool is not a factor or an offset"
-        elif _transposed_fold_obstacle(conv, pool):
-            why = _transposed_fold_obstacle(conv, pool)
+        elif fold_obstacle:
+            why = fold_obstacle
         site = _site(conv, stats, pool)
         if why is None and not fire("batch_stats_pass", site):
             why = NOT_CHOSEN

@@ -915,7 +915,7 @@ class ConvGemm(Family):
         st = ConvGemmStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=lc, layout="contiguous")
         st.problems = self.problems(lc, t_in, t_out)
         mma, st.x3_reason = self.mma(req)
-        st.eager_products = mma == "tf32x3" and req.pipeline.precision == "tf32" and self.eager_products_needed(req)
+        st.eager_products = req.pipeline.precision == "tf32" and self.eager_products_needed(req)  # (mma: tf32x3)
         # the plain epilogue stores a staged tile (the direct loop stores from its accumulators)
         st.schedule = self.schedule(lc, st.problems, mma != "fp32", mma, req.target)
         st.input_extent = tuple(t_in.spatial)
