@@ -1,0 +1,56 @@
+"""kgen_runtime.h's tf32_half_even (the weights a folded convolution with eager's products is folded from:
+ConvGemmStage.eager_products) against a bit-level reference of cvt.rn.tf32.f32: ties to even, negative values,
+carries into the exponent and past the largest float to inf, subnormals, inf and NaN kept. Built on the CPU."""
+import struct
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+from conftest import ROOT
+
+SOURCE = """
+#include "kgen_runtime.h"
+at::Tensor round_even(const at::Tensor& w) { return kgen::tf32_half_even(w); }
+"""
+
+
+def reference(v: float) -> float:
+    """The nearest float with 10 mantissa bits, ties to the even one (the bits, as cvt.rn does); inf and NaN kept."""
+    if v != v or v in (float("inf"), float("-inf")):
+        return v
+    b = struct.unpack("<I", struct.pack("<f", v))[0]
+    low, kept = b & 0x1FFF, b & ~0x1FFF & 0xFFFFFFFF
+    if low > 0x1000 or (low == 0x1000 and (b >> 13) & 1):
+        kept += 0x2000
+    return struct.unpack("<f", struct.pack("<I", kept & 0xFFFFFFFF))[0]
+
+
+def bits(*words):
+    return [struct.unpack("<f", struct.pack("<I", w))[0] for w in words]
+
+
+@pytest.fixture(scope="module")
+def rounding(tmp_path_factory):
+    return cpp_extension.load_inline("kgen_tf32_rounding", [SOURCE], functions=["round_even"],
+                                     extra_include_paths=[str(ROOT / "templates")],
+                                     build_directory=str(tmp_path_factory.mktemp("rt")), verbose=False)
+
+
+def test_tf32_half_even_rounds_as_cvt_rn(rounding):
+    special = bits(
+        0x3F801000, 0x3F803000, 0xBF801000, 0xBF803000,  # ties: to even (down), to even (up), and negative
+        0x3F801001, 0x3F800FFF, 0x3FFFF000, 0x3FFFFFFF,  # above / below a tie; carries into the exponent
+        0x7F7FF000, 0x7F7FFFFF, 0xFF7FFFFF,  # past the largest TF32 value: inf (signed)
+        0x00001000, 0x00003000, 0x807FFFFF, 0x00000001,  # subnormal ties and extremes
+        0x7F800000, 0xFF800000, 0x7FC00000, 0x00000000, 0x80000000)
+    g = torch.Generator().manual_seed(0)
+    spread = 4096 - len(special)  # normal values over many binades
+    values = torch.cat([torch.tensor(special, dtype=torch.float32),
+                        torch.randn(spread, generator=g) * 10.0 ** torch.randint(-30, 30, (spread,), generator=g)])
+    got = rounding.round_even(values.view(64, -1))
+    want = torch.tensor([reference(v) for v in values.tolist()], dtype=torch.float32).view(64, -1)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
+    bad = (~same).nonzero()
+    assert same.all(), [(values.view(64, -1)[tuple(i)].item(), got[tuple(i)].item(), want[tuple(i)].item()) for i in bad[:5]]
