@@ -101,6 +101,10 @@ WINDOW_TENSOR_FRACTION = 0.35
 # to KernelBench #15, #34, #58, #72, #93, #100: within 1.4x; the old model was 2-12x low)
 PHASES_TENSOR_FRACTION = 0.34
 PHASES_BYTES_FACTOR = 6.0
+# A pass that writes only its tiles' moments (output_dropped) still stages each tile and reduces every value
+# per channel: about the time of writing the output once at DRAM speed (one point: KernelBench #72's
+# statistics pass, 407 us on an H100 for 1.03 GB of values, where the rest of the model gives 0.10 ms)
+DROPPED_OUTPUT_BYTES_FACTOR = 1.0
 # The one-pass norm (conv_gemm:onepass): every CTA of a sample merges the sample's per-tile moments
 # itself, ONEPASS_MERGE_LANES lanes per group, two passes of dependent L2 loads, once per round of
 # co-resident samples (about two 128-thread CTAs per SM at its ~230 registers). KernelBench #21
@@ -1167,6 +1171,9 @@ class ConvGemm(Family):
                          nbytes * (PHASES_BYTES_FACTOR if phases else 1.0), launches=0)]
         else:
             out.append(Work(what, flops, nbytes, rate, launches=launches))
+        if st.output_dropped:
+            out.append(Work("its tiles reduced to moments (not stored)", 0,
+                            FLOAT_BYTES * batch * st.out_type.sample_numel * DROPPED_OUTPUT_BYTES_FACTOR, launches=0))
         return out  # the folded and packed weights are kept between calls (kgen::WeightCache)
 
     def explain_lines(self, st: ConvGemmStage) -> list[str]:
