@@ -122,6 +122,16 @@ def test_mma_precision_follows_what_comes_after_the_convolution():
     averaged = plan_of([3, 8, 16, 16], [CONV3, "relu", {"mean": {"dim": [2, 3, 4]}}], plan=GEMM)
     assert elementwise.stages[0].schedule.mma == max_pooled.stages[0].schedule.mma == "tf32x3"
     assert averaged.stages[0].schedule.mma == "tf32"
+    # from 16 input channels eager's cuDNN call is TF32 (EAGER_TF32_MIN_CIN): TF32 products rounded as that
+    # call rounds them (ties away), even where each output carries a convolution value's error or a norm follows;
+    # split TF32 there would differ from eager by eager's own TF32 error (KernelBench #25's check: 1/5)
+    conv16 = {"conv2d": {"out_channels": 32, "kernel_size": 3}}
+    for after in (["relu"], [{"min": {"dim": 1}}, "tanh"], [{"group_norm": {"num_groups": 4}}]):
+        wide_in = plan_of([16, 12, 12], [conv16] + after, plan=GEMM).stages[0]
+        assert wide_in.schedule.mma == "tf32" and not wide_in.tf32_half_even, after
+        assert "16 or more input channels" in wide_in.x3_reason
+    below = plan_of([15, 12, 12], [conv16, "relu"], plan=GEMM).stages[0]
+    assert below.schedule.mma == "tf32x3"
     # eager's cuDNN call for a transposed convolution is TF32 (cudnn_calibrate.py): TF32 products even before
     # a norm, and cuDNN keeps TF32 allowed in any form
     up = {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}
