@@ -132,6 +132,12 @@ def test_mma_precision_follows_what_comes_after_the_convolution():
         assert "16 or more input channels" in wide_in.x3_reason
     below = plan_of([15, 12, 12], [conv16, "relu"], plan=GEMM).stages[0]
     assert below.schedule.mma == "tf32x3"
+    # outside what was measured (2-d and 3-d, no groups) the rule for small convolutions stands
+    conv1d = plan_of([16, 40], [{"conv1d": {"out_channels": 32, "kernel_size": 3}}, "relu"], plan=GEMM).stages[0]
+    assert conv1d.schedule.mma == "tf32x3"
+    grouped = {"conv2d": {"out_channels": 32, "kernel_size": 3, "groups": 2}}
+    cl = {"conv": "aten", "conv_layout": "channels_last"}
+    assert "no sum or mean" in plan_of([32, 12, 12], [grouped, "relu"], plan=cl).stages[0].fp32_products
     # eager's cuDNN call for a transposed convolution is TF32 (cudnn_calibrate.py): TF32 products even before
     # a norm, and cuDNN keeps TF32 allowed in any form
     up = {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}

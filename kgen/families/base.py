@@ -160,9 +160,9 @@ STRIDED_READ_FACTOR = 4  # a channels_last input read in contiguous order: each 
 # batch norm) and exponentials
 NORMALIZATIONS = ("group_norm", "instance_norm", "batch_norm", "batch_stats", "layer_norm")
 EXPONENTIALS = ("softmax", "log_softmax", "logsumexp", "exp")
-# Forward convolutions with at least this many input channels (per group) ran TF32 in eager's cuDNN call
-# wherever TF32 was allowed: every one of KernelBench level 2's at its batch, 16 -> 64 2-d (K = 144) to
-# 64 -> 128 (reports/cudnn_calibration_h100.json, H100, cuDNN 9.19); below it cuDNN mixes fp32 kernels
+# Forward convolutions (2-d and 3-d, no groups: what was measured) with at least this many input channels
+# ran TF32 in eager's cuDNN call wherever TF32 was allowed: every one of KernelBench level 2's at its batch,
+# 16 -> 64 2-d (K = 144) to 64 -> 128 (reports/cudnn_calibration_h100.json, H100, cuDNN 9.19); below it cuDNN mixes fp32 kernels
 # (3 and 8 input channels: 2-d 8 -> 64 fp32, 3-d 8 -> 16 TF32, 3-d 8 -> 64 fp32). Products more
 # accurate than eager's differ from them by eager's own TF32 error, which KernelBench's check sees
 # (#25, 16 -> 64 then a min over channels: 1/5 with split TF32).
@@ -194,7 +194,7 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
     conv = getattr(req.ops[0], "conv", req.ops[0])  # as written (a LoweredConv wraps it)
     if conv.transposed:
         return False, "eager's cuDNN call for a transposed convolution runs TF32"
-    if conv.in_channels // conv.groups >= EAGER_TF32_MIN_CIN:
+    if conv.groups == 1 and conv.rank >= 2 and conv.in_channels >= EAGER_TF32_MIN_CIN:
         return False, f"eager's cuDNN call for a forward convolution of {EAGER_TF32_MIN_CIN} or more input channels runs TF32"
     if follows(req, NORMALIZATIONS + EXPONENTIALS):
         return True, "a normalization or an exponential follows"
