@@ -28,7 +28,7 @@ import torch
 from .errors import KgenError
 from .ir import Conv, load_pipeline
 from .explain import fused_floor_ms, stage_cost
-from .plan import choose_plans, make_plan, stage_scope_name
+from .plan import choose_plans, stage_scope_name
 from .reference import ReferenceModel
 from .spec import REWRITE_NAMES
 from .target import current
@@ -160,7 +160,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
             nr.load_state_dict(model.state_dict())
             row["kgen_norewrite_ms"] = time_ms(lambda: nr(x, *others), reps)
             if isinstance(first, Conv):
-                plan = make_plan(pipe, {n: False for n in REWRITE_NAMES})
+                plan = choose_plans(pipe, rewrites={n: False for n in REWRITE_NAMES}).plans[0]  # the module's
                 fused = plan.kernel_stages()
                 if fused and fused[0].index == 1:
                     params = dict(nr.named_parameters())

@@ -79,7 +79,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     plan = variant.plan
     target = plan.target
     try:
-        baseline = make_plan(pipe, {n: False for n in pipe.rewrites}, target, {PIPELINE: KGEN})
+        baseline = make_plan(sel.pipeline, {n: False for n in pipe.rewrites}, target, {PIPELINE: KGEN})
     except KgenError as e:  # e.g. plan.conv: gemm, and no rewrite makes the convolution one conv_gemm computes
         baseline, no_baseline = None, str(e)
     sym = pipe.batch_symbol
@@ -95,6 +95,10 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     out.append(f"  chosen by {sel.source}")
     for n in sel.notes:
         out.append(f"  note: {n}")
+    if sel.pipeline.eager_conv_tf32:
+        calls = ", ".join(f"{m} {'TF32' if tf32 else 'fp32'}" for m, tf32 in sel.pipeline.eager_conv_tf32)
+        out.append(f"  eager's cuDNN convolutions, as `kgen tune` measured them on {target.name}: {calls} "
+                   "(the generated convolutions' precision follows)")
     if sel.source == "cost model" and any(isinstance(op, Conv) and len(op.kernel) == 3 for op in pipe.ops):
         # measured on the H100 (notes/next_kernelbench.md): which 3-d kernel cuDNN picks is not a rate
         out.append(f"  note: the cost model's estimates for cuDNN's 3-d convolutions are rough (off by up to 6x either way "

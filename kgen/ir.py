@@ -1005,6 +1005,9 @@ class Pipeline:
     member_order: tuple = ()  # submodules and parameters in the reference model's creation order
     derived: tuple = ()  # DerivedTensors the ops read (a rewrite made them)
     kept_members: tuple | None = None  # the model's members where a rewrite removed the ops that name them
+    # (convolution module, whether eager's cuDNN call for it runs TF32) as `kgen tune` measured them on the
+    # render target (kgen.tunefile.eager_conv_tf32); none: the precision rules' defaults (families.base)
+    eager_conv_tf32: tuple = ()
 
     @property
     def output(self) -> TensorType:

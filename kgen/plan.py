@@ -410,6 +410,9 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
     from . import tunefile
 
     target = target or targets.current()
+    measured = tunefile.eager_conv_tf32(pipeline, target)  # eager's cuDNN precision, as kgen tune found it
+    if measured:
+        pipeline = replace(pipeline, eager_conv_tf32=measured)
     if rewrites is not None:
         why = "rewrites overridden: the default candidates"
         plan = make_plan(pipeline, rewrites, target, {PIPELINE: KGEN}, reason=why)

@@ -24,7 +24,7 @@ import datetime
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from . import cost, target as targets, tunefile
 from .bench import _commit, time_in_blocks
 from .build import build_modules
 from .errors import KgenError
-from .ir import Pipeline, load_pipeline
+from .ir import Conv, Pipeline, load_pipeline
 from .plan import Plan, Selection, Variant, describe_choices, training_plan, tuned_candidates
 from .reference import ReferenceModel
 from .render import render_plan, rename, write_rendered
@@ -74,10 +74,39 @@ def _module_name(pipe: Pipeline, plan: Plan) -> str:
     return f"{pipe.name}__t{digest.hexdigest()[:10]}"
 
 
+def measure_eager_conv_tf32(pipe: Pipeline, batch: int) -> tuple[tuple[str, bool], ...]:
+    """Per convolution module of ``pipe`` as written, whether eager's cuDNN call for it runs TF32 on this GPU
+    at ``batch`` with PyTorch's settings: the call on random normal data with TF32 allowed against the same
+    call with it off; identical bits mean cuDNN picked fp32 kernels (it does for many small convolutions,
+    and its choice depends on the sizes, the batch and the cuDNN version). Empty without a GPU or where
+    PyTorch does not allow cuDNN TF32."""
+    if not torch.cuda.is_available() or not torch.backends.cudnn.allow_tf32:
+        return ()
+    out = {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for i, op in enumerate(pipe.ops):
+            if not isinstance(op, Conv) or op.module in out:
+                continue
+            x = torch.randn(pipe.in_type(i).concrete(batch), device="cuda", generator=gen)
+            w = torch.randn(op.weight_shape(), device="cuda", generator=gen)
+            allowed = op.apply(x, w, None)
+            try:
+                torch.backends.cudnn.allow_tf32 = False
+                off = op.apply(x, w, None)
+            finally:
+                torch.backends.cudnn.allow_tf32 = True
+            out[op.module] = not torch.equal(allowed, off)
+    return tuple(sorted(out.items()))
+
+
 def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTuning:
-    """Plan, rank and render the candidates of one spec (nothing is built or run)."""
+    """Plan, rank and render the candidates of one spec (nothing is built or run). On a GPU the
+    convolutions' precision in eager's cuDNN calls is measured first (``measure_eager_conv_tf32``,
+    at the example batch): the candidates match it, and the entry records it for `kgen render`."""
     pipe = load_pipeline(spec)
     example = pipe.example_batch()
+    pipe = replace(pipe, eager_conv_tf32=measure_eager_conv_tf32(pipe, example))
     batches = sorted({example, *batches})
     target = targets.current()
     cands, eval_mode = tuned_candidates(pipe, target)
@@ -183,6 +212,7 @@ def entry(t: SpecTuning, reps: int, device: str) -> dict:
                             **({"problem": m.problem} if m.problem else {}))
                        for m in t.measured],
         "ranges": ranges,
+        **({"eager_conv_tf32": dict(t.pipe.eager_conv_tf32)} if t.pipe.eager_conv_tf32 else {}),
     }
 
 

@@ -12,7 +12,9 @@ device it was tuned on:
         "candidates": [{"id": "c0", "choices": {decision: option},
                         "model_ms": {batch: ms}, "measured_ms": {batch: ms}}, ...],
         "ranges": [{"min": 1, "max": 11, "tuned_at": 8, "candidate": "c3", "choices": {...}, "ms": ...},
-                   {"min": 12, "max": null, ...}]}]}
+                   {"min": 12, "max": null, ...}],
+        "eager_conv_tf32": {"conv": true}}]}      # per convolution module: eager's cuDNN call ran TF32
+                                                  # at the example batch (kgen.tune.measure_eager_conv_tf32)
 
 An entry applies when its device is the render target's (``Target.name``; the
 default target is the H100, so the committed H100 entries give the committed
@@ -128,6 +130,22 @@ def applicable_entry(pipe, target, cand_hash: str) -> tuple[Entry | None, list[s
         return None, [f"{shown}: stale for {target.name}: kgen's candidates for this spec changed since it was tuned "
                       "(run `kgen tune`): ignored"]
     return Entry(path, target.name, _ranges(path, entry), entry), []
+
+
+def eager_conv_tf32(pipe, target) -> tuple[tuple[str, bool], ...]:
+    """What `kgen tune` measured of eager's convolutions on ``target`` (per convolution module, whether
+    eager's cuDNN call runs TF32), from the entry for that device while the spec is unchanged: a fact
+    about eager PyTorch on that GPU, so it holds even where the entry's plans went stale. The planner
+    sets it on the pipeline before it makes the candidates (Pipeline.eager_conv_tf32)."""
+    data = read(path_for(pipe.path))
+    entry = next((e for e in (data or {}).get("entries", []) if e.get("device") == target.name), None)
+    if entry is None or entry.get("spec_hash") != spec_hash(pipe):
+        return ()
+    record = entry.get("eager_conv_tf32", {})
+    if not isinstance(record, dict) or not all(isinstance(k, str) and isinstance(v, bool) for k, v in record.items()):
+        raise KgenError(f"{path_for(pipe.path)}: an entry's eager_conv_tf32 is not a map of module to true/false; "
+                        "run `kgen tune` again")
+    return tuple(sorted(record.items()))
 
 
 def measured(entry: Entry) -> dict[str, dict[int, float]]:

@@ -138,6 +138,18 @@ def test_mma_precision_follows_what_comes_after_the_convolution():
     grouped = {"conv2d": {"out_channels": 32, "kernel_size": 3, "groups": 2}}
     cl = {"conv": "aten", "conv_layout": "channels_last"}
     assert "no sum or mean" in plan_of([32, 12, 12], [grouped, "relu"], plan=cl).stages[0].fp32_products
+    # where `kgen tune` measured eager's call on the target (Pipeline.eager_conv_tf32), the measurement decides
+    # instead of the channel-count and transposed rules; what follows still asks for fp32-level products
+    def measured(shape, ops, tf32):
+        pipe = pipeline_of(spec_text(shape, ops, plan=GEMM))
+        pipe = replace(pipe, eager_conv_tf32=((pipe.ops[0].module, tf32),))
+        return make_plan(pipe, target=DEFAULT).stages[0]
+    small_tf32 = measured([3, 12, 12], [conv16, "relu"], True)
+    assert small_tf32.schedule.mma == "tf32" and "measured by `kgen tune`" in small_tf32.x3_reason
+    assert measured([16, 12, 12], [conv16, "relu"], False).schedule.mma == "tf32x3"
+    assert measured([16, 12, 12], [conv16, "relu", {"mean": {"dim": [2, 3]}}], False).schedule.mma == "tf32"
+    up_fp32 = {"conv_transpose2d": {"out_channels": 16, "kernel_size": 3, "stride": 2}}
+    assert measured([3, 8, 8], [up_fp32, "relu"], False).schedule.mma == "tf32x3"
     # eager's cuDNN call for a transposed convolution is TF32 (cudnn_calibrate.py): TF32 products even before
     # a norm, and cuDNN keeps TF32 allowed in any form
     up = {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}

@@ -194,6 +194,7 @@ def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
     assert entry["device"] == torch.cuda.get_device_name()
     assert all(set(c["measured_ms"]) == {"1", "3"} for c in entry["candidates"])
     assert any(c["choices"] == {"pipeline": "eager"} for c in entry["candidates"])
+    assert set(entry["eager_conv_tf32"]) == {"conv_transpose"}  # eager's cuDNN precision, measured
     sel = choose_plans(load_pipeline(spec))
     assert sel.source.startswith("tuning file") and not sel.notes
     out = tmp_path / "gen"
@@ -201,6 +202,24 @@ def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
     build_module(out / "tiny_tuned", quiet=True)
     report = validate(spec, out / "tiny_tuned", "cuda")
     assert_report_passed(report)
+
+
+def test_tune_measures_eager_convolution_precision():
+    """kgen.tune.measure_eager_conv_tf32: a 64 -> 128 k3 convolution (K = 576) is the kind cuDNN runs on TF32
+    tensor cores when PyTorch allows it (every one of KernelBench's, reports/cudnn_calibration_h100.json);
+    PyTorch's flag is left as it was, and with TF32 off nothing is measured."""
+    from conftest import pipeline_of
+    from kgen.tune import measure_eager_conv_tf32
+
+    pipe = pipeline_of(spec_text([64, 34, 34], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, "relu"]))
+    assert torch.backends.cudnn.allow_tf32
+    assert measure_eager_conv_tf32(pipe, 16) == (("conv", True),)
+    assert torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        assert measure_eager_conv_tf32(pipe, 16) == ()
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
 
 
 @pytest.mark.parametrize("name", sorted(NORM_LAYOUTS))

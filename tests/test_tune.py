@@ -159,6 +159,46 @@ def test_render_prints_the_note_and_a_broken_file_is_one_line(tmp_path):
     assert "not a readable tuning file" in result.stderr
 
 
+def test_eager_convolution_precision_measured_by_tune_decides_the_products(tmp_path, monkeypatch):
+    """On a GPU, tune measures whether eager's cuDNN call for each convolution runs TF32 (a stand-in here:
+    the CPU has no TF32); the candidates follow it, the entry records it, and render applies it for that
+    device while the spec is unchanged, even where the entry's plans went stale; elsewhere the rules decide."""
+    from kgen.explain import explain_text
+
+    # 3 -> 8 channels, then relu: the rules give split TF32 (cuDNN runs many such convolutions in fp32)
+    spec = write_spec(tmp_path, spec_text([3, 12, 12], [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, "relu"],
+                                          batch=4, name="measured", plan={"conv": "gemm"}), "measured.yaml")
+    calls = []
+    monkeypatch.setattr(tune, "measure_eager_conv_tf32", lambda pipe, b: calls.append(b) or (("conv", True),))
+    t = fake_tuning(spec, [], lambda choices: True, tmp_path / "tune")
+    assert calls == [4]  # at the example batch
+    generated = [m.plan.stages[0] for m in t.measured if not m.plan.eager]
+    assert generated and all(st.schedule.mma == "tf32" for st in generated)
+    entry = tune.entry(t, 30, DEFAULT.name)
+    assert entry["eager_conv_tf32"] == {"conv": True}
+    tunefile.write_entry(spec, entry)
+
+    def conv_stage(target=DEFAULT):
+        sel = choose_plans(load_pipeline(spec), target)
+        return sel, sel.plans[0].stages[0]
+
+    sel, st = conv_stage()
+    assert sel.source.startswith("tuning file") and not sel.notes  # the candidates' hash matches tune's
+    assert st.schedule.mma == "tf32" and "measured by `kgen tune`" in st.x3_reason
+    assert "eager's cuDNN convolutions, as `kgen tune` measured them on NVIDIA H100 80GB HBM3: conv TF32" in explain_text(
+        load_pipeline(spec))
+    assert conv_stage(Target(name="NVIDIA H200"))[1].schedule.mma == "tf32x3"  # not measured there
+    tunefile.write_entry(spec, dict(entry, candidates_hash="0" * 16))  # stale plans: the cost model chooses...
+    sel, st = conv_stage()
+    assert sel.source == "cost model" and st.schedule.mma == "tf32"  # ... with eager's precision as measured
+    spec.write_text(spec.read_text().replace("kernel_size: 3", "kernel_size: 2"))  # another convolution
+    assert conv_stage()[1].schedule.mma == "tf32x3"
+    spec.write_text(spec.read_text().replace("kernel_size: 2", "kernel_size: 3"))
+    tunefile.write_entry(spec, dict(entry, eager_conv_tf32={"conv": "yes"}))
+    with pytest.raises(KgenError, match="eager_conv_tf32 is not a map of module to true/false"):
+        conv_stage()
+
+
 # ------------------------------------------------------------------ the eager candidate and the dispatch
 
 

@@ -190,11 +190,16 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
     and reductions, or the convolution is the output), or a normalization (it removes the scale and
     leaves the relative error) or an exponential (softmax and logsumexp turn the absolute error of
     large logits into a relative error) follows; and cuDNN runs many small forward convolutions in
-    plain fp32 even where TF32 is allowed (3 or 8 input channels, k3, 2-d and 3-d)."""
+    plain fp32 even where TF32 is allowed (3 or 8 input channels, k3, 2-d and 3-d). Where `kgen tune` measured
+    eager's call on the render target (Pipeline.eager_conv_tf32), that measurement replaces the first two rules:
+    TF32 products where it ran TF32, else the rules on what follows."""
     conv = getattr(req.ops[0], "conv", req.ops[0])  # as written (a LoweredConv wraps it)
-    if conv.transposed:
+    measured = dict(req.pipeline.eager_conv_tf32).get(conv.module)  # by `kgen tune` on this GPU, if it was
+    if measured:
+        return False, "eager's cuDNN call for it runs TF32 (measured by `kgen tune` on this GPU)"
+    if measured is None and conv.transposed:
         return False, "eager's cuDNN call for a transposed convolution runs TF32"
-    if conv.groups == 1 and conv.rank >= 2 and conv.in_channels >= EAGER_TF32_MIN_CIN:
+    if measured is None and conv.groups == 1 and conv.rank >= 2 and conv.in_channels >= EAGER_TF32_MIN_CIN:
         return False, f"eager's cuDNN call for a forward convolution of {EAGER_TF32_MIN_CIN} or more input channels runs TF32"
     if follows(req, NORMALIZATIONS + EXPONENTIALS):
         return True, "a normalization or an exponential follows"
