@@ -410,7 +410,8 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
     from . import tunefile
 
     target = target or targets.current()
-    measured = tunefile.eager_conv_tf32(pipeline, target)  # eager's cuDNN precision, as kgen tune found it
+    stored, notes = tunefile.spec_entry(pipeline, target)
+    measured = tunefile.eager_conv_tf32(stored, pipeline)  # eager's cuDNN precision, as kgen tune found it
     if measured:
         pipeline = replace(pipeline, eager_conv_tf32=measured)
     if rewrites is not None:
@@ -418,7 +419,8 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
         plan = make_plan(pipeline, rewrites, target, {PIPELINE: KGEN}, reason=why)
         return Selection(pipeline, [Variant(plan, why=why)], f"fixed ({why})", candidates=[plan])
     cands, eval_mode = tuned_candidates(pipeline, target)
-    entry, notes = tunefile.applicable_entry(pipeline, target, tunefile.candidates_hash(cands))
+    entry, stale = tunefile.applicable_entry(stored, pipeline, target, tunefile.candidates_hash(cands))
+    notes += stale
     mode = "eval" if eval_mode else "any"
     if entry is not None:
         variants = []

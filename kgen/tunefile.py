@@ -112,36 +112,46 @@ def _ranges(path: Path, e: dict) -> tuple[Range, ...]:
     return ranges
 
 
-def applicable_entry(pipe, target, cand_hash: str) -> tuple[Entry | None, list[str]]:
-    """The entry of ``pipe``'s tuning file for ``target``, if it applies, and notes on
-    any that does not (another device, a changed spec, changed candidates)."""
+def _shown(path: Path) -> str:
+    return os.path.relpath(path) if path.is_absolute() else str(path)
+
+
+def spec_entry(pipe, target) -> tuple[dict | None, list[str]]:
+    """The stored entry of ``pipe``'s tuning file for ``target`` while the spec is unchanged (read
+    once: ``eager_conv_tf32`` and ``applicable_entry`` take it), or None and a note on why none
+    applies (another device, a changed spec)."""
     path = path_for(pipe.path)
     data = read(path)
     if data is None:
         return None, []
-    shown = os.path.relpath(path) if path.is_absolute() else str(path)
+    shown = _shown(path)
     devices = [e.get("device") for e in data["entries"]]
     entry = next((e for e in data["entries"] if e.get("device") == target.name), None)
     if entry is None:
         return None, [f"{shown}: tuned on {', '.join(map(str, devices)) or 'nothing'}, not on {target.name}: ignored"]
     if entry.get("spec_hash") != spec_hash(pipe):
         return None, [f"{shown}: stale for {target.name}: the spec changed since it was tuned (run `kgen tune`): ignored"]
-    if entry.get("candidates_hash") != cand_hash:
-        return None, [f"{shown}: stale for {target.name}: kgen's candidates for this spec changed since it was tuned "
+    return entry, []
+
+
+def applicable_entry(stored: dict | None, pipe, target, cand_hash: str) -> tuple[Entry | None, list[str]]:
+    """``spec_entry``'s entry, if kgen's candidates are still those it was tuned among, and a note
+    where they are not."""
+    if stored is None:
+        return None, []
+    path = path_for(pipe.path)
+    if stored.get("candidates_hash") != cand_hash:
+        return None, [f"{_shown(path)}: stale for {target.name}: kgen's candidates for this spec changed since it was tuned "
                       "(run `kgen tune`): ignored"]
-    return Entry(path, target.name, _ranges(path, entry), entry), []
+    return Entry(path, target.name, _ranges(path, stored), stored), []
 
 
-def eager_conv_tf32(pipe, target) -> tuple[tuple[str, bool], ...]:
-    """What `kgen tune` measured of eager's convolutions on ``target`` (per convolution module, whether
-    eager's cuDNN call runs TF32), from the entry for that device while the spec is unchanged: a fact
-    about eager PyTorch on that GPU, so it holds even where the entry's plans went stale. The planner
-    sets it on the pipeline before it makes the candidates (Pipeline.eager_conv_tf32)."""
-    data = read(path_for(pipe.path))
-    entry = next((e for e in (data or {}).get("entries", []) if e.get("device") == target.name), None)
-    if entry is None or entry.get("spec_hash") != spec_hash(pipe):
-        return ()
-    record = entry.get("eager_conv_tf32", {})
+def eager_conv_tf32(stored: dict | None, pipe) -> tuple[tuple[str, bool], ...]:
+    """What `kgen tune` measured of eager's convolutions (per convolution module, whether eager's cuDNN
+    call runs TF32) in ``spec_entry``'s entry: a fact about eager PyTorch on that GPU, so it holds even
+    where the entry's plans went stale. The planner sets it on the pipeline before it makes the
+    candidates (Pipeline.eager_conv_tf32)."""
+    record = (stored or {}).get("eager_conv_tf32", {})
     if not isinstance(record, dict) or not all(isinstance(k, str) and isinstance(v, bool) for k, v in record.items()):
         raise KgenError(f"{path_for(pipe.path)}: an entry's eager_conv_tf32 is not a map of module to true/false; "
                         "run `kgen tune` again")
