@@ -74,12 +74,19 @@ def _module_name(pipe: Pipeline, plan: Plan) -> str:
     return f"{pipe.name}__t{digest.hexdigest()[:10]}"
 
 
+# Relative L2 error against float64 above which eager's convolution counts as TF32: an fp32 cuDNN call reaches
+# ~1e-7 (3.6e-8 for maxpool_sum's transposed convolution on an H200), TF32 products ~1e-4 (operands rounded to
+# 10 bits); 1e-5 lies a decade from each.
+TF32_ERROR_FLOOR = 1e-5
+
+
 def measure_eager_conv_tf32(pipe: Pipeline, batch: int) -> tuple[tuple[str, bool], ...]:
     """Per convolution module of ``pipe`` as written, whether eager's cuDNN call for it runs TF32 on this GPU
-    at ``batch`` with PyTorch's settings: the call on random normal data with TF32 allowed against the same
-    call with it off; identical bits mean cuDNN picked fp32 kernels (it does for many small convolutions,
-    and its choice depends on the sizes, the batch and the cuDNN version). Empty without a GPU or where
-    PyTorch does not allow cuDNN TF32."""
+    at ``batch`` with PyTorch's settings: the call on random normal data with TF32 allowed, compared with the
+    same convolution in float64; a relative L2 error above TF32_ERROR_FLOOR means TF32 products (cuDNN picks
+    fp32 kernels for many convolutions even where TF32 is allowed, depending on the sizes, the batch, the GPU
+    and the cuDNN version; the bits of the call with TF32 off tell nothing: cuDNN may pick another fp32
+    kernel). Empty without a GPU or where PyTorch does not allow cuDNN TF32."""
     if not torch.cuda.is_available() or not torch.backends.cudnn.allow_tf32:
         return ()
     out = {}
@@ -90,13 +97,11 @@ def measure_eager_conv_tf32(pipe: Pipeline, batch: int) -> tuple[tuple[str, bool
                 continue
             x = torch.randn(pipe.in_type(i).concrete(batch), device="cuda", generator=gen)
             w = torch.randn(op.weight_shape(), device="cuda", generator=gen)
-            allowed = op.apply(x, w, None)
-            try:
-                torch.backends.cudnn.allow_tf32 = False
-                off = op.apply(x, w, None)
-            finally:
-                torch.backends.cudnn.allow_tf32 = True
-            out[op.module] = not torch.equal(allowed, off)
+            allowed = op.apply(x, w, None).double()
+            exact = op.apply(x.double(), w.double(), None)
+            error = float((allowed - exact).norm() / exact.norm().clamp_min(torch.finfo(torch.float64).tiny))
+            out[op.module] = error > TF32_ERROR_FLOOR
+            del x, w, allowed, exact
     return tuple(sorted(out.items()))
 
 

@@ -150,6 +150,16 @@ def test_mma_precision_follows_what_comes_after_the_convolution():
     assert measured([16, 12, 12], [conv16, "relu", {"mean": {"dim": [2, 3]}}], False).schedule.mma == "tf32"
     up_fp32 = {"conv_transpose2d": {"out_channels": 16, "kernel_size": 3, "stride": 2}}
     assert measured([3, 8, 8], [up_fp32, "relu"], False).schedule.mma == "tf32x3"
+    # on a GPU other than the one those two rules were measured on (EAGER_RULES_DEVICE), until `kgen tune`
+    # measures eager's calls there: fp32-level products (never less accurate than eager), unless a sum follows
+    other = replace(DEFAULT, name="NVIDIA H200")
+
+    def unmeasured(shape, ops):
+        return make_plan(pipeline_of(spec_text(shape, ops, plan=GEMM)), target=other).stages[0]
+    wide = unmeasured([16, 12, 12], [conv16, "relu"])
+    assert wide.schedule.mma == "tf32x3" and "NVIDIA H200 is not measured" in wide.x3_reason
+    assert unmeasured([3, 8, 8], [up_fp32, "relu"]).schedule.mma == "tf32x3"
+    assert unmeasured([16, 12, 12], [conv16, "relu", {"mean": {"dim": [2, 3]}}]).schedule.mma == "tf32"
     # eager's cuDNN call for a transposed convolution is TF32 (cudnn_calibrate.py): TF32 products even before
     # a norm, and cuDNN keeps TF32 allowed in any form
     up = {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}

@@ -206,8 +206,8 @@ def test_kgen_tune_measures_writes_and_render_uses_it(tmp_path, monkeypatch):
 
 def test_tune_measures_eager_convolution_precision():
     """kgen.tune.measure_eager_conv_tf32: a 64 -> 128 k3 convolution (K = 576) is the kind cuDNN runs on TF32
-    tensor cores when PyTorch allows it (every one of KernelBench's, reports/cudnn_calibration_h100.json);
-    PyTorch's flag is left as it was, and with TF32 off nothing is measured."""
+    tensor cores when PyTorch allows it (every one of KernelBench's on an H100 and an H200); its error against
+    float64 tells; PyTorch's flag is left as it was, and with TF32 off nothing is measured."""
     from conftest import pipeline_of
     from kgen.tune import measure_eager_conv_tf32
 

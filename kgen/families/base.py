@@ -28,7 +28,7 @@ from typing import ClassVar
 from ..ir import Op, Pipeline, Reduce, TensorType
 from ..ops import OPS
 from ..stage import Buffer, Stage
-from ..target import Target
+from ..target import H100_NAME, Target
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,11 @@ EXPONENTIALS = ("softmax", "log_softmax", "logsumexp", "exp")
 # accurate than eager's differ from them by eager's own TF32 error, which KernelBench's check sees
 # (#25, 16 -> 64 then a min over channels: 1/5 with split TF32).
 EAGER_TF32_MIN_CIN = 16
+# The GPU the two rules on eager's own cuDNN calls (transposed, EAGER_TF32_MIN_CIN) were measured on. cuDNN
+# picks its kernels per GPU (on an H200, eager's call for maxpool_sum's transposed convolution is fp32-accurate,
+# 3.6e-8 relative to float64, where the H100's is TF32): on any other GPU, until `kgen tune` measures eager's
+# calls there, the plan assumes fp32 ones and takes fp32-level products, never less accurate than eager.
+EAGER_RULES_DEVICE = H100_NAME
 
 
 def later_ops(req: StageRequest) -> list:
@@ -192,19 +197,25 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
     large logits into a relative error) follows; and cuDNN runs many small forward convolutions in
     plain fp32 even where TF32 is allowed (3 or 8 input channels, k3, 2-d and 3-d). Where `kgen tune` measured
     eager's call on the render target (Pipeline.eager_conv_tf32), that measurement replaces the first two rules:
-    TF32 products where it ran TF32, else the rules on what follows."""
+    TF32 products where it ran TF32, else the rules on what follows. The first two rules hold on the GPU they were
+    measured on (EAGER_RULES_DEVICE); elsewhere, unmeasured, only the rules on what follows decide."""
     conv = getattr(req.ops[0], "conv", req.ops[0])  # as written (a LoweredConv wraps it)
     measured = dict(req.pipeline.eager_conv_tf32).get(conv.module)  # by `kgen tune` on this GPU, if it was
     if measured:
         return False, "eager's cuDNN call for it runs TF32 (measured by `kgen tune` on this GPU)"
+    unmeasured_device = measured is None and req.target.name != EAGER_RULES_DEVICE
+    if measured is None and unmeasured_device:
+        measured = False  # assume fp32 kernels: the rules below on what follows decide
     if measured is None and conv.transposed:
         return False, "eager's cuDNN call for a transposed convolution runs TF32"
     if measured is None and conv.groups == 1 and conv.rank >= 2 and conv.in_channels >= EAGER_TF32_MIN_CIN:
         return False, f"eager's cuDNN call for a forward convolution of {EAGER_TF32_MIN_CIN} or more input channels runs TF32"
+    unknown = (f" (eager's cuDNN precision on {req.target.name} is not measured: `kgen tune` measures it)"
+               if unmeasured_device else "")
     if follows(req, NORMALIZATIONS + EXPONENTIALS):
-        return True, "a normalization or an exponential follows"
+        return True, "a normalization or an exponential follows" + unknown
     if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later_ops(req)):
-        return True, "no sum or mean over its values follows (each output carries a convolution value's error)"
+        return True, "no sum or mean over its values follows (each output carries a convolution value's error)" + unknown
     return False, "a sum or mean over its values follows"
 
 
