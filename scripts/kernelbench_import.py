@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Import every KernelBench level-2 problem with `kgen import`, run `kgen all` on each, and
-write a report: status and, for each failure, the reason.
+"""Import every KernelBench problem of a level (2: fused chains, 3: whole models) with `kgen import`,
+run `kgen all` on each, and write a report: status and, for each failure, the reason.
 
 The KernelBench files are read where they lie (--kernelbench: the level2 folder of a
 checkout, or a KernelBench repository root); nothing of them is copied into the
@@ -10,6 +10,7 @@ each with a time limit.
 
     python3 scripts/kernelbench_import.py --kernelbench ~/KernelBench --jobs 2
     python3 scripts/kernelbench_import.py --kernelbench DIR --only 1,12,92 --no-all
+    python3 scripts/kernelbench_import.py --kernelbench DIR --level 3 --only 1-27,45 --no-all
 
 On the GPU machine, --device cuda validates the CUDA build at the files' own sizes
 (the example batch too) instead of the CPU build with small batches.
@@ -30,35 +31,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def checkout(kernelbench: Path, work: Path) -> Path:
+def checkout(kernelbench: Path, work: Path, level: int) -> Path:
     """A bare git repository of KernelBench (a mirror) is read with `git archive` into the
     work folder (outside the repository); a folder is used as it is."""
     if (kernelbench / "HEAD").is_file() and (kernelbench / "objects").is_dir():
         dest = work / "kernelbench_src"
         dest.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(kernelbench), "archive", "HEAD", "KernelBench/level2"],
+        archive = subprocess.run(["git", "-C", str(kernelbench), "archive", "HEAD", f"KernelBench/level{level}"],
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
         return dest
     return kernelbench
 
 
-def problems(kernelbench: Path) -> list[Path]:
-    """The level-2 files, ordered by problem number."""
+def problems(kernelbench: Path, level: int) -> list[Path]:
+    """The level's files, ordered by problem number."""
     folder = kernelbench
-    for sub in ("KernelBench/level2", "level2"):
+    for sub in (f"KernelBench/level{level}", f"level{level}"):
         if (kernelbench / sub).is_dir():
             folder = kernelbench / sub
     files = [p for p in folder.glob("*.py") if re.match(r"\d+_", p.name)]
     if not files:
-        sys.exit(f"no level-2 problems (NUMBER_NAME.py) under {kernelbench}")
+        sys.exit(f"no level-{level} problems (NUMBER_NAME.py) under {kernelbench}")
     return sorted(files, key=lambda p: int(p.name.split("_")[0]))
 
 
-def module_name(path: Path) -> str:
-    """kb2_<number>_<name>, shortened to fit kgen's 64 characters."""
+def module_name(path: Path, level: int = 2) -> str:
+    """kb<level>_<number>_<name>, shortened to fit kgen's 64 characters."""
     number, _, rest = path.stem.partition("_")
-    name = f"kb2_{number}_" + re.sub(r"[^a-z0-9]+", "_", rest.lower()).strip("_")
+    name = f"kb{level}_{number}_" + re.sub(r"[^a-z0-9]+", "_", rest.lower()).strip("_")
     return name[:64].rstrip("_")
 
 
@@ -85,7 +86,7 @@ def _reason(output: str) -> str:
 
 
 def one(path: Path, args, env: dict) -> dict:
-    name = module_name(path)
+    name = module_name(path, args.level)
     spec = args.work / "specs" / f"{name}.yaml"
     row = {"problem": path.stem, "number": int(path.name.split("_")[0]), "module": name}
     if args.import_ or not spec.exists():
@@ -140,11 +141,12 @@ def write_report(rows: list[dict], args, started: str) -> None:
     ok = sum(r["status"] == "ok" for r in rows)
     imported = sum(r["status"] != "import failed" for r in rows)
     lines = [
-        "# KernelBench level 2: `kgen import` + `kgen all`",
+        f"# KernelBench level {args.level}: `kgen import`" + (" + `kgen all`" if args.all else ""),
         "",
-        f"{ok} of {len(rows)} problems import, build and validate; {imported} import. "
+        (f"{ok} of {len(rows)} problems import, build and validate; " if args.all else "")
+        + f"{imported} of {len(rows)} import. "
         f"Device: {args.device or 'cpu (the C++ build)'}; started {started}; "
-        f"commit {_commit()}; `python3 scripts/kernelbench_import.py --kernelbench DIR --jobs {args.jobs}`.",
+        f"commit {_commit()}; `python3 scripts/kernelbench_import.py {' '.join(sys.argv[1:])}`.",
         "",
         "Validation is `kgen all`'s: the float64 reference built from the imported spec, on normal, NaN, "
         f"large, tied, non-contiguous inputs (batch {args.batch or '1 to 3'}; with --example-batch also the file's own), "
@@ -170,6 +172,15 @@ def write_report(rows: list[dict], args, started: str) -> None:
     args.report.with_suffix(".json").write_text(json.dumps({"rows": rows, "device": args.device or "cpu"}, indent=1) + "\n")
 
 
+def numbers(text: str) -> set[int]:
+    """Problem numbers from ``1,12,20-27``."""
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
@@ -181,14 +192,15 @@ def _commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernelbench", type=Path, required=True,
-                    help="KernelBench checkout, its level2 folder, or a bare git mirror of it")
+                    help="KernelBench checkout, its level folder, or a bare git mirror of it")
+    ap.add_argument("--level", type=int, choices=(2, 3), default=2, help="KernelBench level")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "kernelbench", help="specs, modules and logs")
     ap.add_argument("--report", type=Path, default=None,
                     help="default: reports/kernelbench_level2.md for a whole run; with --only, or without kgen all,\n"
                          "under --work (a partial run does not replace the committed report)")
     ap.add_argument("--jobs", type=int, default=2, help="problems at a time")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per step of a problem")
-    ap.add_argument("--only", default="", help="comma-separated problem numbers")
+    ap.add_argument("--only", default="", help="comma-separated problem numbers or ranges (1-27,45)")
     ap.add_argument("--no-all", dest="all", action="store_false", help="import only")
     ap.add_argument("--no-import", dest="import_", action="store_false", help="reuse the specs already imported")
     ap.add_argument("--device", default=None, help="kgen all --device (default: cpu here, cuda where there is one)")
@@ -202,10 +214,11 @@ def main() -> None:
     args.work = args.work.resolve()
     if args.report is None:
         whole = not args.only and args.all
-        args.report = ROOT / "reports" / "kernelbench_level2.md" if whole else args.work / "kernelbench_level2.md"
-    files = problems(checkout(args.kernelbench.expanduser(), args.work))
+        report = f"kernelbench_level{args.level}.md"
+        args.report = ROOT / "reports" / report if whole else args.work / report
+    files = problems(checkout(args.kernelbench.expanduser(), args.work, args.level), args.level)
     if args.only:
-        wanted = {int(v) for v in args.only.split(",")}
+        wanted = numbers(args.only)
         files = [f for f in files if int(f.name.split("_")[0]) in wanted]
     args.work = args.work.resolve()
     (args.work / "specs").mkdir(parents=True, exist_ok=True)
