@@ -25,9 +25,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+from ..buffer import Buffer
 from ..ir import Op, Pipeline, Reduce, TensorType
 from ..ops import OPS
-from ..stage import Buffer, Stage
+from ..stage import Stage
 from ..target import Target
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..buffer import flat_buffer
 from ..ir import BatchStats
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from ..target import Target
 from .base import Family, StageRequest, Work
 

@@ -23,8 +23,9 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
+from ..buffer import Buffer, Tile, dense_buffer, strides_of
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
-from ..stage import Buffer, ConvStage, Tile, dense_buffer, strides_of
+from ..stage import ConvStage
 from ..target import Target
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, NORMALIZATIONS, conv_precision, follows
 

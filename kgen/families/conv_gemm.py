@@ -51,10 +51,11 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from ..buffer import flat_buffer
 from ..errors import KgenError
 from ..ir import BatchStats, Elementwise, Pool, Reduce
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
-from ..stage import ConvStage, Stage, flat_buffer
+from ..stage import ConvStage, Stage
 from ..target import Target
 from .batch_stats import MOMENT_BYTES
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, later_ops, pow2_floor

@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..buffer import flat_buffer
 from ..ir import Linear, Matmul
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from ..target import Target
 from .base import FLOAT_BYTES, Family, StageRequest, Work
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..buffer import flat_buffer
 from ..ir import Elementwise, Norm, Reduce
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from ..target import Target
 from .base import FLOAT_BYTES, Family, StageRequest, Work, fused_stage_json, index_type, target_blocks_per_sm, typed_ops
 

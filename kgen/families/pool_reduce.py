@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..buffer import flat_buffer
 from ..ir import Elementwise, Pool, Reduce, TensorType
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from .base import Family, StageRequest, fused_stage_json, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
 
 CUDA_THREADS = 256  # threads per block
