@@ -20,4 +20,4 @@ for tool in memcheck racecheck; do
     python scripts/sanitize_stages.py "$W/gen" > "$OUT/ieee-sanitizer-$tool.txt" 2>&1
   echo "$tool (ieee stage kernels): exit $?; $(grep -c '^ok' "$OUT/ieee-sanitizer-$tool.txt") cases ok; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/ieee-sanitizer-$tool.txt" | tail -1)"
 done
-python -m kgen bench --out "$W/gen" --no-baseline --reps 20 --markdown "$OUT/ieee-bench.md" 2>&1 | grep -v '^kgen:   ' | tail -8
+python -m kgen bench --out "$W/gen" --no-baseline --reps 20 --json "$OUT/ieee.json" --markdown "$OUT/ieee-bench.md" 2>&1 | grep -v '^kgen:   ' | tail -8
