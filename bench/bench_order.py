@@ -1,12 +1,12 @@
 """How much the order of calls moves the numbers of kgen bench (a measurement of the method,
 for the GPU machine): each module timed (a) with eager / torch.compile / kgen taking turns
-call by call (kgen bench until stop 19); (b) as kgen bench does now, in blocks of
+call by call (kgen bench before 1cc3a94); (b) as kgen bench does now, in blocks of
 consecutive calls of each in turn, the first call of each block not counted; (c) kgen
 alone. Medians of CUDA-event times, ms. With --probe: the kgen call after other work instead
 (a kgen call, an eager call, a 4.8 GB memset, a 4 KB memset, the host asleep 12 ms, the GPU
 spinning 12 ms), to tell what makes a call after eager slower.
 
-    PYTHONPATH=. python scripts/bench_order.py avgpool_sigmoid_sum maxpool_sum
+    PYTHONPATH=. python bench/bench_order.py avgpool_sigmoid_sum maxpool_sum
 """
 import argparse
 import statistics

@@ -1,6 +1,6 @@
 """kgen's time per pipeline in two `kgen bench --json` results (before and after), as Markdown.
 
-    python scripts/compare_bench.py reports/h100.json reports/h100-tuned.json
+    python bench/compare_bench.py before.json after.json
 """
 import json
 import sys

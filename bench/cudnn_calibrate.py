@@ -5,7 +5,7 @@ as the flipped-kernel forward convolution), each timed with TF32 allowed (PyTorc
 beside conv_work's estimate of the same call. "fp32 kernel" means TF32 allowed gave the same bits as TF32 off:
 cuDNN picked an fp32 kernel anyway. GPU machine:
 
-    PYTHONPATH=. python scripts/tf32_lab/cudnn_calibrate.py --out cal.json SPEC.yaml ...
+    PYTHONPATH=. python bench/cudnn_calibrate.py --out cal.json SPEC.yaml ...
 """
 import argparse
 import json

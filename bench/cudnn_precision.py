@@ -4,7 +4,7 @@ cuDNN ran fp32 kernels (then a TF32 generated convolution would be less accurate
 adds those batches (`kgen validate` runs batches 1 to 3: KernelBench #11's transposed call is fp32 at batch 1
 only). GPU machine:
 
-    PYTHONPATH=. BATCHES=1,2,3 python scripts/tf32_lab/cudnn_precision.py SPEC.yaml ...
+    PYTHONPATH=. BATCHES=1,2,3 python bench/cudnn_precision.py SPEC.yaml ...
 """
 import os
 import sys

@@ -7,7 +7,7 @@ times fit the tensor-core constants; the TF32-off times of forward calls fit CUD
 forward convolutions with TF32 off). Prints the fitted values and measured / model per kind of call (needs numpy
 and scipy, which kgen itself does not):
 
-    PYTHONPATH=. python scripts/tf32_lab/fit_conv_work.py reports/cudnn_calibration_h100.json SPEC_DIR ...
+    PYTHONPATH=. python bench/fit_conv_work.py reports/cudnn_calibration_h100.json SPEC_DIR ...
 """
 import argparse
 import collections
@@ -31,7 +31,7 @@ from kgen.target import current  # noqa: E402
 
 # CUDNN_FULL_N / CUDNN_FULL_K stay as set (96, 320): left free the fit moved them to 29 / 790 (rms 0.35 instead
 # of 0.39), which made cuDNN's small sub-pixel phase calls look 2.5x slower and put #100 and #93 on the generated
-# convolution, 3.4x and 2x slower in the stop-30 sweep (notes/perf.md)
+# convolution, 3.4x and 2x slower in the 2026-11-25 sweep at d5b17bd (docs/performance.md)
 TENSOR_CORE = ["CUDNN_FRACTION", "TRANSPOSED_STRIDE1_EFFICIENCY",
                "TRANSPOSED_STRIDED_EFFICIENCY", "TRANSPOSED_NCHW_EFFICIENCY", "TRANSPOSED_3D_EFFICIENCY", "NCHW_CONVERSION"]
 FP32 = ["CUDNN_FP32_FRACTION"]

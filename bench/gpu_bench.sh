@@ -5,4 +5,4 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python -m kgen build 2>&1 | grep -v '^kgen:   '
-python -m kgen bench --reps ${REPS:-30} --json "$OUT/h100.json" --markdown "$OUT/h100.md" 2>&1 | grep -v '^kgen:   ' | tee "$OUT/bench.txt"
+python -m kgen bench --reps ${REPS:-30} --json "$OUT/shipped.json" --markdown "$OUT/shipped.md" 2>&1 | grep -v '^kgen:   ' | tee "$OUT/bench.txt"

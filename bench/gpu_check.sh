@@ -3,7 +3,7 @@
 # that generated/ is committed as rendered, CUDA build, validation (with the
 # no-rewrite baseline), compute-sanitizer memcheck + racecheck + synccheck on
 # kgen's own kernels, then a quick bench. Logs go to $OUT (or ./gpu-out).
-# Usage: bash scripts/gpu_check.sh          (GPU tests: bash scripts/gpu_tests.sh)
+# Usage: bash bench/gpu_check.sh          (GPU tests: bash bench/gpu_tests.sh)
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KGEN_TARGET=default
@@ -20,6 +20,6 @@ compute-sanitizer --tool memcheck --kernel-name kns=kgen --error-exitcode 3 \
 echo "memcheck (kgen validate): exit $?; $(grep 'ERROR SUMMARY' "$OUT/sanitizer-memcheck-validate.txt")"
 for tool in memcheck racecheck synccheck; do
   compute-sanitizer --tool $tool --kernel-name kns=kgen --error-exitcode 3 \
-    python scripts/sanitize_stages.py > "$OUT/sanitizer-$tool-stages.txt" 2>&1
+    python bench/sanitize_stages.py > "$OUT/sanitizer-$tool-stages.txt" 2>&1
   echo "$tool (stage kernels): exit $?; $(grep -c '^ok' "$OUT/sanitizer-$tool-stages.txt") cases ok; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK' "$OUT/sanitizer-$tool-stages.txt" | tail -1)"
 done

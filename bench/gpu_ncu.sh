@@ -5,9 +5,9 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python -m kgen build 2>&1 | grep -v '^kgen:   ' | tail -1
-python scripts/profile_stages.py "$@" 2>&1 | grep -E "^====|alone"
+python bench/profile_stages.py "$@" 2>&1 | grep -E "^====|alone"
 ncu --kernel-name regex:"reduce_kernel|stats_kernel|apply_kernel" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section Occupancy --section WarpStateStats --section LaunchStats python scripts/profile_stages.py --once "$@" > "$OUT/ncu.txt" 2>&1
+    --section Occupancy --section WarpStateStats --section LaunchStats python bench/profile_stages.py --once "$@" > "$OUT/ncu.txt" 2>&1
 grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|L1/TEX Hit|L2 Hit|Stall|Grid Size|Warp Cycles Per Issued|Issued Warp" "$OUT/ncu.txt" | head -80
 for m in "$@"; do
   obj=$(ls generated/$m/_build/cuda-*/kernel.cuda.o | head -1)

@@ -20,6 +20,6 @@ python -m kgen build --out "$DIR/gen" --device cuda 2>&1 | grep -v '^kgen:   ' |
 python -m kgen validate --out "$DIR/gen" --device cuda --example-batch 2>&1 | tee "$OUT/norm-layouts-validate.txt" | tail -8
 for tool in memcheck racecheck synccheck; do
   compute-sanitizer --tool $tool --kernel-name kns=kgen --error-exitcode 3 \
-    python scripts/sanitize_stages.py "$DIR/gen" > "$OUT/norm-layouts-$tool.txt" 2>&1
+    python bench/sanitize_stages.py "$DIR/gen" > "$OUT/norm-layouts-$tool.txt" 2>&1
   echo "$tool (norm layouts): exit $?; $(grep -c '^ok' "$OUT/norm-layouts-$tool.txt") cases ok; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/norm-layouts-$tool.txt" | tail -1)"
 done

@@ -5,9 +5,9 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python -m kgen build 2>&1 | grep -v '^kgen:   ' | tail -3
-python scripts/profile_stages.py "$@" > "$OUT/profile.txt" 2>&1
-python scripts/profile_stages.py --norewrite "$@" > "$OUT/profile-norewrite.txt" 2>&1
+python bench/profile_stages.py "$@" > "$OUT/profile.txt" 2>&1
+python bench/profile_stages.py --norewrite "$@" > "$OUT/profile-norewrite.txt" 2>&1
 grep -E "^====|alone" "$OUT/profile.txt" "$OUT/profile-norewrite.txt"
 ncu --kernel-name regex:"kgen_" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-  python scripts/profile_stages.py --once --norewrite "$@" > "$OUT/ncu.txt" 2>&1
+  python bench/profile_stages.py --once --norewrite "$@" > "$OUT/ncu.txt" 2>&1
 grep -E "^  kgen_|  [a-z_:]+kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|L2 Hit|L1/TEX Hit" "$OUT/ncu.txt" | head -90

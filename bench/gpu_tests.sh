@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: the test suite's CUDA tests. Usage: bash scripts/gpu_tests.sh
+# On the GPU machine: the test suite's CUDA tests. Usage: bash bench/gpu_tests.sh
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KGEN_TARGET=default

@@ -2,8 +2,8 @@
 before the call): when the host issues each kernel, where each kernel starts and ends
 on the GPU, and the idle gaps between them (torch.profiler's trace). For the GPU machine:
 
-    PYTHONPATH=. python scripts/gpu_timeline.py relu_group_norm maxpool_sum
-    PYTHONPATH=. python scripts/gpu_timeline.py --host instnorm_clamp_max   # and the host's own events
+    PYTHONPATH=. python bench/gpu_timeline.py relu_group_norm maxpool_sum
+    PYTHONPATH=. python bench/gpu_timeline.py --host instnorm_clamp_max   # and the host's own events
 """
 import argparse
 import json

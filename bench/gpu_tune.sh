@@ -2,18 +2,19 @@
 # On the GPU machine: tune the shipped specs and the variant specs (kgen tune),
 # render with the new tuning files, build, validate on CUDA, and bench (with the
 # roofline plots). Every output is written in place (specs/**/NAME.tune.json,
-# generated/, reports/) and copied under $OUT. Progress lines start with [gpu_tune].
+# generated/, reports/shipped_DEV.* and reports/variants_DEV.*, DEV from the GPU's
+# name: h100, h200, ...) and copied under $OUT. Progress lines start with [gpu_tune].
 #
-#   bash scripts/gpu_tune.sh                          # everything (too long for one 10-minute call)
-#   PHASE=tune bash scripts/gpu_tune.sh               # call 1: measure, write the tuning files (~7 min)
-#   PHASE=bench bash scripts/gpu_tune.sh              # call 2: render, build, validate, bench (~8 min)
-#   PHASE=tune SETS=variants bash scripts/gpu_tune.sh # one set only (shipped | variants)
+#   bash bench/gpu_tune.sh                          # everything (~15 min)
+#   PHASE=tune bash bench/gpu_tune.sh               # first half: measure, write the tuning files (~7 min)
+#   PHASE=bench bash bench/gpu_tune.sh              # second half: render, build, validate, bench (~8 min)
+#   PHASE=tune SETS=variants bash bench/gpu_tune.sh # one set only (shipped | variants)
 #
-# Between calls on a fresh copy of the tree, the tuning files come from $OUT/specs
+# Between the halves on a fresh copy of the tree, the tuning files come from $OUT/specs
 # (copy them into specs/ and commit them) or, on a machine that stayed warm, from
 # .kgen-cache/gpu_tune/ (ignored by git, so it survives): phase bench restores a
 # missing one from there and says so.
-# Environment: OUT (default gpu-out), REPS (30), SETS ("shipped variants"),
+# Environment: OUT (default gpu-out), DEV (h100, h200, ...: from the GPU's name), REPS (30), SETS ("shipped variants"),
 # SHIPPED_BATCHES (""), VARIANT_BATCHES ("1 8"): batches tuned besides each spec's
 # example; VARIANT_MAX_CANDIDATES (6): candidates measured per variant spec.
 set -uo pipefail
@@ -26,6 +27,8 @@ VARIANT_BATCHES=${VARIANT_BATCHES:-1 8}
 VARIANT_MAX_CANDIDATES=${VARIANT_MAX_CANDIDATES:-6}
 CACHE=.kgen-cache/gpu_tune
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KGEN_COMMIT=${KGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+DEV=${DEV:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}|a[0-9]{2,3}|l[0-9]{1,2}' | head -1 | tr A-Z a-z)}
+DEV=${DEV:-gpu}
 mkdir -p "$OUT" "$CACHE" reports
 log() { echo "[gpu_tune $(date +%H:%M:%S)] $*"; }
 quiet() { grep -v '^kgen:   ' || true; }  # drop ninja's per-file lines
@@ -52,16 +55,15 @@ if [ "$PHASE" = all ] || [ "$PHASE" = tune ]; then
   if has_set shipped; then
     log "tune: ${#SHIPPED[@]} shipped specs at their example batch ${SHIPPED_BATCHES:+and $SHIPPED_BATCHES}"
     python -m kgen tune "${SHIPPED[@]}" --reps "$REPS" $(batch_flags "$SHIPPED_BATCHES") 2>&1 | quiet | tee "$OUT/tune-shipped.txt"
-    tune_table "shipped specs" "$OUT/tune-shipped.txt" > reports/tune-shipped-h100.md
+    tune_table "shipped specs" "$OUT/tune-shipped.txt" > "$OUT/tune-shipped.md"
   fi
   if has_set variants; then
     log "tune: ${#VARIANTS[@]} variant specs at their example batch and $VARIANT_BATCHES"
     python -m kgen tune "${VARIANTS[@]}" --reps "$REPS" --max-candidates "$VARIANT_MAX_CANDIDATES" \
       $(batch_flags "$VARIANT_BATCHES") 2>&1 | quiet | tee "$OUT/tune-variants.txt"
-    tune_table "variant specs (specs/variants/)" "$OUT/tune-variants.txt" > reports/tune-variants-h100.md
+    tune_table "variant specs (specs/variants/)" "$OUT/tune-variants.txt" > "$OUT/tune-variants.md"
   fi
   save_tune_files
-  cp reports/tune-*-h100.md "$OUT/" 2>/dev/null
   log "tune: done; tuning files in place and under $OUT/specs"
 fi
 
@@ -79,11 +81,14 @@ if [ "$PHASE" = all ] || [ "$PHASE" = bench ]; then
     python -m kgen build 2>&1 | quiet | tail -6
     python -m kgen validate 2>&1 | quiet | tee "$OUT/validate-shipped.txt" | tail -8
     log "bench: shipped specs (with the no-rewrite baseline)"
-    python -m kgen bench --reps "$REPS" --json reports/h100-tuned.json --markdown reports/h100-tuned.md \
-      --plot reports/h100-tuned.png 2>&1 | quiet | tee "$OUT/bench-shipped.txt"
-    log "shipped specs against reports/h100.md (kgen ms before and after tuning)"
-    python scripts/compare_bench.py reports/h100.json reports/h100-tuned.json | tee reports/h100-tuned-vs-before.md
-    cp reports/h100-tuned.* reports/h100-tuned-vs-before.md "$OUT/" 2>/dev/null
+    [ -e "reports/shipped_$DEV.json" ] && cp "reports/shipped_$DEV.json" "$OUT/shipped-before.json"
+    python -m kgen bench --reps "$REPS" --json "reports/shipped_$DEV.json" --markdown "reports/shipped_$DEV.md" \
+      --plot "reports/shipped_$DEV.png" 2>&1 | quiet | tee "$OUT/bench-shipped.txt"
+    if [ -e "$OUT/shipped-before.json" ]; then
+      log "shipped specs against the previous reports/shipped_$DEV.json (kgen ms before and after tuning)"
+      python bench/compare_bench.py "$OUT/shipped-before.json" "reports/shipped_$DEV.json" | tee "$OUT/shipped-vs-before.md"
+    fi
+    cp "reports/shipped_$DEV".* "$OUT/" 2>/dev/null
   fi
   if has_set variants; then
     log "render, build, validate: variant specs (generated_variants/)"
@@ -91,9 +96,9 @@ if [ "$PHASE" = all ] || [ "$PHASE" = bench ]; then
     python -m kgen build --out generated_variants 2>&1 | quiet | tail -16
     python -m kgen validate --out generated_variants 2>&1 | quiet | tee "$OUT/validate-variants.txt" | tail -16
     log "bench: variant specs"
-    python -m kgen bench --out generated_variants --no-baseline --reps "$REPS" --json reports/variants-h100.json \
-      --markdown reports/variants-h100.md --plot reports/variants-h100.png 2>&1 | quiet | tee "$OUT/bench-variants.txt"
-    cp reports/variants-h100.* "$OUT/" 2>/dev/null
+    python -m kgen bench --out generated_variants --no-baseline --reps "$REPS" --json "reports/variants_$DEV.json" \
+      --markdown "reports/variants_$DEV.md" --plot "reports/variants_$DEV.png" 2>&1 | quiet | tee "$OUT/bench-variants.txt"
+    cp "reports/variants_$DEV".* "$OUT/" 2>/dev/null
   fi
   log "bench: done; reports in place (reports/) and under $OUT"
 fi

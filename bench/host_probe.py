@@ -1,7 +1,7 @@
 """The host's share of a call of generated modules, for the GPU machine:
 
-    PYTHONPATH=. python scripts/host_probe.py instnorm_clamp_max div_max_gap_bias_sum
-    PYTHONPATH=. python scripts/host_probe.py /tmp/gen_old/instnorm_clamp_max   (a module folder: an A/B copy)
+    PYTHONPATH=. python bench/host_probe.py instnorm_clamp_max div_max_gap_bias_sum
+    PYTHONPATH=. python bench/host_probe.py /tmp/gen_old/instnorm_clamp_max   (a module folder: an A/B copy)
 
 Per module, in us: the median host time of `model(x)` at batch 1 (the GPU far from the bottleneck),
 of the module's `forward(x, *params)` and of its op called below the autograd key (where the module's

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU machine: A/B of a template change on imported KernelBench problems, one device call.
+# On the GPU machine: A/B of a template change on imported KernelBench problems, in one run.
 # The working tree is B; A is the same tree with templates/ taken from BASE (a folder holding a
 # templates/ tree, and a kgen/ tree where the plans differ, prepared on this side, e.g. for the last commit:
 #   mkdir -p build/ab/base && git archive HEAD templates kgen | tar -x -C build/ab/base
 # carry build/ab and build/kernelbench/specs). Both are built at once; B is validated
 # (kernelbench_gpu.py's check: the float64 reference with the adversarial cases, KernelBench's
 # own check); then both are timed in the same process order, eager beside each.
-#   ONLY=15,34,58 BASE=build/ab/base bash scripts/kernelbench_ab.sh
+#   ONLY=15,34,58 BASE=build/ab/base bash bench/kernelbench_ab.sh
 # TRAINING=1 times in training mode (default: eval mode, as kgen bench).
 set -uo pipefail
 ONLY=${ONLY:?problem numbers, comma-separated}
@@ -22,7 +22,7 @@ start=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - start))); }
 kb() {  # kb TREE GEN STATE PHASE [args]: kernelbench_gpu.py of TREE
   local tree=$1 gen=$2 state=$3 phase=$4; shift 4
-  (cd "$tree" && PYTHONPATH=$tree python3 scripts/kernelbench_gpu.py --specs "$SPECS" --gen "$gen" --state "$state" \
+  (cd "$tree" && PYTHONPATH=$tree python3 bench/kernelbench_gpu.py --specs "$SPECS" --gen "$gen" --state "$state" \
     --out "$OUT/$(basename "$gen")" --only "$ONLY" --phase "$phase" --no-compile "$@")
 }
 kb "$A" /tmp/gen_a /tmp/state_a.json build --jobs 8 --budget "$(left)" > "$OUT/build_a.txt" 2>&1 &

@@ -2,10 +2,10 @@
 """On the GPU machine: build, validate and time the imported KernelBench level-2 modules,
 within a time budget, writing JSON and Markdown under --out as it goes.
 
-Input: the specs `scripts/kernelbench_import.py` wrote (build/kernelbench/specs; carry
+Input: the specs `bench/kernelbench_import.py` wrote (build/kernelbench/specs; carry
 that folder to the GPU machine). Three phases; --phase picks one or all, and each
 phase reads where the previous ones left off from --state (so a warm machine can run
-them in consecutive device calls, and a fresh one can be handed the state file):
+them in consecutive runs, and a fresh one can be handed the state file):
 
 1. build: render every spec (for this GPU) and build the CUDA modules, --jobs at a time;
 2. check: in --check-jobs worker processes at a time (correctness only, so they may
@@ -20,7 +20,7 @@ them in consecutive device calls, and a fresh one can be handed the state file):
 
 Problems a time box did not reach are listed as such; run the phase again.
 
-    python3 scripts/kernelbench_gpu.py --specs build/kernelbench/specs --out "$OUT" --phase all --budget 560
+    python3 bench/kernelbench_gpu.py --specs build/kernelbench/specs --out "$OUT" --phase all --budget 560
 """
 from __future__ import annotations
 

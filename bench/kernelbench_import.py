@@ -8,8 +8,8 @@ repository. Specs and modules go to --work (default build/kernelbench, ignored b
 git). Each problem runs in its own processes (import, then all), --jobs at a time,
 each with a time limit.
 
-    python3 scripts/kernelbench_import.py --kernelbench ~/KernelBench --jobs 2
-    python3 scripts/kernelbench_import.py --kernelbench DIR --only 1,12,92 --no-all
+    python3 bench/kernelbench_import.py --kernelbench ~/KernelBench --jobs 2
+    python3 bench/kernelbench_import.py --kernelbench DIR --only 1,12,92 --no-all
 
 On the GPU machine, --device cuda validates the CUDA build at the files' own sizes
 (the example batch too) instead of the CPU build with small batches.
@@ -144,7 +144,7 @@ def write_report(rows: list[dict], args, started: str) -> None:
         "",
         f"{ok} of {len(rows)} problems import, build and validate; {imported} import. "
         f"Device: {args.device or 'cpu (the C++ build)'}; started {started}; "
-        f"commit {_commit()}; `python3 scripts/kernelbench_import.py --kernelbench DIR --jobs {args.jobs}`.",
+        f"commit {_commit()}; `python3 bench/kernelbench_import.py --kernelbench DIR --jobs {args.jobs}`.",
         "",
         "Validation is `kgen all`'s: the float64 reference built from the imported spec, on normal, NaN, "
         f"large, tied, non-contiguous inputs (batch {args.batch or '1 to 3'}; with --example-batch also the file's own), "
@@ -184,7 +184,7 @@ def main() -> None:
                     help="KernelBench checkout, its level2 folder, or a bare git mirror of it")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "kernelbench", help="specs, modules and logs")
     ap.add_argument("--report", type=Path, default=None,
-                    help="default: reports/kernelbench_level2.md for a whole run; with --only, or without kgen all,\n"
+                    help="default: reports/kernelbench_level2_cpu.md for a whole run; with --only, or without kgen all,\n"
                          "under --work (a partial run does not replace the committed report)")
     ap.add_argument("--jobs", type=int, default=2, help="problems at a time")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per step of a problem")
@@ -202,7 +202,7 @@ def main() -> None:
     args.work = args.work.resolve()
     if args.report is None:
         whole = not args.only and args.all
-        args.report = ROOT / "reports" / "kernelbench_level2.md" if whole else args.work / "kernelbench_level2.md"
+        args.report = ROOT / "reports" / "kernelbench_level2_cpu.md" if whole else args.work / "kernelbench_level2.md"
     files = problems(checkout(args.kernelbench.expanduser(), args.work))
     if args.only:
         wanted = {int(v) for v in args.only.split(",")}

@@ -2,8 +2,8 @@
 executed instructions per opcode, and the hottest instructions with their addresses.
 
     ncu --kernel-name regex:conv_kernel --launch-skip 5 --launch-count 1 --section SourceCounters \\
-        --page source --print-source sass --csv python scripts/gpu_timeline.py MOD > x.csv
-    python scripts/ncu_source_summary.py x.csv [--top 40]
+        --page source --print-source sass --csv python bench/gpu_timeline.py MOD > x.csv
+    python bench/ncu_source_summary.py x.csv [--top 40]
 """
 import argparse
 import csv

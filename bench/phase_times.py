@@ -1,6 +1,6 @@
 """Per-tile phase times of a one-pass fused norm (conv_gemm:onepass), for the GPU machine:
 
-    PYTHONPATH=. python scripts/phase_times.py instnorm_clamp_max
+    PYTHONPATH=. python bench/phase_times.py instnorm_clamp_max
 
 Copies generated/ to a scratch folder, adds %globaltimer stamps to the copy's kernels (the CUDA main
 loop of conv_gemm.cuh and the module's NormOnePass epilogue), builds it there and runs one call at the

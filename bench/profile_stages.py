@@ -1,10 +1,10 @@
 """Per-kernel GPU time of generated modules (torch.profiler), and each fused
 stage op timed alone on a full-size input. For the GPU machine:
 
-    PYTHONPATH=. python scripts/profile_stages.py maxpool_sum avgpool_sigmoid_sum
-    PYTHONPATH=. python scripts/profile_stages.py --norewrite relu_group_norm
-    PYTHONPATH=. python scripts/profile_stages.py --host maxpool_sum   # + the host side: where a call's time goes
-    PYTHONPATH=. python scripts/profile_stages.py --gen build/kernelbench/generated_gpu kb2_34_...   # modules built elsewhere
+    PYTHONPATH=. python bench/profile_stages.py maxpool_sum avgpool_sigmoid_sum
+    PYTHONPATH=. python bench/profile_stages.py --norewrite relu_group_norm
+    PYTHONPATH=. python bench/profile_stages.py --host maxpool_sum   # + the host side: where a call's time goes
+    PYTHONPATH=. python bench/profile_stages.py --gen build/kernelbench/generated_gpu kb2_34_...   # modules built elsewhere
 """
 import argparse
 from pathlib import Path

@@ -10,7 +10,7 @@ build of the same module: that covers the fused kernels; where its plan for
 training mode differs (a batch norm's statistics: the batch_stats kernels) and
 runs on kgen's kernels too, training mode as well, running statistics included.
 
-    compute-sanitizer --tool racecheck --kernel-name kns=kgen_ python scripts/sanitize_stages.py [ROOT]
+    compute-sanitizer --tool racecheck --kernel-name kns=kgen_ python bench/sanitize_stages.py [ROOT]
 
 ROOT: the folder of built modules (default generated/).
 """
