@@ -16,7 +16,7 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 KGEN_TARGET=${KGEN_TARGET:-default}
 SPECS=$PWD/build/kernelbench/specs
 A=/tmp/kgen-ab-base
-rm -rf "$A" && mkdir -p "$A" && cp -a kgen scripts pyproject.toml "$A"/ && cp -a "$BASE/templates" "$A/templates"
+rm -rf "$A" && mkdir -p "$A" && cp -a kgen bench pyproject.toml "$A"/ && cp -a "$BASE/templates" "$A/templates"
 if [ -d "$BASE/kgen" ]; then rm -rf "$A/kgen" && cp -a "$BASE/kgen" "$A/kgen"; fi  # a plan change: BASE's kgen/ too
 start=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - start))); }
