@@ -67,7 +67,7 @@ def time_in_blocks(fns: dict, reps: int, device: str = "cuda", block: int = BLOC
     alike (pipelines of 0.1 ms moved by a third between back-to-back runs), blocks time each
     the way it runs when called repeatedly, as KernelBench times a model. Turns of single
     calls measured a short kgen call right after a long eager one, which ran 0.05-0.3 ms
-    slower than the same call after itself (scripts/bench_order.py, notes/perf.md). ``block``
+    slower than the same call after itself (bench/bench_order.py, docs/performance.md). ``block``
     1 times them in turns of single calls, every call counted."""
     cuda = device.startswith("cuda")
     for fn in fns.values():

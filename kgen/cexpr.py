@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 
+from .buffer import Buffer
 from .ir import Capture, Elementwise, TensorArg, TensorType
 from .ops import OPS
-from .stage import Buffer
 
 
 def cfloat(x: float) -> str:

@@ -100,7 +100,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
         out.append(f"  eager's cuDNN convolutions, as `kgen tune` measured them on {target.name}: {calls} "
                    "(the generated convolutions' precision follows)")
     if sel.source == "cost model" and any(isinstance(op, Conv) and len(op.kernel) == 3 for op in pipe.ops):
-        # measured on the H100 (notes/next_kernelbench.md): which 3-d kernel cuDNN picks is not a rate
+        # measured on the H100 (docs/performance.md): which 3-d kernel cuDNN picks is not a rate
         out.append(f"  note: the cost model's estimates for cuDNN's 3-d convolutions are rough (off by up to 6x either way "
                    f"on the H100): `kgen tune {pipe.path}` measures the candidates on this GPU")
     if len(sel.variants) > 1:

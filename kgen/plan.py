@@ -31,12 +31,13 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from . import families, target as targets, values
+from .buffer import flat_buffer
 from .errors import KgenError
 from .ir import BatchNorm, Capture, Elementwise, Op, Pipeline
 from .lowering import TapSums, lowered
 from .ops import FUSED, OPS
 from .rewrites import Decision, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
-from .stage import ConvStage, Stage, flat_buffer
+from .stage import ConvStage, Stage
 from .target import Target
 
 # Decision points: the keys of a plan's choices.

@@ -239,7 +239,7 @@ def batch_stats_pass(pipe: Pipeline, fire=always):
     KernelBench #72: a 1 GB output written and read back against a second small convolution.
 
     Transposed convolutions only: eager's cuDNN call for one rounds its TF32 operands ties to even
-    (scripts/tf32_lab/cudnn_rounding.py), and the folded convolution that replaces it behind the
+    (lab tf32_lab/cudnn_rounding.py in docs/performance.md), and the folded convolution that replaces it behind the
     statistics must reproduce eager's products (conv_gemm: ConvGemmStage.eager_products). Needs the
     convolution's input to be a named value (the pipeline's input or a `from:`) that the second pass
     reads again, and an average pool without padding or ceil mode; the plan decides whether it pays.

@@ -1,8 +1,7 @@
 """What every stage of a plan has: its ops, its types, and the buffers it reads and writes.
 
-A stage reads a ``Buffer``: the logical tensor ``(N, C, *S)`` and how it lies
-in memory (its physical size may exceed the logical one when a convolution
-was cropped, and a sub-pixel convolution leaves one tile per phase). The
+A stage reads a ``Buffer`` (``kgen.buffer``: the logical tensor and how it lies
+in memory) and leaves one for the next stage. The
 family that computes a stage (``kgen.families``) subclasses ``Stage`` with
 its own fields and schedule. Everything here is static; only the batch is
 known at run time.
@@ -10,84 +9,11 @@ known at run time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
+from .buffer import Buffer
 from .ir import Op, TensorType
-
-if TYPE_CHECKING:
-    from .families.base import Family
-    from .lowering import LoweredConv
-
-
-@dataclass(frozen=True)
-class Tile:
-    """One physical buffer: its size per logical dim (C, *S), strides (elements) and offsets."""
-
-    dims: tuple[int, ...]  # physical (C, *S)
-    strides: tuple[int, ...]  # per (C, *S)
-    sample_stride: int
-    offset: tuple[int, ...]  # logical position 0 lies at this physical position (spatial dims)
-    residue: tuple[int, ...] = ()  # sub-pixel phase: logical o = stride*m + residue
-
-    @property
-    def memory_order(self) -> list[int]:
-        """Dims (0 = C, 1.. = spatial) from outermost to innermost."""
-        return sorted(range(len(self.dims)), key=lambda d: -self.strides[d])
-
-
-@dataclass(frozen=True)
-class Buffer:
-    """A stage's input: the logical shape, and the tile(s) holding it."""
-
-    logical: tuple[int, ...]  # (C, *S)
-    layout: str  # contiguous | channels_last
-    tiles: tuple[Tile, ...]
-    phase_stride: tuple[int, ...] = ()  # sub-pixel: one tile per phase
-
-    @property
-    def phased(self) -> bool:
-        return bool(self.phase_stride)
-
-    @property
-    def dense(self) -> bool:
-        """One tile holding exactly the logical tensor (in any layout)."""
-        t = self.tiles[0]
-        return not self.phased and t.dims == self.logical and not any(t.offset)
-
-    @property
-    def flat(self) -> bool:
-        """A plain contiguous (C, *S) tensor: element e of a sample lies at e."""
-        return self.dense and self.layout == "contiguous"
-
-    @property
-    def innermost(self) -> int:
-        order = [d for d in self.tiles[0].memory_order if self.logical[d] > 1]
-        return order[-1] if order else len(self.logical) - 1
-
-
-def strides_of(dims: tuple[int, ...], layout: str) -> tuple[tuple[int, ...], int]:
-    """Strides of a (C, *S) sample in ``layout``, and the sample stride."""
-    order = list(range(len(dims)))
-    if layout == "channels_last":
-        order = order[1:] + [0]
-    strides = [0] * len(dims)
-    step = 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= dims[d]
-    return tuple(strides), step
-
-
-def dense_buffer(logical, physical, layout) -> Buffer:
-    strides, sample = strides_of(tuple(physical), layout)
-    tile = Tile(tuple(physical), strides, sample, (0,) * (len(physical) - 1))
-    return Buffer(tuple(logical), layout, (tile,))
-
-
-def flat_buffer(t: TensorType) -> Buffer:
-    """A plain contiguous tensor of type ``t``."""
-    shape = tuple(t.shape[1:])
-    return dense_buffer(shape, shape, "contiguous")
+from .lowering import LoweredConv
 
 
 @dataclass
@@ -98,7 +24,9 @@ class Stage:
     out_type: TensorType
     input: Buffer = None  # what it reads
     output: Buffer = None  # what the next stage reads
-    family: "Family" = None  # the family (implementation) that computes it; set by the plan
+    # the family (implementation) that computes it, a kgen.families.base.Family; set by the plan
+    # (not imported here: the families import this module)
+    family: Any = None
     candidates: tuple[str, ...] = ()  # the families that could have
     choice: str = ""  # why this family
     absorbed_by: "Stage | None" = None  # the stage that runs this one as its epilogue (forward skips it)
@@ -130,7 +58,7 @@ class ConvStage(Stage):
     absorbed stage stays in the plan (its math, its own op and its CPU code are
     still rendered; forward runs it through the convolution)."""
 
-    conv: "LoweredConv" = None
+    conv: LoweredConv = None
     layout: str = "contiguous"  # memory format of the output
     input_extent: tuple = ()  # prefix of the input that is read (dead region)
     phases: list = field(default_factory=list)  # SubpixelPhase, for a sub-pixel lowering

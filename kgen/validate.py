@@ -39,10 +39,10 @@ import torch
 from .errors import KgenError
 from .ir import (BatchNorm, Capture, Dropout, Env, LayerNorm, Linear, Matmul, Norm, Pipeline, Pool, Reduce,
                  Reshape, Softmax, TensorType, blocked_linear, load_pipeline, run_ops)
+from .buffer import Buffer
 from .lowering import lowered
 from .ops import OPS
 from .plan import Selection, choose_plans, stage_op_name
-from .stage import Buffer
 from .reference import ReferenceModel
 
 POISON_BITS = 0x7FDEAD00  # kgen_runtime.h: kPoisonBits

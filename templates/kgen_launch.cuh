@@ -1,7 +1,7 @@
 // kgen_launch.cuh: launch setup shared by the generated kernels' launchers (conv_gemm, linear_gemm), kept
 // per device: a kernel's shared-memory attribute is set per device, and CTAs per SM and SMs are the
 // device's (a process may run a module on several GPUs; kept once per process, a module failed to
-// launch on a second GPU: notes/perf.md stop 27).
+// launch on a second GPU: docs/performance.md, 2026-11-24).
 #pragma once
 
 #include <cuda_runtime.h>

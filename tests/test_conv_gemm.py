@@ -415,7 +415,7 @@ SPECS = {
                         name="cg_odd", plan=GEMM),
     # KernelBench #58's convolution (a 3-d transposed one, 3 -> 16): its 8 phases in rounds on the window
     # loop, written for a logsumexp stage. ptxas: 108 registers; an equivalent form of conv_ctas' one-tile
-    # round count compiled to 96 registers and spilled (stop 32)
+    # round count compiled to 96 registers and spilled (2026-11-27)
     "cg_tr3d": spec_text([3, 16, 32, 32], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2,
                                                                 "padding": 1}},
                                          {"logsumexp": {"dim": 1, "keepdim": True}}], name="cg_tr3d", plan=GEMM),
@@ -898,7 +898,7 @@ def test_kernelbench_style_check(name, modules):
 def test_split_tf32_error_stays_at_eagers_over_a_long_k(tmp_path):
     """tf32x3 over K = 1152 (conv2d 128 -> 64, k3) on one-signed data, where every add of the sum has one
     sign: the window loop's error against float64 is at most twice eager's (cuDNN, TF32 off). Accumulated
-    in place in the tensor cores, whose adds truncate, it was ~10x (scripts/conv_lab/k_error.py)."""
+    in place in the tensor cores, whose adds truncate, it was ~10x (lab conv_lab/k_error.py in docs/performance.md)."""
     text = spec_text([128, 20, 20], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}], name="cg_long_k",
                      plan=GEMM, batch=4) + "precision: tf32x3\n"
     (spec, d), = render_specs(tmp_path, {"cg_long_k": text}).values()
@@ -984,7 +984,7 @@ def test_libm_epilogue_batches_match_float64(tmp_path):
     build_and_validate(rendered, "cuda")
 
 
-# The cost model's choices that stop 36's `kgen tune` of KernelBench problems measured (H200; the
+# The cost model's choices that `kgen tune` of KernelBench problems measured (H200, 2026-11-27, 1feed18; the
 # model decides where a spec has no tuning file): the spec's own sizes, batch as in the problem.
 @pytest.mark.parametrize("shape,ops,batch,chosen", [
     # #25: conv2d 16 -> 64 k3 and a channel min: the window loop (2.87 ms) beat cuDNN in NCHW (3.62)

@@ -356,8 +356,8 @@ def test_generated_input_copy_validates(name, tmp_path):
     assert_report_passed(report)
     model = import_module_dir(tmp_path / "gen" / name).Model().cuda()
     x = torch.randn(3, *shape, device="cuda")
-    # cuDNN's data-gradient kernels (a transposed convolution run as written, copy_narrowed since the stop-30
-    # refit) may combine partial sums in any order: the bitwise comparison of the two copies needs its
+    # cuDNN's data-gradient kernels (a transposed convolution run as written, copy_narrowed since the
+    # 2026-11-25 refit) may combine partial sums in any order: the bitwise comparison of the two copies needs its
     # deterministic algorithms (the GPU sweep's first failure of this test, 1.4e-6 apart)
     deterministic = torch.backends.cudnn.deterministic
     torch.backends.cudnn.deterministic = True

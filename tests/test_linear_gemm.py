@@ -96,7 +96,7 @@ def test_plan_linear_pins_the_implementation():
 
 
 def test_cost_model_prefers_it_at_kernelbench_sizes():
-    """KernelBench #9's 1024 x 8192 x 8192 product: ~1.1 ms in split TF32 (scripts/gemm_lab) against cuBLAS's ~2.7."""
+    """KernelBench #9's 1024 x 8192 x 8192 product: ~1.1 ms in split TF32 (lab gemm_lab in docs/performance.md) against cuBLAS's ~2.7."""
     from kgen.plan import candidate_plans
     from kgen.cost import estimate_ms
 

@@ -2,6 +2,7 @@
 directory that is not the repository (templates ship inside the package)."""
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,18 @@ def _run(cmd, cwd, env=None):
     return proc.stdout
 
 
+def _see_running_packages(python):
+    """torch, jinja2, ... come from the interpreter running the tests: a .pth file in the new venv lists
+    its site-packages. (`venv --system-site-packages` would expose the base interpreter's packages, which
+    inside a virtual environment are not the ones the tests run with.) Only plain path lines: the .pth
+    files of those folders (an editable kgen among them) are not processed, so kgen is the wheel's."""
+    ours = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    theirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    theirs = [p for p in theirs if os.path.isdir(p)]
+    Path(ours, "_running_interpreter.pth").write_text("".join(p + "\n" for p in theirs))
+
+
 @pytest.mark.slow
 def test_wheel_in_a_fresh_venv_renders_builds_and_validates(tmp_path):
     # build from a copy, so the checkout gets no build/ or egg-info
@@ -37,8 +50,9 @@ def test_wheel_in_a_fresh_venv_renders_builds_and_validates(tmp_path):
           str(src), "-w", tmp_path / "wheels"], cwd=tmp_path)
     (wheel,) = (tmp_path / "wheels").glob("kgen-*.whl")
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=tmp_path)  # torch comes from the system
+    _run([sys.executable, "-m", "venv", venv], cwd=tmp_path)
     python, kgen = venv / "bin" / "python", venv / "bin" / "kgen"
+    _see_running_packages(python)
     # --ignore-installed: a kgen installed in the system (e.g. editable) must not count as this one
     _run([python, "-m", "pip", "install", "--no-deps", "--ignore-installed", "-q", "--disable-pip-version-check", wheel], cwd=tmp_path)
 

@@ -44,3 +44,8 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci.splitlines()
     assert "pip install torch==2.13.0" in ci
+    # as a newcomer: a fresh virtual environment, activated before anything is installed
+    lines = ci.splitlines()
+    venv = next(i for i, l in enumerate(lines) if l.startswith("python3 -m venv "))
+    activate = next(i for i, l in enumerate(lines) if l.startswith(". ") and l.endswith('/bin/activate"'))
+    assert venv < activate < lines.index(commands[1])

@@ -239,7 +239,7 @@ def test_launch_setup_is_kept_per_device():
     """A kernel's shared-memory attribute is set per device, and occupancy is the device's: launch
     setup has one home, kgen_launch.cuh's kernel_setup, which keeps it per device (a kMaxDevices
     array), and no other static launch cache exists. Kept once per process, a module used on a
-    second GPU failed to launch (seen on two H200s, notes/perf.md stop 27); no CPU-only machine and
+    second GPU failed to launch (seen on two H200s, docs/performance.md, 2026-11-24); no CPU-only machine and
     no single GPU can see that, so the templates are read for the pattern."""
     from kgen.render import TEMPLATES
 

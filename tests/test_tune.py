@@ -404,7 +404,7 @@ def test_explain_shows_the_candidates_estimates_and_choice():
 
 
 def test_explain_says_to_tune_a_3d_convolution_the_cost_model_chose(tmp_path):
-    """The cost model misjudges cuDNN's 3-d convolutions (KernelBench, stop 25): explain says to tune
+    """The cost model misjudges cuDNN's 3-d convolutions (KernelBench, H100, 2026-11-24): explain says to tune
     such a spec while no tuning file chose its plan, and not for a 2-d one or a tuned spec."""
     from kgen.explain import explain_text
 

@@ -104,7 +104,7 @@ __device__ __forceinline__ float to_tf32(float x) {
 
 // An operand of TF32 products, rounded as eager's cuDNN call rounds it (a problem's kTf32HalfEven):
 // ties to even in cuDNN's transposed-convolution kernels, ties away from zero in its NC[D]HW forward
-// ones (scripts/tf32_lab/cudnn_rounding.py). Another rounding than eager's differs from eager by about
+// ones (lab tf32_lab/cudnn_rounding.py in docs/performance.md). Another rounding than eager's differs from eager by about
 // TF32's half ulp on ties, which a following normalization scales up past KernelBench's 1e-4.
 template <bool kHalfEven>
 __device__ __forceinline__ float to_tf32_operand(float x) {
@@ -228,7 +228,7 @@ struct Geometry {
   static constexpr int kSplits = P::kMma == Mma::kTf32x3 ? 2 : 1;
   // tf32x3 over a long K adds each k step's products to the accumulators on the CUDA cores
   // (mma_step): in place, the tensor cores' truncating adds grow the error with K (H100/H200,
-  // scripts/conv_lab/k_error.py: 2.9-3.1x eager's at K = 72, 3.5-5.2x at 288, 19-22x at 9216;
+  // lab conv_lab/k_error.py in docs/performance.md: 2.9-3.1x eager's at K = 72, 3.5-5.2x at 288, 19-22x at 9216;
   // with the adds 0.3-0.5x everywhere), but the adds cost 9-35% of the loop at K = 72-216.
   static constexpr int kPromoteMinK = 256;
   static constexpr bool kPromoteSteps = kSplits == 2 && P::kCin * kTaps >= kPromoteMinK;
@@ -733,7 +733,7 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
     load_slot<P, kGroupChannels>(dst + group * kGroupChannels * G::kPlane, x, c, ci0 + group * kGroupChannels, slot);
   } else if constexpr (G::kVecRows && kSlots > G::kThreads && P::kCI * G::kBD <= 64) {
     // More slots than threads: a thread takes slots tid, tid + kThreads, ... of every plane (the row
-    // walk below cost instnorm_clamp_max's onepass kernel 10% of its stall samples, notes/perf.md stop 22).
+    // walk below cost instnorm_clamp_max's onepass kernel 10% of its stall samples, docs/performance.md, 5d1d49e-c7a9aa0).
 #pragma unroll 1
     for (int slot = threadIdx.x; slot < kSlots; slot += G::kThreads) load_slot<P, P::kCI>(dst, x, c, ci0, slot);
   } else if constexpr (G::kVecRows) {
@@ -1307,13 +1307,13 @@ __global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float
 // own problem struct and packed weights. A phase alone writes every stride-th
 // value of a row (half of each 32-byte sector for stride 2); with the phases far
 // apart in time (blockIdx.y per phase: phases with fewer taps ran ahead) L2
-// evicted half-written sectors, which HBM fills before writing (stop 31, ncu of
+// evicted half-written sectors, which HBM fills before writing (17b610c, ncu of
 // KernelBench #58: 1.8 GB read and 2.1 GB written for a 1.0 GB output). So where
 // the loop reads its weights from global memory (generic and window loops),
 // every CTA takes every phase, in rounds: round r is tiles [r W, (r + 1) W) of
 // each phase in turn (W: the phase's workers), and one CTA writes all phases of
 // an output region within a few microseconds (#58: DRAM reads 1.76 -> 0.99 GB,
-// writes 2.10 -> 1.99 GB, kernel 2.36 -> 2.06 ms, stop 32). The wgmma and direct loops keep
+// writes 2.10 -> 1.99 GB, kernel 2.36 -> 2.06 ms, H100, 2026-11-27). The wgmma and direct loops keep
 // their weights in shared memory, loaded once per conv_ctas: rounds would load
 // them again for every tile (and eight inlined wgmma loops spill), so there
 // blockIdx.y is the phase and the phases share the resident CTAs.
@@ -1478,7 +1478,7 @@ constexpr int smem_bytes() {
 // of epilogue, on both CTAs at once). Here the k-th CTA to start on an SM joins group k, and a
 // group's CTAs begin once the previous group's CTA on the same SM has finished its first main
 // loop, so that one's loop runs beside the other's epilogue. Every sample's tiles lie in one group:
-// its CTAs wait only for each other. Measured (notes/perf.md stop 23): a loop alone 8.4 us, an
+// its CTAs wait only for each other. Measured (docs/performance.md, 5bd1e91): a loop alone 8.4 us, an
 // epilogue beside a loop 12.7, and the groups drift back into step within a few rounds; the
 // kernel 178 -> 171 us.
 constexpr int kMaxSmIds = 256, kMaxGroups = 8;  // bounds on %smid and on CTAs per SM

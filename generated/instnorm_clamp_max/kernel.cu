@@ -188,7 +188,7 @@ __device__ __forceinline__ void normalize_store(const s1::Args& a, Acc& acc, con
 // lane of the warp calls it; `ok`: (n, g) exists. L2 loads: other SMs wrote the moments.
 // The loops have a trip count known at compile time and no branches, so the shuffles run in
 // converged code (with lane-dependent trip counts the compiler wrapped each in a warp-collective
-// fallback: 7% of the one-pass kernel's stall samples, notes/perf.md stop 22). The second pass loads
+// fallback: 7% of the one-pass kernel's stall samples, docs/performance.md, 5d1d49e-c7a9aa0). The second pass loads
 // the terms again (from L2): kept in registers, a group norm's many terms would sit beside the
 // one-pass form's accumulators.
 constexpr int kMergeLanes = 8;

@@ -2,7 +2,7 @@
 // MMAs with fp32-level accuracy ("split TF32"): a = a_hi + a_lo, a_hi = tf32(a) rounded to nearest,
 // a_lo = tf32(a - a_hi), and a * b ~ a_lo * b_hi + a_hi * b_lo + a_hi * b_hi (the a_lo * b_lo term is
 // ~2^-22 of the product). The linear_gemm family's kernel (kgen/families/linear_gemm.py); measured in
-// scripts/gemm_lab (notes/gemm_lab.md: 1.8-2.5x cuBLAS's fp32 SGEMM on the H100 at 0.16-0.25x its error).
+// lab gemm_lab (docs/performance.md: 1.8-2.5x cuBLAS's fp32 SGEMM on the H100 at 0.16-0.25x its error).
 //
 // - split_kernel: a row-major [rows, K] matrix into hi and lo planes [rows, Kp] (Kp: K rounded up to 4,
 //   zero-padded). Once per weight version for B (the binding's WeightCache), once per call for A.
@@ -11,7 +11,7 @@
 //   k-blocks of 32 into a 3-stage ring (mbarriers full / empty); two consumer warpgroups each run
 //   wgmma m64n128k8 with both operands in shared memory.
 // - Accumulation: Hopper's tensor cores do not round their fp32 accumulation to nearest (with one
-//   accumulator over all of K the error grew linearly with K, 15-43x cuBLAS's; scripts/gemm_lab run 1), so
+//   accumulator over all of K the error grew linearly with K, 15-43x cuBLAS's; run 1 of lab gemm_lab, docs/performance.md), so
 //   each k-block's three products go into a fresh chunk accumulator (scale-d 0 on its first MMA) that is
 //   then added to the fp32 total with ordinary adds on the CUDA cores.
 // - Epilogue: + bias, then the caller's functor gets each output element (row, col, value) and stores it.
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(256) fixup_kernel(const float* __restrict__ a,
 
 // `epilogue(row, col, v)` stores output (row, col) from its value v (the product plus the bias).
 template <class Epilogue>
-__global__ void __maxnreg__(224) gemm_kernel(  // 288 threads x 224 registers: __launch_bounds__ made ptxas cap them at 168 and spill (scripts/gemm_lab)
+__global__ void __maxnreg__(224) gemm_kernel(  // 288 threads x 224 registers: __launch_bounds__ made ptxas cap them at 168 and spill (lab gemm_lab in docs/performance.md)
     const __grid_constant__ CUtensorMap a_hi, const __grid_constant__ CUtensorMap a_lo,
                                                            const __grid_constant__ CUtensorMap b_hi, const __grid_constant__ CUtensorMap b_lo,
                                                            const float* __restrict__ bias, const Epilogue epilogue, int M, int N, int Kp) {

@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
 // `lanes` threads per output (a power of two, up to a warp): lane l combines slices l, l + lanes, ...
 // in order, then the lanes combine in a fixed xor tree, so every run gives the same bits, with all the
 // slices' loads in flight at once (a thread per output, walking its slices one load after another, was
-// latency-bound: notes/perf.md, stop 22). Few slices share a warp among several outputs: a warp per
+// latency-bound: docs/performance.md, 5d1d49e-c7a9aa0). Few slices share a warp among several outputs: a warp per
 // output of 11 slices left 21 lanes idle and ran KernelBench #24's 2.8 M outputs at 0.33 ms.
 __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int splits, int lane_bits) {
   const int lanes = 1 << lane_bits;
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int sp
   const bool live = o < a.batch * kKept;  // every thread of the block runs the shuffles below
   float acc = identity();
   // the same trip count in every lane (a lane-dependent one put the shuffles below in the compiler's
-  // warp-collective fallback, as in the norm merge; notes/perf.md stop 22)
+  // warp-collective fallback, as in the norm merge; docs/performance.md, 5d1d49e-c7a9aa0)
 #pragma unroll 4
   for (int s0 = 0; s0 < splits; s0 += lanes) {
     const int s = s0 + lane;

@@ -169,7 +169,7 @@ unsigned finalize_grid(long long batch) {
 // threads, consecutive positions). As a thread keeps its channel, the channel's
 // parameters are loaded once. About 4K values per tile (H100, relu_group_norm's
 // 644 MB: 237 us, a plain copy of the same bytes 242 us; 8K-value tiles and loads
-// of the parameters per value 270-330 us: scripts/norm_lab/transpose_apply.py).
+// of the parameters per value 270-330 us: lab norm_lab/transpose_apply.py in docs/performance.md).
 constexpr int kTileTarget = 4096;  // values per tile
 constexpr int kSteps = kTileTarget / kRowThreads > 0 ? kTileTarget / kRowThreads : 1;
 constexpr int kTilePositions = kRowsPerStep * kSteps;

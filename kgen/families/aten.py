@@ -12,7 +12,8 @@ fused stage reads its contiguous output. Templates: ``templates/aten/``.
 """
 from __future__ import annotations
 
-from ..stage import Stage, flat_buffer
+from ..buffer import flat_buffer
+from ..stage import Stage
 from .base import Family, StageRequest
 
 

@@ -25,9 +25,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+from ..buffer import Buffer
 from ..ir import Op, Pipeline, Reduce, TensorType
 from ..ops import OPS
-from ..stage import Buffer, Stage
+from ..stage import Stage
 from ..target import H100_NAME, Target
 
 
@@ -188,7 +189,7 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
     """Whether the convolution of ``req`` (a spec at precision tf32) needs fp32-level products to be as
     accurate as eager PyTorch, and why. TF32 products where eager's own cuDNN call is TF32: every
     transposed convolution (cuDNN's data-gradient kernels ran TF32 in all 19 KernelBench level-2
-    problems that have one, 3 -> 16 channels included: scripts/tf32_lab/cudnn_calibrate.py), every
+    problems that have one, 3 -> 16 channels included: bench/cudnn_calibrate.py), every
     forward one of EAGER_TF32_MIN_CIN or more input channels (whatever follows), and where a sum or
     mean over its values follows (the products' rounding averages out). fp32-level
     elsewhere: each output value carries a convolution value's error (elementwise ops, max or min pools

@@ -6,7 +6,7 @@ On CUDA, for inputs with a spatial extent, two generated kernels: per-block shif
 fixed chunks of each (sample, channel) row, then one block per channel that adds them in index
 order in double, writes the mean and the scale and updates the running statistics. ATen's
 var_mean (its Welford reduction) reads the same bytes at about half the bandwidth on the H100
-(notes/perf.md stop 38). Elsewhere (the CPU build, BatchNorm1d over [N, C]): ATen's var_mean
+(docs/performance.md, 2026-11-27). Elsewhere (the CPU build, BatchNorm1d over [N, C]): ATen's var_mean
 (kgen::batch_norm_batch_stats). Templates: ``templates/batch_stats/``.
 """
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..buffer import flat_buffer
 from ..ir import BatchStats
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from ..target import Target
 from .base import Family, StageRequest, Work
 

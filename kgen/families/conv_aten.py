@@ -9,13 +9,13 @@ output (channels_last, contiguous); the plan chooses.
 Templates: ``templates/conv_aten/``.
 
 The cost of a cuDNN convolution (``conv_work``; the eager family uses it too),
-calibrated roughly on the H100 (notes/perf.md, issue #10): tensor cores at
+calibrated roughly on the H100 (docs/performance.md, issue #10): tensor cores at
 ``CUDNN_FRACTION`` of their peak on large problems, less when the GEMM's N
 (output channels) or K (input channels x taps) leaves cuDNN's tiles partly
 empty; a transposed convolution run as written (cuDNN's data-gradient kernels)
 at a fraction of that; tens of microseconds per call on top of the math
 (small problems); NCHW costs a forward convolution a conversion of its input
-and output (a transposed one run as written is faster in NCHW: notes/perf.md).
+and output (a transposed one run as written is faster in NCHW: docs/performance.md).
 """
 from __future__ import annotations
 
@@ -23,19 +23,20 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
+from ..buffer import Buffer, Tile, dense_buffer, strides_of
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
-from ..stage import Buffer, ConvStage, Tile, dense_buffer, strides_of
+from ..stage import ConvStage
 from ..target import Target
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, NORMALIZATIONS, conv_precision, follows
 
 LAYOUTS = ("channels_last", "contiguous")
 # K = input channels x taps and output channels above which cuDNN runs its large tensor-core GEMMs (TF32
-# where allowed, in eager PyTorch too) and beats the generated convolution (notes/perf.md)
+# where allowed, in eager PyTorch too) and beats the generated convolution (docs/performance.md)
 CUDNN_GEMM_K = 512
 CUDNN_GEMM_COUT = 128
 # The rates below are fitted (least squares in log time) to 170 cuDNN calls on the H100: every imported
 # KernelBench problem's first convolution in each form this family can call it, TF32 allowed
-# (reports/cudnn_calibration_h100.json; scripts/tf32_lab/fit_conv_work.py). The fit leaves a typical
+# (reports/cudnn_calibration_h100.json; bench/fit_conv_work.py). The fit leaves a typical
 # error of ~1.5x (rms log error 0.39, was 0.81 with the hand-set values): a guide, not a measurement.
 CUDNN_FP32_FRACTION = 0.32  # of the fp32 peak, cuDNN's fp32 convolutions (TF32 off; fitted on forward calls)
 CUDNN_FRACTION = 0.53  # of the tensor-core peak on convolutions that fill its tiles (~210 of 400 TFLOP/s)
@@ -51,7 +52,7 @@ TRANSPOSED_3D_EFFICIENCY = 0.59  # 3-d against 2-d (the fit: cuDNN's 3-d data-gr
 # output (each a read and a write: 2x the bytes; the fit gives 1.86x)
 NCHW_CONVERSION = 1.86
 # ... and a sub-pixel phase's NCHW output is every stride-th value of the whole output: its conversion
-# writes half-used sectors. Set by hand (stop 36, H200 `kgen tune`): the fitted model put #34's
+# writes half-used sectors. Set by hand (H200 `kgen tune`, 2026-11-27, 1feed18): the fitted model put #34's
 # (ConvTranspose3d 32 -> 64, k4 s2) NCHW phases at 3.40 ms against 3.52 channels_last; they took
 # 5.47 against 3.08 (#93, #100: 1.13x and 1.33x the model)
 PHASE_NCHW_WRITE = 2.0
@@ -121,7 +122,7 @@ class ConvAten(Family):
     def layouts(self, req: StageRequest, conv) -> tuple[str, ...]:
         """Memory formats of the output, preferred first: channels_last when the next stage
         reads it as fast (cuDNN is faster in channels_last, measured on the H100:
-        notes/perf.md), except for a transposed convolution run as written."""
+        docs/performance.md), except for a transposed convolution run as written."""
         if conv.conv.rank < 2 or isinstance(conv.lowering, TapSums):
             return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions; tap sums are small
         if req.pipeline.conv_layout != "auto":
@@ -166,7 +167,7 @@ class ConvAten(Family):
         """Whether only eager's own call (NC[D]HW, as written) rounds this convolution's operands as eager
         does: a forward convolution with TF32 products (cuDNN's large GEMMs) that a normalization follows.
         cuDNN rounds the operands to TF32 with ties away from zero in its NC[D]HW forward kernels and to
-        even in its channels_last ones (H100: scripts/tf32_lab/cudnn_rounding.py);
+        even in its channels_last ones (H100: lab tf32_lab/cudnn_rounding.py in docs/performance.md);
         the normalization scales that difference up to 5-7e-4 (KernelBench's #52, #17: the check failed
         0/5 in channels_last, passes 5/5 as eager's call). Transposed convolutions round to even in
         every form tried, so their forms stay free; after an exponential the ties' differences stay small
@@ -184,7 +185,7 @@ class ConvAten(Family):
         (base.conv_precision) and is not the call eager PyTorch makes (another memory format, sub-pixel
         phases, a folded pool): cuDNN picks its kernels per call, and in channels_last it ran
         KernelBench's 8 -> 64 channel k3 convolutions (2-d and 3-d) in TF32 where eager's NC[D]HW call
-        ran fp32 (scripts/tf32_lab/cudnn_precision.py; kgen 3.6e-4 to 9.7e-4 off eager, above
+        ran fp32 (bench/cudnn_precision.py; kgen 3.6e-4 to 9.7e-4 off eager, above
         KernelBench's 1e-4). The same call as eager's keeps TF32 allowed: cuDNN picks what eager gets."""
         c = conv.conv
         if isinstance(conv.lowering, TapSums):

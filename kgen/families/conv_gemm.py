@@ -51,10 +51,11 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from ..buffer import flat_buffer
 from ..errors import KgenError
 from ..ir import BatchStats, Elementwise, Pool, Reduce
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
-from ..stage import ConvStage, Stage, flat_buffer
+from ..stage import ConvStage, Stage
 from ..target import Target
 from .batch_stats import MOMENT_BYTES
 from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, later_ops, pow2_floor
@@ -73,14 +74,14 @@ WGMMA_MIN_COUT = 32
 # wgmma tile shapes, (tile, warps_m, warps_n, teams), the first whose shared memory fits: teams of
 # one warpgroup (m64 x all channels) on 8 x 8 tiles sharing the weights ran avgpool_sigmoid_sum's
 # convolution in 0.338-0.358 ms (three teams) and 0.334-0.380 (two) against 0.368-0.397 for one team
-# of four warpgroups on 16 x 8 tiles (scripts/conv_lab tavg_a, tavg_b, gavg_d; H100, notes/perf.md
-# stop 19); four teams spill (ptxas caps a thread of 512 at 128 registers) and lost
+# of four warpgroups on 16 x 8 tiles (lab conv_lab: tavg_a, tavg_b, gavg_d; H100, docs/performance.md,
+# 1cc3a94); four teams spill (ptxas caps a thread of 512 at 128 registers) and lost
 WGMMA_SHAPES = (((1, 8, 8), 4, 1, 3), ((1, 8, 8), 4, 1, 2), ((1, 16, 8), 8, 2, 1), ((1, 8, 8), 4, 2, 1))
 STAGES = 2  # cp.async pipeline depth
 # Sub-pixel phases of a 3-d transposed convolution with at most this many input channels take 4 x 16 x 16
 # tiles of 16 warps on the window loop: a tile is one chunk of K, so the per-tile work (coordinates, the box
 # load and its wait, the store) is what the kernel spends; against 2 x 8 x 16 tiles of 4 warps, KernelBench
-# #58 / #72 / #96 (3 -> 16 channels, k3 s2) took 2.59 -> 2.38, 4.39 -> 4.22, 2.42 -> 2.22 ms (H100, stop 33)
+# #58 / #72 / #96 (3 -> 16 channels, k3 s2) took 2.59 -> 2.38, 4.39 -> 4.22, 2.42 -> 2.22 ms (H100, 2026-11-27, 3a985f9)
 PHASE_BIG_TILE_MAX_CIN = 4
 PHASE_BIG_TILE_MAX_COUT = 16  # (measured at 16; wider blocks hold more accumulators than 512 threads' 128 registers)
 # shared floats of a fused pool_reduce epilogue (kernel.cu.j2 Fused::kScratchFloats: a value per warp); the
@@ -89,11 +90,11 @@ FUSED_SCRATCH_FLOATS = 32
 PLANE_RESIDUE = 8  # channel planes 8 words apart mod 32: the four k-lanes of a fragment hit distinct banks
 # Cost model of the wgmma and generic loops on one convolution: mma.sync runs at about half of
 # wgmma's TF32 rate and the kernel reaches about 45% of that on the shipped convolutions
-# (~90 TFLOP/s; notes/perf.md, conv_gemm v3)
+# (~90 TFLOP/s; docs/performance.md, conv_gemm v3)
 GEMM_TENSOR_FRACTION = 0.22
-# The window loop on one convolution (no sub-pixel phases) after its epilogue walk (stop 35): its MMAs
+# The window loop on one convolution (no sub-pixel phases) after its epilogue walk (2026-11-27, 21d2759): its MMAs
 # and its memory traffic add up rather than overlap (one CTA per SM runs its loop, then its epilogue).
-# Fitted to `kgen tune` of 11 KernelBench problems (H200, stop 36; reports/kernelbench_level2_h100.md):
+# Fitted to `kgen tune` of 11 KernelBench problems (H200, 2026-11-27, 1feed18; docs/performance.md):
 # FLOPs / (0.35 x the TF32 peak) + bytes / DRAM bandwidth, rms log error 0.13 (0.27 with the old rate)
 WINDOW_TENSOR_FRACTION = 0.35
 # Sub-pixel phases (either loop): each phase's tiles store every stride-th output and reload their
@@ -109,23 +110,23 @@ DROPPED_OUTPUT_BYTES_FACTOR = 1.0
 # itself, ONEPASS_MERGE_LANES lanes per group, two passes of dependent L2 loads, once per round of
 # co-resident samples (about two 128-thread CTAs per SM at its ~230 registers). KernelBench #21
 # (128 tiles per sample, 4 channels per group: 64 terms per lane, 63 rounds) ran 3.97 ms against
-# the written form's 2.04; instnorm_clamp_max (14 terms, 8 rounds) 0.19 ms (H200, stop 36)
+# the written form's 2.04; instnorm_clamp_max (14 terms, 8 rounds) 0.19 ms (H200, 2026-11-27)
 ONEPASS_CTAS_PER_SM = 2
 ONEPASS_MERGE_LANES = 8  # norm_epilogue.j2 kMergeLanes
 ONEPASS_MERGE_TERM_S = 0.33e-6  # one term's L2 loads per pass, in a dependent chain (fitted: #21, #79)
 # The direct loop reached ~43% of the FP32 rate on instnorm_clamp_max's 3 -> 16 convolution
-# in the product's recompute form (4.18 GFLOP per pass in 145 / 139 us, H100, notes/perf.md stop 17)
+# in the product's recompute form (4.18 GFLOP per pass in 145 / 139 us, H100, docs/performance.md, 2026-11-23)
 DIRECT_FP32_FRACTION = 0.43
 # ... and ran instnorm_clamp_max (K = 3 x 27) in 0.35-0.39 ms, as fast as its split-TF32
 # window loop and ahead of ATen's fp32 convolution alone (0.51 ms); at K = 8 x 27 and 8 x 36
 # (div_max_gap_bias_sum, avgpool_sigmoid_sum) it tied ATen's fp32 path (4.77 / 4.78 ms,
-# 5.16 / 5.27 ms) at ~10 TFLOP/s (reports/h100_ieee.md): above this K, ATen's fp32 convolution
+# 5.16 / 5.27 ms) at ~10 TFLOP/s (reports/ieee_h100.md): above this K, ATen's fp32 convolution
 DIRECT_MAX_K = 128
 DIRECT_MAX_ACC = 128  # accumulators per thread in the direct loop (positions x channels)
 # A norm stage may be fused in by computing the convolution twice (statistics, then apply) on
 # the direct loop, up to this K (a plan candidate, conv_gemm:recompute): instnorm_clamp_max's
 # K = 81 ran 0.33-0.38 ms that way in the lab, about what the written form takes (0.38); the
-# same recompute form on the split-TF32 loops took 0.42 (scripts/conv_lab dinst_stats/apply, H100)
+# same recompute form on the split-TF32 loops took 0.42 (lab conv_lab's dinst_stats/apply, H100; docs/performance.md)
 NORM_RECOMPUTE_MAX_K = DIRECT_MAX_K
 
 
@@ -204,7 +205,7 @@ class FusedNorm:
     one_pass: bool = False  # one pass: a sample's tiles on co-resident CTAs that wait for each other
 
 
-# conv_gemm:phase_pool (phase_pool.cuh): the lab kernel (scripts/tconv_lab) ran maxpool_sum's whole
+# conv_gemm:phase_pool (phase_pool.cuh): lab tconv_lab's kernel (docs/performance.md) ran maxpool_sum's whole
 # pipeline at 288-296 TFLOP/s of useful FLOPs (H100, 0.75-0.77 ms; 221 GFLOP), ~0.6 of the TF32 peak
 PHASE_POOL_TENSOR_FRACTION = 0.58
 # Output positions of a tile from which the Store gathers a following batch norm's statistics: per tile
@@ -312,7 +313,7 @@ def _balanced_halves(taps: list[int]) -> list[list[int]]:
 
 
 # conv_gemm:pool_ring (pool_ring.cuh): div_max_gap_bias_sum's convolution + pool + sum in the lab
-# (scripts/dm_lab/kernel_cp.cu, H100, batch 128): 0.273 ms for the 50.7 GFLOP it computes (47.6 useful:
+# (lab dm_lab/kernel_cp.cu in docs/performance.md, H100, batch 128): 0.273 ms for the 50.7 GFLOP it computes (47.6 useful:
 # it computes 16 channels x 64 columns x whole row blocks), 186 TFLOP/s
 POOL_RING_TENSOR_FRACTION = 0.46
 POOL_RING_THREADS = 128  # pool_ring.cuh kThreads
@@ -444,7 +445,7 @@ class ConvGemmStage(ConvStage):
     def tf32_half_even(self) -> bool:
         """Whether TF32 operands round ties to even (else away from zero): as eager's cuDNN call rounds
         them, ties to even in its transposed-convolution kernels and away from zero in its NC[D]HW forward
-        ones (H100, every layout and form tried: scripts/tf32_lab/cudnn_rounding.py). Behind a
+        ones (H100, every layout and form tried: lab tf32_lab/cudnn_rounding.py in docs/performance.md). Behind a
         normalization another rounding than eager's leaves ~5e-4 between the two (KernelBench's #15)."""
         return self.conv.conv.transposed
 
@@ -468,7 +469,7 @@ class ConvGemmStage(ConvStage):
         """Whether the plain Store epilogue (the conv output written) goes through a staged tile:
         on the mma.sync loops always; on the wgmma loop where the tile fits the plan's shared
         memory (a written output: staged stores ran 0.97-1.01 ms against 1.10-1.15 from the
-        accumulators, scripts/conv_lab savg_*; a fused plan's extra teams may leave no room, and
+        accumulators, lab conv_lab's savg_*, docs/performance.md; a fused plan's extra teams may leave no room, and
         its Store only serves the stage run alone); never on the direct loop."""
         sc = self.schedule
         if sc.loop == "direct":
@@ -766,7 +767,7 @@ class ConvGemm(Family):
         return 4 * (floats + tile_floats + scratch_floats)
 
     def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
-        """Tile shapes measured on the H100 (scripts/conv_lab, notes/perf.md): the wgmma loop
+        """Tile shapes measured on the H100 (lab conv_lab, docs/performance.md): the wgmma loop
         where it wins (WGMMA_MIN_COUT), in the first of WGMMA_SHAPES that fits (teams of one
         warpgroup on 8 x 8 tiles sharing the weights); else the window loop with 4 m-tiles of 16
         per warp for stride-1 convolutions (4 x 16 x 16 for the phases of a 3-d transposed
@@ -786,7 +787,7 @@ class ConvGemm(Family):
         loop = "window" if window else "generic"
         # each warp column takes whole 8-column tiles; the window loop's 64-channel blocks in four columns:
         # 16 warps of 128 registers hide its latency better than 8 of 186 (lab, H200: KernelBench #87's
-        # convolution alone 2.16 -> 1.85 ms, with its epilogue 2.39 -> 2.31; notes/next_kernelbench.md)
+        # convolution alone 2.16 -> 1.85 ms, with its epilogue 2.39 -> 2.31; docs/performance.md)
         warps_n = 2 if block_n > 32 and block_n % 16 == 0 else 1
         # measured on 2-d convolutions only; 3-d ones hold more index registers (KernelBench #90's
         # conv3d 8 -> 64 with a GELU epilogue spilled 20 bytes at 128 registers)
@@ -828,7 +829,7 @@ class ConvGemm(Family):
         32 channels; positions per thread as many as DIRECT_MAX_ACC accumulators allow (8 at
         16 channels: 4 warps of 32 x 8 positions, lanes along W), about 4 warps; W tiles of 32 unless the
         output is narrower; the largest tile whose stages fit (measured on instnorm_clamp_max's
-        3 -> 16 convolution: scripts/conv_lab dinst_*)."""
+        3 -> 16 convolution: lab conv_lab's dinst_*, docs/performance.md)."""
         c = lc.conv
         block_n = -(-c.out_channels // 8) * 8
         warps_n = next(w for w in range(1, block_n // 8 + 1) if block_n % (8 * w) == 0 and block_n // w <= 32)
@@ -892,7 +893,7 @@ class ConvGemm(Family):
         TF32 rounding of the folded weights (2e-4 after the norm on KernelBench #72's data, tolerance
         1e-4). So the folded convolution multiplies x rounded as eager rounds it (ties to even) by the
         weights folded from eager's rounded ones in split TF32: eager's products, summed in another
-        order (scripts/tf32_lab/folded_batch_stats.py)."""
+        order (lab tf32_lab/folded_batch_stats.py in docs/performance.md)."""
         lc = lowered(req.ops[0])
         if lc is None or not isinstance(lc.lowering, Folded) or not lc.conv.transposed:
             return False

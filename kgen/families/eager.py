@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from ..cexpr import braces
 from ..ir import (BatchNorm, BatchStats, Capture, Conv, Dropout, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
                   Softmax, TensorType, dropout_refusal)
+from ..buffer import flat_buffer
 from ..ops import OPS, ElementwiseOp
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from ..target import Target
 from .base import FLOAT_BYTES, Family, Work
 from .conv_aten import conv_work

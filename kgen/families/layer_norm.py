@@ -38,8 +38,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..buffer import flat_buffer
 from ..ir import Elementwise, LayerNorm
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from .base import Family, StageRequest, fused_stage_json, group_words, index_type, input_words, pow2_ceil, split_around
 
 CUDA_THREADS = 256  # threads per block

@@ -7,9 +7,10 @@ output. Templates: ``templates/linear_aten/``.
 """
 from __future__ import annotations
 
+from ..buffer import flat_buffer
 from ..ir import Linear, Matmul
 from ..lowering import PooledProduct
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from .base import Family, StageRequest
 
 

@@ -5,8 +5,8 @@ elementwise ops as its epilogue.
 The kernel is ``templates/linear_gemm/gemm3xtf32.cuh`` (TMA into a 3-stage ring, two consumer
 warpgroups of m64n128k8, each k-block's three products promoted into an fp32 total on the CUDA
 cores: the tensor cores' own accumulation truncates). The weight is split into TF32 hi and lo planes
-once per parameter version (kgen::WeightCache), the input once per call. Measured in scripts/gemm_lab
-(notes/gemm_lab.md): 1.8-2.5x cuBLAS's fp32 SGEMM on the H100, at 0.16-0.25x its error against
+once per parameter version (kgen::WeightCache), the input once per call. Measured in lab gemm_lab
+(docs/performance.md): 1.8-2.5x cuBLAS's fp32 SGEMM on the H100, at 0.16-0.25x its error against
 float64.
 
 Epilogue: a ``pool_reduce`` stage right after the product with no pools and no reduction (elementwise
@@ -20,13 +20,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..buffer import flat_buffer
 from ..ir import Linear, Matmul
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from ..target import Target
 from .base import FLOAT_BYTES, Family, StageRequest, Work
 
 # The split-TF32 kernel's useful rate as a fraction of the target's TF32 rate: 101-127 TFLOP/s of
-# fp32 products at M >= 1024 on the H100 (scripts/gemm_lab run 4) against tensor_flops 400e12.
+# fp32 products at M >= 1024 on the H100 (run 4 of lab gemm_lab, docs/performance.md) against tensor_flops 400e12.
 GEMM3_FRACTION = 0.28
 MIN_K = 16  # below this the product is cheaper than the split (and the lab's error check only held from K = 32)
 # The weight's TF32 planes stay allocated while the weight does (2x its bytes, kgen::WeightCache); cuBLAS

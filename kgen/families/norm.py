@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..buffer import flat_buffer
 from ..ir import Elementwise, Norm, Reduce
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from ..target import Target
 from .base import FLOAT_BYTES, Family, StageRequest, Work, fused_stage_json, index_type, target_blocks_per_sm, typed_ops
 
@@ -69,7 +70,7 @@ class NormFamily(Family):
     generates_kernel = True
     pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
     summary = "statistics, then normalize, with elementwise ops and a channel reduction fused in"
-    reads_channels_last = True  # the row kernels (rows_input; up to MAX_ROW_CHANNELS): notes/perf.md, stop 17
+    reads_channels_last = True  # the row kernels (rows_input; up to MAX_ROW_CHANNELS): docs/performance.md, 2026-11-23
 
     def fits(self, ops):
         """elementwise* norm elementwise* [reduction-over-channels elementwise*]."""

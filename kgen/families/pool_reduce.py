@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..buffer import flat_buffer
 from ..ir import Elementwise, Pool, Reduce, TensorType
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from .base import Family, StageRequest, fused_stage_json, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
 
 CUDA_THREADS = 256  # threads per block
@@ -21,7 +22,7 @@ MIN_PER_THREAD = 32  # values a thread combines before a reduction is split acro
 WAVES = 2  # a split reduction aims for this many times the blocks the device holds at once
 MAX_R_LANES_ACROSS = 32  # lanes of one output when threads walk the outputs: >= 8 adjacent outputs per block
 # values per lane when lanes walk a reduction adjacent in memory: one value per lane left a short reduction (min
-# over 128 channels_last channels) to a shared-memory tree of 7 synchronized steps per 2 outputs (#36, stop 30)
+# over 128 channels_last channels) to a shared-memory tree of 7 synchronized steps per 2 outputs (#36, 2026-11-25)
 R_FAST_PER_LANE = 4
 LOADS_IN_FLIGHT = 16  # loads per thread before their values are combined (a window pool issues its own)
 MAX_UNROLL = 8
@@ -49,13 +50,13 @@ class Schedule:
     index_type: str  # of per-sample indices: int when they fit in 32 bits
     # channels of a shared-memory tile that turns a channels_last input into the NC[D]HW output (no
     # reduction; pools and elementwise ops; 0: not used): threads walking the output in its memory order
-    # read a channels_last input one value per memory sector, 5-9x below the bandwidth (notes/perf.md stop 29)
+    # read a channels_last input one value per memory sector, 5-9x below the bandwidth (docs/performance.md, 2026-11-25)
     transpose_channels: int = 0
     transpose_positions: int = 0  # positions of such a tile
     # kept dims (1 = channels) in the order consecutive threads walk the outputs, innermost last: the
     # output's row-major order, or the input's memory order where that differs and the threads walk the
     # outputs (a channels_last input reduced over a spatial dim: walking the NC[D]HW output read one value
-    # per memory sector, ~8 ms of #13's 16; the scattered writes are the smaller side: notes/perf.md stop 30)
+    # per memory sector, ~8 ms of #13's 16; the scattered writes are the smaller side: docs/performance.md, 2026-11-25)
     kept_walk: tuple = ()
     map_outputs: int = 1  # outputs per thread where nothing is reduced (map_kernel)
 
@@ -110,7 +111,7 @@ class PoolReduce(Family):
     name = "pool_reduce"
     stage_kind = "pool_reduce"
     generates_kernel = True
-    reads_channels_last = True  # measured on the H100: notes/perf.md
+    reads_channels_last = True  # measured on the H100: docs/performance.md
     pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
     summary = "elementwise -> window pools -> reduction -> elementwise, one pass"
 

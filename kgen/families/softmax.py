@@ -49,8 +49,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ..buffer import flat_buffer
 from ..ir import Elementwise, Op, Reduce, Softmax
-from ..stage import Stage, flat_buffer
+from ..stage import Stage
 from ..target import Target
 from .base import (Family, StageRequest, Work, fused_stage_json, group_words, index_type, input_words, pow2_ceil,
                    split_around)

@@ -1,0 +1,123 @@
+"""Fit conv_work's cuDNN rates (kgen.families.conv_aten) to the calibration data of cudnn_calibrate.py.
+
+Each calibration row is one spec's first convolution in one form (as written, flipped kernel, sub-pixel phases;
+NC[D]HW or channels_last) with its time on the GPU, TF32 allowed and off. The estimate's arguments are
+recomputed here on the "meta" device (no GPU), so the fit can change the model's structure too. The TF32-allowed
+times fit the tensor-core constants; the TF32-off times of forward calls fit CUDNN_FP32_FRACTION (kgen runs only
+forward convolutions with TF32 off). Prints the fitted values and measured / model per kind of call (needs numpy
+and scipy, which kgen itself does not):
+
+    PYTHONPATH=. python bench/fit_conv_work.py reports/cudnn_calibration_h100.json SPEC_DIR ...
+"""
+import argparse
+import collections
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.optimize import minimize
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cudnn_calibrate import forms  # noqa: E402
+
+from kgen.cost import work_s  # noqa: E402
+from kgen.families import conv_aten  # noqa: E402
+from kgen.ir import load_pipeline  # noqa: E402
+from kgen.target import current  # noqa: E402
+
+# CUDNN_FULL_N / CUDNN_FULL_K stay as set (96, 320): left free the fit moved them to 29 / 790 (rms 0.35 instead
+# of 0.39), which made cuDNN's small sub-pixel phase calls look 2.5x slower and put #100 and #93 on the generated
+# convolution, 3.4x and 2x slower in the 2026-11-25 sweep at d5b17bd (docs/performance.md)
+TENSOR_CORE = ["CUDNN_FRACTION", "TRANSPOSED_STRIDE1_EFFICIENCY",
+               "TRANSPOSED_STRIDED_EFFICIENCY", "TRANSPOSED_NCHW_EFFICIENCY", "TRANSPOSED_3D_EFFICIENCY", "NCHW_CONVERSION"]
+FP32 = ["CUDNN_FP32_FRACTION"]
+RESTARTS = 12
+
+
+def kind(row) -> str:
+    if row["form"] != "as written":
+        return "flipped kernel" if row["form"] == "flipped kernel" else "sub-pixel phases"
+    if not row["conv"].startswith("conv_transpose"):
+        return "forward"
+    stride = row["conv"].split(" s[")[1].split("]")[0]
+    return "transposed strided" if any(int(s) > 1 for s in stride.split(",")) else "transposed stride 1"
+
+
+def samples(rows, spec_dirs):
+    """(row, conv_work argument dicts) for each calibration row whose spec and form are still found."""
+    specs = {}
+    for d in spec_dirs:
+        for f in sorted(Path(d).glob("*.yaml")):
+            try:
+                p = load_pipeline(f)
+            except Exception:  # specs that are not pipelines (tuning files' siblings) or no longer load
+                continue
+            specs[p.name] = p
+    args, out = {}, []
+    for r in rows:
+        p = specs.get(r["spec"])
+        if p is None:
+            continue
+        if p.name not in args:
+            x = torch.empty(p.input.concrete(p.example_batch()), device="meta")
+            args[p.name] = {(name, layout): est for name, layout, _, est in forms(p, x)}
+        est = args[p.name].get((r["form"], r["layout"]))
+        if est is not None:
+            out.append((r, est))
+    return out
+
+
+def log_errors(data, target, fp32: bool):
+    column = "tf32_off_ms" if fp32 else "tf32_allowed_ms"
+    for r, est in data:
+        if fp32 and kind(r).startswith("transposed"):
+            continue
+        model = 1e3 * sum(work_s(w, target) for a in est for w in conv_aten.conv_work("c", target=target, fp32=fp32, **a))
+        yield r, math.log(r[column] / model)
+
+
+def fit(data, target, names, fp32: bool):
+    def loss(logp):
+        for n, v in zip(names, np.exp(logp)):
+            setattr(conv_aten, n, float(v))
+        errs = [e * e for _, e in log_errors(data, target, fp32)]
+        return sum(errs) / len(errs)
+
+    start = np.log([getattr(conv_aten, n) for n in names])
+    before = loss(start)
+    rng = np.random.default_rng(0)
+    best = None
+    for i in range(RESTARTS):
+        x0 = start + (rng.normal(0, 0.5, len(names)) if i else 0)
+        r = minimize(loss, x0, method="Powell", options=dict(maxiter=20000, xtol=1e-3, ftol=1e-7))
+        best = r if best is None or r.fun < best.fun else best
+    loss(best.x)  # leave the best values set
+    print(f"{'TF32 off' if fp32 else 'TF32 allowed'}: rms log error {math.sqrt(before):.3f} -> {math.sqrt(best.fun):.3f}")
+    for n, old, new in zip(names, np.exp(start), np.exp(best.x)):
+        print(f"  {n:32s} {old:10.4g} -> {new:10.4g}")
+    groups = collections.defaultdict(list)
+    for r, e in log_errors(data, target, fp32):
+        groups[(kind(r), r["layout"])].append(e)
+    for (k, layout), errs in sorted(groups.items()):
+        print(f"    {k:20s} {layout:13s} {len(errs):3d} calls: measured / model {math.exp(statistics.mean(errs)):5.2f} "
+              f"(spread x{math.exp(statistics.pstdev(errs)):.2f})")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("calibration")
+    ap.add_argument("spec_dirs", nargs="+")
+    args = ap.parse_args()
+    data = samples(json.load(open(args.calibration))["rows"], args.spec_dirs)
+    print(f"{len(data)} calls")
+    target = current()
+    fit(data, target, TENSOR_CORE, fp32=False)
+    fit(data, target, FP32, fp32=True)
+
+
+if __name__ == "__main__":
+    main()

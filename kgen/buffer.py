@@ -1,0 +1,81 @@
+"""Where a stage's tensors lie in memory: a ``Buffer`` is the logical tensor ``(N, C, *S)``
+and the tile(s) holding it (its physical size may exceed the logical one when a convolution
+was cropped, and a sub-pixel convolution leaves one tile per phase). Static; only the batch
+is known at run time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import TensorType
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One physical buffer: its size per logical dim (C, *S), strides (elements) and offsets."""
+
+    dims: tuple[int, ...]  # physical (C, *S)
+    strides: tuple[int, ...]  # per (C, *S)
+    sample_stride: int
+    offset: tuple[int, ...]  # logical position 0 lies at this physical position (spatial dims)
+    residue: tuple[int, ...] = ()  # sub-pixel phase: logical o = stride*m + residue
+
+    @property
+    def memory_order(self) -> list[int]:
+        """Dims (0 = C, 1.. = spatial) from outermost to innermost."""
+        return sorted(range(len(self.dims)), key=lambda d: -self.strides[d])
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A stage's input: the logical shape, and the tile(s) holding it."""
+
+    logical: tuple[int, ...]  # (C, *S)
+    layout: str  # contiguous | channels_last
+    tiles: tuple[Tile, ...]
+    phase_stride: tuple[int, ...] = ()  # sub-pixel: one tile per phase
+
+    @property
+    def phased(self) -> bool:
+        return bool(self.phase_stride)
+
+    @property
+    def dense(self) -> bool:
+        """One tile holding exactly the logical tensor (in any layout)."""
+        t = self.tiles[0]
+        return not self.phased and t.dims == self.logical and not any(t.offset)
+
+    @property
+    def flat(self) -> bool:
+        """A plain contiguous (C, *S) tensor: element e of a sample lies at e."""
+        return self.dense and self.layout == "contiguous"
+
+    @property
+    def innermost(self) -> int:
+        order = [d for d in self.tiles[0].memory_order if self.logical[d] > 1]
+        return order[-1] if order else len(self.logical) - 1
+
+
+def strides_of(dims: tuple[int, ...], layout: str) -> tuple[tuple[int, ...], int]:
+    """Strides of a (C, *S) sample in ``layout``, and the sample stride."""
+    order = list(range(len(dims)))
+    if layout == "channels_last":
+        order = order[1:] + [0]
+    strides = [0] * len(dims)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= dims[d]
+    return tuple(strides), step
+
+
+def dense_buffer(logical, physical, layout) -> Buffer:
+    strides, sample = strides_of(tuple(physical), layout)
+    tile = Tile(tuple(physical), strides, sample, (0,) * (len(physical) - 1))
+    return Buffer(tuple(logical), layout, (tile,))
+
+
+def flat_buffer(t: TensorType) -> Buffer:
+    """A plain contiguous tensor of type ``t``."""
+    shape = tuple(t.shape[1:])
+    return dense_buffer(shape, shape, "contiguous")
