@@ -317,17 +317,23 @@ def _f(v):
     return "-" if v is None else f"{v:.3f}"
 
 
+def level_of(rows) -> str:
+    """The KernelBench level of the modules (kb2_..., kb3_...)."""
+    levels = {r["module"].split("_")[0].removeprefix("kb") for r in rows}
+    return levels.pop() if len(levels) == 1 else "/".join(sorted(levels))
+
+
 def markdown(rows, env, args) -> str:
     ok = [r for r in rows if r["status"] == "ok"]
     faster = sum(1 for r in ok if r["kgen_ms"] < r["eager_ms"])
     faster_c = sum(1 for r in ok if r.get("compile_ms") and r["kgen_ms"] < r["compile_ms"])
     with_c = sum(1 for r in ok if r.get("compile_ms"))
     lines = [
-        f"# KernelBench level 2 on {env['device']}: validation and timings",
+        f"# KernelBench level {level_of(rows)} on {env['device']}: validation and timings",
         "",
         f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}), commit {env['commit']}, {env['date']}. "
         "Validation: `kgen validate --device cuda --example-batch` (the CUDA build against the float64 reference, "
-        "batches 1 to 3 and the file's own, normal and adversarial data). Timings at the file's own sizes, eval mode, "
+        "batches 1 to 3 and the file's own, normal and adversarial data). Timings at the file's own sizes, " + ("training" if args.training else "eval") + " mode, "
         f"one process with nothing else on the GPU: median of {args.reps} runs after warm-up, CUDA events, eager, "
         "torch.compile and kgen in turns (blocks of consecutive calls); eager = the imported model in PyTorch (float32), torch.compile = the same "
         "in default mode.",

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# On a GPU machine: KernelBench level 3's convolutional and MLP problems (1-27 and 45) end to end:
+# `kgen import` of each (the CPU's cores), then bench/kernelbench_gpu.py: build, validate against float64
+# at the files' own sizes, KernelBench's own check, and eager / torch.compile / kgen timed in one process
+# (training mode, as KernelBench's evaluator runs the models). KernelBench is read where it lies (KB: a
+# checkout, its level3 folder, or a bare git mirror); reports go to $OUT.
+#
+#   KB=~/KernelBench OUT=out BUDGET=500 bash bench/kernelbench_level3.sh
+set -uo pipefail
+KB=${KB:?the KernelBench checkout (KB=...)}
+OUT=${OUT:-gpu-out}
+ONLY=${ONLY:-1-27,45}
+BUDGET=${BUDGET:-500}
+WORK=${WORK:-build/kernelbench3}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+python3 bench/kernelbench_import.py --kernelbench "$KB" --level 3 --only "$ONLY" --no-all --jobs "$(nproc)" \
+  --timeout 300 --work "$WORK" --report "$OUT/kernelbench_level3_import.md" | cut -c1-220
+python3 bench/kernelbench_gpu.py --specs "$WORK/specs" --gen "$WORK/generated_gpu" --state "$WORK/gpu_state.json" \
+  --out "$OUT" --phase all --budget "$BUDGET" --training
