@@ -157,3 +157,70 @@ def ones(rank: int) -> Callable:
         fail(path, key, f"only global pooling (output_size 1) is supported, got {show(v)}")
 
     return check
+
+
+def value_names(v, key, path):
+    """A non-empty list of value names (cat's other pieces, in order)."""
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not 0 < len(v) <= 64:
+        fail(path, key, f"expected a non-empty list of at most 64 value names, got {show(v)}")
+    return tuple(value_name(e, f"{key}[{i}]", path) for i, e in enumerate(v))
+
+
+def index(v, key, path):
+    """An integer position along a dim (negative counts from the end)."""
+    if is_int(v) and abs(v) <= MAX_SIZE:
+        return v
+    fail(path, key, f"expected an integer index, got {show(v)}")
+
+
+def permutation(v, key, path):
+    """A permutation of a tensor's dims, as torch.permute takes it (checked against the rank where it is used)."""
+    if isinstance(v, list) and 1 < len(v) <= 6 and all(is_int(e) and abs(e) <= 6 for e in v):
+        return tuple(v)
+    fail(path, key, f"expected a list of 2 to 6 dimension indices, got {show(v)}")
+
+
+def sizes(v, key, path):
+    """A positive integer or a list of 1 to 3 of them (one per spatial dim, checked where it is used)."""
+    if size_ok(v, 1):
+        return (v,)
+    if isinstance(v, list) and 0 < len(v) <= 3 and all(size_ok(e, 1) for e in v):
+        return tuple(v)
+    fail(path, key, f"expected a positive integer or a list of 1 to 3 of them, got {show(v)}")
+
+
+def scales(v, key, path):
+    """A positive number or a list of 1 to 3 of them (scale factors per spatial dim)."""
+    items = v if isinstance(v, list) and 0 < len(v) <= 3 else [v]
+    out = []
+    for i, e in enumerate(items):
+        e = number(e, key if items is not v else f"{key}[{i}]", path)
+        if e <= 0:
+            fail(path, key, f"expected positive scale factors, got {show(v)}")
+        out.append(e)
+    return tuple(out)
+
+
+def pads(v, key, path):
+    """F.pad's pad: an even-length list of integers (last dim first: left, right, then the dim before)."""
+    if isinstance(v, list) and v and len(v) % 2 == 0 and len(v) <= 10 and all(is_int(e) and abs(e) <= MAX_SIZE for e in v):
+        return tuple(v)
+    fail(path, key, f"expected a list of 2, 4, ... 10 integers (before and after, last dim first), got {show(v)}")
+
+
+def expand_shape(v, key, path):
+    """A sample shape to expand to: positive sizes, -1 where the size stays."""
+    if isinstance(v, list) and 0 < len(v) <= 5 and all(size_ok(e, 1) or (is_int(e) and e == -1) for e in v):
+        return tuple(v)
+    fail(path, key, f"expected a list of at most 5 sizes (positive, or -1 to keep one), got {show(v)}")
+
+
+def choice(*options: str) -> Callable:
+    def check(v, key, path):
+        if not isinstance(v, str) or v not in options:
+            fail(path, key, f"expected one of {', '.join(options)}, got {show(v)}")
+        return v
+
+    return check

@@ -169,6 +169,7 @@ class Importer:
     real: nn.Module | None = None  # the model with its values (None when it is too large to build here)
     numel: int = 0  # its parameters' elements
     pending: dict = field(default_factory=dict)  # torch.max/min(x, dim) node -> "max" | "min", until its getitem
+    splits: dict = field(default_factory=dict)  # torch.split/chunk node -> (its input, dim, piece bounds), until its getitems
 
     # ---------------------------------------------------------------- entry
 
@@ -352,6 +353,8 @@ class Importer:
         fn = n.target
         if fn in (torch.max, torch.min, "max", "min") and self._tensor(n.args[0]) and self._dim_arg(n) is not None:
             self.pending[n] = "max" if fn in (torch.max, "max") else "min"  # values and indices: the getitem picks
+        elif fn in _SPLITS and self._tensor(n.args[0]):
+            self._split(n)
 
     def _function(self, n: fx.Node) -> None:
         fn, args, kw = n.target, list(n.args), dict(n.kwargs)
@@ -362,7 +365,12 @@ class Importer:
                 self._reduce(n, args[0], self.pending[args[0]])
                 return
             raise ImportFailed(f"{self._where(n)}: the indices of torch.max/torch.min are not supported")
+        if fn is operator.getitem and len(args) == 2 and args[0] in self.splits:
+            self._split_piece(n, args[0], args[1])
+            return
         x = args[0] if args else None
+        if self._layout(n, fn, name, args, kw):
+            return
         if n.op == "call_method" and name in _ALIAS_METHODS or (n.op == "call_function" and fn in _ALIAS_FUNCTIONS):
             self._alias(n, x)
             return
@@ -400,12 +408,9 @@ class Importer:
         if fn in _POOLS:
             self._pool_function(n, fn)
             return
-        if fn in (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d):
-            size = args[1] if len(args) > 1 else kw.get("output_size")
-            rank = len(self._shape(x)) - 2
-            if size not in (1, (1,) * rank, [1] * rank):
-                raise ImportFailed(f"{self._where(n)}: adaptive_avg_pool with output_size {size} (only 1, global pooling)")
-            self._emit(n, f"adaptive_avg_pool{rank}d", {"output_size": 1}, src=x)
+        if fn in _ADAPTIVE:
+            self._adaptive(n, x, _ADAPTIVE[fn], args[1] if len(args) > 1 else kw.get("output_size"),
+                           kw.get("return_indices", args[2] if len(args) > 2 else False))
             return
         if fn is F.dropout:
             p = kw.get("p", args[1] if len(args) > 1 else 0.5)
@@ -458,12 +463,15 @@ class Importer:
             self._pool(n, t.__name__, m.kernel_size, m.stride, m.padding, getattr(m, "dilation", 1), m.ceil_mode,
                        getattr(m, "count_include_pad", True), getattr(m, "return_indices", False),
                        getattr(m, "divisor_override", None))
-        elif isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
-            rank = len(self._shape(x)) - 2
-            size = m.output_size
-            if size not in (1, (1,) * rank, [1] * rank):
-                raise ImportFailed(f"{self._where(n)}: {t.__name__} with output_size {size} (only 1, global pooling)")
-            self._emit(n, f"adaptive_avg_pool{rank}d", {"output_size": 1}, src=x)
+        elif isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+                            nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
+            self._adaptive(n, x, "max" if "Max" in t.__name__ else "avg", m.output_size, getattr(m, "return_indices", False))
+        elif isinstance(m, nn.Upsample):
+            self._interpolate(n, x, m.size, m.scale_factor, m.mode, m.align_corners, m.recompute_scale_factor)
+        elif isinstance(m, (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d)):
+            self._pad(n, x, list(m.padding), m.value)
+        elif isinstance(m, nn.Flatten):
+            self._reshape(n, x)
         elif isinstance(m, nn.Dropout):
             self._emit(n, "dropout", {"p": float(m.p)}, src=x)
         elif isinstance(m, (nn.Softmax, nn.LogSoftmax)):
@@ -543,6 +551,241 @@ class Importer:
             self.chain = n
             return
         self._emit(n, "reshape", {"shape": list(shape[1:])}, src=x)
+
+    # ---- ops that move or resample values: cat, permute/transpose, indexing, split, pad, interpolate, expand
+
+    def _layout(self, n: fx.Node, fn, name: str, args: list, kw: dict) -> bool:
+        """Maps ``n`` if it is one of these calls; False when it is not."""
+        method = n.op == "call_method"
+        x = args[0] if args else None
+        if fn in (torch.cat, torch.concat, torch.concatenate):
+            self._cat(n, kw.get("tensors", x), kw.get("dim", kw.get("axis", args[1] if len(args) > 1 else 0)))
+        elif fn is torch.stack:
+            self._stack(n, kw.get("tensors", x), kw.get("dim", args[1] if len(args) > 1 else 0))
+        elif not self._tensor(x):
+            return False
+        elif (method and name == "permute") or fn is torch.permute:
+            dims = kw.get("dims", args[1] if len(args) == 2 else args[1:])
+            self._permute(n, x, list(dims) if isinstance(dims, (tuple, list)) else [dims])
+        elif (method and name in ("transpose", "swapaxes", "swapdims")) or fn in (torch.transpose, torch.swapaxes,
+                                                                                    torch.swapdims):
+            self._transpose(n, x, kw.get("dim0", args[1] if len(args) > 1 else None),
+                            kw.get("dim1", args[2] if len(args) > 2 else None))
+        elif (method and name == "t") or fn is torch.t or (fn is getattr and len(args) == 2 and args[1] == "mT"):
+            self._transpose(n, x, -2, -1)
+        elif fn is getattr and len(args) == 2 and args[1] == "T":  # every dim reversed: the batch moves
+            self._permute(n, x, list(range(len(self._shape(x))))[::-1])
+        elif fn is operator.getitem:
+            self._index(n, x, args[1])
+        elif (method and name == "narrow") or fn is torch.narrow:
+            dim = kw.get("dim", args[1] if len(args) > 1 else None)
+            start = kw.get("start", args[2] if len(args) > 2 else None)
+            length = kw.get("length", args[3] if len(args) > 3 else None)
+            self._slices(n, x, [(dim, slice(start, start + length if start >= 0 or start + length < 0 else None))])
+        elif fn is F.pad:
+            mode = kw.get("mode", args[2] if len(args) > 2 else "constant")
+            if mode != "constant":
+                raise ImportFailed(f"{self._where(n)}: F.pad with mode={mode!r} is not supported (only 'constant')")
+            self._pad(n, x, list(kw.get("pad", args[1] if len(args) > 1 else ())), kw.get("value", args[3] if len(args) > 3 else None))
+        elif fn in (F.interpolate, F.upsample):
+            b = inspect.signature(F.interpolate).bind(*args, **kw).arguments
+            if b.get("antialias"):
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)} with antialias=True is not supported")
+            self._interpolate(n, x, b.get("size"), b.get("scale_factor"), b.get("mode", "nearest"), b.get("align_corners"),
+                              b.get("recompute_scale_factor"))
+        elif method and name in ("expand", "expand_as"):
+            self._expand(n, x)
+        else:
+            return False
+        return True
+
+    def _norm_dim(self, n, x, dim, what: str) -> int:
+        rank = len(self._shape(x))
+        if not isinstance(dim, int) or not -rank <= dim < rank:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} needs an integer dim of a {rank}-d value, got {dim!r}")
+        if dim % rank == 0:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} {what} the batch (dim 0); kgen keeps the batch first "
+                               "and whole")
+        return dim % rank
+
+    def _cat(self, n, pieces, dim) -> None:
+        if not isinstance(pieces, (tuple, list)) or not pieces or not all(self._tensor(p) for p in pieces):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} concatenates something that is not a value of the "
+                               "forward (a parameter or a constant)")
+        dim = self._norm_dim(n, pieces[0], dim, "concatenates along")
+        if len(pieces) == 1:
+            self._alias(n, pieces[0])
+            return
+        names = [self._name_of(p) for p in pieces[1:]]
+        self._emit(n, "cat", {"dim": dim, "tensors": names}, src=pieces[0])
+
+    def _stack(self, n, pieces, dim) -> None:
+        """torch.stack = a cat along the dim (the last one for a new last dim) viewed with the new dim, then
+        for a new last dim the two last dims swapped."""
+        if not isinstance(pieces, (tuple, list)) or not pieces or not all(self._tensor(p) for p in pieces):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} stacks something that is not a value of the forward")
+        rank = len(self._shape(pieces[0]))
+        if not isinstance(dim, int) or not -rank - 1 <= dim <= rank or dim % (rank + 1) == 0:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} must stack along a dim after the batch, got {dim!r}")
+        dim %= rank + 1
+        shape = self.shapes[n]
+        if len(pieces) > 1:
+            self._emit(n, "cat", {"dim": min(dim, rank - 1), "tensors": [self._name_of(p) for p in pieces[1:]]}, src=pieces[0])
+        if dim < rank:
+            self._emit(n, "reshape", {"shape": list(shape[1:])}, src=n if len(pieces) > 1 else pieces[0])
+        else:
+            self._emit(n, "reshape", {"shape": list(shape[1:-2]) + [shape[-1], shape[-2]]}, src=n if len(pieces) > 1 else pieces[0])
+            self._emit(n, "transpose", {"dim0": rank - 1, "dim1": rank}, src=n)
+
+    def _permute(self, n, x, dims) -> None:
+        rank = len(self._shape(x))
+        if len(dims) != rank or not all(isinstance(d, int) and -rank <= d < rank for d in dims) or \
+                sorted(d % rank for d in dims) != list(range(rank)):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} needs a permutation of the {rank} dims, got {dims}")
+        dims = [d % rank for d in dims]
+        if dims[0] != 0:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} moves the batch (dim 0); kgen keeps it first")
+        if dims == list(range(rank)):
+            self._alias(n, x)
+            return
+        moved = [d for d, p in enumerate(dims) if d != p]
+        if len(moved) == 2:
+            self._emit(n, "transpose", {"dim0": moved[0], "dim1": moved[1]}, src=x)
+        else:
+            self._emit(n, "permute", {"dims": dims}, src=x)
+
+    def _transpose(self, n, x, a, b) -> None:
+        a, b = (self._norm_dim(n, x, d, "moves") for d in (a, b))
+        if a == b:
+            self._alias(n, x)
+            return
+        self._emit(n, "transpose", {"dim0": min(a, b), "dim1": max(a, b)}, src=x)
+
+    def _index(self, n, x, idx) -> None:
+        """Basic indexing: slices (a step > 0), integers (a slice of one, the dim dropped), None (a new dim of 1)
+        and one Ellipsis; the batch whole."""
+        items = list(idx) if isinstance(idx, tuple) else [idx]
+        rank = len(self._shape(x))
+        if any(not (isinstance(i, (slice, int)) or i is None or i is Ellipsis) or isinstance(i, bool) for i in items) or \
+                any(isinstance(v, fx.Node) for i in items if isinstance(i, slice) for v in (i.start, i.stop, i.step)):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)}: only basic indexing (constant slices, integers, None, "
+                               "...) is supported")
+        if items.count(Ellipsis) > 1:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} has more than one '...'")
+        used = sum(1 for i in items if i is not None and i is not Ellipsis)
+        if Ellipsis in items:
+            k = items.index(Ellipsis)
+            items[k:k + 1] = [slice(None)] * (rank - used)
+        items += [slice(None)] * (rank - sum(1 for i in items if i is not None))
+        cuts, d = [], 0
+        for i in items:
+            if i is None:
+                continue
+            if d == 0 and i != slice(None):
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)} indexes the batch (dim 0); kgen keeps it whole")
+            if isinstance(i, int):
+                size = self._shape(x)[d]
+                if not -size <= i < size:
+                    raise ImportFailed(f"{self._where(n)}: index {i} is out of range for dim {d} of size {size}")
+                i = slice(i % size, i % size + 1)
+            if i != slice(None):
+                cuts.append((d, i))
+            d += 1
+        self._slices(n, x, cuts)
+
+    def _slices(self, n, x, cuts) -> None:
+        """A slice op per cut (dim, slice) that is not the whole dim, then a view to ``n``'s shape if it differs."""
+        shape, src, emitted = list(self._shape(x)), x, False
+        for dim, sl in cuts:
+            dim = self._norm_dim(n, x, dim, "slices")
+            if sl.step is not None and (not isinstance(sl.step, int) or sl.step < 1):
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)} with step {sl.step} (only positive steps)")
+            start, end, step = sl.indices(shape[dim])
+            if (start, end, step) == (0, shape[dim], 1):
+                continue
+            count = len(range(start, end, step))
+            if count < 1:
+                raise ImportFailed(f"{self._where(n)}: {self._call(n)} gives an empty slice of dim {dim}")
+            fields = {"dim": dim, "start": start, "end": end}
+            if step != 1:
+                fields["step"] = step
+            self._emit(n, "slice", fields, src=src)
+            shape[dim], src, emitted = count, n, True
+        if tuple(shape) != self.shapes[n]:
+            if emitted:
+                self._emit(n, "reshape", {"shape": list(self.shapes[n][1:])}, src=n)
+            else:
+                self._reshape(n, x)
+        elif not emitted:
+            self._alias(n, x)
+
+    def _split(self, n) -> None:
+        """torch.split / torch.chunk (and the methods): each piece a getitem reads becomes a slice op."""
+        x = n.args[0]
+        dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
+        dim = self._norm_dim(n, x, dim, "splits")
+        pieces = self.shapes[n].value
+        bounds, at = [], 0
+        for p in pieces:
+            bounds.append((at, at + p.shape[dim]))
+            at += p.shape[dim]
+        self.splits[n] = (x, dim, bounds)
+
+    def _split_piece(self, n, split, i) -> None:
+        x, dim, bounds = self.splits[split]
+        if not isinstance(i, int) or not -len(bounds) <= i < len(bounds):
+            raise ImportFailed(f"{self._where(n)}: piece {i!r} of a split of {len(bounds)} pieces")
+        start, end = bounds[i]
+        self._slices(n, x, [(dim, slice(start, end))])
+
+    def _pad(self, n, x, pad, value) -> None:
+        rank = len(self._shape(x))
+        if not pad or len(pad) % 2 or not all(isinstance(p, int) for p in pad) or len(pad) // 2 > rank - 1:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} with pad {pad}: expected pairs of integers for at most "
+                               f"the {rank - 1} dims after the batch")
+        if not any(pad):
+            self._alias(n, x)
+            return
+        self._emit(n, "pad", _drop_defaults({"pad": list(pad), "value": float(value or 0.0)}, {"value": 0.0}), src=x)
+
+    def _interpolate(self, n, x, size, scale, mode, align_corners, recompute) -> None:
+        if mode not in ("nearest", "bilinear"):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} with mode={mode!r} is not supported (nearest, bilinear)")
+        if recompute and scale is not None:  # PyTorch maps coordinates by the sizes then
+            size, scale = list(self.shapes[n][2:]), None
+        fields = {"mode": mode}
+        if size is not None:
+            fields["size"] = _one(size)
+        else:
+            fields["scale_factor"] = _one([float(v) for v in scale] if isinstance(scale, (tuple, list)) else float(scale))
+        if mode == "bilinear" and align_corners:
+            fields["align_corners"] = True
+        self._emit(n, "interpolate", _drop_defaults(fields, {"mode": "nearest"}), src=x)
+
+    def _adaptive(self, n, x, kind: str, size, return_indices) -> None:
+        if return_indices:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} with return_indices=True is not supported")
+        spatial = self._shape(x)[2:]
+        size = list(size) if isinstance(size, (tuple, list)) else [size] * len(spatial)
+        size = [L if s is None else s for s, L in zip(size, spatial)]  # None keeps the input's size
+        self._emit(n, f"adaptive_{kind}_pool{len(spatial)}d", {"output_size": _one(size)}, src=x)
+
+    def _expand(self, n, x) -> None:
+        """x.expand / expand_as: where every reader is an elementwise op whose other operand has its shape, the
+        operand broadcasts as it is (x * s.expand_as(x): `mul: {tensor: s}`); otherwise an expand op."""
+        shape = self.shapes[n]
+        def broadcasts(user) -> bool:
+            if not _elementwise_binary(user) or self.shapes.get(user) != shape:
+                return False
+            others = [a for a in list(user.args) + list(user.kwargs.values()) if a is not n]
+            return len(others) == 1 and self._tensor(others[0]) and self._shape(others[0]) == shape
+        if len(self._shape(x)) == len(shape) and n.users and all(broadcasts(u) for u in n.users):
+            self._alias(n, x)
+            return
+        src_shape = self._shape(x)
+        if len(src_shape) != len(shape):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} adds dims in front of the batch")
+        self._emit(n, "expand", {"shape": [-1 if a == b else b for a, b in zip(src_shape[1:], shape[1:])]}, src=x)
 
     def _clamp(self, n, name) -> None:
         args, kw = list(n.args), dict(n.kwargs)
@@ -870,6 +1113,9 @@ _UNARY_MODULES = {
 }
 _REDUCTIONS = {torch.sum: "sum", torch.mean: "mean", torch.amax: "max", torch.amin: "min", torch.logsumexp: "logsumexp"}
 _REDUCTION_METHODS = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min", "logsumexp": "logsumexp"}
+_SPLITS = (torch.split, torch.chunk, "split", "chunk")
+_ADAPTIVE = {F.adaptive_avg_pool1d: "avg", F.adaptive_avg_pool2d: "avg", F.adaptive_avg_pool3d: "avg",
+             F.adaptive_max_pool1d: "max", F.adaptive_max_pool2d: "max", F.adaptive_max_pool3d: "max"}
 _ALIAS_METHODS = ("clone", "detach", "contiguous")
 _ALIAS_FUNCTIONS = (torch.clone, torch.detach)
 _VIEW_METHODS = ("view", "reshape", "flatten", "squeeze", "unsqueeze")

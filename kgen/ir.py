@@ -933,6 +933,231 @@ class Reshape(Op):
         return f"reshape([N, {', '.join(map(str, self.shape))}])"
 
 
+@dataclass(frozen=True)
+class Cat(Op):
+    """torch.cat([x, *tensors], dim): the input first, then the named values ``tensors`` in order
+    (``pieces``: their types, for the shape rule)."""
+
+    dim: int = 1
+    tensors: tuple = ()
+    pieces: tuple = ()  # TensorType of each value of ``tensors``
+
+    @property
+    def op_name(self) -> str:
+        return "cat"
+
+    def value_names(self):
+        return tuple(dict.fromkeys(self.tensors))
+
+    def infer(self, t):
+        size = t.shape[self.dim] if self.dim < t.rank else 0
+        for name, p in zip(self.tensors, self.pieces):
+            same = p.rank == t.rank and all(a == b for d, (a, b) in enumerate(zip(p.shape, t.shape)) if d != self.dim)
+            if not same or self.dim >= t.rank:
+                raise ShapeError(f"cannot concatenate '{name}' {p} to {t} along dim {self.dim}: every other size must "
+                                 "be equal")
+            size += p.shape[self.dim]
+        return TensorType(t.shape[:self.dim] + (size,) + t.shape[self.dim + 1:])
+
+    def flops(self, t_in, t_out):
+        return 0
+
+    def run(self, x, tensors):
+        return torch.cat([x] + [tensors[n].to(x.dtype) for n in self.tensors], self.dim)
+
+    def describe(self):
+        return f"cat([x, {', '.join(self.tensors)}], dim={self.dim})"
+
+
+@dataclass(frozen=True)
+class Permute(Op):
+    """x.permute(dims).contiguous() (spec: permute, or transpose of two dims); the batch stays first."""
+
+    kind: str = "permute"  # permute | transpose (how the spec wrote it)
+    dims: tuple = (0,)
+
+    @property
+    def op_name(self) -> str:
+        return self.kind
+
+    def infer(self, t):
+        if len(self.dims) != t.rank:
+            raise ShapeError(f"permutes {len(self.dims)} dims, got shape {t}")
+        return TensorType(tuple(t.shape[d] for d in self.dims))
+
+    def flops(self, t_in, t_out):
+        return 0
+
+    def run(self, x, tensors):
+        return x.permute(self.dims).contiguous()
+
+    def swapped(self) -> tuple[int, int] | None:
+        """The two dims a transpose swaps (None when it is not one)."""
+        moved = [d for d, p in enumerate(self.dims) if d != p]
+        return (moved[0], moved[1]) if len(moved) == 2 else None
+
+    def describe(self):
+        pair = self.swapped()
+        if self.kind == "transpose" and pair:
+            return f"transpose({pair[0]}, {pair[1]})"
+        return f"permute({list(self.dims)})"
+
+
+@dataclass(frozen=True)
+class Slice(Op):
+    """x[..., start:end:step] along ``dim`` (not the batch), bounds already within the dim; contiguous."""
+
+    dim: int = 1
+    start: int = 0
+    end: int = 1
+    step: int = 1
+
+    @property
+    def op_name(self) -> str:
+        return "slice"
+
+    def infer(self, t):
+        if self.dim >= t.rank or self.end > t.shape[self.dim]:
+            raise ShapeError(f"slice {self.start}:{self.end} along dim {self.dim} does not fit shape {t}")
+        n = len(range(self.start, self.end, self.step))
+        return TensorType(t.shape[:self.dim] + (n,) + t.shape[self.dim + 1:])
+
+    def flops(self, t_in, t_out):
+        return 0
+
+    def run(self, x, tensors):
+        return x.narrow(self.dim, self.start, self.end - self.start)[
+            (slice(None),) * self.dim + (slice(None, None, self.step),)].contiguous()
+
+    def describe(self):
+        step = f":{self.step}" if self.step != 1 else ""
+        return f"slice(dim {self.dim}, {self.start}:{self.end}{step})"
+
+
+@dataclass(frozen=True)
+class Pad(Op):
+    """F.pad(x, pad, 'constant', value): pad[2i], pad[2i+1] before and after dim -1-i."""
+
+    pad: tuple = (0, 0)
+    value: float = 0.0
+
+    @property
+    def op_name(self) -> str:
+        return "pad"
+
+    def infer(self, t):
+        k = len(self.pad) // 2
+        if k > t.rank - 1:
+            raise ShapeError(f"pads {k} dims of shape {t}; at most {t.rank - 1} (not the batch)")
+        shape = list(t.shape)
+        for i in range(k):
+            d = t.rank - 1 - i
+            shape[d] = t.shape[d] + self.pad[2 * i] + self.pad[2 * i + 1]
+            if shape[d] < 1:
+                raise ShapeError(f"pad {list(self.pad)} leaves nothing of dim {d} of shape {t}")
+        return TensorType(tuple(shape))
+
+    def flops(self, t_in, t_out):
+        return 0
+
+    def run(self, x, tensors):
+        return F.pad(x, self.pad, "constant", self.value)
+
+    def describe(self):
+        return f"pad({list(self.pad)}{f', value={self.value:g}' if self.value else ''})"
+
+
+@dataclass(frozen=True)
+class Interpolate(Op):
+    """F.interpolate: ``mode`` nearest or bilinear, to ``size`` (the output's spatial size); where the
+    spec gave a scale factor, ``scales`` holds it (PyTorch maps coordinates with it, not with the sizes'
+    ratio)."""
+
+    mode: str = "nearest"
+    size: tuple = (1,)
+    scales: tuple | None = None
+    align_corners: bool | None = None
+
+    @property
+    def op_name(self) -> str:
+        return "interpolate"
+
+    def infer(self, t):
+        if len(t.spatial) != len(self.size) or (self.mode == "bilinear" and t.rank != 4):
+            need = "a 4-d input (bilinear)" if self.mode == "bilinear" else f"{len(self.size)} spatial dims"
+            raise ShapeError(f"{self.mode} interpolation to {list(self.size)} needs {need}, got shape {t}")
+        return TensorType(t.shape[:2] + tuple(self.size))
+
+    def flops(self, t_in, t_out):
+        return (4 if self.mode == "bilinear" else 0) * t_out.sample_numel
+
+    def run(self, x, tensors):
+        if self.scales is not None:
+            return F.interpolate(x, scale_factor=self.scales, mode=self.mode, align_corners=self.align_corners)
+        return F.interpolate(x, size=self.size, mode=self.mode, align_corners=self.align_corners)
+
+    def describe(self):
+        how = f"scale {fmt(self.scales)}" if self.scales is not None else f"size {list(self.size)}"
+        corners = ", align_corners" if self.align_corners else ""
+        return f"interpolate({self.mode}, {how}{corners})"
+
+
+@dataclass(frozen=True)
+class AdaptivePool(Op):
+    """F.adaptive_avg_poolNd / F.adaptive_max_poolNd (the values) to ``output`` (not all 1: that is a Reduce)."""
+
+    kind: str = "avg"
+    output: tuple = (1,)
+
+    @property
+    def rank(self) -> int:
+        return len(self.output)
+
+    @property
+    def op_name(self) -> str:
+        return f"adaptive_{self.kind}_pool{self.rank}d"
+
+    def infer(self, t):
+        _check_rank(t, self.rank, self.op_name)
+        return TensorType(t.shape[:2] + tuple(self.output))
+
+    def flops(self, t_in, t_out):
+        return t_in.sample_numel
+
+    def run(self, x, tensors):
+        fn = getattr(F, self.op_name)
+        return fn(x, self.output)
+
+    def describe(self):
+        return f"{self.op_name}({fmt(self.output)})"
+
+
+@dataclass(frozen=True)
+class Expand(Op):
+    """x.expand(N, *shape).contiguous(): size-1 dims repeated; the batch stays."""
+
+    shape: tuple = (1,)
+
+    @property
+    def op_name(self) -> str:
+        return "expand"
+
+    def infer(self, t):
+        if len(self.shape) != t.rank - 1 or any(s != n and n != 1 for s, n in zip(self.shape, t.shape[1:])):
+            raise ShapeError(f"cannot expand shape {t} to [{t.shape[0]}, {', '.join(map(str, self.shape))}]: only "
+                             "dims of size 1 grow")
+        return TensorType((t.shape[0],) + tuple(self.shape))
+
+    def flops(self, t_in, t_out):
+        return 0
+
+    def run(self, x, tensors):
+        return x.expand((x.shape[0],) + tuple(self.shape)).contiguous()
+
+    def describe(self):
+        return f"expand([N, {', '.join(map(str, self.shape))}])"
+
+
 class DropoutError(RuntimeError):
     """Dropout with p > 0 in training mode: random, and kgen does not compute it."""
 
@@ -1283,8 +1508,88 @@ class _Builder:
             _check_rank(t, entry.rank, o.kind)
         except ShapeError as e:
             raise SpecError(self.path, o.key, str(e)) from None
+        output = o.args["output_size"]
+        if any(s != 1 for s in output):  # an ATen stage (AdaptivePool); output 1 is a reduction that fuses
+            return AdaptivePool(key=o.key, kind=entry.variant, output=tuple(output))
         spatial = tuple(range(2, 2 + entry.rank))
-        return Reduce(key=o.key, fn="mean", dims=spatial, kept=spatial, origin=o.kind)
+        return Reduce(key=o.key, fn="mean" if entry.variant == "avg" else "max", dims=spatial, kept=spatial, origin=o.kind)
+
+    def _dim(self, o: OpSpec, field: str, t: TensorType) -> int:
+        """A spec dim of ``t`` (negative from the end), not the batch."""
+        d = o.args[field]
+        if not -t.rank <= d < t.rank:
+            raise SpecError(self.path, f"{o.key}.{field}", f"dimension {d} is out of range for shape {t} (rank {t.rank})")
+        if d % t.rank == 0:
+            raise SpecError(self.path, f"{o.key}.{field}", f"dim {d} is the batch; kgen keeps the batch first and whole")
+        return d % t.rank
+
+    def cat(self, o: OpSpec, entry, t: TensorType) -> Op:
+        dim = self._dim(o, "dim", t)
+        pieces = tuple(self.value(o, n, f"tensors[{i}]") for i, n in enumerate(o.args["tensors"]))
+        return Cat(key=o.key, dim=dim, tensors=tuple(o.args["tensors"]), pieces=pieces)
+
+    def permute(self, o: OpSpec, entry, t: TensorType) -> Op:
+        if o.kind == "transpose":
+            a, b = self._dim(o, "dim0", t), self._dim(o, "dim1", t)
+            dims = list(range(t.rank))
+            dims[a], dims[b] = b, a
+            return Permute(key=o.key, kind="transpose", dims=tuple(dims))
+        given = o.args["dims"]
+        if len(given) != t.rank or not all(-t.rank <= d < t.rank for d in given):
+            raise SpecError(self.path, f"{o.key}.dims", f"{list(given)} is not a permutation of the {t.rank} dims of {t}")
+        dims = tuple(d % t.rank for d in given)
+        if sorted(dims) != list(range(t.rank)):
+            raise SpecError(self.path, f"{o.key}.dims", f"{list(given)} is not a permutation of the {t.rank} dims of {t}")
+        if dims[0] != 0:
+            raise SpecError(self.path, f"{o.key}.dims", f"{list(given)} moves the batch; dims[0] must be 0")
+        return Permute(key=o.key, kind="permute", dims=dims)
+
+    def slice(self, o: OpSpec, entry, t: TensorType) -> Op:
+        a = o.args
+        dim = self._dim(o, "dim", t)
+        start, end, step = slice(a["start"], a["end"], a["step"]).indices(t.shape[dim])
+        if len(range(start, end, step)) < 1:
+            raise SpecError(self.path, o.key, f"slice {a['start']}:{a['end']} of dim {dim} of {t} is empty")
+        return Slice(key=o.key, dim=dim, start=start, end=max(end, start), step=step)
+
+    def pad(self, o: OpSpec, entry, t: TensorType) -> Op:
+        pad = o.args["pad"]
+        if len(pad) // 2 > t.rank - 1:
+            raise SpecError(self.path, f"{o.key}.pad", f"{list(pad)} pads {len(pad) // 2} dims of {t}; at most "
+                            f"{t.rank - 1} (the batch is not padded)")
+        return Pad(key=o.key, pad=tuple(pad), value=o.args["value"])
+
+    def interpolate(self, o: OpSpec, entry, t: TensorType) -> Op:
+        a = o.args
+        r = len(t.spatial)
+        if r < 1 or r > 3 or (a["mode"] == "bilinear" and r != 2):
+            need = "a 4-d input" if a["mode"] == "bilinear" else "1 to 3 spatial dims"
+            raise SpecError(self.path, o.key, f"{a['mode']} interpolation needs {need}, got shape {t}")
+        field = "size" if a["size"] is not None else "scale_factor"
+        given = a[field]
+        if len(given) not in (1, r):
+            raise SpecError(self.path, f"{o.key}.{field}", f"expected one value or {r}, got {list(given)}")
+        given = tuple(given) * (r // len(given))
+        if field == "size":
+            size, scales = given, None
+        else:  # PyTorch's output size: floor(L * scale) in double
+            size, scales = tuple(int(math.floor(float(L) * s)) for L, s in zip(t.spatial, given)), given
+            if any(n < 1 for n in size):
+                raise SpecError(self.path, f"{o.key}.scale_factor", f"scales {t} to nothing (spatial size {list(size)})")
+        align = a["align_corners"] if a["mode"] == "bilinear" else None
+        return Interpolate(key=o.key, mode=a["mode"], size=size, scales=scales,
+                           align_corners=bool(align) if align is not None else (False if a["mode"] == "bilinear" else None))
+
+    def expand(self, o: OpSpec, entry, t: TensorType) -> Op:
+        shape = o.args["shape"]
+        if len(shape) != t.rank - 1:
+            raise SpecError(self.path, f"{o.key}.shape", f"{list(shape)} has {len(shape)} dims; a sample of {t} has "
+                            f"{t.rank - 1} (the batch stays first)")
+        shape = tuple(n if s == -1 else s for s, n in zip(shape, t.shape[1:]))
+        if any(s != n and n != 1 for s, n in zip(shape, t.shape[1:])):
+            raise SpecError(self.path, f"{o.key}.shape", f"cannot expand {t} to [{t.shape[0]}, "
+                            f"{', '.join(map(str, shape))}]: only dims of size 1 grow")
+        return Expand(key=o.key, shape=shape)
 
     def elementwise(self, o: OpSpec, entry: ElementwiseOp, t: TensorType) -> Op:
         a = o.args

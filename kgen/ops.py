@@ -27,7 +27,8 @@ from .fields import REQUIRED
 
 # Roles: the IR op that computes an entry (kgen.ir builds one per role).
 ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise", "linear", "softmax", "batch_norm",
-         "batch_stats", "layer_norm", "reshape", "dropout", "capture")
+         "batch_stats", "layer_norm", "reshape", "dropout", "capture", "cat", "permute", "slice", "pad", "interpolate",
+         "expand")
 MADE_BY_REWRITES = ("batch_stats",)  # ops only a rewrite makes (not in `kgen ops`)
 # ops of the IR a spec does not name as ops (`as:` on an op makes one)
 INTERNAL = ("as",) + MADE_BY_REWRITES
@@ -138,6 +139,13 @@ def _check_dropout(args, key, path):
         f.fail(path, f"{key}.p", f"expected a probability in [0, 1), got {args['p']}")
 
 
+def _check_interpolate(args, key, path):
+    if (args["size"] is None) == (args["scale_factor"] is None):
+        f.fail(path, key, "give exactly one of 'size' or 'scale_factor'")
+    if args["align_corners"] is not None and args["mode"] == "nearest":
+        f.fail(path, f"{key}.align_corners", "align_corners applies to mode bilinear only")
+
+
 def _check_momentum(v, key, path):
     return None if v is None else f.number(v, key, path)
 
@@ -190,8 +198,12 @@ def _table() -> dict[str, OpDef]:
                   f"nn.ConvTranspose{r}d; a submodule named `conv_transpose`", rank=r, variant="transposed"),
             OpDef(f"max_pool{r}d", "pool", _pool_fields(r, "max"), ("pool_reduce",), f"F.max_pool{r}d", rank=r, variant="max"),
             OpDef(f"avg_pool{r}d", "pool", _pool_fields(r, "avg"), ("pool_reduce",), f"F.avg_pool{r}d", rank=r, variant="avg"),
-            OpDef(f"adaptive_avg_pool{r}d", "global_pool", {"output_size": (f.ones(r), REQUIRED)}, ("pool_reduce",),
-                  "global average pooling (output_size 1): a mean over the spatial dims", rank=r),
+            OpDef(f"adaptive_avg_pool{r}d", "global_pool", {"output_size": (f.ints(r, 1), REQUIRED)}, ("pool_reduce",) + ATEN,
+                  f"F.adaptive_avg_pool{r}d; output_size 1 is a mean over the spatial dims (it fuses), any other an "
+                  "ATen stage", rank=r, variant="avg"),
+            OpDef(f"adaptive_max_pool{r}d", "global_pool", {"output_size": (f.ints(r, 1), REQUIRED)}, ("pool_reduce",) + ATEN,
+                  f"F.adaptive_max_pool{r}d (the values); output_size 1 is a max over the spatial dims (it fuses), any "
+                  "other an ATen stage", rank=r, variant="max"),
         ]
     entries += [
         ElementwiseOp("relu", "elementwise", {}, FUSED, "max(x, 0); NaN stays NaN",
@@ -267,6 +279,32 @@ def _table() -> dict[str, OpDef]:
         OpDef("dropout", "dropout", {"p": (f.number, REQUIRED)}, ATEN,
               "nn.Dropout: the identity in eval mode or with p = 0; kgen refuses it in training mode otherwise",
               _check_dropout),
+        OpDef("cat", "cat", {"dim": (f.dim, REQUIRED), "tensors": (f.value_names, REQUIRED)}, ATEN,
+              "torch.cat([x, *tensors], dim): the input (the previous result or `from:`) first, then the named values "
+              "in order; not along the batch"),
+        OpDef("permute", "permute", {"dims": (f.permutation, REQUIRED)}, ATEN,
+              "x.permute(dims).contiguous(); the batch stays first (dims[0] = 0)"),
+        OpDef("transpose", "permute", {"dim0": (f.dim, REQUIRED), "dim1": (f.dim, REQUIRED)}, ATEN,
+              "x.transpose(dim0, dim1).contiguous(); neither is the batch"),
+        OpDef("slice", "slice", {
+            "dim": (f.dim, REQUIRED),
+            "start": (f.index, 0),
+            "end": (f.optional(f.index), None),
+            "step": (f.integer(1), 1),
+        }, ATEN, "x[..., start:end:step] along dim (not the batch), contiguous; Python's rules for negative and "
+                 "out-of-range bounds; the result may not be empty"),
+        OpDef("pad", "pad", {"pad": (f.pads, REQUIRED), "value": (f.number, 0.0)}, ATEN,
+              "F.pad(x, pad, 'constant', value): pad[0], pad[1] before and after the last dim, then the dim before; "
+              "negative amounts crop; not the batch"),
+        OpDef("interpolate", "interpolate", {
+            "mode": (f.choice("nearest", "bilinear"), "nearest"),
+            "size": (f.optional(f.sizes), None),
+            "scale_factor": (f.optional(f.scales), None),
+            "align_corners": (f.optional(f.boolean), None),
+        }, ATEN, "F.interpolate / nn.Upsample: nearest (1-3 spatial dims) or bilinear (2), to `size` or by "
+                 "`scale_factor` (exactly one)", _check_interpolate),
+        OpDef("expand", "expand", {"shape": (f.expand_shape, REQUIRED)}, ATEN,
+              "x.expand(N, *shape).contiguous(): dims of size 1 repeated (-1 keeps a size); the batch stays"),
         OpDef("as", "capture", {}, FUSED, "names the value at this point (spec: `as: NAME` on the op before it)"),
         OpDef("batch_stats", "batch_stats", {}, ("batch_stats",),
               "training-mode batch norm's batch statistics, the norm then applied as a per-channel affine that fuses "

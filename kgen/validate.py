@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from .errors import KgenError
-from .ir import (BatchNorm, Capture, Dropout, Env, LayerNorm, Linear, Matmul, Norm, Pipeline, Pool, Reduce,
-                 Reshape, Softmax, TensorType, blocked_linear, load_pipeline, run_ops)
 from .buffer import Buffer
+from .ir import (AdaptivePool, BatchNorm, Capture, Cat, Dropout, Env, Expand, Interpolate, LayerNorm, Linear, Matmul, Norm, Pad,
+                 Permute, Pipeline, Pool, Reduce, Reshape, Slice, Softmax, TensorType, blocked_linear, load_pipeline, run_ops)
 from .lowering import lowered
 from .ops import OPS
 from .plan import Selection, choose_plans, stage_op_name
@@ -206,8 +206,10 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
             env[op.name], menv[op.name] = out, m
         elif isinstance(op, Reduce) and op.fn == "min":
             m = replace(op, fn="max").run(m, menv)  # the selected value's size is at most the largest
-        elif isinstance(op, (Pool, Reduce, Reshape)):
-            m = op.run(m, menv)
+        elif isinstance(op, (Pool, Reduce, Reshape, Cat, Permute, Slice, Expand, Interpolate, AdaptivePool)):
+            m = op.run(m, menv)  # moved values keep their magnitudes; averages and maxima of them bound theirs
+        elif isinstance(op, Pad):
+            m = op.run(m, menv).abs()  # the padding value where it pads
         elif isinstance(op, Linear):
             bias = env[f"{op.module}.bias"] if op.bias else None
             m = blocked_linear(m, env[f"{op.module}.weight"], bias, absolute=True)

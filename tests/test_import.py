@@ -2,9 +2,11 @@
 and validate; the drop-in constructor; errors that name the call and its line; nothing
 written on failure.
 
-Two modules cover every op the importer maps (CONV_MODEL: a 4-d pipeline with batch norm in
+Three modules cover every op the importer maps (CONV_MODEL: a 4-d pipeline with batch norm in
 training and eval mode; GEMM_MODEL: three inputs, free parameters, values read across
-stages and dropout); each is imported, built and validated once for the module.
+stages and dropout; LAYOUT_MODEL: a fire module's cat, a channel shuffle, an SE gate, split,
+indexing, pad, permute, interpolate, adaptive pools and stack); each is imported, built and
+validated once for the module.
 """
 import re
 import textwrap
@@ -109,12 +111,56 @@ def get_init_inputs():
     return [6, 8]
 '''
 
+LAYOUT_MODEL = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self, in_channels, squeeze_channels, expand_channels, groups=2):
+        super().__init__()
+        self.squeeze = nn.Conv2d(in_channels, squeeze_channels, 1)
+        self.expand1x1 = nn.Conv2d(squeeze_channels, expand_channels, 1)
+        self.expand3x3 = nn.Conv2d(squeeze_channels, expand_channels, 3, padding=1)
+        self.fc = nn.Linear(2 * expand_channels, 2 * expand_channels)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True)
+        self.pool = nn.AdaptiveMaxPool2d((2, 3))
+        self.groups = groups
+
+    def forward(self, x):
+        x = torch.relu(self.squeeze(x))
+        x = torch.cat([torch.relu(self.expand1x1(x)), torch.relu(self.expand3x3(x))], 1)
+        b, c, h, w = x.size()
+        x = x.view(b, self.groups, c // self.groups, h, w).transpose(1, 2).contiguous().view(b, -1, h, w)
+        s = torch.sigmoid(self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)))
+        x = x * s.view(b, c, 1, 1).expand_as(x)
+        a, rest = x.split([2, c - 2], dim=1)
+        x = torch.cat([rest[:, 1:], a, s[:, :1, None, None].expand(-1, -1, h, w)], dim=1)
+        x = F.pad(x, (1, 0, 2, 1), value=-0.5)
+        x = x.permute(0, 2, 3, 1).permute(0, 3, 1, 2)
+        x = self.up(x[..., 1:])
+        x = F.interpolate(x, size=(5, 7), mode="nearest")
+        x = F.adaptive_avg_pool2d(x, (2, 3)) + self.pool(x)
+        return torch.stack([x, -x], dim=2).flatten(1)
+
+
+def get_inputs():
+    return [torch.rand(3, 5, 6, 6)]
+
+
+def get_init_inputs():
+    return [5, 3, 4]
+'''
+
 IMPORTED_KINDS = {  # the ops each model's spec must hold: together every op the importer maps but the convs' kin
     "conv": {"conv2d", "batch_norm", "leaky_relu", "clamp", "add", "div", "mul", "group_norm", "sigmoid", "mish",
              "hardswish", "max_pool2d", "minimum", "softplus", "relu", "sub", "gelu", "logsumexp", "max", "tanh", "mean"},
     "gemm": {"matmul", "linear", "hardtanh", "sub", "elu", "hardsigmoid", "add", "mul", "layer_norm", "silu", "div",
              "gelu_tanh", "reshape", "abs", "neg", "exp", "log", "maximum", "softmax", "log_softmax", "dropout", "min",
              "sum", "max"},
+    "layout": {"conv2d", "relu", "cat", "reshape", "transpose", "adaptive_avg_pool2d", "linear", "sigmoid", "mul", "slice",
+               "expand", "pad", "permute", "interpolate", "adaptive_max_pool2d", "add", "neg"},
 }
 
 
@@ -133,7 +179,7 @@ def imported(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("import")
     out = {}
-    for name, text in (("conv", CONV_MODEL), ("gemm", GEMM_MODEL)):
+    for name, text in (("conv", CONV_MODEL), ("gemm", GEMM_MODEL), ("layout", LAYOUT_MODEL)):
         src = _write(tmp, f"{name}_model", text)
         spec = import_model(str(src), name=f"imp_{name}", out_dir=tmp / "specs")
         write_rendered(render_spec(spec, tmp / "gen"), tmp / "gen")
@@ -151,7 +197,7 @@ def _load_model_file(path):
     return mod
 
 
-@pytest.mark.parametrize("name", ["conv", "gemm"])
+@pytest.mark.parametrize("name", ["conv", "gemm", "layout"])
 def test_imported_model_builds_and_validates(imported, name):
     spec, _, report, _ = imported[name]
     assert_report_passed(report, name)
@@ -160,14 +206,14 @@ def test_imported_model_builds_and_validates(imported, name):
     if name == "conv":  # batch norm: both modes, and the running statistics the op returns
         assert any("(training mode)" in c.case for c in report.cases)
         assert any("running_var" in c.case for c in report.cases)
-    else:  # dropout with p > 0: eval mode only
+    elif name == "gemm":  # dropout with p > 0: eval mode only
         assert all("training mode" not in c.case for c in report.cases)
 
 
 def test_every_op_is_covered_by_an_imported_model():
     """The two models use every op a spec may name, except the ones other tests build
     (the convolution, pool and norm kinds of the original chain)."""
-    built_elsewhere = {k for k in OPS if k.startswith(("conv", "max_pool", "avg_pool", "adaptive_avg_pool"))}
+    built_elsewhere = {k for k in OPS if k.startswith(("conv", "max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool"))}
     built_elsewhere.add("instance_norm")
     covered = set().union(*IMPORTED_KINDS.values())
     assert set(spec_op_names()) - built_elsewhere <= covered, set(spec_op_names()) - built_elsewhere - covered

@@ -3,7 +3,8 @@
 The first home of ops no generated kernel computes yet: batch_norm (batch
 statistics and the running-statistics update in training mode, running
 statistics in eval mode), views (reshape) and dropout (the identity, refused in
-training mode with p > 0); layer_norm where the layer_norm family declines it
+training mode with p > 0), the ops that move or resample values (cat, permute and
+transpose, slice, pad, expand, interpolate, adaptive pools to sizes other than 1); layer_norm where the layer_norm family declines it
 (rows too long for its registers) and logsumexp over dims that are not
 consecutive (the softmax family's axis); and the other candidate of a stage of
 a layer_norm, softmax, log_softmax or logsumexp alone.
@@ -13,8 +14,10 @@ fused stage reads its contiguous output. Templates: ``templates/aten/``.
 from __future__ import annotations
 
 from ..buffer import flat_buffer
+from ..ir import Reduce
 from ..stage import Stage
 from .base import Family, StageRequest
+from .eager import layout_headers
 
 
 class Aten(Family):
@@ -22,14 +25,18 @@ class Aten(Family):
     stage_kind = "aten"
     generates_kernel = False
     pieces = ("binding.cpp",)
-    summary = "one op by its ATen function (batch/layer norm, views, dropout; softmax and logsumexp alone)"
+    summary = ("one op by its ATen function (batch/layer norm, views, dropout, cat, permute, slice, pad, interpolate, "
+               "adaptive pools; softmax and logsumexp alone)")
 
-    def fits(self, ops):
-        return len(ops) == 1
+    def fits(self, ops):  # not a global pool: a reduction the fused families compute
+        return len(ops) == 1 and not (isinstance(ops[0], Reduce) and ops[0].origin)
 
     def make_stage(self, req: StageRequest) -> Stage:
         t_in, t_out = req.types
         return Stage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
+
+    def binding_includes(self, st: Stage) -> list[str]:
+        return layout_headers(st.ops[0]) if st.ops else []
 
 
 FAMILY = Aten()

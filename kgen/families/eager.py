@@ -20,9 +20,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..cexpr import braces
-from ..ir import (BatchNorm, BatchStats, Capture, Conv, Dropout, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
-                  Softmax, TensorType, dropout_refusal)
 from ..buffer import flat_buffer
+from ..ir import (AdaptivePool, BatchNorm, BatchStats, Capture, Cat, Conv, Dropout, Elementwise, Expand, Interpolate, LayerNorm, Linear,
+                  Matmul, Norm, Op, Pad, Permute, Pipeline, Pool, Reduce, Reshape, Slice, Softmax, TensorType, dropout_refusal)
 from ..ops import OPS, ElementwiseOp
 from ..stage import Stage
 from ..target import Target
@@ -114,11 +114,54 @@ def aten_prelude(op: Op, ident) -> list[str]:
     return []
 
 
-def aten_call(op: Op, src: str, ident, buffers=()) -> str | None:
+LAYOUT_OPS = (Cat, Permute, Slice, Pad, Interpolate, AdaptivePool, Expand)  # ops that move or resample values
+
+
+def layout_call(op: Op, src: str, value) -> str | None:
+    """The ATen expression of a cat, permute/transpose, slice, pad, interpolation, adaptive pool or
+    expand on ``src`` (``value``: a named value -> its C++ tensor); None for another op. Views
+    (permute, slice, expand) are made contiguous where they are used, as the stages hand on
+    contiguous tensors."""
+    if isinstance(op, Cat):
+        return f"at::cat({{{', '.join([src] + [value(n) for n in op.tensors])}}}, {op.dim})"
+    if isinstance(op, Permute):
+        return f"{src}.permute({braces(op.dims)})"
+    if isinstance(op, Slice):
+        return f"{src}.slice({op.dim}, {op.start}, {op.end}, {op.step})"
+    if isinstance(op, Expand):
+        return f"{src}.expand({braces([f'{src}.size(0)'] + list(op.shape))})"
+    if isinstance(op, Pad):
+        return f"at::constant_pad_nd({src}, {braces(op.pad)}, {float(op.value)!r})"
+    if isinstance(op, AdaptivePool):
+        call = f"at::{op.op_name}({src}, {braces(op.output)})"
+        return call if op.kind == "avg" else f"std::get<0>({call})"
+    if isinstance(op, Interpolate):
+        scales = ", ".join("std::nullopt" if op.scales is None else f"std::optional<double>({float(s)!r})"
+                           for s in (op.scales or op.size))
+        corners = f"{'true' if op.align_corners else 'false'}, " if op.mode == "bilinear" else ""
+        return f"at::upsample_{op.mode}{len(op.size)}d({src}, {braces(op.size)}, {corners}{scales})"
+    return None
+
+
+def layout_headers(op: Op) -> list[str]:
+    """The ATen headers ``layout_call``'s expression needs beyond kgen_runtime.h (Tensor methods need none)."""
+    if isinstance(op, Pad):
+        return ["ATen/ops/constant_pad_nd.h"]
+    if isinstance(op, AdaptivePool):
+        return [f"ATen/ops/{op.op_name}.h"]
+    if isinstance(op, Interpolate):
+        return [f"ATen/ops/upsample_{op.mode}{len(op.size)}d.h"]
+    return []  # cat: kgen_runtime.h has it
+
+
+def aten_call(op: Op, src: str, ident, buffers=(), value=None) -> str | None:
     """The ATen expression of an op that is not elementwise on ``src`` (a C++ tensor), for the eager
     and aten families alike (``ident``: a parameter's state_dict name -> its C++ argument;
     ``buffers``: the op's running-statistics arguments' names in order, a batch norm's update weight
-    being factors[its index // 2]); None for an op without one here."""
+    being factors[its index // 2]; ``value``: a named value -> its C++ tensor, for a cat); None for
+    an op without one here."""
+    if isinstance(op, LAYOUT_OPS):
+        return layout_call(op, src, value)
     if isinstance(op, BatchNorm):
         names = op.tensor_names()
         w, b = (_opt(ident(n)) for n in names) if names else ("std::nullopt", "std::nullopt")
@@ -154,7 +197,7 @@ def _call(op: Op, t: TensorType, ident, buffers: list, value) -> str:
     if isinstance(op, Matmul) and op.tensor is not None:  # a batched product with a value
         v = value(op.tensor)
         return f"kgen::matmul(Y, {v + '.transpose(-1, -2)' if op.transpose else v})"  # fp32, as PyTorch
-    other = aten_call(op, "Y", ident, buffers)
+    other = aten_call(op, "Y", ident, buffers, value)
     if other is not None:
         return other
     if isinstance(op, Conv):
@@ -203,7 +246,7 @@ def _call(op: Op, t: TensorType, ident, buffers: list, value) -> str:
 def _has_call(op: Op) -> bool:
     """Whether ``_call`` renders ``op`` (or ``EagerStage.calls`` names its value)."""
     if type(op) not in (Conv, Pool, Reduce, Norm, Elementwise, Capture, Softmax, LayerNorm, Reshape, Linear, Matmul, BatchNorm,
-                        Dropout):
+                        Dropout) + LAYOUT_OPS:
         return False
     if isinstance(op, Reduce):
         return op.fn in ("sum", "mean", "max", "min", "logsumexp")
@@ -217,6 +260,8 @@ def _has_call(op: Op) -> bool:
 def _headers(op: Op) -> list[str]:
     if isinstance(op, Capture):
         return []
+    if isinstance(op, LAYOUT_OPS):
+        return layout_headers(op)
     if isinstance(op, Elementwise) and op.reverse and op.tensor is None and not op.param:
         return [f"ATen/ops/{aten_function(OPS[op.fn]).removeprefix('at::')}.h", "ATen/ops/full_like.h"]
     if isinstance(op, (Conv, Reshape, Linear, Matmul, BatchNorm, Dropout)):

@@ -1,0 +1,456 @@
+"""The ops that move or resample values (cat, permute/transpose, slice, pad, interpolate, expand,
+adaptive pools to any size): their shape rules and semantics against torch in float64 (through
+``Pipeline.run``), spec errors naming file and key, the plan (one ATen stage each; a cat reads its
+named values as tensors), CPU build and validation of kgen's plan and of the eager candidate, and
+`kgen explain`. Imported models using them: tests/test_import.py (the layout model) and below
+(KernelBench-style modules: a fire module, a channel shuffle, an inception module)."""
+import math
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_report_passed, fake_tuning, pipeline_of, spec_text, write_spec
+from kgen.errors import SpecError
+from kgen.ir import AdaptivePool, Cat, Reduce, load_pipeline
+from kgen.plan import EAGER, PIPELINE, candidate_plans, make_plan
+from kgen.target import DEFAULT
+
+
+def _run(ops, shape, x, inputs=None, batch=2, **kw):
+    pipe = pipeline_of(spec_text(shape, ops, batch=batch, **kw))
+    with torch.no_grad():
+        return pipe, pipe.run(x, {}, inputs=inputs)
+
+
+def _adversarial(shape, seed=0):
+    """Normal data with NaN, +-inf and ties (a block of equal values) written in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    flat = x.view(-1)
+    pos = torch.randperm(flat.numel(), generator=g)[:4]
+    flat[pos] = torch.tensor([math.nan, math.inf, -math.inf, 0.0], dtype=torch.float64)
+    flat[:6] = 0.5
+    return x
+
+
+CASES = {  # name: (input sample shape, spec ops, the torch function of x)
+    "cat": ([4, 5, 6], ["relu", {"sigmoid": {"as": "sg"}}, {"tanh": {"from": "x", "as": "th"}},
+                        {"cat": {"dim": -2, "tensors": ["sg", "x", "sg"]}}],
+            lambda x: torch.cat([torch.tanh(x), torch.sigmoid(torch.relu(x)), x, torch.sigmoid(torch.relu(x))], -2)),
+    "permute": ([3, 4, 5], [{"permute": {"dims": [0, 3, 1, 2]}}], lambda x: x.permute(0, 3, 1, 2)),
+    "transpose": ([3, 4, 5], [{"transpose": {"dim0": -1, "dim1": 1}}], lambda x: x.transpose(1, 3)),
+    "channel_shuffle": ([6, 4, 5], [{"reshape": {"shape": [3, 2, 4, 5]}}, {"transpose": {"dim0": 1, "dim1": 2}},
+                                    {"reshape": {"shape": [6, 4, 5]}}],
+                        lambda x: x.view(-1, 3, 2, 4, 5).transpose(1, 2).contiguous().view(-1, 6, 4, 5)),
+    "slice": ([7, 9], [{"slice": {"dim": 1, "start": 1, "end": -1, "step": 2}}, {"slice": {"dim": -1, "start": -4}}],
+              lambda x: x[:, 1:-1:2, -4:]),
+    "slice_clamped": ([7, 9], [{"slice": {"dim": 2, "start": 3, "end": 100}}], lambda x: x[:, :, 3:100]),
+    "pad": ([3, 4, 5], [{"pad": {"pad": [1, 2, 0, 3, 2, -1], "value": -1.5}}],
+            lambda x: F.pad(x, (1, 2, 0, 3, 2, -1), value=-1.5)),
+    "nearest_scale": ([3, 5, 7], [{"interpolate": {"scale_factor": [1.7, 2.0]}}],
+                      lambda x: F.interpolate(x, scale_factor=(1.7, 2.0), mode="nearest")),
+    "nearest_size_1d": ([3, 5], [{"interpolate": {"size": 12}}], lambda x: F.interpolate(x, size=12)),
+    "nearest_3d": ([2, 3, 4, 5], [{"interpolate": {"scale_factor": 2}}], lambda x: F.interpolate(x, scale_factor=2)),
+    "bilinear": ([3, 5, 7], [{"interpolate": {"mode": "bilinear", "size": [8, 3]}}],
+                 lambda x: F.interpolate(x, size=(8, 3), mode="bilinear", align_corners=False)),
+    "bilinear_corners": ([3, 5, 7], [{"interpolate": {"mode": "bilinear", "scale_factor": 1.5, "align_corners": True}}],
+                         lambda x: F.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=True)),
+    "adaptive_avg": ([3, 7, 9], [{"adaptive_avg_pool2d": {"output_size": [3, 4]}}],
+                     lambda x: F.adaptive_avg_pool2d(x, (3, 4))),
+    "adaptive_max": ([3, 7, 9, 5], [{"adaptive_max_pool3d": {"output_size": [2, 4, 5]}}],
+                     lambda x: F.adaptive_max_pool3d(x, (2, 4, 5))),
+    "adaptive_max_1d": ([3, 10], [{"adaptive_max_pool1d": {"output_size": 3}}], lambda x: F.adaptive_max_pool1d(x, 3)),
+    "adaptive_max_global": ([3, 5, 4], [{"adaptive_max_pool2d": {"output_size": 1}}],
+                            lambda x: F.adaptive_max_pool2d(x, 1)),
+    "expand": ([3, 1, 1], [{"expand": {"shape": [-1, 4, 5]}}], lambda x: x.expand(-1, -1, 4, 5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_computes_what_torch_does(name):
+    shape, ops, fn = CASES[name]
+    for seed, make in ((0, lambda s: torch.randn(s, generator=torch.Generator().manual_seed(1), dtype=torch.float64)),
+                       (1, _adversarial)):
+        x = make((2,) + tuple(shape))
+        pipe, got = _run(ops, shape, x)
+        want = fn(x)
+        assert tuple(pipe.output.concrete(2)) == tuple(want.shape), (pipe.output, want.shape)
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+        assert got.is_contiguous()
+
+
+def test_global_pools_stay_reductions_that_fuse_and_other_sizes_are_aten_stages():
+    for kind, fn in (("adaptive_avg_pool2d", "mean"), ("adaptive_max_pool2d", "max")):
+        pipe = pipeline_of(spec_text([4, 6, 6], ["relu", {kind: {"output_size": [1, 1]}}, "sigmoid"]))
+        assert isinstance(pipe.ops[1], Reduce) and pipe.ops[1].fn == fn and pipe.ops[1].dims == (2, 3)
+        plan = make_plan(pipe, target=DEFAULT)
+        assert [s.family.name for s in plan.stages] == ["pool_reduce"] and plan.stages[0].candidates == ("pool_reduce",)
+    pipe = pipeline_of(spec_text([4, 6, 6], ["relu", {"adaptive_avg_pool2d": {"output_size": [2, 1]}}, "sigmoid"]))
+    assert isinstance(pipe.ops[1], AdaptivePool)
+    assert [s.family.name for s in make_plan(pipe, target=DEFAULT).stages] == ["pool_reduce", "aten", "pool_reduce"]
+
+
+def test_cat_reads_its_values_as_tensors():
+    """A value a cat reads is a tensor (kgen.values cuts the stage after it), even where the value is
+    named in the middle of a run of elementwise ops; the cat's stage reads it by its binding tensor."""
+    text = spec_text([4, 5], ["relu", {"sigmoid": {"as": "g"}}, "tanh", {"mul": {"tensor": "g"}},
+                              {"cat": {"dim": 1, "tensors": ["g", "x"]}}, "relu"])
+    plan = make_plan(pipeline_of(text), target=DEFAULT)
+    kinds = [(s.family.name, [o.describe() for o in s.ops]) for s in plan.stages]
+    assert kinds[0] == ("pool_reduce", ["relu", "sigmoid", "as g"]), kinds
+    assert kinds[2][0] == "aten" and kinds[2][1][0].startswith("cat") and kinds[3][0] == "pool_reduce", kinds
+    assert plan.value_exprs["g"] == "t0" and plan.stage_values(plan.stages[2]) == ["x", "g"]
+    assert isinstance(plan.stages[2].ops[0], Cat) and plan.stages[1].ops[-1].register is False
+
+
+ERRORS = [  # (input sample shape, ops, the key, words of the message)
+    ([4, 5], [{"cat": {"dim": 0, "tensors": ["x"]}}], "ops[0].cat.dim", "batch"),
+    ([4, 5], [{"cat": {"dim": 3, "tensors": ["x"]}}], "ops[0].cat.dim", "out of range"),
+    ([4, 5], [{"cat": {"dim": 1, "tensors": ["nope"]}}], "ops[0].cat.tensors[0]", "unknown value 'nope'"),
+    ([4, 5], [{"sum": {"dim": 2, "keepdim": True, "as": "s"}}, {"cat": {"dim": 1, "tensors": ["s"], "from": "x"}}],
+     "ops[1].cat", "every other size must be equal"),
+    ([4, 5], [{"cat": {"dim": 1, "tensors": []}}], "ops[0].cat.tensors", "non-empty list"),
+    ([4, 5], [{"permute": {"dims": [1, 0, 2]}}], "ops[0].permute.dims", "moves the batch"),
+    ([4, 5], [{"permute": {"dims": [0, 1, 1]}}], "ops[0].permute.dims", "not a permutation"),
+    ([4, 5], [{"permute": {"dims": [0, 2]}}], "ops[0].permute.dims", "not a permutation"),
+    ([4, 5], [{"transpose": {"dim0": 0, "dim1": 2}}], "ops[0].transpose.dim0", "batch"),
+    ([4, 5], [{"transpose": {"dim0": 1, "dim1": 5}}], "ops[0].transpose.dim1", "out of range"),
+    ([4, 5], [{"slice": {"dim": 0, "start": 1}}], "ops[0].slice.dim", "batch"),
+    ([4, 5], [{"slice": {"dim": 1, "start": 3, "end": 2}}], "ops[0].slice", "empty"),
+    ([4, 5], [{"slice": {"dim": 1, "start": 9}}], "ops[0].slice", "empty"),
+    ([4, 5], [{"slice": {"dim": 1, "step": 0}}], "ops[0].slice.step", "positive integer"),
+    ([4, 5], [{"pad": {"pad": [1, 1, 1, 1, 1, 1]}}], "ops[0].pad.pad", "the batch is not padded"),
+    ([4, 5], [{"pad": {"pad": [1, 2, 3]}}], "ops[0].pad.pad", "list of 2, 4"),
+    ([4, 5], [{"pad": {"pad": [-3, -2]}}], "ops[0].pad", "leaves nothing"),
+    ([4, 5, 6], [{"interpolate": {"size": 3, "scale_factor": 2}}], "ops[0].interpolate", "exactly one"),
+    ([4, 5, 6], [{"interpolate": {"mode": "bicubic", "size": 3}}], "ops[0].interpolate.mode", "nearest, bilinear"),
+    ([4, 5], [{"interpolate": {"mode": "bilinear", "size": 3}}], "ops[0].interpolate", "4-d input"),
+    ([4, 5, 6], [{"interpolate": {"size": [3, 4, 5]}}], "ops[0].interpolate.size", "one value or 2"),
+    ([4, 5, 6], [{"interpolate": {"scale_factor": 0.1}}], "ops[0].interpolate.scale_factor", "to nothing"),
+    ([4, 5, 6], [{"interpolate": {"scale_factor": -2}}], "ops[0].interpolate.scale_factor", "positive"),
+    ([4, 5, 6], [{"interpolate": {"size": 3, "align_corners": True}}], "ops[0].interpolate.align_corners", "bilinear only"),
+    ([4, 5, 6], [{"adaptive_max_pool3d": {"output_size": 2}}], "ops[0].adaptive_max_pool3d", "5-d input"),
+    ([4, 5, 6], [{"adaptive_avg_pool2d": {"output_size": [2, 0]}}], "ops[0].adaptive_avg_pool2d.output_size", "positive"),
+    ([4, 1], [{"expand": {"shape": [4]}}], "ops[0].expand.shape", "the batch stays first"),
+    ([4, 2], [{"expand": {"shape": [4, 6]}}], "ops[0].expand.shape", "only dims of size 1 grow"),
+]
+
+
+@pytest.mark.parametrize("shape, ops, key, words", ERRORS, ids=lambda v: v if isinstance(v, str) else None)
+def test_spec_errors_name_file_and_key(shape, ops, key, words):
+    with pytest.raises(SpecError) as e:
+        pipeline_of(spec_text(shape, ops), "bad.yaml")
+    assert e.value.path == "bad.yaml" and e.value.key == key and words in e.value.message, (e.value.key, e.value.message)
+    assert str(e.value).startswith(f"bad.yaml: {key}")
+
+
+LAYOUT_SPEC = """
+name: layout_ops
+input:
+  shape: [N, 8, 6, 6]
+  dtype: float32
+  example: {N: 2}
+ops:
+  - conv2d: {out_channels: 4, kernel_size: 1, as: ca}
+  - relu: {as: rb}
+  - cat: {dim: 1, tensors: [ca], from: ca}
+  - reshape: {shape: [2, 4, 6, 6]}
+  - transpose: {dim0: 1, dim1: 2}
+  - reshape: {shape: [8, 6, 6]}
+  - slice: {dim: 1, start: 1, end: 7, as: sl}
+  - permute: {dims: [0, 2, 3, 1]}
+  - permute: {dims: [0, 3, 1, 2]}
+  - pad: {pad: [1, 1, 0, 2], value: 0.5}
+  - interpolate: {mode: bilinear, scale_factor: 1.5, align_corners: true}
+  - adaptive_avg_pool2d: {output_size: [3, 5], as: ap}
+  - adaptive_max_pool2d: {output_size: 1}
+  - expand: {shape: [-1, 3, 5]}
+  - mul: {tensor: ap}
+  - sigmoid
+  - interpolate: {size: [6, 6]}
+  - adaptive_max_pool2d: {output_size: [4, 3]}
+  - interpolate: {scale_factor: [1.5, 2]}
+  - cat: {dim: 1, tensors: [sl, rb]}
+"""
+
+
+@pytest.fixture(scope="module")
+def layout_modules(tmp_path_factory):
+    """LAYOUT_SPEC rendered twice, with kgen's plan and with the eager candidate chosen (a tuning file),
+    built for the CPU: (spec, kgen module dir, eager spec, eager module dir)."""
+    from kgen import tune, tunefile
+    from kgen.build import build_modules
+    from kgen.render import render_spec, write_rendered
+
+    tmp = tmp_path_factory.mktemp("layout")
+    spec = write_spec(tmp, LAYOUT_SPEC, "layout_ops.yaml")
+    eager_spec = write_spec(tmp, LAYOUT_SPEC.replace("name: layout_ops", "name: layout_eager"), "layout_eager.yaml")
+    t = fake_tuning(eager_spec, [], {2: lambda c: c.get(PIPELINE) == EAGER}, tmp / "tune")
+    tunefile.write_entry(eager_spec, tune.entry(t, 30, DEFAULT.name))
+    out = tmp / "gen"
+    for s in (spec, eager_spec):
+        write_rendered(render_spec(s, out), out)
+    build_modules([out / "layout_ops", out / "layout_eager"], "cpu")
+    return spec, out / "layout_ops", eager_spec, out / "layout_eager"
+
+
+def test_layout_spec_builds_and_validates_on_the_cpu(layout_modules):
+    from kgen.validate import validate
+
+    spec, module, _, _ = layout_modules
+    binding = (module / "binding.cpp").read_text()
+    for call in ("at::cat({t0, t0}, 1)", "at::cat({t17, t6, t1}, 1)", ".permute({0, 2, 1, 3, 4})", ".slice(1, 1, 7, 1)", "at::constant_pad_nd(",
+                 "at::upsample_bilinear2d(", "at::adaptive_avg_pool2d(t", "std::get<0>(at::adaptive_max_pool2d(t",
+                 ".expand({t", "at::upsample_nearest2d(t", "std::optional<double>(1.5), std::optional<double>(2.0)"):
+        assert call in binding, call
+    assert_report_passed(validate(spec, module, "cpu"))
+
+
+def test_eager_candidate_has_every_layout_op_and_validates(layout_modules):
+    from kgen.validate import validate
+
+    _, _, spec, module = layout_modules
+    binding = (module / "binding.cpp").read_text()
+    assert "eager" in (module / "plan.json").read_text()
+    for call in ("Y = at::cat({Y, v_ca}, 1);", "Y = Y.permute({0, 2, 1, 3, 4});", "Y = Y.slice(1, 1, 7, 1);",
+                 "Y = at::constant_pad_nd(Y, {1, 1, 0, 2}, 0.5);", "Y = at::adaptive_avg_pool2d(Y, {3, 5});",
+                 "Y = std::get<0>(at::adaptive_max_pool2d(Y, {4, 3}));", "Y = Y.expand({Y.size(0), 6, 3, 5});",
+                 "Y = at::upsample_nearest2d(Y, {6, 6}, std::nullopt, std::nullopt);", "Y = at::cat({Y, v_sl, v_rb}, 1);"):
+        assert call in binding, call
+    assert_report_passed(validate(spec, module, "cpu"))
+
+
+def test_layout_spec_has_an_eager_candidate_and_explains(tmp_path):
+    from kgen.explain import explain_text
+
+    spec = write_spec(tmp_path, LAYOUT_SPEC, "layout_ops.yaml")
+    pipe = load_pipeline(spec)
+    assert sum(p.choices.get(PIPELINE) == EAGER for p in candidate_plans(pipe, DEFAULT)) == 1
+    text = explain_text(pipe)
+    for words in ("cat([x, sl, rb], dim=1)", "transpose(1, 2)", "permute([0, 2, 3, 1])", "slice(dim 1, 1:7)",
+                  "pad([1, 1, 0, 2], value=0.5)", "interpolate(bilinear, scale 1.5, align_corners)",
+                  "adaptive_avg_pool2d(3x5)", "expand([N, 6, 3, 5])", "eager (the spec's ops through ATen)"):
+        assert words in text, words
+
+
+# ---- imported: small modules in KernelBench's layout, like level 3's (flattened: no nested modules with weights)
+
+FIRE = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, in_channels, squeeze_channels, expand1x1_channels, expand3x3_channels):
+        super(Model, self).__init__()
+        self.squeeze = nn.Conv2d(in_channels, squeeze_channels, kernel_size=1)
+        self.squeeze_activation = nn.ReLU(inplace=True)
+        self.expand1x1 = nn.Conv2d(squeeze_channels, expand1x1_channels, kernel_size=1)
+        self.expand1x1_activation = nn.ReLU(inplace=True)
+        self.expand3x3 = nn.Conv2d(squeeze_channels, expand3x3_channels, kernel_size=3, padding=1)
+        self.expand3x3_activation = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = self.squeeze_activation(self.squeeze(x))
+        return torch.cat([
+            self.expand1x1_activation(self.expand1x1(x)),
+            self.expand3x3_activation(self.expand3x3(x))
+        ], 1)
+
+
+def get_inputs():
+    return [torch.rand(2, 6, 7, 7)]
+
+
+def get_init_inputs():
+    return [6, 3, 4, 5]
+'''
+
+SHUFFLE = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ChannelShuffle(nn.Module):
+    def __init__(self, groups):
+        super(ChannelShuffle, self).__init__()
+        self.groups = groups
+
+    def forward(self, x):
+        batch_size, channels, height, width = x.size()
+        channels_per_group = channels // self.groups
+        x = x.view(batch_size, self.groups, channels_per_group, height, width)
+        x = x.transpose(1, 2).contiguous()
+        x = x.view(batch_size, -1, height, width)
+        return x
+
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_channels, groups=3):
+        super(Model, self).__init__()
+        mid_channels = out_channels // 4
+        self.conv1 = nn.Conv2d(in_channels, mid_channels, kernel_size=1, groups=groups, bias=False)
+        self.bn1 = nn.BatchNorm2d(mid_channels)
+        self.conv2 = nn.Conv2d(mid_channels, mid_channels, kernel_size=3, padding=1, groups=mid_channels, bias=False)
+        self.bn2 = nn.BatchNorm2d(mid_channels)
+        self.conv3 = nn.Conv2d(mid_channels, out_channels, kernel_size=1, groups=groups, bias=False)
+        self.bn3 = nn.BatchNorm2d(out_channels)
+        self.shuffle = ChannelShuffle(groups)
+        self.shortcut = nn.Conv2d(in_channels, out_channels, kernel_size=1, bias=False)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out = self.shuffle(out)
+        out = F.relu(self.bn3(self.conv3(out)))
+        out = out + self.shortcut(x)
+        return out
+
+
+def get_inputs():
+    return [torch.rand(2, 6, 5, 5)]
+
+
+def get_init_inputs():
+    return [6, 12, 3]
+'''
+
+INCEPTION = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_1x1, reduce_3x3, out_3x3, reduce_5x5, out_5x5, pool_proj):
+        super(Model, self).__init__()
+        self.branch1x1 = nn.Conv2d(in_channels, out_1x1, kernel_size=1)
+        self.reduce3x3 = nn.Conv2d(in_channels, reduce_3x3, kernel_size=1)
+        self.branch3x3 = nn.Conv2d(reduce_3x3, out_3x3, kernel_size=3, padding=1)
+        self.reduce5x5 = nn.Conv2d(in_channels, reduce_5x5, kernel_size=1)
+        self.branch5x5 = nn.Conv2d(reduce_5x5, out_5x5, kernel_size=5, padding=2)
+        self.pool = nn.MaxPool2d(kernel_size=3, stride=1, padding=1)
+        self.pool_proj = nn.Conv2d(in_channels, pool_proj, kernel_size=1)
+
+    def forward(self, x):
+        branch1x1 = self.branch1x1(x)
+        branch3x3 = self.branch3x3(self.reduce3x3(x))
+        branch5x5 = self.branch5x5(self.reduce5x5(x))
+        branch_pool = self.pool_proj(self.pool(x))
+        outputs = [branch1x1, branch3x3, branch5x5, branch_pool]
+        return torch.cat(outputs, 1)
+
+
+def get_inputs():
+    return [torch.rand(2, 5, 6, 6)]
+
+
+def get_init_inputs():
+    return [5, 3, 2, 4, 2, 3, 2]
+'''
+
+MODELS = {"fire": (FIRE, {"cat": 1}), "shuffle": (SHUFFLE, {"transpose": 1, "reshape": 2}),
+          "inception": (INCEPTION, {"cat": 1, "max_pool2d": 1})}
+
+
+@pytest.fixture(scope="module")
+def imported_models(tmp_path_factory):
+    from kgen.build import build_modules
+    from kgen.importer import import_model
+    from kgen.render import render_spec, write_rendered
+
+    tmp = tmp_path_factory.mktemp("kb_layout")
+    out = {}
+    for name, (text, _) in MODELS.items():
+        src = tmp / f"{name}.py"
+        src.write_text(textwrap.dedent(text))
+        spec = import_model(str(src), name=f"kb_{name}", out_dir=tmp / "specs")
+        write_rendered(render_spec(spec, tmp / "gen"), tmp / "gen")
+        out[name] = (spec, tmp / "gen" / f"kb_{name}")
+    build_modules([d for _, d in out.values()], "cpu")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_kernelbench_style_module_imports_builds_and_validates(imported_models, name):
+    from kgen.validate import validate
+
+    spec, module = imported_models[name]
+    kinds = [o.kind for o in load_pipeline(spec).spec.ops]
+    for kind, count in MODELS[name][1].items():
+        assert kinds.count(kind) == count, (kind, kinds)
+    if name == "inception":  # the four branches' values, then one cat of them in order
+        cat = load_pipeline(spec).spec.ops[-1]
+        assert cat.kind == "cat" and len(cat.args["tensors"]) == 3 and cat.src is not None
+    assert_report_passed(validate(spec, module, "cpu"), name)
+
+
+INDEXING = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        a, b = x.chunk(2, dim=1)
+        p, q, r = torch.split(x, [1, 2, 3], dim=-1)
+        y = torch.cat([b[:, :, 1:4], a[:, :, :3], x[:, 1:3, -3:]], dim=1)
+        t = torch.stack([p, p, q[..., 1:]], dim=-1).flatten(3)
+        v = (x.narrow(3, 0, 3) * r + t)[:, :, ::2]
+        z = v.mean(dim=(2, 3))[:, :, None, None]
+        v = v * z.expand_as(v) + v[:, 2].unsqueeze(1)
+        v = torch.stack([v, z.expand(-1, -1, 2, 3)], dim=1).view(v.size(0), -1)
+        return torch.cat([v, y.mean(dim=(2, 3))], dim=1)
+
+
+def get_inputs():
+    return [torch.rand(3, 6, 4, 6)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_indexing_split_chunk_stack_and_expand_import(tmp_path):
+    from kgen.importer import import_model
+
+    src = tmp_path / "indexing.py"
+    src.write_text(textwrap.dedent(INDEXING))
+    spec = import_model(str(src), name="indexing", out_dir=tmp_path / "specs")  # checked against the model in float64
+    kinds = [o.kind for o in load_pipeline(spec).spec.ops]
+    assert kinds.count("expand") == 1 and kinds.count("cat") == 4 and "transpose" in kinds and kinds.count("slice") >= 8
+
+
+BAD_IMPORTS = [
+    ("torch.cat([x, x], dim=0)", "concatenates along the batch"),
+    ("x.permute(1, 0, 2, 3)", "moves the batch"),
+    ("x.transpose(0, 1)", "moves the batch"),
+    ("x.flatten(1).t()", "moves the batch"),
+    ("x[1:]", "indexes the batch"),
+    ("x[:, :, torch.tensor([0, 1])]", "only basic indexing"),
+    ("torch.split(x, 1, dim=0)[0]", "splits the batch"),
+    ("F.pad(x, (1, 1, 1, 1), mode='reflect')", "mode='reflect' is not supported"),
+    ("F.interpolate(x, scale_factor=2, mode='bicubic')", "mode='bicubic' is not supported"),
+    ("F.adaptive_max_pool2d(x, 2, return_indices=True)[0]", "return_indices"),
+]
+
+
+@pytest.mark.parametrize("call, words", BAD_IMPORTS)
+def test_unsupported_uses_name_the_call_and_its_line(tmp_path, call, words):
+    from kgen.importer import ImportFailed, import_model
+
+    text = INDEXING.split("    def forward")[0] + f"    def forward(self, x):\n        y = {call}\n        return y * 2\n" + \
+        "\n\ndef get_inputs():\n    return [torch.rand(3, 6, 4, 6)]\n"
+    src = tmp_path / "bad.py"
+    src.write_text(text)
+    with pytest.raises(ImportFailed) as e:
+        import_model(str(src), name="bad", out_dir=tmp_path / "specs")
+    line = text.splitlines().index(f"        y = {call}") + 1
+    assert f"bad.py:{line}:" in str(e.value) and words in str(e.value), str(e.value)
