@@ -12,6 +12,7 @@ fused stage reads its contiguous output. Templates: ``templates/aten/``.
 """
 from __future__ import annotations
 
+from ..spec import DTYPES
 from ..stage import Stage, flat_buffer
 from .base import Family, StageRequest
 
@@ -22,6 +23,7 @@ class Aten(Family):
     generates_kernel = False
     pieces = ("binding.cpp",)
     summary = "one op by its ATen function (batch/layer norm, views, dropout; softmax and logsumexp alone)"
+    dtypes = DTYPES  # ATen's function computes each
 
     def fits(self, ops):
         return len(ops) == 1

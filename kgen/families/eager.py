@@ -23,6 +23,7 @@ from ..cexpr import braces
 from ..ir import (BatchNorm, BatchStats, Capture, Conv, Dropout, Elementwise, LayerNorm, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
                   Softmax, TensorType, dropout_refusal)
 from ..ops import OPS, ElementwiseOp
+from ..spec import DTYPES
 from ..stage import Stage, flat_buffer
 from ..target import Target
 from .base import FLOAT_BYTES, Family, Work
@@ -241,6 +242,7 @@ class Eager(Family):
     generates_kernel = False
     pieces = ("binding.cpp",)
     summary = "the spec's ops as written, one ATen call each (eager PyTorch's kernels)"
+    dtypes = DTYPES  # eager PyTorch's kernels in each dtype: a plan for every dtype of a spec
 
     def fits(self, ops):
         return all(_has_call(op) for op in ops)
