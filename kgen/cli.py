@@ -1,6 +1,8 @@
 """The kgen command line. Errors print one line (``kgen: error: ...``) and exit 1."""
 from __future__ import annotations
 
+import math
+
 import functools
 import sys
 from pathlib import Path
@@ -218,12 +220,18 @@ def _run_validation(module_dirs, device, full, baseline, verbose, specs=None, ex
             from .variants import baseline_module
 
             reports.append(("no rewrites", validate(spec, baseline_module(spec), device, full=full, stages=False)))
-        for label, rep in reports:
-            rows.append([
-                d.name + ("" if label == "rewritten" else " (no rewrites)"), rep.device, rep.precision,
-                f"{sum(c.passed for c in rep.cases)}/{len(rep.cases)}", f"{rep.worst_rel_l2():.2e}",
-                f"{rep.worst_max_abs():.2e}", "ok" if rep.passed else "FAIL",
-            ])
+        for label, whole in reports:
+            for dtype, rep in whole.by_dtype():  # a row per dtype the module computes
+                if not rep.cases:
+                    continue
+                normal = [c for c in rep.cases if c.case.removeprefix(f"{dtype}: ").startswith("normal") and math.isfinite(c.rel_l2)]
+                rows.append([
+                    d.name + ("" if label == "rewritten" else " (no rewrites)") + ("" if dtype == "float32" else f" [{dtype}]"),
+                    rep.device, rep.precision if dtype == "float32" else dtype,
+                    f"{sum(c.passed for c in rep.cases)}/{len(rep.cases)}", f"{max((c.rel_l2 for c in normal), default=math.nan):.2e}",
+                    f"{max((c.max_abs for c in normal), default=math.nan):.2e}", "ok" if rep.passed else "FAIL",
+                ])
+            rep = whole
             for c in rep.cases:
                 if verbose or not c.passed:
                     mark = "ok  " if c.passed else "FAIL"
