@@ -11,6 +11,7 @@ import click
 
 from . import __version__
 from .errors import KgenError, one_line
+from .spec import DTYPES
 
 DEFAULT_SPECS = Path("specs")
 DEFAULT_OUT = Path("generated")
@@ -339,8 +340,9 @@ def import_(source, name, input_shapes, out_dir):
 @click.option("--batch", type=int, default=None, help="Batch for FLOPs and bytes (default: the spec's example).")
 @click.option("--training", is_flag=True,
               help="Detail training mode's plan (where a batch norm gives eval mode a plan of its own; default: eval mode's).")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Detail this dtype's plan (default: the spec's first).")
 @_fail_cleanly
-def explain(spec, no_rewrites, batch, training):
+def explain(spec, no_rewrites, batch, training, dtype):
     """Show how SPEC is planned: what chose the plan (the spec's tuning file
     for this target, else the cost model), every candidate plan with the
     model's estimate and the measured time, ops before and after rewrites,
@@ -355,7 +357,9 @@ def explain(spec, no_rewrites, batch, training):
 
     _positive(batch, "--batch")
     pipe = load_pipeline(spec)
-    click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch, training))
+    if dtype is not None and dtype not in pipe.dtypes:
+        raise KgenError(f"{spec}: the spec's dtypes are {', '.join(pipe.dtypes)}, not {dtype} (add it to the input's `dtype`)")
+    click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch, training, dtype))
 
 
 @main.command(name="ops")

@@ -456,6 +456,11 @@ def _choose_for_dtype(pipeline: Pipeline, target: Target, rewrites: dict | None)
             plan = make_plan(pipeline, rewrites, target, {PIPELINE: EAGER}, reason=why)  # 16-bit: see candidate_plans
         return Selection(pipeline, [Variant(plan, why=why, dtype=pipeline.dtype)], f"fixed ({why})", candidates=[plan])
     cands, eval_mode = tuned_candidates(pipeline, target)
+    if pipeline.dtype != "float32" and all(c.eager for c in cands):  # say why kgen's stages do not compute it
+        try:
+            make_plan(pipeline, None, target, {PIPELINE: KGEN})
+        except KgenError as e:
+            notes.append(f"{pipeline.dtype}: the eager plan (the ops as written through ATen) computes it: {str(e).split(': ', 2)[-1]}")
     entry, stale = tunefile.applicable_entry(stored, pipeline, target, tunefile.candidates_hash(cands))
     notes += stale
     mode = "eval" if eval_mode else "any"
