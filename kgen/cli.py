@@ -433,8 +433,10 @@ def ptxas(names, out, arch):
               help="Also time each spec with every rewrite off.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also draw a roofline of each stage and kgen vs eager vs torch.compile (needs matplotlib: kgen[plot]).")
+@click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
+              help="Time only these of each spec's dtypes (default: every one; eager and torch.compile in the same dtype).")
 @_fail_cleanly
-def bench(names, out, json_path, md_path, reps, baseline, plot_path):
+def bench(names, out, json_path, md_path, reps, baseline, plot_path, dtypes):
     """Time modules NAMES (default: all) on the GPU against eager PyTorch and
     torch.compile in the same process: CUDA events, warm-up, median of REPS.
 
@@ -451,7 +453,7 @@ def bench(names, out, json_path, md_path, reps, baseline, plot_path):
             import matplotlib  # noqa: F401
         except ImportError:
             raise KgenError("--plot needs matplotlib: pip install 'kgen[plot]'") from None
-    results = run_bench(_module_dirs(out, names), _spec_of, reps=reps, baseline=baseline)
+    results = run_bench(_module_dirs(out, names), _spec_of, reps=reps, baseline=baseline, dtypes=dtypes)
     write_reports(results, json_path, md_path)
     if plot_path:
         from .plot import plot
