@@ -108,9 +108,10 @@ def environment() -> dict:
     )
 
 
-def models_and_inputs(module_dir: Path, spec):
+def models_and_inputs(module_dir: Path, spec, dtype: str = "float32"):
     """What a timing runs, on CUDA: (pipeline, its example batch, the module's Model, the
-    reference model with the same weights (seed 0), random inputs at that batch)."""
+    reference model with the same weights (seed 0), random inputs at that batch), all in
+    ``dtype`` (model.to(dtype), as a user converts a model: eager and torch.compile too)."""
     pipe = load_pipeline(spec)
     batch = pipe.example_batch()
     mod = import_module_dir(module_dir)
@@ -119,14 +120,19 @@ def models_and_inputs(module_dir: Path, spec):
     ref = ReferenceModel(pipe).cuda().eval()
     ref.load_state_dict(model.state_dict())
     inputs = [torch.randn(pipe.inputs[n].concrete(batch), device="cuda") for n in pipe.input_names]
+    if dtype != "float32":
+        dt = getattr(torch, dtype)
+        model, ref, inputs = model.to(dt), ref.to(dt), [t.to(dt) for t in inputs]
     return pipe, batch, model, ref, inputs
 
 
-def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
+def bench_one(module_dir: Path, spec, reps: int, baseline: bool, dtype: str = "float32") -> dict:
     from .variants import baseline_module
 
-    pipe, batch, model, ref, (x, *others) = models_and_inputs(module_dir, spec)
-    row = dict(name=pipe.name, batch=batch, input=list(pipe.input.concrete(batch)))
+    pipe, batch, model, ref, (x, *others) = models_and_inputs(module_dir, spec, dtype)
+    row = dict(name=pipe.name if dtype == "float32" else f"{pipe.name} [{dtype}]", batch=batch,
+               input=list(pipe.input.concrete(batch)), dtype=dtype)
+    baseline = baseline and dtype == "float32"  # (16-bit plans run the ops as written: no rewrites to compare)
     with torch.no_grad():
         compiled = torch.compile(ref)
         timed = time_in_blocks({"eager_ms": lambda: ref(x, *others), "compile_ms": lambda: compiled(x, *others),
@@ -134,7 +140,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
         row.update(timed)
         row["floor_ms"] = fused_floor_ms(pipe, batch, current())
         try:
-            row["stages"] = stage_times(module_dir.name, pipe, model, x, *others)
+            row["stages"] = stage_times(module_dir.name, pipe, model, x, *others, dtype=dtype)
         except RuntimeError as e:  # the profiler is unavailable here (CUPTI): the plot goes without stages
             print(f"kgen: bench {pipe.name}: no per-stage times ({str(e).splitlines()[0][:120]})", flush=True)
             row["stages"] = []
@@ -182,13 +188,13 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool) -> dict:
     return row
 
 
-def stage_times(name: str, pipe, model, x, *others) -> list[dict]:
+def stage_times(name: str, pipe, model, x, *others, dtype: str = "float32") -> list[dict]:
     """Per stage of the plan that runs at x's batch: its device time (torch.profiler, the
     kernels launched inside its named range), FLOPs and bytes at best (``stage_cost``)."""
     from torch.profiler import ProfilerActivity, profile
 
     sel = choose_plans(pipe)
-    variant = sel.variant_for(x.shape[0])
+    variant = sel.variant_for(x.shape[0], dtype=dtype)
     index, plan = sel.variants.index(variant), variant.plan
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILED_CALLS):
@@ -205,17 +211,22 @@ def stage_times(name: str, pipe, model, x, *others) -> list[dict]:
     return out
 
 
-def run_bench(module_dirs, spec_of, reps: int = 30, baseline: bool = True) -> dict:
+def run_bench(module_dirs, spec_of, reps: int = 30, baseline: bool = True, dtypes=None) -> dict:
+    """Each module in each of its spec's dtypes (``dtypes``: only those of them)."""
     if not torch.cuda.is_available():
         raise KgenError("kgen bench needs a CUDA GPU")
     if reps < 20:
         raise KgenError("--reps must be at least 20 for a meaningful median")
     rows = []
     for d in module_dirs:
-        row = bench_one(d, spec_of(d), reps, baseline)
-        rows.append(row)
-        print(f"kgen: bench {row['name']}: eager {row['eager_ms']:.3f} ms, compile {row['compile_ms']:.3f} ms, "
-              f"kgen {row['kgen_ms']:.3f} ms{'  SLOWER than eager' if slower(row) else ''}", flush=True)
+        spec = spec_of(d)
+        for dtype in load_pipeline(spec).dtypes:
+            if dtypes and dtype not in dtypes:
+                continue
+            row = bench_one(d, spec, reps, baseline, dtype)
+            rows.append(row)
+            print(f"kgen: bench {row['name']}: eager {row['eager_ms']:.3f} ms, compile {row['compile_ms']:.3f} ms, "
+                  f"kgen {row['kgen_ms']:.3f} ms{'  SLOWER than eager' if slower(row) else ''}", flush=True)
     result = dict(environment=environment(), reps=reps, warmup=WARMUP, block=BLOCK, rows=rows)
     print(markdown_table(result))
     return result

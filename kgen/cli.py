@@ -1,6 +1,8 @@
 """The kgen command line. Errors print one line (``kgen: error: ...``) and exit 1."""
 from __future__ import annotations
 
+import math
+
 import functools
 import sys
 from pathlib import Path
@@ -9,6 +11,7 @@ import click
 
 from . import __version__
 from .errors import KgenError, one_line
+from .spec import DTYPES
 
 DEFAULT_SPECS = Path("specs")
 DEFAULT_OUT = Path("generated")
@@ -218,12 +221,18 @@ def _run_validation(module_dirs, device, full, baseline, verbose, specs=None, ex
             from .variants import baseline_module
 
             reports.append(("no rewrites", validate(spec, baseline_module(spec), device, full=full, stages=False)))
-        for label, rep in reports:
-            rows.append([
-                d.name + ("" if label == "rewritten" else " (no rewrites)"), rep.device, rep.precision,
-                f"{sum(c.passed for c in rep.cases)}/{len(rep.cases)}", f"{rep.worst_rel_l2():.2e}",
-                f"{rep.worst_max_abs():.2e}", "ok" if rep.passed else "FAIL",
-            ])
+        for label, whole in reports:
+            for dtype, rep in whole.by_dtype():  # a row per dtype the module computes
+                if not rep.cases:
+                    continue
+                normal = [c for c in rep.cases if c.case.removeprefix(f"{dtype}: ").startswith("normal") and math.isfinite(c.rel_l2)]
+                rows.append([
+                    d.name + ("" if label == "rewritten" else " (no rewrites)") + ("" if dtype == "float32" else f" [{dtype}]"),
+                    rep.device, rep.precision if dtype == "float32" else dtype,
+                    f"{sum(c.passed for c in rep.cases)}/{len(rep.cases)}", f"{max((c.rel_l2 for c in normal), default=math.nan):.2e}",
+                    f"{max((c.max_abs for c in normal), default=math.nan):.2e}", "ok" if rep.passed else "FAIL",
+                ])
+            rep = whole
             for c in rep.cases:
                 if verbose or not c.passed:
                     mark = "ok  " if c.passed else "FAIL"
@@ -331,8 +340,9 @@ def import_(source, name, input_shapes, out_dir):
 @click.option("--batch", type=int, default=None, help="Batch for FLOPs and bytes (default: the spec's example).")
 @click.option("--training", is_flag=True,
               help="Detail training mode's plan (where a batch norm gives eval mode a plan of its own; default: eval mode's).")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Detail this dtype's plan (default: the spec's first).")
 @_fail_cleanly
-def explain(spec, no_rewrites, batch, training):
+def explain(spec, no_rewrites, batch, training, dtype):
     """Show how SPEC is planned: what chose the plan (the spec's tuning file
     for this target, else the cost model), every candidate plan with the
     model's estimate and the measured time, ops before and after rewrites,
@@ -347,7 +357,9 @@ def explain(spec, no_rewrites, batch, training):
 
     _positive(batch, "--batch")
     pipe = load_pipeline(spec)
-    click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch, training))
+    if dtype is not None and dtype not in pipe.dtypes:
+        raise KgenError(f"{spec}: the spec's dtypes are {', '.join(pipe.dtypes)}, not {dtype} (add it to the input's `dtype`)")
+    click.echo(explain_text(pipe, {n: False for n in REWRITE_NAMES} if no_rewrites else None, batch, training, dtype))
 
 
 @main.command(name="ops")
@@ -421,8 +433,10 @@ def ptxas(names, out, arch):
               help="Also time each spec with every rewrite off.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also draw a roofline of each stage and kgen vs eager vs torch.compile (needs matplotlib: kgen[plot]).")
+@click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
+              help="Time only these of each spec's dtypes (default: every one; eager and torch.compile in the same dtype).")
 @_fail_cleanly
-def bench(names, out, json_path, md_path, reps, baseline, plot_path):
+def bench(names, out, json_path, md_path, reps, baseline, plot_path, dtypes):
     """Time modules NAMES (default: all) on the GPU against eager PyTorch and
     torch.compile in the same process: CUDA events, warm-up, median of REPS.
 
@@ -439,7 +453,7 @@ def bench(names, out, json_path, md_path, reps, baseline, plot_path):
             import matplotlib  # noqa: F401
         except ImportError:
             raise KgenError("--plot needs matplotlib: pip install 'kgen[plot]'") from None
-    results = run_bench(_module_dirs(out, names), _spec_of, reps=reps, baseline=baseline)
+    results = run_bench(_module_dirs(out, names), _spec_of, reps=reps, baseline=baseline, dtypes=dtypes)
     write_reports(results, json_path, md_path)
     if plot_path:
         from .plot import plot

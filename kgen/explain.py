@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 from . import cost, tunefile
 from .errors import KgenError
@@ -71,21 +72,28 @@ def fused_floor_ms(pipe: Pipeline, batch: int, target: Target) -> float:
     return min(plan_totals(p, batch)[2] for p in candidate_plans(pipe, target, batch) if p.choices.get(PIPELINE, KGEN) == KGEN)
 
 
-def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None = None, training: bool = False) -> str:
-    """``training``: detail training mode's plan where eval mode has its own (default: eval mode's)."""
+def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None = None, training: bool = False,
+                 dtype: str | None = None) -> str:
+    """``training``: detail training mode's plan where eval mode has its own (default: eval mode's);
+    ``dtype``: that dtype's plan (default: the spec's first)."""
     sel = choose_plans(pipe, rewrites=rewrites)
     batch = batch or pipe.example_batch()
-    variant = sel.variant_for(batch, training)
+    dtype = dtype or pipe.dtypes[0]
+    variant = sel.variant_for(batch, training, dtype)
     plan = variant.plan
     target = plan.target
     try:
-        baseline = make_plan(sel.pipeline, {n: False for n in pipe.rewrites}, target, {PIPELINE: KGEN})
+        baseline = make_plan(replace(sel.pipeline, dtype=dtype), {n: False for n in pipe.rewrites}, target, {PIPELINE: KGEN})
     except KgenError as e:  # e.g. plan.conv: gemm, and no rewrite makes the convolution one conv_gemm computes
         baseline, no_baseline = None, str(e)
     sym = pipe.batch_symbol
     out = [
         f"{pipe.name} ({pipe.path}): {pipe.input} -> {pipe.output}, precision {pipe.precision}",
         f"counts below are for {sym or 'batch'} = {batch}; target {target.name}",
+    ]
+    if pipe.dtypes != ("float32",):
+        out.append(f"dtypes: {', '.join(pipe.dtypes)} (a plan per dtype; the details below are {dtype}'s, --dtype picks)")
+    out += [
         "",
         "ops as written:",
     ]
@@ -106,7 +114,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     if len(sel.variants) > 1:
         for i, v in enumerate(sel.variants):
             out.append(f"  plan {i} for {v.runs}: {describe_choices(v.plan.choices)}")
-    out += _candidates(sel, batch)
+    out += _candidates(sel, batch, dtype)
     mode = {"eval": " in eval mode, as bench and tune run it", "train": " in training mode"}.get(variant.mode, "")
     out += ["", "rewrites:" + ("" if len(sel.variants) == 1 else f" (the plan for {sym or 'batch'} = {batch}{mode})")]
     for d in plan.decisions:
@@ -147,19 +155,21 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     return "\n".join(out)
 
 
-def _candidates(sel, batch: int) -> list[str]:
-    """The candidate plans with the model's estimate and, from the tuning file, the measured time."""
-    if len(sel.candidates) < 2:
+def _candidates(sel, batch: int, dtype: str = "float32") -> list[str]:
+    """The candidate plans (of ``dtype``) with the model's estimate and, from the tuning file, the measured time."""
+    cands = [p for p in sel.candidates if p.pipeline.dtype == dtype]
+    if len(cands) < 2:
         return []
-    chosen = json.dumps(sel.variant_for(batch).plan.choices, sort_keys=True)  # eval mode's, as the candidates
-    measured = tunefile.measured(sel.tuning) if sel.tuning is not None else {}
+    chosen = json.dumps(sel.variant_for(batch, dtype=dtype).plan.choices, sort_keys=True)  # eval mode's, as the candidates
+    measured = tunefile.measured(sel.tuning) if sel.tuning is not None and dtype == "float32" else {}
     rows = []
-    for p in sel.candidates:
+    for p in cands:
         key = json.dumps(p.choices, sort_keys=True)
         ms = measured.get(key, {}).get(batch)
         rows.append((cost.estimate_ms(p, batch), ms, key == chosen, describe_choices(p.choices)))
     rows.sort(key=lambda r: (r[1] is None, r[1] if r[1] is not None else r[0]))
-    mode = " in eval mode" if sel.variant_for(batch).mode == "eval" else ""
+    mode = " in eval mode" if sel.variant_for(batch, dtype=dtype).mode == "eval" else ""
+    mode += "" if dtype == "float32" else f" in {dtype}"
     out = [f"  candidates{mode} at batch {batch} (* = chosen; measured: the tuning file's times on this target):",
            f"    {'model ms':>10s} {'measured ms':>12s}  plan"]
     for est, ms, mark, text in rows:

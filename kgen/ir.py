@@ -1233,6 +1233,8 @@ class Pipeline:
     # (convolution module, whether eager's cuDNN call for it runs TF32) as `kgen tune` measured them on the
     # render target (kgen.tunefile.eager_conv_tf32); none: the precision rules' defaults (families.base)
     eager_conv_tf32: tuple = ()
+    dtypes: tuple = ("float32",)  # the spec's dtypes: the module has plans for each
+    dtype: str = "float32"  # the dtype this pipeline's plans compute in (a compile-time parameter, kgen.plan)
 
     @property
     def output(self) -> TensorType:
@@ -1763,6 +1765,8 @@ def build_pipeline(spec: Spec) -> Pipeline:
         inputs=inputs,
         values=dict(b.values),
         member_order=tuple(spec.members),
+        dtypes=spec.dtypes,
+        dtype=spec.dtypes[0],
     )
     idents = {n: f"input '{n}'" for n in inputs}
     idents.setdefault("x", "x")

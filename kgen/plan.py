@@ -36,7 +36,7 @@ from .errors import KgenError
 from .ir import BatchNorm, Capture, Elementwise, Op, Pipeline
 from .lowering import TapSums, lowered
 from .ops import FUSED, OPS
-from .rewrites import Decision, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
+from .rewrites import REWRITES, Decision, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
 from .stage import ConvStage, Stage
 from .target import Target
 
@@ -158,6 +158,8 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
     convolution output. Adding it where the next stage loads the value costs
     nothing there, and the value is the same (conv, then one rounded add).
     """
+    if pipe.dtype != "float32":
+        return pipe  # the bias stays ATen's, as eager adds it: the fused families have no 16-bit kernels yet
     ops = []
     local = values.local_captures(pipe)
     for i, op in enumerate(pipe.ops):
@@ -211,7 +213,10 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
         eager.choice = f"eager: the spec's ops through ATen ({reason})"
         return Plan(pipeline, pipeline, [], [eager], target, picker.chosen, picker.options, batch)
     fire = lambda rewrite, site: picker.pick(rewrite_key(rewrite, site), (ON, OFF)) == ON  # noqa: E731
-    rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
+    if pipeline.dtype == "float32":
+        rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
+    else:  # the rewritten forms need fused stages, which have no 16-bit kernels yet, and round unlike eager
+        rewritten, decisions = pipeline, [Decision(n, "*", False, f"not in {pipeline.dtype}: the ops as written") for n, _ in REWRITES]
     rewritten = defer_conv_bias(rewritten)
     resolved, cuts = values.resolve(rewritten.ops)
     rewritten = rewritten.with_ops(resolved)
@@ -245,7 +250,7 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
         # the candidates of every family that takes the request, in registry order
         declined, offered = [], []
         for f in cands:
-            why_not = f.unsupported(req)
+            why_not = f.declines(req)
             if why_not is None:
                 offered += f.candidates(req)
             else:
@@ -336,6 +341,9 @@ def candidate_plans(pipeline: Pipeline, target: Target | None = None, batch: int
         try:
             plan = make_plan(pipeline, None, target, given, batch)
         except KgenError:
+            if not given and pipeline.dtype != "float32" and families.EAGER.whole(pipeline):
+                queue.append({PIPELINE: EAGER})  # 16-bit: a family without kernels for it declined; eager computes it
+                continue
             if not given:
                 raise  # the default plan must exist
             continue  # e.g. a rewrite declined leaves an op that no family the spec allows computes
@@ -359,6 +367,7 @@ class Variant:
     hi: int | None = None
     why: str = DEFAULT_REASON  # why this plan for these batches
     mode: str = "any"
+    dtype: str = "float32"  # the input dtype it computes (the op dispatches on it first)
 
     @property
     def batches(self) -> str:
@@ -367,7 +376,8 @@ class Variant:
     @property
     def runs(self) -> str:
         """What it runs: its batches, and its mode where eval mode has a plan of its own."""
-        return f"batches {self.batches}" + ("" if self.mode == "any" else f", {self.mode} mode")
+        mode = "" if self.mode == "any" else f", {self.mode} mode"
+        return ("" if self.dtype == "float32" else f"{self.dtype}, ") + f"batches {self.batches}{mode}"
 
 
 @dataclass
@@ -389,10 +399,16 @@ class Selection:
     def plans(self) -> list[Plan]:
         return [v.plan for v in self.variants]
 
-    def variant_for(self, batch: int, training: bool = False) -> Variant:
-        """The variant the op runs for ``batch`` in the mode (batch 0 returns early, before any variant)."""
+    def variant_for(self, batch: int, training: bool = False, dtype: str = "float32") -> Variant:
+        """The variant the op runs for ``batch`` in the mode and dtype (batch 0 returns early, before any variant)."""
         mode = "train" if training else "eval"
-        return next(v for v in self.variants if v.mode in (mode, "any") and (v.hi is None or batch <= v.hi))
+        return next(v for v in self.variants
+                    if v.dtype == dtype and v.mode in (mode, "any") and (v.hi is None or batch <= v.hi))
+
+    @property
+    def dtypes(self) -> list[str]:
+        """The dtypes the module computes, in the spec's order."""
+        return list(dict.fromkeys(v.dtype for v in self.variants))
 
 
 def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dict | None = None) -> Selection:
@@ -408,18 +424,44 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
     measures in eval mode, as bench does) or the cost model chooses them, and the cost
     model chooses training mode's plan.
     """
+    target = target or targets.current()
+    chosen = [_choose_for_dtype(replace(pipeline, dtype=d), target, rewrites) for d in pipeline.dtypes]
+    if len(chosen) == 1 and pipeline.dtypes == ("float32",):
+        return chosen[0]
+    first = chosen[0]
+    return Selection(first.pipeline, [v for s in chosen for v in s.variants],
+                     "; ".join(f"{s.pipeline.dtype}: {s.source}" for s in chosen),
+                     [n for s in chosen for n in s.notes], [p for s in chosen for p in s.candidates],
+                     next((s.tuning for s in chosen if s.tuning is not None), None))
+
+
+def _choose_for_dtype(pipeline: Pipeline, target: Target, rewrites: dict | None) -> Selection:
+    """choose_plans for the pipeline's dtype: float32 as described there; a 16-bit dtype by the cost
+    model among the plans that compute it (the tuning file's entries measured the float32 plans)."""
     from . import tunefile
 
-    target = target or targets.current()
-    stored, notes = tunefile.spec_entry(pipeline, target)
+    if pipeline.dtype == "float32":
+        stored, notes = tunefile.spec_entry(pipeline, target)
+    else:
+        stored, notes = None, []
     measured = tunefile.eager_conv_tf32(stored, pipeline)  # eager's cuDNN precision, as kgen tune found it
     if measured:
         pipeline = replace(pipeline, eager_conv_tf32=measured)
     if rewrites is not None:
         why = "rewrites overridden: the default candidates"
-        plan = make_plan(pipeline, rewrites, target, {PIPELINE: KGEN}, reason=why)
-        return Selection(pipeline, [Variant(plan, why=why)], f"fixed ({why})", candidates=[plan])
+        try:
+            plan = make_plan(pipeline, rewrites, target, {PIPELINE: KGEN}, reason=why)
+        except KgenError:
+            if pipeline.dtype == "float32" or not families.EAGER.whole(pipeline):
+                raise
+            plan = make_plan(pipeline, rewrites, target, {PIPELINE: EAGER}, reason=why)  # 16-bit: see candidate_plans
+        return Selection(pipeline, [Variant(plan, why=why, dtype=pipeline.dtype)], f"fixed ({why})", candidates=[plan])
     cands, eval_mode = tuned_candidates(pipeline, target)
+    if pipeline.dtype != "float32" and all(c.eager for c in cands):  # say why kgen's stages do not compute it
+        try:
+            make_plan(pipeline, None, target, {PIPELINE: KGEN})
+        except KgenError as e:
+            notes.append(f"{pipeline.dtype}: the eager plan (the ops as written through ATen) computes it: {str(e).split(': ', 2)[-1]}")
     entry, stale = tunefile.applicable_entry(stored, pipeline, target, tunefile.candidates_hash(cands))
     notes += stale
     mode = "eval" if eval_mode else "any"
@@ -431,17 +473,17 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
             plan = make_plan(made_from, None, target, r.choices, reason=why)
             if plan.choices != r.choices:
                 raise KgenError(f"{entry.path}: the choices {r.choices} do not make a plan kgen offers; run `kgen tune` again")
-            variants.append(Variant(plan, r.lo, r.hi, why, mode))
+            variants.append(Variant(plan, r.lo, r.hi, why, mode, pipeline.dtype))
         source = f"tuning file {entry.path.name} ({entry.device})"
     else:
         plan, why = _cheapest(cands, target)
-        variants, source = [Variant(plan, why=why, mode=mode)], "cost model"
+        variants, source = [Variant(plan, why=why, mode=mode, dtype=pipeline.dtype)], "cost model"
     if eval_mode:
         plan, why = training_plan(pipeline, target)
         if plan.eager and all(v.plan.eager for v in variants):  # the same plan in both modes (equal choices are
-            variants = [Variant(plan, why=why)]                    # not: eval mode's are of another pipeline)
+            variants = [Variant(plan, why=why, dtype=pipeline.dtype)]  # not: eval mode's are of another pipeline)
         else:
-            variants.insert(0, Variant(plan, why=why, mode="train"))
+            variants.insert(0, Variant(plan, why=why, mode="train", dtype=pipeline.dtype))
             source += "; training mode: cost model" if entry is not None else ""
     return Selection(pipeline, variants, source, notes, cands, entry)
 
@@ -453,7 +495,8 @@ def tuned_candidates(pipeline: Pipeline, target: Target) -> tuple[list[Plan], bo
     as a per-channel affine (a norm without running statistics as its batch statistics), and the
     spec's ops through ATen; else the training candidates (where no norm keeps running statistics),
     or every candidate."""
-    eval_pipe = batch_norm_eval_affine(pipeline) if pipeline.rewrites.get(EVAL_REWRITE, True) else None
+    # (16-bit: the ops as written; the norm as an affine needs fused stages, which have no 16-bit kernels yet)
+    eval_pipe = batch_norm_eval_affine(pipeline) if pipeline.rewrites.get(EVAL_REWRITE, True) and pipeline.dtype == "float32" else None
     if eval_pipe is None:
         tracked = any(isinstance(op, BatchNorm) and op.track_running_stats for op in pipeline.ops)
         return (candidate_plans(pipeline, target) if tracked else training_candidates(pipeline, target)), False
@@ -473,6 +516,8 @@ def training_candidates(pipeline: Pipeline, target: Target) -> list[Plan]:
 
 def _batch_stats(pipeline: Pipeline) -> Pipeline | None:
     """rewrites.batch_norm_batch_stats unless the spec switches it off (None: not made)."""
+    if pipeline.dtype != "float32":  # the ops as written (the statistics stage has no 16-bit kernels yet)
+        return None
     return batch_norm_batch_stats(pipeline) if pipeline.rewrites.get(TRAIN_REWRITE, True) else None
 
 

@@ -40,6 +40,7 @@ TEMPLATES = Path(str(importlib.resources.files("kgen") / "templates"))
 # kernel.cu piece includes its headers from there: Family.cuda_includes).
 SHARED_FILES = ("kgen_math.h", "kgen_runtime.h", "kgen_launch.cuh", "conv_gemm/conv_gemm.cuh", "conv_gemm/wgmma.cuh", "conv_gemm/phase_pool.cuh",
                 "conv_gemm/pool_ring.cuh", "linear_gemm/gemm3xtf32.cuh")
+AT_DTYPES = {"float32": "at::kFloat", "bfloat16": "at::kBFloat16", "float16": "at::kHalf"}  # a spec's dtype in C++
 MODULE_FILES = {  # output file -> shared template; a family's piece of it: templates/<family>/<piece>.j2
     "stages.h": "stages.h.j2",
     "kernel.cu": "kernel.cu.j2",
@@ -62,6 +63,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters["cfloat"] = cexpr.cfloat
     env.filters["pyrepr"] = repr  # checked values only: None, bools, numbers, tuples of them
+    env.filters["at_dtype"] = lambda d: AT_DTYPES[d]
     env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod, dropout_refusal=dropout_refusal,
                        fail=_fail, NO_DEFAULT=NO_DEFAULT, constructor_call=constructor_call, aten_call=aten_call,
                        aten_prelude=aten_prelude)
@@ -119,13 +121,15 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
             return [(st, st.family.template(piece)) for st in plan.stages if piece in st.family.pieces]
 
         return dict(index=i, plan=plan, lo=v.lo, hi=v.hi, batches=v.batches, runs=v.runs, kernels=plan.kernel_stages(), pieces=pieces,
-                    why=v.why, mode=v.mode,
+                    why=v.why, mode=v.mode, dtype=v.dtype,
                     op=lambda st: stage_op_name(name, i, n, st.index),
                     scope=lambda st: stage_scope_name(name, i, n, st))
 
     variants = [variant(i, v) for i, v in enumerate(sel.variants)]
     ctx = dict(
         name=name,
+        dtypes=sel.dtypes,  # the op dispatches on x's dtype to its variants (Variant.dtype)
+        dtype_key="`input:`" if not sel.pipeline.spec or not sel.pipeline.spec.multi_input else "each input of `inputs:`",
         pipe=sel.pipeline,
         plan=first,  # the header's and common macros' plan outside a variant
         variants=variants,
@@ -164,7 +168,7 @@ def selection_json(sel: Selection, spec_shown: str) -> dict:
         "spec": spec_shown,
         "chosen_by": sel.source,
         "notes": sel.notes,
-        "plans": [{"batches": [v.lo, v.hi], "mode": v.mode} | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
+        "plans": [{"batches": [v.lo, v.hi], "mode": v.mode} | ({} if v.dtype == "float32" else {"dtype": v.dtype}) | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
                   for v in sel.variants],
     }
 def constructor_call(args) -> list[str]:

@@ -35,7 +35,8 @@ from .ops import INTERNAL, OPS, spec_op_names
 
 SYMBOL = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 PRECISIONS = ("ieee", "tf32", "tf32x3")
-DTYPES = ("float32",)
+DTYPES = ("float32", "bfloat16", "float16")  # a spec's dtypes: the module dispatches on the input's
+DEFAULT_DTYPES = ("float32",)
 PARAM_INITS = ("randn", "ones", "zeros")
 CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
 CONV_IMPLS = ("auto", "aten", "gemm")  # plan.conv: who computes a convolution (auto: the planner chooses)
@@ -113,7 +114,7 @@ class Spec:
     name: str
     description: str
     input_shape: tuple  # the first input's: ints, or a symbol string in position 0
-    dtype: str
+    dtypes: tuple[str, ...]  # the dtypes the module is rendered for (every input and parameter has the input's)
     example: dict[str, int]  # values of run-time symbols for bench / the main job
     params: dict[str, ParamSpec]
     ops: tuple[OpSpec, ...]
@@ -240,10 +241,27 @@ def _load_shape(raw, key, path):
             fail(path, k, "only the batch dimension (position 0) may be a run-time symbol")
         else:
             clean.append(integer(1)(v, k, path))
-    dtype = raw.get("dtype", "float32")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        fail(path, f"{key}.dtype", f"unsupported dtype {show(dtype)}; supported: {', '.join(DTYPES)}")
-    return tuple(clean), dtype
+    return tuple(clean), _load_dtypes(raw.get("dtype", "float32"), f"{key}.dtype", path)
+
+
+def _load_dtypes(raw, key, path) -> tuple[str, ...]:
+    """``dtype``: one of DTYPES or a list of them (each once); the module is rendered for each."""
+    given = raw if isinstance(raw, list) else [raw]
+    if not given:
+        fail(path, key, f"expected a dtype or a non-empty list of them ({', '.join(DTYPES)})")
+    for i, d in enumerate(given):
+        k = f"{key}[{i}]" if isinstance(raw, list) else key
+        if not isinstance(d, str) or d not in DTYPES:
+            fail(path, k, f"unsupported dtype {show(d)}; supported: {', '.join(DTYPES)}")
+        if d in given[:i]:
+            fail(path, k, f"dtype {d} is listed twice")
+    return tuple(given)
+
+
+def dtypes_data(dtypes: tuple[str, ...]):
+    """The ``dtype`` key's value as spec_to_data writes it: a single dtype as a string (so the
+    data, and the spec hash, of a float32 spec stay what they were), several as a list."""
+    return dtypes[0] if len(dtypes) == 1 else list(dtypes)
 
 
 def _load_example(raw, symbols, key, path):
@@ -255,9 +273,9 @@ def _load_example(raw, symbols, key, path):
 def _load_input(raw, path):
     _mapping(raw, "input", path)
     _no_extra(raw, {"shape", "dtype", "example"}, "input", path)
-    shape, dtype = _load_shape(raw, "input", path)
+    shape, dtypes = _load_shape(raw, "input", path)
     example = _load_example(raw.get("example"), [v for v in shape if isinstance(v, str)], "input.example", path)
-    return (InputSpec("x", shape, "input"),), dtype, example
+    return (InputSpec("x", shape, "input"),), dtypes, example
 
 
 def _load_inputs(raw, example_raw, path):
@@ -265,13 +283,16 @@ def _load_inputs(raw, example_raw, path):
     _mapping(raw, "inputs", path)
     if not raw or len(raw) > MAX_INPUTS:
         fail(path, "inputs", f"expected 1 to {MAX_INPUTS} inputs, got {len(raw)}")
-    inputs, batch = [], None
+    inputs, batch, dtypes = [], None, None
     for name, spec in raw.items():
         key = f"inputs.{_shown(name)}"
         value_name(name, key, path)
         _mapping(spec, key, path)
         _no_extra(spec, {"shape", "dtype"}, key, path)
-        shape, _ = _load_shape(spec, key, path)
+        shape, given = _load_shape(spec, key, path)
+        if dtypes is not None and given != dtypes:  # one dtype (list) for the whole spec
+            fail(path, f"{key}.dtype", f"every input has the dtype of the first ({dtypes_data(dtypes)}), got {dtypes_data(given)}")
+        dtypes = given
         if batch is not None and shape[0] != batch:
             fail(path, f"{key}.shape[0]", f"every input has the batch of the first ({show(batch)}), got {show(shape[0])}")
         batch = shape[0]
@@ -279,7 +300,7 @@ def _load_inputs(raw, example_raw, path):
             fail(path, key, "only the first input may be named x")
         inputs.append(InputSpec(name, shape, key))
     example = _load_example(example_raw, [batch] if isinstance(batch, str) else [], "example", path)
-    return tuple(inputs), "float32", example
+    return tuple(inputs), dtypes, example
 
 
 ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -536,9 +557,9 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
     if "input" in raw:
         if "example" in raw:
             fail(path, "example", "with 'input', the example goes in input.example")
-        inputs, dtype, example = _load_input(raw["input"], path)
+        inputs, dtypes, example = _load_input(raw["input"], path)
     else:
-        inputs, dtype, example = _load_inputs(raw["inputs"], raw.get("example"), path)
+        inputs, dtypes, example = _load_inputs(raw["inputs"], raw.get("example"), path)
     constructor, members, source = _load_constructor(raw["constructor"], path) if "constructor" in raw else (None, (), None)
     params = _load_params(raw.get("params"), path)
     ops_raw = raw["ops"]
@@ -557,7 +578,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         name=name,
         description=description.strip(),
         input_shape=inputs[0].shape,
-        dtype=dtype,
+        dtypes=dtypes,
         example=example,
         params=params,
         ops=ops,
@@ -594,10 +615,10 @@ def spec_to_data(spec: Spec) -> dict:
 
     data = {"name": spec.name}
     if spec.multi_input:
-        data["inputs"] = {i.name: {"shape": list(i.shape), "dtype": spec.dtype} for i in spec.inputs}
+        data["inputs"] = {i.name: {"shape": list(i.shape), "dtype": dtypes_data(spec.dtypes)} for i in spec.inputs}
         data["example"] = dict(spec.example)
     else:
-        data["input"] = {"shape": list(spec.input_shape), "dtype": spec.dtype, "example": dict(spec.example)}
+        data["input"] = {"shape": list(spec.input_shape), "dtype": dtypes_data(spec.dtypes), "example": dict(spec.example)}
     data.update({
         "params": {n: param(p) for n, p in spec.params.items()},
         "ops": [op(o) for o in spec.ops],

@@ -53,6 +53,16 @@ TOLERANCES = {
     "tf32x3": (2e-5, 2e-4),
     "tf32": (5e-3, 2e-2),
 }
+# A 16-bit module (its inputs, parameters and output in the dtype) against the float64 reference of
+# the same rounded inputs and parameters: the output's own rounding is up to eps/2 of each value
+# (eps = 2^-7 for bfloat16's 8-bit significand, 2^-10 for float16's 11), and eager's rounding of every
+# intermediate tensor adds a few eps more after sums and norms, so rel L2 2 eps and max abs 4 eps of the
+# output's magnitude; or twice eager's own error in the same dtype where that is more (compare), as for
+# float32. Beside it, KernelBench's 16-bit check: allclose against eager in the same dtype at
+# atol = rtol = 1e-2 (KGEN_EAGER_ATOL).
+DTYPE_TOLERANCES = {"bfloat16": (2 * 2**-7, 4 * 2**-7), "float16": (2 * 2**-10, 4 * 2**-10)}
+KGEN_EAGER_ATOL = 1e-2
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -63,6 +73,7 @@ class CaseResult:
     passed: bool
     problem: str = ""
     eager_rel_l2: float = math.nan  # PyTorch's own float32 eager on the same input
+    dtype: str = "float32"  # the dtype the module computed in
 
 
 @dataclass
@@ -85,6 +96,12 @@ class Report:
 
     def worst_max_abs(self) -> float:
         return max((c.max_abs for c in self.normal_cases()), default=math.nan)
+
+    def by_dtype(self) -> list[tuple[str, "Report"]]:
+        """The cases of each dtype the module computes (float32 first), as reports of their own."""
+        dtypes = dict.fromkeys(["float32"] + [c.dtype for c in self.cases])
+        return [(d, replace(self, cases=[c for c in self.cases if c.dtype == d])) for d in dtypes
+                if d == "float32" or any(c.dtype == d for c in self.cases)]
 
 
 # ------------------------------------------------------------ comparing
@@ -115,7 +132,7 @@ def _kind(t: torch.Tensor) -> torch.Tensor:
 
 def compare(
     case: str, out: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float], eager: torch.Tensor | None = None,
-    magnitude: torch.Tensor | None = None,
+    magnitude: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
 ) -> CaseResult:
     """``out`` (float32) against ``ref`` (float64): shapes, poison, non-finite masks, then errors.
 
@@ -128,15 +145,19 @@ def compare(
     """
     if tuple(out.shape) != tuple(ref.shape):
         return CaseResult(case, math.inf, math.inf, False, f"shape {list(out.shape)} != reference {list(ref.shape)}")
-    if out.dtype != torch.float32:
-        return CaseResult(case, math.inf, math.inf, False, f"dtype {out.dtype} != float32")
+    if out.dtype != dtype:
+        return CaseResult(case, math.inf, math.inf, False, f"dtype {out.dtype} != {dtype}")
     # On out's device: in float64 on the CPU, the comparison of a large CUDA result took a
     # minute and more of a KernelBench problem's validation.
     dev = out.device
     out, ref = out.detach(), ref.detach().to(dev)
-    unwritten = int((out.contiguous().view(torch.int32) == POISON_BITS).sum())
-    if unwritten:
-        return CaseResult(case, math.inf, math.inf, False, f"{unwritten} output elements were never written")
+    if dtype == torch.float32:  # (16-bit outputs come from ATen's calls for now: nothing poisons them)
+        unwritten = int((out.contiguous().view(torch.int32) == POISON_BITS).sum())
+        if unwritten:
+            return CaseResult(case, math.inf, math.inf, False, f"{unwritten} output elements were never written")
+    else:  # beyond the dtype's range the exact result rounds to an infinity, as eager's does (float16 overflow)
+        rounded = ref.to(dtype)
+        ref = torch.where(torch.isinf(rounded) & torch.isfinite(ref), rounded.double(), ref)
     o, r = out.double(), ref.double()
     e = None if eager is None else eager.detach().to(dev).double()
     finite = torch.isfinite(r)  # (each mask once: on a large stage's values every pass is tens of ms)
@@ -472,26 +493,36 @@ def validate(
     state = {k: v.detach() for k, v in reference.state_dict().items()}
     buffers = {k for k, _ in reference.named_buffers()}
     params64 = {k: _to64(v) for k, v in state.items() if k not in buffers}  # once: the cases share them
-    tol = TOLERANCES[precision]
     with torch.no_grad(), poisoned_outputs():
-        for mode in modes(pipe):
-            suffix = "" if mode is None else (" (training mode)" if mode else " (eval mode)")
-            b = batch
-            if mode and b == 1 and _batch_norm_over_batch_only(pipe):
-                b = 2
-            cases = end_to_end_cases(pipe.input, device, full, b)
-            if len(sel.variants) > 1 and batch is None:  # each plan of the batch dispatch runs once at least
-                cases += [(f"normal N={v.lo} (plan {i}: batches {v.batches})", _randn(pipe.input.concrete(v.lo), 40 + i, device))
-                          for i, v in enumerate(sel.variants)]
-            if example_batch:
-                b = pipe.example_batch()
-                cases.append((f"normal N={b} (the example batch)", _randn(pipe.input.concrete(b), 8, device)))
-            for label, x in cases:
-                if mode and x.shape[0] == 1 and _batch_norm_over_batch_only(pipe):
-                    continue  # PyTorch refuses batch statistics of one value per channel
-                inputs = other_inputs(pipe, x.shape[0], len(label), device)
-                report.cases += _end_to_end(label + suffix, op, pipe, state, params64, buffers, x, inputs, bool(mode), tol)
-        report.cases.append(check_model(mod, model, pipe, device, op, tol))
+        for dtype in pipe.dtypes:  # each dtype the module computes: its own cases (kgen validate reports each)
+            dt = TORCH_DTYPES[dtype]
+            tol = TOLERANCES[precision] if dtype == "float32" else DTYPE_TOLERANCES[dtype]
+            # the parameters and running statistics in the dtype (model.to(dtype)); the reference is the
+            # float64 computation on those rounded values
+            st = state if dtype == "float32" else {k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()}
+            p64 = params64 if dtype == "float32" else {k: _to64(v) for k, v in st.items() if k not in buffers}
+            variants = [(i, v) for i, v in enumerate(sel.variants) if v.dtype == dtype]
+            prefix = "" if dtype == "float32" else f"{dtype}: "
+            cases = []
+            for mode in modes(pipe):
+                suffix = "" if mode is None else (" (training mode)" if mode else " (eval mode)")
+                b = batch
+                if mode and b == 1 and _batch_norm_over_batch_only(pipe):
+                    b = 2
+                cases = end_to_end_cases(pipe.input, device, full, b)
+                if len(variants) > 1 and batch is None:  # each plan of the batch dispatch runs once at least
+                    cases += [(f"normal N={v.lo} (plan {i}: batches {v.batches})", _randn(pipe.input.concrete(v.lo), 40 + i, device))
+                              for i, v in variants]
+                if example_batch:
+                    b = pipe.example_batch()
+                    cases.append((f"normal N={b} (the example batch)", _randn(pipe.input.concrete(b), 8, device)))
+                for label, x in cases:
+                    if mode and x.shape[0] == 1 and _batch_norm_over_batch_only(pipe):
+                        continue  # PyTorch refuses batch statistics of one value per channel
+                    inputs = {n: t.to(dt) for n, t in other_inputs(pipe, x.shape[0], len(label), device).items()}
+                    results = _end_to_end(prefix + label + suffix, op, pipe, st, p64, buffers, x.to(dt), inputs, bool(mode), tol)
+                    report.cases += [replace(r, dtype=dtype) for r in results]
+            report.cases.append(replace(check_model(mod, model, pipe, device, op, tol, dt), dtype=dtype))
         if stages:
             report.cases += check_stages(sel, report.name, model, device)
     return report
@@ -542,33 +573,48 @@ def _end_to_end(label, op, pipe, state, params64, buffers, x, inputs, training, 
         new.update(stats)
         return out
 
+    outs = {}
+
+    def run_eager():
+        outs["eager"] = eager(x, *inputs.values())  # in x's dtype, as eager PyTorch computes the model converted to it
+        return outs["eager"]
+
     results = [_case(
-        label, run,
+        label, lambda: outs.setdefault("out", run()),
         lambda: run_with_magnitude(pipe.ops, x.double(), tensors64,
                                    {pipe.input_names[0]: x.double(), **{n: t.double() for n, t in inputs.items()}}, training),
-        lambda: eager(x, *inputs.values()), tol,
+        run_eager, tol, x.dtype,
     )]
+    if x.dtype != torch.float32 and "out" in outs and "eager" in outs and outs["out"].dtype == x.dtype:
+        a, e = outs["out"].double(), outs["eager"].double()
+        ok = bool(torch.allclose(a, e, rtol=KGEN_EAGER_ATOL, atol=KGEN_EAGER_ATOL, equal_nan=True))
+        diff = torch.where(torch.isfinite(a) & torch.isfinite(e), a - e, 0.0).abs()
+        worst = float(diff.max()) if diff.numel() else 0.0
+        results.append(CaseResult(f"{label}: vs eager {str(x.dtype).removeprefix('torch.')} (allclose at 1e-2)", worst, math.nan, ok,
+                                  "" if ok else f"not allclose to eager at atol = rtol = {KGEN_EAGER_ATOL}"))
     if new:
         eager_state = eager.state_dict()
         for name, value in new.items():
             # at the pipeline's precision: the statistics are sums of the (TF32) convolution's output
-            results.append(compare(f"{label}: {name}", value, tensors64[name], tol, eager_state[name]))
+            results.append(compare(f"{label}: {name}", value, tensors64[name], tol, eager_state[name], dtype=value.dtype))
     return results
 
 
-def check_model(mod, validated, pipe: Pipeline, device: str, op, tol) -> CaseResult:
+def check_model(mod, validated, pipe: Pipeline, device: str, op, tol, dtype: torch.dtype = torch.float32) -> CaseResult:
     """The module's ``Model`` used as a user would: construct (with the constructor arguments
     it was rendered for), move, ``.train()`` and ``.eval()``, load the validated model's
     ``state_dict``, forward (eval mode); its output must match the (validated) op on the
     same parameters, and a second Model loaded from the first one's ``state_dict`` must
     compute the same."""
     label = "Model(): construct, eval, state_dict, forward"
+    if dtype != torch.float32:  # converted as a user converts it; its state_dict then holds 16-bit tensors
+        label = f"{str(dtype).removeprefix('torch.')}: Model().to({dtype}): construct, eval, state_dict, forward"
     big = sum(p.numel() for p in validated.parameters()) > LARGE_MODEL
 
     def construct():
         """A Model; a large one on the meta device, to take the validated model's tensors (no copy)."""
         if not big:
-            return mod.Model(*init_args(mod)).to(device)
+            return mod.Model(*init_args(mod)).to(device).to(dtype)
         with torch.device("meta"):
             return mod.Model(*init_args(mod))
 
@@ -579,22 +625,27 @@ def check_model(mod, validated, pipe: Pipeline, device: str, op, tol) -> CaseRes
         expected = {k: tuple(v.shape) for k, v in validated.state_dict().items()}
         if {k: tuple(v.shape) for k, v in model.state_dict().items()} != expected:
             return CaseResult(label, math.inf, math.inf, False, "state_dict keys or shapes differ from the reference model's")
-        model.load_state_dict(validated.state_dict(), assign=big)
-        x = _randn(pipe.input.concrete(1), 30, device)
-        inputs = other_inputs(pipe, 1, 30, device)
+        given = {k: v.to(dtype) if v.is_floating_point() else v for k, v in validated.state_dict().items()}
+        model.load_state_dict(given, assign=big)
+        wrong = [k for k, v in model.state_dict().items() if v.is_floating_point() and v.dtype != dtype]
+        if wrong:
+            return CaseResult(label, math.inf, math.inf, False, f"state_dict entries not {dtype}: {', '.join(wrong[:3])}")
+        x = _randn(pipe.input.concrete(1), 30, device).to(dtype)
+        inputs = {n: t.to(dtype) for n, t in other_inputs(pipe, 1, 30, device).items()}
         out = model(x, *inputs.values())
         again = construct().eval()
         again.load_state_dict(model.state_dict(), assign=big)
         # (within the tolerance: cuDNN may pick another algorithm, or reduce in another order, on a second call)
-        if not compare(label, again(x, *inputs.values()), out.double(), tol).passed:
+        if not compare(label, again(x, *inputs.values()), out.double(), tol, dtype=dtype).passed:
             return CaseResult(label, math.inf, math.inf, False, "a Model loaded from another's state_dict computes differently")
         tensors = dict(validated.named_parameters())
         tensors.update(validated.named_buffers())
-        reference, _ = op_call(op, pipe, x, inputs, {k: v.detach() for k, v in tensors.items()}, False)
+        reference, _ = op_call(op, pipe, x, inputs, {k: v.detach().to(dtype) if v.is_floating_point() else v.detach()
+                                                     for k, v in tensors.items()}, False)
     except Exception as e:  # noqa: BLE001 - whatever breaks, it is this case's failure
         first = (str(e).splitlines() or [""])[0]
         return CaseResult(label, math.inf, math.inf, False, f"raised {type(e).__name__}: {first}")
-    return compare(label, out, reference.double(), tol)
+    return compare(label, out, reference.double(), tol, dtype=dtype)
 
 
 def check_stages(sel: Selection, name: str, model, device: str, reference_device: str | None = None) -> list[CaseResult]:
@@ -648,12 +699,12 @@ def _run_ops(ops, x, params, dtype, values=None):
     return run_ops(ops, x, env)
 
 
-def _case(label, run, run_reference, run_eager, tol) -> CaseResult:
-    """``run_reference`` gives (float64 reference, magnitude) (``run_with_magnitude``)."""
+def _case(label, run, run_reference, run_eager, tol, dtype=torch.float32) -> CaseResult:
+    """``run_reference`` gives (float64 reference, magnitude) (``run_with_magnitude``); the output must be ``dtype``."""
     try:
         out = run()
     except RuntimeError as e:  # a check or a launch failed: report it as this case's failure
         return CaseResult(label, math.inf, math.inf, False, f"raised: {str(e).splitlines()[0]}")
     ref, magnitude = run_reference()
-    return compare(label, out, ref, tol, run_eager(), magnitude)
+    return compare(label, out, ref, tol, run_eager(), magnitude, dtype)
 

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <initializer_list>
+#include <string>
 
 // The ATen pieces the bindings use, rather than ATen/ATen.h: declaring every
 // operator was two thirds of a module's build time.
@@ -81,12 +83,45 @@ inline std::string shape_str(at::IntArrayRef shape) {
   return s.str();
 }
 
+// A dtype as a spec and PyTorch's Python name it (float32, bfloat16, float16).
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kDouble: return "float64";
+    default: return c10::toString(t);
+  }
+}
+
+// x's dtype must be one the module was rendered for (`rendered`, named `names`); another one is
+// refused with the spec edit and the command that add it (`key`: where the spec's dtype is).
+inline void check_dtype(const char* op, const at::Tensor& x, std::initializer_list<at::ScalarType> rendered,
+                        const char* names, const char* spec, const char* key) {
+  TORCH_CHECK(x.defined(), op, ": x is undefined");
+  for (at::ScalarType t : rendered) {
+    if (x.scalar_type() == t) return;
+  }
+  const std::string d = dtype_name(x.scalar_type());
+  TORCH_CHECK(d == "float32" || d == "bfloat16" || d == "float16", op, ": x must be float32, bfloat16 or float16 (this module: ",
+              names, "), got ", d);
+  TORCH_CHECK(false, op, ": x is ", d, ", but this module was rendered for ", names, " only; to add ", d, ", write `dtype: [",
+              names, ", ", d, "]` under ", key, " in ", spec, " and run `kgen all ", spec, "`");
+}
+
 // Checks dtype, device and static shape of an argument, naming what was
-// expected; `like` (if given) is the tensor whose device it must share.
+// expected; `like` (if given) is the tensor (x) whose device and dtype it must share,
+// as PyTorch's modules refuse mixed dtypes; without it, float32.
 inline void check_arg(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef expected,
                       const at::Tensor* like = nullptr) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
-  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  if (like == nullptr) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  } else {
+    TORCH_CHECK(t.scalar_type() == like->scalar_type(), op, ": ", name, " is ", dtype_name(t.scalar_type()), " but x is ",
+                dtype_name(like->scalar_type()), ": every input, parameter and buffer must have x's dtype, as PyTorch "
+                "requires (convert the model with model.to(torch.", dtype_name(like->scalar_type()), "), or the input)");
+  }
   TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), op, ": ", name, " must be on cpu or cuda, got ", t.device());
   if (like != nullptr) {
     TORCH_CHECK(t.device() == like->device(), op, ": ", name, " must be on ", like->device(), " like x, got ", t.device());
@@ -299,7 +334,7 @@ inline at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const st
     return at::convolution(xx, ww.contiguous(format), bb, stride, padding, dilation, transposed, output_padding, groups);
   };
   at::Tensor y;
-  if (!xin.is_cuda() || precision == Precision::kIeee) {
+  if (!xin.is_cuda() || precision == Precision::kIeee || xin.scalar_type() != at::kFloat) {  // (TF32 is float32's only)
     CudnnTf32Guard tf32(false);
     y = conv(xin, w, b);
   } else if (precision == Precision::kTf32) {

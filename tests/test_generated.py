@@ -121,7 +121,7 @@ def test_wrong_inputs_get_clear_errors(modules):
         model(torch.randn(2, 32, 32, 32))
     with pytest.raises(RuntimeError, match=r"x must have shape \[N, 32, 32, 32, 32\], got \[1, 32, 31, 32, 32\]"):
         model(torch.randn(1, 32, 31, 32, 32))
-    with pytest.raises(RuntimeError, match="x must be float32, got Double"):
+    with pytest.raises(RuntimeError, match=r"x must be float32, bfloat16 or float16 \(this module: float32\), got float64"):
         model(torch.randn(1, 32, 32, 32, 32, dtype=torch.float64))
     w = model.conv_transpose.weight.detach()
     with pytest.raises(RuntimeError, match=r"conv_transpose_bias must have shape \[64\], got \[63\]"):

@@ -56,7 +56,7 @@ CASES = [
     ("float_size", "name: t\ninput: {shape: [N, 4, 8.0, 8]}\nops: [relu]\n", PARSE, "input.shape[2]", ["positive integer"]),
     ("bool_size", "name: t\ninput: {shape: [N, true, 8, 8]}\nops: [relu]\n", PARSE, "input.shape[1]", ["positive integer", "True"]),
     ("bad_batch_symbol", "name: t\ninput: {shape: [2N, 4, 8, 8]}\nops: [relu]\n", PARSE, "input.shape[0]", ["symbol"]),
-    ("bad_dtype", "name: t\ninput: {shape: [N, 4, 8, 8], dtype: float16}\nops: [relu]\n", PARSE, "input.dtype", ["float16", "float32"]),
+    ("bad_dtype", "name: t\ninput: {shape: [N, 4, 8, 8], dtype: float64}\nops: [relu]\n", PARSE, "input.dtype", ["float64", "float32, bfloat16, float16"]),
     ("example_unknown_symbol", "name: t\ninput: {shape: [N, 4, 8, 8], example: {M: 2}}\nops: [relu]\n", PARSE, "input.example.M", ["unknown key"]),
     ("example_zero", "name: t\ninput: {shape: [N, 4, 8, 8], example: {N: 0}}\nops: [relu]\n", PARSE, "input.example.N", ["positive integer"]),
     # ---- ops: structure

@@ -151,7 +151,8 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at:
 
 // ==== the op: argument checks, then the plan for the batch (kgen-template: templates/binding.cpp.j2)
 at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias) {
-  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 8, 384, 384});
+  kgen::check_dtype(kOp, x, {at::kFloat}, "float32", "specs/avgpool_sigmoid_sum.yaml", "`input:`");
+  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 8, 384, 384}, &x);
   kgen::check_arg(kOp, "conv_weight", conv_weight, {64, 8, 3, 3}, &x);
   kgen::check_arg(kOp, "conv_bias", conv_bias, {64}, &x);
   const c10::DeviceGuard guard(x.device());

@@ -162,7 +162,8 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at:
 
 // ==== the op: argument checks, then the plan for the batch (kgen-template: templates/binding.cpp.j2)
 at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias, const at::Tensor& bias) {
-  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 8, 16, 64, 64});
+  kgen::check_dtype(kOp, x, {at::kFloat}, "float32", "specs/div_max_gap_bias_sum.yaml", "`input:`");
+  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 8, 16, 64, 64}, &x);
   kgen::check_arg(kOp, "conv_weight", conv_weight, {16, 8, 3, 3, 3}, &x);
   kgen::check_arg(kOp, "conv_bias", conv_bias, {16}, &x);
   kgen::check_arg(kOp, "bias", bias, {16, 1, 1, 1}, &x);

@@ -163,7 +163,8 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at:
 
 // ==== the op: argument checks, then the plan for the batch (kgen-template: templates/binding.cpp.j2)
 at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias, const at::Tensor& multiplier) {
-  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 3, 16, 32, 32});
+  kgen::check_dtype(kOp, x, {at::kFloat}, "float32", "specs/instnorm_clamp_max.yaml", "`input:`");
+  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 3, 16, 32, 32}, &x);
   kgen::check_arg(kOp, "conv_weight", conv_weight, {16, 3, 3, 3, 3}, &x);
   kgen::check_arg(kOp, "conv_bias", conv_bias, {16}, &x);
   kgen::check_arg(kOp, "multiplier", multiplier, {16, 1, 1, 1}, &x);

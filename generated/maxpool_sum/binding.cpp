@@ -156,7 +156,8 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
 
 // ==== the op: argument checks, then the plan for the batch (kgen-template: templates/binding.cpp.j2)
 at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight, const at::Tensor& conv_transpose_bias) {
-  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 32, 32, 32, 32});
+  kgen::check_dtype(kOp, x, {at::kFloat}, "float32", "specs/maxpool_sum.yaml", "`input:`");
+  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 32, 32, 32, 32}, &x);
   kgen::check_arg(kOp, "conv_transpose_weight", conv_transpose_weight, {32, 64, 5, 5, 5}, &x);
   kgen::check_arg(kOp, "conv_transpose_bias", conv_transpose_bias, {64}, &x);
   const c10::DeviceGuard guard(x.device());

@@ -120,7 +120,8 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
 
 // ==== the op: argument checks, then the plan for the batch (kgen-template: templates/binding.cpp.j2)
 at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight, const at::Tensor& group_norm_weight, const at::Tensor& group_norm_bias) {
-  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 64, 32, 32, 32});
+  kgen::check_dtype(kOp, x, {at::kFloat}, "float32", "specs/relu_group_norm.yaml", "`input:`");
+  kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 64, 32, 32, 32}, &x);
   kgen::check_arg(kOp, "conv_transpose_weight", conv_transpose_weight, {64, 128, 3, 3, 3}, &x);
   kgen::check_arg(kOp, "group_norm_weight", group_norm_weight, {128}, &x);
   kgen::check_arg(kOp, "group_norm_bias", group_norm_bias, {128}, &x);

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..buffer import flat_buffer
 from ..ir import Reduce
+from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest
 from .eager import layout_headers
@@ -27,6 +28,7 @@ class Aten(Family):
     pieces = ("binding.cpp",)
     summary = ("one op by its ATen function (batch/layer norm, views, dropout, cat, permute, slice, pad, interpolate, "
                "adaptive pools; softmax and logsumexp alone)")
+    dtypes = DTYPES  # ATen's function computes each
 
     def fits(self, ops):  # not a global pool: a reduction the fused families compute
         return len(ops) == 1 and not (isinstance(ops[0], Reduce) and ops[0].origin)

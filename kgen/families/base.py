@@ -69,6 +69,11 @@ class StageRequest:
     target: Target
     batch: int  # the example batch (schedules that depend on the batch count on it)
 
+    @property
+    def dtype(self) -> str:
+        """The dtype the stage computes in: the plan's (a compile-time parameter, like the sizes)."""
+        return self.pipeline.dtype
+
 
 class Family:
     name: ClassVar[str]
@@ -79,6 +84,8 @@ class Family:
     pieces: ClassVar[tuple[str, ...]]  # generated files it contributes to, from templates/<name>/<piece>.j2
     cuda_includes: ClassVar[tuple[str, ...]] = ()  # headers (under the output root) its kernel.cu piece needs
     summary: ClassVar[str]
+    # the dtypes it has kernels for; ATen-backed families compute every dtype ATen does
+    dtypes: ClassVar[tuple[str, ...]] = ("float32",)
 
     def accepts(self, ops: list[Op]) -> bool:
         """Whether one stage of this family can compute ``ops``."""
@@ -92,6 +99,12 @@ class Family:
         """Why this family declines a request it accepts by its ops (its input buffer, the
         precision, sizes it is not made for); None when it takes it."""
         return None
+
+    def declines(self, req: StageRequest) -> str | None:
+        """Why the family offers nothing for ``req``: a dtype it has no kernels for, else ``unsupported``."""
+        if req.dtype not in self.dtypes:
+            return f"no {req.dtype} kernels yet"
+        return self.unsupported(req)
 
     def make_stage(self, req: StageRequest) -> Stage:
         raise NotImplementedError

@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..buffer import Buffer, Tile, dense_buffer, strides_of
+from ..spec import DTYPES
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import ConvStage
 from ..target import Target
@@ -110,6 +111,7 @@ class ConvAten(Family):
     pieces = ("kernel.cu", "binding.cpp")  # kernel.cu: the input copy into channels_last, the tap-sum kernel
     MAX_COPY_CHANNELS = 256  # input channels of the generated copy (its 32-position tile fits in shared memory)
     summary = "ATen/cuDNN convolution, in the lowering the rewrites chose"
+    dtypes = DTYPES  # ATen's convolution computes each (16-bit: eager's own call, below)
 
     def fits(self, ops):
         return len(ops) == 1 and lowered(ops[0]) is not None
@@ -117,6 +119,8 @@ class ConvAten(Family):
     def unsupported(self, req: StageRequest) -> str | None:
         if req.pipeline.conv_impl == "gemm":
             return "the spec asks for the generated convolution (plan.conv: gemm)"
+        if req.dtype != "float32" and not (type(lowered(req.ops[0]).lowering) is Direct and req.input.flat):
+            return f"no {req.dtype} form of this lowering yet (only the convolution as written)"
         return None
 
     def layouts(self, req: StageRequest, conv) -> tuple[str, ...]:
@@ -124,6 +128,8 @@ class ConvAten(Family):
         reads it as fast (cuDNN is faster in channels_last, measured on the H100:
         docs/performance.md), except for a transposed convolution run as written."""
         if conv.conv.rank < 2 or isinstance(conv.lowering, TapSums):
+            return ("contiguous",)
+        if req.dtype != "float32":  # eager's own call: no generated copy stage (float32 kernels) after it
             return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions; tap sums are small
         if req.pipeline.conv_layout != "auto":
             return (req.pipeline.conv_layout,)

@@ -24,6 +24,7 @@ from ..buffer import flat_buffer
 from ..ir import (AdaptivePool, BatchNorm, BatchStats, Capture, Cat, Conv, Dropout, Elementwise, Expand, Interpolate, LayerNorm, Linear,
                   Matmul, Norm, Op, Pad, Permute, Pipeline, Pool, Reduce, Reshape, Slice, Softmax, TensorType, dropout_refusal)
 from ..ops import OPS, ElementwiseOp
+from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
 from .base import FLOAT_BYTES, Family, Work
@@ -287,6 +288,7 @@ class Eager(Family):
     generates_kernel = False
     pieces = ("binding.cpp",)
     summary = "the spec's ops as written, one ATen call each (eager PyTorch's kernels)"
+    dtypes = DTYPES  # eager PyTorch's kernels in each dtype: a plan for every dtype of a spec
 
     def fits(self, ops):
         return all(_has_call(op) for op in ops)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..buffer import flat_buffer
 from ..ir import Linear, Matmul
 from ..lowering import PooledProduct
+from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest
 
@@ -20,6 +21,7 @@ class LinearAten(Family):
     generates_kernel = False
     pieces = ("binding.cpp",)
     summary = "ATen/cuBLAS matrix product (nn.Linear, matmul) in full fp32"
+    dtypes = DTYPES  # cuBLAS computes each (16-bit: as eager's call)
 
     def fits(self, ops):
         return len(ops) == 1 and isinstance(ops[0], (Linear, Matmul, PooledProduct))
@@ -27,6 +29,8 @@ class LinearAten(Family):
     def unsupported(self, req: StageRequest) -> str | None:
         if req.pipeline.linear_impl == "gemm" and not isinstance(req.ops[0], PooledProduct):  # (linear_gemm has no pooled form)
             return "the spec asks for the generated product (plan.linear: gemm)"
+        if req.dtype != "float32" and isinstance(req.ops[0], PooledProduct):
+            return f"no {req.dtype} form of the pooled product yet"
         return None
 
     def make_stage(self, req: StageRequest) -> Stage:
