@@ -547,6 +547,8 @@ class Importer:
             self._emit(n, "softmax" if isinstance(m, nn.Softmax) else "log_softmax", {"dim": m.dim}, src=x)
         elif isinstance(m, nn.Identity):
             self._alias(n, x)
+        elif isinstance(m, nn.Flatten):  # a view: its shape says what it keeps
+            self._reshape(n, x)
         elif t in _UNARY_MODULES:
             kind, fields = _UNARY_MODULES[t](m)
             self._emit(n, kind, fields, src=x)

@@ -86,17 +86,14 @@ PATH_SEGMENT = re.compile(r"[a-z_][a-z0-9_]*\Z|[0-9]+\Z")
 def path_reason(path: str) -> str | None:
     """Why ``path`` (``conv`` or ``layer1.0.conv1``) cannot name a submodule or parameter; None if it can.
 
-    A plain name follows ``reserved_reason``. In a dotted path each later segment is an
-    attribute of a submodule (not a Python keyword, not an attribute of torch.nn.Module,
-    which the attribute would hide), and the identifier the generated code derives from the
-    path (dots -> ``_``: ``layer1_0_conv1``) follows ``reserved_reason``."""
+    A plain name follows ``reserved_reason``. In a dotted path each part is an attribute of
+    the model or a submodule (not a Python keyword, not an attribute of torch.nn.Module, which
+    the attribute would hide; the generated code reads it as ``self.layer1``), and the
+    identifier the generated code derives from the path (dots -> ``_``: ``layer1_0_conv1``)
+    follows ``reserved_reason``."""
     if "." not in path:
         return reserved_reason(path)
-    first, *rest = path.split(".")
-    reason = reserved_reason(first)
-    if reason:
-        return f"a path whose first part '{first}' is {reason}"
-    for seg in rest:
+    for seg in path.split("."):
         if not PATH_SEGMENT.match(seg):
             return f"a path with the part {seg!r} (expected [a-z_][a-z0-9_]* or digits)"
         if keyword.iskeyword(seg) or seg in _module_attributes():
