@@ -343,7 +343,7 @@ def _load_constructor(raw, path):
 def _load_params(raw, path):
     params = {}
     for name, p in _mapping(raw or {}, "params", path).items():
-        key = f"params.{_shown(name)}"
+        key = f"params.{name}"
         member_path(name, key, path)
         _mapping(p, key, path)
         _no_extra(p, {"shape", "init", "unused"}, key, path)
