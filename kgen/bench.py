@@ -146,7 +146,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool, dtype: str = "f
             row["stages"] = []
         first = pipe.ops[0]
         if isinstance(first, Conv):
-            conv = getattr(ref, first.module)
+            conv = ref.get_submodule(first.module)
             row["conv_ms"] = time_ms(lambda: conv(x), reps)
             conv_out = conv(x)
             tensors = dict(ref.named_parameters())

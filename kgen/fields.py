@@ -16,9 +16,12 @@ import reprlib
 from typing import Callable
 
 from .errors import SpecError
-from .names import reserved_reason, value_reserved_reason
+from .names import path_reason, reserved_reason, value_reserved_reason
 
 IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
+# a member path: `conv`, or a submodule or parameter of a nested model, `layer1.0.conv1` (kgen.names.path_reason)
+PATH = re.compile(r"[a-z][a-z0-9_]*(\.([a-z_][a-z0-9_]*|[0-9]+))*\Z")
+MAX_PATH = 200  # characters of a member path
 MAX_NAME = 64  # characters of a name (module, parameter, submodule, symbol)
 MAX_SIZE = 2**31 - 1  # any one size, stride, padding...: kernels index single dims with 32-bit ints
 FLOAT32_MAX = 3.4028234663852886e38
@@ -111,6 +114,20 @@ def ident(v, key, path, reserved=reserved_reason):
     if len(v) > MAX_NAME:
         fail(path, key, f"name is {len(v)} characters long; at most {MAX_NAME} are allowed")
     reason = reserved(v)
+    if reason:
+        fail(path, key, f"'{v}' is {reason}; choose another name")
+    return v
+
+
+def member_path(v, key, path):
+    """The name of a submodule or parameter: an identifier, or a dotted path of a nested
+    model's member (``layer1.0.conv1``: attributes, and "0", "1"... of nn.Sequential)."""
+    if not isinstance(v, str) or not PATH.match(v):
+        fail(path, key, "expected an identifier matching [a-z][a-z0-9_]* or a dotted path of them "
+             f"(parts may be numbers: layer1.0.conv1), got {show(v)}")
+    if len(v) > (MAX_NAME if "." not in v else MAX_PATH):
+        fail(path, key, f"name is {len(v)} characters long; at most {MAX_NAME if '.' not in v else MAX_PATH} are allowed")
+    reason = path_reason(v)
     if reason:
         fail(path, key, f"'{v}' is {reason}; choose another name")
     return v

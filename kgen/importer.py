@@ -19,6 +19,7 @@ nothing is written then.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import importlib.util
@@ -40,8 +41,8 @@ import yaml
 from torch import nn
 
 from .errors import KgenError, one_line
-from .fields import IDENT, MAX_NAME
-from .names import module_name_reason, reserved_reason
+from .fields import IDENT, MAX_NAME, MAX_PATH, PATH
+from .names import module_name_reason, path_reason, reserved_reason
 
 MAX_CHECKED_PARAMS = 2**26  # parameter elements up to which the equivalence check runs in float64 (else float32)
 MAX_REAL_PARAMS = 2**28  # parameter elements up to which the model is built for real to check its init and output
@@ -128,6 +129,29 @@ def _where_in(e: BaseException, path: Path) -> str:
     return f"{path}:{line}" if line else str(path)
 
 
+@contextlib.contextmanager
+def _registrations(events: list):
+    """Within: each parameter and buffer any module registers is appended to ``events`` as
+    (module, name), in order (``self.w = nn.Parameter(...)`` registers through register_parameter)."""
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def parameter(module, name, param):
+        if param is not None:
+            events.append((module, name))
+        return register_parameter(module, name, param)
+
+    def buffer(module, name, tensor, persistent=True):
+        if tensor is not None:
+            events.append((module, name))
+        return register_buffer(module, name, tensor, persistent)
+
+    nn.Module.register_parameter, nn.Module.register_buffer = parameter, buffer
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter, nn.Module.register_buffer = register_parameter, register_buffer
+
+
 # ------------------------------------------------------------------ the importer
 
 
@@ -163,13 +187,14 @@ class Importer:
     used_params: set = field(default_factory=set)
     modules_used: set = field(default_factory=set)
     taken: set = field(default_factory=set)  # names of inputs, values, params, modules
-    creation: list = field(default_factory=list)  # attribute names in the order __init__ set them
+    creation: list = field(default_factory=list)  # (module path, name) of each parameter and buffer, as registered
     batch: int = 1
     active: set = field(default_factory=set)  # nodes that depend on an input
     real: nn.Module | None = None  # the model with its values (None when it is too large to build here)
     numel: int = 0  # its parameters' elements
     pending: dict = field(default_factory=dict)  # torch.max/min(x, dim) node -> "max" | "min", until its getitem
     splits: dict = field(default_factory=dict)  # torch.split/chunk node -> (its input, dim, piece bounds), until its getitems
+    device: str = "meta"  # where the traced model's tensors are
 
     # ---------------------------------------------------------------- entry
 
@@ -196,25 +221,36 @@ class Importer:
     # ---------------------------------------------------------------- construction
 
     def _construct(self) -> None:
-        order = self.creation
-
-        class Recorder(self.src.cls):  # records the order __init__ creates attributes in
-            def __setattr__(self, name, value):
-                if isinstance(value, (nn.Module, nn.Parameter)) and name not in order:
-                    order.append(name)
-                super().__setattr__(name, value)
-
-        Recorder.__name__ = Recorder.__qualname__ = self.src.cls.__name__
+        """The model on the meta device (traced and shaped without memory), and built for real
+        below if it is not huge; a model whose __init__ needs values (``.item()``) is built on
+        the CPU and traced as it is. The order in which parameters and buffers are registered
+        while it is built is the order the leaf modules holding them are constructed (their
+        __init__ registers them, and draws their init, before a parent stores them)."""
+        events = []
         try:
-            with torch.device("meta"):  # traced and shaped without memory; built for real below if it is not huge
-                self.model = Recorder(*self.src.init_args)
-            self.numel = sum(p.numel() for p in self.model.parameters())
-            if self.numel <= MAX_REAL_PARAMS:
+            with _registrations(events), torch.device("meta"):
+                self.model = self.src.cls(*self.src.init_args)
+            on_meta = True
+        except Exception:  # noqa: BLE001 - e.g. Tensor.item() in __init__: meta tensors have no values
+            on_meta = False
+        try:
+            if on_meta:
+                self.numel = sum(p.numel() for p in self.model.parameters())
+                if self.numel <= MAX_REAL_PARAMS:
+                    torch.manual_seed(0)
+                    self.real = self.src.cls(*self.src.init_args)
+            else:
+                events.clear()
                 torch.manual_seed(0)
-                self.real = self.src.cls(*self.src.init_args)
+                with _registrations(events):
+                    self.model = self.real = self.src.cls(*self.src.init_args)
+                self.numel = sum(p.numel() for p in self.model.parameters())
         except Exception as e:  # noqa: BLE001
             raise ImportFailed(f"{self._where_exc(e)}: constructing Model(*get_init_inputs()) fails: {type(e).__name__}: "
                                f"{one_line(e, 200)}") from None
+        self.device = "meta" if on_meta else "cpu"
+        paths = {id(m): p for p, m in self.model.named_modules()}
+        self.creation = [(paths[id(m)], name) for m, name in events if id(m) in paths]
         for t in self.src.inputs:
             if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
                 raise ImportFailed(f"{self.src.shown}: every input must be a float32 tensor, got "
@@ -223,7 +259,9 @@ class Importer:
                 raise ImportFailed(f"{self.src.shown}: inputs must have 2 to 5 dims (batch first), got shape {list(t.shape)}")
         batches = {t.shape[0] for t in self.src.inputs}
         if len(batches) != 1:
-            raise ImportFailed(f"{self.src.shown}: the inputs have different batch sizes {sorted(batches)}")
+            shapes = ", ".join(str(list(t.shape)) for t in self.src.inputs)
+            raise ImportFailed(f"{self.src.shown}: get_inputs() gives inputs of shapes {shapes}; kgen imports models whose "
+                               "inputs all have the batch as their first dim (the same size in each)")
         self.batch = batches.pop()
 
     def _trace(self) -> None:
@@ -235,14 +273,15 @@ class Importer:
             raise ImportFailed(f"{self._where_exc(e)}: torch.fx cannot trace forward: {type(e).__name__}: "
                                f"{one_line(e, 200)}") from None
         self.gm = fx.GraphModule(self.model, graph)
-        self.gm.graph.eliminate_dead_code()
+        # an in-place call whose result is not used (`x.relu_()` as a statement) still changes x
+        self.gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or self._in_place(n) is not None)
 
     def _evaluate_shapes(self) -> None:
         """Each node's result on the meta device at batch B and B + 1: shapes for tensors,
         values for sizes; a size that follows the batch is the batch."""
         meta = self.gm.eval()
         for batch, out in ((self.batch, self.shapes), (self.batch + 1, self.shapes2)):
-            inputs = [torch.empty((batch,) + tuple(t.shape[1:]), device="meta") for t in self.src.inputs]
+            inputs = [torch.randn((batch,) + tuple(t.shape[1:]), device=self.device) for t in self.src.inputs]
             recorder = self
 
             class Shapes(fx.Interpreter):
@@ -346,6 +385,43 @@ class Importer:
             self._module(n, self.gm.get_submodule(n.target))
         else:
             self._function(n)
+        self._mutated(n)
+
+    def _in_place(self, n: fx.Node):
+        """The operand an in-place call changes (``x.relu_()``, ``x.add_(y)``, ``F.relu(x, inplace=True)``,
+        ``nn.ReLU(inplace=True)``, ``out += y``), or None."""
+        x = n.args[0] if n.args else None
+        if not isinstance(x, fx.Node):
+            return None
+        if n.op == "call_method":
+            return x if _in_place_name(n.target) else None
+        if n.op == "call_module":
+            return x if getattr(self.gm.get_submodule(n.target), "inplace", False) is True else None
+        if n.op != "call_function":
+            return None
+        if n.target in _IN_PLACE_OPERATORS or _in_place_name(getattr(n.target, "__name__", "")):
+            return x
+        try:
+            return x if _arguments(n).get("inplace") is True else None
+        except TypeError:
+            return None
+
+    def _mutated(self, n: fx.Node) -> None:
+        """After an in-place call, the operand it changed reads as its result (the result is a new
+        value of the spec; later reads of the operand take it)."""
+        target = self._in_place(n)
+        if target is None or n not in self.active:
+            return
+        t, r = self._resolve(target), self._resolve(n)
+        if t is not r and t in self.values and r in self.values:
+            self.aliases[t] = r
+
+    def _args(self, n: fx.Node) -> dict:
+        """``n``'s arguments by parameter name (``_arguments``); a call they do not fit is named."""
+        try:
+            return _arguments(n)
+        except TypeError as e:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)}: its arguments do not fit it: {one_line(e, 120)}") from None
 
     def _nontensor(self, n: fx.Node) -> None:
         """Sizes, devices, dtypes and tuples: fine as long as they only feed shapes and constants;
@@ -385,19 +461,19 @@ class Importer:
             return
         unary = _UNARY.get(fn) if n.op == "call_function" else _UNARY_METHODS.get(name)
         if unary is not None and self._tensor(x):
-            kind, fields = unary(args[1:], kw)
+            kind, fields = unary(self._args(n))
             self._emit(n, kind, fields, src=x)
             return
-        if (fn in (torch.clamp, torch.clip) or (n.op == "call_method" and name in ("clamp", "clip", "clamp_min",
-                                                                                   "clamp_max"))):
-            self._clamp(n, name)
+        if (fn in (torch.clamp, torch.clip, torch.clamp_, torch.clip_) or
+                (n.op == "call_method" and _base_name(name) in ("clamp", "clip", "clamp_min", "clamp_max"))):
+            self._clamp(n, _base_name(name))
             return
         if fn in _REDUCTIONS or (n.op == "call_method" and name in _REDUCTION_METHODS):
             self._reduce(n, n, _REDUCTIONS.get(fn) or _REDUCTION_METHODS[name])
             return
         if fn in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax) or \
                 (n.op == "call_method" and name in ("softmax", "log_softmax")):
-            dim = kw.get("dim", args[1] if len(args) > 1 else None)
+            dim = self._args(n).get("dim")
             if not isinstance(dim, int):
                 raise ImportFailed(f"{self._where(n)}: {self._call(n)} needs an integer dim")
             self._emit(n, "log_softmax" if "log" in name else "softmax", {"dim": dim}, src=x)
@@ -409,12 +485,15 @@ class Importer:
             self._pool_function(n, fn)
             return
         if fn in _ADAPTIVE:
-            self._adaptive(n, x, _ADAPTIVE[fn], args[1] if len(args) > 1 else kw.get("output_size"),
-                           kw.get("return_indices", args[2] if len(args) > 2 else False))
+            bound = self._args(n)
+            self._adaptive(n, x, _ADAPTIVE[fn], bound.get("output_size"), bound.get("return_indices", False))
             return
         if fn is F.dropout:
-            p = kw.get("p", args[1] if len(args) > 1 else 0.5)
-            self._emit(n, "dropout", {"p": float(p)}, src=x)
+            a = self._args(n)
+            if a.get("training", True) is False:  # F.dropout(x, p, training=False) is x
+                self._alias(n, x)
+                return
+            self._emit(n, "dropout", {"p": float(a.get("p", 0.5))}, src=x)
             return
         self._unsupported(n)
 
@@ -422,20 +501,16 @@ class Importer:
         x = n.args[0] if n.args else None
         if not self._tensor(x) or len(n.args) != 1 or n.kwargs:
             return self._unsupported(n)
-        attr = str(n.target)
+        attr = str(n.target)  # its path: `conv`, or `layer1.0.conv1` in a nested model
         owns_state = any(True for _ in m.parameters()) or any(True for _ in m.buffers())
         if owns_state:
-            if "." in attr:
-                raise ImportFailed(f"{self._where(n)}: self.{attr} is a nested submodule with parameters; kgen imports "
-                                   "submodules of the model itself")
-            reason = None if IDENT.match(attr) and len(attr) <= MAX_NAME else "not lower case"
-            reason = reason or reserved_reason(attr)
+            reason = _path_reason(attr)
             if reason:
                 raise ImportFailed(f"{self._where(n)}: the submodule name '{attr}' cannot be used ({reason})")
             if attr in self.modules_used:
                 raise ImportFailed(f"{self._where(n)}: self.{attr} is called twice; kgen gives every op its own weights")
             self.modules_used.add(attr)
-            self.taken.add(attr)
+            self.taken.update({attr, attr.replace(".", "_")})
         t = type(m)
         if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
             self._conv(n, m, attr)
@@ -480,6 +555,8 @@ class Importer:
             self._emit(n, "softmax" if isinstance(m, nn.Softmax) else "log_softmax", {"dim": m.dim}, src=x)
         elif isinstance(m, nn.Identity):
             self._alias(n, x)
+        elif isinstance(m, nn.Flatten):  # a view: its shape says what it keeps
+            self._reshape(n, x)
         elif t in _UNARY_MODULES:
             kind, fields = _UNARY_MODULES[t](m)
             self._emit(n, kind, fields, src=x)
@@ -525,10 +602,7 @@ class Importer:
         self._emit(n, kind, _drop_defaults(fields, defaults), src=n.args[0])
 
     def _pool_function(self, n, fn) -> None:
-        params = list(inspect.signature(fn).parameters)
-        bound = dict(zip(params, n.args))
-        bound.update(n.kwargs)
-        get = bound.get
+        get = self._args(n).get
         cls = fn.__name__.replace("max_pool", "MaxPool").replace("avg_pool", "AvgPool")
         self._pool(n, cls, get("kernel_size"), get("stride"), get("padding", 0), get("dilation", 1),
                    get("ceil_mode", False), get("count_include_pad", True), get("return_indices", False),
@@ -788,16 +862,13 @@ class Importer:
         self._emit(n, "expand", {"shape": [-1 if a == b else b for a, b in zip(src_shape[1:], shape[1:])]}, src=x)
 
     def _clamp(self, n, name) -> None:
-        args, kw = list(n.args), dict(n.kwargs)
-        lo = kw.get("min", args[1] if len(args) > 1 else None)
-        hi = kw.get("max", args[2] if len(args) > 2 else None)
-        if name == "clamp_max":
-            lo, hi = None, lo
+        a = self._args(n)
+        lo, hi = a.get("min"), a.get("max")
         for b in (lo, hi):
             if b is not None and not isinstance(b, (int, float)):
                 raise ImportFailed(f"{self._where(n)}: {self._call(n)} with tensor bounds is not supported")
         fields = {k: float(v) for k, v in (("min", lo), ("max", hi)) if v is not None}
-        self._emit(n, "clamp", fields, src=args[0])
+        self._emit(n, "clamp", fields, src=n.args[0])
 
     def _dim_arg(self, n):
         if "dim" in n.kwargs:
@@ -917,15 +988,16 @@ class Importer:
         t = _attr(self.gm, attr)
         if not isinstance(t, nn.Parameter):
             return None, False
-        if "." in attr:
-            raise ImportFailed(f"{self._where(o)}: self.{attr} is a parameter of a submodule used outside it; kgen "
-                               "imports free parameters of the model itself")
-        if not IDENT.match(attr) or len(attr) > MAX_NAME or reserved_reason(attr):
-            raise ImportFailed(f"{self._where(o)}: the parameter name '{attr}' cannot be used "
-                               f"({reserved_reason(attr) or 'not lower case'})")
+        reason = _path_reason(attr)
+        if reason:
+            raise ImportFailed(f"{self._where(o)}: the parameter name '{attr}' cannot be used ({reason})")
+        owner = attr.rpartition(".")[0]
+        if owner in self.modules_used:
+            raise ImportFailed(f"{self._where(o)}: self.{attr} is a parameter of the submodule self.{owner}, which "
+                               "forward also calls; kgen gives a called submodule's parameters to its op only")
         if attr not in self.params:
             self.params[attr] = {"shape": list(t.shape)}
-            self.taken.add(attr)
+            self.taken.update({attr, attr.replace(".", "_")})
         self.used_params.add(attr)
         return attr, transpose
 
@@ -944,22 +1016,9 @@ class Importer:
     # ---------------------------------------------------------------- the spec
 
     def _spec(self) -> dict:
-        model = self.model
-        for name, p in model.named_parameters(recurse=False):
-            if name not in self.params:  # created for the state_dict only
-                self.params[name] = {"shape": list(p.shape), "unused": True}
-        for name, m in model.named_children():
-            has_state = any(True for _ in m.parameters()) or any(True for _ in m.buffers())
-            if has_state and name not in self.modules_used:
-                raise ImportFailed(f"{self.src.shown}: the submodule self.{name} has parameters but forward does not "
-                                   "use it; kgen cannot create it")
-        if any(True for _ in model.named_buffers(recurse=False)):
-            raise ImportFailed(f"{self.src.shown}: the model registers buffers of its own; kgen does not import them")
+        self._unused_members()
         for name, spec in self.params.items():
-            if not IDENT.match(name) or reserved_reason(name):
-                raise ImportFailed(f"{self.src.shown}: the parameter name '{name}' cannot be used "
-                                   f"({reserved_reason(name) or 'not lower case'})")
-            spec["init"] = _init_of(getattr(self.real, name)) if self.real is not None else "randn"
+            spec["init"] = _init_of(self.real.get_parameter(name)) if self.real is not None else "randn"
         inputs = [v for v in self.values.values() if v.op is None]
         batch = "N"
         shapes = {v.name: [batch] + list(self.shapes[v.node][1:]) for v in inputs}
@@ -976,6 +1035,31 @@ class Importer:
                               for n in self.params}
         data["ops"] = [_compact(op) for op in self.ops]
         return data
+
+    def _unused_members(self) -> None:
+        """What forward does not use: a free parameter (of the model or of a module of the
+        model's own classes) is created for the state_dict only (``unused``); a torch.nn layer
+        with parameters or buffers, or a buffer of the model's own, cannot be made."""
+        for path, m in self.model.named_modules():
+            if path in self.modules_used:
+                continue
+            prefix = f"{path}." if path else ""
+            layer = type(m).__module__.startswith("torch.nn.") and path
+            own = [n for n, _ in m.named_parameters(recurse=False) if prefix + n not in self.params]
+            if layer and (own or any(True for _ in m.buffers(recurse=False))) and \
+                    not any(prefix + n in self.params for n, _ in m.named_parameters(recurse=False)):
+                raise ImportFailed(f"{self.src.shown}: the submodule self.{path} ({type(m).__name__}) has parameters but "
+                                   "forward does not use it; kgen cannot create it")
+            if any(True for _ in m.buffers(recurse=False)):
+                where = f"the submodule self.{path} ({type(m).__name__})" if path else "the model"
+                raise ImportFailed(f"{self.src.shown}: {where} registers buffers that no op of forward owns; kgen does "
+                                   "not import them")
+            for n in own:
+                name = prefix + n
+                reason = _path_reason(name)
+                if reason:
+                    raise ImportFailed(f"{self.src.shown}: the parameter name '{name}' cannot be used ({reason})")
+                self.params[name] = {"shape": list(m.get_parameter(n).shape), "unused": True}
 
     def _constructor(self) -> dict:
         sig = inspect.signature(self.src.cls.__init__)
@@ -1004,7 +1088,12 @@ class Importer:
                 args[p.name] = {"default": default} if value == default else {"value": value, "default": default}
             if keyword.iskeyword(p.name) or p.name in ("self", "torch", "super"):
                 raise ImportFailed(f"{self.src.shown}: the constructor argument name {p.name!r} cannot be used")
-        members = [m for m in self.creation if m in self.params or m in self.modules_used]
+        members = []  # the used leaf modules and the free parameters, in the order they were created
+        for path, name in self.creation:
+            full = f"{path}.{name}" if path else name
+            member = path if path in self.modules_used else full if full in self.params else None
+            if member is not None and member not in members:
+                members.append(member)
         out = {"args": args, "members": members}
         source = os.path.relpath(self.src.file) if not self.src.file.startswith("<") else None
         if source and re.fullmatch(r"[A-Za-z0-9_./+-]{1,200}", source):
@@ -1062,44 +1151,105 @@ class Importer:
 # ------------------------------------------------------------------ op tables
 
 
-def _no_fields(args, kw):
+# Positional parameters of the calls whose signature Python cannot read (ATen builtins, Tensor
+# methods: ``input`` is the tensor), by name without an in-place ``_``; any other such call takes
+# (input, other). Max pools dispatch on return_indices through (*args, **kwargs).
+_POSITIONAL = {
+    "softmax": ("input", "dim", "dtype"), "log_softmax": ("input", "dim", "dtype"),
+    "sum": ("input", "dim", "keepdim", "dtype"), "mean": ("input", "dim", "keepdim", "dtype"),
+    "amax": ("input", "dim", "keepdim"), "amin": ("input", "dim", "keepdim"), "logsumexp": ("input", "dim", "keepdim"),
+    "max": ("input", "dim", "keepdim"), "min": ("input", "dim", "keepdim"),
+    "clamp": ("input", "min", "max"), "clip": ("input", "min", "max"), "clamp_min": ("input", "min"),
+    "clamp_max": ("input", "max"),
+    "gelu": ("input", "approximate"), "softplus": ("input", "beta", "threshold"),
+    "hardtanh": ("input", "min_val", "max_val"), "leaky_relu": ("input", "negative_slope"), "elu": ("input", "alpha"),
+    **{f"max_pool{r}d": ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+       for r in (1, 2, 3)},
+    "avg_pool1d": ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
+    **{f"avg_pool{r}d": ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+                         "divisor_override") for r in (2, 3)},
+}
+for _name in ("relu", "sigmoid", "tanh", "exp", "log", "abs", "neg"):
+    _POSITIONAL[_name] = ("input",)
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
+
+
+def _in_place_name(name) -> bool:
+    """``relu_``, ``add_``: PyTorch's in-place variants (not ``__add__``)."""
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__") and len(name) > 1
+
+
+def _base_name(name: str) -> str:
+    return name[:-1] if _in_place_name(name) else name
+
+
+def _arguments(n: fx.Node) -> dict:
+    """The arguments of call ``n`` by parameter name (defaults not filled in): bound to the
+    function's signature, or by ``_POSITIONAL`` where Python cannot read it; TypeError if they
+    do not fit."""
+    fn = n.target
+    sig = None
+    if n.op == "call_function" and callable(fn):
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None and any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+            sig = None
+    if sig is not None:
+        return dict(sig.bind(*n.args, **n.kwargs).arguments)
+    name = _base_name(fn if isinstance(fn, str) else getattr(fn, "__name__", ""))
+    names = _POSITIONAL.get(name, ("input", "other"))
+    if len(n.args) > len(names):
+        raise TypeError(f"{name} takes at most {len(names)} positional arguments ({', '.join(names)}), got {len(n.args)}")
+    out = dict(zip(names, n.args))
+    for k, v in n.kwargs.items():
+        if k in out:
+            raise TypeError(f"{name} got multiple values for argument '{k}'")
+        out[k] = v
+    return out
+
+
+def _no_fields(a):
     return {}
 
 
-def _gelu(args, kw):
-    approx = kw.get("approximate", args[0] if args else "none")
-    return ("gelu_tanh" if approx == "tanh" else "gelu"), {}
+def _gelu(a):
+    return ("gelu_tanh" if a.get("approximate", "none") == "tanh" else "gelu"), {}
 
 
 def _const(name, fields_of):
-    def make(args, kw):
-        return name, fields_of(args, kw)
+    def make(a):
+        return name, fields_of(a)
     return make
 
 
-def _num(args, kw, key, pos, default):
-    v = kw.get(key, args[pos] if len(args) > pos else default)
-    return float(v)
+def _num(a, key, default):
+    return float(a.get(key, default))
 
 
+_SOFTPLUS = _const("softplus", lambda a: _drop_defaults(
+    {"beta": _num(a, "beta", 1.0), "threshold": _num(a, "threshold", 20.0)}, {"beta": 1.0, "threshold": 20.0}))
+_HARDTANH = _const("hardtanh", lambda a: _drop_defaults(
+    {"min_val": _num(a, "min_val", -1.0), "max_val": _num(a, "max_val", 1.0)}, {"min_val": -1.0, "max_val": 1.0}))
+_RELU6 = _const("hardtanh", lambda a: {"min_val": 0.0, "max_val": 6.0})  # F.relu6 is hardtanh(x, 0, 6)
+_LEAKY_RELU = _const("leaky_relu", lambda a: _drop_defaults(
+    {"negative_slope": _num(a, "negative_slope", 0.01)}, {"negative_slope": 0.01}))
+_ELU = _const("elu", lambda a: _drop_defaults({"alpha": _num(a, "alpha", 1.0)}, {"alpha": 1.0}))
 _UNARY = {
-    torch.relu: _const("relu", _no_fields), F.relu: _const("relu", _no_fields),
+    torch.relu: _const("relu", _no_fields), F.relu: _const("relu", _no_fields), torch.relu_: _const("relu", _no_fields),
     torch.sigmoid: _const("sigmoid", _no_fields), F.sigmoid: _const("sigmoid", _no_fields),
     torch.tanh: _const("tanh", _no_fields), F.tanh: _const("tanh", _no_fields),
     F.gelu: _gelu, F.silu: _const("silu", _no_fields), F.mish: _const("mish", _no_fields),
     F.hardswish: _const("hardswish", _no_fields), F.hardsigmoid: _const("hardsigmoid", _no_fields),
     torch.exp: _const("exp", _no_fields), torch.log: _const("log", _no_fields), torch.abs: _const("abs", _no_fields),
     torch.neg: _const("neg", _no_fields), operator.neg: _const("neg", _no_fields),
-    F.softplus: _const("softplus", lambda a, k: _drop_defaults(
-        {"beta": _num(a, k, "beta", 0, 1.0), "threshold": _num(a, k, "threshold", 1, 20.0)}, {"beta": 1.0, "threshold": 20.0})),
-    F.hardtanh: _const("hardtanh", lambda a, k: _drop_defaults(
-        {"min_val": _num(a, k, "min_val", 0, -1.0), "max_val": _num(a, k, "max_val", 1, 1.0)}, {"min_val": -1.0, "max_val": 1.0})),
-    F.leaky_relu: _const("leaky_relu", lambda a, k: _drop_defaults(
-        {"negative_slope": _num(a, k, "negative_slope", 0, 0.01)}, {"negative_slope": 0.01})),
-    F.elu: _const("elu", lambda a, k: _drop_defaults({"alpha": _num(a, k, "alpha", 0, 1.0)}, {"alpha": 1.0})),
+    F.softplus: _SOFTPLUS, F.hardtanh: _HARDTANH, F.hardtanh_: _HARDTANH, F.relu6: _RELU6,
+    F.leaky_relu: _LEAKY_RELU, F.leaky_relu_: _LEAKY_RELU, F.elu: _ELU, F.elu_: _ELU,
 }
 _UNARY_METHODS = {"relu": _UNARY[torch.relu], "sigmoid": _UNARY[torch.sigmoid], "tanh": _UNARY[torch.tanh],
                   "exp": _UNARY[torch.exp], "log": _UNARY[torch.log], "abs": _UNARY[torch.abs], "neg": _UNARY[torch.neg]}
+_UNARY_METHODS.update({f"{k}_": v for k, v in list(_UNARY_METHODS.items())})  # x.relu_(): in place
 _UNARY_MODULES = {
     nn.ReLU: lambda m: ("relu", {}), nn.Sigmoid: lambda m: ("sigmoid", {}), nn.Tanh: lambda m: ("tanh", {}),
     nn.GELU: lambda m: ("gelu_tanh" if m.approximate == "tanh" else "gelu", {}), nn.SiLU: lambda m: ("silu", {}),
@@ -1110,6 +1260,7 @@ _UNARY_MODULES = {
                                                        {"min_val": -1.0, "max_val": 1.0})),
     nn.LeakyReLU: lambda m: ("leaky_relu", _drop_defaults({"negative_slope": float(m.negative_slope)}, {"negative_slope": 0.01})),
     nn.ELU: lambda m: ("elu", _drop_defaults({"alpha": float(m.alpha)}, {"alpha": 1.0})),
+    nn.ReLU6: lambda m: ("hardtanh", {"min_val": 0.0, "max_val": 6.0}),
 }
 _REDUCTIONS = {torch.sum: "sum", torch.mean: "mean", torch.amax: "max", torch.amin: "min", torch.logsumexp: "logsumexp"}
 _REDUCTION_METHODS = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min", "logsumexp": "logsumexp"}
@@ -1123,10 +1274,12 @@ _POOLS = (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, 
 _BINARY = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
            torch.add: "add", torch.sub: "sub", torch.subtract: "sub", torch.mul: "mul", torch.multiply: "mul",
            torch.div: "div", torch.divide: "div", torch.true_divide: "div", torch.minimum: "minimum",
-           torch.maximum: "maximum", torch.min: "minimum", torch.max: "maximum"}
+           torch.maximum: "maximum", torch.min: "minimum", torch.max: "maximum",
+           operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div"}
 _BINARY_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "multiply": "mul", "subtract": "sub",
                    "divide": "div", "minimum": "minimum", "maximum": "maximum", "__add__": "add", "__sub__": "sub",
                    "__mul__": "mul", "__truediv__": "div"}
+_BINARY_METHODS.update({f"{k}_": v for k, v in list(_BINARY_METHODS.items()) if not k.startswith("_")})  # x.add_(y)
 
 
 def _elementwise_binary(n: fx.Node) -> bool:
@@ -1200,6 +1353,15 @@ def _init_of(p: torch.Tensor) -> str | float:
         if flat.numel() > 1:
             return v
     return "randn"
+
+
+def _path_reason(path: str) -> str | None:
+    """Why a submodule or parameter path of the model cannot name a member of the spec."""
+    if not PATH.match(path):
+        return "expected lower-case names: [a-z][a-z0-9_]*, parts of a path joined by dots"
+    if len(path) > (MAX_NAME if "." not in path else MAX_PATH):
+        return "too long"
+    return path_reason(path)
 
 
 def _shown_path(p: str) -> str:
@@ -1297,7 +1459,7 @@ def _check_spec(text: str, path: str, imp: Importer):
     has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in original.modules())
     batch = 2 if has_norm else 1  # batch statistics of one value are refused
     inputs = [torch.randn((batch,) + tuple(t.shape[1:]), generator=g, dtype=dtype) for t in imp.src.inputs]
-    train_ok = not any(isinstance(m, nn.Dropout) and m.p > 0 for m in original.modules())
+    train_ok = not any(o.op_name == "dropout" and o.p > 0 for o in pipe.ops)  # nn.Dropout or F.dropout: random
     for training in ([True] if train_ok else []) + [False]:
         a, b = copy.deepcopy(original).train(training), copy.deepcopy(reference).train(training)
         with torch.no_grad():
@@ -1312,7 +1474,9 @@ def _check_spec(text: str, path: str, imp: Importer):
             raise ImportFailed(f"{imp.src.shown}: the imported spec computes differently from the model ({mode} mode); "
                                "please report it")
         if training and has_norm:
-            for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+            theirs_after, ours_after = a.state_dict(), b.state_dict()
+            for k, va in theirs_after.items():
+                vb = ours_after[k]
                 if not torch.allclose(va.to(vb.dtype), vb, rtol=tol, atol=tol):
                     raise ImportFailed(f"{imp.src.shown}: the running statistics '{k}' update differently; please report it")
     return pipe

@@ -1300,7 +1300,7 @@ class Pipeline:
 
     def _param_member(self, name: str) -> Member:
         p = self.params[name]
-        return Member(name, (TensorArg(name, name, p.shape),), init=p.init)
+        return Member(name, (TensorArg.named(name, p.shape),), init=p.init)
 
     def tensor_args(self) -> list[TensorArg]:
         """Parameter tensors the op reads, in creation order (the functional forward's order)."""
@@ -1743,6 +1743,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
         if name in b.used and p.unused:
             raise SpecError(path, f"{p.key}.unused", f"parameter '{name}' is marked unused but an op reads it")
     known = set(b.modules) | set(spec.params)
+    _check_member_paths(b.modules, spec.params, path)
     for i, m in enumerate(spec.members):
         if m not in known:
             raise SpecError(path, f"constructor.members[{i}]", f"'{m}' is neither a submodule nor a parameter of the ops")
@@ -1775,6 +1776,21 @@ def build_pipeline(spec: Spec) -> Pipeline:
             raise SpecError(path, "params", f"parameter names '{arg.name}' and '{idents[arg.ident]}' collide as '{arg.ident}'")
         idents[arg.ident] = arg.name
     return pipe
+
+
+def _check_member_paths(modules: dict, params: dict, path: str) -> None:
+    """Submodules and parameters are leaves of the model's tree: no member lies inside another
+    (a parameter ``conv.scale`` inside the submodule ``conv``), since the model builds the
+    containers of a path (``layer1``, ``layer1.0``) as plain modules."""
+    members = {m: (f"{modules[m]}.name", "submodule") for m in modules}
+    members.update({n: (p.key, "parameter") for n, p in params.items()})
+    for name, (key, what) in members.items():
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            outer = ".".join(parts[:i])
+            if outer in members:
+                raise SpecError(path, key, f"{what} '{name}' lies inside the {members[outer][1]} '{outer}'; "
+                                "members of a nested model are leaves of its tree")
 
 
 def load_pipeline(path) -> Pipeline:

@@ -75,3 +75,29 @@ def value_reserved_reason(name: str) -> str | None:
     """Why ``name`` cannot name a value (an input or an op's result named with `as:`): the
     rules of parameters, except that the first input is conventionally `x`."""
     return None if name == "x" else reserved_reason(name)
+
+
+# A member path: a submodule or parameter of a nested model, as its state_dict prefix
+# (`layer1.0.conv1`): the first segment an attribute of the model, the others attributes
+# of submodules or the keys of nn.Sequential / nn.ModuleList ("0", "1", ...) and nn.ModuleDict.
+PATH_SEGMENT = re.compile(r"[a-z_][a-z0-9_]*\Z|[0-9]+\Z")
+
+
+def path_reason(path: str) -> str | None:
+    """Why ``path`` (``conv`` or ``layer1.0.conv1``) cannot name a submodule or parameter; None if it can.
+
+    A plain name follows ``reserved_reason``. In a dotted path each part is an attribute of
+    the model or a submodule (not a Python keyword, not an attribute of torch.nn.Module, which
+    the attribute would hide; the generated code reads it as ``self.layer1``), and the
+    identifier the generated code derives from the path (dots -> ``_``: ``layer1_0_conv1``)
+    follows ``reserved_reason``."""
+    if "." not in path:
+        return reserved_reason(path)
+    for seg in path.split("."):
+        if not PATH_SEGMENT.match(seg):
+            return f"a path with the part {seg!r} (expected [a-z_][a-z0-9_]* or digits)"
+        if keyword.iskeyword(seg) or seg in _module_attributes():
+            return f"a path with the part '{seg}', an attribute of torch.nn.Module or a Python keyword"
+    derived = path.replace(".", "_")
+    reason = reserved_reason(derived)
+    return f"a path whose identifier '{derived}' is {reason}" if reason else None

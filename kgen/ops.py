@@ -78,7 +78,7 @@ def _conv_fields(rank: int, transposed: bool) -> dict:
         "dilation": (f.ints(rank, 1), 1),
         "groups": (f.integer(1), 1),
         "bias": (f.boolean, True),
-        "name": (f.optional(f.ident), None),
+        "name": (f.optional(f.member_path), None),
     }
     if transposed:
         out["output_padding"] = (f.ints(rank, 0), 0)
@@ -155,7 +155,7 @@ def _check_momentum(v, key, path):
 # named with `as:`); `reverse` puts the operand on the left (operand - x).
 _OPERAND_FIELDS = {
     "scalar": (f.optional(f.number), None),
-    "param": (f.optional(f.ident), None),
+    "param": (f.optional(f.member_path), None),
     "tensor": (f.optional(f.value_name), None),
     "view": (f.optional(f.shape), None),
     "reverse": (f.boolean, False),
@@ -251,10 +251,10 @@ def _table() -> dict[str, OpDef]:
         OpDef("linear", "linear", {
             "out_features": (f.integer(1), REQUIRED),
             "bias": (f.boolean, True),
-            "name": (f.optional(f.ident), None),
+            "name": (f.optional(f.member_path), None),
         }, GEMM, "nn.Linear over the last dim (in full fp32, PyTorch's default); a submodule named `linear`"),
         OpDef("matmul", "linear", {
-            "param": (f.optional(f.ident), None),
+            "param": (f.optional(f.member_path), None),
             "tensor": (f.optional(f.value_name), None),
             "transpose": (f.boolean, False),
         }, GEMM, "torch.matmul(x, operand) with a 2-d parameter (transpose: operand.T) or a value (bmm)",
@@ -264,7 +264,7 @@ def _table() -> dict[str, OpDef]:
             "momentum": (_check_momentum, 0.1),
             "affine": (f.boolean, True),
             "track_running_stats": (f.boolean, True),
-            "name": (f.optional(f.ident), None),
+            "name": (f.optional(f.member_path), None),
         }, ATEN, "nn.BatchNormNd: batch statistics and the running-statistics update in training mode, the "
                  "running statistics in eval mode; a submodule named `batch_norm`"),
         OpDef("layer_norm", "layer_norm", {
@@ -272,7 +272,7 @@ def _table() -> dict[str, OpDef]:
             "eps": (f.number, 1e-5),
             "elementwise_affine": (f.boolean, True),
             "bias": (f.boolean, True),
-            "name": (f.optional(f.ident), None),
+            "name": (f.optional(f.member_path), None),
         }, ("layer_norm",) + ATEN, "nn.LayerNorm over the last dims; a submodule named `layer_norm`"),
         OpDef("reshape", "reshape", {"shape": (f.shape, REQUIRED)}, ATEN,
               "a view as [batch, *shape] (view, reshape, flatten, squeeze, unsqueeze); -1 once for the rest"),
@@ -313,13 +313,13 @@ def _table() -> dict[str, OpDef]:
             "num_groups": (f.integer(1), REQUIRED),
             "eps": (f.number, 1e-5),
             "affine": (f.boolean, True),
-            "name": (f.optional(f.ident), None),
+            "name": (f.optional(f.member_path), None),
         }, ("norm",), "nn.GroupNorm; a submodule named `group_norm`"),
         OpDef("instance_norm", "norm", {
             "eps": (f.number, 1e-5),
             "affine": (f.boolean, False),
             "track_running_stats": (f.boolean, False),
-            "name": (f.optional(f.ident), None),
+            "name": (f.optional(f.member_path), None),
         }, ("norm",), "nn.InstanceNormNd; a submodule named `instance_norm`", _check_instance_norm),
     ]
     for e in entries:

@@ -2,7 +2,8 @@
 
 Its submodules and parameters have the names, shapes and default
 initialization a hand-written model would have (``nn.Conv3d`` as ``conv``, a
-free parameter as a direct attribute), created in the reference's order
+free parameter as a direct attribute, a nested model's members at their paths
+``layer1.0.conv1`` in plain ``nn.Module`` containers), created in the reference's order
 (``Pipeline.members``), so with the same seed it initializes exactly like the
 hand-written model and ``state_dict``s load both ways. The generated module's
 ``Model`` creates the same members (rendered from the same list). Batch norm
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from .ir import Member, Pipeline
+from .runtime import set_member
 
 PARAM_INIT = {"randn": torch.randn, "ones": torch.ones, "zeros": torch.zeros}
 
@@ -31,9 +33,10 @@ def instantiate(member: Member) -> nn.Module | nn.Parameter:
 
 
 def add_members(module: nn.Module, pipeline: Pipeline) -> None:
-    """Create the submodules and free parameters of ``pipeline`` on ``module``, in order."""
+    """Create the submodules and free parameters of ``pipeline`` on ``module``, in order
+    (a nested member ``layer1.0.conv1`` with its containers)."""
     for m in pipeline.members():
-        setattr(module, m.attr, instantiate(m))
+        set_member(module, m.attr, instantiate(m))
 
 
 class ReferenceModel(nn.Module):

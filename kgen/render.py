@@ -64,10 +64,21 @@ def _environment() -> jinja2.Environment:
     env.filters["cfloat"] = cexpr.cfloat
     env.filters["pyrepr"] = repr  # checked values only: None, bools, numbers, tuples of them
     env.filters["at_dtype"] = lambda d: AT_DTYPES[d]
+    env.filters["member"] = member_expr  # a checked member path (kgen.fields.member_path)
     env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod, dropout_refusal=dropout_refusal,
                        fail=_fail, NO_DEFAULT=NO_DEFAULT, constructor_call=constructor_call, aten_call=aten_call,
                        aten_prelude=aten_prelude)
     return env
+
+
+def member_expr(path: str, root: str = "self") -> str:
+    """The Python expression of the member ``path`` of ``root`` (``getattr(self.layer1, "0").conv1``):
+    numbered children (nn.Sequential's "0", kgen.runtime.set_member's containers) are read with
+    getattr, names as attributes."""
+    expr = root
+    for part in path.split("."):
+        expr = f'getattr({expr}, "{part}")' if part[0].isdigit() else f"{expr}.{part}"
+    return expr
 
 
 def _fail(message: str):

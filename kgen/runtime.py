@@ -36,6 +36,25 @@ def load_library(module_file: str) -> str:
     return lib
 
 
+def set_member(root: torch.nn.Module, path: str, value) -> None:
+    """``root.<path> = value`` for a member path of a nested model (``layer1.0.conv1``): the
+    containers on the way (``layer1``, ``layer1.0``) are created as plain ``torch.nn.Module``s
+    where missing, so parameter names and state_dict keys are the path's. The reference model
+    and generated modules create their members through this."""
+    *outer, last = path.split(".")
+    owner = root
+    for part in outer:
+        child = owner._modules.get(part)
+        if child is None:
+            if hasattr(owner, part):
+                raise KgenError(f"cannot create the container '{part}' of {path}: "
+                                f"{type(owner).__name__} already has an attribute '{part}'")
+            child = torch.nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    setattr(owner, last, value)
+
+
 # op name -> (the spec's original pipeline, state_dict names of the op's parameter arguments)
 _PIPELINES: dict = {}
 

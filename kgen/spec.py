@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from .errors import KgenError, SpecError
-from .fields import MAX_NAME, REQUIRED, boolean, fail, ident, integer, number, show, size_ok, value_name
+from .fields import MAX_NAME, REQUIRED, boolean, fail, ident, integer, member_path, number, show, size_ok, value_name
 from .names import module_name_reason
 from .ops import INTERNAL, OPS, spec_op_names
 
@@ -355,7 +355,7 @@ def _load_constructor(raw, path):
     members = raw.get("members") or []
     if not isinstance(members, list) or len(members) > 1000:
         fail(path, "constructor.members", "expected a list of submodule and parameter names")
-    members = tuple(ident(m, f"constructor.members[{i}]", path) for i, m in enumerate(members))
+    members = tuple(member_path(m, f"constructor.members[{i}]", path) for i, m in enumerate(members))
     if len(set(members)) != len(members):
         fail(path, "constructor.members", "a name appears twice")
     return tuple(args), members, source
@@ -365,7 +365,7 @@ def _load_params(raw, path):
     params = {}
     for name, p in _mapping(raw or {}, "params", path).items():
         key = f"params.{name}"
-        ident(name, key, path)
+        member_path(name, key, path)
         _mapping(p, key, path)
         _no_extra(p, {"shape", "init", "unused"}, key, path)
         shape = p.get("shape")
