@@ -545,7 +545,7 @@ class Importer:
             self._interpolate(n, x, m.size, m.scale_factor, m.mode, m.align_corners, m.recompute_scale_factor)
         elif isinstance(m, (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d)):
             self._pad(n, x, list(m.padding), m.value)
-        elif isinstance(m, nn.Flatten):
+        elif isinstance(m, nn.Flatten):  # a view: its shape says what it keeps
             self._reshape(n, x)
         elif isinstance(m, nn.Dropout):
             self._emit(n, "dropout", {"p": float(m.p)}, src=x)
@@ -555,8 +555,6 @@ class Importer:
             self._emit(n, "softmax" if isinstance(m, nn.Softmax) else "log_softmax", {"dim": m.dim}, src=x)
         elif isinstance(m, nn.Identity):
             self._alias(n, x)
-        elif isinstance(m, nn.Flatten):  # a view: its shape says what it keeps
-            self._reshape(n, x)
         elif t in _UNARY_MODULES:
             kind, fields = _UNARY_MODULES[t](m)
             self._emit(n, kind, fields, src=x)
