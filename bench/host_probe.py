@@ -7,7 +7,7 @@ Per module, in us: the median host time of `model(x)` at batch 1 (the GPU far fr
 of the module's `forward(x, *params)` and of its op called below the autograd key (where the module's
 parameters are all its op's arguments after the inputs), of a `torch.add` and an empty_like (the host's own speed), one call with the queue drained before it at the
 example batch (what `kgen bench` counts: kgen.bench.time_call), and the time per call back to back
-(the GPU's own time). Models and inputs as `kgen bench` makes them (kgen.bench.models_and_inputs).
+(the GPU's own time); eager's (the reference model in float32) beside kgen's. Models and inputs as `kgen bench` makes them (kgen.bench.models_and_inputs).
 """
 import sys
 import time
@@ -48,7 +48,7 @@ def back_to_back_us(fn, n: int = 50) -> float:
 
 def probe(name: str) -> dict:
     d = Path(name) if "/" in name else Path("generated") / name
-    _, _, model, _, inputs = models_and_inputs(d, _spec_of(d))
+    _, _, model, ref, inputs = models_and_inputs(d, _spec_of(d))
     mod = import_module_dir(d)
     first = [t[:1].clone() for t in inputs]
     named = dict(model.named_parameters())
@@ -64,12 +64,15 @@ def probe(name: str) -> dict:
             parts = {"forward(x1, *p)": host_us(lambda: mod.forward(*first, *params)), "op below autograd": host_us(below)}
         return {
             "model(x1)": host_us(lambda: model(*first)),
+            "eager ref(x1)": host_us(lambda: ref(*first)),
             **parts,
             "add(x1, x1)": host_us(lambda: torch.add(first[0], first[0])),
             "empty_like(x1)": host_us(lambda: torch.empty_like(first[0])),
             "drained model(x)": time_in_blocks({"call": lambda: model(*inputs)}, 60, block=1)["call"] * 1e3,
             "drained model(x), blocks as kgen bench": time_in_blocks({"call": lambda: model(*inputs)}, 60)["call"] * 1e3,
             "back-to-back model(x)": back_to_back_us(lambda: model(*inputs)),
+            "drained eager ref(x)": time_in_blocks({"call": lambda: ref(*inputs)}, 60, block=1)["call"] * 1e3,
+            "back-to-back eager ref(x)": back_to_back_us(lambda: ref(*inputs)),
         }
 
 
