@@ -134,10 +134,20 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool, dtype: str = "f
                input=list(pipe.input.concrete(batch)), dtype=dtype)
     baseline = baseline and dtype == "float32"  # (16-bit plans run the ops as written: no rewrites to compare)
     with torch.no_grad():
-        compiled = torch.compile(ref)
-        timed = time_in_blocks({"eager_ms": lambda: ref(x, *others), "compile_ms": lambda: compiled(x, *others),
-                                "kgen_ms": lambda: model(x, *others)}, reps)
-        row.update(timed)
+        fns = {"eager_ms": lambda: ref(x, *others)}
+        compiled = None
+        try:
+            compiled = torch.compile(ref)
+            compiled(x, *others)  # compiles here: inductor may fail on a model eager runs
+            fns["compile_ms"] = lambda: compiled(x, *others)
+        except Exception as e:  # noqa: BLE001 - the row says so and the bench goes on
+            compiled, text = None, str(e).strip()
+            row["compile_error"] = f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}".rstrip(": ")
+            print(f"kgen: bench {row['name']}: torch.compile failed ({row['compile_error']}); timed without it", flush=True)
+            torch._dynamo.reset()
+        fns["kgen_ms"] = lambda: model(x, *others)
+        row.update(time_in_blocks(fns, reps))
+        row.setdefault("compile_ms", None)
         row["floor_ms"] = fused_floor_ms(pipe, batch, current())
         try:
             row["stages"] = stage_times(module_dir.name, pipe, model, x, *others, dtype=dtype)
@@ -225,7 +235,7 @@ def run_bench(module_dirs, spec_of, reps: int = 30, baseline: bool = True, dtype
                 continue
             row = bench_one(d, spec, reps, baseline, dtype)
             rows.append(row)
-            print(f"kgen: bench {row['name']}: eager {row['eager_ms']:.3f} ms, compile {row['compile_ms']:.3f} ms, "
+            print(f"kgen: bench {row['name']}: eager {row['eager_ms']:.3f} ms, compile {_f(row['compile_ms'])} ms, "
                   f"kgen {row['kgen_ms']:.3f} ms{'  SLOWER than eager' if slower(row) else ''}", flush=True)
     result = dict(environment=environment(), reps=reps, warmup=WARMUP, block=BLOCK, rows=rows)
     print(markdown_table(result))
@@ -234,6 +244,11 @@ def run_bench(module_dirs, spec_of, reps: int = 30, baseline: bool = True, dtype
 
 def _f(v, digits=3):
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _ratio(a, b) -> str:
+    """a / b as a speed-up, "-" where a was not measured (torch.compile failed)."""
+    return "-" if a is None else f"{a / b:.2f}x"
 
 
 def slower(row: dict) -> bool:
@@ -252,12 +267,15 @@ def markdown_table(result: dict) -> str:
         vs_eager = f"{r['eager_ms'] / r['kgen_ms']:.2f}x" + (" **slower**" if slower(r) else "")
         lines.append(
             f"| {r['name']} | {r.get('batch', '-')} | {_f(r['eager_ms'])} | {_f(r['compile_ms'])} | {_f(r.get('conv_ms'))} "
-            f"| {_f(r['kgen_ms'])} | {vs_eager} | {r['compile_ms'] / r['kgen_ms']:.2f}x | {_f(floor)} "
+            f"| {_f(r['kgen_ms'])} | {vs_eager} | {_ratio(r['compile_ms'], r['kgen_ms'])} | {_f(floor)} "
             f"| {ratio} | {_f(r.get('kgen_norewrite_ms'))} "
             f"| {_f(post_e)} | {_f(post_k)} | {'-' if not (post_e and post_k) else f'{post_e / post_k:.2f}x'} |"
         )
     behind = [r["name"] for r in result["rows"] if slower(r)]
     lines += ["", f"kgen slower than eager: {', '.join(behind)}" if behind else "kgen is at least as fast as eager on every row."]
+    failed = [f"{r['name']} ({r['compile_error']})" for r in result["rows"] if r.get("compile_error")]
+    if failed:
+        lines += ["", "torch.compile failed on: " + "; ".join(failed)]
     return "\n".join(lines)
 
 

@@ -81,7 +81,7 @@ def _pipelines(ax, rows) -> None:
     """Speedup over eager PyTorch of torch.compile and kgen, per pipeline (eager = 1)."""
     width = 0.38
     xs = range(len(rows))
-    ax.bar([i - width / 2 for i in xs], [r["eager_ms"] / r["compile_ms"] for r in rows], width, label="torch.compile", color="C1")
+    ax.bar([i - width / 2 for i in xs], [r["eager_ms"] / r["compile_ms"] if r["compile_ms"] else 0.0 for r in rows], width, label="torch.compile", color="C1")
     ax.bar([i + width / 2 for i in xs], [r["eager_ms"] / r["kgen_ms"] for r in rows], width, label="kgen",
            color=["C3" if r["kgen_ms"] > r["eager_ms"] else "C2" for r in rows])
     ax.axhline(1.0, color="k", lw=1.5, label="eager PyTorch")

@@ -436,6 +436,11 @@ def test_bench_table_marks_rows_slower_than_eager_and_gives_the_floor_ratio():
     assert "2.00x |" in fast and "slower" not in fast and "| 10.0x |" in fast  # 0.5 ms over a 0.05 ms floor
     assert "0.80x **slower**" in behind
     assert table.rstrip().endswith("kgen slower than eager: behind")
+    # a model inductor fails on: its row has no torch.compile time, and the table names the failure
+    failed = dict(_row("nocompile", 1.0, 0.5), compile_ms=None, compile_error="InductorError: AssertionError")
+    table = markdown_table(_bench_result([failed]))
+    row = next(line for line in table.splitlines() if line.startswith("| nocompile "))
+    assert "| 2.00x | - |" in row and "torch.compile failed on: nocompile (InductorError: AssertionError)" in table
 
 
 def test_plot_draws_a_png(tmp_path):
