@@ -30,6 +30,119 @@ inline dim3 sample_grid(unsigned per_sample, long long batch) {
 __device__ __forceinline__ long long grid_sample() { return static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y; }
 #endif
 
+// ---- 16-bit storage types: a stage of a bfloat16 or float16 plan reads and
+// writes these (its inputs, parameters and output), converts every load to
+// float and computes in float; each store rounds to nearest even, as PyTorch's
+// conversion does (NaN stays NaN; a float16 store beyond its range is +-inf).
+// One small type for both builds, so the Args struct a binding fills (host
+// compiler) and the kernels read (nvcc) agree: the CUDA path converts with
+// the hardware's cvt instructions, the C++ path with the same rounding in
+// integer arithmetic. A load converts implicitly (operator float), a store
+// through operator=(float); there is no implicit float -> 16-bit conversion,
+// so `cond ? x16 : 0.f` is a float expression.
+KGEN_HD uint32_t float_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+KGEN_HD float bits_float(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// float -> bfloat16 bits, round to nearest even; NaN -> a quiet NaN.
+KGEN_HD uint16_t bfloat16_bits(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+#else
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
+}
+
+// float -> float16 bits, round to nearest even; beyond the largest finite value
+// (65504, with ties at 65520 to even) +-inf; NaN -> a quiet NaN.
+KGEN_HD uint16_t float16_bits(float f) {
+#ifdef __CUDA_ARCH__
+  uint16_t r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+#else
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u, x = u & 0x7fffffffu;
+  if (x > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 (inf included): inf
+  if (x >= 0x38800000u) {  // normal in float16 (>= 2^-14): rebias the exponent, drop 13 bits
+    const uint32_t h = (x - 0x38000000u) >> 13, rest = x & 0x1fffu;
+    return static_cast<uint16_t>(sign | (h + (rest > 0x1000u || (rest == 0x1000u && (h & 1u)))));
+  }
+  const uint32_t e = x >> 23;  // subnormal in float16: k units of 2^-24
+  if (e < 102) return static_cast<uint16_t>(sign);  // below 2^-25: rounds to zero
+  const uint32_t m = (x & 0x7fffffu) | 0x800000u, shift = 126 - e;  // |f| = m * 2^(e - 150)
+  const uint32_t k = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  return static_cast<uint16_t>(sign | (k + (rest > half || (rest == half && (k & 1u)))));
+#endif
+}
+
+KGEN_HD float bfloat16_value(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+
+KGEN_HD float float16_value(uint16_t h) {
+#ifdef __CUDA_ARCH__
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return bits_float(sign | 0x7f800000u | (m << 13));  // inf, NaN
+  if (e == 0) {  // zero or subnormal: m units of 2^-24 (exact in float)
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+
+struct alignas(2) bfloat16 {
+  uint16_t bits;
+  KGEN_HD operator float() const { return bfloat16_value(bits); }
+  KGEN_HD bfloat16& operator=(float f) {
+    bits = bfloat16_bits(f);
+    return *this;
+  }
+};
+
+struct alignas(2) float16 {
+  uint16_t bits;
+  KGEN_HD operator float() const { return float16_value(bits); }
+  KGEN_HD float16& operator=(float f) {
+    bits = float16_bits(f);
+    return *this;
+  }
+};
+
+// The conversions by name (vector loads and stores, workspaces of the stage's dtype).
+KGEN_HD float to_float(float x) { return x; }
+KGEN_HD float to_float(bfloat16 x) { return bfloat16_value(x.bits); }
+KGEN_HD float to_float(float16 x) { return float16_value(x.bits); }
+template <class T>
+KGEN_HD T from_float(float f) {
+  T r;
+  r = f;
+  return r;
+}
+
 // Tests NaN without std::isnan, which device code does not have.
 KGEN_HD bool is_nan(float x) { return x != x; }
 

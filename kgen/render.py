@@ -41,6 +41,8 @@ TEMPLATES = Path(str(importlib.resources.files("kgen") / "templates"))
 SHARED_FILES = ("kgen_math.h", "kgen_runtime.h", "kgen_launch.cuh", "conv_gemm/conv_gemm.cuh", "conv_gemm/wgmma.cuh", "conv_gemm/phase_pool.cuh",
                 "conv_gemm/pool_ring.cuh", "linear_gemm/gemm3xtf32.cuh")
 AT_DTYPES = {"float32": "at::kFloat", "bfloat16": "at::kBFloat16", "float16": "at::kHalf"}  # a spec's dtype in C++
+# the element type a generated stage of a plan in the dtype reads and writes (kgen_math.h's 16-bit types)
+C_TYPES = {"float32": "float", "bfloat16": "kgen::bfloat16", "float16": "kgen::float16"}
 MODULE_FILES = {  # output file -> shared template; a family's piece of it: templates/<family>/<piece>.j2
     "stages.h": "stages.h.j2",
     "kernel.cu": "kernel.cu.j2",
@@ -64,6 +66,7 @@ def _environment() -> jinja2.Environment:
     env.filters["cfloat"] = cexpr.cfloat
     env.filters["pyrepr"] = repr  # checked values only: None, bools, numbers, tuples of them
     env.filters["at_dtype"] = lambda d: AT_DTYPES[d]
+    env.filters["ctype"] = lambda d: C_TYPES[d]
     env.filters["member"] = member_expr  # a checked member path (kgen.fields.member_path)
     env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod, dropout_refusal=dropout_refusal,
                        fail=_fail, NO_DEFAULT=NO_DEFAULT, constructor_call=constructor_call, aten_call=aten_call,

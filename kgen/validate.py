@@ -46,6 +46,7 @@ from .plan import Selection, choose_plans, stage_op_name
 from .reference import ReferenceModel
 
 POISON_BITS = 0x7FDEAD00  # kgen_runtime.h: kPoisonBits
+POISON_BITS16 = 0x7FDE  # kgen_runtime.h: kPoisonBits16 (16-bit outputs)
 
 # (relative L2 error, max abs error / max |reference|) allowed per precision
 TOLERANCES = {
@@ -151,11 +152,11 @@ def compare(
     # minute and more of a KernelBench problem's validation.
     dev = out.device
     out, ref = out.detach(), ref.detach().to(dev)
-    if dtype == torch.float32:  # (16-bit outputs come from ATen's calls for now: nothing poisons them)
-        unwritten = int((out.contiguous().view(torch.int32) == POISON_BITS).sum())
-        if unwritten:
-            return CaseResult(case, math.inf, math.inf, False, f"{unwritten} output elements were never written")
-    else:  # beyond the dtype's range the exact result rounds to an infinity, as eager's does (float16 overflow)
+    bits = out.contiguous().view(torch.int32) == POISON_BITS if dtype == torch.float32 else out.contiguous().view(torch.int16) == POISON_BITS16
+    unwritten = int(bits.sum())
+    if unwritten:
+        return CaseResult(case, math.inf, math.inf, False, f"{unwritten} output elements were never written")
+    if dtype != torch.float32:  # beyond the dtype's range the exact result rounds to an infinity, as eager's does (float16 overflow)
         rounded = ref.to(dtype)
         ref = torch.where(torch.isinf(rounded) & torch.isfinite(ref), rounded.double(), ref)
     o, r = out.double(), ref.double()
@@ -660,26 +661,32 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
     with torch.no_grad():
         tensors = [plan.pipeline.with_stage_tensors(state) for plan in sel.plans]  # and the tensors each plan's op derives or makes
         for i, plan, st in stages:
-            params = tensors[i]
+            # a 16-bit plan's stage: its input, parameters and values in the dtype, the reference on the same rounded
+            # values, 16-bit tolerances (DTYPE_TOLERANCES)
+            dtype = sel.variants[i].dtype
+            dt = TORCH_DTYPES[dtype]
+            params = tensors[i] if dtype == "float32" else {n: p.to(dt) if p.is_floating_point() else p for n, p in tensors[i].items()}
             stage_op = getattr(torch.ops.kgen, stage_op_name(name, i, count, st.index))
             args = [params[a.name].to(device) for a in plan.stage_args(st)]
             names = plan.stage_values(st)
             # values that are the stage's input itself: named inside it, or the value it starts from
             inside = {op.name for op in st.ops if isinstance(op, Capture)} | ({st.ops[0].src} if st.ops and st.ops[0].src else set())
             for label, x in stage_cases(st.in_type, ref_device):
-                vals = {n: x if n in inside else _randn(plan.pipeline.values[n].concrete(x.shape[0]), 40 + k, ref_device)
+                x = x.to(dt)
+                vals = {n: x if n in inside else _randn(plan.pipeline.values[n].concrete(x.shape[0]), 40 + k, ref_device).to(dt)
                         for k, n in enumerate(names)}
                 source = {st.ops[0].src: x} if st.ops and st.ops[0].src else {}  # the value the stage reads
                 tiles = [t.to(device) for t in pack_buffer(st.input, x)]
                 vargs = [vals[n].to(device) for n in names]
-                results.append(_case(
+                results.append(replace(_case(
                     f"stage {st.index}{'' if count == 1 else f' of plan {i}'}: {label}",
                     lambda: stage_op(tiles, *args, *vargs),
                     lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()},
                                                {n: v.double() for n, v in {**vals, **source}.items()}),
-                    lambda: _run_ops(st.ops, x, params, torch.float32, {**vals, **source}),
-                    TOLERANCES[stage_precision(st, device)],
-                ))
+                    lambda: _run_ops(st.ops, x, params, dt, {**vals, **source}),
+                    TOLERANCES[stage_precision(st, device)] if dtype == "float32" else DTYPE_TOLERANCES[dtype],
+                    dt,
+                ), dtype=dtype))
     return results
 
 

@@ -135,6 +135,7 @@ inline void check_arg(const char* op, const char* name, const at::Tensor& t, at:
 // KGEN_POISON_OUTPUTS=1 (kgen validate sets it): an element no kernel wrote
 // keeps it, and validation looks for it.
 constexpr int32_t kPoisonBits = 0x7FDEAD00;
+constexpr int16_t kPoisonBits16 = 0x7FDE;  // a NaN as bfloat16 and as float16 (16-bit outputs)
 
 inline bool poison_enabled() {
   const char* v = std::getenv("KGEN_POISON_OUTPUTS");
@@ -145,6 +146,7 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options)
   at::Tensor t = at::empty(sizes, options);
   if (poison_enabled()) {
     if (t.scalar_type() == at::kDouble) t.fill_(std::numeric_limits<double>::quiet_NaN());
+    else if (t.element_size() == 2) t.view(at::kShort).fill_(kPoisonBits16);
     else t.view(at::kInt).fill_(kPoisonBits);
   }
   return t;
@@ -235,17 +237,28 @@ inline int cuda_splits(long long blocks, int sm_count, int blocks_per_sm, long l
   return splits < 1 ? 1 : static_cast<int>(splits);
 }
 
-// The pointer of a buffer a fused stage reads, after checking that it has the
-// sizes and strides the kernel was specialized for.
-inline const float* tile_ptr(const char* op, const char* what, const at::Tensor& t, const at::Tensor& like,
-                             at::IntArrayRef sizes, at::IntArrayRef strides) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == like.device(), op, ": ", what, " must be float32 on ",
+// A tensor's data as T, the element type of a generated stage in `type` (float, or kgen_math.h's
+// kgen::bfloat16 / kgen::float16 for at::kBFloat16 / at::kHalf: the same bits).
+template <typename T>
+T* data_as(const at::Tensor& t, at::ScalarType type) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "a stage's element type is float or a 16-bit type");
+  TORCH_CHECK(t.scalar_type() == type && at::elementSize(type) == sizeof(T), "kgen: expected a ", dtype_name(type),
+              " tensor, got ", dtype_name(t.scalar_type()));
+  return static_cast<T*>(t.data_ptr());
+}
+
+// The pointer of a buffer a fused stage reads (elements T, of dtype `type`), after checking that it
+// has the sizes and strides the kernel was specialized for.
+template <typename T = float>
+inline const T* tile_ptr(const char* op, const char* what, const at::Tensor& t, const at::Tensor& like,
+                         at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType type = at::kFloat) {
+  TORCH_CHECK(t.scalar_type() == type && t.device() == like.device(), op, ": ", what, " must be ", dtype_name(type), " on ",
               like.device());
   TORCH_CHECK(t.sizes() == sizes, op, ": ", what, " must have shape ", shape_str(sizes), ", got ", shape_str(t.sizes()));
   bool ok = true;
   for (int64_t d = 0; d < t.dim(); ++d) ok = ok && (t.size(d) == 1 || t.stride(d) == strides[d]);
   TORCH_CHECK(ok, op, ": ", what, " must have strides ", strides, ", got ", t.strides());
-  return t.data_ptr<float>();
+  return data_as<T>(t, type);
 }
 
 inline at::Tensor narrow_spatial(const at::Tensor& x, at::IntArrayRef extent) {

@@ -23,7 +23,7 @@ ops:
   - max_pool2d: {kernel_size: 2}
 """
 
-# every op ATen-backed: in 16 bits kgen's own stages (linear_aten, aten) compute it, not only the eager plan
+# ATen-backed ops and a softmax: in 16 bits kgen's own stages (linear_aten, aten, softmax) compute it, not only the eager plan
 ATEN_SPEC = """
 name: dt_linear_bn
 input:
@@ -93,7 +93,9 @@ def test_float32_specs_keep_their_data_and_hash(path):
 # ------------------------------------------------------------ the plans
 
 
-def test_a_plan_per_dtype_and_why_16_bit_is_eager():
+def test_a_plan_per_dtype_and_why_16_bit_convolutions_are_atens():
+    """The fused families compute 16 bits (tests/test_half_families.py); the generated convolution does not
+    yet, so a 16-bit convolution is eager's own cuDNN call (conv_aten), and the pool after it is kgen's."""
     from kgen.explain import explain_text
     from kgen.plan import choose_plans
 
@@ -102,10 +104,10 @@ def test_a_plan_per_dtype_and_why_16_bit_is_eager():
     assert sel.dtypes == ["float32", "bfloat16"]
     (f32,) = [v for v in sel.variants if v.dtype == "float32"]
     (b16,) = [v for v in sel.variants if v.dtype == "bfloat16"]
-    assert not f32.plan.eager and b16.plan.eager
-    assert any("pool_reduce declined (no bfloat16 kernels yet)" in n for n in sel.notes)
+    assert not f32.plan.eager and not b16.plan.eager
+    assert [s.family.name for s in b16.plan.stages] == ["conv_aten", "pool_reduce"]
     text = explain_text(pipe, dtype="bfloat16")
-    assert "no bfloat16 kernels yet" in text and "eager (the spec's ops through ATen)" in text
+    assert "conv_gemm declined (no bfloat16 kernels yet)" in text and "eager (the spec's ops through ATen)" in text
 
 
 def test_16_bit_plans_of_aten_backed_stages():
@@ -115,7 +117,7 @@ def test_16_bit_plans_of_aten_backed_stages():
     for dtype in ("float16", "bfloat16"):
         (v,) = [v for v in sel.variants if v.dtype == dtype]
         assert not v.plan.eager
-        assert [s.family.name for s in v.plan.stages] == ["linear_aten", "aten", "aten"]
+        assert [s.family.name for s in v.plan.stages] == ["linear_aten", "aten", "softmax"]
         assert all(not d.fired for d in v.plan.decisions)  # the ops as written
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from ..buffer import flat_buffer
 from ..ir import Elementwise, LayerNorm
+from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest, fused_stage_json, group_words, index_type, input_words, pow2_ceil, split_around
 
@@ -48,6 +49,7 @@ WARP = 32
 WARP_ROW_VALUES = 256  # rows up to this long: a warp (or part of one) per row; longer rows: a block per row
 MAX_ROW_VALUES = 1024  # longest row held in registers (at most 4 values per thread of a block); longer: declined
 VECTOR_WIDTHS = (4, 2, 1)  # floats per load, widest first (float4, float2, float)
+VECTOR_WIDTHS_16 = (8, 4, 2, 1)  # 16-bit values per load: 16-byte vectors too
 VALUES_IN_FLIGHT = 8  # values a thread loads before it uses any (several rows when rows are short)
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 
@@ -56,7 +58,7 @@ CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 class Schedule:
     cuda_threads: int  # threads per block
     row_threads: int  # threads that share one row: a power of two up to a warp, or the whole block
-    vector: int  # floats per load and store (1 where the input is not a plain tensor or rows do not divide)
+    vector: int  # values per load and store (1 where the input is not a plain tensor or rows do not divide)
     rows_in_flight: int  # rows a thread group holds at once (their loads issued together)
     cpu_grain: int  # rows per ATen task on the CPU
     index_type: str  # of per-sample indices: int when they fit in 32 bits
@@ -68,6 +70,7 @@ class LayerNormStage(Stage):
     norm: LayerNorm = None
     post: list[Elementwise] = field(default_factory=list)  # after the norm (and its affine part)
     schedule: Schedule = None
+    value_bytes: int = 4  # bytes per value of its input and output (2: a 16-bit plan's)
 
     @property
     def row_size(self) -> int:
@@ -91,6 +94,7 @@ def row_size(op: LayerNorm) -> int:
 
 class LayerNormFamily(Family):
     name = "layer_norm"
+    dtypes = DTYPES  # 16-bit: loads converted to float, float arithmetic and statistics, stores rounded
     stage_kind = "layer_norm"
     generates_kernel = True
     reads_channels_last = False  # a row's values lie a channel count apart in channels_last
@@ -116,10 +120,12 @@ class LayerNormFamily(Family):
         types = req.types
         st = LayerNormStage(req.index, list(req.ops), types[0], types[-1], input=req.input, output=flat_buffer(types[-1]))
         st.prologue, st.norm, st.post = split_around(req.ops, lambda op: isinstance(op, LayerNorm))
+        st.value_bytes = 4 if req.dtype == "float32" else 2
         r = st.row_size
         row_threads = min(WARP, pow2_ceil(r)) if r <= WARP_ROW_VALUES else CUDA_THREADS
         # whole vectors per thread, and a plain tensor: row starts are then multiples of the vector
-        vector = next(v for v in VECTOR_WIDTHS if v == 1 or (st.input.flat and r % (row_threads * v) == 0))
+        widths = VECTOR_WIDTHS if req.dtype == "float32" else VECTOR_WIDTHS_16
+        vector = next(v for v in widths if v == 1 or (st.input.flat and r % (row_threads * v) == 0))
         per_thread = -(-r // (row_threads * vector)) * vector  # values a thread holds of one row
         st.schedule = Schedule(
             cuda_threads=CUDA_THREADS,
@@ -136,7 +142,8 @@ class LayerNormFamily(Family):
         r = st.row_size
         per_thread = -(-r // (sc.row_threads * sc.vector)) * sc.vector
         who = group_words(sc.row_threads, sc.cuda_threads, "row", WARP)
-        loads = {4: "float4", 2: "float2", 1: "scalar"}[sc.vector] + " loads"
+        loads = ({4: "float4", 2: "float2", 1: "scalar"}[sc.vector] if st.value_bytes == 4 else
+                 {8: "16-byte", 4: "8-byte", 2: "4-byte", 1: "scalar"}[sc.vector]) + " loads"
         source = input_words(st.input)
         if not st.input.phased and not st.input.flat and st.input.layout == "channels_last":
             source += " (a row's values a channel count apart)"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..buffer import flat_buffer
 from ..ir import Elementwise, Norm, Reduce
+from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
 from .base import FLOAT_BYTES, Family, StageRequest, Work, fused_stage_json, index_type, target_blocks_per_sm, typed_ops
@@ -66,6 +67,7 @@ class NormStage(Stage):
 
 class NormFamily(Family):
     name = "norm"
+    dtypes = DTYPES  # 16-bit: loads converted to float, float arithmetic and statistics, stores rounded
     stage_kind = "norm"
     generates_kernel = True
     pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")

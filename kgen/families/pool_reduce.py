@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..buffer import flat_buffer
 from ..ir import Elementwise, Pool, Reduce, TensorType
+from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest, fused_stage_json, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
 
@@ -109,6 +110,7 @@ def _clipped(pool: Pool, L: int, O: int, d: int) -> bool:
 
 class PoolReduce(Family):
     name = "pool_reduce"
+    dtypes = DTYPES  # 16-bit: loads converted to float, float arithmetic and statistics, stores rounded
     stage_kind = "pool_reduce"
     generates_kernel = True
     reads_channels_last = True  # measured on the H100: docs/performance.md

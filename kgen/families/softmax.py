@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 
 from ..buffer import flat_buffer
 from ..ir import Elementwise, Op, Reduce, Softmax
+from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
 from .base import (Family, StageRequest, Work, fused_stage_json, group_words, index_type, input_words, pow2_ceil,
@@ -135,6 +136,7 @@ def per_thread(st: SoftmaxStage) -> int:
 
 class SoftmaxFamily(Family):
     name = "softmax"
+    dtypes = DTYPES  # 16-bit: loads converted to float, float arithmetic and statistics, stores rounded
     stage_kind = "softmax"
     generates_kernel = True
     reads_channels_last = False  # a column's values are adjacent in channels_last, neighbouring threads' C apart
