@@ -1570,14 +1570,17 @@ def instance_source(model: nn.Module, example_inputs) -> Source:
     cls = type(model)
 
     def file_of(c):
+        """The file of the class's forward (its code's own file: a class whose module is not in
+        sys.modules has no file to inspect)."""
         try:
-            return inspect.getsourcefile(c)
-        except (TypeError, OSError):  # a class defined in the interpreter
+            return inspect.getsourcefile(getattr(c, "forward", c))
+        except (TypeError, OSError):  # defined in the interpreter
             return None
 
     file = file_of(cls) or f"<{cls.__name__}>"
-    files = tuple(sorted({f for m in model.modules() if not type(m).__module__.startswith("torch.")
-                          for f in [file_of(type(m))] if f}))
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    files = tuple(sorted({f for m in model.modules() for f in [file_of(type(m))]
+                          if f and not str(Path(f).resolve()).startswith(torch_dir)}))  # the user's own
     shown = f"{cls.__name__} ({_shown_path(file)})" if not file.startswith("<") else cls.__name__
     if not example_inputs:
         raise ImportFailed(f"{shown}: kgen.compile needs example inputs (model, *example_inputs)")
