@@ -43,6 +43,7 @@ from torch import nn
 from .errors import KgenError, one_line
 from .fields import IDENT, MAX_NAME, MAX_PATH, PATH
 from .names import module_name_reason, path_reason, reserved_reason
+from .spec import DTYPES
 
 MAX_CHECKED_PARAMS = 2**26  # parameter elements up to which the equivalence check runs in float64 (else float32)
 MAX_REAL_PARAMS = 2**28  # parameter elements up to which the model is built for real to check its init and output
@@ -65,6 +66,10 @@ class Source:
     file: str  # the file its forward is in (for file:line in errors)
     shown: str  # how the spec and messages name it
     stem: str
+    # kgen.compile: the live model (its constructor arguments unknown; its weights are its own) and
+    # the files of its modules' classes besides ``file`` (a call in any of them is the user's line)
+    instance: nn.Module | None = None
+    files: tuple = ()
 
 
 def load_source(source: str, input_shapes: list[tuple[int, ...]] | None = None) -> Source:
@@ -155,6 +160,21 @@ def _registrations(events: list):
 # ------------------------------------------------------------------ the importer
 
 
+class _StackTracer(fx.Tracer):
+    """torch.fx's tracer, each node's stack trace (from forward on) recorded with Python's traceback
+    module: torch's own recording (``record_stack_traces``) imports torch._dynamo on first use, 1.5-3 s
+    on a CPU machine, most of a cached ``kgen.compile`` in a new process."""
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        stack = traceback.extract_stack()
+        first = next((i for i, f in enumerate(stack) if f.name == "forward"), None)
+        if first is not None:
+            node.stack_trace = "".join(traceback.StackSummary.from_list(stack[first:]).format()).strip()
+        return node
+
+
+
 @dataclass(frozen=True)
 class _Other:
     """A traced result that is not a tensor (a size, a device, a tuple of tensors)."""
@@ -221,6 +241,31 @@ class Importer:
     # ---------------------------------------------------------------- construction
 
     def _construct(self) -> None:
+        if self.src.instance is not None:
+            self._adopt()
+            self._check_inputs(DTYPES)
+        else:
+            self._build()
+            self._check_inputs(("float32",))
+
+    def _adopt(self) -> None:
+        """kgen.compile: the instance's copy on the meta device, traced and shaped without memory (each
+        parameter and buffer replaced by an empty float32 one, so the float32 shape inputs fit; the
+        instance keeps its own). Its weights are not drawn: the compiled module takes the instance's."""
+        inst = self.src.instance
+        memo = {}
+        for t in list(inst.parameters()) + list(inst.buffers()):
+            meta = torch.empty_like(t, device="meta", dtype=torch.float32 if t.is_floating_point() else t.dtype)
+            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        try:
+            self.model = copy.deepcopy(inst, memo)
+        except Exception as e:  # noqa: BLE001 - a member deepcopy refuses (a lock, a file handle)
+            raise ImportFailed(f"{self.src.shown}: the model cannot be copied to trace it: {type(e).__name__}: "
+                               f"{one_line(e, 200)}") from None
+        self.numel = sum(p.numel() for p in inst.parameters())
+        self.device = "meta"
+
+    def _build(self) -> None:
         """The model on the meta device (traced and shaped without memory), and built for real
         below if it is not huge; a model whose __init__ needs values (``.item()``) is built on
         the CPU and traced as it is. The order in which parameters and buffers are registered
@@ -251,10 +296,14 @@ class Importer:
         self.device = "meta" if on_meta else "cpu"
         paths = {id(m): p for p, m in self.model.named_modules()}
         self.creation = [(paths[id(m)], name) for m, name in events if id(m) in paths]
+
+    def _check_inputs(self, dtypes) -> None:
+        """Tensors of one of ``dtypes`` (all the same), 2 to 5 dims, the batch first and the same in each."""
         for t in self.src.inputs:
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-                raise ImportFailed(f"{self.src.shown}: every input must be a float32 tensor, got "
-                                   f"{getattr(t, 'dtype', type(t).__name__)}")
+            if not isinstance(t, torch.Tensor) or str(t.dtype).removeprefix("torch.") not in dtypes or \
+                    t.dtype != self.src.inputs[0].dtype:
+                raise ImportFailed(f"{self.src.shown}: every input must be a {' or '.join(dtypes)} tensor (all of one "
+                                   f"dtype), got {getattr(t, 'dtype', type(t).__name__)}")
             if t.dim() < 2 or t.dim() > 5:
                 raise ImportFailed(f"{self.src.shown}: inputs must have 2 to 5 dims (batch first), got shape {list(t.shape)}")
         batches = {t.shape[0] for t in self.src.inputs}
@@ -265,8 +314,7 @@ class Importer:
         self.batch = batches.pop()
 
     def _trace(self) -> None:
-        tracer = fx.Tracer()
-        tracer.record_stack_traces = True
+        tracer = _StackTracer()
         try:
             graph = tracer.trace(self.model)
         except Exception as e:  # noqa: BLE001 - control flow on values, unsupported Python
@@ -281,7 +329,8 @@ class Importer:
         values for sizes; a size that follows the batch is the batch."""
         meta = self.gm.eval()
         for batch, out in ((self.batch, self.shapes), (self.batch + 1, self.shapes2)):
-            inputs = [torch.randn((batch,) + tuple(t.shape[1:]), device=self.device) for t in self.src.inputs]
+            make = torch.empty if self.device == "meta" else torch.randn  # meta: no values (randn costs 0.3 s there once)
+            inputs = [make((batch,) + tuple(t.shape[1:]), device=self.device) for t in self.src.inputs]
             recorder = self
 
             class Shapes(fx.Interpreter):
@@ -1022,12 +1071,15 @@ class Importer:
         shapes = {v.name: [batch] + list(self.shapes[v.node][1:]) for v in inputs}
         data = {"name": self.name,
                 "description": f"Imported by `kgen import` from {self.src.shown} (class {self.src.cls.__name__}).\n"}
+        dtype = str(self.src.inputs[0].dtype).removeprefix("torch.")
+        typed = {} if dtype == "float32" else {"dtype": dtype}  # kgen.compile of a 16-bit model
         if len(inputs) == 1 and inputs[0].name == "x":
-            data["input"] = {"shape": shapes["x"], "example": {batch: self.batch}}
+            data["input"] = {"shape": shapes["x"], **typed, "example": {batch: self.batch}}
         else:
-            data["inputs"] = {n: {"shape": s} for n, s in shapes.items()}
+            data["inputs"] = {n: {"shape": s, **typed} for n, s in shapes.items()}
             data["example"] = {batch: self.batch}
-        data["constructor"] = self._constructor()
+        if self.src.instance is None:  # an instance's Model() takes no arguments: its weights come with it
+            data["constructor"] = self._constructor()
         if self.params:
             data["params"] = {n: {k: self.params[n][k] for k in ("shape", "init", "unused") if k in self.params[n]}
                               for n in self.params}
@@ -1104,10 +1156,10 @@ class Importer:
         st = n.meta.get("stack_trace") or ""
         found = None
         lines = st.splitlines()
-        target = str(Path(self.src.file).resolve())
+        targets = {str(Path(f).resolve()) for f in (self.src.file, *self.src.files)}
         for i, line in enumerate(lines):
             m = re.match(r'\s*File "(.+)", line (\d+)', line)
-            if m and str(Path(m.group(1)).resolve()) == target:
+            if m and str(Path(m.group(1)).resolve()) in targets:
                 code = lines[i + 1].strip() if i + 1 < len(lines) else ""
                 found = (m.group(1), int(m.group(2)), code)
         return found
@@ -1505,3 +1557,94 @@ def import_model(source: str, name: str | None = None, input_shapes=None, out_di
     except OSError as e:
         raise KgenError(f"{name}: cannot write {e.filename or path}: {e.strerror or e}") from None
     return path
+
+
+# ------------------------------------------------------------------ a live instance (kgen.compile)
+
+
+def instance_source(model: nn.Module, example_inputs) -> Source:
+    """The Source of a live model: its class, the example inputs' shapes and dtype (batch first),
+    and the files of its own module classes (for file:line in errors)."""
+    if not isinstance(model, nn.Module):
+        raise ImportFailed(f"kgen.compile takes an nn.Module, got {type(model).__name__}")
+    cls = type(model)
+
+    def file_of(c):
+        """The file of the class's forward (its code's own file: a class whose module is not in
+        sys.modules has no file to inspect)."""
+        try:
+            return inspect.getsourcefile(getattr(c, "forward", c))
+        except (TypeError, OSError):  # defined in the interpreter
+            return None
+
+    file = file_of(cls) or f"<{cls.__name__}>"
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    files = tuple(sorted({f for m in model.modules() for f in [file_of(type(m))]
+                          if f and not str(Path(f).resolve()).startswith(torch_dir)}))  # the user's own
+    shown = f"{cls.__name__} ({_shown_path(file)})" if not file.startswith("<") else cls.__name__
+    if not example_inputs:
+        raise ImportFailed(f"{shown}: kgen.compile needs example inputs (model, *example_inputs)")
+    for i, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor):
+            raise ImportFailed(f"{shown}: example input {i} is a {type(t).__name__}, not a tensor")
+    modes = {m.training for m in model.modules()}
+    if len(modes) > 1:
+        raise ImportFailed(f"{shown}: some submodules are in training mode and others in eval mode; kgen runs the "
+                           "whole model in one mode (call .train() or .eval() on the model first)")
+    inputs = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in example_inputs]
+    return Source(cls, [], inputs, file, shown, cls.__name__, instance=model, files=files)
+
+
+def import_instance(src: Source, name: str) -> tuple[Importer, dict]:
+    """The spec data of a live model (``instance_source``): no constructor (the generated Model() takes no
+    arguments), free parameters drawn with randn (the instance's weights replace them)."""
+    imp = Importer(src, name)
+    data = imp.run()
+    data["description"] = f"Compiled by kgen.compile from {src.shown}.\n"
+    return imp, data
+
+
+def check_instance(text: str, path: str, imp: Importer):
+    """The spec loads and plans, and the model built from it with the instance's state_dict (strict)
+    computes what the instance computes: float64 copies (float32 for huge models) on the instance's
+    device, in the instance's mode and then the other one (not training mode with a dropout), the
+    running statistics updated alike. Returns the pipeline."""
+    from .reference import ReferenceModel
+
+    pipe = _check_spec(text, path, imp)  # without the model's values (imp.real is None): loads and plans
+    inst = imp.src.instance
+    shown = imp.src.shown
+    device = next((t.device for t in [*inst.parameters(), *inst.buffers()]), torch.device("cpu"))
+    dtype = torch.float32 if imp.numel > MAX_CHECKED_PARAMS else torch.float64
+    reference = ReferenceModel(pipe)
+    try:
+        reference.load_state_dict(inst.state_dict(), strict=True)
+    except RuntimeError as e:
+        raise ImportFailed(f"{shown}: the spec's model does not take the model's state_dict: {one_line(e, 300)}") from None
+    original, reference = copy.deepcopy(inst).to(device, dtype), reference.to(device, dtype)
+    has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in inst.modules())
+    g = torch.Generator(device=device).manual_seed(2)
+    inputs = [torch.randn((2 if has_norm else 1,) + tuple(t.shape[1:]), generator=g, device=device, dtype=dtype)
+              for t in imp.src.inputs]
+    train_ok = not any(o.op_name == "dropout" and o.p > 0 for o in pipe.ops)
+    tol = 1e-4 if dtype == torch.float32 else 1e-9
+    for training in (inst.training, not inst.training):
+        if training and not train_ok:
+            continue
+        a, b = copy.deepcopy(original).train(training), copy.deepcopy(reference).train(training)
+        with torch.no_grad():
+            try:
+                want = a(*inputs)
+            except Exception:  # noqa: BLE001 - the model itself refuses these inputs (batch norm of one value)
+                continue
+            got = b(*inputs)
+        mode = "training" if training else "eval"
+        if not isinstance(want, torch.Tensor) or got.shape != want.shape or \
+                not torch.allclose(got, want, rtol=tol, atol=tol, equal_nan=True):
+            raise ImportFailed(f"{shown}: the imported spec computes differently from the model ({mode} mode); "
+                               "please report it")
+        ours = b.state_dict()
+        for k, v in a.state_dict().items():
+            if not torch.allclose(v.to(ours[k].dtype), ours[k], rtol=tol, atol=tol):
+                raise ImportFailed(f"{shown}: '{k}' is updated differently in {mode} mode; please report it")
+    return pipe

@@ -1,0 +1,246 @@
+"""kgen.compile(model, *example_inputs) on the CPU: a small nested model (a Sequential of convolution,
+batch norm and ReLU, a residual block, adaptive average pool, flatten, linear) compiled from its live
+instance into a temporary KGEN_CACHE. The compiled module computes what the model computes in eval
+and training mode (running statistics and gradients included), holds the model's own parameters and
+buffers (state_dict keys and values), and ``out=`` writes the spec and the module into a project. A
+second compile in a new process finds everything in the cache and only loads it; an unsupported call
+is one error naming its file:line.
+"""
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import kgen
+from kgen.errors import KgenError
+from kgen.importer import ImportFailed
+
+MODEL = '''
+import torch
+import torch.nn as nn
+
+
+class Residual(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+
+class Net(nn.Module):
+    def __init__(self, classes=5):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), Residual(8))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8, classes))
+
+    def forward(self, x):
+        return self.head(self.pool(self.features(x)))
+
+
+class CumSum(nn.Module):
+    def forward(self, x):
+        return torch.cumsum(x, 1)  # UNSUPPORTED
+'''
+
+SECOND = '''
+import sys, time
+import torch
+sys.path.insert(0, {dir!r})
+import kgen
+from model_for_compile import Net
+
+torch.manual_seed(1)
+model = Net().eval()
+x = torch.randn(2, 3, 12, 12)
+start = time.perf_counter()
+compiled = kgen.compile(model, x)
+seconds = time.perf_counter() - start
+assert torch.allclose(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+print(f"SECONDS {{seconds:.3f}}")
+'''
+
+
+class Outer(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+        self.block = block
+
+    def forward(self, x):
+        return self.block(self.conv(x))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A model file, and KGEN_CACHE set to a fresh folder for this module (the precompiled header is
+    shared with kgen's usual cache, so that it is not made again)."""
+    from kgen.build import kgen_cache
+
+    root = tmp_path_factory.mktemp("compile")
+    (root / "model_for_compile.py").write_text(MODEL)
+    spec = importlib.util.spec_from_file_location("model_for_compile", root / "model_for_compile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cache = root / "cache"
+    cache.mkdir()
+    pch = kgen_cache() / "pch"
+    pch.mkdir(parents=True, exist_ok=True)
+    (cache / "pch").symlink_to(pch)
+    old = os.environ.get("KGEN_CACHE")
+    os.environ["KGEN_CACHE"] = str(cache)
+    yield root, mod, cache
+    if old is None:
+        del os.environ["KGEN_CACHE"]
+    else:
+        os.environ["KGEN_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def compiled(env):
+    root, mod, cache = env
+    torch.manual_seed(0)
+    model = mod.Net().eval()
+    with torch.no_grad():  # running statistics that are not the defaults
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    reference = copy.deepcopy(model)
+    return model, reference, kgen.compile(model, torch.randn(2, 3, 12, 12))
+
+
+def test_eval_mode_equals_eager(compiled):
+    model, _, c = compiled
+    assert not c.training
+    x = torch.randn(3, 3, 12, 12)  # another batch: the batch is the run-time symbol
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_state_dict_and_parameters_are_the_models(compiled):
+    model, _, c = compiled
+    ours, theirs = c.state_dict(), model.state_dict()
+    assert list(ours) == list(theirs)
+    for k in theirs:
+        assert torch.equal(ours[k], theirs[k]), k
+    assert [n for n, _ in c.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(a is b for a, b in zip(c.parameters(), model.parameters()))  # shared, not copied
+    assert all(a is b for a, b in zip(c.buffers(), model.buffers()))
+    assert c.kgen_sources.is_dir() and (c.kgen_sources / "binding.cpp").is_file()
+
+
+def test_training_mode_equals_eager(compiled):
+    """Batch statistics, the running statistics' update and the gradients as eager's. The compiled
+    module shares the model's tensors, so eager runs on a copy taken before."""
+    model, _, c = compiled
+    eager = copy.deepcopy(model).train()
+    c.train()
+    try:
+        for step in range(2):
+            x = torch.randn(4, 3, 12, 12)
+            want, got = eager(x), c(x)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            g = torch.randn_like(want)
+            want.backward(g)
+            got.backward(g)
+        for (k, a), b in zip(eager.state_dict().items(), c.state_dict().values()):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=k)
+        assert int(c.get_submodule("features.1").num_batches_tracked) == 2
+        for (k, a), b in zip(eager.named_parameters(), c.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=k)
+    finally:
+        c.eval()
+        with torch.no_grad():  # back to the values the other tests compare against
+            for a, b in zip(compiled[1].state_dict().values(), model.state_dict().values()):
+                b.copy_(a)
+        for p in model.parameters():
+            p.grad = None
+
+
+def test_compiled_folder_holds_spec_and_sources(compiled, env):
+    _, _, cache = env
+    c = compiled[2]
+    folder = c.kgen_sources.parent
+    assert folder.parent == cache / "compiled"
+    assert folder.name.startswith("net-")
+    spec = (folder / "spec.yaml").read_text()
+    assert "constructor" not in spec and f"name: {c.kgen_sources.name}" in spec
+    assert list((c.kgen_sources / "_build").glob("cpu-*/lib*.so"))
+
+
+def test_second_process_loads_from_the_cache(compiled, env):
+    """A new process compiling the same model (other weights) renders and builds nothing."""
+    root, _, cache = env
+    folder = compiled[2].kgen_sources
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+    script = root / "second.py"
+    script.write_text(SECOND.format(dir=str(root)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "loaded from the cache" in proc.stderr and "building" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line on a cache hit
+    after = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+    assert after == before  # nothing rendered, built or touched
+    assert [d.name for d in (cache / "compiled").iterdir()] == [folder.parent.name]
+    seconds = float(proc.stdout.split("SECONDS")[1])
+    print(f"\nkgen.compile in a second process (cache hit): {seconds:.3f} s")
+
+
+def test_out_writes_spec_and_module_into_the_project(env, compiled):
+    root, mod, _ = env
+    model = compiled[0]
+    project = root / "project"
+    c = kgen.compile(model, torch.randn(2, 3, 12, 12), out=project / "generated", name="compiled_net", verbose=False)
+    spec = project / "specs" / "compiled_net.yaml"
+    assert spec.is_file() and "constructor:" not in spec.read_text()
+    for f in ("binding.cpp", "kernel_cpu.cpp", "__init__.py", "plan.json"):
+        assert (project / "generated" / "compiled_net" / f).is_file(), f
+    assert c.kgen_sources == project / "generated" / "compiled_net"
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_call_names_its_line(env):
+    root, mod, cache = env
+    before = sorted(p.name for p in (cache / "compiled").iterdir()) if (cache / "compiled").exists() else []
+    with pytest.raises(ImportFailed) as e:
+        # the top module's class is in this file: the line is found in the file of the block it calls
+        kgen.compile(Outer(mod.CumSum()), torch.randn(2, 3, 4, 4), verbose=False)
+    line = MODEL.splitlines().index("        return torch.cumsum(x, 1)  # UNSUPPORTED") + 1
+    message = str(e.value)
+    assert f"model_for_compile.py:{line}: torch.cumsum is not supported" in message, message
+    assert len(message.splitlines()) == 1
+    after = sorted(p.name for p in (cache / "compiled").iterdir()) if (cache / "compiled").exists() else []
+    assert after == before  # nothing written
+
+
+def test_refusals_are_one_line(env):
+    _, mod, _ = env
+    model = mod.Net()
+    model.features[1].eval()  # one batch norm in eval mode while the model trains
+    with pytest.raises(ImportFailed, match="one mode"):
+        kgen.compile(model, torch.randn(2, 3, 12, 12), verbose=False)
+    with pytest.raises(ImportFailed, match="example inputs"):
+        kgen.compile(mod.Net())
+    with pytest.raises(KgenError, match="precision"):
+        kgen.compile(mod.Net(), torch.randn(2, 3, 12, 12), precision="fp8")
+
+
+def test_import_kgen_does_not_import_torch():
+    code = "import sys, kgen; assert callable(kgen.compile); print(any(m == 'torch' for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
