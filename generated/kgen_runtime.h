@@ -261,6 +261,15 @@ inline const T* tile_ptr(const char* op, const char* what, const at::Tensor& t, 
   return data_as<T>(t, type);
 }
 
+// One output of an op with several: itself, or a copy where it shares memory with an argument or an
+// earlier output (a value that is a view of another), as a custom op's outputs may alias nothing.
+inline at::Tensor unaliased(const at::Tensor& out, std::initializer_list<at::Tensor> others) {
+  for (const at::Tensor& t : others) {
+    if (t.defined() && out.is_alias_of(t)) return out.clone();
+  }
+  return out;
+}
+
 inline at::Tensor narrow_spatial(const at::Tensor& x, at::IntArrayRef extent) {
   at::Tensor y = x;
   for (size_t d = 0; d < extent.size(); ++d) {

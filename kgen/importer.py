@@ -215,6 +215,7 @@ class Importer:
     pending: dict = field(default_factory=dict)  # torch.max/min(x, dim) node -> "max" | "min", until its getitem
     splits: dict = field(default_factory=dict)  # torch.split/chunk node -> (its input, dim, piece bounds), until its getitems
     device: str = "meta"  # where the traced model's tensors are
+    outputs: list = field(default_factory=list)  # the values forward returns where it returns several (spec `outputs:`)
 
     # ---------------------------------------------------------------- entry
 
@@ -1051,14 +1052,46 @@ class Importer:
     def _output(self, n: fx.Node) -> None:
         out = n.args[0]
         if isinstance(out, (tuple, list)):
-            if len(out) != 1:
-                raise ImportFailed(f"{self._where(n)}: forward returns {len(out)} values; kgen imports one output")
+            if len(out) > 1:
+                self._outputs(n, out)
+                return
+            if not out:
+                raise ImportFailed(f"{self._where(n)}: forward returns an empty {type(out).__name__}; nothing to compute")
             out = out[0]
         out = self._resolve(out)
         if out not in self.values or self.values[out].op is None:
             raise ImportFailed(f"{self.src.shown}: forward returns an input unchanged; nothing to compute")
         if out is not self.chain:  # the result was made before the last op: read it back (x * 1 is x exactly)
             self.ops.append({"mul": {"scalar": 1.0, "from": self._name_of(out)}})
+
+    def _outputs(self, n: fx.Node, outs) -> None:
+        """``return a, b`` (a tuple or list of tensors): the spec's ``outputs:``, each value named; the
+        last op's result must be one (ops after the last output compute nothing returned), so where it
+        is not, the last output is read back (x * 1 is x exactly) under a name of its own."""
+        from .spec import MAX_OUTPUTS
+
+        if len(outs) > MAX_OUTPUTS:
+            raise ImportFailed(f"{self._where(n)}: forward returns {len(outs)} values; kgen imports at most {MAX_OUTPUTS}")
+        nodes = []
+        for i, o in enumerate(outs):
+            o = self._resolve(o)
+            if not self._tensor(o):
+                raise ImportFailed(f"{self._where(n)}: forward's result {i} is not a tensor the model computes; kgen imports "
+                                   "a tuple of tensors")
+            if self.values[o].op is None:
+                raise ImportFailed(f"{self._where(n)}: forward's result {i} is an input returned unchanged; kgen imports "
+                                   "outputs that ops compute")
+            if o in nodes:
+                raise ImportFailed(f"{self._where(n)}: forward returns the same tensor as results {nodes.index(o)} and {i}; "
+                                   "kgen returns each value once")
+            nodes.append(o)
+        names = [self._name_of(o) for o in nodes]
+        if self.chain not in nodes:
+            last = self._fresh(f"{names[-1]}_out")
+            self.taken.add(last)
+            self.ops.append({"mul": {"scalar": 1.0, "from": names[-1], "as": last}})
+            names[-1] = last
+        self.outputs = names
 
     # ---------------------------------------------------------------- the spec
 
@@ -1084,6 +1117,8 @@ class Importer:
             data["params"] = {n: {k: self.params[n][k] for k in ("shape", "init", "unused") if k in self.params[n]}
                               for n in self.params}
         data["ops"] = [_compact(op) for op in self.ops]
+        if self.outputs:
+            data["outputs"] = list(self.outputs)
         return data
 
     def _unused_members(self) -> None:
@@ -1519,7 +1554,9 @@ def _check_spec(text: str, path: str, imp: Importer):
                 continue
             got = b(*inputs)
         tol = 1e-4 if big else 1e-9
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol, equal_nan=True):
+        got, want = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (got, want))
+        if len(got) != len(want) or any(g.shape != w.shape or not torch.allclose(g, w, rtol=tol, atol=tol, equal_nan=True)
+                                         for g, w in zip(got, want)):
             mode = "training" if training else "eval"
             raise ImportFailed(f"{imp.src.shown}: the imported spec computes differently from the model ({mode} mode); "
                                "please report it")

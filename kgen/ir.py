@@ -1235,10 +1235,24 @@ class Pipeline:
     eager_conv_tf32: tuple = ()
     dtypes: tuple = ("float32",)  # the spec's dtypes: the module has plans for each
     dtype: str = "float32"  # the dtype this pipeline's plans compute in (a compile-time parameter, kgen.plan)
+    # the values the model returns, in order (spec `outputs:`; the last op's result is always one); ():
+    # the last op's result alone
+    outputs: tuple[str, ...] = ()
 
     @property
     def output(self) -> TensorType:
+        """The last op's result (the only output, or one of several: ``output_types``)."""
         return self.types[-1]
+
+    @property
+    def several_outputs(self) -> bool:
+        """Whether the model returns a tuple of tensors (``outputs`` names more than one value)."""
+        return len(self.outputs) > 1
+
+    @property
+    def output_types(self) -> tuple[TensorType, ...]:
+        """The type of each output, in order."""
+        return tuple(self.values[n] for n in self.outputs) if self.several_outputs else (self.output,)
 
     @property
     def input_names(self) -> list[str]:
@@ -1268,6 +1282,9 @@ class Pipeline:
         types, values = infer_types(self.input, ops, self.path, self.inputs)
         if types[-1] != self.output:
             raise AssertionError(f"rewrite changed the output type {self.output} -> {types[-1]}")
+        for n in self.outputs:
+            if values.get(n) != self.values[n]:
+                raise AssertionError(f"rewrite changed the output '{n}': {self.values[n]} -> {values.get(n)}")
         return replace(self, ops=tuple(ops), types=types, values=values)
 
     def members(self) -> list[Member]:
@@ -1346,14 +1363,16 @@ class Pipeline:
         return [n for n in self.values if n in read]
 
     def run(self, x: torch.Tensor, tensors: Tensors, inputs: Mapping[str, torch.Tensor] | None = None,
-            training: bool = False) -> torch.Tensor:
+            training: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The ops on ``x`` (the first input; ``inputs`` holds the others by name) with the
-        parameters and buffers ``tensors``; ``training`` as a module's mode (batch norm)."""
+        parameters and buffers ``tensors``; ``training`` as a module's mode (batch norm).
+        Several outputs come as a tuple in the order of ``outputs``."""
         env = Env(self.with_derived(tensors) if self.derived else tensors)
         env.training = training
         env[self.input_names[0]] = x
         env.update(inputs or {})
-        return run_ops(self.ops, x, env)
+        y = run_ops(self.ops, x, env)
+        return tuple(env[n] for n in self.outputs) if self.several_outputs else y
 
 
 def run_ops(ops, x: torch.Tensor, env: Env) -> torch.Tensor:
@@ -1768,6 +1787,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
         member_order=tuple(spec.members),
         dtypes=spec.dtypes,
         dtype=spec.dtypes[0],
+        outputs=_check_outputs(spec, inputs, b.values, ops),
     )
     idents = {n: f"input '{n}'" for n in inputs}
     idents.setdefault("x", "x")
@@ -1776,6 +1796,29 @@ def build_pipeline(spec: Spec) -> Pipeline:
             raise SpecError(path, "params", f"parameter names '{arg.name}' and '{idents[arg.ident]}' collide as '{arg.ident}'")
         idents[arg.ident] = arg.name
     return pipe
+
+
+def _check_outputs(spec: Spec, inputs: dict, values: dict, ops: list) -> tuple[str, ...]:
+    """The spec's ``outputs:``: each a value an op computes (an input returned unchanged is refused:
+    the op's outputs may not alias its arguments), the last op's result among them (ops after the
+    last output would compute nothing the model returns)."""
+    path = spec.path
+    for i, name in enumerate(spec.outputs):
+        key = f"outputs[{i}]"
+        if name in inputs:
+            raise SpecError(path, key, f"'{name}' is an input; an output is a value an op computes (an input "
+                            "returned unchanged is not supported)")
+        if name not in values:
+            named = [n for n in values if n not in inputs]
+            raise SpecError(path, key, f"unknown value '{name}'; the values named with `as:` are: "
+                            f"{', '.join(named) if named else 'none'}")
+    if spec.outputs:
+        last = ops[-1]
+        if not (isinstance(last, Capture) and last.name in spec.outputs):
+            o = spec.ops[-1]
+            raise SpecError(path, "outputs", f"the last op's result ({o.key}) is not an output: name it with `as:` and "
+                            "list it, or remove the ops after the last output (they compute nothing the model returns)")
+    return spec.outputs
 
 
 def _check_member_paths(modules: dict, params: dict, path: str) -> None:

@@ -112,6 +112,32 @@ class Plan:
         names = {n for op in stage.ops for n in op.value_names() if not getattr(op, "register", False)}
         return [n for n in self.pipeline.values if n in names]
 
+    def output_tensors(self) -> set[str]:
+        """The binding's tensors that hold outputs of the graph before its last op (stages must write them)."""
+        pipe = self.pipeline
+        if not pipe.several_outputs or self.value_exprs is None:
+            return set()
+        return {self.value_exprs[n] for n in pipe.outputs if n != pipe.ops[-1].name}
+
+    def output_exprs(self) -> list[str]:
+        """The binding's C++ tensor of each output of the graph, in order: the last stage's for the
+        last op's result; another output is the tensor holding its value (a plain contiguous one)."""
+        pipe = self.pipeline
+        last = f"t{self.stages[-1].index}"
+        if not pipe.several_outputs:
+            return [last]
+        out = []
+        for n in pipe.outputs:
+            if n == pipe.ops[-1].name:
+                out.append(last)
+            elif self.eager:
+                out.append(f"{self.stages[0].value(n)}.contiguous()")  # a named value of the eager stage
+            else:
+                expr = self.value_exprs[n]
+                writer = next((s for s in self.stages if f"t{s.index}" == expr), None)
+                out.append(expr if writer is None or writer.output.flat else f"{expr}.contiguous()")
+        return out
+
     def to_json(self) -> dict:
         def stage_json(s: Stage) -> dict:
             d = {
@@ -218,7 +244,7 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
     else:  # the rewritten forms need fused stages, which have no 16-bit kernels yet, and round unlike eager
         rewritten, decisions = pipeline, [Decision(n, "*", False, f"not in {pipeline.dtype}: the ops as written") for n, _ in REWRITES]
     rewritten = defer_conv_bias(rewritten)
-    resolved, cuts = values.resolve(rewritten.ops)
+    resolved, cuts = values.resolve(rewritten.ops, rewritten.outputs)
     rewritten = rewritten.with_ops(resolved)
     types = rewritten.types
     groups = group_ops(rewritten, cuts)
@@ -305,12 +331,13 @@ def _absorb_epilogues(plan: Plan) -> None:
     """Let a stage's family take the next stage as its epilogue (a generated convolution or
     product may). The absorbed stage keeps its place: its math and its own op are still rendered.
     Never where the stage's output is read as a tensor by another stage (a value operand, a
-    `from:` start: the fused op does not write it), where the next stage reads values as tensors
+    `from:` start: the fused op does not write it) or is an output of the graph, where the next stage reads values as tensors
     (the fused op does not take them; a value named and read in the same stage is a register), or
     where the next stage starts from another tensor than this stage's output (`from:`). Where it does
     not, a family may still gather the next stage's statistics in its kernel (gathers_statistics)."""
     # values read as tensors (an operand kept in a register of its own stage is not)
     value_tensors = {plan.value_exprs[v] for s in plan.stages for v in plan.stage_values(s)}
+    value_tensors |= plan.output_tensors()  # the graph's outputs are written, read later or not
     for st, nxt in zip(plan.stages, plan.stages[1:]):
         output = f"t{st.index}"
         read_later = output in value_tensors or any(s.source == output for s in plan.stages if s is not nxt)  # `from:` it

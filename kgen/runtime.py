@@ -104,8 +104,10 @@ class _Backward:
     def __init__(self, op: str):
         self.op = op
 
-    def __call__(self, ctx, grad, *stats_grads):
+    def __call__(self, ctx, *out_grads):
         pipe, names = _PIPELINES[self.op]
+        # one gradient per output (the running statistics' after them get none)
+        grad = out_grads[: len(pipe.outputs)] if pipe.several_outputs else out_grads[0]
         saved = ctx.saved_tensors
         k = len(pipe.input_names)
         inputs, params = saved[:k], saved[k : k + len(names)]
@@ -121,6 +123,7 @@ def pipeline_vjp(pipe, names, x, params, grad, needs, inputs=(), buffers=None, t
     """Gradients of ``pipe.run(x, params)`` against ``grad`` for the tensors ``needs`` marks
     (x, then the other ``inputs``, then ``params``; None for the others): the pipeline
     is run again with autograd on (batch norm on copies of its running statistics).
+    With several outputs ``grad`` has one gradient per output (None: the output is unused).
 
     Under ``create_graph`` (grad mode is on in a backward then) the recomputation
     is recorded on the inputs' own graphs, so double backward is correct too.
@@ -135,7 +138,14 @@ def pipeline_vjp(pipe, names, x, params, grad, needs, inputs=(), buffers=None, t
         env.update({n: b.clone() for n, b in (buffers or {}).items()})
         y = pipe.run(tensors[0], env, inputs=dict(zip(pipe.input_names[1:], tensors[1:k])), training=training)
         wanted = [t for t, n in zip(tensors, needs) if n]
-        grads = iter(torch.autograd.grad(y, wanted, grad, create_graph=create, allow_unused=True))
+        ys, gs = ((y,), (grad,)) if not pipe.several_outputs else (y, tuple(grad))
+        pairs = [(o, g) for o, g in zip(ys, gs) if g is not None and o.requires_grad]
+        if pairs and wanted:
+            found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=create,
+                                        allow_unused=True)
+        else:  # no output with a gradient depends on what needs one
+            found = (None,) * len(wanted)
+        grads = iter(found)
     out = []
     for t, n in zip(tensors, needs):
         g = next(grads) if n else None

@@ -129,6 +129,9 @@ class Spec:
     constructor: tuple[ArgSpec, ...] | None = None  # the reference model's __init__ arguments
     members: tuple[str, ...] = ()  # submodules and parameters in the reference's creation order
     source: str | None = None  # the model file it was imported from
+    # `outputs:` the values the model returns, in order (names given with `as:`); () when not given: the last
+    # op's result alone (kgen.ir checks the names against the values)
+    outputs: tuple[str, ...] = ()
 
     def error(self, key: str, message: str) -> SpecError:
         return SpecError(self.path, key, message)
@@ -148,10 +151,11 @@ def max_elements() -> int:
     return value
 
 
-TOP_KEYS = {"name", "description", "input", "inputs", "example", "params", "ops", "precision", "rewrites", "plan",
-            "constructor"}
+TOP_KEYS = {"name", "description", "input", "inputs", "example", "params", "ops", "outputs", "precision", "rewrites",
+            "plan", "constructor"}
 OP_KEYS = ("as", "from")  # keys any op may have besides its own fields
 MAX_INPUTS = 8
+MAX_OUTPUTS = 16
 MAX_ARGS = 64  # constructor arguments
 
 
@@ -573,6 +577,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
     conv_impl = _choice(plan, "conv", CONV_IMPLS, "auto", "plan.conv", path)
     conv_norm = _choice(plan, "conv_norm", CONV_NORM_FORMS, "auto", "plan.conv_norm", path)
     linear_impl = _choice(plan, "linear", LINEAR_IMPLS, "auto", "plan.linear", path)
+    outputs = _load_outputs(raw["outputs"], path) if "outputs" in raw else ()
     return Spec(
         path=path,
         name=name,
@@ -593,7 +598,21 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         constructor=constructor,
         members=members,
         source=source,
+        outputs=outputs,
     )
+
+
+def _load_outputs(raw, path) -> tuple[str, ...]:
+    """``outputs:``: a non-empty list of value names, each once (what they name is kgen.ir's check)."""
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_OUTPUTS:
+        fail(path, "outputs", f"expected a non-empty list of at most {MAX_OUTPUTS} value names, got {show(raw)}")
+    names = []
+    for i, v in enumerate(raw):
+        name = value_name(v, f"outputs[{i}]", path)
+        if name in names:
+            fail(path, f"outputs[{i}]", f"'{name}' is listed twice (outputs[{names.index(name)}]); each value is returned once")
+        names.append(name)
+    return tuple(names)
 
 
 def spec_to_data(spec: Spec) -> dict:
@@ -630,6 +649,8 @@ def spec_to_data(spec: Spec) -> dict:
         data["plan"]["conv_norm"] = spec.conv_norm
     if spec.linear_impl != "auto":  # the same
         data["plan"]["linear"] = spec.linear_impl
+    if spec.outputs:  # only when given: the data (and spec hashes) of specs without it stay as they were
+        data["outputs"] = list(spec.outputs)
     if spec.constructor is not None:
         args = {a.name: plain(a.value) if a.default is NO_DEFAULT else {"value": plain(a.value), "default": plain(a.default)}
                 for a in spec.constructor}

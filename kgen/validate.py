@@ -203,7 +203,7 @@ def compare(
 
 
 def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None,
-                       training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       training: bool = False, outputs: tuple[str, ...] = ()) -> tuple:
     """``ops`` on ``x`` (the reference), and beside it a magnitude m >= |value| that
     rounding errors scale with: sums (reductions, pools, add/sub, products) and scalings
     propagate the magnitudes of their terms, so a result that cancels keeps the
@@ -213,7 +213,8 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
 
     ``tensors`` holds parameters and buffers (batch norm updates its running
     statistics in it in training mode), ``inputs`` the values the ops read
-    (inputs other than x, or, for a stage, the values it takes as tensors).
+    (inputs other than x, or, for a stage, the values it takes as tensors). ``outputs``: the
+    named values to return (several outputs: a tuple of values and one of magnitudes), else the last.
     """
     env = Env(tensors)
     env.training = training
@@ -261,6 +262,8 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
             scalar = None if op.scalar is None else abs(op.scalar)
             m = replace(op, fn="add" if op.fn == "sub" else op.fn, scalar=scalar, reverse=False).run(m, menv)
         v = out
+    if outputs:
+        return tuple(env[n] for n in outputs), tuple(menv[n] for n in outputs)
     return v, m
 
 
@@ -451,7 +454,8 @@ def other_inputs(pipe: Pipeline, batch: int, seed: int, device) -> dict[str, tor
 
 def op_call(op, pipe: Pipeline, x, inputs: dict, params: dict, training: bool | None = None):
     """Call the module's op (or a stand-in with its arguments) the way the generated Model does;
-    ``params`` holds parameters and buffers by state_dict name. Returns (output, new buffers)."""
+    ``params`` holds parameters and buffers by state_dict name. Returns (output, new buffers); several
+    outputs are a tuple."""
     args = [x] + [inputs[n] for n in pipe.input_names[1:]] + [params[a.name] for a in pipe.tensor_args()]
     buffers = pipe.buffer_args()
     args += [params[b.name] for b in buffers]
@@ -461,9 +465,12 @@ def op_call(op, pipe: Pipeline, x, inputs: dict, params: dict, training: bool | 
         norms = [o for o in pipe.ops if isinstance(o, BatchNorm) and o.track_running_stats]
         counts = [params.get(f"{o.module}.num_batches_tracked") for o in norms]  # as nn.BatchNorm counts this batch
         args.append([o.factor(None if c is None else c + 1) if training else 0.0 for o, c in zip(norms, counts)])
-        out, *stats = op(*args)
-        return out, dict(zip((b.name for b in buffers), stats))
-    return op(*args), {}
+        out = op(*args)
+        n = len(pipe.output_types)
+        first = tuple(out[:n]) if pipe.several_outputs else out[0]
+        return first, dict(zip((b.name for b in buffers), out[n:]))
+    out = op(*args)
+    return (tuple(out) if pipe.several_outputs else out), {}
 
 
 def validate(
@@ -580,19 +587,27 @@ def _end_to_end(label, op, pipe, state, params64, buffers, x, inputs, training, 
         outs["eager"] = eager(x, *inputs.values())  # in x's dtype, as eager PyTorch computes the model converted to it
         return outs["eager"]
 
-    results = [_case(
+    case = _case if not pipe.several_outputs else lambda *a: _output_cases(pipe.outputs, *a)
+    results = case(
         label, lambda: outs.setdefault("out", run()),
         lambda: run_with_magnitude(pipe.ops, x.double(), tensors64,
-                                   {pipe.input_names[0]: x.double(), **{n: t.double() for n, t in inputs.items()}}, training),
+                                   {pipe.input_names[0]: x.double(), **{n: t.double() for n, t in inputs.items()}}, training,
+                                   pipe.outputs if pipe.several_outputs else ()),
         run_eager, tol, x.dtype,
-    )]
-    if x.dtype != torch.float32 and "out" in outs and "eager" in outs and outs["out"].dtype == x.dtype:
-        a, e = outs["out"].double(), outs["eager"].double()
-        ok = bool(torch.allclose(a, e, rtol=KGEN_EAGER_ATOL, atol=KGEN_EAGER_ATOL, equal_nan=True))
-        diff = torch.where(torch.isfinite(a) & torch.isfinite(e), a - e, 0.0).abs()
-        worst = float(diff.max()) if diff.numel() else 0.0
-        results.append(CaseResult(f"{label}: vs eager {str(x.dtype).removeprefix('torch.')} (allclose at 1e-2)", worst, math.nan, ok,
-                                  "" if ok else f"not allclose to eager at atol = rtol = {KGEN_EAGER_ATOL}"))
+    )
+    results = results if pipe.several_outputs else [results]
+    if x.dtype != torch.float32 and "out" in outs and "eager" in outs:
+        several = pipe.several_outputs
+        for n, a, e in zip(pipe.outputs if several else ("",), *((outs[k] if several else (outs[k],)) for k in ("out", "eager"))):
+            if a.dtype != x.dtype:
+                continue
+            a, e = a.double(), e.double()
+            ok = bool(torch.allclose(a, e, rtol=KGEN_EAGER_ATOL, atol=KGEN_EAGER_ATOL, equal_nan=True))
+            diff = torch.where(torch.isfinite(a) & torch.isfinite(e), a - e, 0.0).abs()
+            worst = float(diff.max()) if diff.numel() else 0.0
+            which = f": output {n}" if several else ""
+            results.append(CaseResult(f"{label}{which}: vs eager {str(x.dtype).removeprefix('torch.')} (allclose at 1e-2)", worst,
+                                      math.nan, ok, "" if ok else f"not allclose to eager at atol = rtol = {KGEN_EAGER_ATOL}"))
     if new:
         eager_state = eager.state_dict()
         for name, value in new.items():
@@ -634,10 +649,14 @@ def check_model(mod, validated, pipe: Pipeline, device: str, op, tol, dtype: tor
         x = _randn(pipe.input.concrete(1), 30, device).to(dtype)
         inputs = {n: t.to(dtype) for n, t in other_inputs(pipe, 1, 30, device).items()}
         out = model(x, *inputs.values())
+        if pipe.several_outputs and not (isinstance(out, tuple) and len(out) == len(pipe.outputs)):
+            return CaseResult(label, math.inf, math.inf, False, f"Model() returned {type(out).__name__}, not a tuple of "
+                              f"{len(pipe.outputs)} outputs")
         again = construct().eval()
         again.load_state_dict(model.state_dict(), assign=big)
         # (within the tolerance: cuDNN may pick another algorithm, or reduce in another order, on a second call)
-        if not compare(label, again(x, *inputs.values()), out.double(), tol, dtype=dtype).passed:
+        if not all(compare(label, a, o.double(), tol, dtype=dtype).passed
+                   for a, o in zip(_tuple(again(x, *inputs.values())), _tuple(out))):
             return CaseResult(label, math.inf, math.inf, False, "a Model loaded from another's state_dict computes differently")
         tensors = dict(validated.named_parameters())
         tensors.update(validated.named_buffers())
@@ -646,7 +665,15 @@ def check_model(mod, validated, pipe: Pipeline, device: str, op, tol, dtype: tor
     except Exception as e:  # noqa: BLE001 - whatever breaks, it is this case's failure
         first = (str(e).splitlines() or [""])[0]
         return CaseResult(label, math.inf, math.inf, False, f"raised {type(e).__name__}: {first}")
-    return compare(label, out, reference.double(), tol, dtype=dtype)
+    if not pipe.several_outputs:
+        return compare(label, out, reference.double(), tol, dtype=dtype)
+    each = [compare(f"{label}: output {n}", o, r.double(), tol, dtype=dtype) for n, o, r in zip(pipe.outputs, out, reference)]
+    return next((c for c in each if not c.passed), max(each, key=lambda c: c.rel_l2))
+
+
+def _tuple(out) -> tuple:
+    """A module's result as a tuple of its outputs."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def check_stages(sel: Selection, name: str, model, device: str, reference_device: str | None = None) -> list[CaseResult]:
@@ -704,6 +731,20 @@ def _run_ops(ops, x, params, dtype, values=None):
     env = Env({n: p.detach().to(dtype) for n, p in params.items()})
     env.update({n: v.to(dtype) for n, v in (values or {}).items()})
     return run_ops(ops, x, env)
+
+
+def _output_cases(names, label, run, run_reference, run_eager, tol, dtype=torch.float32) -> list[CaseResult]:
+    """``_case`` for a graph with several outputs (``names``): ``run``, ``run_eager`` and ``run_reference``
+    give one tensor (reference: and one magnitude) per output; a result per output."""
+    try:
+        outs = run()
+    except RuntimeError as e:
+        return [CaseResult(label, math.inf, math.inf, False, f"raised: {str(e).splitlines()[0]}")]
+    if len(outs) != len(names):
+        return [CaseResult(label, math.inf, math.inf, False, f"{len(outs)} outputs, expected {len(names)}")]
+    refs, magnitudes = run_reference()
+    eager = run_eager()
+    return [compare(f"{label}: output {n}", o, r, tol, e, m, dtype) for n, o, r, e, m in zip(names, outs, refs, eager, magnitudes)]
 
 
 def _case(label, run, run_reference, run_eager, tol, dtype=torch.float32) -> CaseResult:

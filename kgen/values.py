@@ -7,7 +7,7 @@ same *run* as the value: consecutive elementwise ops with no op between that
 changes the shape or reads another input, which a fused stage computes in one
 function at the same coordinates (``x * sigmoid(x)``, ``x + original_x``).
 Every other value is a tensor: an input, or the output of the stage that ends
-with it. So stage boundaries are *cuts*: before every op with ``from:``, and
+with it; so is every output of the graph (``Pipeline.outputs``), read or not. So stage boundaries are *cuts*: before every op with ``from:``, and
 after every non-local value unless a standalone op (a convolution, a GEMM, an
 ATen op: always a stage of its own) computed it, whose output is already a
 tensor.
@@ -42,8 +42,11 @@ def readers(ops, name: str) -> list[int]:
     return [j for j, op in enumerate(ops) if name in op.value_names() or op.src == name]
 
 
-def _local(ops, c: int, run_of: list[int], cuts: set[int]) -> bool:
-    """Whether every reader of the value captured at ``c`` can take it from a register."""
+def _local(ops, c: int, run_of: list[int], cuts: set[int], outputs=()) -> bool:
+    """Whether every reader of the value captured at ``c`` can take it from a register (an output
+    before the last op is not: the stage that ends with it writes it for the op's result)."""
+    if ops[c].name in outputs and c + 1 < len(ops):
+        return False
     for j in readers(ops, ops[c].name):
         op = ops[j]
         if op.src is not None or run_of[j] != run_of[c] or any(k in cuts for k in range(c + 1, j + 1)):
@@ -53,14 +56,14 @@ def _local(ops, c: int, run_of: list[int], cuts: set[int]) -> bool:
 
 def local_captures(pipe: Pipeline) -> set[int]:
     """Indices of the captures whose readers all take them from a register (before the plan's cuts)."""
-    cuts = resolve(pipe.ops)[1]
+    cuts = resolve(pipe.ops, pipe.outputs)[1]
     run_of = runs(pipe.ops)
-    return {c for c, op in enumerate(pipe.ops) if isinstance(op, Capture) and _local(pipe.ops, c, run_of, cuts)}
+    return {c for c, op in enumerate(pipe.ops) if isinstance(op, Capture) and _local(pipe.ops, c, run_of, cuts, pipe.outputs)}
 
 
-def resolve(ops) -> tuple[tuple[Op, ...], set[int]]:
+def resolve(ops, outputs=()) -> tuple[tuple[Op, ...], set[int]]:
     """(ops with ``register`` set on the operands read from a register, cuts): a stage starts
-    at every cut index."""
+    at every cut index; ``outputs``: the graph's outputs (each a tensor)."""
     ops = list(ops)
     run_of = runs(ops)
     cuts = {i for i, op in enumerate(ops) if op.src is not None}
@@ -70,7 +73,7 @@ def resolve(ops) -> tuple[tuple[Op, ...], set[int]]:
         for c, op in enumerate(ops):
             if not isinstance(op, Capture) or c + 1 >= len(ops) or c + 1 in cuts:
                 continue
-            if _local(ops, c, run_of, cuts) or (c > 0 and standalone(ops[c - 1])) or c == 0:
+            if _local(ops, c, run_of, cuts, outputs) or (c > 0 and standalone(ops[c - 1])) or c == 0:
                 continue
             cuts.add(c + 1)
             changed = True
