@@ -449,10 +449,8 @@ def _computes(nodes) -> bool:
     return any(not _views(n) and getattr(n.target, "__name__", n.target) not in ("clone", "size") for n in nodes)
 
 
-def _describe(nodes) -> str:
-    names = [n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)) for n in nodes]
-    shown = ", ".join(names[:6]) + (f", ... ({len(names)} ops)" if len(names) > 6 else "")
-    return shown
+def _calls(nodes) -> list[str]:
+    return [n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)) for n in nodes]
 
 
 def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None):
@@ -474,10 +472,10 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         return gm.forward
     # each partition's nodes, in graph order, before fusing renames them
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    described = [_describe(sorted(p.nodes, key=order.get)) for p in parts]
+    described = [_calls(sorted(p.nodes, key=order.get)) for p in parts]
     fused = partitioner.fuse_partitions(parts)
     calls = {n.target: n for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")}
-    for i, text in enumerate(described):
+    for i, names in enumerate(described):
         target = f"fused_{i}"  # fuse_partitions names the i-th partition it is given so
         call = calls.get(target)
         if call is None:
@@ -488,12 +486,13 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
             runner = _compile_partition(sub, call, g, verbose, precision)
         except (KgenError, NotImplementedError, RuntimeError, TypeError, ValueError) as e:
             STATS["eager"] += 1
-            PARTITIONS.append({"calls": text, "module": None, "reason": one_line(e, 300)})
+            PARTITIONS.append({"calls": names, "module": None, "reason": one_line(e, 300)})
+            text = ", ".join(names[:6]) + (f", ... ({len(names)} calls)" if len(names) > 6 else "")
             _say(f"partition ({text}) stays eager: {type(e).__name__ + ': ' if not isinstance(e, KgenError) else ''}"
                  f"{one_line(e, 300)}")
             continue
         STATS["kgen"] += 1
-        PARTITIONS.append({"calls": text, "module": runner.module_name, "reason": None})
+        PARTITIONS.append({"calls": names, "module": runner.module_name, "reason": None})
         setattr(fused, target, runner)
     fused.recompile()
     return fused.forward
