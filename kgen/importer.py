@@ -1701,8 +1701,10 @@ def check_instance(text: str, path: str, imp: Importer):
                 continue
             got = b(*inputs)
         mode = "training" if training else "eval"
-        if not isinstance(want, torch.Tensor) or got.shape != want.shape or \
-                not torch.allclose(got, want, rtol=tol, atol=tol, equal_nan=True):
+        got, want = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (got, want))  # `outputs:`
+        if len(got) != len(want) or not all(isinstance(w, torch.Tensor) for w in want) or \
+                any(g.shape != w.shape or not torch.allclose(g, w, rtol=tol, atol=tol, equal_nan=True)
+                    for g, w in zip(got, want)):
             raise ImportFailed(f"{shown}: the imported spec computes differently from the model ({mode} mode); "
                                "please report it")
         ours = b.state_dict()

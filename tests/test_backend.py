@@ -1,7 +1,7 @@
 """torch.compile(model, backend="kgen") (kgen/backend.py) on the CPU build.
 
-Three small models share their partitions, so the module builds three kgen modules in all (each a
-few seconds): Net (conv, batch norm, relu, residual add, max pool, flatten, linear: one partition),
+Three small models share their partitions, so the module builds four kgen modules in all (each a
+few seconds; TwoOutputs is the fourth): Net (conv, batch norm, relu, residual add, max pool, flatten, linear: one partition),
 and Split with torch.cumsum (kgen cannot compute it) or a print (a graph break) between the
 conv/bn/relu and the pool/flatten/linear (the same two partitions either way).
 """
@@ -179,6 +179,34 @@ def test_graph_break(cache, capsys):
     assert backend.STATS["graphs"] == graphs + 2  # one graph before the print, one after it
     made = backend.PARTITIONS[before:]
     assert len(made) == 2 and all(p["module"] for p in made), made
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.scale = nn.Parameter(torch.randn(1, 4, 1, 1))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.relu(self.conv(x)) * self.scale
+        return y, torch.sigmoid(y).sum(1)
+
+
+def test_partition_with_two_outputs_a_free_parameter_and_an_in_place_call(cache):
+    from kgen import backend
+
+    torch.manual_seed(5)
+    model = TwoOutputs().eval()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        got, want = _compiled(model)(x), model(x)
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 1 and made[0]["module"], made
 
 
 def test_partition_that_fails_stays_eager_with_one_line(cache, monkeypatch, capsys):
