@@ -333,7 +333,6 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
                 m = nn.Linear(w.shape[1], w.shape[0], bias=a.get("bias") is not None)
             name = fresh("linear")
         else:
-            ref = next(a[s] for s in slots if a.get(s) is not None) if any(a.get(s) is not None for s in slots) else None
             channels = _example(n).shape[1]
             rank = _example(n).dim()
             cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[rank]
@@ -349,7 +348,6 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
                 plan.training = True
             elif not a.get("training", False) and a.get("running_mean") is None:
                 raise KgenError("batch norm in eval mode without running statistics")
-            del ref
         for s in slots:
             t = a.get(s)
             if t is None:
