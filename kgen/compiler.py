@@ -85,6 +85,14 @@ def compile(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathL
 
     An unsupported call is one ``ImportFailed`` naming it and its file:line.
     """
+    module_dir = compile_module(model, *example_inputs, out=out, name=name, precision=precision, verbose=verbose)
+    return _drop_in(module_dir, model)
+
+
+def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathLike | None = None,
+                   name: str | None = None, precision: str | None = None, verbose: bool = True) -> Path:
+    """``compile`` up to the built module: its folder, rendered and built (or found in the cache), not
+    yet loaded. The Dynamo backend (kgen.backend) calls it for each partition of a graph."""
     start = time.monotonic()
     if precision is not None and precision not in PRECISIONS:
         raise KgenError(f"kgen.compile: precision={precision!r}; expected one of {', '.join(PRECISIONS)}")
@@ -109,18 +117,16 @@ def compile(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathL
         module_dir = folder / module_name
         if (folder / SPEC_FILE).is_file() and (module_dir / "__init__.py").is_file():
             built = build_module(module_dir, quiet=True)  # found by its content hash (built again if it is gone)
-            module = _drop_in(module_dir, model)
             _say(verbose, f"{module_name}: {'built' if built.built else 'loaded'} from the cache {folder} "
                           f"in {time.monotonic() - start:.2f} s")
-            return module
+            return module_dir
         _say(verbose, f"{traced}; compiling it into {folder}")
         _render_into_cache(folder, module_name, imp, {**data, "name": module_name}, verbose, start)
     result = build_module(module_dir, quiet=not verbose)
     if verbose and not result.built:
         _say(verbose, f"{module_dir.name}: its build was there already ({result.library.parent})")
-    module = _drop_in(module_dir, model)
     _say(verbose, f"{module_dir.name} ready in {time.monotonic() - start:.1f} s; sources in {module_dir}")
-    return module
+    return module_dir
 
 
 def _checked(imp, text: str, path: Path, verbose: bool, start: float):

@@ -1375,6 +1375,31 @@ def _elementwise_binary(n: fx.Node) -> bool:
     return n.target in _BINARY and len(n.args) + len([k for k in n.kwargs if k == "other"]) == 2
 
 
+_LAYOUT_FUNCTIONS = (torch.cat, torch.concat, torch.concatenate, torch.stack, torch.permute, torch.transpose,
+                     torch.swapaxes, torch.swapdims, torch.t, torch.narrow, F.pad, F.interpolate, F.upsample,
+                     operator.getitem)
+_LAYOUT_METHODS = ("permute", "transpose", "swapaxes", "swapdims", "t", "narrow", "expand", "expand_as")
+
+
+def maps_call(n: fx.Node) -> bool:
+    """Whether ``Importer._function`` maps call ``n`` to spec ops (its arguments may still be refused
+    there): the Dynamo backend (kgen.backend) asks it which nodes of a graph kgen computes."""
+    fn = n.target
+    if n.op == "call_method":
+        return fn in _UNARY_METHODS or fn in _REDUCTION_METHODS or fn in _ALIAS_METHODS or fn in _VIEW_METHODS or \
+            fn in _LAYOUT_METHODS or _elementwise_binary(n) or \
+            _base_name(fn) in ("clamp", "clip", "clamp_min", "clamp_max", "softmax", "log_softmax", "matmul", "mm", "bmm")
+    if n.op != "call_function":
+        return False
+    if fn is getattr:
+        return len(n.args) == 2 and n.args[1] in ("T", "mT")
+    return fn in _UNARY or fn in _REDUCTIONS or fn in _POOLS or fn in _ADAPTIVE or fn in _ALIAS_FUNCTIONS or \
+        fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn is F.dropout or \
+        fn in (torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze, torch.clamp, torch.clip, torch.clamp_,
+               torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, torch.matmul, torch.mm,
+               torch.bmm, operator.matmul)
+
+
 def _binary_kind(n: fx.Node) -> str:
     return _BINARY_METHODS[n.target] if n.op == "call_method" else _BINARY[n.target]
 
@@ -1676,8 +1701,10 @@ def check_instance(text: str, path: str, imp: Importer):
                 continue
             got = b(*inputs)
         mode = "training" if training else "eval"
-        if not isinstance(want, torch.Tensor) or got.shape != want.shape or \
-                not torch.allclose(got, want, rtol=tol, atol=tol, equal_nan=True):
+        got, want = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (got, want))  # `outputs:`
+        if len(got) != len(want) or not all(isinstance(w, torch.Tensor) for w in want) or \
+                any(g.shape != w.shape or not torch.allclose(g, w, rtol=tol, atol=tol, equal_nan=True)
+                    for g, w in zip(got, want)):
             raise ImportFailed(f"{shown}: the imported spec computes differently from the model ({mode} mode); "
                                "please report it")
         ours = b.state_dict()

@@ -1,0 +1,496 @@
+"""``torch.compile(model, backend="kgen")``: the Dynamo backend.
+
+Dynamo hands over an FX graph of functional calls (``torch.conv2d(x, w, b, ...)``,
+``F.batch_norm(x, running_mean, running_var, w, b, training, momentum, eps)``, ``torch.relu``,
+``operator.add``, ...) whose parameters and buffers are graph inputs. Each node kgen can compute
+is marked (``_Support``: the importer's maps, ``kgen.importer.maps_call``, plus the layers with
+weights below), the marked nodes are grouped into connected partitions (torch.fx's
+CapabilityBasedPartitioner), and each partition becomes a small ``nn.Module`` in the form the
+importer reads (``_partition_model``: a layer call becomes the matching ``torch.nn`` layer holding
+the graph's own weight tensors). ``kgen.compiler.compile_module`` imports, checks, renders and
+builds it in kgen's cache (a partition seen before, in this process or another, is found there),
+and the partition runs as the generated op's functional form, given the partition's inputs,
+parameters and running statistics at each call (batch norm's statistics are updated in place, as
+``F.batch_norm`` does). Every other node runs as PyTorch runs it; a partition kgen cannot import,
+plan or build stays eager, with one line on stderr saying why. Graph breaks are Dynamo's.
+
+The batch (dim 0 of the graph's inputs) stays free: a generated module takes any batch, so when
+Dynamo compiles the graph again with the batch dynamic, each partition is the same spec and is
+loaded, not built again. Every other size is compiled in (a node with another dynamic size stays
+eager).
+
+Options (``torch.compile(model, backend="kgen", options={...})``): ``verbose`` (default True:
+progress of each build on stderr), ``precision`` (the specs' ``precision``).
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import KgenError, one_line
+
+STATS = {"graphs": 0, "partitions": 0, "kgen": 0, "eager": 0}  # counts since the process started
+PARTITIONS: list = []  # per partition since the process started: its calls, and its module or why it stays eager
+_LOADED: dict = {}  # module folder -> the imported generated module
+_NAME = "partition"  # each partition's spec name; the cache key (its ops and sizes) tells them apart
+# The batch the partitions' specs give as their example (not the graph's: the spec, and so the cache
+# key, must not depend on the batch Dynamo first saw; the generated op takes any batch)
+EXAMPLE_BATCH = 8
+
+
+def _say(msg: str) -> None:
+    print(f"kgen: backend: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ layers with weights
+
+# function -> (nn class, rank, transposed); their weight and bias must be graph inputs (parameters)
+_CONVS = {}
+for _r in (1, 2, 3):
+    for _fn in (getattr(torch, f"conv{_r}d"), getattr(F, f"conv{_r}d")):
+        _CONVS[_fn] = (getattr(nn, f"Conv{_r}d"), _r, False)
+    for _fn in (getattr(torch, f"conv_transpose{_r}d"), getattr(F, f"conv_transpose{_r}d")):
+        _CONVS[_fn] = (getattr(nn, f"ConvTranspose{_r}d"), _r, True)
+_LINEARS = (F.linear, torch._C._nn.linear)
+_BATCH_NORMS = (F.batch_norm,)
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_T_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+
+
+def _bound(n: fx.Node, names) -> dict:
+    """``n``'s arguments by the names ``names`` (positional, then keywords)."""
+    if len(n.args) > len(names):
+        raise TypeError(f"{len(n.args)} positional arguments")
+    out = dict(zip(names, n.args))
+    out.update(n.kwargs)
+    return out
+
+
+def _layer(n: fx.Node):
+    """(kind, arguments by name, tensor slots) of a call to a layer with weights, else None."""
+    if n.op != "call_function":
+        return None
+    if n.target in _CONVS:
+        transposed = _CONVS[n.target][2]
+        return "conv", _bound(n, _CONV_T_ARGS if transposed else _CONV_ARGS), ("weight", "bias")
+    if n.target in _LINEARS:
+        return "linear", _bound(n, ("input", "weight", "bias")), ("weight", "bias")
+    if n.target in _BATCH_NORMS:
+        return "batch_norm", _bound(n, _BN_ARGS), ("running_mean", "running_var", "weight", "bias")
+    return None
+
+
+# ------------------------------------------------------------------ what kgen computes
+
+
+def _example(n):
+    return n.meta.get("example_value") if isinstance(n, fx.Node) else None
+
+
+def _same_size(a, b) -> bool:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and str(a.node.expr) == str(b.node.expr)
+    return a == b
+
+
+def _is_state(n: fx.Node, example) -> bool:
+    """A parameter or buffer of the model (Dynamo passes them as graph inputs)."""
+    if isinstance(example, nn.Parameter):
+        return True
+    arg = n.meta.get("grapharg")
+    src = getattr(arg, "source", None)
+    while src is not None:
+        if "ParamBuffer" in type(src).__name__:
+            return True
+        src = getattr(src, "base", None)
+    return False
+
+
+@dataclass
+class _Graph:
+    """What the partitioner needs to know of Dynamo's graph: its parameters and buffers, the batch."""
+
+    gm: fx.GraphModule
+    examples: dict = field(default_factory=dict)  # placeholder -> its example input
+    state: set = field(default_factory=set)  # placeholders that are parameters or buffers
+    batch: object = None  # dim 0 of the first input that is not a parameter (an int or a SymInt)
+    dtype: torch.dtype | None = None
+    by_name: dict = field(default_factory=dict)  # node name -> node (fusing copies the graph's nodes)
+
+    def __post_init__(self):
+        self.by_name = {n.name: n for n in self.gm.graph.nodes}
+        for n in self.gm.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            ex = self.examples.get(n)
+            if _is_state(n, ex):
+                self.state.add(n)
+            elif self.batch is None and isinstance(_example(n), torch.Tensor) and _example(n).dim() >= 1:
+                self.batch, self.dtype = _example(n).shape[0], _example(n).dtype
+
+    def batch_first(self, n) -> bool:
+        """A tensor of the graph's dtype whose dim 0 is the batch and whose other sizes are static."""
+        ex = _example(n)
+        return (isinstance(n, fx.Node) and n not in self.state and isinstance(ex, torch.Tensor) and ex.dim() >= 1
+                and ex.dtype == self.dtype and self.batch is not None and _same_size(ex.shape[0], self.batch)
+                and not any(isinstance(s, torch.SymInt) for s in ex.shape[1:]))
+
+    def is_batch(self, v) -> bool:
+        """A size argument that is the batch: the batch's symbol (dynamic) or a node giving it."""
+        ex = _example(v) if isinstance(v, fx.Node) else None
+        return isinstance(ex, torch.SymInt) and isinstance(self.batch, torch.SymInt) and _same_size(ex, self.batch)
+
+
+def _views(n: fx.Node) -> bool:
+    """Whether ``n``'s result may share memory with its operand (a view: an in-place call on it would
+    change the operand)."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return name in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "permute", "transpose", "t", "expand",
+                    "expand_as", "narrow", "getitem", "detach", "contiguous", "swapaxes", "swapdims", "split",
+                    "chunk", "unflatten", "view_as", "as_strided", "select", "movedim", "getattr", "alias")
+
+
+class _Support:
+    """Which nodes kgen computes (``OperatorSupportBase`` by duck typing)."""
+
+    def __init__(self, graph: _Graph):
+        self.g = graph
+
+    def is_node_supported(self, submodules, n: fx.Node) -> bool:
+        try:
+            return self._supported(n)
+        except (TypeError, ValueError, AttributeError):  # arguments that do not fit what the node is taken for
+            return False
+
+    def _supported(self, n: fx.Node) -> bool:
+        from .importer import _IN_PLACE_OPERATORS, _in_place_name, maps_call
+
+        g = self.g
+        if n.op not in ("call_function", "call_method") or not g.batch_first(n):
+            return False
+        layer = _layer(n)
+        if layer is not None:
+            kind, args, slots = layer
+            if not g.batch_first(args.get("input")):
+                return False
+            for s in slots:
+                t = args.get(s)
+                if t is not None and not (isinstance(t, fx.Node) and t in g.state):
+                    return False
+            for k, v in args.items():
+                if k not in slots and k != "input" and isinstance(v, fx.Node):
+                    return False  # a size or a flag computed at run time
+            if kind == "conv" and isinstance(args.get("padding"), str) and args["padding"] != "valid":
+                return False
+            if kind == "batch_norm":
+                if not isinstance(args.get("training", False), bool) or not isinstance(args.get("eps", 1e-5), float):
+                    return False
+                if args.get("training") and args.get("running_mean") is not None and \
+                        not isinstance(args.get("momentum", 0.1), (int, float)):
+                    return False  # momentum=None: the factor comes from num_batches_tracked
+                if (args.get("running_mean") is None) != (args.get("running_var") is None):
+                    return False
+            return True
+        if not maps_call(n):
+            return False
+        if n.target is F.dropout and _bound(n, ("input", "p", "training", "inplace")).get("training", True) is not False:
+            return False  # random in training mode: PyTorch's
+        operands = [a for a in n.all_input_nodes]
+        for a in operands:
+            ex = _example(a)
+            if a in g.state:
+                if not isinstance(g.examples.get(a), nn.Parameter):
+                    return False  # a buffer read by an op: the importer takes free parameters only
+            elif isinstance(ex, torch.Tensor):
+                if not g.batch_first(a):
+                    return False
+            elif not g.is_batch(a):
+                return False
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if _in_place_name(name) or n.target in _IN_PLACE_OPERATORS or n.kwargs.get("inplace") is True:
+            return self._in_place_ok(n)
+        return True
+
+    def _in_place_ok(self, n: fx.Node) -> bool:
+        """kgen computes an in-place call as a new value: only where nothing reads the operand after it
+        and the operand is no view of something else (which the call would change too)."""
+        t = n.args[0] if n.args else None
+        if not isinstance(t, fx.Node) or t.op == "placeholder" or _views(t):
+            return False
+        order = {m: i for i, m in enumerate(n.graph.nodes)}
+        return all(order[u] < order[n] for u in t.users if u is not n)
+
+
+# ------------------------------------------------------------------ a partition as a model
+
+
+@dataclass
+class _Plan:
+    """How a partition's call arguments feed the generated op."""
+
+    model: nn.Module  # the partition in the importer's form, holding the graph's own weights
+    inputs: list  # argument index of each input of the op, in order
+    examples: list  # their example shapes (meta tensors, the batch the example's)
+    members: dict = field(default_factory=dict)  # state_dict name -> argument index
+    momentum: dict = field(default_factory=dict)  # batch norm module -> its momentum
+    training: bool = False
+
+
+def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
+    """The partition ``sub`` (called as ``call`` in the partitioned graph) as a GraphModule whose
+    layers are ``torch.nn`` layers holding the graph's own weight tensors, its inputs the
+    partition's tensor inputs that are not parameters."""
+    root = nn.Module()
+    graph = fx.Graph()
+    env: dict = {}
+    places = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    outer = {p: g.by_name.get(a.name) if isinstance(a, fx.Node) else a for p, a in zip(places, call.args)}
+    plan = _Plan(root, [], [])
+    batch_node = None
+    arg_index = {p: i for i, p in enumerate(places)}
+    for p in places:  # the tensor inputs first (the op's inputs, x first)
+        o = outer[p]
+        if isinstance(o, fx.Node) and o not in g.state and isinstance(_example(o), torch.Tensor):
+            env[p] = graph.placeholder("x" if not plan.inputs else f"input{len(plan.inputs)}")
+            plan.inputs.append(arg_index[p])
+            ex = _example(o)
+            plan.examples.append(torch.empty((EXAMPLE_BATCH,) + tuple(ex.shape[1:]), dtype=ex.dtype, device="meta"))
+    if not plan.inputs:
+        raise KgenError("no tensor input")
+    counts: dict = {}
+
+    def fresh(kind: str) -> str:
+        counts[kind] = counts.get(kind, 0) + 1
+        return f"{kind}{counts[kind] - 1}"
+
+    def state_tensor(p):
+        return g.examples[outer[p]]
+
+    def batch():
+        nonlocal batch_node
+        if batch_node is None:
+            batch_node = graph.call_method("size", (env[places[plan.inputs[0]]], 0))
+        return batch_node
+
+    def arg(v):
+        """An argument of a copied node: a value of the partition, the batch's size, a free parameter."""
+        if isinstance(v, fx.Node):
+            if v in env:
+                return env[v]
+            o = outer.get(v)
+            if o is not None and o in g.state:
+                name = fresh("p")
+                root.register_parameter(name, state_tensor(v))
+                plan.members[name] = arg_index[v]
+                env[v] = graph.get_attr(name)
+                return env[v]
+            if o is not None and g.is_batch(o):
+                return batch()
+            raise KgenError(f"{v.name}: an input the partition cannot take")
+        if isinstance(v, (tuple, list)):
+            return type(v)(arg(e) for e in v)
+        return v
+
+    for n in sub.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            graph.output(arg(n.args[0]))
+            continue
+        layer = _layer(n)
+        if layer is None:
+            args, kwargs = arg(n.args), arg(n.kwargs)
+            if n.target in ("view", "reshape") or n.target is torch.reshape:
+                args = _batch_in_shape(args, n, g, batch)
+            env[n] = graph.create_node(n.op, n.target, args, kwargs, n.name)
+            continue
+        kind, a, slots = layer
+        if kind == "conv":
+            cls, rank, transposed = _CONVS[n.target]
+            w = state_tensor(a["weight"])
+            groups = a.get("groups", 1)
+            kw = dict(stride=a.get("stride", 1), padding=a.get("padding", 0), dilation=a.get("dilation", 1), groups=groups,
+                      bias=a.get("bias") is not None)
+            if transposed:
+                kw["output_padding"] = a.get("output_padding", 0)
+                cin, cout = w.shape[0], w.shape[1] * groups
+            else:
+                cin, cout = w.shape[1] * groups, w.shape[0]
+            with torch.device("meta"):
+                m = cls(cin, cout, tuple(w.shape[2:]), **kw)
+            name = fresh("conv")
+        elif kind == "linear":
+            w = state_tensor(a["weight"])
+            with torch.device("meta"):
+                m = nn.Linear(w.shape[1], w.shape[0], bias=a.get("bias") is not None)
+            name = fresh("linear")
+        else:
+            channels = _example(n).shape[1]
+            rank = _example(n).dim()
+            cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[rank]
+            momentum = a.get("momentum", 0.1)
+            with torch.device("meta"):
+                m = cls(channels, eps=a.get("eps", 1e-5), momentum=float(momentum if momentum is not None else 0.1),
+                        affine=a.get("weight") is not None, track_running_stats=a.get("running_mean") is not None)
+            if (a.get("weight") is None) != (a.get("bias") is None):
+                raise KgenError("batch norm with a weight but no bias (or a bias but no weight)")
+            name = fresh("bn")
+            plan.momentum[name] = float(momentum if momentum is not None else 0.1)
+            if a.get("training", False) and a.get("running_mean") is not None:
+                plan.training = True
+            elif not a.get("training", False) and a.get("running_mean") is None:
+                raise KgenError("batch norm in eval mode without running statistics")
+        for s in slots:
+            t = a.get(s)
+            if t is None:
+                continue
+            tensor = state_tensor(t)
+            if isinstance(getattr(m, s), nn.Parameter):
+                setattr(m, s, tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False))
+            else:
+                setattr(m, s, tensor)
+            plan.members[f"{name}.{s}"] = arg_index[t]
+        if kind == "batch_norm" and m.track_running_stats:
+            m.num_batches_tracked = torch.zeros((), dtype=torch.long)
+        root.add_module(name, m)
+        env[n] = graph.call_module(name, (arg(a["input"]),))
+    modes = {bool(_layer(n)[1].get("training", False)) for n in sub.graph.nodes
+             if _layer(n) is not None and _layer(n)[0] == "batch_norm"}
+    if len(modes) > 1:
+        raise KgenError("batch norms in training and in eval mode in one partition")
+    plan.training = modes.pop() if modes else False
+    plan.model = fx.GraphModule(root, graph, class_name="KgenPartition").train(plan.training)
+    return plan
+
+
+def _batch_in_shape(args, n: fx.Node, g: _Graph, batch):
+    """``x.view(2, -1)`` in a graph Dynamo specialized to batch 2: the batch is the input's dim 0, whatever it is."""
+    if g.batch is None or isinstance(g.batch, torch.SymInt) or len(args) < 2:
+        return args
+    shape = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+    if shape and shape[0] == g.batch and not isinstance(shape[0], fx.Node):
+        shape[0] = batch()
+        return (args[0], tuple(shape))
+    return args
+
+
+# ------------------------------------------------------------------ a partition at run time
+
+
+class KgenPartition(nn.Module):
+    """One partition run by its generated op: the call's arguments (the partition's inputs as the
+    partitioned graph passes them) go to the op's functional form; its running statistics come back
+    updated and are copied into the graph's buffers, as ``F.batch_norm`` updates them in place."""
+
+    def __init__(self, module, plan: _Plan, several: bool):
+        super().__init__()
+        self.kgen_sources = Path(module.__file__).parent  # the module's folder, named as its op kgen::NAME
+        self.module_name = self.kgen_sources.name
+        self._forward = module.forward
+        self._inputs = list(plan.inputs)
+        self._params = [plan.members[k] for k in module.PARAMETERS]
+        self._buffers = [plan.members[k] for k in getattr(module, "BUFFERS", {})]
+        sig = inspect.signature(module.forward).parameters
+        extra = []
+        if "training" in sig:
+            extra.append(plan.training)
+        if "factors" in sig:
+            norms = [next(iter(op.values())) for op in module.SPEC_DATA["ops"] if next(iter(op)) == "batch_norm"]
+            extra.append([plan.momentum[f["name"]] for f in norms if f.get("track_running_stats", True)])
+        self._extra = extra
+        self._update = plan.training and bool(self._buffers)
+        self._several = several
+
+    def forward(self, *args):
+        buffers = [args[i] for i in self._buffers]
+        out = self._forward(*(args[i] for i in self._inputs), *(args[i] for i in self._params), *buffers, *self._extra)
+        if buffers:
+            k = len(out) - len(buffers)
+            out, stats = (out[:k] if self._several else out[0]), out[k:]
+            if self._update:
+                with torch.no_grad():
+                    for b, new in zip(buffers, stats):
+                        b.copy_(new)
+        return tuple(out) if self._several else out
+
+
+def _compile_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, precision) -> KgenPartition:
+    from .build import default_variant
+    from .compiler import compile_module
+    from .validate import import_module_dir
+
+    devices = {t.device.type for t in g.examples.values() if isinstance(t, torch.Tensor)}
+    if "cuda" in devices and default_variant() != "cuda":
+        raise KgenError("the model is on a GPU, but kgen builds for the CPU here (no nvcc, or KGEN_DEVICE=cpu)")
+    plan = _partition_model(sub, call, g)
+    module_dir = compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose)
+    key = str(module_dir)
+    if key not in _LOADED:
+        _LOADED[key] = import_module_dir(module_dir)
+    outs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    return KgenPartition(_LOADED[key], plan, isinstance(outs, (tuple, list)))
+
+
+# ------------------------------------------------------------------ the backend
+
+
+def _computes(nodes) -> bool:
+    """Whether a partition computes something (not only views and copies of its inputs)."""
+    return any(not _views(n) and getattr(n.target, "__name__", n.target) not in ("clone", "size") for n in nodes)
+
+
+def _calls(nodes) -> list[str]:
+    return [n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)) for n in nodes]
+
+
+def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None):
+    """The Dynamo backend ``kgen``: ``gm`` with the partitions kgen computes replaced by generated ops."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+
+    opts = dict(options or {})
+    verbose = bool(opts.pop("verbose", True))
+    precision = opts.pop("precision", None)
+    if opts:
+        raise KgenError(f"torch.compile(backend='kgen'): unknown options {', '.join(sorted(opts))}; expected verbose, "
+                        "precision")
+    STATS["graphs"] += 1
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    g = _Graph(gm, dict(zip(places, example_inputs)))
+    partitioner = CapabilityBasedPartitioner(gm, _Support(g), allows_single_node_partition=True)
+    parts = [p for p in partitioner.propose_partitions() if _computes(p.nodes)]
+    if not parts:
+        return gm.forward
+    # each partition's nodes, in graph order, before fusing renames them
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    described = [_calls(sorted(p.nodes, key=order.get)) for p in parts]
+    fused = partitioner.fuse_partitions(parts)
+    calls = {n.target: n for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")}
+    for i, names in enumerate(described):
+        target = f"fused_{i}"  # fuse_partitions names the i-th partition it is given so
+        call = calls.get(target)
+        if call is None:
+            continue
+        STATS["partitions"] += 1
+        sub = fused.get_submodule(target)
+        try:
+            runner = _compile_partition(sub, call, g, verbose, precision)
+        except (KgenError, NotImplementedError, RuntimeError, TypeError, ValueError) as e:
+            STATS["eager"] += 1
+            PARTITIONS.append({"calls": names, "module": None, "reason": one_line(e, 300)})
+            text = ", ".join(names[:6]) + (f", ... ({len(names)} calls)" if len(names) > 6 else "")
+            _say(f"partition ({text}) stays eager: {type(e).__name__ + ': ' if not isinstance(e, KgenError) else ''}"
+                 f"{one_line(e, 300)}")
+            continue
+        STATS["kgen"] += 1
+        PARTITIONS.append({"calls": names, "module": runner.module_name, "reason": None})
+        setattr(fused, target, runner)
+    fused.recompile()
+    return fused.forward

@@ -1,0 +1,266 @@
+"""torch.compile(model, backend="kgen") (kgen/backend.py) on the CPU build.
+
+Three small models share their partitions, so the module builds four kgen modules in all (each a
+few seconds; TwoOutputs is the fourth): Net (conv, batch norm, relu, residual add, max pool, flatten, linear: one partition),
+and Split with torch.cumsum (kgen cannot compute it) or a print (a graph break) between the
+conv/bn/relu and the pool/flatten/linear (the same two partitions either way).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3 * 4 * 4, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x))) + x
+        y = F.max_pool2d(y, 2)
+        return self.fc(torch.flatten(y, 1))
+
+
+class Split(nn.Module):
+    def __init__(self, between: str):
+        super().__init__()
+        self.between = between
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        if self.between == "cumsum":
+            y = torch.cumsum(y, 2)
+        else:
+            print("kgen test: a graph break")
+        y = F.max_pool2d(y, 2)
+        return self.fc(y.view(y.size(0), -1))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """KGEN_CACHE set to a fresh folder for this module (the precompiled header shared with kgen's usual cache)."""
+    from kgen.build import kgen_cache
+
+    cache = tmp_path_factory.mktemp("backend") / "cache"
+    cache.mkdir()
+    pch = kgen_cache() / "pch"
+    pch.mkdir(parents=True, exist_ok=True)
+    (cache / "pch").symlink_to(pch)
+    old = os.environ.get("KGEN_CACHE")
+    os.environ["KGEN_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        del os.environ["KGEN_CACHE"]
+    else:
+        os.environ["KGEN_CACHE"] = old
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(model):
+    from kgen.backend import kgen_backend
+
+    return torch.compile(model, backend=kgen_backend)
+
+
+def _folders(cache: Path) -> set:
+    return {p.name for p in (cache / "compiled").iterdir()} if (cache / "compiled").is_dir() else set()
+
+
+def _with_statistics(model):
+    """Running statistics that are not the defaults (eval mode then reads something)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_build(cache):
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = _with_statistics(Net()).eval()
+    compiled = _compiled(model)
+    before = len(backend.PARTITIONS)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 1 and made[0]["module"] is not None, made  # the whole graph is one kgen partition
+    for call in ("conv2d", "batch_norm", "relu", "add", "max_pool2d", "flatten", "linear"):
+        assert call in made[0]["calls"], made[0]
+    folders, graphs = _folders(cache), backend.STATS["graphs"]
+    assert len(folders) == 1
+    for batch in (3, 5, 7):  # Dynamo compiles the graph again once, with the batch dynamic: nothing is built
+        x = torch.randn(batch, 3, 8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert _folders(cache) == folders
+    assert backend.STATS["graphs"] <= graphs + 1  # at most one recompile (batch 3), none for batches 5 and 7
+    x = torch.randn(1, 3, 8, 8)  # Dynamo specializes a size of 1 (a graph of its own): loaded, not built
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert _folders(cache) == folders
+    assert all(p["module"] == made[0]["module"] for p in backend.PARTITIONS[before:])
+
+
+def test_supported_model_trains_one_step_as_eager(cache):
+    torch.manual_seed(1)
+    model = Net().train()
+    reference = copy.deepcopy(model)
+    compiled = _compiled(model)
+    x = torch.randn(4, 3, 8, 8)
+    y, want = compiled(x), reference(x)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    (y.square().sum()).backward()
+    (want.square().sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}.grad: {m}")
+    # the running statistics are updated in place, as F.batch_norm does
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert int(model.bn.num_batches_tracked) == 1
+    for opt in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)):
+        opt.step()
+    x = torch.randn(4, 3, 8, 8)
+    torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_call_runs_in_pytorch_and_the_rest_in_kgen(cache):
+    from kgen import backend
+
+    torch.manual_seed(2)
+    model = _with_statistics(Split("cumsum")).eval()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 2 and all(p["module"] for p in made), made
+    assert not any("cumsum" in p["calls"] for p in made)
+    assert any("conv2d" in p["calls"] for p in made) and any("linear" in p["calls"] for p in made)
+
+
+def test_graph_break(cache, capsys):
+    from kgen import backend
+
+    torch.manual_seed(3)
+    model = _with_statistics(Split("print")).eval()
+    before, graphs = len(backend.PARTITIONS), backend.STATS["graphs"]
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
+    assert "kgen test: a graph break" in capsys.readouterr().out
+    assert backend.STATS["graphs"] == graphs + 2  # one graph before the print, one after it
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 2 and all(p["module"] for p in made), made
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.scale = nn.Parameter(torch.randn(1, 4, 1, 1))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.relu(self.conv(x)) * self.scale
+        return y, torch.sigmoid(y).sum(1)
+
+
+def test_partition_with_two_outputs_a_free_parameter_and_an_in_place_call(cache):
+    from kgen import backend
+
+    torch.manual_seed(5)
+    model = TwoOutputs().eval()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        got, want = _compiled(model)(x), model(x)
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 1 and made[0]["module"], made
+
+
+def test_partition_that_fails_stays_eager_with_one_line(cache, monkeypatch, capsys):
+    from kgen import backend, compiler
+    from kgen.errors import KgenError
+
+    def refuse(*args, **kwargs):
+        raise KgenError("no family computes it (test)")
+
+    monkeypatch.setattr(compiler, "compile_module", refuse)
+    torch.manual_seed(4)
+    model = _with_statistics(Net()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kgen: backend:")]
+    assert len(lines) == 1 and "stays eager: no family computes it (test)" in lines[0], lines
+    assert backend.PARTITIONS[-1]["module"] is None
+
+
+def test_unknown_option_is_refused():
+    from kgen.backend import kgen_backend
+    from kgen.errors import KgenError
+
+    gm = torch.fx.symbolic_trace(nn.ReLU())
+    with pytest.raises(KgenError, match="unknown options fast"):
+        kgen_backend(gm, [torch.randn(2, 3)], options={"fast": True})
+
+
+def test_backend_resolves_through_the_entry_point(cache, tmp_path):
+    """The package's torch_dynamo_backends entry point names the backend; torch finds it by name without
+    kgen imported first (an installed distribution's entry points, written here as pip writes them)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        eps = tomllib.load(f)["project"]["entry-points"]["torch_dynamo_backends"]
+    assert eps == {"kgen": "kgen.backend:kgen_backend"}
+    dist = tmp_path / "kgen_backend_test-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kgen-backend-test\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[torch_dynamo_backends]\nkgen = kgen.backend:kgen_backend\n")
+    script = textwrap.dedent("""
+        import sys, torch
+        assert "kgen" in torch._dynamo.list_backends(), torch._dynamo.list_backends()
+        assert "kgen" not in sys.modules
+        from torch._dynamo.backends.registry import lookup_backend
+        import kgen.backend
+        assert lookup_backend("kgen") is kgen.backend.kgen_backend
+        from test_backend import Net  # its partition is in the cache already when the tests above ran
+        model = Net().eval()
+        x = torch.randn(2, 3, 8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(model, backend="kgen", options={"verbose": False})(x), model(x))
+        assert kgen.backend.PARTITIONS and kgen.backend.PARTITIONS[-1]["module"], kgen.backend.PARTITIONS
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), str(ROOT / "tests")])}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
