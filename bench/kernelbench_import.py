@@ -243,7 +243,12 @@ def main() -> None:
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = {pool.submit(one, f, args, env): f for f in files}
         for fut in cf.as_completed(futures):
-            row = fut.result()
+            try:
+                row = fut.result()
+            except Exception as e:  # noqa: BLE001 - one problem's crash (a full disk, a bad file) is its row
+                f = futures[fut]
+                row = {"problem": f.stem, "number": int(f.name.split("_")[0]), "module": module_name(f, args.level),
+                       "status": "error", "reason": f"{type(e).__name__}: {e}"}
             rows.append(row)
             print(f"{row['number']:3d} {row['module']:60s} {row['status']:18s} {row.get('reason', '')[:150]}", flush=True)
             write_report(rows, args, started)
