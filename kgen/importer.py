@@ -12,9 +12,10 @@ there is one); a second input is an input of the spec.
 
 Before anything is written the spec is checked three ways: it loads and plans
 (every op has a family), the model built from it initializes like the original
-under the same seed (free parameters: randn, ones, zeros or a constant), and it
-computes what the original computes (float64, batch 1, training and eval
-mode). An unsupported call is one error naming the call and its file:line;
+under the same seed (free parameters: randn, ones, zeros or a constant; the
+torch.nn.init calls __init__ makes after creating its layers are recorded and
+replayed), and it computes what the original computes (float64, batch 1,
+training and eval mode). An unsupported call is one error naming the call and its file:line;
 nothing is written then.
 """
 from __future__ import annotations
