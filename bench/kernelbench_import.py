@@ -181,6 +181,15 @@ def numbers(text: str) -> set[int]:
     return out
 
 
+def job_threads(jobs: int) -> int:
+    """Threads per job: this process's cores shared among the jobs running at a time."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, jobs))
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
@@ -198,7 +207,10 @@ def main() -> None:
     ap.add_argument("--report", type=Path, default=None,
                     help="default: reports/kernelbench_level<N>_<device>.md for a whole run; with --only, or without kgen all,\n"
                          "under --work (a partial run does not replace the committed report)")
-    ap.add_argument("--jobs", type=int, default=2, help="problems at a time")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="problems at a time; each job's processes get OMP_NUM_THREADS and MKL_NUM_THREADS =\n"
+                         "max(1, cores // jobs) (torch would otherwise run each with every core, and parallel\n"
+                         "imports of big models would oversubscribe the machine)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per step of a problem")
     ap.add_argument("--only", default="", help="comma-separated problem numbers or ranges (1-27,45)")
     ap.add_argument("--no-all", dest="all", action="store_false", help="import only")
@@ -223,14 +235,20 @@ def main() -> None:
         files = [f for f in files if int(f.name.split("_")[0]) in wanted]
     args.work = args.work.resolve()
     (args.work / "specs").mkdir(parents=True, exist_ok=True)
+    threads = str(job_threads(min(max(1, args.jobs), max(1, len(files)))))
     env = dict(os.environ, PYTHONPATH=str(ROOT), KGEN_TARGET=os.environ.get("KGEN_TARGET", "default"),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows = []
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = {pool.submit(one, f, args, env): f for f in files}
         for fut in cf.as_completed(futures):
-            row = fut.result()
+            try:
+                row = fut.result()
+            except Exception as e:  # noqa: BLE001 - one problem's crash (a full disk, a bad file) is its row
+                f = futures[fut]
+                row = {"problem": f.stem, "number": int(f.name.split("_")[0]), "module": module_name(f, args.level),
+                       "status": "error", "reason": f"{type(e).__name__}: {e}"}
             rows.append(row)
             print(f"{row['number']:3d} {row['module']:60s} {row['status']:18s} {row.get('reason', '')[:150]}", flush=True)
             write_report(rows, args, started)

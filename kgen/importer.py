@@ -12,9 +12,10 @@ there is one); a second input is an input of the spec.
 
 Before anything is written the spec is checked three ways: it loads and plans
 (every op has a family), the model built from it initializes like the original
-under the same seed (free parameters: randn, ones, zeros or a constant), and it
-computes what the original computes (float64, batch 1, training and eval
-mode). An unsupported call is one error naming the call and its file:line;
+under the same seed (free parameters: randn, ones, zeros or a constant; the
+torch.nn.init calls __init__ makes after creating its layers are recorded and
+replayed), and it computes what the original computes (float64, batch 1,
+training and eval mode). An unsupported call is one error naming the call and its file:line;
 nothing is written then.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 import yaml
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .errors import KgenError, one_line
 from .fields import IDENT, MAX_NAME, MAX_PATH, PATH
@@ -157,6 +159,162 @@ def _registrations(events: list):
         nn.Module.register_parameter, nn.Module.register_buffer = register_parameter, register_buffer
 
 
+# Tensor methods that re-initialize a tensor, as the torch.nn.init function they equal (the same
+# draws: nn.init.normal_ is Tensor.normal_ under no_grad) with their argument names
+_INIT_METHODS = {"normal_": ("normal_", ("mean", "std")), "uniform_": ("uniform_", ("a", "b")),
+                 "fill_": ("constant_", ("val",)), "zero_": ("zeros_", ())}
+_METHOD_KWARGS = {"from": "a", "to": "b", "value": "val"}
+_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                       "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+_NOT_CHANGES = {"requires_grad_", "share_memory_", "retain_grad"}
+
+
+class _InitRecorder(TorchFunctionMode):
+    """Within (while the model is constructed): each re-initialization of a registered parameter or
+    buffer after its module was built: ``torch.nn.init`` functions (patched in torch.nn.init) and
+    ``Tensor.normal_/uniform_/fill_/zero_`` (also through ``.data``), appended to ``calls`` as
+    (module, name, fn, {arg: value}, where, registrations so far). A torch.nn layer initializing
+    itself (its reset_parameters) is its own construction, which kgen reproduces by building the
+    layer. Other in-place changes of a member, and arguments that are not numbers or strings, are
+    refused naming the line."""
+
+    def __init__(self, events: list, file: str):
+        super().__init__()
+        self.events, self.file = events, file
+        self.calls: list = []
+        self.owners: dict = {}  # id(tensor) -> (module, name, tensor): registered tensors and their .data
+        self.indexed = 0
+        self.depth = 0  # > 0 inside a recorded call (its own tensor methods are not calls of the model)
+        self.patched: dict = {}
+
+    def __enter__(self):
+        from .spec import INIT_ARGS
+
+        for fn in INIT_ARGS:
+            original = getattr(nn.init, fn)
+            self.patched[fn] = original
+            setattr(nn.init, fn, self._wrap(fn, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for fn, original in self.patched.items():
+            setattr(nn.init, fn, original)
+        return super().__exit__(*exc)
+
+    def _wrap(self, fn, original):
+        sig = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
+            if self.depth == 0:
+                try:
+                    bound = sig.bind(*args, **kwargs)
+                except TypeError:
+                    bound = None  # torch itself says what is wrong
+                if bound is not None:
+                    given = dict(bound.arguments)
+                    self._record(given.pop("tensor", None), fn, given, f"nn.init.{fn}")
+            self.depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        return wrapper
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth == 0 and args and isinstance(args[0], torch.Tensor):
+            name = getattr(func, "__name__", "")
+            prop = getattr(func, "__self__", None)
+            if prop is torch._C.TensorBase.data and name == "__set__" and self._owner(args[0]):
+                self._refuse(args[0], "assigns .data of")
+            elif name in _INIT_METHODS and getattr(torch.Tensor, name, None) is func:
+                fn, names = _INIT_METHODS[name]
+                given = dict(zip(names, args[1:]))
+                given.update({_METHOD_KWARGS.get(k, k): v for k, v in kwargs.items()})
+                self._record(args[0], fn, given, f"Tensor.{name}")
+            elif (name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_")
+                                                  and name not in _NOT_CHANGES)) \
+                    and getattr(torch.Tensor, name, None) is func and self._changes(args[0]):
+                self._refuse(args[0], f"changes with Tensor.{name}")
+        self.depth += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.depth -= 1
+        if getattr(func, "__self__", None) is torch._C.TensorBase.data and getattr(func, "__name__", "") == "__get__":
+            owner = self._owner(args[0])
+            if owner is not None:
+                self.owners[id(out)] = (*owner, out, self.owners[id(args[0])][3])
+        return out
+
+    def _owner(self, t):
+        """(module, name) of the registered parameter or buffer ``t`` is (or is the .data of)."""
+        for m, name in self.events[self.indexed:]:
+            held = m._parameters.get(name) if name in m._parameters else m._buffers.get(name)
+            if held is not None:
+                self.owners[id(held)] = (m, name, held, held)
+        self.indexed = len(self.events)
+        entry = self.owners.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if entry is None or entry[2] is not t:
+            return None
+        m, name, _, base = entry
+        held = m._parameters.get(name) if name in m._parameters else m._buffers.get(name)
+        return (m, name) if held is base else None  # still the member (not replaced since)
+
+    def _changes(self, t) -> bool:
+        """Whether changing ``t`` now is a change of a member after its module was built."""
+        owner = self._owner(t)
+        if owner is None:
+            return False
+        m = owner[0]
+        if type(m).__module__.startswith("torch.nn."):  # a torch.nn layer building itself
+            f = sys._getframe(1)
+            while f is not None:
+                if f.f_locals.get("self") is m:
+                    return False
+                f = f.f_back
+        return True
+
+    def _where(self) -> str:
+        """file:line of the innermost frame in the model's file (else the innermost outside torch and kgen)."""
+        target = str(Path(self.file).resolve())
+        outside = None
+        for frame in reversed(traceback.extract_stack()):
+            if str(Path(frame.filename).resolve()) == target:
+                return f"{_shown_path(frame.filename)}:{frame.lineno}"
+            if outside is None and not any(s in frame.filename for s in (f"{os.sep}torch{os.sep}", f"{os.sep}kgen{os.sep}")):
+                outside = f"{_shown_path(frame.filename)}:{frame.lineno}"
+        return outside or _shown_path(self.file)
+
+    def _refuse(self, t, what: str):
+        m, name = self._owner(t)
+        raise ImportFailed(f"{self._where()}: __init__ {what} the {type(m).__name__}'s '{name}' after creating it; kgen "
+                           "replays torch.nn.init functions and Tensor.normal_, uniform_, fill_ and zero_ only")
+
+    def _record(self, t, fn, given: dict, call: str) -> None:
+        from .spec import INIT_ARGS
+
+        if not self._changes(t):
+            return
+        m, name = self._owner(t)
+        args = {}
+        for k, v in given.items():
+            if k == "generator" and v is None:
+                continue
+            if k not in INIT_ARGS[fn]:
+                raise ImportFailed(f"{self._where()}: {call} of the {type(m).__name__}'s '{name}' is given {k}=; kgen "
+                                   f"replays it with {', '.join(INIT_ARGS[fn]) or 'no arguments'} only")
+            plain = isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+            if not plain:
+                shown = f"a {type(v).__name__}" if not isinstance(v, (int, float)) else repr(v)
+                raise ImportFailed(f"{self._where()}: {call} of the {type(m).__name__}'s '{name}' has the argument "
+                                   f"{k} = {shown}; kgen replays re-initializations whose arguments are finite numbers "
+                                   "or strings")
+            args[k] = float(v) if isinstance(v, float) else v
+        self.calls.append((m, name, fn, args, self._where(), len(self.events), call))
+
+
 # ------------------------------------------------------------------ the importer
 
 
@@ -207,7 +365,8 @@ class Importer:
     used_params: set = field(default_factory=set)
     modules_used: set = field(default_factory=set)
     taken: set = field(default_factory=set)  # names of inputs, values, params, modules
-    creation: list = field(default_factory=list)  # (module path, name) of each parameter and buffer, as registered
+    creation: list = field(default_factory=list)  # (module path, name, index) of each parameter and buffer, as registered
+    init_calls: list = field(default_factory=list)  # the re-initializations after creation (_InitRecorder.calls)
     batch: int = 1
     active: set = field(default_factory=set)  # nodes that depend on an input
     real: nn.Module | None = None  # the model with its values (None when it is too large to build here)
@@ -273,10 +432,13 @@ class Importer:
         while it is built is the order the leaf modules holding them are constructed (their
         __init__ registers them, and draws their init, before a parent stores them)."""
         events = []
+        recorder = _InitRecorder(events, self.src.file)  # the re-initializations after members are built
         try:
-            with _registrations(events), torch.device("meta"):
+            with _registrations(events), torch.device("meta"), recorder:
                 self.model = self.src.cls(*self.src.init_args)
             on_meta = True
+        except ImportFailed:
+            raise
         except Exception:  # noqa: BLE001 - e.g. Tensor.item() in __init__: meta tensors have no values
             on_meta = False
         try:
@@ -287,16 +449,20 @@ class Importer:
                     self.real = self.src.cls(*self.src.init_args)
             else:
                 events.clear()
+                recorder = _InitRecorder(events, self.src.file)
                 torch.manual_seed(0)
-                with _registrations(events):
+                with _registrations(events), recorder:
                     self.model = self.real = self.src.cls(*self.src.init_args)
                 self.numel = sum(p.numel() for p in self.model.parameters())
+        except ImportFailed:
+            raise
         except Exception as e:  # noqa: BLE001
             raise ImportFailed(f"{self._where_exc(e)}: constructing Model(*get_init_inputs()) fails: {type(e).__name__}: "
                                f"{one_line(e, 200)}") from None
         self.device = "meta" if on_meta else "cpu"
         paths = {id(m): p for p, m in self.model.named_modules()}
-        self.creation = [(paths[id(m)], name) for m, name in events if id(m) in paths]
+        self.creation = [(paths[id(m)], name, i) for i, (m, name) in enumerate(events) if id(m) in paths]
+        self.init_calls = recorder.calls
 
     def _check_inputs(self, dtypes) -> None:
         """Tensors of one of ``dtypes`` (all the same), 2 to 5 dims, the batch first and the same in each."""
@@ -1174,15 +1340,39 @@ class Importer:
             if keyword.iskeyword(p.name) or p.name in ("self", "torch", "super"):
                 raise ImportFailed(f"{self.src.shown}: the constructor argument name {p.name!r} cannot be used")
         members = []  # the used leaf modules and the free parameters, in the order they were created
-        for path, name in self.creation:
+        created = {}  # member -> index of its first registration
+        for path, name, i in self.creation:
             full = f"{path}.{name}" if path else name
             member = path if path in self.modules_used else full if full in self.params else None
             if member is not None and member not in members:
                 members.append(member)
+                created[member] = i
         out = {"args": args, "members": members}
+        init = self._init(created)
+        if init:
+            out["init"] = init
         source = os.path.relpath(self.src.file) if not self.src.file.startswith("<") else None
         if source and re.fullmatch(r"[A-Za-z0-9_./+-]{1,200}", source):
             out = {"source": source, **out}
+        return out
+
+    def _init(self, created: dict) -> list:
+        """``constructor.init``: the recorded re-initializations by state_dict name. kgen's models
+        replay them after creating every member, so one made before a member is created (which
+        would draw random numbers in another order) is refused."""
+        paths = {id(m): p for p, m in self.model.named_modules()}
+        out = []
+        for m, name, fn, args, where, at, call in self.init_calls:
+            path = paths.get(id(m))
+            full = f"{path}.{name}" if path else name
+            if path is None or not (path in self.modules_used or full in self.params):
+                raise ImportFailed(f"{where}: {call} re-initializes '{full if path is not None else name}' of a "
+                                   f"{type(m).__name__} that forward does not use; kgen does not create it")
+            later = next((k for k, i in created.items() if i >= at), None)
+            if later is not None:
+                raise ImportFailed(f"{where}: {call} re-initializes '{full}' before '{later}' is created; kgen "
+                                   "replays re-initializations after creating every member (move it after them)")
+            out.append({"member": full, "fn": fn, **({"args": args} if args else {})})
         return out
 
     # ---------------------------------------------------------------- errors
@@ -1527,7 +1717,11 @@ def spec_text(data: dict) -> str:
                     for op in value]
         elif isinstance(value, dict) and key != "example":
             out.append(f"{key}:")
-            out += [f"  {k}: {_flow(v)}" for k, v in value.items()]
+            for k, v in value.items():
+                if key == "constructor" and k == "init":  # one re-initialization a line
+                    out += [f"  {k}:"] + [f"    - {_flow(e)}" for e in v]
+                else:
+                    out.append(f"  {k}: {_flow(v)}")
         else:
             out.append(f"{key}: {_flow(value.strip() if isinstance(value, str) else value)}")
     return "\n".join(out) + "\n"
@@ -1562,7 +1756,7 @@ def _check_spec(text: str, path: str, imp: Importer):
         if ours[k].shape != theirs[k].shape or not torch.equal(ours[k], theirs[k]):
             raise ImportFailed(f"{imp.src.shown}: after torch.manual_seed, '{k}' is initialized differently from the "
                                "original; kgen creates free parameters with torch.randn, ones, zeros or a constant, "
-                               "in the order __init__ creates them")
+                               "in the order __init__ creates them, then replays the torch.nn.init calls after them")
     dtype = torch.float32 if big else torch.float64
     original, reference = original.to(dtype), reference.to(dtype)
     g = torch.Generator().manual_seed(2)

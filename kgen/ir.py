@@ -1789,6 +1789,11 @@ def build_pipeline(spec: Spec) -> Pipeline:
         dtype=spec.dtypes[0],
         outputs=_check_outputs(spec, inputs, b.values, ops),
     )
+    held = {t.name for m in pipe.members() for t in m.tensors + m.buffers}
+    for i in spec.init:
+        if i.member not in held:
+            raise SpecError(path, f"{i.key}.member", f"'{i.member}' is not a parameter or running statistic of the "
+                            "model's members")
     idents = {n: f"input '{n}'" for n in inputs}
     idents.setdefault("x", "x")
     for arg in pipe.tensor_args() + pipe.buffer_args() + [TensorArg(v, v, ()) for v in pipe.values if v not in inputs]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .ir import Member, Pipeline
-from .runtime import set_member
+from .runtime import init_members, set_member
 
 PARAM_INIT = {"randn": torch.randn, "ones": torch.ones, "zeros": torch.zeros}
 
@@ -34,9 +34,11 @@ def instantiate(member: Member) -> nn.Module | nn.Parameter:
 
 def add_members(module: nn.Module, pipeline: Pipeline) -> None:
     """Create the submodules and free parameters of ``pipeline`` on ``module``, in order
-    (a nested member ``layer1.0.conv1`` with its containers)."""
+    (a nested member ``layer1.0.conv1`` with its containers), then re-initialize them as the
+    spec's ``constructor.init`` says."""
     for m in pipeline.members():
         set_member(module, m.attr, instantiate(m))
+    init_members(module, [(i.member, i.fn, dict(i.args)) for i in pipeline.spec.init])
 
 
 class ReferenceModel(nn.Module):

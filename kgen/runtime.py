@@ -55,6 +55,22 @@ def set_member(root: torch.nn.Module, path: str, value) -> None:
     setattr(owner, last, value)
 
 
+def init_members(root: torch.nn.Module, inits) -> None:
+    """Re-initialize members as the original model's __init__ did after creating them:
+    ``inits`` is ((state_dict name, torch.nn.init function, its keyword arguments), ...), applied
+    in order (the same random draws after the same seed). The reference model and generated
+    modules with a spec's ``constructor.init`` call this after creating their members."""
+    for name, fn, kwargs in inits:
+        owner, _, attr = name.rpartition(".")
+        module = root.get_submodule(owner)
+        tensor = module._parameters.get(attr)
+        if tensor is None:
+            tensor = module._buffers.get(attr)
+        if tensor is None:
+            raise KgenError(f"{type(root).__name__} has no parameter or buffer '{name}' to re-initialize")
+        getattr(torch.nn.init, fn)(tensor, **kwargs)
+
+
 # op name -> (the spec's original pipeline, state_dict names of the op's parameter arguments)
 _PIPELINES: dict = {}
 

@@ -19,6 +19,7 @@ error messages show only a short prefix of any value.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -109,6 +110,40 @@ NO_DEFAULT = "<no default>"
 
 
 @dataclass(frozen=True)
+class InitSpec:
+    """A re-initialization the original model's __init__ makes after creating its members
+    (``nn.init.kaiming_normal_(m.weight, mode="fan_out")``): the state_dict name of the
+    tensor, the ``torch.nn.init`` function and its keyword arguments; replayed in order."""
+
+    member: str
+    fn: str
+    args: tuple  # ((name, value), ...): numbers and strings
+    key: str
+
+
+# torch.nn.init function -> the arguments a spec may give it (numbers, or strings where listed in INIT_CHOICES)
+INIT_ARGS = {
+    "kaiming_normal_": ("a", "mode", "nonlinearity"),
+    "kaiming_uniform_": ("a", "mode", "nonlinearity"),
+    "xavier_normal_": ("gain",),
+    "xavier_uniform_": ("gain",),
+    "normal_": ("mean", "std"),
+    "uniform_": ("a", "b"),
+    "trunc_normal_": ("mean", "std", "a", "b"),
+    "constant_": ("val",),
+    "zeros_": (),
+    "ones_": (),
+    "orthogonal_": ("gain",),
+}
+INIT_CHOICES = {
+    "mode": ("fan_in", "fan_out"),
+    "nonlinearity": ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                     "conv_transpose3d", "sigmoid", "tanh", "relu", "leaky_relu", "selu"),
+}
+MAX_INITS = 10000
+
+
+@dataclass(frozen=True)
 class Spec:
     path: str
     name: str
@@ -128,6 +163,7 @@ class Spec:
     multi_input: bool = False  # written as `inputs:` (kept so the spec reads back the same way)
     constructor: tuple[ArgSpec, ...] | None = None  # the reference model's __init__ arguments
     members: tuple[str, ...] = ()  # submodules and parameters in the reference's creation order
+    init: tuple[InitSpec, ...] = ()  # re-initializations after the members are created, in order
     source: str | None = None  # the model file it was imported from
     # `outputs:` the values the model returns, in order (names given with `as:`); () when not given: the last
     # op's result alone (kgen.ir checks the names against the values)
@@ -330,7 +366,7 @@ def arg_value(v, key, path, depth=0):
 
 def _load_constructor(raw, path):
     _mapping(raw, "constructor", path)
-    _no_extra(raw, {"source", "args", "members"}, "constructor", path)
+    _no_extra(raw, {"source", "args", "members", "init"}, "constructor", path)
     source = raw.get("source")
     if source is not None and (not isinstance(source, str) or not SOURCE_PATH.match(source)):
         fail(path, "constructor.source", f"expected a file path of plain characters, got {show(source)}")
@@ -362,7 +398,47 @@ def _load_constructor(raw, path):
     members = tuple(member_path(m, f"constructor.members[{i}]", path) for i, m in enumerate(members))
     if len(set(members)) != len(members):
         fail(path, "constructor.members", "a name appears twice")
-    return tuple(args), members, source
+    return tuple(args), members, _load_init(raw.get("init"), members, path), source
+
+
+def _load_init(raw, members, path) -> tuple[InitSpec, ...]:
+    """``constructor.init``: [{member: features.0.weight, fn: kaiming_normal_, args: {mode: fan_out}}, ...];
+    the member is a parameter or buffer of a listed submodule, or a listed parameter (build_pipeline
+    checks that the submodule has it)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_INITS:
+        fail(path, "constructor.init", f"expected a list of at most {MAX_INITS} re-initializations")
+    out = []
+    for i, entry in enumerate(raw):
+        key = f"constructor.init[{i}]"
+        _mapping(entry, key, path)
+        _no_extra(entry, {"member", "fn", "args"}, key, path)
+        for k in ("member", "fn"):
+            if k not in entry:
+                fail(path, f"{key}.{k}", "missing required field")
+        member = member_path(entry["member"], f"{key}.member", path)
+        owner = member.rpartition(".")[0]
+        if members and member not in members and owner not in members:
+            fail(path, f"{key}.member", f"'{member}' is neither a listed parameter nor a tensor of a submodule in "
+                 "constructor.members")
+        fn = entry["fn"]
+        if fn not in INIT_ARGS:
+            fail(path, f"{key}.fn", f"expected one of {', '.join(INIT_ARGS)}, got {show(fn)}")
+        args = _mapping(entry.get("args") or {}, f"{key}.args", path)
+        values = []
+        for name, v in args.items():
+            akey = f"{key}.args.{_shown(name)}"
+            if name not in INIT_ARGS[fn]:
+                fail(path, akey, f"{fn} takes {', '.join(INIT_ARGS[fn]) or 'no arguments'} here")
+            if name in INIT_CHOICES:
+                if v not in INIT_CHOICES[name]:
+                    fail(path, akey, f"expected one of {', '.join(INIT_CHOICES[name])}, got {show(v)}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                fail(path, akey, f"expected a finite number, got {show(v)}")
+            values.append((name, v))
+        out.append(InitSpec(member, fn, tuple(values), key))
+    return tuple(out)
 
 
 def _load_params(raw, path):
@@ -564,7 +640,8 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         inputs, dtypes, example = _load_input(raw["input"], path)
     else:
         inputs, dtypes, example = _load_inputs(raw["inputs"], raw.get("example"), path)
-    constructor, members, source = _load_constructor(raw["constructor"], path) if "constructor" in raw else (None, (), None)
+    constructor, members, init, source = (_load_constructor(raw["constructor"], path) if "constructor" in raw
+                                          else (None, (), (), None))
     params = _load_params(raw.get("params"), path)
     ops_raw = raw["ops"]
     if not isinstance(ops_raw, list) or not ops_raw:
@@ -597,6 +674,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         multi_input="inputs" in raw,
         constructor=constructor,
         members=members,
+        init=init,
         source=source,
         outputs=outputs,
     )
@@ -655,6 +733,8 @@ def spec_to_data(spec: Spec) -> dict:
         args = {a.name: plain(a.value) if a.default is NO_DEFAULT else {"value": plain(a.value), "default": plain(a.default)}
                 for a in spec.constructor}
         data["constructor"] = {"args": args, "members": list(spec.members)}
+        if spec.init:  # only when given: the data (and hashes) of specs without it stay as they were
+            data["constructor"]["init"] = [{"member": i.member, "fn": i.fn, "args": dict(i.args)} for i in spec.init]
         if spec.source is not None:
             data["constructor"] = {"source": spec.source, **data["constructor"]}
     return data
