@@ -1727,6 +1727,41 @@ def spec_text(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _same_in_modes(original: nn.Module, reference: nn.Module, example_inputs, pipe, modes, device, dtype,
+                   shown: str) -> None:
+    """``reference`` (the model built from the spec) computes what ``original`` computes, on random normal
+    inputs shaped as ``example_inputs`` (batch 2 where a batch norm is, else 1), in each of ``modes``
+    (training mode skipped where a dropout with p > 0 makes it random), every output compared (``outputs:``),
+    and the state (running statistics) updated alike; at 1e-9 in float64, 1e-4 in float32 (huge models)."""
+    has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in original.modules())
+    g = torch.Generator(device=device).manual_seed(2)
+    inputs = [torch.randn((2 if has_norm else 1,) + tuple(t.shape[1:]), generator=g, device=device, dtype=dtype)
+              for t in example_inputs]
+    train_ok = not any(o.op_name == "dropout" and o.p > 0 for o in pipe.ops)  # nn.Dropout or F.dropout: random
+    tol = 1e-4 if dtype == torch.float32 else 1e-9
+    for training in modes:
+        if training and not train_ok:
+            continue
+        a, b = copy.deepcopy(original).train(training), copy.deepcopy(reference).train(training)
+        with torch.no_grad():
+            try:
+                want = a(*inputs)
+            except Exception:  # noqa: BLE001 - the model itself refuses these inputs (batch norm of one value)
+                continue
+            got = b(*inputs)
+        mode = "training" if training else "eval"
+        got, want = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (got, want))  # `outputs:`
+        if len(got) != len(want) or not all(isinstance(w, torch.Tensor) for w in want) or \
+                any(g.shape != w.shape or not torch.allclose(g, w, rtol=tol, atol=tol, equal_nan=True)
+                    for g, w in zip(got, want)):
+            raise ImportFailed(f"{shown}: the imported spec computes differently from the model ({mode} mode); "
+                               "please report it")
+        ours = b.state_dict()
+        for k, v in a.state_dict().items():
+            if not torch.allclose(v.to(ours[k].dtype), ours[k], rtol=tol, atol=tol):
+                raise ImportFailed(f"{shown}: '{k}' is updated differently in {mode} mode; please report it")
+
+
 def _check_spec(text: str, path: str, imp: Importer):
     """The spec loads, plans, initializes like the model, and computes what it computes."""
     from .ir import build_pipeline
@@ -1758,33 +1793,8 @@ def _check_spec(text: str, path: str, imp: Importer):
                                "original; kgen creates free parameters with torch.randn, ones, zeros or a constant, "
                                "in the order __init__ creates them, then replays the torch.nn.init calls after them")
     dtype = torch.float32 if big else torch.float64
-    original, reference = original.to(dtype), reference.to(dtype)
-    g = torch.Generator().manual_seed(2)
-    has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in original.modules())
-    batch = 2 if has_norm else 1  # batch statistics of one value are refused
-    inputs = [torch.randn((batch,) + tuple(t.shape[1:]), generator=g, dtype=dtype) for t in imp.src.inputs]
-    train_ok = not any(o.op_name == "dropout" and o.p > 0 for o in pipe.ops)  # nn.Dropout or F.dropout: random
-    for training in ([True] if train_ok else []) + [False]:
-        a, b = copy.deepcopy(original).train(training), copy.deepcopy(reference).train(training)
-        with torch.no_grad():
-            try:
-                want = a(*inputs)
-            except Exception:  # noqa: BLE001 - the model itself refuses these inputs (batch norm of one value)
-                continue
-            got = b(*inputs)
-        tol = 1e-4 if big else 1e-9
-        got, want = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (got, want))
-        if len(got) != len(want) or any(g.shape != w.shape or not torch.allclose(g, w, rtol=tol, atol=tol, equal_nan=True)
-                                         for g, w in zip(got, want)):
-            mode = "training" if training else "eval"
-            raise ImportFailed(f"{imp.src.shown}: the imported spec computes differently from the model ({mode} mode); "
-                               "please report it")
-        if training and has_norm:
-            theirs_after, ours_after = a.state_dict(), b.state_dict()
-            for k, va in theirs_after.items():
-                vb = ours_after[k]
-                if not torch.allclose(va.to(vb.dtype), vb, rtol=tol, atol=tol):
-                    raise ImportFailed(f"{imp.src.shown}: the running statistics '{k}' update differently; please report it")
+    _same_in_modes(original.to(dtype), reference.to(dtype), imp.src.inputs, pipe, (True, False), torch.device("cpu"),
+                   dtype, imp.src.shown)
     return pipe
 
 
@@ -1877,32 +1887,6 @@ def check_instance(text: str, path: str, imp: Importer):
         reference.load_state_dict(inst.state_dict(), strict=True)
     except RuntimeError as e:
         raise ImportFailed(f"{shown}: the spec's model does not take the model's state_dict: {one_line(e, 300)}") from None
-    original, reference = copy.deepcopy(inst).to(device, dtype), reference.to(device, dtype)
-    has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in inst.modules())
-    g = torch.Generator(device=device).manual_seed(2)
-    inputs = [torch.randn((2 if has_norm else 1,) + tuple(t.shape[1:]), generator=g, device=device, dtype=dtype)
-              for t in imp.src.inputs]
-    train_ok = not any(o.op_name == "dropout" and o.p > 0 for o in pipe.ops)
-    tol = 1e-4 if dtype == torch.float32 else 1e-9
-    for training in (inst.training, not inst.training):
-        if training and not train_ok:
-            continue
-        a, b = copy.deepcopy(original).train(training), copy.deepcopy(reference).train(training)
-        with torch.no_grad():
-            try:
-                want = a(*inputs)
-            except Exception:  # noqa: BLE001 - the model itself refuses these inputs (batch norm of one value)
-                continue
-            got = b(*inputs)
-        mode = "training" if training else "eval"
-        got, want = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (got, want))  # `outputs:`
-        if len(got) != len(want) or not all(isinstance(w, torch.Tensor) for w in want) or \
-                any(g.shape != w.shape or not torch.allclose(g, w, rtol=tol, atol=tol, equal_nan=True)
-                    for g, w in zip(got, want)):
-            raise ImportFailed(f"{shown}: the imported spec computes differently from the model ({mode} mode); "
-                               "please report it")
-        ours = b.state_dict()
-        for k, v in a.state_dict().items():
-            if not torch.allclose(v.to(ours[k].dtype), ours[k], rtol=tol, atol=tol):
-                raise ImportFailed(f"{shown}: '{k}' is updated differently in {mode} mode; please report it")
+    _same_in_modes(copy.deepcopy(inst).to(device, dtype), reference.to(device, dtype), imp.src.inputs, pipe,
+                   (inst.training, not inst.training), device, dtype, shown)
     return pipe

@@ -36,6 +36,16 @@ def modules(built):
     return {n: import_module_dir(d) for n, d in built.items()}
 
 
+def load_model_file(path: Path):
+    """A model file a test wrote (KernelBench's layout), imported as a module of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_model_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def write_spec(dir_path: Path, text: str, name: str = "spec.yaml") -> Path:
     path = Path(dir_path) / name
     path.write_text(text)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA, assert_report_passed
+from conftest import HAS_CUDA, assert_report_passed, load_model_file
 from kgen.errors import KgenError
 from kgen.importer import ImportFailed, import_model
 from kgen.ir import load_pipeline
@@ -188,15 +188,6 @@ def imported(tmp_path_factory):
     return out
 
 
-def _load_model_file(path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_m_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("name", ["conv", "gemm", "layout"])
 def test_imported_model_builds_and_validates(imported, name):
     spec, _, report, _ = imported[name]
@@ -240,7 +231,7 @@ def _modules(imported):
 def test_drop_in_constructor_same_seed_same_weights(imported):
     mods = _modules(imported)
     for name, (_, _, _, src) in imported.items():
-        original = _load_model_file(src)
+        original = load_model_file(src)
         for seed in (0, 7):
             torch.manual_seed(seed)
             ours = mods[name].Model(*original.get_init_inputs())
@@ -290,7 +281,7 @@ def test_drop_in_constructor_mismatch_names_the_argument(imported):
 def test_kernelbench_evaluator_builds_the_module_from_get_init_inputs(imported):
     """KernelBench's evaluator does ModelNew(*get_init_inputs()) with the file's own functions."""
     mods = _modules(imported)
-    original = _load_model_file(imported["gemm"][3])
+    original = load_model_file(imported["gemm"][3])
     model_new = mods["gemm"].Model(*original.get_init_inputs()).eval()
     x, y, z = (torch.randn(3, *t.shape[1:]) for t in original.get_inputs())
     assert model_new(x, y, z).shape == (3, 1)
@@ -305,7 +296,7 @@ def test_dropout_in_training_mode_is_refused(imported):
 
 def test_batch_norm_updates_running_statistics_as_pytorch(imported):
     mod = _modules(imported)["conv"]
-    original = _load_model_file(imported["conv"][3])
+    original = load_model_file(imported["conv"][3])
     torch.manual_seed(5)
     ours, theirs = mod.Model(3, 4, 3).train(), original.Model(3, 4, 3).train()
     ours.load_state_dict(theirs.state_dict())

@@ -9,12 +9,12 @@ their key.
 import pytest
 import torch
 
-from conftest import assert_report_passed
+from conftest import assert_report_passed, load_model_file
 from kgen.errors import SpecError
 from kgen.importer import import_model
 from kgen.ir import load_pipeline
 from kgen.reference import ReferenceModel
-from test_import_nested import HEADER, _load, _refused, _spec_file, _write, assert_same_model
+from test_import_nested import HEADER, _refused, _spec_file, _write, assert_same_model
 
 INIT = HEADER + '''
 class Block(nn.Module):
@@ -93,7 +93,7 @@ def test_init_calls_are_recorded_in_order(imported):
 
 def test_reference_initializes_like_the_original(imported):
     spec, src = imported
-    original = _load(src)
+    original = load_model_file(src)
     assert_same_model(lambda: ReferenceModel(load_pipeline(spec)), original, original.get_inputs(), True)
     torch.manual_seed(3)
     weight = ReferenceModel(load_pipeline(spec)).get_parameter("blocks.1.bn.weight")
@@ -112,7 +112,7 @@ def test_generated_model_initializes_like_the_original_and_validates(imported, t
     build_modules([module_dir], "cpu")
     assert_report_passed(validate(spec, module_dir, "cpu"), "init_model")
     mod = import_module_dir(module_dir)
-    original = _load(src)
+    original = load_model_file(src)
     init = original.get_init_inputs()
     torch.manual_seed(5)
     ours = mod.Model(*init)

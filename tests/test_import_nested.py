@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import assert_report_passed
+from conftest import assert_report_passed, load_model_file
 from kgen.errors import SpecError
 from kgen.importer import ImportFailed, import_model
 from kgen.ir import load_pipeline
@@ -198,15 +198,6 @@ def _write(tmp, name, text):
     return path
 
 
-def _load(path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_nested_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """Every model imported: name -> (spec path, model file)."""
@@ -251,7 +242,7 @@ def assert_same_model(ours_of_seed, original, inputs, has_norm: bool):
 def test_nested_model_imports_and_is_the_same_model(imported, name):
     spec, src = imported[name]
     pipe = load_pipeline(spec)
-    original = _load(src)
+    original = load_model_file(src)
     has_norm = any(o.op_name == "batch_norm" for o in pipe.ops)
     assert_same_model(lambda: ReferenceModel(load_pipeline(spec)), original, original.get_inputs(), has_norm)
 
@@ -297,7 +288,7 @@ def test_nested_model_builds_validates_and_loads_the_original(imported, built, n
     module_dir, report = built[name]
     assert_report_passed(report, name)
     mod = import_module_dir(module_dir)
-    original = _load(imported[name][1])
+    original = load_model_file(imported[name][1])
     init = original.get_init_inputs()
     text = (module_dir / "__init__.py").read_text()
     assert "set_member(self, " in text
