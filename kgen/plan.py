@@ -89,6 +89,10 @@ class Plan:
     batch: int = 1  # the batch its schedules were made for
     value_exprs: dict = None  # value name -> the binding's tensor holding it (kgen.values.materialized)
 
+    def __post_init__(self):
+        for st in self.stages:  # every stage reads and writes the plan's dtype (the cost model's bytes)
+            st.dtype = self.pipeline.dtype
+
     @property
     def name(self) -> str:
         return self.pipeline.name
