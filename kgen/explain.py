@@ -166,7 +166,8 @@ def _candidates(sel, batch: int, dtype: str = "float32") -> list[str]:
     if len(cands) < 2:
         return []
     chosen = json.dumps(sel.variant_for(batch, dtype=dtype).plan.choices, sort_keys=True)  # eval mode's, as the candidates
-    measured = tunefile.measured(sel.tuning) if sel.tuning is not None and dtype == "float32" else {}
+    entry = sel.tuning_for(dtype)
+    measured = tunefile.measured(entry) if entry is not None else {}
     rows = []
     for p in cands:
         key = json.dumps(p.choices, sort_keys=True)
