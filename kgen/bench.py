@@ -21,6 +21,7 @@ import platform
 import statistics
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -148,7 +149,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool, dtype: str = "f
         fns["kgen_ms"] = lambda: model(x, *others)
         row.update(time_in_blocks(fns, reps))
         row.setdefault("compile_ms", None)
-        row["floor_ms"] = fused_floor_ms(pipe, batch, current())
+        row["floor_ms"] = fused_floor_ms(replace(pipe, dtype=dtype), batch, current())
         try:
             row["stages"] = stage_times(module_dir.name, pipe, model, x, *others, dtype=dtype)
         except RuntimeError as e:  # the profiler is unavailable here (CUPTI): the plot goes without stages

@@ -468,8 +468,10 @@ def bench(names, out, json_path, md_path, reps, baseline, plot_path, dtypes):
 @click.option("--reps", type=int, default=30, show_default=True, help="Timed runs per candidate (median).")
 @click.option("--max-candidates", type=int, default=None,
               help="Candidates measured per spec at most: the cost model's best and the eager one (default 8).")
+@click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
+              help="Tune the plans of this dtype (repeatable; default: every dtype of each spec).")
 @_fail_cleanly
-def tune(specs, batches, reps, max_candidates):
+def tune(specs, batches, reps, max_candidates, dtypes):
     """Measure the candidate plans of SPECS (default: specs/*.yaml) on this GPU
     and write each spec's tuning file (specs/NAME.tune.json), which
     `kgen render` reads.
@@ -482,16 +484,18 @@ def tune(specs, batches, reps, max_candidates):
     under generated/_tune/, built, checked against eager PyTorch and timed
     (CUDA events, median of REPS). The fastest at each batch wins; where the
     winner changes with the batch, the module dispatches between plans by
-    batch range. A file keeps one entry per device; an entry for another
-    device, or one made before the spec or kgen's candidates changed, is
-    ignored by render (with a note), and the cost model decides.
+    batch range. A file keeps one entry per device and dtype (16-bit plans:
+    the models and inputs converted to the dtype, checked against eager
+    PyTorch in it); an entry for another device, or one made before the
+    spec or kgen's candidates changed, is ignored by render (with a note),
+    and the cost model decides.
     """
     from .tune import MAX_CANDIDATES, TABLE_HEADERS, run_tune
 
     for b in batches:
         _positive(b, "--batch")
     _positive(reps, "--reps")
-    rows = run_tune(_spec_paths(specs), list(batches), reps, max_candidates or MAX_CANDIDATES)
+    rows = run_tune(_spec_paths(specs), list(batches), reps, max_candidates or MAX_CANDIDATES, dtypes=tuple(dtypes))
     click.echo(format_table(TABLE_HEADERS, rows))
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from . import cost, tunefile
 from .errors import KgenError
-from .families.base import FLOAT_BYTES, typed_ops
+from .families.base import typed_ops, value_bytes
 from .ir import Conv, Pipeline
 from .plan import KGEN, PIPELINE, Plan, candidate_plans, choose_plans, describe_choices, make_plan
 from .stage import ConvStage
@@ -38,11 +38,12 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
         read = 0
     if getattr(stage, "gathered_by", None) is not None:  # statistics gathered by the stage before: its tiles' moments
         return flops, sum(w.bytes for w in stage.family.work(stage, batch, plan.target))
-    return flops, FLOAT_BYTES * (read + written)
+    return flops, value_bytes(stage) * (read + written)
 
 
-def floor_ms(flops: int, nbytes: int, target: Target) -> tuple[float, str]:
-    compute, memory = flops / target.tensor_flops * 1e3, nbytes / target.dram_bytes_per_s * 1e3
+def floor_ms(flops: int, nbytes: int, target: Target, dtype: str = "float32") -> tuple[float, str]:
+    """A kernel's floor: its FLOPs at the tensor cores' rate for ``dtype`` products, or its bytes at DRAM's."""
+    compute, memory = flops / target.product_flops(dtype) * 1e3, nbytes / target.dram_bytes_per_s * 1e3
     return (compute, "compute") if compute >= memory else (memory, "memory")
 
 
@@ -61,15 +62,17 @@ def plan_totals(plan: Plan, batch: int) -> tuple[int, int, float]:
     """FLOPs, bytes, and the floor in ms: kernels run one after another, so their floors add
     (a fused epilogue is part of its convolution's kernel)."""
     costs = kernel_costs(plan, batch)
-    return sum(c[0] for c in costs), sum(c[1] for c in costs), sum(floor_ms(*c, plan.target)[0] for c in costs)
+    return sum(c[0] for c in costs), sum(c[1] for c in costs), sum(floor_ms(*c, plan.target, plan.pipeline.dtype)[0] for c in costs)
 
 
 def fused_floor_ms(pipe: Pipeline, batch: int, target: Target) -> float:
     """The floor of the fully fused pipeline (bench's floor ratio divides by it): the lowest
     over kgen's candidate plans, every rewrite the choices allow (the default candidates
     may write an intermediate that another candidate never writes: a norm fused into its
-    convolution)."""
-    return min(plan_totals(p, batch)[2] for p in candidate_plans(pipe, target, batch) if p.choices.get(PIPELINE, KGEN) == KGEN)
+    convolution). In the pipeline's dtype: its bytes per value and tensor-core rate (the eager plan's floor
+    where no kgen plan computes that dtype)."""
+    plans = candidate_plans(pipe, target, batch)
+    return min(plan_totals(p, batch)[2] for p in [p for p in plans if p.choices.get(PIPELINE, KGEN) == KGEN] or plans)
 
 
 def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None = None, training: bool = False,
@@ -128,7 +131,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     estimates = {id(e.stage): e for e in cost.estimate(plan, batch)}
     for s in plan.stages:
         flops, nbytes = stage_cost(plan, s, batch)
-        fl, bound = floor_ms(flops, nbytes, target)
+        fl, bound = floor_ms(flops, nbytes, target, plan.pipeline.dtype)
         what = " -> ".join(o.describe() for o in s.ops) or "copy the previous stage's output into a plain tensor"
         extra = f" [{s.conv.lowering.name}, {s.layout}]" if isinstance(s, ConvStage) else ""
         out.append(f"  stage {s.index} {s.kind}{extra}: {what}")
@@ -150,7 +153,9 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
         flops, nbytes, fl = plan_totals(p, batch)
         model = cost.estimate_ms(p, batch)
         out.append(f"  {label:17s}: {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms   model {model:.3f} ms")
-    out.append(f"  (floor: FLOPs / {target.tensor_flops / 1e12:.0f} TFLOP/s TF32, bytes / {target.dram_bytes_per_s / 1e12:.1f} TB/s, "
+    rate = "TF32" if plan.pipeline.dtype == "float32" else f"{plan.pipeline.dtype} tensor cores"
+    out.append(f"  (floor: FLOPs / {target.product_flops(plan.pipeline.dtype) / 1e12:.0f} TFLOP/s {rate}, "
+               f"bytes / {target.dram_bytes_per_s / 1e12:.1f} TB/s, "
                "summed over kernels)")
     return "\n".join(out)
 
@@ -161,7 +166,8 @@ def _candidates(sel, batch: int, dtype: str = "float32") -> list[str]:
     if len(cands) < 2:
         return []
     chosen = json.dumps(sel.variant_for(batch, dtype=dtype).plan.choices, sort_keys=True)  # eval mode's, as the candidates
-    measured = tunefile.measured(sel.tuning) if sel.tuning is not None and dtype == "float32" else {}
+    entry = sel.tuning_for(dtype)
+    measured = tunefile.measured(entry) if entry is not None else {}
     rows = []
     for p in cands:
         key = json.dumps(p.choices, sort_keys=True)

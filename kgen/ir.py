@@ -1363,24 +1363,27 @@ class Pipeline:
         return [n for n in self.values if n in read]
 
     def run(self, x: torch.Tensor, tensors: Tensors, inputs: Mapping[str, torch.Tensor] | None = None,
-            training: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+            training: bool = False, record: list | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The ops on ``x`` (the first input; ``inputs`` holds the others by name) with the
         parameters and buffers ``tensors``; ``training`` as a module's mode (batch norm).
-        Several outputs come as a tuple in the order of ``outputs``."""
+        Several outputs come as a tuple in the order of ``outputs``. ``record`` gets each op's result."""
         env = Env(self.with_derived(tensors) if self.derived else tensors)
         env.training = training
         env[self.input_names[0]] = x
         env.update(inputs or {})
-        y = run_ops(self.ops, x, env)
+        y = run_ops(self.ops, x, env, record)
         return tuple(env[n] for n in self.outputs) if self.several_outputs else y
 
 
-def run_ops(ops, x: torch.Tensor, env: Env) -> torch.Tensor:
-    """Run ``ops`` from ``x``; ``env`` holds parameters, buffers and values, and gets the named results."""
+def run_ops(ops, x: torch.Tensor, env: Env, record: list | None = None) -> torch.Tensor:
+    """Run ``ops`` from ``x``; ``env`` holds parameters, buffers and values, and gets the named results;
+    ``record`` (a list) each op's result."""
     for op in ops:
         if op.src is not None:
             x = env[op.src]
         x = op.run(x, env)
+        if record is not None:
+            record.append(x)
         if isinstance(op, Capture):
             env[op.name] = x
     return x

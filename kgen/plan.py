@@ -89,6 +89,10 @@ class Plan:
     batch: int = 1  # the batch its schedules were made for
     value_exprs: dict = None  # value name -> the binding's tensor holding it (kgen.values.materialized)
 
+    def __post_init__(self):
+        for st in self.stages:  # every stage reads and writes the plan's dtype (the cost model's bytes)
+            st.dtype = self.pipeline.dtype
+
     @property
     def name(self) -> str:
         return self.pipeline.name
@@ -416,7 +420,12 @@ class Selection:
     source: str  # what chose the plans
     notes: list[str] = field(default_factory=list)  # e.g. a tuning file that does not apply, and why
     candidates: list[Plan] = field(default_factory=list)  # every candidate plan considered
-    tuning: object = None  # the kgen.tunefile.Entry that chose the plans, if one did
+    tuning: object = None  # the kgen.tunefile.Entry that chose the plans, if one did (the first dtype's that has one)
+    tunings: tuple = ()  # every such Entry, one per dtype a tuning file chose (Entry.dtype)
+
+    def tuning_for(self, dtype: str):
+        """The tuning file's entry that chose ``dtype``'s plans, or None."""
+        return next((e for e in self.tunings if e.dtype == dtype), None)
 
     @property
     def name(self) -> str:
@@ -459,18 +468,15 @@ def choose_plans(pipeline: Pipeline, target: Target | None = None, rewrites: dic
     return Selection(first.pipeline, [v for s in chosen for v in s.variants],
                      "; ".join(f"{s.pipeline.dtype}: {s.source}" for s in chosen),
                      [n for s in chosen for n in s.notes], [p for s in chosen for p in s.candidates],
-                     next((s.tuning for s in chosen if s.tuning is not None), None))
+                     next((s.tuning for s in chosen if s.tuning is not None), None), tuple(e for s in chosen for e in s.tunings))
 
 
 def _choose_for_dtype(pipeline: Pipeline, target: Target, rewrites: dict | None) -> Selection:
-    """choose_plans for the pipeline's dtype: float32 as described there; a 16-bit dtype by the cost
-    model among the plans that compute it (the tuning file's entries measured the float32 plans)."""
+    """choose_plans for the pipeline's dtype, as described there: the tuning file's entry for the target
+    and this dtype (`kgen tune --dtype`), else the cost model among the plans that compute it."""
     from . import tunefile
 
-    if pipeline.dtype == "float32":
-        stored, notes = tunefile.spec_entry(pipeline, target)
-    else:
-        stored, notes = None, []
+    stored, notes = tunefile.spec_entry(pipeline, target)
     measured = tunefile.eager_conv_tf32(stored, pipeline)  # eager's cuDNN precision, as kgen tune found it
     if measured:
         pipeline = replace(pipeline, eager_conv_tf32=measured)
@@ -512,7 +518,7 @@ def _choose_for_dtype(pipeline: Pipeline, target: Target, rewrites: dict | None)
         else:
             variants.insert(0, Variant(plan, why=why, mode="train", dtype=pipeline.dtype))
             source += "; training mode: cost model" if entry is not None else ""
-    return Selection(pipeline, variants, source, notes, cands, entry)
+    return Selection(pipeline, variants, source, notes, cands, entry, (entry,) if entry is not None else ())
 
 
 def tuned_candidates(pipeline: Pipeline, target: Target) -> tuple[list[Plan], bool]:

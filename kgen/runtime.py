@@ -2,6 +2,7 @@
 the autograd formula of its op."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -130,8 +131,10 @@ class _Backward:
         buffers = ctx.buffers
         buffer_names = [b.name for b in pipe.buffer_args()]
         needs = ctx.needs_input_grad
-        grads = pipeline_vjp(pipe, names, inputs[0], params, grad, needs[: k + len(names)], inputs=inputs[1:],
-                             buffers=dict(zip(buffer_names, buffers)), training=ctx.training)
+        # in the op's dtype, as its forward ran (autocast_call runs it with autocast off)
+        with torch.autocast(saved[0].device.type, enabled=False):
+            grads = pipeline_vjp(pipe, names, inputs[0], params, grad, needs[: k + len(names)], inputs=inputs[1:],
+                                 buffers=dict(zip(buffer_names, buffers)), training=ctx.training)
         return tuple(grads) + (None,) * len(buffers) + (None,) * len(ctx.extra)
 
 
@@ -167,3 +170,88 @@ def pipeline_vjp(pipe, names, x, params, grad, needs, inputs=(), buffers=None, t
         g = next(grads) if n else None
         out.append(torch.zeros_like(t) if n and g is None else g)  # an input the output ignores
     return tuple(out)
+
+
+# (op, device type, autocast dtype, the tensor arguments' dtypes, training) -> (compute dtype, output dtypes)
+_AUTOCAST: dict = {}
+_HALF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def autocast_call(op: str, call, args: tuple, dtypes: tuple, spec_path: str):
+    """The module's forward under ``torch.autocast`` for x's device: what eager PyTorch computes
+    there, in the dtypes it returns.
+
+    Eager under autocast runs each op of the spec (as written) in the dtype autocast's op lists and
+    type promotion give it: a convolution or matmul in the autocast dtype, a norm or softmax in
+    float32 where the device's list says so, an op with a float32 parameter operand promoted back
+    to float32. Those dtypes come from running the spec's ops on fake tensors under the same
+    autocast state (``autocast_plan``, once per argument dtypes). Where every op's result has one
+    dtype (the whole chain in the autocast dtype, or none touched by autocast) the op runs the
+    module's plans of that dtype, its inputs and parameters cast to it as autocast casts a
+    convolution's; where eager mixes dtypes the op computes float32 (at least as accurate as
+    eager's rounded intermediates). Each output is then cast to eager's dtype for it. The op runs
+    with autocast off, so its ATen calls keep its dtype.
+    """
+    x = args[0]
+    device = x.device.type
+    pipe, names = _PIPELINES[op]
+    n_tensors = len(pipe.input_names) + len(names) + len(pipe.buffer_args())
+    tensors, extra = args[:n_tensors], args[n_tensors:]
+    training = any(v is True for v in extra if isinstance(v, bool))
+    compute, out_dtypes = autocast_plan(op, device, torch.get_autocast_dtype(device), tuple(t.dtype for t in tensors),
+                                        training, dtypes, spec_path)
+    with torch.autocast(device, enabled=False):
+        out = call(*(t.to(compute) if t.is_floating_point() else t for t in tensors), *extra)
+    if isinstance(out, torch.Tensor):
+        return out.to(out_dtypes[0])
+    k = len(out_dtypes)  # the outputs, then the running statistics (Model.forward copies them into its buffers)
+    return tuple(o.to(d) for o, d in zip(out[:k], out_dtypes)) + tuple(out[k:])
+
+
+@torch.compiler.assume_constant_result  # torch.compile takes the decision at trace time, as a constant
+def autocast_plan(op: str, device: str, autocast_dtype, arg_dtypes: tuple, training: bool, dtypes: tuple,
+                  spec_path: str):
+    """(the dtype the op computes in, eager's dtype of each output) under autocast to ``autocast_dtype`` for
+    ``device``, for arguments of ``arg_dtypes``: see ``autocast_call``. A 16-bit compute dtype the module has no
+    plans for is float32's (with a warning naming the spec edit that adds it); where float32 is not rendered
+    either, a RuntimeError says what to add. Decided once per arguments (``_AUTOCAST``)."""
+    key = (op, device, autocast_dtype, arg_dtypes, training)
+    if key not in _AUTOCAST:
+        _AUTOCAST[key] = _autocast_plan(op, device, autocast_dtype, arg_dtypes, training, dtypes, spec_path)
+    return _AUTOCAST[key]
+
+
+def _autocast_plan(op, device, autocast_dtype, arg_dtypes, training, dtypes, spec_path):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    pipe, names = _PIPELINES[op]
+    k = len(pipe.input_names)
+    shapes = {a.name: a.shape for a in pipe.tensor_args() + pipe.buffer_args()}
+    arg_shapes = [pipe.values[n].concrete(2) for n in pipe.input_names] + [shapes[n] for n in names] + \
+        [b.shape for b in pipe.buffer_args()]
+    results: list = []
+    with FakeTensorMode():  # eager's dtypes without computing anything: the spec's ops on fake tensors
+        fake = [torch.empty(shape, dtype=d, device=device) for shape, d in zip(arg_shapes, arg_dtypes)]
+        env = dict(zip(list(names) + [b.name for b in pipe.buffer_args()], fake[k:]))
+        with torch.autocast(device, dtype=autocast_dtype), torch.no_grad():
+            outs = pipe.run(fake[0], env, inputs=dict(zip(pipe.input_names[1:], fake[1:k])), training=training,
+                            record=results)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    flow = {r.dtype for r in results if r.is_floating_point()}
+    compute = flow.pop() if len(flow) == 1 else torch.float32
+    if pipe.buffer_args() and compute.itemsize < arg_dtypes[-1].itemsize:
+        compute = torch.float32  # running statistics kept in 16 bits would lose the small updates
+    rendered = [d for d in _HALF_NAMES if _HALF_NAMES[d] in dtypes]
+    if compute != arg_dtypes[0] and compute not in rendered:  # (x's own dtype: the op refuses it if unrendered)
+        name = _HALF_NAMES.get(compute, str(compute))
+        if torch.float32 not in rendered:
+            raise RuntimeError(
+                f"{op}: under torch.autocast eager PyTorch computes this spec's ops in {name}, but this module was "
+                f"rendered for {', '.join(dtypes)} only; add {name} to `dtype:` under `input:` in {spec_path} and "
+                f"run `kgen all {spec_path}`")
+        warnings.warn(
+            f"{op}: under torch.autocast eager PyTorch computes this spec's ops in {name}; this module has no "
+            f"{name} plans, so it computes float32 and returns {name} (add {name} to `dtype:` under `input:` in "
+            f"{spec_path} and run `kgen all {spec_path}` for 16-bit speed)", stacklevel=4)
+        compute = torch.float32
+    return compute, tuple(o.dtype for o in outs)

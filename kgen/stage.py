@@ -32,6 +32,7 @@ class Stage:
     absorbed_by: "Stage | None" = None  # the stage that runs this one as its epilogue (forward skips it)
     source: str = "x"  # the binding's tensor it reads (the previous stage's output, an input, a value)
     names: list = field(default_factory=list)  # values (``as``) that are its output, named right after it
+    dtype: str = "float32"  # what it reads and writes: its plan's dtype (set by kgen.plan.Plan)
 
     @property
     def kind(self) -> str:

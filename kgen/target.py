@@ -29,11 +29,16 @@ class Target:
     max_grid_y: int = 65535  # CUDA's limit on gridDim.y (a split reduction's blocks)
     name: str = H100_NAME
     tensor_flops: float = 400e12  # TF32 tensor cores (dense)
+    half_tensor_flops: float = 790e12  # bfloat16/float16 tensor cores (dense, fp32 accumulation; measured on the H200)
     fp32_flops: float = 67e12  # FP32 on the CUDA cores (elementwise math, window pools)
     dram_bytes_per_s: float = 3.0e12  # HBM3
     launch_s: float = 4e-6  # one kernel launch from a host op: a few microseconds of dispatch
     wgmma: bool = True  # Hopper's warpgroup MMA (sm_90a): conv_gemm's wgmma main loop
     memory_bytes: int = 85_000_000_000  # device memory (an H100 80GB: 79.2 GiB)
+
+    def product_flops(self, dtype: str) -> float:
+        """The tensor cores' rate for products of ``dtype`` operands: TF32's for float32, else the 16-bit one."""
+        return self.tensor_flops if dtype == "float32" else self.half_tensor_flops
 
     @property
     def resident_threads(self) -> int:

@@ -1,6 +1,6 @@
 """`kgen tune`: measure a spec's candidate plans on the GPU and record the fastest per batch.
 
-For each spec, at its example batch and the batches asked for:
+For each spec and each of its dtypes (``--dtype``: those), at its example batch and the batches asked for:
 
 1. the candidate plans (``kgen.plan.tuned_candidates``: every combination of the
    size-dependent rewrites, each stage's candidates, and the eager pipeline; where a
@@ -16,10 +16,16 @@ For each spec, at its example batch and the batches asked for:
    that does not is reported and never chosen);
 4. the fastest at each batch wins; batch ranges follow from them
    (``kgen.tunefile.ranges_from``) and the entry for this device is written to
-   ``specs/NAME.tune.json``, which `kgen render` reads.
+   ``specs/NAME.tune.json``, which `kgen render` reads (one entry per device and dtype:
+   ``kgen.tunefile``).
+
+In a 16-bit dtype the candidates are that dtype's plans, the inputs and every model (the
+candidates' and eager PyTorch's) are converted to it as `kgen bench` converts them, and each
+candidate's check is against eager PyTorch in that dtype.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import json
@@ -55,11 +61,11 @@ class Measured:
 @dataclass
 class SpecTuning:
     spec: Path
-    pipe: Pipeline
+    pipe: Pipeline  # in the dtype tuned (Pipeline.dtype)
     batches: list[int]
     candidates: list[Plan]  # all of them (for the hash)
     measured: list[Measured]
-    eager_pytorch_ms: dict = field(default_factory=dict)  # batch -> the reference model in float32
+    eager_pytorch_ms: dict = field(default_factory=dict)  # batch -> the reference model in the dtype
 
 
 def _log(msg: str) -> None:
@@ -70,7 +76,8 @@ def _module_name(pipe: Pipeline, plan: Plan) -> str:
     """A candidate module's name: the spec's and a digest of what is rendered (choices and
     stage fields): the same candidate tuned again reuses its build."""
     stages = [{k: v for k, v in s.items() if k != "choice"} for s in plan.to_json()["stages"]]
-    digest = hashlib.sha256(json.dumps({"c": plan.choices, "s": stages}, sort_keys=True, default=str).encode())
+    what = {"c": plan.choices, "s": stages} | ({"d": pipe.dtype} if pipe.dtype != "float32" else {})
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode())
     return f"{pipe.name}__t{digest.hexdigest()[:10]}"
 
 
@@ -105,18 +112,23 @@ def measure_eager_conv_tf32(pipe: Pipeline, batch: int) -> tuple[tuple[str, bool
     return tuple(sorted(out.items()))
 
 
-def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTuning:
-    """Plan, rank and render the candidates of one spec (nothing is built or run). On a GPU the
-    convolutions' precision in eager's cuDNN calls is measured first (``measure_eager_conv_tf32``,
+def prepare(spec, batches: list[int], max_candidates: int, root: Path, dtype: str = "float32") -> SpecTuning:
+    """Plan, rank and render the candidates of one spec in ``dtype`` (nothing is built or run). On a GPU
+    the convolutions' precision in eager's float32 cuDNN calls is measured first (``measure_eager_conv_tf32``,
     at the example batch): the candidates match it, and the entry records it for `kgen render`."""
     pipe = load_pipeline(spec)
+    if dtype not in pipe.dtypes:
+        raise KgenError(f"{spec}: --dtype {dtype}, but the spec lists {', '.join(pipe.dtypes)} under `dtype:`; "
+                        f"add {dtype} there to tune its plans")
+    pipe = replace(pipe, dtype=dtype)
     example = pipe.example_batch()
-    pipe = replace(pipe, eager_conv_tf32=measure_eager_conv_tf32(pipe, example))
+    if dtype == "float32":  # (16-bit convolutions run on 16-bit tensor cores: no TF32 question)
+        pipe = replace(pipe, eager_conv_tf32=measure_eager_conv_tf32(pipe, example))
     batches = sorted({example, *batches})
     target = targets.current()
     cands, eval_mode = tuned_candidates(pipe, target)
     # eval mode's candidates run beside training mode's plan (the cost model's), so each module computes both
-    train = [Variant(training_plan(pipe, target)[0], mode="train")] if eval_mode else []
+    train = [Variant(training_plan(pipe, target)[0], mode="train", dtype=dtype)] if eval_mode else []
     ranked = sorted(cands, key=lambda p: cost.estimate_ms(p, example))
     chosen = ranked
     if len(ranked) > max_candidates:
@@ -126,9 +138,9 @@ def prepare(spec, batches: list[int], max_candidates: int, root: Path) -> SpecTu
     for m in tuning.measured:
         m.model_ms = {b: cost.estimate_ms(m.plan, b) for b in batches}
         name = _module_name(pipe, m.plan)
-        variants = train + [Variant(m.plan, mode="eval" if eval_mode else "any")]
+        variants = train + [Variant(m.plan, mode="eval" if eval_mode else "any", dtype=dtype)]
         if eval_mode and m.plan.eager and train[0].plan.eager:  # the spec's ops through ATen in both modes
-            variants = [Variant(m.plan)]
+            variants = [Variant(m.plan, dtype=dtype)]
         write_rendered(render_plan(rename(Selection(pipe, variants, "kgen tune"), name), root), root)
         m.module = root / name
     return tuning
@@ -142,18 +154,22 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
     from .validate import import_module_dir, init_args, run_with_magnitude
 
     pipe = t.pipe
+    dt = getattr(torch, pipe.dtype)
     torch.manual_seed(0)
-    reference = ReferenceModel(pipe).to(device).eval()
-    state = reference.state_dict()
+    reference32 = ReferenceModel(pipe).to(device).eval()
+    state = reference32.state_dict()
+    # eager PyTorch in the dtype (as bench converts it)
+    reference = reference32 if dt == torch.float32 else copy.deepcopy(reference32).to(dt)
     n = len(t.measured) * len(t.batches)
     i = 0
     with torch.no_grad():
         for b in t.batches:
-            xs = [torch.randn(pipe.inputs[n].concrete(b), device=device) for n in pipe.input_names]  # every input
+            xs32 = [torch.randn(pipe.inputs[n].concrete(b), device=device) for n in pipe.input_names]  # every input
+            xs = [x.to(dt) for x in xs32]
             expected = reference(*xs)
             # the size of what the output sums (validate's magnitude): an output that cancels to ~0 (the
             # mean of a norm's output) is judged by it, not by its own tiny norm
-            _, magnitude = run_with_magnitude(pipe.ops, xs[0], reference.tensors(), dict(zip(pipe.input_names, xs)))
+            _, magnitude = run_with_magnitude(pipe.ops, xs32[0], reference32.tensors(), dict(zip(pipe.input_names, xs32)))
             runs = {"eager": lambda: reference(*xs)}
             for m in t.measured:
                 if m.module in (failed or {}):
@@ -163,6 +179,7 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                     mod = import_module_dir(m.module)
                     model = mod.Model(*init_args(mod)).to(device).eval()  # an imported model's constructor arguments
                     model.load_state_dict(state)
+                    model.to(dt)
                     err = _rel_l2(model(*xs), expected, magnitude)
                     if not err <= CHECK_TOLERANCE:
                         m.ms[b], m.problem = math.inf, f"output differs from eager PyTorch at batch {b} (rel L2 {err:.2e})"
@@ -170,14 +187,14 @@ def measure(t: SpecTuning, reps: int, device: str = "cuda", failed: dict | None 
                         runs[m.module] = lambda model=model: model(*xs)
                 except RuntimeError as e:  # a launch that fails (resources): this candidate is out
                     m.ms[b], m.problem = math.inf, f"fails at batch {b}: {str(e).splitlines()[0][:160]}"
-            _log(f"tune {pipe.name}: timing {len(runs) - 1} candidate(s) and eager PyTorch in turns at batch {b}")
+            _log(f"tune {_shown_name(t)}: timing {len(runs) - 1} candidate(s) and eager PyTorch in turns at batch {b}")
             timed = time_in_blocks(runs, reps, device)
             t.eager_pytorch_ms[b] = timed["eager"]
             for m in t.measured:
                 i += 1
                 if m.module in timed:
                     m.ms[b] = timed[m.module]
-                _log(f"tune {pipe.name}: candidate {i} of {n} (batch {b}): {m.ms[b]:.3f} ms, model {m.model_ms[b]:.3f} ms: "
+                _log(f"tune {_shown_name(t)}: candidate {i} of {n} (batch {b}): {m.ms[b]:.3f} ms, model {m.model_ms[b]:.3f} ms: "
                      f"{describe_choices(m.plan.choices)}{'  ' + m.problem if m.problem else ''}")
 
 
@@ -204,6 +221,7 @@ def entry(t: SpecTuning, reps: int, device: str) -> dict:
               for lo, hi, at, c in tunefile.ranges_from(best, example)]
     return {
         "device": device,
+        **({"dtype": t.pipe.dtype} if t.pipe.dtype != "float32" else {}),  # float32: no key, as before 16-bit tuning
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                      "kgen": _commit()},
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -222,8 +240,9 @@ def entry(t: SpecTuning, reps: int, device: str) -> dict:
 
 
 def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MAX_CANDIDATES,
-             root: Path = TUNE_ROOT) -> list[list]:
-    """Tune ``specs`` on this GPU: write each one's tuning file; returns the summary table's rows."""
+             root: Path = TUNE_ROOT, dtypes: tuple = ()) -> list[list]:
+    """Tune ``specs`` on this GPU in ``dtypes`` (default: each spec's dtypes): write each one's tuning file
+    entries; returns the summary table's rows."""
     if not torch.cuda.is_available():
         raise KgenError("kgen tune needs a CUDA GPU: it measures the candidates")
     if reps < 20:
@@ -232,10 +251,11 @@ def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MA
         raise KgenError("--max-candidates must be at least 2 (the eager candidate and one more)")
     tunings = []
     for s in specs:
-        t = prepare(s, batches, max_candidates, root)
-        _log(f"tune {t.pipe.name}: {len(t.measured)} of {len(t.candidates)} candidate(s) at batch(es) "
-             f"{', '.join(map(str, t.batches))}")
-        tunings.append(t)
+        for dtype in dtypes or load_pipeline(s).dtypes:
+            t = prepare(s, batches, max_candidates, root, dtype)
+            _log(f"tune {_shown_name(t)}: {len(t.measured)} of {len(t.candidates)} candidate(s) at batch(es) "
+                 f"{', '.join(map(str, t.batches))}")
+            tunings.append(t)
     dirs = sorted({m.module for t in tunings for m in t.measured})
     _log(f"tune: building {len(dirs)} candidate module(s) under {root}/ ...")
     failed: dict = {}  # a candidate that does not build is left out, not the end of the tuning
@@ -245,9 +265,14 @@ def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MA
         measure(t, reps, failed=failed)
         e = entry(t, reps, torch.cuda.get_device_name())
         path = tunefile.write_entry(t.spec, e)
-        _log(f"tune {t.pipe.name}: wrote {path}")
+        _log(f"tune {_shown_name(t)}: wrote {path}")
         rows += _rows(t, e)
     return rows
+
+
+def _shown_name(t: SpecTuning) -> str:
+    """The spec's name, and the dtype where it is not float32."""
+    return t.pipe.name if t.pipe.dtype == "float32" else f"{t.pipe.name} [{t.pipe.dtype}]"
 
 
 def _rows(t: SpecTuning, e: dict) -> list[list]:
@@ -259,7 +284,7 @@ def _rows(t: SpecTuning, e: dict) -> list[list]:
         best = min((m for m in t.measured if math.isfinite(m.ms[b])), key=lambda m: m.ms[b])
         model_pick = min(t.measured, key=lambda m: m.model_ms[b])
         rows.append([
-            t.pipe.name, b, len(t.measured), f"{best.ms[b]:.3f}", f"{t.eager_pytorch_ms[b]:.3f}",
+            _shown_name(t), b, len(t.measured), f"{best.ms[b]:.3f}", f"{t.eager_pytorch_ms[b]:.3f}",
             "-" if eager is None else f"{eager.ms[b]:.3f}", f"{t.eager_pytorch_ms[b] / best.ms[b]:.2f}x",
             f"{model_pick.ms[b]:.3f}", f"{r['min']}..{'' if r['max'] is None else r['max']}",
             describe_choices(best.plan.choices),

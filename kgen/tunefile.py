@@ -1,10 +1,11 @@
 """Tuning files: ``specs/NAME.tune.json`` beside the spec, written by `kgen tune`.
 
 This module is their only reader and writer. A file holds one entry per
-device it was tuned on:
+device and dtype it was tuned on (`kgen tune --dtype`):
 
     {"format": 1, "spec": "specs/NAME.yaml", "entries": [{
         "device": "NVIDIA H100 80GB HBM3",       # torch.cuda.get_device_name()
+        "dtype": "bfloat16",                      # the plans it measured; absent: float32's
         "versions": {"torch": ..., "cuda": ..., "cudnn": ..., "kgen": commit},
         "date": ..., "reps": 30,
         "spec_hash": ...,                         # the spec as data (its example batch left out)
@@ -16,11 +17,14 @@ device it was tuned on:
         "eager_conv_tf32": {"conv": true}}]}      # per convolution module: eager's cuDNN call ran TF32
                                                   # at the example batch (kgen.tune.measure_eager_conv_tf32)
 
-An entry applies when its device is the render target's (``Target.name``; the
-default target is the H100, so the committed H100 entries give the committed
-``generated/`` files on a CPU-only machine too) and both hashes match what
-kgen computes now; otherwise it is ignored with a note saying why (another
-device, the spec changed, kgen's candidates changed: retune).
+An entry applies to the plans of its dtype when its device is the render
+target's (``Target.name``; the default target is the H100, so the committed
+H100 entries give the committed ``generated/`` files on a CPU-only machine too)
+and both hashes match what kgen computes now; otherwise it is ignored with a
+note saying why (another device, the spec changed, kgen's candidates changed:
+retune). A float32 entry has no "dtype" key (files written before 16-bit
+tuning read as they did); a dtype without entries has no note: the cost model
+chooses its plans.
 """
 from __future__ import annotations
 
@@ -88,6 +92,7 @@ class Entry:
     device: str
     ranges: tuple[Range, ...]
     data: dict  # the whole entry, as stored
+    dtype: str = "float32"  # the plans it measured
 
 
 def read(path: Path) -> dict | None:
@@ -115,25 +120,39 @@ def _ranges(path: Path, e: dict) -> tuple[Range, ...]:
     return ranges
 
 
+def entry_dtype(e: dict) -> str:
+    """The dtype whose plans an entry measured (float32 where it does not say)."""
+    return e.get("dtype", "float32")
+
+
+def _in(dtype: str) -> str:
+    return "" if dtype == "float32" else f" in {dtype}"
+
+
 def _shown(path: Path) -> str:
     return os.path.relpath(path) if path.is_absolute() else str(path)
 
 
 def spec_entry(pipe, target) -> tuple[dict | None, list[str]]:
-    """The stored entry of ``pipe``'s tuning file for ``target`` while the spec is unchanged (read
-    once: ``eager_conv_tf32`` and ``applicable_entry`` take it), or None and a note on why none
-    applies (another device, a changed spec)."""
+    """The stored entry of ``pipe``'s tuning file for ``target`` and the pipeline's dtype while the spec
+    is unchanged (read once: ``eager_conv_tf32`` and ``applicable_entry`` take it), or None and a note on
+    why none applies (another device, a changed spec; none where the dtype was never tuned)."""
     path = path_for(pipe.path)
     data = read(path)
     if data is None:
         return None, []
     shown = _shown(path)
-    devices = [e.get("device") for e in data["entries"]]
-    entry = next((e for e in data["entries"] if e.get("device") == target.name), None)
+    mine = [e for e in data["entries"] if entry_dtype(e) == pipe.dtype]
+    if not mine and pipe.dtype != "float32":
+        return None, []
+    devices = [e.get("device") for e in mine]
+    entry = next((e for e in mine if e.get("device") == target.name), None)
     if entry is None:
-        return None, [f"{shown}: tuned on {', '.join(map(str, devices)) or 'nothing'}, not on {target.name}: ignored"]
+        return None, [f"{shown}: tuned{_in(pipe.dtype)} on {', '.join(map(str, devices)) or 'nothing'}, not on "
+                      f"{target.name}: ignored"]
     if entry.get("spec_hash") != spec_hash(pipe):
-        return None, [f"{shown}: stale for {target.name}: the spec changed since it was tuned (run `kgen tune`): ignored"]
+        return None, [f"{shown}: stale for {target.name}{_in(pipe.dtype)}: the spec changed since it was tuned "
+                      "(run `kgen tune`): ignored"]
     return entry, []
 
 
@@ -144,9 +163,9 @@ def applicable_entry(stored: dict | None, pipe, target, cand_hash: str) -> tuple
         return None, []
     path = path_for(pipe.path)
     if stored.get("candidates_hash") != cand_hash:
-        return None, [f"{_shown(path)}: stale for {target.name}: kgen's candidates for this spec changed since it was tuned "
-                      "(run `kgen tune`): ignored"]
-    return Entry(path, target.name, _ranges(path, stored), stored), []
+        return None, [f"{_shown(path)}: stale for {target.name}{_in(pipe.dtype)}: kgen's candidates for this spec changed "
+                      "since it was tuned (run `kgen tune`): ignored"]
+    return Entry(path, target.name, _ranges(path, stored), stored, entry_dtype(stored)), []
 
 
 def eager_conv_tf32(stored: dict | None, pipe) -> tuple[tuple[str, bool], ...]:
@@ -168,11 +187,16 @@ def measured(entry: Entry) -> dict[str, dict[int, float]]:
 
 
 def write_entry(spec_path, entry: dict) -> Path:
-    """Store ``entry`` in the spec's tuning file, replacing the one for its device."""
+    """Store ``entry`` in the spec's tuning file, replacing the one for its device and dtype (a float32
+    entry is stored without a "dtype" key, as before 16-bit tuning)."""
     path = path_for(spec_path)
     data = read(path) or {"format": FORMAT, "spec": str(spec_path), "entries": []}
-    data["entries"] = [e for e in data["entries"] if e.get("device") != entry["device"]] + [entry]
-    data["entries"].sort(key=lambda e: str(e.get("device")))
+    if entry.get("dtype") == "float32":
+        entry = {k: v for k, v in entry.items() if k != "dtype"}
+    key = (entry["device"], entry_dtype(entry))
+    data["entries"] = [e for e in data["entries"] if (e.get("device"), entry_dtype(e)) != key] + [entry]
+    order = {"float32": 0, "bfloat16": 1, "float16": 2}
+    data["entries"].sort(key=lambda e: (str(e.get("device")), order.get(entry_dtype(e), 3)))
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         tmp.write_text(json.dumps(data, indent=1) + "\n")

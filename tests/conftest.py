@@ -130,15 +130,15 @@ def assert_report_passed(report, context: str = "", rel_l2: bool = False) -> Non
     raise AssertionError("\n".join(lines))
 
 
-def fake_tuning(spec, batches, fastest, root):
-    """``kgen.tune.prepare`` for real (candidates planned and rendered), then invented times:
+def fake_tuning(spec, batches, fastest, root, dtype="float32"):
+    """``kgen.tune.prepare`` for real (candidates planned and rendered, in ``dtype``), then invented times:
     ``fastest`` (a predicate on a candidate's choices, or a dict of them by batch) picks the winner
     at each batch; eager PyTorch is slower than every candidate."""
     import json
 
     from kgen import tune
 
-    t = tune.prepare(spec, batches, tune.MAX_CANDIDATES, root)
+    t = tune.prepare(spec, batches, tune.MAX_CANDIDATES, root, dtype)
     for m in t.measured:
         for b in t.batches:
             wins = (fastest if callable(fastest) else fastest[b])(m.plan.choices)

@@ -143,6 +143,57 @@ def test_foreign_and_stale_entries_are_ignored_with_a_note(tmp_path):
     assert choose_plans(load_pipeline(spec), DEFAULT).source.startswith("tuning file")
 
 
+SMALL_16 = SMALL.replace("dtype: float32", "dtype: [float32, bfloat16]")
+
+
+def test_tuning_file_keeps_an_entry_per_device_and_dtype(tmp_path):
+    """`kgen tune --dtype`: a 16-bit entry beside the float32 one (which keeps the file's old form, no
+    "dtype" key); each dtype's plans come from its own entry, or the cost model where it has none."""
+    assert "dtype: [float32, bfloat16]" in SMALL_16
+    spec = write_spec(tmp_path, SMALL_16, "tuned.yaml")
+    t32 = fake_tuning(spec, [], {4: _is_default_kgen}, tmp_path / "tune")
+    path = tunefile.write_entry(spec, tune.entry(t32, 30, DEFAULT.name))
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source == f"float32: tuning file tuned.tune.json ({DEFAULT.name}); bfloat16: cost model" and not sel.notes
+    assert sel.tuning_for("bfloat16") is None and sel.tuning_for("float32").dtype == "float32"
+    t16 = fake_tuning(spec, [16], {4: _is_eager, 16: lambda c: not _is_eager(c)}, tmp_path / "tune", "bfloat16")
+    assert t16.pipe.dtype == "bfloat16" and all(m.plan.pipeline.dtype == "bfloat16" for m in t16.measured)
+    assert not {m.module for m in t16.measured} & {m.module for m in t32.measured}  # modules of their own
+    e16 = tune.entry(t16, 30, DEFAULT.name)
+    assert e16["dtype"] == "bfloat16" and e16["spec_hash"] == tune.entry(t32, 30, DEFAULT.name)["spec_hash"]
+    tunefile.write_entry(spec, e16)
+    entries = json.loads(path.read_text())["entries"]
+    assert [(e["device"], e.get("dtype")) for e in entries] == [(DEFAULT.name, None), (DEFAULT.name, "bfloat16")]
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source == (f"float32: tuning file tuned.tune.json ({DEFAULT.name}); "
+                          f"bfloat16: tuning file tuned.tune.json ({DEFAULT.name})")
+    f32 = [v for v in sel.variants if v.dtype == "float32"]
+    b16 = [v for v in sel.variants if v.dtype == "bfloat16"]
+    assert len(f32) == 1 and _is_default_kgen(f32[0].plan.choices)
+    assert [(v.lo, v.hi) for v in b16] == [(1, 8), (9, None)] and _is_eager(b16[0].plan.choices)
+    assert not _is_eager(b16[1].plan.choices) and "measured fastest at batch 16" in b16[1].why
+    assert sel.tuning_for("bfloat16").dtype == "bfloat16"
+    # a float32 entry written again replaces only the float32 one
+    tunefile.write_entry(spec, dict(tune.entry(t32, 30, DEFAULT.name), dtype="float32"))
+    entries = json.loads(path.read_text())["entries"]
+    assert [e.get("dtype") for e in entries] == [None, "bfloat16"]
+    # a 16-bit entry of another device: a note for that dtype; the float32 plans keep theirs
+    tunefile.write_entry(spec, dict(e16, device="NVIDIA H200"))
+    data = json.loads(path.read_text())
+    data["entries"] = [e for e in data["entries"] if not (e["device"] == DEFAULT.name and e.get("dtype"))]
+    path.write_text(json.dumps(data))
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source == f"float32: tuning file tuned.tune.json ({DEFAULT.name}); bfloat16: cost model"
+    (note,) = sel.notes
+    assert note.endswith("tuned.tune.json: tuned in bfloat16 on NVIDIA H200, not on NVIDIA H100 80GB HBM3: ignored")
+
+
+def test_tune_refuses_a_dtype_the_spec_does_not_list(tmp_path):
+    spec = write_spec(tmp_path, SMALL, "tuned.yaml")
+    with pytest.raises(KgenError, match=r"--dtype float16, but the spec lists float32 under `dtype:`; add float16 there"):
+        tune.prepare(spec, [], 2, tmp_path / "tune", "float16")
+
+
 def test_render_prints_the_note_and_a_broken_file_is_one_line(tmp_path):
     from click.testing import CliRunner
 
@@ -338,6 +389,24 @@ def test_measure_times_the_checked_candidates_and_eager_in_turns(tmp_path, monke
     tune.measure(t, 20, device="cpu")
     assert all(m.ms[b] == math.inf and "differs from eager" in m.problem for m in t.measured for b in t.batches)
     assert all(0 < v < math.inf for v in t.eager_pytorch_ms.values())
+
+
+def test_measure_in_bfloat16_converts_the_models_and_inputs(tmp_path):
+    """The measuring flow of `kgen tune --dtype bfloat16` on the CPU: the candidates are the bfloat16 plans, each
+    module and eager PyTorch run in bfloat16 and pass their check against eager in bfloat16."""
+    from kgen.build import build_modules
+
+    spec = write_spec(tmp_path, SMALL_16, "tuned.yaml")
+    t = tune.prepare(spec, [2], 2, tmp_path / "tune", "bfloat16")
+    assert len(t.measured) == 2 and any(_is_eager(m.plan.choices) for m in t.measured)
+    build_modules([m.module for m in t.measured], "cpu")
+    tune.measure(t, 20, device="cpu")
+    for m in t.measured:
+        assert not m.problem and all(0 < m.ms[b] < math.inf for b in t.batches), (m.problem, m.ms)
+    e = tune.entry(t, 20, "cpu")
+    assert e["dtype"] == "bfloat16" and [r["min"] for r in e["ranges"]][0] == 1
+    rows = tune._rows(t, e)
+    assert rows[0][0] == "tuned [bfloat16]"
 
 
 def test_timing_takes_turns_in_blocks_and_drops_each_blocks_first_call():

@@ -17,11 +17,12 @@
 """
 import torch
 
-from kgen.runtime import load_library, register_autograd
+from kgen.runtime import autocast_call, load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
 SPEC = "specs/avgpool_sigmoid_sum.yaml"
+DTYPES = ('float32',)  # the input dtypes the op has plans for
 INPUT_SHAPE = ('N', 8, 384, 384)  # a string is the run-time batch
 OUTPUT_SHAPE = ('N',)
 PARAMETERS = {
@@ -54,6 +55,12 @@ def _fake(x, conv_weight, conv_bias):
 
 def forward(x, conv_weight, conv_bias):
     """avgpool_sigmoid_sum of x [N, 8, 384, 384] -> [N]."""
+    if torch.is_autocast_enabled(x.device.type):  # eager's dtypes under autocast
+        return autocast_call("kgen::avgpool_sigmoid_sum", _forward, (x, conv_weight, conv_bias,), DTYPES, SPEC)
+    return _forward(x, conv_weight, conv_bias)
+
+
+def _forward(x, conv_weight, conv_bias):
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.ops.kgen.avgpool_sigmoid_sum(x, conv_weight, conv_bias)
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that

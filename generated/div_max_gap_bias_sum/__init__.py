@@ -17,11 +17,12 @@
 """
 import torch
 
-from kgen.runtime import load_library, register_autograd
+from kgen.runtime import autocast_call, load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
 SPEC = "specs/div_max_gap_bias_sum.yaml"
+DTYPES = ('float32',)  # the input dtypes the op has plans for
 INPUT_SHAPE = ('N', 8, 16, 64, 64)  # a string is the run-time batch
 OUTPUT_SHAPE = ('N', 1, 1, 1)
 PARAMETERS = {
@@ -57,6 +58,12 @@ def _fake(x, conv_weight, conv_bias, bias):
 
 def forward(x, conv_weight, conv_bias, bias):
     """div_max_gap_bias_sum of x [N, 8, 16, 64, 64] -> [N, 1, 1, 1]."""
+    if torch.is_autocast_enabled(x.device.type):  # eager's dtypes under autocast
+        return autocast_call("kgen::div_max_gap_bias_sum", _forward, (x, conv_weight, conv_bias, bias,), DTYPES, SPEC)
+    return _forward(x, conv_weight, conv_bias, bias)
+
+
+def _forward(x, conv_weight, conv_bias, bias):
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.ops.kgen.div_max_gap_bias_sum(x, conv_weight, conv_bias, bias)
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that

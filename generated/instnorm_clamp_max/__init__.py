@@ -17,11 +17,12 @@
 """
 import torch
 
-from kgen.runtime import load_library, register_autograd
+from kgen.runtime import autocast_call, load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
 SPEC = "specs/instnorm_clamp_max.yaml"
+DTYPES = ('float32',)  # the input dtypes the op has plans for
 INPUT_SHAPE = ('N', 3, 16, 32, 32)  # a string is the run-time batch
 OUTPUT_SHAPE = ('N', 14, 30, 30)
 PARAMETERS = {
@@ -57,6 +58,12 @@ def _fake(x, conv_weight, conv_bias, multiplier):
 
 def forward(x, conv_weight, conv_bias, multiplier):
     """instnorm_clamp_max of x [N, 3, 16, 32, 32] -> [N, 14, 30, 30]."""
+    if torch.is_autocast_enabled(x.device.type):  # eager's dtypes under autocast
+        return autocast_call("kgen::instnorm_clamp_max", _forward, (x, conv_weight, conv_bias, multiplier,), DTYPES, SPEC)
+    return _forward(x, conv_weight, conv_bias, multiplier)
+
+
+def _forward(x, conv_weight, conv_bias, multiplier):
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.ops.kgen.instnorm_clamp_max(x, conv_weight, conv_bias, multiplier)
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that

@@ -17,11 +17,12 @@
 """
 import torch
 
-from kgen.runtime import load_library, register_autograd
+from kgen.runtime import autocast_call, load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
 SPEC = "specs/maxpool_sum.yaml"
+DTYPES = ('float32',)  # the input dtypes the op has plans for
 INPUT_SHAPE = ('N', 32, 32, 32, 32)  # a string is the run-time batch
 OUTPUT_SHAPE = ('N', 1, 10, 10, 10)
 PARAMETERS = {
@@ -54,6 +55,12 @@ def _fake(x, conv_transpose_weight, conv_transpose_bias):
 
 def forward(x, conv_transpose_weight, conv_transpose_bias):
     """maxpool_sum of x [N, 32, 32, 32, 32] -> [N, 1, 10, 10, 10]."""
+    if torch.is_autocast_enabled(x.device.type):  # eager's dtypes under autocast
+        return autocast_call("kgen::maxpool_sum", _forward, (x, conv_transpose_weight, conv_transpose_bias,), DTYPES, SPEC)
+    return _forward(x, conv_transpose_weight, conv_transpose_bias)
+
+
+def _forward(x, conv_transpose_weight, conv_transpose_bias):
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.ops.kgen.maxpool_sum(x, conv_transpose_weight, conv_transpose_bias)
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that

@@ -17,11 +17,12 @@
 """
 import torch
 
-from kgen.runtime import load_library, register_autograd
+from kgen.runtime import autocast_call, load_library, register_autograd
 
 LIBRARY = load_library(__file__)
 
 SPEC = "specs/relu_group_norm.yaml"
+DTYPES = ('float32',)  # the input dtypes the op has plans for
 INPUT_SHAPE = ('N', 64, 32, 32, 32)  # a string is the run-time batch
 OUTPUT_SHAPE = ('N', 128, 34, 34, 34)
 PARAMETERS = {
@@ -54,6 +55,12 @@ def _fake(x, conv_transpose_weight, group_norm_weight, group_norm_bias):
 
 def forward(x, conv_transpose_weight, group_norm_weight, group_norm_bias):
     """relu_group_norm of x [N, 64, 32, 32, 32] -> [N, 128, 34, 34, 34]."""
+    if torch.is_autocast_enabled(x.device.type):  # eager's dtypes under autocast
+        return autocast_call("kgen::relu_group_norm", _forward, (x, conv_transpose_weight, group_norm_weight, group_norm_bias,), DTYPES, SPEC)
+    return _forward(x, conv_transpose_weight, group_norm_weight, group_norm_bias)
+
+
+def _forward(x, conv_transpose_weight, group_norm_weight, group_norm_bias):
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.ops.kgen.relu_group_norm(x, conv_transpose_weight, group_norm_weight, group_norm_bias)
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that

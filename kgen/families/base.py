@@ -119,7 +119,7 @@ class Family:
         """The stage's work at ``batch`` for the cost model. By default one kernel that
         reads its input tiles and writes its output once, FLOPs on the CUDA cores."""
         flops = batch * sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(stage))
-        nbytes = self.read_bytes(stage, batch) + FLOAT_BYTES * batch * stage.out_type.sample_numel
+        nbytes = self.read_bytes(stage, batch) + value_bytes(stage) * batch * stage.out_type.sample_numel
         return [Work(self.name, flops, nbytes)]
 
     def read_bytes(self, stage: Stage, batch: int) -> float:
@@ -128,7 +128,7 @@ class Family:
         elements = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
         buf = stage.input
         wasted = buf.layout == "channels_last" and not self.reads_channels_last_fast(buf.logical[0], buf.phased)
-        return FLOAT_BYTES * elements * (STRIDED_READ_FACTOR if wasted else 1)
+        return value_bytes(stage) * elements * (STRIDED_READ_FACTOR if wasted else 1)
 
     def reads_channels_last_fast(self, channels: int, phased: bool) -> bool:
         """Whether a stage of this family reads a channels_last input of ``channels`` channels
@@ -166,7 +166,14 @@ class Family:
 
 # ---------------------------------------------------------------- shared helpers
 
-FLOAT_BYTES = 4
+FLOAT_BYTES = 4  # a float32 value (shared memory, fp32 statistics; a stage's values: value_bytes)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def value_bytes(stage: Stage) -> int:
+    """Bytes of one value a stage reads or writes in memory: its dtype's size (a 16-bit stage moves half
+    a float32 one's bytes; its arithmetic is fp32 either way)."""
+    return DTYPE_BYTES[stage.dtype]
 STRIDED_READ_FACTOR = 4  # a channels_last input read in contiguous order: each warp load touches a sector per thread (cost model)
 
 

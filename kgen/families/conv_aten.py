@@ -28,7 +28,7 @@ from ..spec import DTYPES
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import ConvStage
 from ..target import Target
-from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, NORMALIZATIONS, conv_precision, follows
+from .base import DTYPE_BYTES, Candidate, Family, StageRequest, Work, NORMALIZATIONS, conv_precision, follows, value_bytes
 
 LAYOUTS = ("channels_last", "contiguous")
 # K = input channels x taps and output channels above which cuDNN runs its large tensor-core GEMMs (TF32
@@ -230,26 +230,26 @@ class ConvAten(Family):
         read = batch * c.in_channels * math.prod(st.input_extent)
         out = []
         if self.input_copy(st):
-            out.append(Work("input copy", 0, 2 * FLOAT_BYTES * read))
+            out.append(Work("input copy", 0, 2 * value_bytes(st) * read))
         if st.phases:
             for ph in st.phases:
                 taps = math.prod(ph.taps)
                 flops = 2 * batch * c.in_channels * c.out_channels * taps * math.prod(ph.count)
                 out += conv_work(f"phase {ph.residue}", flops, read, batch * c.out_channels * math.prod(ph.conv_out),
                                  c.out_channels, c.in_channels * taps, st.layout, target, fp32=bool(st.fp32_products),
-                                 phase=True)
+                                 phase=True, dtype=st.dtype)
             return out
         if isinstance(lc.lowering, TapSums):  # the input's tap sums in ATen calls, then a small convolution of them
             sums = batch * c.in_channels * math.prod(c.kernel[d] for d in lc.lowering.dims) * math.prod(
                 n for d, n in enumerate(st.in_type.spatial) if d not in lc.lowering.dims)
             calls = 1 if self.tap_sum_kernel(st) else lc.lowering.aten_calls(c, st.in_type.spatial)
-            out.append(Work("tap sums", batch * st.in_type.sample_numel, FLOAT_BYTES * read, launches=calls))
+            out.append(Work("tap sums", batch * st.in_type.sample_numel, value_bytes(st) * read, launches=calls))
             read = sums
         flops = batch * lc.flops(st.in_type, st.out_type)
         written = batch * sum(math.prod(t.dims) for t in st.output.tiles)
         K = c.in_channels // c.groups * math.prod(lc.kernel)
         out += conv_work("convolution", flops, read, written, c.out_channels // c.groups, K, st.layout, target,
-                         transposed_stride=c.stride if lc.transposed else None, fp32=bool(st.fp32_products))
+                         transposed_stride=c.stride if lc.transposed else None, fp32=bool(st.fp32_products), dtype=st.dtype)
         return out
 
     def explain_lines(self, st: ConvStage) -> list[str]:
@@ -273,22 +273,29 @@ class ConvAten(Family):
 
 
 def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, layout: str, target: Target,
-              transposed_stride: tuple | None = None, fp32: bool = False, phase: bool = False) -> list[Work]:
+              transposed_stride: tuple | None = None, fp32: bool = False, phase: bool = False,
+              dtype: str = "float32") -> list[Work]:
     """One cuDNN convolution call: ``read`` input and ``written`` output elements, a GEMM of
     N = ``n`` output channels and K = ``k`` (input channels x taps); ``transposed_stride``:
     the stride of a transposed convolution run as written; ``fp32``: TF32 off (fp32 kernels);
-    ``phase``: a sub-pixel phase, whose output is a strided view of the whole output."""
+    ``phase``: a sub-pixel phase, whose output is a strided view of the whole output; ``dtype``:
+    its operands' (16-bit: the 16-bit tensor cores, at the fraction of their peak fitted for TF32's,
+    not measured yet; values of 2 bytes)."""
     fill = min(1.0, n / CUDNN_FULL_N) * min(1.0, k / CUDNN_FULL_K)
-    rate = target.fp32_flops * CUDNN_FP32_FRACTION if fp32 else target.tensor_flops * CUDNN_FRACTION * fill
-    conv = lambda rate: Work(what, flops, FLOAT_BYTES * (read + written), rate, calls=1, call_s=CUDNN_CALL_S)  # noqa: E731
+    if dtype != "float32":
+        rate = target.product_flops(dtype) * CUDNN_FRACTION * fill
+    else:
+        rate = target.fp32_flops * CUDNN_FP32_FRACTION if fp32 else target.tensor_flops * CUDNN_FRACTION * fill
+    nbytes = DTYPE_BYTES[dtype]
+    conv = lambda rate: Work(what, flops, nbytes * (read + written), rate, calls=1, call_s=CUDNN_CALL_S)  # noqa: E731
     if transposed_stride is not None:
         strided = any(s > 1 for s in transposed_stride)
         nchw = TRANSPOSED_NCHW_EFFICIENCY if layout == "contiguous" else 1.0
         rank3 = TRANSPOSED_3D_EFFICIENCY if len(transposed_stride) == 3 else 1.0
         return [conv(rate * nchw * rank3 * (TRANSPOSED_STRIDED_EFFICIENCY if strided else TRANSPOSED_STRIDE1_EFFICIENCY))]
     if layout == "contiguous":
-        return [Work(f"{what}: NCHW to NHWC", 0, NCHW_CONVERSION * FLOAT_BYTES * read), conv(rate),
-                Work(f"{what}: NHWC to NCHW", 0, NCHW_CONVERSION * (PHASE_NCHW_WRITE if phase else 1.0) * FLOAT_BYTES * written)]
+        return [Work(f"{what}: NCHW to NHWC", 0, NCHW_CONVERSION * nbytes * read), conv(rate),
+                Work(f"{what}: NHWC to NCHW", 0, NCHW_CONVERSION * (PHASE_NCHW_WRITE if phase else 1.0) * nbytes * written)]
     return [conv(rate)]
 
 

@@ -27,8 +27,9 @@ from ..ops import OPS, ElementwiseOp
 from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
-from .base import FLOAT_BYTES, Family, Work
+from .base import Family, Work, value_bytes
 from .conv_aten import conv_work
+from .linear_aten import half_product
 
 NORM_LAUNCHES = 3  # ATen's group, instance and (training mode) batch norms: statistics, (finalize), apply
 
@@ -312,7 +313,7 @@ class Eager(Family):
     def work(self, st: EagerStage, batch: int, target: Target) -> list[Work]:
         """Each op reads its input and writes its output; the convolution as in conv_aten,
         its bias added by ATen in a pass of its own."""
-        out = []
+        out, size = [], value_bytes(st)
         for op, t_in, t_out in st.chain():
             n_in, n_out = batch * t_in.sample_numel, batch * t_out.sample_numel
             flops = batch * op.flops(t_in, t_out)
@@ -320,13 +321,14 @@ class Eager(Family):
                 K = op.in_channels // op.groups * math.prod(op.kernel)
                 read = n_in + math.prod(op.weight_shape())
                 out += conv_work(op.key, flops, read, n_out, op.out_channels // op.groups, K, "contiguous", target,
-                                 transposed_stride=op.stride if op.transposed else None)
+                                 transposed_stride=op.stride if op.transposed else None, dtype=st.dtype)
                 if op.bias:
-                    out.append(Work(f"{op.key} bias", n_out, 2 * FLOAT_BYTES * n_out))
+                    out.append(Work(f"{op.key} bias", n_out, 2 * size * n_out))
             elif isinstance(op, (Norm, BatchNorm)):  # a batch norm as training mode runs it (eval mode: one pass less)
-                out.append(Work(op.key, flops, FLOAT_BYTES * (2 * n_in + n_out), launches=NORM_LAUNCHES))
+                out.append(Work(op.key, flops, size * (2 * n_in + n_out), launches=NORM_LAUNCHES))
             else:
-                out.append(Work(op.key, flops, FLOAT_BYTES * (n_in + n_out)))
+                out.append(half_product(Work(op.key, flops, size * (n_in + n_out)), st, target)
+                           if isinstance(op, (Linear, Matmul)) else Work(op.key, flops, size * (n_in + n_out)))
         return out
 
     def binding_includes(self, st: EagerStage) -> list[str]:

@@ -7,12 +7,19 @@ output. Templates: ``templates/linear_aten/``.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..buffer import flat_buffer
 from ..ir import Linear, Matmul
 from ..lowering import PooledProduct
 from ..spec import DTYPES
 from ..stage import Stage
-from .base import Family, StageRequest
+from ..target import Target
+from .base import Family, StageRequest, Work
+
+# of the 16-bit tensor-core peak, cuBLAS's bfloat16/float16 products (assumed, as cuDNN's CUDNN_FRACTION of TF32's;
+# not measured yet)
+CUBLAS_HALF_FRACTION = 0.53
 
 
 class LinearAten(Family):
@@ -36,6 +43,17 @@ class LinearAten(Family):
     def make_stage(self, req: StageRequest) -> Stage:
         t_in, t_out = req.types
         return Stage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
+
+    def work(self, st: Stage, batch: int, target: Target) -> list[Work]:
+        """float32: one pass at the CUDA cores' fp32 rate (cuBLAS in full fp32); 16-bit: on the 16-bit tensor cores."""
+        return [half_product(w, st, target) for w in super().work(st, batch, target)]
+
+
+def half_product(w: Work, st: Stage, target: Target) -> Work:
+    """``w``, a cuBLAS product's work, at the 16-bit tensor cores' rate where ``st`` computes 16 bits."""
+    if st.dtype == "float32":
+        return w
+    return replace(w, flop_rate=target.product_flops(st.dtype) * CUBLAS_HALF_FRACTION)
 
 
 FAMILY = LinearAten()

@@ -16,7 +16,7 @@ from ..ir import Elementwise, Norm, Reduce
 from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
-from .base import FLOAT_BYTES, Family, StageRequest, Work, fused_stage_json, index_type, target_blocks_per_sm, typed_ops
+from .base import Family, StageRequest, Work, fused_stage_json, index_type, target_blocks_per_sm, typed_ops, value_bytes
 
 CUDA_THREADS = 256  # threads per block
 MIN_PER_THREAD = 32  # values per thread before the statistics of a group are split across blocks
@@ -127,7 +127,7 @@ class NormFamily(Family):
         flops = batch * sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(st))
         read = self.read_bytes(st, batch)
         return [Work("statistics", 0, read, launches=1 if st.schedule.stats_by == "warp" else 2),
-                Work("apply", flops, read + FLOAT_BYTES * batch * st.out_type.sample_numel)]
+                Work("apply", flops, read + value_bytes(st) * batch * st.out_type.sample_numel)]
 
     def explain_lines(self, st: NormStage) -> list[str]:
         sc = st.schedule
