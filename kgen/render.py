@@ -192,16 +192,26 @@ def constructor_call(args) -> list[str]:
     return [repr(a.value) for a in args[:n]]
 
 
+# PyTorch's dispatcher takes ops of at most this many arguments: a library registering a longer schema
+# aborts the process while it loads ("this PyTorch build only supports 64").
+MAX_OP_ARGUMENTS = 64
+
+
 def op_arguments(pipe) -> list[tuple[str, str, str]]:
     """(C++ parameter, schema argument, Python name) of each argument of the op kgen::NAME:
     the inputs (the first is x), parameters, running statistics, then the mode
-    (pipelines with batch norm or dropout) and the running statistics' update weights."""
+    (pipelines with batch norm or dropout) and the running statistics' update weights.
+    More than MAX_OP_ARGUMENTS is an error here, not an abort when the library loads."""
     args = [(f"const at::Tensor& {n}", f"Tensor {n}", n) for n in ["x"] + pipe.input_names[1:]]
     args += [(f"const at::Tensor& {t.ident}", f"Tensor {t.ident}", t.ident) for t in pipe.tensor_args() + pipe.buffer_args()]
     if pipe.training_dependent:
         args.append(("bool training", "bool training", "training"))
     if pipe.buffer_args():
         args.append(("at::ArrayRef<double> factors", "float[] factors", "factors"))
+    if len(args) > MAX_OP_ARGUMENTS:
+        raise KgenError(f"{pipe.path}: kgen::{pipe.name} would take {len(args)} arguments ({len(pipe.input_names)} "
+                        f"input(s), {len(pipe.tensor_args())} parameters, {len(pipe.buffer_args())} buffers); a PyTorch "
+                        f"op takes at most {MAX_OP_ARGUMENTS}, and kgen does not yet pass them as lists")
     return args
 
 

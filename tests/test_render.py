@@ -260,3 +260,23 @@ def test_launch_setup_is_kept_per_device():
                 names = [v.strip() for v in cache.group(2).split(",")]
                 assert all(re.match(r"\w+\[kMaxDevices\]", v) for v in names), (
                     f"{p.relative_to(TEMPLATES)}:{n}: a static launch cache not kept per device: {line.strip()}")
+
+
+def test_an_op_with_more_arguments_than_pytorch_takes_is_refused_when_rendered(tmp_path):
+    """PyTorch's dispatcher takes ops of at most 64 arguments (a longer schema aborts the process when the library
+    loads): a model of 32 linear layers (x, 64 weights and biases) is one error naming the count, and nothing is
+    written; 31 layers (63 arguments) render."""
+    from kgen.errors import KgenError
+    from kgen.render import MAX_OP_ARGUMENTS, write_rendered
+
+    def spec(layers):
+        ops = [{"linear": {"out_features": 8, "name": f"fc{i}"}} for i in range(layers)]
+        path = tmp_path / f"deep{layers}.yaml"
+        path.write_text(spec_text([8], ops, name=f"deep{layers}"))
+        return path
+
+    with pytest.raises(KgenError, match=f"kgen::deep32 would take 65 arguments .*at most {MAX_OP_ARGUMENTS}"):
+        render_spec(spec(32), tmp_path / "out")
+    assert not (tmp_path / "out" / "deep32").exists()
+    write_rendered(render_spec(spec(31), tmp_path / "out"), tmp_path / "out")
+    assert (tmp_path / "out" / "deep31" / "binding.cpp").exists()
