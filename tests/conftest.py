@@ -1,3 +1,4 @@
+import contextlib
 import math
 import os
 import sys
@@ -44,6 +45,37 @@ def load_model_file(path: Path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def write_model_file(dir_path: Path, name: str, text: str) -> Path:
+    """A model file in KernelBench's layout, ``text`` dedented, as ``dir_path/NAME.py``."""
+    import textwrap
+
+    path = dir_path / f"{name}.py"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@contextlib.contextmanager
+def fresh_kgen_cache(folder: Path):
+    """KGEN_CACHE set to ``folder/cache`` (made here) while the block runs; its precompiled header is kgen's usual
+    cache's, so that it is not made again."""
+    from kgen.build import kgen_cache
+
+    cache = folder / "cache"
+    cache.mkdir()
+    pch = kgen_cache() / "pch"
+    pch.mkdir(parents=True, exist_ok=True)
+    (cache / "pch").symlink_to(pch)
+    old = os.environ.get("KGEN_CACHE")
+    os.environ["KGEN_CACHE"] = str(cache)
+    try:
+        yield cache
+    finally:
+        if old is None:
+            del os.environ["KGEN_CACHE"]
+        else:
+            os.environ["KGEN_CACHE"] = old
 
 
 def write_spec(dir_path: Path, text: str, name: str = "spec.yaml") -> Path:

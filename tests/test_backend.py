@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fresh_kgen_cache
 import torch.nn.functional as F
 from torch import nn
 
@@ -57,20 +58,8 @@ class Split(nn.Module):
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """KGEN_CACHE set to a fresh folder for this module (the precompiled header shared with kgen's usual cache)."""
-    from kgen.build import kgen_cache
-
-    cache = tmp_path_factory.mktemp("backend") / "cache"
-    cache.mkdir()
-    pch = kgen_cache() / "pch"
-    pch.mkdir(parents=True, exist_ok=True)
-    (cache / "pch").symlink_to(pch)
-    old = os.environ.get("KGEN_CACHE")
-    os.environ["KGEN_CACHE"] = str(cache)
-    yield cache
-    if old is None:
-        del os.environ["KGEN_CACHE"]
-    else:
-        os.environ["KGEN_CACHE"] = old
+    with fresh_kgen_cache(tmp_path_factory.mktemp("backend")) as folder:
+        yield folder
 
 
 @pytest.fixture(autouse=True)

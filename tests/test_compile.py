@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fresh_kgen_cache
 
 import kgen
 from kgen.errors import KgenError
@@ -84,25 +85,13 @@ class Outer(torch.nn.Module):
 def env(tmp_path_factory):
     """A model file, and KGEN_CACHE set to a fresh folder for this module (the precompiled header is
     shared with kgen's usual cache, so that it is not made again)."""
-    from kgen.build import kgen_cache
-
     root = tmp_path_factory.mktemp("compile")
     (root / "model_for_compile.py").write_text(MODEL)
     spec = importlib.util.spec_from_file_location("model_for_compile", root / "model_for_compile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    cache = root / "cache"
-    cache.mkdir()
-    pch = kgen_cache() / "pch"
-    pch.mkdir(parents=True, exist_ok=True)
-    (cache / "pch").symlink_to(pch)
-    old = os.environ.get("KGEN_CACHE")
-    os.environ["KGEN_CACHE"] = str(cache)
-    yield root, mod, cache
-    if old is None:
-        del os.environ["KGEN_CACHE"]
-    else:
-        os.environ["KGEN_CACHE"] = old
+    with fresh_kgen_cache(root) as cache:
+        yield root, mod, cache
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA, assert_report_passed, load_model_file
+from conftest import HAS_CUDA, assert_report_passed, load_model_file, write_model_file
 from kgen.errors import KgenError
 from kgen.importer import ImportFailed, import_model
 from kgen.ir import load_pipeline
@@ -164,12 +164,6 @@ IMPORTED_KINDS = {  # the ops each model's spec must hold: together every op the
 }
 
 
-def _write(tmp, name, text):
-    path = tmp / f"{name}.py"
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """Both models imported, rendered, built (CPU) and validated: name -> (spec, module dir, report, model file)."""
@@ -180,7 +174,7 @@ def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("import")
     out = {}
     for name, text in (("conv", CONV_MODEL), ("gemm", GEMM_MODEL), ("layout", LAYOUT_MODEL)):
-        src = _write(tmp, f"{name}_model", text)
+        src = write_model_file(tmp, f"{name}_model", text)
         spec = import_model(str(src), name=f"imp_{name}", out_dir=tmp / "specs")
         write_rendered(render_spec(spec, tmp / "gen"), tmp / "gen")
         build_module(tmp / "gen" / f"imp_{name}", "cpu", quiet=True)
@@ -337,7 +331,7 @@ def get_init_inputs():
 
 
 def test_unsupported_call_names_the_op_and_its_line(tmp_path):
-    src = _write(tmp_path, "bad", UNSUPPORTED)
+    src = write_model_file(tmp_path, "bad", UNSUPPORTED)
     out = tmp_path / "specs"
     with pytest.raises(ImportFailed) as e:
         import_model(str(src), name="bad", out_dir=out)
@@ -349,7 +343,7 @@ def test_unsupported_call_names_the_op_and_its_line(tmp_path):
 
 def test_control_flow_on_values_names_its_line(tmp_path):
     text = UNSUPPORTED.replace("        x = torch.cumsum(x, dim=1)\n", "        if x.sum() > 0:\n            x = x * 2\n")
-    src = _write(tmp_path, "flow", text)
+    src = write_model_file(tmp_path, "flow", text)
     with pytest.raises(ImportFailed) as e:
         import_model(str(src), name="flow", out_dir=tmp_path / "specs")
     line = text.splitlines().index("        if x.sum() > 0:") + 1
@@ -357,12 +351,12 @@ def test_control_flow_on_values_names_its_line(tmp_path):
 
 
 def test_failed_import_leaves_an_existing_spec_alone(tmp_path):
-    good = _write(tmp_path, "good", UNSUPPORTED.replace("        x = torch.cumsum(x, dim=1)\n", ""))
+    good = write_model_file(tmp_path, "good", UNSUPPORTED.replace("        x = torch.cumsum(x, dim=1)\n", ""))
     out = tmp_path / "specs"
     path = import_model(str(good), name="same", out_dir=out)
     before = path.read_text()
     with pytest.raises(ImportFailed):
-        import_model(str(_write(tmp_path, "bad", UNSUPPORTED)), name="same", out_dir=out)
+        import_model(str(write_model_file(tmp_path, "bad", UNSUPPORTED)), name="same", out_dir=out)
     assert path.read_text() == before and sorted(p.name for p in out.iterdir()) == ["same.yaml"]
 
 
@@ -371,7 +365,7 @@ def test_cli_import_is_one_error_line(tmp_path):
     import subprocess
     import sys
 
-    src = _write(tmp_path, "bad", UNSUPPORTED)
+    src = write_model_file(tmp_path, "bad", UNSUPPORTED)
     root = Path(__file__).resolve().parent.parent  # kgen from this checkout, installed or not
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-m", "kgen", "import", str(src), "--out", str(tmp_path / "s")],

@@ -9,12 +9,12 @@ their key.
 import pytest
 import torch
 
-from conftest import assert_report_passed, load_model_file
+from conftest import assert_report_passed, load_model_file, write_model_file
 from kgen.errors import SpecError
 from kgen.importer import import_model
 from kgen.ir import load_pipeline
 from kgen.reference import ReferenceModel
-from test_import_nested import HEADER, _refused, _spec_file, _write, assert_same_model
+from test_import_nested import HEADER, _refused, _spec_file, assert_same_model
 
 INIT = HEADER + '''
 class Block(nn.Module):
@@ -78,7 +78,7 @@ EXPECTED = [
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("init")
-    src = _write(tmp, "init_model", INIT)
+    src = write_model_file(tmp, "init_model", INIT)
     return import_model(str(src), name="init_model", out_dir=tmp / "specs"), src
 
 

@@ -8,12 +8,11 @@ state_dict keys (loaded both ways, strict), initializes like it under the same s
 what it computes in float64 in training and eval mode. Two of them are built and validated on the
 CPU, and the generated Model is checked against the original the same way.
 """
-import textwrap
 
 import pytest
 import torch
 
-from conftest import assert_report_passed, load_model_file
+from conftest import assert_report_passed, load_model_file, write_model_file
 from kgen.errors import SpecError
 from kgen.importer import ImportFailed, import_model
 from kgen.ir import load_pipeline
@@ -192,19 +191,13 @@ MODELS = {"sequential": SEQUENTIAL, "resnet": RESNET, "module_list": MODULE_LIST
           "keywords": KEYWORDS}
 
 
-def _write(tmp, name, text):
-    path = tmp / f"{name}.py"
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """Every model imported: name -> (spec path, model file)."""
     tmp = tmp_path_factory.mktemp("nested")
     out = {}
     for name, text in MODELS.items():
-        src = _write(tmp, f"{name}_model", text)
+        src = write_model_file(tmp, f"{name}_model", text)
         out[name] = (import_model(str(src), name=f"nest_{name}", out_dir=tmp / "specs"), src)
     return out
 
@@ -315,7 +308,7 @@ def test_nested_model_builds_validates_and_loads_the_original(imported, built, n
 
 
 def _refused(tmp_path, text, match):
-    src = _write(tmp_path, "bad", text)
+    src = write_model_file(tmp_path, "bad", text)
     with pytest.raises(ImportFailed, match=match) as e:
         import_model(str(src), name="bad", out_dir=tmp_path / "specs")
     assert "\n" not in str(e.value)
@@ -368,7 +361,7 @@ def get_inputs():
 def get_init_inputs():
     return [4]
 '''
-    spec = import_model(str(_write(tmp_path, "item", text)), name="item_model", out_dir=tmp_path / "specs")
+    spec = import_model(str(write_model_file(tmp_path, "item", text)), name="item_model", out_dir=tmp_path / "specs")
     pipe = load_pipeline(spec)
     assert [o.op_name for o in pipe.ops] == ["linear", "relu"] and pipe.ops[0].module == "fc.0"
 
