@@ -178,7 +178,8 @@ def test_second_process_loads_from_the_cache(compiled, env):
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == 0, proc.stderr
     assert "loaded from the cache" in proc.stderr and "building" not in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line on a cache hit
+    # one line of kgen's on a cache hit (torch may warn on its own, e.g. without NumPy)
+    assert len([l for l in proc.stderr.splitlines() if l.startswith("kgen:")]) == 1, proc.stderr
     after = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
     assert after == before  # nothing rendered, built or touched
     assert [d.name for d in (cache / "compiled").iterdir()] == [folder.parent.name]
