@@ -75,6 +75,17 @@ def fused_floor_ms(pipe: Pipeline, batch: int, target: Target) -> float:
     return min(plan_totals(p, batch)[2] for p in [p for p in plans if p.choices.get(PIPELINE, KGEN) == KGEN] or plans)
 
 
+def rounding_lines(plan: Plan, stage) -> list[str]:
+    """What a 16-bit plan's generated stage rounds to its dtype inside its math (kgen.plan.rounding_points)."""
+    dtype = plan.pipeline.dtype
+    if dtype == "float32" or not stage.family.generates_kernel:
+        return []
+    if not stage.rounded:
+        return [f"float32 between its ops, rounded to {dtype} at its output only (spec `intermediates: float32`)"]
+    return [f"rounds to {dtype} after " + ", ".join(op.key for op in stage.rounded) + " (eager's tensors; "
+            "spec `intermediates: float32` keeps float32 between ops)"]
+
+
 def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None = None, training: bool = False,
                  dtype: str | None = None) -> str:
     """``training``: detail training mode's plan where eval mode has its own (default: eval mode's);
@@ -140,6 +151,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
             out.append(f"      runs inside stage {s.absorbed_by.index}'s kernel (its epilogue)")
         else:
             out += [f"      {line}" for line in s.family.explain_lines(s)]
+        out += [f"      {line}" for line in rounding_lines(plan, s)]
         e = estimates.get(id(s))
         model = f"   model {e.ms:.3f} ms ({e.launches} launches)" if e else ""
         out.append(f"      {flops / 1e9:10.2f} GFLOP  {nbytes / 1e6:10.1f} MB   floor {fl:.3f} ms ({bound}){model}")

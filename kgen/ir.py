@@ -1218,6 +1218,7 @@ class Pipeline:
     params: dict = field(default_factory=dict)  # free parameters: name -> Param
     precision: str = "tf32"
     rewrites: dict = field(default_factory=dict)
+    intermediates: str = "eager"  # spec `intermediates:`: a 16-bit plan's rounding points (kgen.plan.rounding_points)
     conv_layout: str = "auto"
     conv_impl: str = "auto"  # plan.conv: aten | gemm forces who computes the convolutions
     linear_impl: str = "auto"  # plan.linear: aten | gemm forces who computes the matrix products
@@ -1777,6 +1778,7 @@ def build_pipeline(spec: Spec) -> Pipeline:
         types=tuple(types),
         params={n: Param(n, p.shape, p.init, p.unused) for n, p in spec.params.items()},
         precision=spec.precision,
+        intermediates=spec.intermediates,
         rewrites=dict(spec.rewrites),
         conv_layout=spec.conv_layout,
         conv_impl=spec.conv_impl,

@@ -92,6 +92,7 @@ class Plan:
     def __post_init__(self):
         for st in self.stages:  # every stage reads and writes the plan's dtype (the cost model's bytes)
             st.dtype = self.pipeline.dtype
+            st.rounded = rounding_points(self.pipeline, st)
 
     @property
     def name(self) -> str:
@@ -159,6 +160,8 @@ class Plan:
                 d["epilogue_stage"] = s.epilogue.index
             if s.absorbed_by is not None:
                 d["absorbed_by_stage"] = s.absorbed_by.index
+            if s.rounded and s.family.generates_kernel:  # 16-bit: where its math rounds as eager does (rounding_points)
+                d["rounds_after"] = [o.key for o in s.rounded]
             if getattr(s, "gathered_by", None) is not None:
                 d["statistics_gathered_by_stage"] = s.gathered_by.index
             d.update(s.family.stage_json(s))
@@ -179,6 +182,25 @@ class Plan:
 
 
 # ---------------------------------------------------------------- planning
+
+
+def rounding_points(pipe: Pipeline, stage: Stage) -> tuple[Op, ...]:
+    """The ops of ``stage`` whose output is rounded to the plan's 16-bit dtype where the stage computes it
+    (decided here and nowhere else; the stage math renders each as ``kgen::round_to<T>(v)``).
+
+    Eager PyTorch materializes every op's output as a tensor of the dtype, so each op's result is
+    rounded before the next op reads it; where a later op amplifies that rounding (a norm's statistics
+    over a convolution's output, a softmax, a difference of close values) eager ends further from the
+    exact result than float32 intermediates would, by more than KernelBench's 1e-2 check against eager
+    in the same dtype allows (docs/performance.md, Rounding points). So a 16-bit plan rounds after every
+    op of the spec, as eager does (a float -> 16-bit -> float round trip in registers; inside a
+    convolution's or GEMM's main loop nothing changes: its output is the rounding point, as cuDNN's is).
+    A name (``as:``) computes nothing and rounds nothing. The spec's ``intermediates: float32`` keeps
+    float32 until the stage's output (closer to float64, further from eager); float32 plans round nowhere.
+    Only the families that generate a stage's math render these; an ATen call rounds its own output."""
+    if pipe.dtype == "float32" or pipe.intermediates == "float32":
+        return ()
+    return tuple(op for op in stage.ops if not isinstance(op, Capture))
 
 
 def defer_conv_bias(pipe: Pipeline) -> Pipeline:

@@ -36,6 +36,9 @@ from .ops import INTERNAL, OPS, spec_op_names
 
 SYMBOL = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 PRECISIONS = ("ieee", "tf32", "tf32x3")
+# `intermediates:` of a 16-bit plan's fused stages: "eager" rounds each op's output to the dtype where eager
+# PyTorch materializes it (kgen.plan.rounding_points); "float32" keeps float32 until the stage's output
+INTERMEDIATES = ("eager", "float32")
 DTYPES = ("float32", "bfloat16", "float16")  # a spec's dtypes: the module dispatches on the input's
 DEFAULT_DTYPES = ("float32",)
 PARAM_INITS = ("randn", "ones", "zeros")
@@ -155,6 +158,7 @@ class Spec:
     ops: tuple[OpSpec, ...]
     precision: str
     rewrites: dict[str, bool] = field(default_factory=dict)  # name -> enabled
+    intermediates: str = "eager"  # INTERMEDIATES: a 16-bit plan's values between ops
     conv_layout: str = "auto"
     conv_impl: str = "auto"
     conv_norm: str = "auto"
@@ -187,8 +191,8 @@ def max_elements() -> int:
     return value
 
 
-TOP_KEYS = {"name", "description", "input", "inputs", "example", "params", "ops", "outputs", "precision", "rewrites",
-            "plan", "constructor"}
+TOP_KEYS = {"name", "description", "input", "inputs", "example", "params", "ops", "outputs", "precision", "intermediates",
+            "rewrites", "plan", "constructor"}
 OP_KEYS = ("as", "from")  # keys any op may have besides its own fields
 MAX_INPUTS = 8
 MAX_OUTPUTS = 16
@@ -648,6 +652,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         fail(path, "ops", "expected a non-empty list of ops")
     ops = tuple(_load_op(o, i, path) for i, o in enumerate(ops_raw))
     precision = _choice(raw, "precision", PRECISIONS, "tf32", "precision", path)
+    intermediates = _choice(raw, "intermediates", INTERMEDIATES, "eager", "intermediates", path)
     plan = _mapping(raw.get("plan", {}) or {}, "plan", path)
     _no_extra(plan, {"conv_layout", "conv", "conv_norm", "linear"}, "plan", path)
     conv_layout = _choice(plan, "conv_layout", CONV_LAYOUTS, "auto", "plan.conv_layout", path)
@@ -665,6 +670,7 @@ def spec_from_data(raw, path: str = "<spec>") -> Spec:
         params=params,
         ops=ops,
         precision=precision,
+        intermediates=intermediates,
         rewrites=_load_rewrites(raw.get("rewrites"), path),
         conv_layout=conv_layout,
         conv_impl=conv_impl,
@@ -723,6 +729,8 @@ def spec_to_data(spec: Spec) -> dict:
         "rewrites": dict(spec.rewrites),
         "plan": {"conv_layout": spec.conv_layout, "conv": spec.conv_impl},
     })
+    if spec.intermediates != "eager":  # only when set: the data (and spec hashes) of specs without it stay as they were
+        data["intermediates"] = spec.intermediates
     if spec.conv_norm != "auto":  # only when set: the data (and spec hashes) of specs without it stay as they were
         data["plan"]["conv_norm"] = spec.conv_norm
     if spec.linear_impl != "auto":  # the same

@@ -33,6 +33,8 @@ class Stage:
     source: str = "x"  # the binding's tensor it reads (the previous stage's output, an input, a value)
     names: list = field(default_factory=list)  # values (``as``) that are its output, named right after it
     dtype: str = "float32"  # what it reads and writes: its plan's dtype (set by kgen.plan.Plan)
+    # its ops whose output its math rounds to ``dtype`` (kgen.plan.rounding_points; set by kgen.plan.Plan)
+    rounded: tuple = ()
 
     @property
     def kind(self) -> str:
