@@ -143,6 +143,14 @@ KGEN_HD T from_float(float f) {
   return r;
 }
 
+// `v` rounded to the 16-bit type T (nearest even) and read back as float: a rounding point of a 16-bit
+// plan (kgen/plan.py, rounding_points), where eager PyTorch materializes an op's output as a T tensor
+// and the next op reads that tensor. A round trip in registers; no memory is touched.
+template <class T>
+KGEN_HD float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
 // Tests NaN without std::isnan, which device code does not have.
 KGEN_HD bool is_nan(float x) { return x != x; }
 

@@ -154,6 +154,8 @@ CASES = [
      ["true or false"]),
     ("rewrites_not_mapping", HEAD5 + "ops: [relu]\nrewrites: some\n", PARSE, "rewrites", ["true, false, or a mapping"]),
     ("bad_precision", HEAD5 + "ops: [relu]\nprecision: fp16\n", PARSE, "precision", ["'fp16'", "ieee", "tf32x3"]),
+    ("bad_intermediates", HEAD5 + "ops: [relu]\nintermediates: fp16\n", PARSE, "intermediates", ["'fp16'", "eager", "float32"]),
+    ("intermediates_not_a_string", HEAD5 + "ops: [relu]\nintermediates: [eager]\n", PARSE, "intermediates", ["eager, float32"]),
     ("bad_conv_layout", HEAD5 + "ops: [relu]\nplan: {conv_layout: nhwc}\n", PARSE, "plan.conv_layout",
      ["'nhwc'", "channels_last"]),
     ("bad_conv_norm", HEAD5 + "ops: [relu]\nplan: {conv_norm: twice}\n", PARSE, "plan.conv_norm",
