@@ -443,11 +443,11 @@ def _compile_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: b
     plan = _partition_model(sub, call, g)
     module_dir = compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose)
     key = str(module_dir)
-    if autotune and key not in _LOADED:  # (a module loaded in this process keeps its op: tuned next process)
+    if autotune:
         if default_variant() != "cuda" or not torch.cuda.is_available():
             _say_once("mode max-autotune: nothing to tune on the CPU (kgen tune measures plans on a CUDA GPU); "
                       "the cost model's plans run")
-        else:
+        elif key not in _LOADED:  # (a module loaded in this process keeps its op until the next process)
             tune_module(module_dir, [EXAMPLE_BATCH, *({g.batch} if isinstance(g.batch, int) else ())], verbose)
     if key not in _LOADED:
         _LOADED[key] = import_module_dir(module_dir)
