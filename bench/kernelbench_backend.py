@@ -138,7 +138,7 @@ def run_problem(path: Path, args) -> dict:
                 passed[n] += bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4))
                 worst[n] = max(worst[n], float((got - want).abs().max()))
         for n in passed:
-            row[f"{n}_check"] = f"{passed[n]}/{args.trials} (max |diff| {worst[n]:.2g})"
+            row[f"{n}_check"] = f"{passed[n]}/{args.trials} (max diff {worst[n]:.2g})"
         xs = inputs_for(INIT_SEED)
         timed = time_in_blocks({f"{n}_ms": (lambda f=f: f(*xs)) for n, f in ok.items()}, args.reps, device)
         row.update({k: round(v, 4) for k, v in timed.items()})
