@@ -41,7 +41,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+try:  # the one restart a backend may raise through Dynamo's compile step (torch >= 2.6)
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis as _Restart
+except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dynamic_batch)
+    _Restart = None
 
 from .errors import KgenError, one_line
 
@@ -471,9 +475,9 @@ MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compi
 _SAID: set = set()  # one-time messages already said
 
 
-class _DynamicBatch(TensorifyScalarRestartAnalysis):
-    """Dynamo traces the frame again (the one restart a backend may raise through Dynamo's compile step),
-    now with the batch dynamic."""
+if _Restart is not None:
+    class _DynamicBatch(_Restart):
+        """Dynamo traces the frame again, now with the batch dynamic."""
 
 
 def _source_name(n: fx.Node) -> str | None:
@@ -491,7 +495,8 @@ def _ask_dynamic_batch(g: _Graph) -> None:
     (``torch._dynamo.reset()`` forgets what was asked, with the rest of Dynamo's state).
     Nothing is asked where automatic dynamic shapes are off (``torch.compile(dynamic=False)``) or where
     Dynamo's internals are not what this expects (then a new batch recompiles once, as Dynamo does)."""
-    if not isinstance(g.batch, int) or g.batch <= 1 or not torch._dynamo.config.automatic_dynamic_shapes:
+    if _Restart is None or not isinstance(g.batch, int) or g.batch <= 1 \
+            or not torch._dynamo.config.automatic_dynamic_shapes:
         return
     try:
         from torch._dynamo.pgo import (CodeId, FrameStateSizeEntry, auto_dynamic, auto_unset, get_code_state,
