@@ -14,13 +14,21 @@ parameters and running statistics at each call (batch norm's statistics are upda
 ``F.batch_norm`` does). Every other node runs as PyTorch runs it; a partition kgen cannot import,
 plan or build stays eager, with one line on stderr saying why. Graph breaks are Dynamo's.
 
-The batch (dim 0 of the graph's inputs) stays free: a generated module takes any batch, so when
-Dynamo compiles the graph again with the batch dynamic, each partition is the same spec and is
-loaded, not built again. Every other size is compiled in (a node with another dynamic size stays
-eager).
+The batch (dim 0 of the graph's inputs) is the one run-time size: a generated module takes any
+batch. When Dynamo first hands over a graph with a static batch (its default: every size static
+until one changes), the backend marks dim 0 of the graph's batch inputs dynamic in Dynamo's
+automatic-dynamic state for that frame and has Dynamo trace the frame again (``_ask_dynamic_batch``):
+the graph it compiles, and the guards Dynamo installs, take any batch but 1 (which Dynamo
+specializes: a graph of its own), so a new batch size does not recompile. Every other size is
+compiled in: a new channel count or spatial size fails Dynamo's guards and recompiles, and where
+Dynamo then makes that size dynamic, the nodes with it stay eager, with one line saying why.
 
 Options (``torch.compile(model, backend="kgen", options={...})``): ``verbose`` (default True:
-progress of each build on stderr), ``precision`` (the specs' ``precision``).
+progress of each build on stderr), ``precision`` (the specs' ``precision``), ``mode`` (as
+``torch.compile``'s ``mode=``, which torch passes to the backend too; one of the two):
+``"max-autotune"`` tunes each partition's plans with `kgen tune` (on a CUDA GPU; the tuning file
+stays beside the spec in the cache). ``torch.compile(..., fullgraph=True)``: a partition that
+would stay eager, or a node kgen would compute but for a dynamic size, is an error naming why.
 """
 from __future__ import annotations
 
@@ -33,6 +41,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+
+try:  # the one restart a backend may raise through Dynamo's compile step (torch >= 2.6)
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis as _Restart
+except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dynamic_batch)
+    _Restart = None
 
 from .errors import KgenError, one_line
 
@@ -422,9 +435,10 @@ class KgenPartition(nn.Module):
         return tuple(out) if self._several else out
 
 
-def _compile_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, precision) -> KgenPartition:
+def _compile_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, precision,
+                       autotune: bool = False) -> KgenPartition:
     from .build import default_variant
-    from .compiler import compile_module
+    from .compiler import compile_module, tune_module
     from .validate import import_module_dir
 
     devices = {t.device.type for t in g.examples.values() if isinstance(t, torch.Tensor)}
@@ -433,6 +447,12 @@ def _compile_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: b
     plan = _partition_model(sub, call, g)
     module_dir = compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose)
     key = str(module_dir)
+    if autotune:
+        if default_variant() != "cuda" or not torch.cuda.is_available():
+            _say_once("mode max-autotune: nothing to tune on the CPU (kgen tune measures plans on a CUDA GPU); "
+                      "the cost model's plans run")
+        elif key not in _LOADED:  # (a module loaded in this process keeps its op until the next process)
+            tune_module(module_dir, [EXAMPLE_BATCH, *({g.batch} if isinstance(g.batch, int) else ())], verbose)
     if key not in _LOADED:
         _LOADED[key] = import_module_dir(module_dir)
     outs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
@@ -451,19 +471,140 @@ def _calls(nodes) -> list[str]:
     return [n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)) for n in nodes]
 
 
-def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None):
-    """The Dynamo backend ``kgen``: ``gm`` with the partitions kgen computes replaced by generated ops."""
-    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's modes kgen takes
+_SAID: set = set()  # one-time messages already said
 
+
+if _Restart is not None:
+    class _DynamicBatch(_Restart):
+        """Dynamo traces the frame again, now with the batch dynamic."""
+
+
+def _source_name(n: fx.Node) -> str | None:
+    src = getattr(n.meta.get("grapharg"), "source", None)
+    name = getattr(src, "name", None)
+    return name() if callable(name) else name
+
+
+def _ask_dynamic_batch(g: _Graph) -> None:
+    """Where the batch is static (Dynamo's first trace of a frame), mark dim 0 of the graph's batch inputs
+    dynamic in Dynamo's automatic-dynamic state for the frame (as ``torch._dynamo.mark_dynamic`` records
+    itself there) and restart its analysis: the frame is traced again with the batch a symbol, and a new
+    batch size passes the guards. Asked once per frame and inputs: a batch Dynamo specializes anyway
+    (``mark_static``, a size of 1, a graph that guards on it) comes back static and is compiled so
+    (``torch._dynamo.reset()`` forgets what was asked, with the rest of Dynamo's state).
+    Nothing is asked where automatic dynamic shapes are off (``torch.compile(dynamic=False)``) or where
+    Dynamo's internals are not what this expects (then a new batch recompiles once, as Dynamo does)."""
+    if _Restart is None or not isinstance(g.batch, int) or g.batch <= 1 \
+            or not torch._dynamo.config.automatic_dynamic_shapes:
+        return
+    try:
+        from torch._dynamo.pgo import (CodeId, FrameStateSizeEntry, auto_dynamic, auto_unset, get_code_state,
+                                       process_automatic_dynamic)
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        root = tx.output.root_tx if tx is not None else None
+        state = get_code_state()[CodeId.make(root.f_code, root.closure)].automatic_dynamic if root else None
+    except (ImportError, AttributeError, TypeError):
+        return
+    if state is None:
+        return
+    inputs = []
+    for n in g.gm.graph.nodes:
+        ex = _example(n)
+        if n.op == "placeholder" and n not in g.state and isinstance(ex, torch.Tensor) and ex.dim() >= 1 \
+                and _same_size(ex.shape[0], g.batch):
+            name = _source_name(n)
+            if name is None:
+                return
+            if name in state and state[name].is_size_dynamic(0):
+                return  # asked before: Dynamo keeps this batch static
+            inputs.append((name, ex.dim()))
+    if not inputs:
+        return
+    for name, rank in inputs:
+        size = [auto_unset] * rank
+        size[0] = auto_dynamic
+        process_automatic_dynamic(root, name, FrameStateSizeEntry.make_size(tuple(size)))
+    raise _DynamicBatch(restart_reason=f"kgen: the batch of {', '.join(n for n, _ in inputs)} is the run-time size")
+
+
+def _dynamic_sizes(g: _Graph) -> list:
+    """The nodes kgen would compute but for a dynamic size other than the batch: (node, why)."""
+    from .importer import maps_call
+
+    out = []
+    for n in g.gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or not (_layer(n) is not None or maps_call(n)):
+            continue
+        for a in [n, *n.all_input_nodes]:
+            ex = _example(a)
+            if a in g.state or not isinstance(ex, torch.Tensor) or ex.dim() == 0:
+                continue
+            rest = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)
+                    and not (d == 0 and g.batch is not None and _same_size(s, g.batch))]
+            if rest:
+                shape = ", ".join(str(s) for s in ex.shape)
+                out.append((n, f"{a.name} is [{shape}]: dim {', '.join(map(str, rest))} dynamic"))
+                break
+    return out
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _SAID:
+        _SAID.add(msg)
+        _say(msg)
+
+
+def _options(options: dict | None, mode: str | None) -> dict:
     opts = dict(options or {})
     verbose = bool(opts.pop("verbose", True))
     precision = opts.pop("precision", None)
+    if "mode" in opts:
+        if mode is not None:
+            raise KgenError("torch.compile(backend='kgen'): mode given twice (mode= and options['mode'])")
+        mode = opts.pop("mode")
     if opts:
         raise KgenError(f"torch.compile(backend='kgen'): unknown options {', '.join(sorted(opts))}; expected verbose, "
-                        "precision")
-    STATS["graphs"] += 1
+                        "precision, mode")
+    mode = mode or "default"
+    if mode not in MODES:
+        raise KgenError(f"torch.compile(backend='kgen'): mode={mode!r}; expected one of {', '.join(MODES)}")
+    return dict(verbose=verbose, precision=precision, autotune=mode != "default")
+
+
+def _one_graph() -> bool:
+    """Whether Dynamo was asked for one whole graph (``torch.compile(fullgraph=True)``)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return bool(tx is not None and tx.output.root_tx.one_graph)
+    except (ImportError, AttributeError):
+        return False
+
+
+def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    """The Dynamo backend ``kgen``: ``gm`` with the partitions kgen computes replaced by generated ops."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+
+    opts = _options(options, mode)
+    verbose, precision = opts["verbose"], opts["precision"]
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     g = _Graph(gm, dict(zip(places, example_inputs)))
+    _ask_dynamic_batch(g)
+    STATS["graphs"] += 1
+    fullgraph = _one_graph()
+    dynamic = _dynamic_sizes(g)
+    if dynamic:
+        names = _calls([n for n, _ in dynamic])
+        why = (f"sizes other than the batch are dynamic ({dynamic[0][1]}); kgen compiles them in: "
+               "torch.compile(dynamic=False) or torch._dynamo.mark_static keeps them static")
+        if fullgraph:
+            raise KgenError(f"fullgraph=True: {', '.join(names[:6])} would stay eager: {why}")
+        PARTITIONS.append({"calls": names, "module": None, "reason": why})
+        _say(f"{len(names)} call(s) ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}) stay eager: {why}")
     partitioner = CapabilityBasedPartitioner(gm, _Support(g), allows_single_node_partition=True)
     parts = [p for p in partitioner.propose_partitions() if _computes(p.nodes)]
     if not parts:
@@ -481,13 +622,15 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         STATS["partitions"] += 1
         sub = fused.get_submodule(target)
         try:
-            runner = _compile_partition(sub, call, g, verbose, precision)
+            runner = _compile_partition(sub, call, g, verbose, precision, opts["autotune"])
         except (KgenError, NotImplementedError, RuntimeError, TypeError, ValueError) as e:
             STATS["eager"] += 1
             PARTITIONS.append({"calls": names, "module": None, "reason": one_line(e, 300)})
             text = ", ".join(names[:6]) + (f", ... ({len(names)} calls)" if len(names) > 6 else "")
-            _say(f"partition ({text}) stays eager: {type(e).__name__ + ': ' if not isinstance(e, KgenError) else ''}"
-                 f"{one_line(e, 300)}")
+            why = f"{type(e).__name__ + ': ' if not isinstance(e, KgenError) else ''}{one_line(e, 300)}"
+            if fullgraph:
+                raise KgenError(f"fullgraph=True: partition ({text}) would stay eager: {why}") from None
+            _say(f"partition ({text}) stays eager: {why}")
             continue
         STATS["kgen"] += 1
         PARTITIONS.append({"calls": names, "module": runner.module_name, "reason": None})

@@ -129,6 +129,38 @@ def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | o
     return module_dir
 
 
+def tune_module(module_dir: Path, batches: list[int], verbose: bool = True) -> bool:
+    """`kgen tune` of a module in the cache (on a CUDA GPU): its candidates are rendered and built under
+    ``<folder>/_tune/`` (removed after), the tuning file is written beside the spec (``spec.tune.json``,
+    kept: the folder's key is the spec's, so later compiles find the tuned module), and the module is
+    rendered again from it and built. A spec with an entry for this device already is left as it is.
+    Returns whether it tuned."""
+    from . import target as targets, tunefile
+    from .ir import load_pipeline
+    from .plan import choose_plans
+    from .render import render_plan, write_rendered
+    from .tune import run_tune
+
+    folder = module_dir.parent
+    spec = folder / SPEC_FILE
+    stored, _ = tunefile.spec_entry(load_pipeline(spec), targets.current())
+    if stored is not None:
+        _say(verbose, f"{module_dir.name}: tuned already ({tunefile.path_for(spec)})")
+        return False
+    start = time.monotonic()
+    root = folder / "_tune"
+    try:
+        run_tune([spec], sorted(set(batches)), root=root)
+        sel = choose_plans(load_pipeline(spec))
+        _say_plan(verbose, sel, module_dir)
+        write_rendered(render_plan(sel, folder, spec_shown=f"{folder.name}/{SPEC_FILE}"), folder)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    build_module(module_dir, quiet=not verbose)
+    _say(verbose, f"{module_dir.name}: tuned in {time.monotonic() - start:.1f} s ({tunefile.path_for(spec)})")
+    return True
+
+
 def _checked(imp, text: str, path: Path, verbose: bool, start: float):
     pipe = check_instance(text, str(path), imp)
     _say(verbose, f"imported {len(pipe.ops)} ops; the spec computes what the model computes "

@@ -89,7 +89,9 @@ def _with_statistics(model):
     return model
 
 
-def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_build(cache):
+def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_recompile(cache):
+    from torch._dynamo.utils import counters
+
     from kgen import backend
 
     torch.manual_seed(0)
@@ -104,13 +106,14 @@ def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_buil
     for call in ("conv2d", "batch_norm", "relu", "add", "max_pool2d", "flatten", "linear"):
         assert call in made[0]["calls"], made[0]
     folders, graphs = _folders(cache), backend.STATS["graphs"]
+    frames = counters["stats"]["unique_graphs"]
     assert len(folders) == 1
-    for batch in (3, 5, 7):  # Dynamo compiles the graph again once, with the batch dynamic: nothing is built
+    for batch in (3, 5, 7):  # the batch was dynamic from the first trace: no recompile, nothing built
         x = torch.randn(batch, 3, 8, 8)
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
     assert _folders(cache) == folders
-    assert backend.STATS["graphs"] <= graphs + 1  # at most one recompile (batch 3), none for batches 5 and 7
+    assert backend.STATS["graphs"] == graphs and counters["stats"]["unique_graphs"] == frames
     x = torch.randn(1, 3, 8, 8)  # Dynamo specializes a size of 1 (a graph of its own): loaded, not built
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
@@ -138,6 +141,73 @@ def test_supported_model_trains_one_step_as_eager(cache):
         opt.step()
     x = torch.randn(4, 3, 8, 8)
     torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-5)
+
+
+def _steps(model, forward, xs, targets):
+    """Training steps: forward, loss, backward, SGD with momentum and weight decay; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    losses = []
+    for x, t in zip(xs, targets):
+        opt.zero_grad()
+        loss = F.cross_entropy(forward(x), t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _assert_same_state(model, reference, rtol=1e-4, atol=1e-5):
+    for (name, p), q in zip(model.state_dict(keep_vars=True).items(), reference.state_dict().values()):
+        torch.testing.assert_close(p.detach(), q, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["net", "cumsum"])
+def test_training_steps_give_eager_parameters_and_running_statistics(cache, kind):
+    """Four steps of forward, loss, backward and an optimizer step, the model compiled: its parameters,
+    running statistics and batch counts stay eager's (a model with a call kgen leaves to PyTorch too)."""
+    from kgen import backend
+
+    torch.manual_seed(8)
+    model = (Net() if kind == "net" else Split("cumsum")).train()
+    reference = copy.deepcopy(model)
+    compiled = _compiled(model)
+    before = len(backend.PARTITIONS)
+    xs = [torch.randn(b, 3, 8, 8) for b in (4, 4, 6, 3)]  # a new batch mid-training
+    targets = [torch.randint(0, 5, (x.shape[0],)) for x in xs]
+    losses = _steps(model, compiled, xs, targets)
+    want = _steps(reference, reference, xs, targets)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-5, atol=1e-6)
+    _assert_same_state(model, reference)
+    assert all(int(m.num_batches_tracked) == 4 for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    made = backend.PARTITIONS[before:]
+    assert made and all(p["module"] for p in made), made  # kgen computed them all
+
+
+def test_compiled_training_step_function(cache):
+    """torch.compile of the whole step (forward, loss, backward, optimizer step): Dynamo breaks the graph at
+    backward; the forward's graph is kgen's, the optimizer's graph PyTorch's."""
+    torch.manual_seed(9)
+    model = Net().train()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+
+    def step(m, o, x, t):
+        o.zero_grad()
+        loss = F.cross_entropy(m(x), t)
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    from kgen import backend
+
+    before = len(backend.PARTITIONS)
+    compiled_step = torch.compile(step, backend=backend.kgen_backend)
+    for b in (4, 4, 5):
+        x, t = torch.randn(b, 3, 8, 8), torch.randint(0, 5, (b,))
+        torch.testing.assert_close(compiled_step(model, opt, x, t), step(reference, ref_opt, x, t), rtol=1e-5, atol=1e-6)
+    _assert_same_state(model, reference)
+    assert any(p["module"] and "conv2d" in p["calls"] for p in backend.PARTITIONS[before:])
 
 
 def test_unsupported_call_runs_in_pytorch_and_the_rest_in_kgen(cache):
@@ -216,13 +286,110 @@ def test_partition_that_fails_stays_eager_with_one_line(cache, monkeypatch, caps
     assert backend.PARTITIONS[-1]["module"] is None
 
 
-def test_unknown_option_is_refused():
+def test_unknown_option_or_mode_is_refused():
     from kgen.backend import kgen_backend
     from kgen.errors import KgenError
 
     gm = torch.fx.symbolic_trace(nn.ReLU())
     with pytest.raises(KgenError, match="unknown options fast"):
         kgen_backend(gm, [torch.randn(2, 3)], options={"fast": True})
+    with pytest.raises(KgenError, match="mode='reduce-overhead'; expected one of default, max-autotune"):
+        kgen_backend(gm, [torch.randn(2, 3)], mode="reduce-overhead")
+    with pytest.raises(KgenError, match="mode given twice"):
+        kgen_backend(gm, [torch.randn(2, 3)], options={"mode": "max-autotune"}, mode="max-autotune")
+
+
+def test_a_new_spatial_size_recompiles_and_its_dynamic_sizes_stay_eager_with_the_reason(cache, capsys):
+    from kgen import backend
+
+    torch.manual_seed(6)
+    model = TwoOutputs().eval()
+    compiled = _compiled(model)
+    graphs = backend.STATS["graphs"]
+    for shape in ((2, 3, 8, 8), (4, 3, 8, 8), (2, 3, 12, 12)):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            for g, w in zip(compiled(x), model(x)):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert backend.STATS["graphs"] == graphs + 2  # the batch: no recompile; the spatial size: one
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kgen: backend:")]
+    assert len(lines) == 1 and "stay eager: sizes other than the batch are dynamic" in lines[0], lines
+    assert "conv2d" in lines[0] and "dim 2, 3 dynamic" in lines[0], lines
+    assert backend.PARTITIONS[-1]["module"] is None
+    x = torch.randn(3, 3, 16, 16)  # the spatial size is dynamic now: no recompile, PyTorch computes it
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x)[0], model(x)[0], rtol=1e-4, atol=1e-5)
+    assert backend.STATS["graphs"] == graphs + 2
+
+
+def test_dynamic_false_keeps_the_batch_static(cache):
+    from kgen import backend
+
+    model = TwoOutputs().eval()
+    from kgen.backend import kgen_backend
+
+    compiled = torch.compile(model, backend=kgen_backend, dynamic=False)
+    graphs = backend.STATS["graphs"]
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = torch.randn(batch, 3, 8, 8)
+            torch.testing.assert_close(compiled(x)[0], model(x)[0], rtol=1e-4, atol=1e-5)
+    assert backend.STATS["graphs"] == graphs + 2  # a graph per batch, each from the same module
+    assert backend.PARTITIONS[-1]["module"] == backend.PARTITIONS[-2]["module"] is not None
+
+
+def test_fullgraph_refuses_a_partition_that_would_stay_eager(cache, monkeypatch):
+    from kgen import compiler
+    from kgen.backend import kgen_backend
+    from kgen.errors import KgenError
+
+    def refuse(*args, **kwargs):
+        raise KgenError("no family computes it (test)")
+
+    monkeypatch.setattr(compiler, "compile_module", refuse)
+    model = _with_statistics(Net()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad(), pytest.raises(Exception, match=r"fullgraph=True: partition \(conv2d, batch_norm.*would stay "
+                                                        r"eager: no family computes it \(test\)"):
+        torch.compile(model, backend=kgen_backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="fullgraph=True: .*sizes other than the batch are dynamic"):
+        torch.compile(model, backend=kgen_backend, fullgraph=True, dynamic=True)(x)
+
+
+def test_precision_option_reaches_the_partitions_spec(cache, monkeypatch):
+    from kgen import compiler
+    from kgen.backend import kgen_backend
+    from kgen.errors import KgenError
+
+    asked = []
+
+    def record(*args, **kwargs):
+        asked.append(kwargs.get("precision"))
+        raise KgenError("recorded (test)")
+
+    monkeypatch.setattr(compiler, "compile_module", record)
+    model = _with_statistics(Net()).eval()
+    with torch.no_grad():
+        torch.compile(model, backend=kgen_backend, options={"precision": "tf32x3", "verbose": False})(torch.randn(2, 3, 8, 8))
+    assert asked == ["tf32x3"]
+
+
+@pytest.mark.parametrize("how", ["mode", "options"])
+def test_max_autotune_on_the_cpu_says_once_that_it_has_nothing_to_tune(cache, capsys, how):
+    from kgen import backend
+    from kgen.backend import kgen_backend
+
+    backend._SAID.clear()
+    torch.manual_seed(7)
+    model = _with_statistics(Split("print")).eval()  # two graphs, a partition each
+    kw = {"mode": "max-autotune"} if how == "mode" else {"options": {"mode": "max-autotune"}}
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=kgen_backend, **kw)(x), model(x), rtol=1e-4, atol=1e-5)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "max-autotune" in ln]
+    assert lines == ["kgen: backend: mode max-autotune: nothing to tune on the CPU (kgen tune measures plans on a "
+                     "CUDA GPU); the cost model's plans run"], lines
 
 
 def test_backend_resolves_through_the_entry_point(cache, tmp_path):

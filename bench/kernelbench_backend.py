@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""KernelBench problems under eager PyTorch, torch.compile (inductor) and torch.compile(backend="kgen").
+
+For each problem (``--level`` and ``--problems``, from KernelBench's folder ``--kernelbench``, never
+copied into this project), in one process:
+
+1. the model, ``Model(*get_init_inputs())`` seeded as KernelBench seeds it, on ``--device``, in training
+   mode as KernelBench's evaluator runs it (it never calls eval()), under ``torch.no_grad()``; the
+   two compiled forms share its weights;
+2. KernelBench's check: ``--trials`` inputs from ``get_inputs()`` (seeds 42, 43, ...; the same seed
+   before each model's call, for a model that draws random numbers), ``torch.allclose(atol=rtol=1e-4)``
+   of each compiled form against eager (float32, PyTorch's defaults);
+3. the median time of each (``kgen.bench.time_in_blocks``: warm-up, turns of blocks of calls, CUDA
+   events on a GPU, the wall clock on the CPU), and the first call's time (the compile);
+4. the share of kgen's time: under ``torch.profiler``, the device time (CPU time on the CPU) inside the
+   generated ops (``kgen::<module>``) over all of the call's;
+5. what the backend made of it (``kgen.backend.PARTITIONS``: partitions in kgen, those left eager and why).
+
+Writes ``kernelbench_backend.json`` and ``.md`` under ``--out``:
+
+    python3 bench/kernelbench_backend.py --level 3 --problems 1,4,8,35 --out "$OUT"
+    python3 bench/kernelbench_backend.py --device cpu --level 2 --problems 1-3 --batch 2 --reps 5 --out /tmp/kb
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernelbench_gpu import ROOT, _f, _line  # noqa: E402  (also sets the inductor cache folder)
+
+INIT_SEED = 42  # KernelBench seeds the model's construction so
+
+
+def problem_numbers(text: str) -> list[int]:
+    """``1,4,8`` or ``1-3,35``."""
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def problem_file(kb: Path, level: int, number: int) -> Path:
+    found = sorted((kb / f"level{level}").glob(f"{number}_*.py"))
+    if not found:
+        raise FileNotFoundError(f"{kb}/level{level}: no problem {number}_*.py")
+    return found[0]
+
+
+def load_problem(path: Path, batch: int | None):
+    """The problem's module; with ``batch``, its ``batch_size`` (read by get_inputs) set to it."""
+    spec = importlib.util.spec_from_file_location(f"_kb_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if batch is not None and hasattr(mod, "batch_size"):
+        mod.batch_size = batch
+    return mod
+
+
+def kgen_share(fn, inputs, device: str, calls: int = 3) -> float | None:
+    """Of ``calls`` calls of ``fn``: the time inside kgen's generated ops (``kgen::...``) over the whole's:
+    device time on a GPU, CPU time on the CPU."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn(*inputs)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    if cuda:
+        total = sum(e.self_device_time_total for e in events)
+        kgen = sum(e.device_time_total for e in events if e.name.startswith("kgen::"))
+    else:
+        top = [e for e in events if e.cpu_parent is None]
+        total = sum(e.cpu_time_total for e in top)
+        kgen = sum(e.cpu_time_total for e in events if e.name.startswith("kgen::")
+                   and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("kgen::")))
+    return kgen / total if total > 0 else None
+
+
+def run_problem(path: Path, args) -> dict:
+    import torch
+
+    from kgen import backend
+    from kgen.bench import time_in_blocks
+
+    row = {"problem": path.stem, "status": "ok"}
+    device = args.device
+    mod = load_problem(path, args.batch)
+    torch.manual_seed(INIT_SEED)
+    model = mod.Model(*mod.get_init_inputs()).to(device).train()
+    before = len(backend.PARTITIONS)
+    forms = {"eager": model}
+    if "inductor" not in args.skip:
+        forms["inductor"] = torch.compile(model)
+    forms["kgen"] = torch.compile(model, backend="kgen", options={"verbose": args.verbose})
+
+    def inputs_for(seed: int):
+        torch.manual_seed(seed)
+        return [x.to(device) if isinstance(x, torch.Tensor) else x for x in mod.get_inputs()]
+
+    def call(fn, xs, seed):
+        torch.manual_seed(seed)  # a model that draws random numbers draws the same ones
+        return fn(*xs)
+
+    with torch.no_grad():
+        xs = inputs_for(INIT_SEED)
+        row["batch"] = next((int(x.shape[0]) for x in xs if isinstance(x, torch.Tensor) and x.dim()), None)
+        for name, fn in forms.items():
+            t = time.perf_counter()
+            try:
+                call(fn, xs, INIT_SEED)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                row[f"{name}_first_s"] = round(time.perf_counter() - t, 2)
+            except Exception as e:  # noqa: BLE001 - a form that fails is reported, the others go on
+                row[f"{name}_error"] = _line(e)
+        ok = {n: f for n, f in forms.items() if f"{n}_error" not in row}
+        passed = {n: 0 for n in ok if n != "eager"}
+        worst = {n: 0.0 for n in passed}
+        for trial in range(args.trials):
+            seed = INIT_SEED + trial
+            xs = inputs_for(seed)
+            want = call(model, xs, seed)
+            for n in passed:
+                got = call(ok[n], xs, seed)
+                passed[n] += bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4))
+                worst[n] = max(worst[n], float((got - want).abs().max()))
+        for n in passed:
+            row[f"{n}_check"] = f"{passed[n]}/{args.trials} (max diff {worst[n]:.2g})"
+        xs = inputs_for(INIT_SEED)
+        timed = time_in_blocks({f"{n}_ms": (lambda f=f: f(*xs)) for n, f in ok.items()}, args.reps, device)
+        row.update({k: round(v, 4) for k, v in timed.items()})
+        if "kgen" in ok:
+            share = kgen_share(ok["kgen"], xs, device)
+            row["kgen_share"] = None if share is None else round(share, 3)
+    made = backend.PARTITIONS[before:]
+    row["partitions_kgen"] = sum(1 for p in made if p["module"])
+    row["eager_reasons"] = sorted({f"{', '.join(p['calls'][:4])}: {p['reason']}" for p in made if not p["module"]})
+    if any(k.endswith("_error") for k in row):
+        row["status"] = "failed"
+    return row
+
+
+def environment(device: str) -> dict:
+    import platform
+
+    import torch
+
+    from kgen.bench import _commit
+
+    return dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else (platform.processor() or "cpu"),
+                torch=torch.__version__, cuda=torch.version.cuda, commit=_commit(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), host=platform.node())
+
+
+def markdown(rows, env, args) -> str:
+    lines = [
+        f"# KernelBench level {args.level} under torch.compile(backend=\"kgen\") on {env['device']}",
+        "",
+        f"torch {env['torch']} (CUDA {env['cuda']}), commit {env['commit']}, {env['date']}, device {args.device}"
+        + (f", batch {args.batch} (the problems' batch_size replaced)" if args.batch else ", the problems' own sizes") + ". "
+        "Training mode as KernelBench runs the models, under torch.no_grad(). KernelBench's check: "
+        f"torch.allclose(form, eager, atol=rtol=1e-4) on {args.trials} inputs from get_inputs() (seeds 42...). "
+        f"Times: median of {args.reps} calls after warm-up, the three forms in turns (blocks of calls), "
+        + ("CUDA events" if args.device.startswith("cuda") else "wall clock") + "; first call = compile. "
+        "kgen share: time inside the generated ops over the call's (torch.profiler).",
+        "",
+        "| problem | batch | eager ms | inductor ms | kgen ms | vs eager | vs inductor | inductor check | kgen check | "
+        "kgen share | partitions in kgen | first call s (inductor / kgen) | left eager / errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        e, i, k = r.get("eager_ms"), r.get("inductor_ms"), r.get("kgen_ms")
+        notes = "; ".join([*(r[x] for x in r if x.endswith("_error")), *r.get("eager_reasons", [])])
+        share = r.get("kgen_share")
+        lines.append(
+            f"| {r['problem']} | {r.get('batch', '')} | {_f(e)} | {_f(i)} | {_f(k)} | {f'{e / k:.2f}x' if e and k else '-'} | "
+            f"{f'{i / k:.2f}x' if i and k else '-'} | {r.get('inductor_check', '-')} | {r.get('kgen_check', '-')} | "
+            f"{'-' if share is None else f'{share:.0%}'} | {r.get('partitions_kgen', '')} | "
+            f"{r.get('inductor_first_s', '-')} / {r.get('kgen_first_s', '-')} | {notes.replace('|', '/')[:400]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--level", type=int, required=True)
+    ap.add_argument("--problems", type=problem_numbers, required=True, help="numbers: 1,4,8 or 1-3")
+    ap.add_argument("--kernelbench", type=Path, default=ROOT / ".kb" / "KernelBench",
+                    help="KernelBench's folder holding level1/ ... level4/")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, default=None, help="replace the problems' batch_size (small runs)")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--skip", default="", help="forms not to run: inductor")
+    ap.add_argument("--verbose", action="store_true", help="kgen's progress on stderr")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "kb-backend-out")))
+    args = ap.parse_args()
+    import torch
+
+    if not (args.kernelbench / f"level{args.level}").is_dir():
+        sys.exit(f"{args.kernelbench}/level{args.level}: no such folder (KernelBench's; --kernelbench DIR)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment(args.device)
+    rows = []
+    for n in args.problems:
+        t = time.time()
+        try:
+            row = run_problem(problem_file(args.kernelbench, args.level, n), args)
+        except Exception as e:  # noqa: BLE001 - one problem's failure is its row
+            row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
+        row.update(number=n, time_s=round(time.time() - t, 1))
+        rows.append(row)
+        print(f"{row['problem']}: eager {_f(row.get('eager_ms'))} ms, inductor {_f(row.get('inductor_ms'))} ms, "
+              f"kgen {_f(row.get('kgen_ms'))} ms, check {row.get('kgen_check', '-')}, {row['status']} "
+              f"({row['time_s']} s)", flush=True)
+        (args.out / "kernelbench_backend.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+        (args.out / "kernelbench_backend.md").write_text(markdown(rows, env, args))
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
