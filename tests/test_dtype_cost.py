@@ -95,9 +95,11 @@ def test_16_bit_stages_count_2_bytes_a_value_and_the_16_bit_tensor_cores():
 def test_16_bit_products_of_cublas_and_the_eager_plan():
     pipe = pipeline_of(LINEAR)
     sel = choose_plans(pipe, DEFAULT)
-    plan = _variant(sel, "bfloat16")
-    lin = plan.stages[0]
-    assert lin.family.name == "linear_aten"
+    # at this compute-bound size cuBLAS's (assumed) rate beats the generated 16-bit GEMM's, whose epilogue has
+    # nothing to absorb (a softmax follows); cuBLAS's call alone and the eager plan then cost the same
+    assert _variant(sel, "bfloat16").stages[0].family.name in ("linear_aten", "eager")
+    cands = tuned_candidates(replace(pipe, dtype="bfloat16"), DEFAULT)[0]
+    lin = next(p for p in cands if not p.eager and p.stages[0].family.name == "linear_aten").stages[0]
     (w,) = lin.family.work(lin, 512, DEFAULT)
     assert w.flop_rate == DEFAULT.half_tensor_flops * CUBLAS_HALF_FRACTION and w.bytes == 2 * 512 * (1024 + 1024)
     eager = next(p for p in tuned_candidates(replace(pipe, dtype="bfloat16"), DEFAULT)[0] if p.eager)

@@ -102,3 +102,27 @@ def test_kept_walks_compile_without_spills(name, tmp_path):
     kernels = ptxas_report(module_dir, "9.0a")
     assert any("reduce_kernel" in demangle(k.name) for k in kernels)
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+def test_linear_gemm_16_bit_compiles_without_spills(tmp_path):
+    """linear_gemm's kernel in bfloat16 and float16 (a 256 -> 512 product with an elementwise epilogue, and rows of
+    a rank-3 input with a bias parameter after the product): the 16-bit instances of gemm_kernel, each with its store
+    and its fused epilogue, compile clean; no split or fixup kernel of the 16-bit types exists."""
+    from kgen.render import render_spec, write_rendered
+
+    texts = {
+        "lg16_ptxas": spec_text([256], [{"linear": {"out_features": 512}}, "relu", {"mul": {"scalar": 1.5}}], name="lg16_ptxas", batch=64,
+                                plan={"linear": "gemm"}),
+        "lg16_ptxas_rows": spec_text([3, 24], [{"linear": {"out_features": 20}}, {"add": {"param": "b"}}, "tanh"],
+                                     params={"b": {"shape": [20], "init": "randn"}}, name="lg16_ptxas_rows", batch=5, plan={"linear": "gemm"}),
+    }
+    for name, text in texts.items():
+        spec = write_spec(tmp_path, text.replace("dtype: float32", "dtype: [bfloat16, float16]"), f"{name}.yaml")
+        write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+        kernels = ptxas_report(tmp_path / "gen" / name, "9.0a")
+        names = [demangle(k.name) for k in kernels]
+        for t in ("bfloat16", "float16"):
+            gemms = [n for n in names if n.startswith(f"void kgen::linear_gemm::gemm_kernel<kgen::{t},")]
+            assert len(gemms) == 2 and any("::Fused>" in n for n in gemms) and any("::Store>" in n for n in gemms), names
+        assert not any("gemm_kernel<float," in n or "fixup_kernel" in n for n in names), names
+        assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
