@@ -233,7 +233,7 @@ def test_autograd_in_bfloat16_gives_eagers_gradients(dt_modules):
 def test_fake_tensor_keeps_the_dtype(dt_modules):
     m = dt_modules["dt_conv_pool"][2]
     model = m.Model().to(torch.bfloat16)
-    args = (torch.randn(2, 3, 10, 10).bfloat16(), model.conv.weight.detach(), model.conv.bias.detach())
+    args = (torch.randn(2, 3, 10, 10).bfloat16(), [model.conv.weight.detach(), model.conv.bias.detach()])
     result = torch.library.opcheck(torch.ops.kgen.dt_conv_pool.default, args, test_utils=("test_schema", "test_faketensor"))
     assert all(v == "SUCCESS" for v in result.values()), result
 
