@@ -138,7 +138,7 @@ def test_parameters_on_another_device_are_rejected(modules):
     m = modules["div_max_gap_bias_sum"]
     model, x = _setup(modules, "div_max_gap_bias_sum")
     w, b, bias = model.conv.weight.detach(), model.conv.bias.detach(), model.bias.detach()
-    with pytest.raises(RuntimeError, match="conv_bias must be on cuda:0 like x, got cpu"):
+    with pytest.raises(RuntimeError, match=r"params\[1\] \(conv\.bias\) must be on cuda:0 like x, got cpu"):
         m.forward(x, w, b.cpu(), bias)
 
 

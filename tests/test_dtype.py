@@ -168,9 +168,9 @@ def test_model_to_bfloat16_matches_eager(dt_modules):
 def test_mixed_dtypes_are_refused(dt_modules):
     m = dt_modules["dt_conv_pool"][2]
     x = torch.randn(2, 3, 10, 10)
-    with pytest.raises(RuntimeError, match=r"conv_weight is float32 but x is bfloat16: .*model\.to\(torch\.bfloat16\)"):
+    with pytest.raises(RuntimeError, match=r"params\[0\] \(conv\.weight\) is float32 but x is bfloat16: .*model\.to\(torch\.bfloat16\)"):
         m.Model()(x.bfloat16())
-    with pytest.raises(RuntimeError, match=r"conv_weight is bfloat16 but x is float32"):
+    with pytest.raises(RuntimeError, match=r"params\[0\] \(conv\.weight\) is bfloat16 but x is float32"):
         m.Model().to(torch.bfloat16)(x)
 
 

@@ -418,6 +418,7 @@ def get_init_inputs():
 '''
 
 
+@pytest.mark.slow  # its build and validation take ~80 s on 2 cores
 def test_a_model_of_more_tensors_than_an_op_takes_builds_validates_and_trains(tmp_path):
     """A model of 72 parameters and buffers: kgen::NAME(Tensor x, Tensor[] params, Tensor[] buffers, bool training,
     float[] factors) builds on the CPU and validates against float64 (training and eval mode); the generated Model
