@@ -56,7 +56,7 @@ def probe(name: str) -> dict:
 
     def below():
         with torch._C._AutoDispatchBelowAutograd():
-            return mod._OP(*first, *params)
+            return mod._OP(*first, params)  # the op takes the parameters as a list
 
     with torch.no_grad():
         parts = {}

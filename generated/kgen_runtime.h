@@ -131,6 +131,16 @@ inline void check_arg(const char* op, const char* name, const at::Tensor& t, at:
   TORCH_CHECK(ok, op, ": ", name, " must have shape ", shape_str(expected), ", got ", shape_str(t.sizes()));
 }
 
+// A list argument of an op (the module's parameters or buffers, a stage's values) must hold
+// `expected` tensors in the module's order, `first` to `last` by name.
+inline void check_count(const char* op, const char* what, size_t given, size_t expected, const char* kind,
+                        const char* first, const char* last) {
+  if (given == expected) return;
+  TORCH_CHECK(expected != 0, op, ": ", what, " must be empty (there is no ", kind, "), got ", given, " tensor(s)");
+  TORCH_CHECK(false, op, ": ", what, " must hold ", expected, " ", kind, "(s) in the module's order (", first,
+              expected > 1 ? " ... " : "", expected > 1 ? last : "", "), got ", given, " tensor(s)");
+}
+
 // Outputs and workspaces are poisoned with this NaN bit pattern when
 // KGEN_POISON_OUTPUTS=1 (kgen validate sets it): an element no kernel wrote
 // keeps it, and validation looks for it.

@@ -188,9 +188,9 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool, dtype: str = "f
                     packed = pack_buffer(fused[0].input, conv_out)
 
                     def kgen_post():
-                        y = calls[0][0](packed, *calls[0][1])
+                        y = calls[0][0](packed, calls[0][1], [])
                         for op, args in calls[1:]:
-                            y = op([y], *args)
+                            y = op([y], args, [])
                         return y
 
                     row["kgen_post_ms"] = time_ms(kgen_post, reps)

@@ -28,7 +28,7 @@ CPP_MACROS_AND_TYPES = frozenset("""
 """.split())
 # Locals, arguments and struct members of the generated binding and module
 # (a parameter named `x` or `torch` would shadow them).
-GENERATED_NAMES = frozenset("x self torch forward in out like guard batch a partial stats splits".split())
+GENERATED_NAMES = frozenset("x self torch forward in out like guard batch a partial stats splits params buffers values factors".split())
 GENERATED_PATTERN = re.compile(
     r"(t|x|w|s|stage|level)[0-9]+\Z"  # per-stage locals and namespaces of the binding
     r"|.*_c\Z"  # the binding's contiguous copy of parameter P is P_c

@@ -125,6 +125,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
     tensors = {a.name: a for v in sel.variants for a in v.plan.pipeline.stage_tensors()}
     values = first.pipeline.values  # the spec's named results (the same in every plan)
     op_args = op_arguments(sel.pipeline)
+    forward_args, op_call_args = forward_arguments(sel.pipeline)
     n = len(sel.variants)
 
     def variant(i: int, v: Variant) -> dict:
@@ -160,6 +161,8 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         op_args_cpp=lambda: ", ".join(a[0] for a in op_args),
         op_schema_args=lambda: ", ".join(a[1] for a in op_args),
         op_args_py=[a[2] for a in op_args],
+        forward_args=forward_args,  # the functional forward's arguments (flat)
+        op_call_args=op_call_args,  # the op's call on them
     )
     files = {}
     for out, tpl in MODULE_FILES.items():
@@ -192,27 +195,34 @@ def constructor_call(args) -> list[str]:
     return [repr(a.value) for a in args[:n]]
 
 
-# PyTorch's dispatcher takes ops of at most this many arguments: a library registering a longer schema
-# aborts the process while it loads ("this PyTorch build only supports 64").
-MAX_OP_ARGUMENTS = 64
-
-
 def op_arguments(pipe) -> list[tuple[str, str, str]]:
     """(C++ parameter, schema argument, Python name) of each argument of the op kgen::NAME:
-    the inputs (the first is x), parameters, running statistics, then the mode
-    (pipelines with batch norm or dropout) and the running statistics' update weights.
-    More than MAX_OP_ARGUMENTS is an error here, not an abort when the library loads."""
+    the inputs (the first is x), the parameters as one list, the running statistics as
+    one list (pipelines that have them), then the mode (pipelines with batch norm or
+    dropout) and the running statistics' update weights. PyTorch's dispatcher takes ops
+    of at most 64 arguments (a longer schema aborts the process when the library loads):
+    with the lists, a spec's at most MAX_INPUTS inputs keep the op far below that."""
     args = [(f"const at::Tensor& {n}", f"Tensor {n}", n) for n in ["x"] + pipe.input_names[1:]]
-    args += [(f"const at::Tensor& {t.ident}", f"Tensor {t.ident}", t.ident) for t in pipe.tensor_args() + pipe.buffer_args()]
+    args.append(("at::TensorList params", "Tensor[] params", "params"))
+    if pipe.buffer_args():
+        args.append(("at::TensorList buffers", "Tensor[] buffers", "buffers"))
     if pipe.training_dependent:
         args.append(("bool training", "bool training", "training"))
     if pipe.buffer_args():
         args.append(("at::ArrayRef<double> factors", "float[] factors", "factors"))
-    if len(args) > MAX_OP_ARGUMENTS:
-        raise KgenError(f"{pipe.path}: kgen::{pipe.name} would take {len(args)} arguments ({len(pipe.input_names)} "
-                        f"input(s), {len(pipe.tensor_args())} parameters, {len(pipe.buffer_args())} buffers); a PyTorch "
-                        f"op takes at most {MAX_OP_ARGUMENTS}, and kgen does not yet pass them as lists")
     return args
+
+
+def forward_arguments(pipe) -> tuple[list[str], str]:
+    """The module's functional ``forward(x, *params)``: (its argument names: the inputs, each
+    parameter and buffer, the mode and update weights as the op takes them; the op's call on
+    them, the parameters and buffers gathered into the op's lists)."""
+    inputs = ["x"] + pipe.input_names[1:]
+    params = [t.ident for t in pipe.tensor_args()]
+    buffers = [t.ident for t in pipe.buffer_args()]
+    extra = (["training"] if pipe.training_dependent else []) + (["factors"] if buffers else [])
+    call = inputs + ["[" + ", ".join(params) + "]"] + (["[" + ", ".join(buffers) + "]"] if buffers else []) + extra
+    return inputs + params + buffers + extra, ", ".join(call)
 
 
 def spec_data_literal(plan: Plan) -> str:

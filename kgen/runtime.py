@@ -81,11 +81,12 @@ def register_autograd(op: str, spec_data: dict, param_names) -> None:
     (no rewrites), recomputed by PyTorch in the op's dtype on the op's device.
 
     ``spec_data`` is the module's embedded spec (``kgen.spec.spec_to_data``), so
-    the module needs no spec file; ``param_names`` the op's parameter arguments
-    in order. The op's arguments are the inputs, the parameters, the running
-    statistics, then (batch norm, dropout) the mode and the statistics' update
-    weights; gradients flow to the inputs and parameters. Registering again (a
-    module imported twice) only replaces the pipeline.
+    the module needs no spec file; ``param_names`` the op's parameters in the
+    order of its list. The op's arguments are the inputs, the parameters (one
+    list), the running statistics (one list, where the pipeline has them), then
+    (batch norm, dropout) the mode and the statistics' update weights; gradients
+    flow to the inputs and parameters. Registering again (a module imported
+    twice) only replaces the pipeline.
     """
     from .ir import build_pipeline
     from .spec import spec_from_data
@@ -100,6 +101,14 @@ def register_autograd(op: str, spec_data: dict, param_names) -> None:
         torch.library.register_autograd(op, _Backward(op), setup_context=_SetupContext(op))
 
 
+def _op_arguments(pipe, args) -> tuple:
+    """The op's arguments as (inputs, parameters, running statistics, the rest: mode, update weights)."""
+    k = len(pipe.input_names)
+    n_lists = 2 if pipe.buffer_args() else 1
+    buffers = args[k + 1] if n_lists == 2 else []
+    return tuple(args[:k]), list(args[k]), list(buffers), tuple(args[k + n_lists:])
+
+
 class _SetupContext:
     """Saves the inputs and parameters for the backward, and copies of the running statistics
     (the module updates its buffers in place after the op, which saving them would refuse)."""
@@ -108,13 +117,11 @@ class _SetupContext:
         self.op = op
 
     def __call__(self, ctx, inputs, output):
-        pipe, names = _PIPELINES[self.op]
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-        k = len(pipe.input_names) + len(names)
-        ctx.training = any(v is True for v in inputs if isinstance(v, bool))
-        ctx.extra = [v for v in inputs if not isinstance(v, torch.Tensor)]
-        ctx.buffers = [t.detach().clone() for t in tensors[k:]]
-        ctx.save_for_backward(*tensors[:k])
+        pipe, _ = _PIPELINES[self.op]
+        tensors, params, buffers, rest = _op_arguments(pipe, inputs)
+        ctx.training = any(v is True for v in rest if isinstance(v, bool))
+        ctx.buffers = [t.detach().clone() for t in buffers]
+        ctx.save_for_backward(*tensors, *params)
 
 
 class _Backward:
@@ -130,12 +137,15 @@ class _Backward:
         inputs, params = saved[:k], saved[k : k + len(names)]
         buffers = ctx.buffers
         buffer_names = [b.name for b in pipe.buffer_args()]
-        needs = ctx.needs_input_grad
+        # needs_input_grad has the op's arguments' structure: a list of flags for each list
+        needs_inputs, needs_params, _, rest = _op_arguments(pipe, ctx.needs_input_grad)
         # in the op's dtype, as its forward ran (autocast_call runs it with autocast off)
         with torch.autocast(saved[0].device.type, enabled=False):
-            grads = pipeline_vjp(pipe, names, inputs[0], params, grad, needs[: k + len(names)], inputs=inputs[1:],
+            grads = pipeline_vjp(pipe, names, inputs[0], params, grad, [*needs_inputs, *needs_params], inputs=inputs[1:],
                                  buffers=dict(zip(buffer_names, buffers)), training=ctx.training)
-        return tuple(grads) + (None,) * len(buffers) + (None,) * len(ctx.extra)
+        # a gradient per argument, a list of them for a list (none for the running statistics)
+        lists = [list(grads[k:])] + ([[None] * len(buffers)] if pipe.buffer_args() else [])
+        return (*grads[:k], *lists, *(None for _ in rest))
 
 
 def pipeline_vjp(pipe, names, x, params, grad, needs, inputs=(), buffers=None, training=False) -> tuple:

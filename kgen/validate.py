@@ -453,12 +453,13 @@ def other_inputs(pipe: Pipeline, batch: int, seed: int, device) -> dict[str, tor
 
 
 def op_call(op, pipe: Pipeline, x, inputs: dict, params: dict, training: bool | None = None):
-    """Call the module's op (or a stand-in with its arguments) the way the generated Model does;
-    ``params`` holds parameters and buffers by state_dict name. Returns (output, new buffers); several
+    """Call the module's op (or a stand-in with its arguments) the way the generated Model does: the
+    inputs, then the parameters and the buffers as lists; ``params`` holds both by state_dict name. Returns (output, new buffers); several
     outputs are a tuple."""
-    args = [x] + [inputs[n] for n in pipe.input_names[1:]] + [params[a.name] for a in pipe.tensor_args()]
+    args = [x] + [inputs[n] for n in pipe.input_names[1:]] + [[params[a.name] for a in pipe.tensor_args()]]
     buffers = pipe.buffer_args()
-    args += [params[b.name] for b in buffers]
+    if buffers:
+        args.append([params[b.name] for b in buffers])
     if pipe.training_dependent:
         args.append(bool(training))
     if buffers:
@@ -707,7 +708,7 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
                 vargs = [vals[n].to(device) for n in names]
                 results.append(replace(_case(
                     f"stage {st.index}{'' if count == 1 else f' of plan {i}'}: {label}",
-                    lambda: stage_op(tiles, *args, *vargs),
+                    lambda: stage_op(tiles, args, vargs),
                     lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()},
                                                {n: v.double() for n, v in {**vals, **source}.items()}),
                     lambda: _run_ops(st.ops, x, params, dt, {**vals, **source}),

@@ -138,7 +138,7 @@ def test_parameters_on_another_device_are_rejected(modules):
     m = modules["div_max_gap_bias_sum"]
     model, x = _setup(modules, "div_max_gap_bias_sum")
     w, b, bias = model.conv.weight.detach(), model.conv.bias.detach(), model.bias.detach()
-    with pytest.raises(RuntimeError, match="conv_bias must be on cuda:0 like x, got cpu"):
+    with pytest.raises(RuntimeError, match=r"params\[1\] \(conv\.bias\) must be on cuda:0 like x, got cpu"):
         m.forward(x, w, b.cpu(), bias)
 
 
@@ -278,8 +278,8 @@ def test_layer_norm_unaligned_input_takes_scalar_loads(name, layer_norm_cuda_mod
     shifted = storage[1:].view_as(x).copy_(x)  # 4 bytes past a vector boundary
     assert shifted.data_ptr() % 16 == 4
     with torch.no_grad():
-        aligned, unaligned = stage([x], *args), stage([shifted], *args)
-        cpu = stage([x.cpu()], *[t.cpu() for t in args])
+        aligned, unaligned = stage([x], args, []), stage([shifted], args, [])
+        cpu = stage([x.cpu()], [t.cpu() for t in args], [])
     torch.testing.assert_close(unaligned, aligned, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(aligned.cpu(), cpu, rtol=1e-5, atol=1e-5)
 

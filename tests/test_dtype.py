@@ -168,9 +168,9 @@ def test_model_to_bfloat16_matches_eager(dt_modules):
 def test_mixed_dtypes_are_refused(dt_modules):
     m = dt_modules["dt_conv_pool"][2]
     x = torch.randn(2, 3, 10, 10)
-    with pytest.raises(RuntimeError, match=r"conv_weight is float32 but x is bfloat16: .*model\.to\(torch\.bfloat16\)"):
+    with pytest.raises(RuntimeError, match=r"params\[0\] \(conv\.weight\) is float32 but x is bfloat16: .*model\.to\(torch\.bfloat16\)"):
         m.Model()(x.bfloat16())
-    with pytest.raises(RuntimeError, match=r"conv_weight is bfloat16 but x is float32"):
+    with pytest.raises(RuntimeError, match=r"params\[0\] \(conv\.weight\) is bfloat16 but x is float32"):
         m.Model().to(torch.bfloat16)(x)
 
 
@@ -233,7 +233,7 @@ def test_autograd_in_bfloat16_gives_eagers_gradients(dt_modules):
 def test_fake_tensor_keeps_the_dtype(dt_modules):
     m = dt_modules["dt_conv_pool"][2]
     model = m.Model().to(torch.bfloat16)
-    args = (torch.randn(2, 3, 10, 10).bfloat16(), model.conv.weight.detach(), model.conv.bias.detach())
+    args = (torch.randn(2, 3, 10, 10).bfloat16(), [model.conv.weight.detach(), model.conv.bias.detach()])
     result = torch.library.opcheck(torch.ops.kgen.dt_conv_pool.default, args, test_utils=("test_schema", "test_faketensor"))
     assert all(v == "SUCCESS" for v in result.values()), result
 

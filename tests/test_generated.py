@@ -124,7 +124,7 @@ def test_wrong_inputs_get_clear_errors(modules):
     with pytest.raises(RuntimeError, match=r"x must be float32, bfloat16 or float16 \(this module: float32\), got float64"):
         model(torch.randn(1, 32, 32, 32, 32, dtype=torch.float64))
     w = model.conv_transpose.weight.detach()
-    with pytest.raises(RuntimeError, match=r"conv_transpose_bias must have shape \[64\], got \[63\]"):
+    with pytest.raises(RuntimeError, match=r"params\[1\] \(conv_transpose.bias\) must have shape \[64\], got \[63\]"):
         m.forward(torch.randn(1, 32, 32, 32, 32), w, torch.zeros(63))
 
 

@@ -9,6 +9,8 @@ what it computes in float64 in training and eval mode. Two of them are built and
 CPU, and the generated Model is checked against the original the same way.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -392,3 +394,71 @@ def _spec_file(tmp_path, text):
     path = tmp_path / "t.yaml"
     path.write_text(text)
     return path
+
+
+# 12 convolution + batch norm blocks: 48 parameters and 24 running statistics, more tensors than a
+# PyTorch op takes arguments (64), which the op takes as two lists
+DEEP = HEADER + '''
+class Model(nn.Module):
+    def __init__(self, channels=4, blocks=12):
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                                                  nn.ReLU()) for _ in range(blocks)])
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def get_inputs():
+    return [torch.rand(2, 4, 5, 5)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.mark.slow  # its build and validation take ~80 s on 2 cores
+def test_a_model_of_more_tensors_than_an_op_takes_builds_validates_and_trains(tmp_path):
+    """A model of 72 parameters and buffers: kgen::NAME(Tensor x, Tensor[] params, Tensor[] buffers, bool training,
+    float[] factors) builds on the CPU and validates against float64 (training and eval mode); the generated Model
+    loads the original's state_dict both ways, computes what it computes and gives its parameters the same gradients,
+    and a wrong parameter is refused naming it by its path."""
+    from kgen.build import build_modules
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import import_module_dir, validate
+
+    src = write_model_file(tmp_path, "deep_model", DEEP)
+    spec = import_model(str(src), name="nest_deep", out_dir=tmp_path / "specs")
+    gen = tmp_path / "gen"
+    write_rendered(render_spec(spec, gen), gen)
+    binding = (gen / "nest_deep" / "binding.cpp").read_text()
+    assert 'm.def("nest_deep(Tensor x, Tensor[] params, Tensor[] buffers, bool training, float[] factors)' in binding
+    build_modules([gen / "nest_deep"], "cpu")
+    assert_report_passed(validate(spec, gen / "nest_deep", "cpu", stages=False), "nest_deep")
+    mod = import_module_dir(gen / "nest_deep")
+    assert len(mod.PARAMETERS) + len(mod.BUFFERS) == 72
+    original = load_model_file(src)
+    torch.manual_seed(4)
+    ours, theirs = mod.Model(), original.Model()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(2, 4, 5, 5)
+    for training in (True, False):
+        ours.train(training), theirs.train(training)
+        ours.zero_grad(), theirs.zero_grad()
+        a, b = ours(x), theirs(x)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        g = torch.randn_like(a)
+        a.backward(g), b.backward(g)
+        grads = {n: q.grad for n, q in theirs.named_parameters()}
+        for name, p in ours.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    for k, v in theirs.state_dict().items():  # the running statistics the training step updated
+        torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    state = ours.state_dict()
+    params, buffers = [state[n] for n in mod.PARAMETERS], [state[n] for n in mod.BUFFERS]
+    name = list(mod.PARAMETERS)[5]
+    params[5] = params[5][:3]
+    with pytest.raises(RuntimeError, match=rf"params\[5\] \({re.escape(name)}\) must have shape \[4\], got \[3\]"):
+        mod.forward(x, *params, *buffers, False, [0.1] * 12)

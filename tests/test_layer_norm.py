@@ -38,7 +38,7 @@ def test_a_non_finite_value_makes_its_row_nan(layer_norm_modules):
     stage = torch.ops.kgen.ln_r48_stage0
     x = torch.randn(2, 4, 7, 48)
     x[0, 1, 2, 5], x[1, 3, 6, 0], x[1, 0, 0, 47] = float("nan"), float("inf"), -float("inf")
-    y = stage([x])
+    y = stage([x], [], [])
     expected = torch.relu(torch.nn.functional.layer_norm(x.double(), (48,)))
     assert torch.equal(torch.isnan(y), torch.isnan(expected))
     rows = torch.isnan(y).all(dim=-1)

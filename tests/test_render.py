@@ -262,21 +262,26 @@ def test_launch_setup_is_kept_per_device():
                     f"{p.relative_to(TEMPLATES)}:{n}: a static launch cache not kept per device: {line.strip()}")
 
 
-def test_an_op_with_more_arguments_than_pytorch_takes_is_refused_when_rendered(tmp_path):
+def test_the_op_takes_its_parameters_as_a_list(tmp_path):
     """PyTorch's dispatcher takes ops of at most 64 arguments (a longer schema aborts the process when the library
-    loads): a model of 32 linear layers (x, 64 weights and biases) is one error naming the count, and nothing is
-    written; 31 layers (63 arguments) render."""
-    from kgen.errors import KgenError
-    from kgen.render import MAX_OP_ARGUMENTS, write_rendered
+    loads), so the op takes its parameters as one list: 40 linear layers (80 parameters) are
+    kgen::deep40(Tensor x, Tensor[] params), each parameter checked under its name, while the functional forward
+    keeps one argument per parameter. Only inputs count one each, and a spec has few: the longest op (every input,
+    both lists, the mode and the update weights) stays within PyTorch's limit."""
+    from kgen.render import op_arguments
+    from kgen.spec import MAX_INPUTS
 
-    def spec(layers):
-        ops = [{"linear": {"out_features": 8, "name": f"fc{i}"}} for i in range(layers)]
-        path = tmp_path / f"deep{layers}.yaml"
-        path.write_text(spec_text([8], ops, name=f"deep{layers}"))
-        return path
-
-    with pytest.raises(KgenError, match=f"kgen::deep32 would take 65 arguments .*at most {MAX_OP_ARGUMENTS}"):
-        render_spec(spec(32), tmp_path / "out")
-    assert not (tmp_path / "out" / "deep32").exists()
-    write_rendered(render_spec(spec(31), tmp_path / "out"), tmp_path / "out")
-    assert (tmp_path / "out" / "deep31" / "binding.cpp").exists()
+    ops = [{"linear": {"out_features": 8, "name": f"fc{i}"}} for i in range(40)]
+    deep = tmp_path / "deep40.yaml"
+    deep.write_text(spec_text([8], ops, name="deep40"))
+    files = render_spec(deep, tmp_path / "out").files
+    binding = files["deep40/binding.cpp"]
+    assert 'm.def("deep40(Tensor x, Tensor[] params) -> Tensor");' in binding
+    assert 'kgen::check_count(kOp, "params", params.size(), 80, "parameter", "fc0.weight", "fc39.bias");' in binding
+    assert 'kgen::check_arg(kOp, "params[79] (fc39.bias)", fc39_bias, {8}, &x);' in binding
+    module = files["deep40/__init__.py"]
+    assert "def forward(x, fc0_weight, fc0_bias, " in module and "fc39_weight, fc39_bias]" in module
+    bn = pipeline_of(spec_text([4, 3, 3], [{"batch_norm": {}}, "relu"]))
+    assert [a[1] for a in op_arguments(bn)] == ["Tensor x", "Tensor[] params", "Tensor[] buffers", "bool training",
+                                                 "float[] factors"]
+    assert MAX_INPUTS + 4 <= 64

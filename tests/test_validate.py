@@ -118,7 +118,7 @@ def test_validation_uses_model_as_a_user_would(breaks, problem):
     torch.manual_seed(0)
     validated = _module().Model()
     names = [a.name for a in PIPE.tensor_args()]
-    op = lambda x, *params: PIPE.run(x, dict(zip(names, params)))  # noqa: E731 - stands in for the validated op
+    op = lambda x, params: PIPE.run(x, dict(zip(names, params)))  # noqa: E731 - stands in for the validated op
     result = check_model(_module(breaks), validated, PIPE, "cpu", op, TOLERANCES["ieee"])
     assert result.passed == (breaks is None)
     assert problem in result.problem

@@ -5,10 +5,12 @@
 // kgen-template: templates/binding.cpp.j2
 
 // The torch op kgen::avgpool_sigmoid_sum (CPU and CUDA): checks its arguments, then runs
-// the stages of the plan for the batch. Each stage with a generated kernel is
-// also registered on its own as kgen::avgpool_sigmoid_sum[_vP]_stageK(Tensor[] inputs,
-// params...), which validation uses to feed adversarial values straight into
-// the kernels.
+// the stages of the plan for the batch. It takes the inputs one by one and the
+// parameters and running statistics as lists (a PyTorch op takes at most 64
+// arguments). Each stage with a generated kernel is also registered on its own
+// as kgen::avgpool_sigmoid_sum[_vP]_stageK(Tensor[] inputs, Tensor[] params, Tensor[]
+// values), which validation uses to feed adversarial values straight into the
+// kernels.
 #include "kgen_runtime.h"
 #include "stages.h"
 
@@ -133,9 +135,27 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias) {
   return out;
 }
 
+// The stage as the op kgen::avgpool_sigmoid_sum_stage0: its parameters and the values it reads as lists (a fused
+// stage may read more tensors than a PyTorch op takes arguments).
+at::Tensor stage0_op(at::TensorList in, at::TensorList params, at::TensorList values) {
+  kgen::check_count("kgen::avgpool_sigmoid_sum_stage0", "params", params.size(), 2, "parameter", "conv.weight", "conv.bias");
+  kgen::check_count("kgen::avgpool_sigmoid_sum_stage0", "values", values.size(), 0, "value", "", "");
+  return stage0(in, params[0], params[1]);
+}
+
+// The stage as the op kgen::avgpool_sigmoid_sum_stage1: its parameters and the values it reads as lists (a fused
+// stage may read more tensors than a PyTorch op takes arguments).
+at::Tensor stage1_op(at::TensorList in, at::TensorList params, at::TensorList values) {
+  kgen::check_count("kgen::avgpool_sigmoid_sum_stage1", "params", params.size(), 1, "parameter", "conv.bias", "conv.bias");
+  kgen::check_count("kgen::avgpool_sigmoid_sum_stage1", "values", values.size(), 0, "value", "", "");
+  return stage1(in, params[0]);
+}
+
 // The stages in order (the op has checked the arguments); each runs in a named
 // range that torch.profiler shows (kgen bench times the stages with it).
-at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias) {
+at::Tensor forward(const at::Tensor& x, at::TensorList params) {
+  const at::Tensor& conv_weight = params[0];  // conv.weight
+  const at::Tensor& conv_bias = params[1];  // conv.bias
   const int64_t batch = x.size(0);
   (void)batch;
   std::optional<kgen::StageScope> scope;
@@ -150,35 +170,38 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at:
 }  // namespace v0
 
 // ==== the op: argument checks, then the plan for the batch (kgen-template: templates/binding.cpp.j2)
-at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_weight, const at::Tensor& conv_bias) {
+at::Tensor forward(const at::Tensor& x, at::TensorList params) {
   kgen::check_dtype(kOp, x, {at::kFloat}, "float32", "specs/avgpool_sigmoid_sum.yaml", "`input:`");
   kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 8, 384, 384}, &x);
-  kgen::check_arg(kOp, "conv_weight", conv_weight, {64, 8, 3, 3}, &x);
-  kgen::check_arg(kOp, "conv_bias", conv_bias, {64}, &x);
+  kgen::check_count(kOp, "params", params.size(), 2, "parameter", "conv.weight", "conv.bias");
+  const at::Tensor& conv_weight = params[0];  // conv.weight
+  const at::Tensor& conv_bias = params[1];  // conv.bias
+  kgen::check_arg(kOp, "params[0] (conv.weight)", conv_weight, {64, 8, 3, 3}, &x);
+  kgen::check_arg(kOp, "params[1] (conv.bias)", conv_bias, {64}, &x);
   const c10::DeviceGuard guard(x.device());
   const int64_t batch = x.size(0);
   if (batch == 0) return at::empty({batch}, x.options());
-  return v0::forward(x, conv_weight, conv_bias);
+  return v0::forward(x, params);
 }
 
 }  // namespace kgen_avgpool_sigmoid_sum
 
 TORCH_LIBRARY_FRAGMENT(kgen, m) {
-  m.def("avgpool_sigmoid_sum(Tensor x, Tensor conv_weight, Tensor conv_bias) -> Tensor");
-  m.def("avgpool_sigmoid_sum_stage0(Tensor[] inputs, Tensor conv_weight, Tensor conv_bias) -> Tensor");
-  m.def("avgpool_sigmoid_sum_stage1(Tensor[] inputs, Tensor conv_bias) -> Tensor");
+  m.def("avgpool_sigmoid_sum(Tensor x, Tensor[] params) -> Tensor");
+  m.def("avgpool_sigmoid_sum_stage0(Tensor[] inputs, Tensor[] params, Tensor[] values) -> Tensor");
+  m.def("avgpool_sigmoid_sum_stage1(Tensor[] inputs, Tensor[] params, Tensor[] values) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kgen, CPU, m) {
   m.impl("avgpool_sigmoid_sum", &kgen_avgpool_sigmoid_sum::forward);
-  m.impl("avgpool_sigmoid_sum_stage0", &kgen_avgpool_sigmoid_sum::v0::stage0);
-  m.impl("avgpool_sigmoid_sum_stage1", &kgen_avgpool_sigmoid_sum::v0::stage1);
+  m.impl("avgpool_sigmoid_sum_stage0", &kgen_avgpool_sigmoid_sum::v0::stage0_op);
+  m.impl("avgpool_sigmoid_sum_stage1", &kgen_avgpool_sigmoid_sum::v0::stage1_op);
 }
 
 #ifdef KGEN_WITH_CUDA
 TORCH_LIBRARY_IMPL(kgen, CUDA, m) {
   m.impl("avgpool_sigmoid_sum", &kgen_avgpool_sigmoid_sum::forward);
-  m.impl("avgpool_sigmoid_sum_stage0", &kgen_avgpool_sigmoid_sum::v0::stage0);
-  m.impl("avgpool_sigmoid_sum_stage1", &kgen_avgpool_sigmoid_sum::v0::stage1);
+  m.impl("avgpool_sigmoid_sum_stage0", &kgen_avgpool_sigmoid_sum::v0::stage0_op);
+  m.impl("avgpool_sigmoid_sum_stage1", &kgen_avgpool_sigmoid_sum::v0::stage1_op);
 }
 #endif

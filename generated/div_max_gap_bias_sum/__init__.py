@@ -52,7 +52,7 @@ _OP = torch.ops.kgen.div_max_gap_bias_sum.default
 
 
 @torch.library.register_fake("kgen::div_max_gap_bias_sum")
-def _fake(x, conv_weight, conv_bias, bias):
+def _fake(x, params):
     return x.new_empty((x.shape[0], 1, 1, 1))
 
 
@@ -64,12 +64,13 @@ def forward(x, conv_weight, conv_bias, bias):
 
 
 def _forward(x, conv_weight, conv_bias, bias):
+    # the op takes the parameters as a list
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return torch.ops.kgen.div_max_gap_bias_sum(x, conv_weight, conv_bias, bias)
+        return torch.ops.kgen.div_max_gap_bias_sum(x, [conv_weight, conv_bias, bias])
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that
     # kernel itself does without grad mode (it costs ~8 us a call on the H100 machine's host).
     with torch._C._AutoDispatchBelowAutograd():
-        return _OP(x, conv_weight, conv_bias, bias)
+        return _OP(x, [conv_weight, conv_bias, bias])
 
 
 class Model(torch.nn.Module):

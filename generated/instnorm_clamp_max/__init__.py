@@ -52,7 +52,7 @@ _OP = torch.ops.kgen.instnorm_clamp_max.default
 
 
 @torch.library.register_fake("kgen::instnorm_clamp_max")
-def _fake(x, conv_weight, conv_bias, multiplier):
+def _fake(x, params):
     return x.new_empty((x.shape[0], 14, 30, 30))
 
 
@@ -64,12 +64,13 @@ def forward(x, conv_weight, conv_bias, multiplier):
 
 
 def _forward(x, conv_weight, conv_bias, multiplier):
+    # the op takes the parameters as a list
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return torch.ops.kgen.instnorm_clamp_max(x, conv_weight, conv_bias, multiplier)
+        return torch.ops.kgen.instnorm_clamp_max(x, [conv_weight, conv_bias, multiplier])
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that
     # kernel itself does without grad mode (it costs ~8 us a call on the H100 machine's host).
     with torch._C._AutoDispatchBelowAutograd():
-        return _OP(x, conv_weight, conv_bias, multiplier)
+        return _OP(x, [conv_weight, conv_bias, multiplier])
 
 
 class Model(torch.nn.Module):

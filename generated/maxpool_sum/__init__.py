@@ -49,7 +49,7 @@ _OP = torch.ops.kgen.maxpool_sum.default
 
 
 @torch.library.register_fake("kgen::maxpool_sum")
-def _fake(x, conv_transpose_weight, conv_transpose_bias):
+def _fake(x, params):
     return x.new_empty((x.shape[0], 1, 10, 10, 10))
 
 
@@ -61,12 +61,13 @@ def forward(x, conv_transpose_weight, conv_transpose_bias):
 
 
 def _forward(x, conv_transpose_weight, conv_transpose_bias):
+    # the op takes the parameters as a list
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return torch.ops.kgen.maxpool_sum(x, conv_transpose_weight, conv_transpose_bias)
+        return torch.ops.kgen.maxpool_sum(x, [conv_transpose_weight, conv_transpose_bias])
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that
     # kernel itself does without grad mode (it costs ~8 us a call on the H100 machine's host).
     with torch._C._AutoDispatchBelowAutograd():
-        return _OP(x, conv_transpose_weight, conv_transpose_bias)
+        return _OP(x, [conv_transpose_weight, conv_transpose_bias])
 
 
 class Model(torch.nn.Module):

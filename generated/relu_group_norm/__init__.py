@@ -49,7 +49,7 @@ _OP = torch.ops.kgen.relu_group_norm.default
 
 
 @torch.library.register_fake("kgen::relu_group_norm")
-def _fake(x, conv_transpose_weight, group_norm_weight, group_norm_bias):
+def _fake(x, params):
     return x.new_empty((x.shape[0], 128, 34, 34, 34))
 
 
@@ -61,12 +61,13 @@ def forward(x, conv_transpose_weight, group_norm_weight, group_norm_bias):
 
 
 def _forward(x, conv_transpose_weight, group_norm_weight, group_norm_bias):
+    # the op takes the parameters as a list
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return torch.ops.kgen.relu_group_norm(x, conv_transpose_weight, group_norm_weight, group_norm_bias)
+        return torch.ops.kgen.relu_group_norm(x, [conv_transpose_weight, group_norm_weight, group_norm_bias])
     # No graph to record: call the kernels below torch.library's Python autograd kernel, as that
     # kernel itself does without grad mode (it costs ~8 us a call on the H100 machine's host).
     with torch._C._AutoDispatchBelowAutograd():
-        return _OP(x, conv_transpose_weight, group_norm_weight, group_norm_bias)
+        return _OP(x, [conv_transpose_weight, group_norm_weight, group_norm_bias])
 
 
 class Model(torch.nn.Module):

@@ -5,10 +5,12 @@
 // kgen-template: templates/binding.cpp.j2
 
 // The torch op kgen::relu_group_norm (CPU and CUDA): checks its arguments, then runs
-// the stages of the plan for the batch. Each stage with a generated kernel is
-// also registered on its own as kgen::relu_group_norm[_vP]_stageK(Tensor[] inputs,
-// params...), which validation uses to feed adversarial values straight into
-// the kernels.
+// the stages of the plan for the batch. It takes the inputs one by one and the
+// parameters and running statistics as lists (a PyTorch op takes at most 64
+// arguments). Each stage with a generated kernel is also registered on its own
+// as kgen::relu_group_norm[_vP]_stageK(Tensor[] inputs, Tensor[] params, Tensor[]
+// values), which validation uses to feed adversarial values straight into the
+// kernels.
 #include "kgen_runtime.h"
 #include "stages.h"
 
@@ -90,9 +92,20 @@ at::Tensor stage1(at::TensorList in, const at::Tensor& group_norm_weight, const 
   return out;
 }
 
+// The stage as the op kgen::relu_group_norm_stage1: its parameters and the values it reads as lists (a fused
+// stage may read more tensors than a PyTorch op takes arguments).
+at::Tensor stage1_op(at::TensorList in, at::TensorList params, at::TensorList values) {
+  kgen::check_count("kgen::relu_group_norm_stage1", "params", params.size(), 2, "parameter", "group_norm.weight", "group_norm.bias");
+  kgen::check_count("kgen::relu_group_norm_stage1", "values", values.size(), 0, "value", "", "");
+  return stage1(in, params[0], params[1]);
+}
+
 // The stages in order (the op has checked the arguments); each runs in a named
 // range that torch.profiler shows (kgen bench times the stages with it).
-at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight, const at::Tensor& group_norm_weight, const at::Tensor& group_norm_bias) {
+at::Tensor forward(const at::Tensor& x, at::TensorList params) {
+  const at::Tensor& conv_transpose_weight = params[0];  // conv_transpose.weight
+  const at::Tensor& group_norm_weight = params[1];  // group_norm.weight
+  const at::Tensor& group_norm_bias = params[2];  // group_norm.bias
   const int64_t batch = x.size(0);
   (void)batch;
   std::optional<kgen::StageScope> scope;
@@ -119,33 +132,37 @@ at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight,
 }  // namespace v0
 
 // ==== the op: argument checks, then the plan for the batch (kgen-template: templates/binding.cpp.j2)
-at::Tensor forward(const at::Tensor& x, const at::Tensor& conv_transpose_weight, const at::Tensor& group_norm_weight, const at::Tensor& group_norm_bias) {
+at::Tensor forward(const at::Tensor& x, at::TensorList params) {
   kgen::check_dtype(kOp, x, {at::kFloat}, "float32", "specs/relu_group_norm.yaml", "`input:`");
   kgen::check_arg(kOp, "x", x, {kgen::kAnySize, 64, 32, 32, 32}, &x);
-  kgen::check_arg(kOp, "conv_transpose_weight", conv_transpose_weight, {64, 128, 3, 3, 3}, &x);
-  kgen::check_arg(kOp, "group_norm_weight", group_norm_weight, {128}, &x);
-  kgen::check_arg(kOp, "group_norm_bias", group_norm_bias, {128}, &x);
+  kgen::check_count(kOp, "params", params.size(), 3, "parameter", "conv_transpose.weight", "group_norm.bias");
+  const at::Tensor& conv_transpose_weight = params[0];  // conv_transpose.weight
+  const at::Tensor& group_norm_weight = params[1];  // group_norm.weight
+  const at::Tensor& group_norm_bias = params[2];  // group_norm.bias
+  kgen::check_arg(kOp, "params[0] (conv_transpose.weight)", conv_transpose_weight, {64, 128, 3, 3, 3}, &x);
+  kgen::check_arg(kOp, "params[1] (group_norm.weight)", group_norm_weight, {128}, &x);
+  kgen::check_arg(kOp, "params[2] (group_norm.bias)", group_norm_bias, {128}, &x);
   const c10::DeviceGuard guard(x.device());
   const int64_t batch = x.size(0);
   if (batch == 0) return at::empty({batch, 128, 34, 34, 34}, x.options());
-  return v0::forward(x, conv_transpose_weight, group_norm_weight, group_norm_bias);
+  return v0::forward(x, params);
 }
 
 }  // namespace kgen_relu_group_norm
 
 TORCH_LIBRARY_FRAGMENT(kgen, m) {
-  m.def("relu_group_norm(Tensor x, Tensor conv_transpose_weight, Tensor group_norm_weight, Tensor group_norm_bias) -> Tensor");
-  m.def("relu_group_norm_stage1(Tensor[] inputs, Tensor group_norm_weight, Tensor group_norm_bias) -> Tensor");
+  m.def("relu_group_norm(Tensor x, Tensor[] params) -> Tensor");
+  m.def("relu_group_norm_stage1(Tensor[] inputs, Tensor[] params, Tensor[] values) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kgen, CPU, m) {
   m.impl("relu_group_norm", &kgen_relu_group_norm::forward);
-  m.impl("relu_group_norm_stage1", &kgen_relu_group_norm::v0::stage1);
+  m.impl("relu_group_norm_stage1", &kgen_relu_group_norm::v0::stage1_op);
 }
 
 #ifdef KGEN_WITH_CUDA
 TORCH_LIBRARY_IMPL(kgen, CUDA, m) {
   m.impl("relu_group_norm", &kgen_relu_group_norm::forward);
-  m.impl("relu_group_norm_stage1", &kgen_relu_group_norm::v0::stage1);
+  m.impl("relu_group_norm_stage1", &kgen_relu_group_norm::v0::stage1_op);
 }
 #endif
