@@ -108,15 +108,17 @@ class Report:
 # ------------------------------------------------------------ comparing
 
 
-def _errors(o: torch.Tensor, r: torch.Tensor, m: torch.Tensor, finite: torch.Tensor) -> tuple[float, float]:
-    """(max abs error, L2 error relative to the magnitude m) of o against r over r's finite elements
-    (``finite``: torch.isfinite(r))."""
-    if not finite.any():
+def _errors(o: torch.Tensor, r: torch.Tensor, m_finite: torch.Tensor, finite: torch.Tensor | None) -> tuple[float, float]:
+    """(max abs error, L2 error relative to the magnitude) of o against r (float64) over r's finite elements
+    (``finite``: torch.isfinite(r), or None where every element is finite; ``m_finite``: the magnitude there,
+    0 elsewhere)."""
+    if r.numel() == 0 or (finite is not None and not finite.any()):
         return 0.0, 0.0
-    # where() rather than boolean indexing, which copies and was most of a large module's validation time
-    diff = torch.where(finite, o - r, 0.0)
+    # where() rather than boolean indexing, which copies and was most of a large module's validation time;
+    # none where all is finite (each pass over a large stage's values is a tenth of a second and more)
+    diff = o - r if finite is None else torch.where(finite, o - r, 0.0)
     max_abs = float(diff.abs().max())
-    norm = float(torch.where(finite, m, 0.0).norm())
+    norm = float(m_finite.norm())
     if norm == 0:
         return max_abs, 0.0 if max_abs == 0 else math.inf
     return max_abs, float(diff.norm()) / norm
@@ -159,11 +161,14 @@ def compare(
     if dtype != torch.float32:  # beyond the dtype's range the exact result rounds to an infinity, as eager's does (float16 overflow)
         rounded = ref.to(dtype)
         ref = torch.where(torch.isinf(rounded) & torch.isfinite(ref), rounded.double(), ref)
-    o, r = out.double(), ref.double()
-    e = None if eager is None else eager.detach().to(dev).double()
+    # o and e keep their dtype: float64 arithmetic with r converts them exactly, without a float64 copy each
+    o, r = out, ref.double()
+    e = None if eager is None else eager.detach().to(dev)
     finite = torch.isfinite(r)  # (each mask once: on a large stage's values every pass is tens of ms)
+    all_finite = bool(finite.all())
     e_finite = None if e is None else torch.isfinite(e)
-    if e is not None and not (bool(e_finite.all()) and bool(finite.all())):  # (all finite: one kind everywhere)
+    e_all_finite = e is not None and bool(e_finite.all())
+    if e is not None and not (e_all_finite and all_finite):  # (all finite: one kind everywhere)
         # Where PyTorch's own float32 result and the float64 reference differ in kind (finite,
         # NaN, +inf, -inf), float32's range or rounding decided (exp(100) overflows in float32
         # only and may turn into NaN later; silu(-700) is -0 in float32, so its log is -inf
@@ -173,9 +178,10 @@ def compare(
         kind_e = _kind(e)
         float32_kind = (kind_e != _kind(r)) & (_kind(o) == kind_e)
         if float32_kind.any():
-            r = torch.where(float32_kind, e, r)
+            r = torch.where(float32_kind, e.double(), r)
             finite = torch.isfinite(r)
-    masks = () if bool(finite.all()) and bool(torch.isfinite(o).all()) else (
+            all_finite = bool(finite.all())
+    masks = () if all_finite and bool(torch.isfinite(o).all()) else (
         ("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf))
     for what, fn in masks:
         mo, mr = fn(o), fn(r)
@@ -188,13 +194,15 @@ def compare(
     if magnitude is not None:
         mag = magnitude.detach().to(dev).double()
         m = torch.where(torch.isfinite(mag), torch.maximum(mag, m), m)
-    max_abs, rel_l2 = _errors(o, r, m, finite)
-    scale = float(torch.where(finite, m, 0.0).max()) if finite.any() else 0.0
+    m_finite = m if all_finite else torch.where(finite, m, 0.0)  # the magnitude where r is finite, once
+    finite_or_all = None if all_finite else finite
+    max_abs, rel_l2 = _errors(o, r, m_finite, finite_or_all)
+    scale = float(m_finite.max()) if m_finite.numel() and (all_finite or finite.any()) else 0.0
     allowed_rel, allowed_abs = tol[0], tol[1] * scale
     eager_rel = math.nan
     if e is not None:
-        if torch.equal(e_finite, finite):
-            eager_abs, eager_rel = _errors(e, r, m, finite)
+        if (all_finite and e_all_finite) or torch.equal(e_finite, finite):
+            eager_abs, eager_rel = _errors(e, r, m_finite, finite_or_all)
             allowed_rel, allowed_abs = max(allowed_rel, 2 * eager_rel), max(allowed_abs, 2 * eager_abs)
     ok = rel_l2 <= allowed_rel and max_abs <= allowed_abs
     problem = "" if ok else (f"error rel L2 {rel_l2:.3g} / max abs {max_abs:.3g} above the allowed rel L2 "

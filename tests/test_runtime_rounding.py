@@ -3,15 +3,20 @@ ConvGemmStage.eager_products) against a bit-level reference of cvt.rn.tf32.f32: 
 carries into the exponent and past the largest float to inf, subnormals, inf and NaN kept. Built on the CPU."""
 import struct
 
+import shutil
+
 import pytest
 import torch
-from torch.utils import cpp_extension
 
 from conftest import ROOT
 
+# A module of its own (the op kgen_tf32_rounding::round_even), built as kgen builds a rendered module: on the
+# CPU, with the precompiled kgen_runtime.h the other CPU builds share (torch's load_inline, through
+# torch/extension.h and pybind11, took four times as long).
 SOURCE = """
 #include "kgen_runtime.h"
 at::Tensor round_even(const at::Tensor& w) { return kgen::tf32_half_even(w); }
+TORCH_LIBRARY(kgen_tf32_rounding, m) { m.def("round_even(Tensor w) -> Tensor", &round_even); }
 """
 
 
@@ -32,9 +37,20 @@ def bits(*words):
 
 @pytest.fixture(scope="module")
 def rounding(tmp_path_factory):
-    return cpp_extension.load_inline("kgen_tf32_rounding", [SOURCE], functions=["round_even"],
-                                     extra_include_paths=[str(ROOT / "templates")],
-                                     build_directory=str(tmp_path_factory.mktemp("rt")), verbose=False)
+    from kgen.build import build_module
+    from kgen.render import SHARED_FILES
+
+    gen = tmp_path_factory.mktemp("rt")
+    for f in SHARED_FILES:  # beside the module, as `kgen render` puts them
+        (gen / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "templates" / f, gen / f)
+    module = gen / "kgen_tf32_rounding"
+    module.mkdir()
+    (module / "binding.cpp").write_text(SOURCE)
+    (module / "kernel_cpu.cpp").write_text("")
+    (module / "stages.h").write_text("")
+    torch.ops.load_library(str(build_module(module, "cpu", quiet=True).library))
+    return torch.ops.kgen_tf32_rounding
 
 
 def test_tf32_half_even_rounds_as_cvt_rn(rounding):

@@ -34,22 +34,33 @@ def test_softmax_validates_on_the_cpu_build(name, softmax_modules):
     assert_report_passed(report, f"{name}: {SOFTMAXES[name]}")
 
 
+NON_FINITE_FNS = ("softmax", "log_softmax", "logsumexp")
+NON_FINITE_SHAPES = ("c24", "c300", "r1000")
+
+
+@pytest.fixture(scope="module")
+def non_finite_modules(tmp_path_factory):
+    """Each (fn, shape) of test_non_finite_values_of_a_slice_are_pytorchs rendered as nf_FN_SHAPE, all built
+    together (the builds share the machine's cores) and loaded."""
+    from kgen.build import build_modules
+    from kgen.validate import import_module_dir
+
+    root = tmp_path_factory.mktemp("non_finite")
+    dirs = [render_non_finite_softmax(fn, shape, root, f"nf_{fn}_{shape}")[1] for fn in NON_FINITE_FNS for shape in NON_FINITE_SHAPES]
+    build_modules(dirs, "cpu")
+    for d in dirs:
+        import_module_dir(d)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fn", ["softmax", "log_softmax", "logsumexp"])
-@pytest.mark.parametrize("shape_name", ["c24", "c300", "r1000"])
-def test_non_finite_values_of_a_slice_are_pytorchs(fn, shape_name, tmp_path):
+@pytest.mark.parametrize("fn", NON_FINITE_FNS)
+@pytest.mark.parametrize("shape_name", NON_FINITE_SHAPES)
+def test_non_finite_values_of_a_slice_are_pytorchs(fn, shape_name, non_finite_modules):
     """PyTorch in float64 on the CPU: a NaN in a slice makes its logsumexp and all its softmax outputs
     NaN; a +inf makes logsumexp +inf and the softmax NaN; a slice of -inf only gives -inf and NaN; -inf
     beside finite values gives 0 (softmax) and -inf (log_softmax). The stage op puts NaN and +-inf
     exactly there (conftest.check_non_finite_softmax), slice by slice."""
-    from kgen.build import build_module
-    from kgen.validate import import_module_dir
-
-    name = f"nf_{fn}_{shape_name}"
-    _, module_dir = render_non_finite_softmax(fn, shape_name, tmp_path, name)
-    build_module(module_dir, "cpu", quiet=True)
-    import_module_dir(module_dir)
-    y = check_non_finite_softmax(fn, shape_name, getattr(torch.ops.kgen, f"{name}_stage0"), "cpu")
+    y = check_non_finite_softmax(fn, shape_name, getattr(torch.ops.kgen, f"nf_{fn}_{shape_name}_stage0"), "cpu")
     first = y.movedim(1, -1).reshape(-1, y.shape[1])[:NON_FINITE_SLICES]  # slice k is row k
     if fn == "logsumexp":
         assert math.isnan(first[0, 0]) and first[1, 0] == INF and first[2, 0] == INF and first[3, 0] == -INF

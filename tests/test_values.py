@@ -162,30 +162,44 @@ def test_batch_norm_reference_is_nn_batch_norm_in_both_modes():
     assert int(tensors["bn.num_batches_tracked"]) == 2
 
 
+@pytest.fixture(scope="module")
+def eager_plans(tmp_path_factory):
+    """SWISH, RESIDUAL and DAG, each rendered with a tuning file that picks its eager plan and built for the
+    CPU, all together: name -> (spec, module directory)."""
+    from kgen import tune, tunefile
+    from kgen.build import build_modules
+    from kgen.plan import EAGER as EAGER_PIPELINE, PIPELINE
+    from kgen.render import render_spec, write_rendered
+
+    root = tmp_path_factory.mktemp("eager_plans")
+    out, built = root / "gen", {}
+    for text in (SWISH, RESIDUAL, DAG):
+        name = pipeline_of(text).name
+        spec = write_spec(root, text, f"{name}.yaml")
+        t = fake_tuning(spec, [], lambda choices: choices.get(PIPELINE) == EAGER_PIPELINE, root / "tune" / name)
+        tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))  # a tuning file that picks the eager plan
+        write_rendered(render_spec(spec, out), out)
+        built[name] = (spec, out / name)
+    build_modules([d for _, d in built.values()])  # (the default variant, as `kgen build`)
+    return built
+
+
 @pytest.mark.parametrize("text", [SWISH, RESIDUAL, DAG], ids=["swish", "residual", "dag"])
-def test_a_pipeline_with_values_or_several_inputs_has_an_eager_candidate(text, tmp_path):
+def test_a_pipeline_with_values_or_several_inputs_has_an_eager_candidate(text, eager_plans):
     """The eager family names values (`as:` -> v_NAME), reads them as operands, as `from:` starts
     and reversed (`reverse: true`), and takes the other inputs: such pipelines have an eager
     candidate (so `kgen tune` can fall back to eager PyTorch's kernels), and its plan validates
     on the CPU build."""
-    from kgen.build import build_module
     from kgen.families import EAGER
-    from kgen import tune, tunefile
-    from kgen.plan import EAGER as EAGER_PIPELINE, PIPELINE
-    from kgen.render import render_spec, write_rendered
+    from kgen.plan import PIPELINE
     from kgen.validate import validate
 
     pipe = pipeline_of(text)
     assert EAGER.whole(pipe) is not None and PIPELINE in make_plan(pipe, target=DEFAULT).options
-    spec = write_spec(tmp_path, text, f"{pipe.name}.yaml")
-    t = fake_tuning(spec, [], lambda choices: choices.get(PIPELINE) == EAGER_PIPELINE, tmp_path / "tune")
-    tunefile.write_entry(spec, tune.entry(t, 30, DEFAULT.name))  # a tuning file that picks the eager plan
-    out = tmp_path / "gen"
-    write_rendered(render_spec(spec, out), out)
-    binding = (out / pipe.name / "binding.cpp").read_text()
+    spec, module_dir = eager_plans[pipe.name]
+    binding = (module_dir / "binding.cpp").read_text()
     assert "const at::Tensor v_" in binding  # a named value
-    build_module(out / pipe.name)
-    report = validate(spec, out / pipe.name, "cpu")
+    report = validate(spec, module_dir, "cpu")
     assert_report_passed(report)
 
 
