@@ -208,10 +208,10 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
 
     cuDNN does not add a bias: ATen adds it in a separate pass over the whole
     convolution output. Adding it where the next stage loads the value costs
-    nothing there, and the value is the same (conv, then one rounded add).
+    nothing there, and the value is the same (conv, then one rounded add). In a 16-bit plan as well:
+    eager's 16-bit convolution rounds its output, then adds the bias and rounds again; the deferred add
+    is an op of the next stage, a rounding point of its own (rounding_points), so the values are eager's.
     """
-    if pipe.dtype != "float32":
-        return pipe  # the bias stays ATen's, as eager adds it: the fused families have no 16-bit kernels yet
     ops = []
     local = values.local_captures(pipe)
     for i, op in enumerate(pipe.ops):
