@@ -857,7 +857,7 @@ __device__ __forceinline__ float input_lo(float x, float hi) {
 }
 
 // Rounds a landed stage to TF32 in place; tf32x3 also writes lo (input_lo). A 16-bit input's stage
-// (`raw`, the values as stored) is converted into `lo` instead: exact in TF32, nothing to round.
+// (the values as stored, kRawStage floats) is converted into `lo` instead: exact in TF32, nothing to round.
 template <class P>
 __device__ __forceinline__ void round_stage(float* stage, float* lo) {
   using G = Geometry<P>;
