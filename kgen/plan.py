@@ -208,10 +208,12 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
 
     cuDNN does not add a bias: ATen adds it in a separate pass over the whole
     convolution output. Adding it where the next stage loads the value costs
-    nothing there, and the value is the same (conv, then one rounded add). In a 16-bit plan as well:
-    eager's 16-bit convolution rounds its output, then adds the bias and rounds again; the deferred add
-    is an op of the next stage, a rounding point of its own (rounding_points), so the values are eager's.
+    nothing there, and the value is the same (conv, then one rounded add).
     """
+    if pipe.dtype != "float32":
+        # the bias stays the convolution's, added as eager's call adds it in the dtype (conv_aten: ATen's; conv_gemm:
+        # to the output rounded to the dtype, then rounded again, as cuDNN's output and the bias add after it)
+        return pipe
     ops = []
     local = values.local_captures(pipe)
     for i, op in enumerate(pipe.ops):

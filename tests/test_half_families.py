@@ -16,7 +16,7 @@ DTYPES_16 = ("bfloat16", "float16")
 
 SPECS = {
     # a convolution (conv_gemm in 16 bits too: single TF32 products, exact for 16-bit operands; on the CPU ATen's
-    # convolution in the dtype), then a pool and a channel reduction (with the conv's bias, deferred as in float32)
+    # convolution in the dtype, its bias too), then a pool and a channel reduction
     "hf_conv_pool": ("""
 name: hf_conv_pool
 input:

@@ -147,5 +147,7 @@ def test_conv_gemm_16_bit_compiles_without_spills(name, tmp_path):
         assert len(convs) == 1, names  # the stage run on its own: the Store in the dtype
     fused = [n for n in names if n.startswith("void kgen::conv_gemm::conv_kernel<") and "::Fused>" in n]
     assert len(fused) == (0 if name == "c16_store_bias" or name == "instnorm_clamp_max" else 2), names
+    if fused and name in CONV16:  # the convolution keeps its bias (16-bit plans): the fused kernel adds it
+        assert (tmp_path / "gen" / name / "kernel.cu").read_text().count("static constexpr bool kConvBias = true;") == 2
     assert not any("phase_pool" in n or "pool_ring" in n for n in names), names
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]

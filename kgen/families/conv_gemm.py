@@ -48,8 +48,9 @@ single TF32 product of two 16-bit operands is exact and, accumulated in fp32, as
 products, only their loads and stores change (conv_gemm.cuh: the cp.async stages hold the values as
 stored and the rounding pass converts them; BoxRegs converts in registers). The weights are packed from
 a float32 copy once per version; the accumulators are rounded to the dtype before the epilogue where
-kgen.plan.rounding_points says (eager's 16-bit convolution output), the bias (where the convolution keeps
-it) added to that and rounded again by the store, as eager's cuDNN call and its bias add. phase_pool,
+kgen.plan.rounding_points says (eager's 16-bit convolution output). 16-bit plans keep the bias in the
+convolution (kgen.plan.defer_conv_bias): it is added to the rounded output and rounded again (the Store:
+as it stores; a fused epilogue: before its first op), as eager's cuDNN call and ATen's bias add after it. phase_pool,
 pool_ring and the norm epilogues (the direct loop) are float32 only for now and decline 16-bit plans.
 
 On the CPU the stage runs ATen's convolution, then the epilogue stage's own
@@ -1252,6 +1253,8 @@ class ConvGemm(Family):
                        "cuDNN transposed convolution rounds them: eager's products, summed in another order")
         if sc.mma == "tf32" and st.dtype != "float32":
             rounded = " (rounded to " + st.dtype + " before its epilogue, as eager's output)" if st.ops[0] in st.rounded else ""
+            if st.conv.conv.bias and not st.conv.bias_deferred:
+                rounded += " + its bias" + (" (rounded again)" if st.ops[0] in st.rounded else "")
             out.append(f"{st.dtype} input loaded as stored and converted to fp32 (exact TF32 operands), the weights packed from "
                        f"a float32 copy; the accumulators{rounded} stored as {st.dtype}")
         elif sc.mma == "tf32":

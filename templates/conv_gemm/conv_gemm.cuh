@@ -123,6 +123,15 @@ template <class P>
 struct RoundsOutput<P, std::void_t<decltype(P::kRoundOutput)>> : std::bool_constant<P::kRoundOutput> {};
 template <class P>
 inline constexpr bool kRoundsOutput = RoundsOutput<P>::value;
+// Whether a fused epilogue E adds the convolution's bias (E::kConvBias: a 16-bit plan's convolution keeps its
+// bias; E::Params::conv_bias) to the accumulators before its first op: to the output rounded to Elem (as cuDNN's
+// 16-bit output, then ATen's bias add in the dtype), rounded again where the output is a rounding point.
+template <class E, class = void>
+struct AddsConvBias : std::false_type {};
+template <class E>
+struct AddsConvBias<E, std::void_t<decltype(E::kConvBias)>> : std::bool_constant<E::kConvBias> {};
+template <class E>
+inline constexpr bool kAddsConvBias = AddsConvBias<E>::value;
 
 // One input value as float, through the read-only cache.
 __device__ __forceinline__ float load_value(const float* p) { return __ldg(p); }
@@ -1267,13 +1276,24 @@ __device__ __forceinline__ void conv_ctas(const Elem<P>* __restrict__ x, const f
   };
   // After a tile's last chunk (its input stage `stage`): the epilogue, then fresh accumulators.
   auto finish_tile = [&](const TileCoord& c, float* stage) {
-    if constexpr (kRoundsOutput<P>) {  // the convolution's output as eager's 16-bit tensor holds it
+    if constexpr (kRoundsOutput<P> || kAddsConvBias<E>) {  // the convolution's output as eager's 16-bit tensor holds it
 #pragma unroll
-      for (int mt = 0; mt < G::kMT; ++mt)
+      for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < G::kNT; ++nt)
+        for (int i = 0; i < 4; ++i) {
+          float b = 0.f;
+          if constexpr (kAddsConvBias<E>) b = ep.conv_bias[min(c.cblock * P::kBN + fm.n(nt, i), P::kCout - 1)];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][nt][i] = round_to<Elem<P>>(acc[mt][nt][i]);
+          for (int mt = 0; mt < G::kMT; ++mt) {
+            float v = acc[mt][nt][i];
+            if constexpr (kRoundsOutput<P>) v = round_to<Elem<P>>(v);
+            if constexpr (kAddsConvBias<E>) {
+              v += b;
+              if constexpr (kRoundsOutput<P>) v = round_to<Elem<P>>(v);
+            }
+            acc[mt][nt][i] = v;
+          }
+        }
     }
     if constexpr (E::kStaged) {
       float* tile = s_tile;
