@@ -534,4 +534,7 @@ CONV16 = {
     # 32 output channels, 8 input channels, 2-d: the wgmma loop (BoxRegs' 16-bit loads)
     "c16_wgmma": (_conv16("c16_wgmma", [8, 16, 16], [{"conv2d": {"out_channels": 32, "kernel_size": 3, "padding": 1}}, "sigmoid"]),
                   "wgmma", "elementwise"),
+    # ... with W = 15: BoxRegs' scalar loads
+    "c16_wgmma_odd": (_conv16("c16_wgmma_odd", [8, 16, 15], [{"conv2d": {"out_channels": 32, "kernel_size": 3, "padding": 1}}, "relu"]),
+                      "wgmma", "elementwise"),
 }
