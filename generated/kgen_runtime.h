@@ -573,19 +573,19 @@ inline void check_launch(cudaError_t err, const char* op, const char* stage) {
 class WeightCache {
  public:
 #ifdef KGEN_WITH_CUDA
-  // A buffer of `floats` floats for `w` on `stream`; `*stale` says whether the caller
-  // must (re)write it before use.
+  // A buffer of `floats` floats (whatever w's dtype: a 16-bit weight is packed as float) for `w` on
+  // `stream`; `*stale` says whether the caller must (re)write it before use.
   at::Tensor get(const at::Tensor& w, int64_t floats, cudaStream_t stream, bool* stale) {
     std::lock_guard<std::mutex> lock(mutex_);
     *stale = true;
-    if (!may_keep(w, stream)) return at::empty({floats}, w.options());
+    if (!may_keep(w, stream)) return at::empty({floats}, w.options().dtype(at::kFloat));
     if (unchanged(w) && buffer_.numel() == floats) {
       *stale = false;
       return buffer_;
     }
     remember(w, stream);
     if (!buffer_.defined() || buffer_.numel() != floats || buffer_.device() != w.device()) {
-      buffer_ = at::empty({floats}, w.options());
+      buffer_ = at::empty({floats}, w.options().dtype(at::kFloat));
     }
     return buffer_;
   }

@@ -211,7 +211,9 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
     nothing there, and the value is the same (conv, then one rounded add).
     """
     if pipe.dtype != "float32":
-        return pipe  # the bias stays ATen's, as eager adds it: the fused families have no 16-bit kernels yet
+        # the bias stays the convolution's, added as eager's call adds it in the dtype (conv_aten: ATen's; conv_gemm:
+        # to the output rounded to the dtype, then rounded again, as cuDNN's output and the bias add after it)
+        return pipe
     ops = []
     local = values.local_captures(pipe)
     for i, op in enumerate(pipe.ops):

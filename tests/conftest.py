@@ -509,3 +509,32 @@ def check_non_finite_softmax(fn: str, shape_name: str, stage, device: str) -> to
     finite = torch.isfinite(ref)
     torch.testing.assert_close(y.double()[finite], ref[finite], rtol=1e-5, atol=1e-6)
     return y
+
+
+# conv_gemm in 16 bits (tests/test_conv_gemm_half.py, tests/test_ptxas.py): each form of the generated convolution with
+# 16-bit loads and stores, name -> (spec text in bfloat16 and float16, the main loop, the epilogue: Store or
+# Fused.{staged, elementwise, registers}); plan.conv: gemm, so that the generated convolution computes it at these small sizes.
+def _conv16(name, shape, ops, batch=2):
+    text = spec_text(shape, ops, batch=batch, name=name, plan={"conv": "gemm"})
+    return text.replace("dtype: float32", "dtype:\n  - bfloat16\n  - float16")
+
+
+CONV16 = {
+    # window loop, a max pool and a channel sum on the staged tile (the conv's bias added there)
+    "c16_window_pool": (_conv16("c16_window_pool", [8, 12, 20], [{"conv2d": {"out_channels": 16, "kernel_size": 3, "padding": 1}}, "relu",
+                                               {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}]), "window", "staged"),
+    # W = 11: scalar loads (no 8-byte pieces); the convolution is the last op: the Store adds its own bias
+    "c16_store_bias": (_conv16("c16_store_bias", [4, 9, 11], [{"conv2d": {"out_channels": 8, "kernel_size": 3}}]), "window", "store"),
+    # stride 2: the generic loop; an elementwise epilogue
+    "c16_generic": (_conv16("c16_generic", [8, 15, 16], [{"conv2d": {"out_channels": 16, "kernel_size": 3, "stride": 2}}, "tanh"]),
+                    "generic", "elementwise"),
+    # 3-d, everything reduced, no pool: the epilogue on the accumulators
+    "c16_registers": (_conv16("c16_registers", [4, 5, 7, 16], [{"conv3d": {"out_channels": 8, "kernel_size": 3}}, {"mul": {"scalar": 0.5}},
+                                              {"sum": {"dim": [1, 2, 3, 4]}}]), "window", "registers"),
+    # 32 output channels, 8 input channels, 2-d: the wgmma loop (BoxRegs' 16-bit loads)
+    "c16_wgmma": (_conv16("c16_wgmma", [8, 16, 16], [{"conv2d": {"out_channels": 32, "kernel_size": 3, "padding": 1}}, "sigmoid"]),
+                  "wgmma", "elementwise"),
+    # ... with W = 15: BoxRegs' scalar loads
+    "c16_wgmma_odd": (_conv16("c16_wgmma_odd", [8, 16, 15], [{"conv2d": {"out_channels": 32, "kernel_size": 3, "padding": 1}}, "relu"]),
+                      "wgmma", "elementwise"),
+}

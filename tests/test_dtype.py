@@ -93,9 +93,10 @@ def test_float32_specs_keep_their_data_and_hash(path):
 # ------------------------------------------------------------ the plans
 
 
-def test_a_plan_per_dtype_and_why_16_bit_convolutions_are_atens():
-    """The fused families compute 16 bits (tests/test_half_families.py); the generated convolution does not
-    yet, so a 16-bit convolution is eager's own cuDNN call (conv_aten), and the pool after it is kgen's."""
+def test_a_plan_per_dtype_and_16_bit_convolutions_are_generated():
+    """The fused families and the generated convolution compute 16 bits (tests/test_half_families.py,
+    tests/test_conv_gemm_half.py): a 16-bit convolution runs on single TF32 products (exact for 16-bit
+    operands) and keeps its bias (added to its rounded output, as eager's)."""
     from kgen.explain import explain_text
     from kgen.plan import choose_plans
 
@@ -105,9 +106,11 @@ def test_a_plan_per_dtype_and_why_16_bit_convolutions_are_atens():
     (f32,) = [v for v in sel.variants if v.dtype == "float32"]
     (b16,) = [v for v in sel.variants if v.dtype == "bfloat16"]
     assert not f32.plan.eager and not b16.plan.eager
-    assert [s.family.name for s in b16.plan.stages] == ["conv_aten", "pool_reduce"]
+    assert [s.family.name for s in b16.plan.stages] == ["conv_gemm", "pool_reduce"]
+    conv = b16.plan.stages[0]
+    assert not conv.conv.bias_deferred and conv.schedule.mma == "tf32" and conv.schedule.input_bytes == 2
     text = explain_text(pipe, dtype="bfloat16")
-    assert "conv_gemm declined (no bfloat16 kernels yet)" in text and "eager (the spec's ops through ATen)" in text
+    assert "tf32, exact for 16-bit operands" in text and "eager (the spec's ops through ATen)" in text
 
 
 def test_16_bit_plans_of_aten_backed_stages():

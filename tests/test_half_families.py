@@ -15,7 +15,8 @@ from conftest import ROOT, assert_report_passed, pipeline_of, render_specs
 DTYPES_16 = ("bfloat16", "float16")
 
 SPECS = {
-    # a convolution (conv_aten in 16 bits: eager's cuDNN call), then a pool and a channel reduction
+    # a convolution (conv_gemm in 16 bits too: single TF32 products, exact for 16-bit operands; on the CPU ATen's
+    # convolution in the dtype, its bias too), then a pool and a channel reduction
     "hf_conv_pool": ("""
 name: hf_conv_pool
 input:
@@ -27,7 +28,7 @@ ops:
   - relu
   - max_pool2d: {kernel_size: 2}
   - sum: {dim: 1}
-""", ["conv_aten", "pool_reduce"]),
+""", ["conv_gemm", "pool_reduce"]),
     # an average pool with padding, a parameter, an activation: no reduction
     "hf_avg_pool": ("""
 name: hf_avg_pool

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import (CL_ATEN, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, render_kept_walk,
+from conftest import (CL_ATEN, CONV16, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, render_kept_walk,
                       render_layer_norm, render_norm_layout, render_softmax, spec_text, write_spec)
 from kgen.build import cuda_home, demangle, ptxas_report
 
@@ -126,3 +126,28 @@ def test_linear_gemm_16_bit_compiles_without_spills(tmp_path):
             assert len(gemms) == 2 and any("::Fused>" in n for n in gemms) and any("::Store>" in n for n in gemms), names
         assert not any("gemm_kernel<float," in n or "fixup_kernel" in n for n in names), names
         assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+@pytest.mark.parametrize("name", sorted(CONV16) + ["div_max_gap_bias_sum", "avgpool_sigmoid_sum", "instnorm_clamp_max"])
+def test_conv_gemm_16_bit_compiles_without_spills(name, tmp_path):
+    """conv_gemm in bfloat16 and float16: each form of conftest.CONV16 (window, generic and wgmma loops; the Store, a
+    staged, an elementwise and a register epilogue) and the shipped convolution specs' 16-bit plans: the instances
+    of conv_kernel over each 16-bit problem (P::Elem) with its Store and its fused epilogue compile clean, with the
+    plan's shared memory asserted to cover the kernel's (kernel.cu's static_assert)."""
+    from kgen.render import render_spec, write_rendered
+
+    text = CONV16[name][0] if name in CONV16 else (ROOT / "specs" / f"{name}.yaml").read_text().replace(
+        "dtype: float32", "dtype: [bfloat16, float16]")
+    spec = write_spec(tmp_path, text, f"{name}.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    kernels = ptxas_report(tmp_path / "gen" / name, "9.0a")
+    names = [demangle(k.name) for k in kernels]
+    for t in ("bfloat16", "float16"):
+        convs = [n for n in names if n.startswith("void kgen::conv_gemm::conv_kernel<") and f"StoreEpilogue<true, false, kgen::{t}>" in n]
+        assert len(convs) == 1, names  # the stage run on its own: the Store in the dtype
+    fused = [n for n in names if n.startswith("void kgen::conv_gemm::conv_kernel<") and "::Fused>" in n]
+    assert len(fused) == (0 if name == "c16_store_bias" or name == "instnorm_clamp_max" else 2), names
+    if fused and name in CONV16:  # the convolution keeps its bias (16-bit plans): the fused kernel adds it
+        assert (tmp_path / "gen" / name / "kernel.cu").read_text().count("static constexpr bool kConvBias = true;") == 2
+    assert not any("phase_pool" in n or "pool_ring" in n for n in names), names
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]

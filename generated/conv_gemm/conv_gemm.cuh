@@ -52,6 +52,15 @@
 // mma.sync loops' cp.async stages run kStages deep across chunks and tiles. After a tile's last chunk the epilogue runs: on the accumulator
 // registers (E::kStaged false: elementwise ops, reductions, statistics) or on
 // a shared-memory copy of the tile (E::kStaged: pools, plain stores).
+//
+// 16-bit input and output (P::Elem kgen::bfloat16 or kgen::float16; float where P has none): every
+// bfloat16 and float16 value (subnormals included) is exact in TF32, so one TF32 product of two 16-bit
+// operands is exact, with fp32 accumulation as accurate as a 16-bit tensor-core MMA. Only the loads and
+// stores change: the mma.sync loops' cp.async stages hold the 16-bit values as stored (8-byte pieces of
+// 4), and the pass that rounds a landed stage to TF32 converts it into one fp32 buffer the main loop
+// reads (Geometry: kRawStage, kLoOffset); the wgmma loop converts in BoxRegs. The weights are packed
+// from an fp32 copy (the binding's). The accumulators are rounded to Elem before the epilogue where the
+// plan says so (P::kRoundOutput: eager's 16-bit convolution output), and stores round to Elem.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -86,6 +95,61 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool val
 // 16-byte copy global -> shared (both 16-byte aligned); `valid` false writes zeros.
 __device__ __forceinline__ void cp_async16(float* dst, const float* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// 8-byte copy global -> shared (both 8-byte aligned); `valid` false writes zeros.
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 8 : 0));
+}
+
+// The element type of a problem's input and output: P::Elem where it has one (a 16-bit plan's), else float.
+template <class P, class = void>
+struct ElemOf {
+  using type = float;
+};
+template <class P>
+struct ElemOf<P, std::void_t<typename P::Elem>> {
+  using type = typename P::Elem;
+};
+template <class P>
+using Elem = typename ElemOf<P>::type;
+template <class P>
+inline constexpr bool kHalfInput = sizeof(Elem<P>) == 2;
+// Whether the accumulators are rounded to Elem before the epilogue (P::kRoundOutput, a 16-bit plan's
+// rounding point: kgen/plan.py rounding_points).
+template <class P, class = void>
+struct RoundsOutput : std::false_type {};
+template <class P>
+struct RoundsOutput<P, std::void_t<decltype(P::kRoundOutput)>> : std::bool_constant<P::kRoundOutput> {};
+template <class P>
+inline constexpr bool kRoundsOutput = RoundsOutput<P>::value;
+// Whether a fused epilogue E adds the convolution's bias (E::kConvBias: a 16-bit plan's convolution keeps its
+// bias; E::Params::conv_bias) to the accumulators before its first op: to the output rounded to Elem (as cuDNN's
+// 16-bit output, then ATen's bias add in the dtype), rounded again where the output is a rounding point.
+template <class E, class = void>
+struct AddsConvBias : std::false_type {};
+template <class E>
+struct AddsConvBias<E, std::void_t<decltype(E::kConvBias)>> : std::bool_constant<E::kConvBias> {};
+template <class E>
+inline constexpr bool kAddsConvBias = AddsConvBias<E>::value;
+
+// One input value as float, through the read-only cache.
+__device__ __forceinline__ float load_value(const float* p) { return __ldg(p); }
+template <class T>
+__device__ __forceinline__ float load_value(const T* p) {
+  return to_float(T{__ldg(reinterpret_cast<const unsigned short*>(p))});
+}
+
+// A piece of 4 input values along W, global -> shared, as stored (16 bytes of float, 8 of a 16-bit type).
+__device__ __forceinline__ void copy_piece(float* dst, const float* src, bool valid) { cp_async16(dst, src, valid); }
+template <class T>
+__device__ __forceinline__ void copy_piece(T* dst, const T* src, bool valid) { cp_async8(dst, src, valid); }
+// One input value, global -> shared, as stored: cp.async for a float; a 16-bit value (cp.async copies
+// at least 4 bytes) by a plain load and store.
+__device__ __forceinline__ void copy_value(float* dst, const float* src, bool valid) { cp_async4(dst, src, valid); }
+template <class T>
+__device__ __forceinline__ void copy_value(T* dst, const T* src, bool valid) {
+  dst->bits = valid ? src->bits : 0;
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -249,6 +313,9 @@ struct Geometry {
   static constexpr int kBWPad = kVecRows ? round_up(kBW + (kWindow ? 1 : 0), 4) : round_up(kBW + (kWindow ? 1 : 0), 2);
   static constexpr int kPlane = pad_to_residue(kBD * kBH * kBWPad, P::kPlaneResidue);
   static constexpr int kInStage = round_up(P::kCI * kPlane, 4);
+  // mma.sync loops: floats of one cp.async stage (16-bit input: the values as stored, half as many
+  // floats; the rounding pass converts a landed stage into the fp32 buffer at kLoOffset)
+  static constexpr int kRawStage = kHalfInput<P> ? kInStage / 2 : kInStage;
   // wgmma loop: the A buffer, the box as [quad][bd][bh][w phase][w / SW][4 channels].
   static constexpr int kQuads = P::kCI / 4;
   static constexpr int kColsPerPhase = ceil_div(kBW, P::kSW);
@@ -319,9 +386,11 @@ struct Geometry {
   // then lo) or the lo parts of a stage (mma.sync, tf32x3) | staged tile | epilogue scratch.
   static constexpr int kWeightFloats = kWg || kDirect ? static_cast<int>(kPackedFloats) : 0;
   static constexpr int kStageOffset = kWeightFloats;
-  static constexpr int kLoOffset = kStageOffset + (kWg ? 0 : P::kStages * kInStage);  // also the A buffer's (no stages)
+  static constexpr int kLoOffset = kStageOffset + (kWg ? 0 : P::kStages * kRawStage);  // also the A buffer's (no stages)
   static constexpr int kABufFloats = kSplits * kABuf;  // a team's A buffer (wgmma loop; tf32x3: hi then lo)
-  static constexpr int kTileOffset = kLoOffset + (kWg ? kTeams * kABufFloats : kSplits == 2 ? kInStage : 0);
+  // (mma.sync loops: tf32x3's lo parts of a stage, or a 16-bit input's stage converted to fp32)
+  static constexpr int kTileOffset = kLoOffset + (kWg ? kTeams * kABufFloats : kSplits == 2 || kHalfInput<P> ? kInStage : 0);
+  static_assert(!kHalfInput<P> || (kSplits == 1 && !kDirect), "16-bit input: single TF32 products (exact for 16-bit operands)");
 };
 
 // k of a chunk -> its tap (kd, kh, kw) and channel; `real` false for padded slots.
@@ -532,11 +601,13 @@ __device__ __forceinline__ void channel_sums(const FragMap<P>& fm, float* scratc
 
 // The convolution output (+ bias), NC[D]HW: the plain epilogue. kStagedTile: from the staged
 // tile (consecutive threads store consecutive positions), else from the accumulators.
-template <bool kStagedTile, bool kMoments = false>
+// T: the output's element type (a 16-bit one: the store rounds; the bias adds to the rounded convolution
+// value, as eager's 16-bit convolution then its bias add round twice).
+template <bool kStagedTile, bool kMoments = false, class T = float>
 struct StoreEpilogue {
   struct PlainParams {
-    const float* bias;
-    float* out;
+    const T* bias;
+    T* out;
   };
   // ... and the tiles' moments per channel of what is stored, for a batch_stats stage after it (null: none
   // wanted, as when the stage runs on its own): [sample][channel][P::kMomentsTiles], this problem's tiles
@@ -552,6 +623,7 @@ struct StoreEpilogue {
   template <class P, class Acc>
   __device__ static void apply_fragments(const Params& p, const Acc& acc, const FragMap<P>& fm, float*, const TileCoord& c) {
     static_assert(!kMoments, "moments are gathered from the staged tile");
+    static_assert(std::is_same_v<T, Elem<P>>, "the output's type is the problem's");
     using G = Geometry<P>;
 #pragma unroll
     for (int nt = 0; nt < G::kNT; ++nt)
@@ -568,6 +640,7 @@ struct StoreEpilogue {
   }
   template <class P>
   __device__ static void apply(const Params& p, const float* tile, float*, const TileCoord& c) {
+    static_assert(std::is_same_v<T, Elem<P>> && (!kMoments || std::is_same_v<T, float>), "the output's type is the problem's");
     if constexpr (kMoments) {
       if (p.out) store<P>(p, tile, c);  // null: only the moments are wanted (ConvGemmStage.output_dropped)
       if (p.moments) tile_moments<P>(p, tile, c);
@@ -595,7 +668,7 @@ struct StoreEpilogue {
     const int c0 = c.cblock * P::kBN;
     for (int m = tid; m < G::kM; m += G::kTeamThreads) {
       if (!row_valid<P>(c, m)) continue;
-      float* out = p.out + out_offset<P>(c, c0, m);
+      T* out = p.out + out_offset<P>(c, c0, m);
       for (int n = 0; n < P::kBN; ++n) {
         if (c0 + n < P::kCout) out[n * kChannelStride] = tile[n * G::kMPad + m] + (p.bias ? p.bias[c0 + n] : 0.f);
       }
@@ -692,8 +765,8 @@ __device__ __forceinline__ long long input_offset(int n, int ci, int id, int ih,
 // One 16-byte (row bh, piece) slot of the box, of kChannels channels from input channel c0 (stage
 // planes from `dst`): every (channel, depth) plane at compile-time offsets, in shared memory and in x,
 // no index arithmetic per copy (NC[D]HW, kVecRows).
-template <class P, int kChannels>
-__device__ __forceinline__ void load_slot(float* dst, const float* __restrict__ x, const TileCoord& c, int c0, int slot) {
+template <class P, int kChannels, class T>
+__device__ __forceinline__ void load_slot(T* dst, const T* __restrict__ x, const TileCoord& c, int c0, int slot) {
   using G = Geometry<P>;
   constexpr int kPieces = G::kBWPad / 4;
   const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
@@ -704,21 +777,21 @@ __device__ __forceinline__ void load_slot(float* dst, const float* __restrict__ 
   constexpr int kDepthStride = P::kInH * P::kInW;
   const long long first = (static_cast<long long>(c.n) * P::kCin + c0) * kChannelStride +
                           static_cast<long long>(id0) * kDepthStride + ih * P::kInW + iw;
-  float* d_slot = dst + bh * G::kBWPad + piece * 4;
+  T* d_slot = dst + bh * G::kBWPad + piece * 4;
 #pragma unroll
   for (int ch = 0; ch < kChannels; ++ch) {
     const bool c_ok = hw_ok && c0 + ch < P::kCin;
 #pragma unroll
     for (int bd = 0; bd < G::kBD; ++bd) {
       const bool ok = c_ok && id0 + bd >= 0 && id0 + bd < P::kInD;
-      cp_async16(d_slot + ch * G::kPlane + bd * G::kBH * G::kBWPad, ok ? x + (first + ch * kChannelStride + bd * kDepthStride) : x, ok);
+      copy_piece(d_slot + ch * G::kPlane + bd * G::kBH * G::kBWPad, ok ? x + (first + ch * kChannelStride + bd * kDepthStride) : x, ok);
     }
   }
 }
 
-// Input box of chunk `chunk` for the tile at `c` into one shared-memory stage.
-template <class P>
-__device__ __forceinline__ void load_input(float* dst, const float* __restrict__ x, const TileCoord& c, int chunk) {
+// Input box of chunk `chunk` for the tile at `c` into one shared-memory stage (the values as stored: T is Elem<P>).
+template <class P, class T>
+__device__ __forceinline__ void load_input(T* dst, const T* __restrict__ x, const TileCoord& c, int chunk) {
   using G = Geometry<P>;
   const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
   const int ci0 = chunk * P::kCI;
@@ -746,15 +819,15 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
     if (sub >= kRowsPerPass) return;
     const int iw = iw0 + piece * 4;
     const bool w_ok = iw >= 0 && iw < P::kInW;
-    const float* x_sample = x + static_cast<long long>(c.n) * P::kCin * P::kInD * P::kInH * P::kInW;
-    float* d_col = dst + piece * 4;
+    const T* x_sample = x + static_cast<long long>(c.n) * P::kCin * P::kInD * P::kInH * P::kInW;
+    T* d_col = dst + piece * 4;
 #pragma unroll 2
     for (int row = sub; row < kRows; row += kRowsPerPass) {
       const int bh = row % G::kBH, bd = (row / G::kBH) % G::kBD, ci = row / (G::kBH * G::kBD);
       const int id = id0 + bd, ih = ih0 + bh;
       const bool ok = w_ok && ci0 + ci < P::kCin && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH;
       const long long off = static_cast<long long>(((ci0 + ci) * P::kInD + id) * P::kInH + ih) * P::kInW + iw;
-      cp_async16(d_col + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad, ok ? x_sample + off : x, ok);
+      copy_piece(d_col + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad, ok ? x_sample + off : x, ok);
     }
   } else {
     constexpr int kTotal = P::kCI * G::kBD * G::kBH * G::kBW;
@@ -775,7 +848,7 @@ __device__ __forceinline__ void load_input(float* dst, const float* __restrict__
       const int id = id0 + bd, ih = ih0 + bh, iw = iw0 + bw;
       const bool ok = ci0 + ci < P::kCin && id >= 0 && id < P::kInD && ih >= 0 && ih < P::kInH && iw >= 0 && iw < P::kInW;
       const long long off = input_offset<P>(c.n, ci0 + ci, id, ih, iw);
-      cp_async4(dst + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad + bw, ok ? x + off : x, ok);
+      copy_value(dst + ci * G::kPlane + (bd * G::kBH + bh) * G::kBWPad + bw, ok ? x + off : x, ok);
     }
   }
 }
@@ -792,10 +865,24 @@ __device__ __forceinline__ float input_lo(float x, float hi) {
   }
 }
 
-// Rounds a landed stage to TF32 in place; tf32x3 also writes lo (input_lo).
+// Rounds a landed stage to TF32 in place; tf32x3 also writes lo (input_lo). A 16-bit input's stage
+// (the values as stored, kRawStage floats) is converted into `lo` instead: exact in TF32, nothing to round.
 template <class P>
 __device__ __forceinline__ void round_stage(float* stage, float* lo) {
   using G = Geometry<P>;
+  if constexpr (kHalfInput<P>) {
+    using T = Elem<P>;
+    struct alignas(8) Quad {
+      T v[4];
+    };
+    const Quad* r4 = reinterpret_cast<const Quad*>(stage);
+    float4* l4 = reinterpret_cast<float4*>(lo);
+    for (int e = threadIdx.x; e < G::kInStage / 4; e += G::kThreads) {
+      const Quad q = r4[e];
+      l4[e] = make_float4(q.v[0], q.v[1], q.v[2], q.v[3]);
+    }
+    return;
+  }
   float4* s4 = reinterpret_cast<float4*>(stage);
   float4* l4 = reinterpret_cast<float4*>(lo);
   for (int e = threadIdx.x; e < G::kInStage / 4; e += G::kThreads) {
@@ -825,7 +912,7 @@ struct BoxRegs {
   static constexpr int kPer = ceil_div(kItems, kLoaders);  // items per thread
   float v[kPer][4][4];  // [item][channel][position]
 
-  __device__ __forceinline__ void load(const float* __restrict__ x, const TileCoord& c, int chunk, int tid) {
+  __device__ __forceinline__ void load(const Elem<P>* __restrict__ x, const TileCoord& c, int chunk, int tid) {
 #pragma unroll
     for (int p = 0; p < kPer; ++p) load_item(p, x, c, chunk, tid);
   }
@@ -836,7 +923,7 @@ struct BoxRegs {
   }
 
   // Item p of this thread: its loads (zeros outside the input) into v[p].
-  __device__ __forceinline__ void load_item(int p, const float* __restrict__ x, const TileCoord& c, int chunk, int tid) {
+  __device__ __forceinline__ void load_item(int p, const Elem<P>* __restrict__ x, const TileCoord& c, int chunk, int tid) {
     const int id0 = c.od * P::kSD - P::kPD, ih0 = c.oh * P::kSH - P::kPH, iw0 = c.ow * P::kSW - P::kPW;
     const int ci0 = chunk * P::kCI;
     const int e = tid + p * kLoaders;
@@ -847,7 +934,13 @@ struct BoxRegs {
     for (int ch = 0; ch < 4; ++ch) {
       const int ci = ci0 + quad * 4 + ch;
       const bool ok = row_ok && ci < P::kCin;
-      if constexpr (G::kVecW) {
+      if constexpr (G::kVecW && kHalfInput<P>) {  // 4 values, 8 bytes
+        const long long off = input_offset<P>(c.n, ci, id, ih, iw);
+        const uint2 q = ok && iw >= 0 && iw < P::kInW ? __ldg(reinterpret_cast<const uint2*>(x + off)) : make_uint2(0u, 0u);
+        const uint32_t u[2] = {q.x, q.y};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[p][ch][j] = to_float(Elem<P>{static_cast<uint16_t>(u[j / 2] >> (16 * (j % 2)))});
+      } else if constexpr (G::kVecW) {
         const long long off = input_offset<P>(c.n, ci, id, ih, iw);
         const float4 q = ok && iw >= 0 && iw < P::kInW ? __ldg(reinterpret_cast<const float4*>(x + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
         v[p][ch][0] = q.x, v[p][ch][1] = q.y, v[p][ch][2] = q.z, v[p][ch][3] = q.w;
@@ -855,7 +948,7 @@ struct BoxRegs {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int w = iw + j;
-          v[p][ch][j] = ok && w >= 0 && w < P::kInW ? __ldg(x + input_offset<P>(c.n, ci, id, ih, w)) : 0.f;
+          v[p][ch][j] = ok && w >= 0 && w < P::kInW ? load_value(x + input_offset<P>(c.n, ci, id, ih, w)) : 0.f;
         }
       }
     }
@@ -1096,7 +1189,7 @@ __shared__ int* s_first_loop_flag;
 __shared__ int s_worker[2];  // staggered_kernel: this CTA's worker number and the workers (conv_ctas' cta, ctas)
 
 template <class P, class E, bool kSignal = false, bool kRound = false>
-__device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const float* __restrict__ packed,
+__device__ __forceinline__ void conv_ctas(const Elem<P>* __restrict__ x, const float* __restrict__ packed,
                                           const typename E::Params& ep, int batch, int cta, int ctas,
                                           long long round_lo = 0) {
   using G = Geometry<P>;
@@ -1183,6 +1276,25 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
   };
   // After a tile's last chunk (its input stage `stage`): the epilogue, then fresh accumulators.
   auto finish_tile = [&](const TileCoord& c, float* stage) {
+    if constexpr (kRoundsOutput<P> || kAddsConvBias<E>) {  // the convolution's output as eager's 16-bit tensor holds it
+#pragma unroll
+      for (int nt = 0; nt < G::kNT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float b = 0.f;
+          if constexpr (kAddsConvBias<E>) b = ep.conv_bias[min(c.cblock * P::kBN + fm.n(nt, i), P::kCout - 1)];
+#pragma unroll
+          for (int mt = 0; mt < G::kMT; ++mt) {
+            float v = acc[mt][nt][i];
+            if constexpr (kRoundsOutput<P>) v = round_to<Elem<P>>(v);
+            if constexpr (kAddsConvBias<E>) {
+              v += b;
+              if constexpr (kRoundsOutput<P>) v = round_to<Elem<P>>(v);
+            }
+            acc[mt][nt][i] = v;
+          }
+        }
+    }
     if constexpr (E::kStaged) {
       float* tile = s_tile;
       float* scratch = s_scratch;
@@ -1260,7 +1372,10 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
     }
   } else {
     auto issue = [&](long long s) {
-      if (s < steps) load_input<P>(s_stages + (s % P::kStages) * G::kInStage, x, tile_of_step(s), static_cast<int>(s % G::kChunks));
+      if (s < steps) {
+        load_input<P>(reinterpret_cast<Elem<P>*>(s_stages + (s % P::kStages) * G::kRawStage), x, tile_of_step(s),
+                      static_cast<int>(s % G::kChunks));
+      }
       cp_async_commit();  // an empty group keeps the count uniform
     };
 #pragma unroll 1
@@ -1270,10 +1385,11 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
       cp_async_wait<P::kStages - 2>();
       __syncthreads();  // stage s landed; everyone is done with stage s - 1 and s_lo
       issue(s + P::kStages - 1);
-      float* in = s_stages + (s % P::kStages) * G::kInStage;
+      float* in = s_stages + (s % P::kStages) * G::kRawStage;
       if constexpr (!G::kDirect) {
         round_stage<P>(in, s_lo);
         __syncthreads();
+        if constexpr (kHalfInput<P>) in = s_lo;  // the stage converted to fp32
       }
       const TileCoord c = tile_of_step(s);
       const int chunk = static_cast<int>(s % G::kChunks);
@@ -1297,7 +1413,7 @@ __device__ __forceinline__ void conv_ctas(const float* __restrict__ x, const flo
 }
 
 template <class P, class E>
-__global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const float* __restrict__ x,
+__global__ void __launch_bounds__(Geometry<P>::kThreads) conv_kernel(const Elem<P>* __restrict__ x,
                                                                    const float* __restrict__ packed,
                                                                    const typename E::Params ep, int batch) {
   conv_ctas<P, E>(x, packed, ep, batch, blockIdx.x, gridDim.x);
@@ -1333,7 +1449,8 @@ __device__ __forceinline__ long long phase_rounds(int batch, int ctas) {
 }
 
 template <class E, class... Ps, int... I>
-__device__ __forceinline__ void phase_dispatch(const float* x, const PackedPhases<sizeof...(Ps)>& packed,
+__device__ __forceinline__ void phase_dispatch(const Elem<std::tuple_element_t<0, std::tuple<Ps...>>>* x,
+                                               const PackedPhases<sizeof...(Ps)>& packed,
                                                const typename E::Params& ep, int batch,
                                                std::integer_sequence<int, I...>) {
   using P0 = std::tuple_element_t<0, std::tuple<Ps...>>;
@@ -1353,7 +1470,7 @@ __device__ __forceinline__ void phase_dispatch(const float* x, const PackedPhase
 }
 
 template <class E, class P0, class... Ps>
-__global__ void __launch_bounds__(Geometry<P0>::kThreads) phases_kernel(const float* __restrict__ x,
+__global__ void __launch_bounds__(Geometry<P0>::kThreads) phases_kernel(const Elem<P0>* __restrict__ x,
                                                                       const PackedPhases<1 + sizeof...(Ps)> packed,
                                                                       const typename E::Params ep, int batch) {
   static_assert(((Geometry<Ps>::kThreads == Geometry<P0>::kThreads) && ...), "phases share the block size");
@@ -1489,7 +1606,7 @@ constexpr int kStaggerInts = kMaxSmIds + kMaxGroups + kMaxSmIds * kMaxGroups;
 // `groups` CTAs per SM (the grid fills every SM), `per_group` of each group's CTAs work (whole
 // samples' tiles); worker g * per_group + u of groups * per_group takes the tiles conv_ctas gives it.
 template <class P, class E>
-__global__ void __launch_bounds__(Geometry<P>::kThreads) staggered_kernel(const float* __restrict__ x,
+__global__ void __launch_bounds__(Geometry<P>::kThreads) staggered_kernel(const Elem<P>* __restrict__ x,
                                                                         const float* __restrict__ packed,
                                                                         const typename E::Params ep, int batch,
                                                                         int* sync, int groups, int per_group) {
@@ -1524,7 +1641,7 @@ void pack_weights(const float* w, float* packed, cudaStream_t stream) {
 // Runs the convolution with epilogue E over `batch` samples on `stream`, with
 // weights packed by pack_weights<P>.
 template <class P, class E>
-cudaError_t run(const float* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
+cudaError_t run(const Elem<P>* x, const float* packed, const typename E::Params& ep, int batch, cudaStream_t stream) {
   using G = Geometry<P>;
   KernelSetup setup;
   const cudaError_t err = kernel_setup<conv_kernel<P, E>>(G::kThreads, smem_bytes<P, E>(), &setup);
@@ -1542,7 +1659,7 @@ cudaError_t run(const float* x, const float* packed, const typename E::Params& e
 // sample). Where several CTAs fit on an SM and an SM count of them holds a sample, they run in
 // staggered groups (staggered_kernel); `sync`: kStaggerInts zeroed ints.
 template <class P, class E>
-cudaError_t run_coresident(const float* x, const float* packed, const typename E::Params& ep, int batch, int* sync,
+cudaError_t run_coresident(const Elem<P>* x, const float* packed, const typename E::Params& ep, int batch, int* sync,
                            cudaStream_t stream) {
   using G = Geometry<P>;
   constexpr int kSampleTiles = G::kCBlocks * G::kTilesPerSample;
@@ -1576,7 +1693,7 @@ cudaError_t run_coresident(const float* x, const float* packed, const typename E
 
 // Runs every phase of a transposed convolution in one launch (weights packed per phase).
 template <class E, class... Ps>
-cudaError_t run_phases(const float* x, const PackedPhases<sizeof...(Ps)>& packed, const typename E::Params& ep, int batch,
+cudaError_t run_phases(const Elem<std::tuple_element_t<0, std::tuple<Ps...>>>* x, const PackedPhases<sizeof...(Ps)>& packed, const typename E::Params& ep, int batch,
                        cudaStream_t stream) {
   constexpr int kSmem = [] {
     int m = 0;
@@ -1599,7 +1716,7 @@ cudaError_t run_phases(const float* x, const PackedPhases<sizeof...(Ps)>& packed
 
 // pack_weights + run, for a single convolution.
 template <class P, class E>
-cudaError_t launch(const float* x, const float* w, float* packed, const typename E::Params& ep, int batch,
+cudaError_t launch(const Elem<P>* x, const float* w, float* packed, const typename E::Params& ep, int batch,
                    cudaStream_t stream) {
   pack_weights<P>(w, packed, stream);
   return run<P, E>(x, packed, ep, batch, stream);

@@ -42,6 +42,17 @@ accumulators (div_max_gap_bias_sum 0.273 ms against the window loop's 0.338 in t
 
 Otherwise the convolution output is written (NC[D]HW) and the next stage reads it.
 
+bfloat16 and float16 plans: every 16-bit value (float16's subnormals included) is exact in TF32, so a
+single TF32 product of two 16-bit operands is exact and, accumulated in fp32, as accurate as eager's
+16-bit tensor-core convolution: the window, generic and wgmma loops run unchanged on single TF32
+products, only their loads and stores change (conv_gemm.cuh: the cp.async stages hold the values as
+stored and the rounding pass converts them; BoxRegs converts in registers). The weights are packed from
+a float32 copy once per version; the accumulators are rounded to the dtype before the epilogue where
+kgen.plan.rounding_points says (eager's 16-bit convolution output). 16-bit plans keep the bias in the
+convolution (kgen.plan.defer_conv_bias): it is added to the rounded output and rounded again (the Store:
+as it stores; a fused epilogue: before its first op), as eager's cuDNN call and ATen's bias add after it. phase_pool,
+pool_ring and the norm epilogues (the direct loop) are float32 only for now and decline 16-bit plans.
+
 On the CPU the stage runs ATen's convolution, then the epilogue stage's own
 C++ code. Templates: ``templates/conv_gemm/``.
 """
@@ -55,10 +66,11 @@ from ..buffer import flat_buffer
 from ..errors import KgenError
 from ..ir import BatchStats, Elementwise, Pool, Reduce
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
+from ..spec import DTYPES
 from ..stage import ConvStage, Stage
 from ..target import Target
 from .batch_stats import MOMENT_BYTES
-from .base import FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, later_ops, pow2_floor
+from .base import DTYPE_BYTES, FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, later_ops, pow2_floor
 from .conv_aten import CUDNN_GEMM_COUT, CUDNN_GEMM_K
 
 EPILOGUE_BATCH = 4  # Fused.batch where the epilogue's chain calls libm
@@ -164,6 +176,7 @@ class Schedule:
     mma: str  # tf32 | tf32x3 | fp32 (the direct loop)
     smem_bytes: int  # what the CTA needs (checked against the limit)
     teams: int = 1  # wgmma loop: teams of warps_m x warps_n warps sharing the resident weights
+    input_bytes: int = FLOAT_BYTES  # bytes of an input value (2: a 16-bit plan's cp.async stages hold half as many floats)
 
 
 @dataclass(frozen=True)
@@ -604,7 +617,9 @@ class ConvGemm(Family):
     generates_kernel = True
     pieces = ("stage.h", "kernel.cu", "binding.cpp")
     cuda_includes = ("conv_gemm/conv_gemm.cuh", "conv_gemm/phase_pool.cuh", "conv_gemm/pool_ring.cuh")
-    summary = "generated implicit-GEMM convolution on TF32 tensor cores (ieee: fp32 FMAs), the next stage fused in"
+    summary = ("generated implicit-GEMM convolution on TF32 tensor cores (ieee: fp32 FMAs; 16-bit: TF32 products, exact for "
+               "16-bit operands), the next stage fused in")
+    dtypes = DTYPES  # 16-bit: loads converted to float, single TF32 products (exact), stores rounded (module docstring)
 
     def fits(self, ops):
         if len(ops) != 1:
@@ -625,13 +640,14 @@ class ConvGemm(Family):
         lc = lowered(req.ops[0])
         c = lc.conv
         taps = _max_taps(lc, req.types[0].spatial)
+        half = req.dtype != "float32"
         try:
-            mma = "fp32" if req.pipeline.precision == "ieee" else "tf32x3"
-            self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, mma, req.target)
+            mma = "tf32" if half else "fp32" if req.pipeline.precision == "ieee" else "tf32x3"
+            self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, mma, req.target, DTYPE_BYTES[req.dtype])
         except KgenError as e:
             return f"no tile fits: {e}"
         forced = req.pipeline.conv_impl == "gemm"
-        if not forced and req.pipeline.precision == "ieee" and c.in_channels * taps > DIRECT_MAX_K:
+        if not forced and not half and req.pipeline.precision == "ieee" and c.in_channels * taps > DIRECT_MAX_K:
             return (f"precision ieee: K = {c.in_channels} channels x {taps} taps is above {DIRECT_MAX_K}, where "
                     "the fp32 direct loop is no faster than ATen's fp32 convolution")
         k_rule = self._k_rule(req)
@@ -656,6 +672,8 @@ class ConvGemm(Family):
     def _fused_pool_epilogue(self, req: StageRequest) -> list | str:
         """What phase_pool and pool_ring share: TF32 products, a plain NC[D]HW input and a pool_reduce
         stage next; its ops (the elementwise ops, pools and reductions after the convolution), or why not."""
+        if req.dtype != "float32":
+            return f"float32 only: its kernel has no {req.dtype} loads yet"
         if self.mma(req)[0] != "tf32":
             return "TF32 products only"
         if not req.input.flat or req.input.layout != "contiguous":
@@ -761,12 +779,14 @@ class ConvGemm(Family):
         plane = box[0] * box[1] * row
         plane += (sc.plane_residue - plane % 32) % 32
         stage = -(-sc.cin_chunk * plane // 4) * 4
-        floats = weights + sc.stages * stage + (stage if sc.mma == "tf32x3" else 0)
+        half = sc.input_bytes == 2  # (conv_gemm.cuh kRawStage: the stages as stored, converted into one fp32 buffer)
+        floats = weights + sc.stages * (stage // 2 if half else stage) + (stage if sc.mma == "tf32x3" or half else 0)
         if staged and tile_floats + scratch_floats <= stage:
             return 4 * floats  # the staged tile and scratch live in the last chunk's input stage (tile_in_stage)
         return 4 * (floats + tile_floats + scratch_floats)
 
-    def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target) -> Schedule:
+    def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target,
+                 input_bytes: int = FLOAT_BYTES) -> Schedule:
         """Tile shapes measured on the H100 (lab conv_lab, docs/performance.md): the wgmma loop
         where it wins (WGMMA_MIN_COUT), in the first of WGMMA_SHAPES that fits (teams of one
         warpgroup on 8 x 8 tiles sharing the weights); else the window loop with 4 m-tiles of 16
@@ -778,7 +798,7 @@ class ConvGemm(Family):
         if mma == "fp32":
             return self.direct_schedule(lc, problems, staged)
         if target.wgmma and mma == "tf32" and c.rank >= 2 and c.in_channels >= 8 and c.out_channels >= WGMMA_MIN_COUT:
-            sc = self.wgmma_schedule(problems, -(-c.out_channels // 16) * 16, mma, staged)
+            sc = self.wgmma_schedule(problems, -(-c.out_channels // 16) * 16, mma, staged, input_bytes=input_bytes)
             if sc is not None:
                 return sc
         cin_chunk = 4 if c.in_channels <= 4 else 8
@@ -805,7 +825,7 @@ class ConvGemm(Family):
             tiles = ([((1, 4, 32), 4), ((1, 2, 32), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)] if rank >= 2
                      else [((1, 1, 128), 4), ((1, 1, 64), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)])
         for tile, warps_m in tiles:  # the largest tile whose input box fits in shared memory
-            sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, loop, mma, 0)
+            sc = Schedule(tile, cin_chunk, block_n, warps_m, warps_n, STAGES, PLANE_RESIDUE, loop, mma, 0, input_bytes=input_bytes)
             sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged) for q in problems))
             if sc.smem_bytes <= SMEM_LIMIT:
                 break
@@ -813,11 +833,11 @@ class ConvGemm(Family):
         return sc
 
     def wgmma_schedule(self, problems: list[Problem], block_n: int, mma: str, staged: bool,
-                       scratch_floats: int = 0) -> Schedule | None:
+                       scratch_floats: int = 0, input_bytes: int = FLOAT_BYTES) -> Schedule | None:
         """The first of WGMMA_SHAPES whose shared memory fits (None if none does)."""
         for tile, warps_m, warps_n, teams in WGMMA_SHAPES:
             # one register stage (conv_gemm.cuh BoxRegs) instead of cp.async stages
-            sc = Schedule(tile, 8, block_n, warps_m, warps_n, 1, PLANE_RESIDUE, "wgmma", mma, 0, teams)
+            sc = Schedule(tile, 8, block_n, warps_m, warps_n, 1, PLANE_RESIDUE, "wgmma", mma, 0, teams, input_bytes)
             sc = replace(sc, smem_bytes=max(self.smem_bytes(q, sc, staged, scratch_floats) for q in problems))
             if sc.smem_bytes <= SMEM_LIMIT:
                 self.check(sc, problems)
@@ -866,6 +886,7 @@ class ConvGemm(Family):
             "tile rows split into 16-row MMA tiles per warp": m % (16 * sc.warps_m) == 0,
             "kBN splits into 8-column MMA tiles per warp": sc.block_n % (8 * sc.warps_n) == 0,
             f"shared memory within {SMEM_LIMIT} bytes": sc.smem_bytes <= SMEM_LIMIT,
+            "16-bit input: single TF32 products on a tensor-core loop": sc.input_bytes == FLOAT_BYTES or sc.mma == "tf32",
         }
         if sc.loop == "wgmma":
             rules["wgmma loop: tiles of 8 in W and 8k in H, kCI 8, all channels in one block of whole 16-column halves"] = (
@@ -903,7 +924,10 @@ class ConvGemm(Family):
     @classmethod
     def mma(cls, req: StageRequest) -> tuple[str, str]:
         """TF32 products where they are as accurate as eager's, else split TF32 (about fp32
-        accuracy; base.conv_precision says which and why)."""
+        accuracy; base.conv_precision says which and why). 16-bit plans: TF32 products, exact for 16-bit operands."""
+        if req.dtype != "float32":
+            return "tf32", (f"tf32, exact for 16-bit operands ({req.dtype} values are exact in TF32: fp32 accumulation "
+                            "as eager's 16-bit tensor-core convolution)")
         if req.pipeline.precision == "tf32" and cls.eager_products_needed(req):
             return "tf32x3", ("eager's transposed convolution, folded with its pool, before a batch norm's statistics: "
                               "x rounded as eager's TF32 call, the folded weights in split TF32")
@@ -919,10 +943,11 @@ class ConvGemm(Family):
         t_in, t_out = req.types
         st = ConvGemmStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=lc, layout="contiguous")
         st.problems = self.problems(lc, t_in, t_out)
+        st.dtype = req.dtype
         mma, st.x3_reason = self.mma(req)
-        st.eager_products = req.pipeline.precision == "tf32" and self.eager_products_needed(req)  # (mma: tf32x3)
+        st.eager_products = req.dtype == "float32" and req.pipeline.precision == "tf32" and self.eager_products_needed(req)  # (mma: tf32x3)
         # the plain epilogue stores a staged tile (the direct loop stores from its accumulators)
-        st.schedule = self.schedule(lc, st.problems, mma != "fp32", mma, req.target)
+        st.schedule = self.schedule(lc, st.problems, mma != "fp32", mma, req.target, DTYPE_BYTES[req.dtype])
         st.input_extent = tuple(t_in.spatial)
         st.output = flat_buffer(t_out)
         return st
@@ -974,7 +999,7 @@ class ConvGemm(Family):
         if sc.warps_n == WINDOW_WIDE_WARPS_N and (reduced or window != (1, 1, 1)):
             sc = replace(sc, warps_n=2)  # a reducing epilogue's registers do not fit 128 (#82 spilled)
         if sc.loop == "wgmma":  # as many teams as fit beside this epilogue's staged tile (if any)
-            sc = self.wgmma_schedule(st.problems, sc.block_n, sc.mma, not registers, FUSED_SCRATCH_FLOATS) or sc
+            sc = self.wgmma_schedule(st.problems, sc.block_n, sc.mma, not registers, FUSED_SCRATCH_FLOATS, sc.input_bytes) or sc
         if any(t % w for t, w in zip(sc.tile, window)):
             return False  # a tile must hold whole windows
         pooled = _view3(nxt.pooled_type.spatial, 1)
@@ -1064,8 +1089,8 @@ class ConvGemm(Family):
         shape measured); at most 32 output channels, one warp column (a thread holds every channel
         of its positions: a reduction over them stays in registers). The one-pass form also needs
         a sample's tiles to run at once: at most one per SM here (the kernel checks the device's
-        real count at launch)."""
-        if len(st.problems) != 1 or st.schedule.mma not in ("fp32", "tf32x3"):
+        real count at launch). float32 only (16-bit plans: the direct loop has no 16-bit loads yet)."""
+        if st.dtype != "float32" or len(st.problems) != 1 or st.schedule.mma not in ("fp32", "tf32x3"):
             return None
         p = st.problems[0]
         if p.cin * math.prod(p.kernel) > NORM_RECOMPUTE_MAX_K:
@@ -1124,8 +1149,9 @@ class ConvGemm(Family):
         lc, c = st.conv, st.conv.conv
         flops = batch * lc.flops(st.in_type, st.out_type) * (3 if st.schedule.mma == "tf32x3" else 1)
         out_type = st.epilogue.out_type if st.epilogue is not None else st.out_type
-        written = (MOMENT_BYTES * c.out_channels * st.moments_tiles() if st.output_dropped else FLOAT_BYTES * out_type.sample_numel)
-        nbytes = FLOAT_BYTES * (batch * st.in_type.sample_numel + math.prod(c.weight_shape())) + batch * written
+        size = DTYPE_BYTES[st.dtype]  # an input or output value (the packed weights are fp32 in every dtype)
+        written = (MOMENT_BYTES * c.out_channels * st.moments_tiles() if st.output_dropped else size * out_type.sample_numel)
+        nbytes = size * batch * st.in_type.sample_numel + FLOAT_BYTES * math.prod(c.weight_shape()) + batch * written
         rate = (target.fp32_flops * DIRECT_FP32_FRACTION if st.schedule.loop == "direct"
                 else target.tensor_flops * GEMM_TENSOR_FRACTION)
         phases = len(st.problems) > 1
@@ -1225,7 +1251,13 @@ class ConvGemm(Family):
         if st.eager_products:
             out.append("x rounded ties to even and the weights folded from their TF32 values (ties to even), as eager's "
                        "cuDNN transposed convolution rounds them: eager's products, summed in another order")
-        if sc.mma == "tf32":
+        if sc.mma == "tf32" and st.dtype != "float32":
+            rounded = " (rounded to " + st.dtype + " before its epilogue, as eager's output)" if st.ops[0] in st.rounded else ""
+            if st.conv.conv.bias and not st.conv.bias_deferred:
+                rounded += " + its bias" + (" (rounded again)" if st.ops[0] in st.rounded else "")
+            out.append(f"{st.dtype} input loaded as stored and converted to fp32 (exact TF32 operands), the weights packed from "
+                       f"a float32 copy; the accumulators{rounded} stored as {st.dtype}")
+        elif sc.mma == "tf32":
             out.append(f"TF32 operands rounded {self.rounding_words(st)}")
         return out
 
@@ -1235,7 +1267,10 @@ class ConvGemm(Family):
                 else "ties away from zero, as eager's cuDNN forward convolution")
 
     def stage_json(self, st: ConvGemmStage) -> dict:
-        d = dict(lowering=st.conv.lowering.name, layout=st.layout, schedule=asdict(st.schedule), mma_reason=st.x3_reason,
+        schedule = asdict(st.schedule)
+        if st.schedule.input_bytes == FLOAT_BYTES:
+            del schedule["input_bytes"]  # (float32 plans: as they were)
+        d = dict(lowering=st.conv.lowering.name, layout=st.layout, schedule=schedule, mma_reason=st.x3_reason,
                  problems=[asdict(p) for p in st.problems])
         if st.fused:
             d["fused_epilogue"] = asdict(st.fused)
