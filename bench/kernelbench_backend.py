@@ -6,7 +6,9 @@ copied into this project), in one process:
 
 1. the model, ``Model(*get_init_inputs())`` seeded as KernelBench seeds it, on ``--device``, in training
    mode as KernelBench's evaluator runs it (it never calls eval()), under ``torch.no_grad()``; the
-   two compiled forms share its weights;
+   each compiled form compiles a copy of it (``copy.deepcopy``: the same weights), as KernelBench builds
+   the reference and the candidate apart: a model whose forward changes its own state (a hidden state kept
+   between calls) sees each form's calls only;
 2. KernelBench's check: ``--trials`` inputs from ``get_inputs()`` (seeds 42, 43, ...; the same seed
    before each model's call, for a model that draws random numbers), ``torch.allclose(atol=rtol=1e-4)``
    of each compiled form against eager (float32, PyTorch's defaults);
@@ -104,8 +106,8 @@ def run_problem(path: Path, args) -> dict:
     before = len(backend.PARTITIONS)
     forms = {"eager": model}
     if "inductor" not in args.skip:
-        forms["inductor"] = torch.compile(model)
-    forms["kgen"] = torch.compile(model, backend="kgen", options={"verbose": args.verbose})
+        forms["inductor"] = torch.compile(copy.deepcopy(model))
+    forms["kgen"] = torch.compile(copy.deepcopy(model), backend="kgen", options={"verbose": args.verbose})
 
     def inputs_for(seed: int):
         torch.manual_seed(seed)
