@@ -5,7 +5,7 @@ For each problem (``--level`` and ``--problems``, from KernelBench's folder ``--
 copied into this project), in one process:
 
 1. the model, ``Model(*get_init_inputs())`` seeded as KernelBench seeds it, on ``--device``, in training
-   mode as KernelBench's evaluator runs it (it never calls eval()), under ``torch.no_grad()``; the
+   mode as KernelBench's evaluator runs it (it never calls eval()), under ``torch.no_grad()``;
    each compiled form compiles a copy of it (``copy.deepcopy``: the same weights), as KernelBench builds
    the reference and the candidate apart: a model whose forward changes its own state (a hidden state kept
    between calls) sees each form's calls only;
