@@ -527,6 +527,12 @@ def _ask_dynamic_batch(g: _Graph) -> None:
         size = [auto_unset] * rank
         size[0] = auto_dynamic
         process_automatic_dynamic(root, name, FrameStateSizeEntry.make_size(tuple(size)))
+    # The trace with a symbolic batch takes other steps (``B, T, C = x.size()`` is no longer constants):
+    # what Dynamo's speculation log remembers of this trace would not match it ("SpeculationLog diverged").
+    # Forgotten, a graph break it recorded is found again (and asked of this backend, which asks nothing twice).
+    log = getattr(root, "speculation_log", None)
+    if log is not None and hasattr(log, "clear"):
+        log.clear()
     raise _DynamicBatch(restart_reason=f"kgen: the batch of {', '.join(n for n, _ in inputs)} is the run-time size")
 
 
