@@ -458,3 +458,31 @@ def test_attention_whose_trace_changes_with_a_dynamic_batch(cache):
     made = backend.PARTITIONS[before:]
     assert any(p["module"] for p in made), made
     assert not any("masked_fill" in p["calls"] for p in made if p["module"])  # the buffer's mask: PyTorch's
+
+
+class Around(nn.Module):
+    """A partition reading another partition's output around a call left to PyTorch (cumsum): the partitioner
+    cannot merge them (the merged one would both feed and read the cumsum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 6)
+        self.fc2 = nn.Linear(6, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.fc1(x))
+        return self.fc2(y + torch.cumsum(y, 1))
+
+
+def test_partition_reading_another_partitions_output(cache):
+    from kgen import backend
+
+    torch.manual_seed(7)
+    model = Around()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 2 and all(p["module"] for p in made), made
+    assert any("add" in p["calls"] and "linear" in p["calls"] for p in made), made
