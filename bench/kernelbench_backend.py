@@ -178,8 +178,9 @@ def in_child(n: int, args) -> dict:
             return {"problem": f"{args.level}/{n}", "status": "failed", "error": f"timed out after {args.timeout:g} s"}
         if out.exists():
             return json.loads(out.read_text())
-        return {"problem": f"{args.level}/{n}", "status": "failed",
-                "error": f"the process ended with {code} and no result (a crash)"}
+        why = f"killed by signal {-code}" + (" (SIGKILL: the kernel's out-of-memory killer, most likely)" if code == -9
+                                              else "") if code < 0 else f"exit status {code}"
+        return {"problem": f"{args.level}/{n}", "status": "failed", "error": f"the process ended without a result: {why}"}
 
 
 def environment(device: str) -> dict:
