@@ -5,8 +5,10 @@ For each problem (``--level`` and ``--problems``, from KernelBench's folder ``--
 copied into this project), in one process:
 
 1. the model, ``Model(*get_init_inputs())`` seeded as KernelBench seeds it, on ``--device``, in training
-   mode as KernelBench's evaluator runs it (it never calls eval()), under ``torch.no_grad()``; the
-   two compiled forms share its weights;
+   mode as KernelBench's evaluator runs it (it never calls eval()), under ``torch.no_grad()``;
+   each compiled form compiles a copy of it (``copy.deepcopy``: the same weights), as KernelBench builds
+   the reference and the candidate apart: a model whose forward changes its own state (a hidden state kept
+   between calls) sees each form's calls only;
 2. KernelBench's check: ``--trials`` inputs from ``get_inputs()`` (seeds 42, 43, ...; the same seed
    before each model's call, for a model that draws random numbers), ``torch.allclose(atol=rtol=1e-4)``
    of each compiled form against eager (float32, PyTorch's defaults);
@@ -28,6 +30,7 @@ import copy
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -103,8 +106,8 @@ def run_problem(path: Path, args) -> dict:
     before = len(backend.PARTITIONS)
     forms = {"eager": model}
     if "inductor" not in args.skip:
-        forms["inductor"] = torch.compile(model)
-    forms["kgen"] = torch.compile(model, backend="kgen", options={"verbose": args.verbose})
+        forms["inductor"] = torch.compile(copy.deepcopy(model))
+    forms["kgen"] = torch.compile(copy.deepcopy(model), backend="kgen", options={"verbose": args.verbose})
 
     def inputs_for(seed: int):
         torch.manual_seed(seed)
@@ -151,6 +154,33 @@ def run_problem(path: Path, args) -> dict:
     if any(k.endswith("_error") for k in row):
         row["status"] = "failed"
     return row
+
+
+def in_child(n: int, args) -> dict:
+    """Problem ``n`` run by a process of its own (this script with ``--row``), stopped after ``args.timeout``
+    seconds: a crash (a signal, an abort in a generated op) or a hang is its row."""
+    import subprocess
+    import tempfile
+
+    argv = [sys.executable, str(Path(__file__).resolve()), "--level", str(args.level), "--problems", str(n),
+            "--kernelbench", str(args.kernelbench), "--device", args.device, "--trials", str(args.trials),
+            "--reps", str(args.reps), "--skip", args.skip, "--out", str(args.out)]
+    argv += ["--batch", str(args.batch)] if args.batch is not None else []
+    argv += ["--verbose"] if args.verbose else []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        child = subprocess.Popen(argv + ["--row", str(out)], start_new_session=True)  # its group: it and its builds
+        try:
+            code = child.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            return {"problem": f"{args.level}/{n}", "status": "failed", "error": f"timed out after {args.timeout:g} s"}
+        if out.exists():
+            return json.loads(out.read_text())
+        why = f"killed by signal {-code}" + (" (SIGKILL: the kernel's out-of-memory killer, most likely)" if code == -9
+                                              else "") if code < 0 else f"exit status {code}"
+        return {"problem": f"{args.level}/{n}", "status": "failed", "error": f"the process ended without a result: {why}"}
 
 
 def environment(device: str) -> dict:
@@ -206,7 +236,19 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="forms not to run: inductor")
     ap.add_argument("--verbose", action="store_true", help="kgen's progress on stderr")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "kb-backend-out")))
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="run each problem in a process of its own, stopped after this many seconds (a crash or a "
+                         "hang is that problem's row; the others go on)")
+    ap.add_argument("--row", type=Path, default=None, help=argparse.SUPPRESS)  # (the child's: one problem's row as JSON)
     args = ap.parse_args()
+    if args.row is not None:  # a child of --timeout: one problem, its row to the file
+        n = args.problems[0]
+        try:
+            row = run_problem(problem_file(args.kernelbench, args.level, n), args)
+        except Exception as e:  # noqa: BLE001
+            row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
+        args.row.write_text(json.dumps(row))
+        return
     import torch
 
     if not (args.kernelbench / f"level{args.level}").is_dir():
@@ -216,10 +258,13 @@ def main() -> None:
     rows = []
     for n in args.problems:
         t = time.time()
-        try:
-            row = run_problem(problem_file(args.kernelbench, args.level, n), args)
-        except Exception as e:  # noqa: BLE001 - one problem's failure is its row
-            row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
+        if args.timeout is not None:
+            row = in_child(n, args)
+        else:
+            try:
+                row = run_problem(problem_file(args.kernelbench, args.level, n), args)
+            except Exception as e:  # noqa: BLE001 - one problem's failure is its row
+                row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
         row.update(number=n, time_s=round(time.time() - t, 1))
         rows.append(row)
         print(f"{row['problem']}: eager {_f(row.get('eager_ms'))} ms, inductor {_f(row.get('inductor_ms'))} ms, "

@@ -33,6 +33,7 @@ would stay eager, or a node kgen would compute but for a dynamic size, is an err
 from __future__ import annotations
 
 import inspect
+import operator
 import sys
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ class _Graph:
     batch: object = None  # dim 0 of the first input that is not a parameter (an int or a SymInt)
     dtype: torch.dtype | None = None
     by_name: dict = field(default_factory=dict)  # node name -> node (fusing copies the graph's nodes)
+    parts: dict = field(default_factory=dict)  # fused_i -> partition i's graph (before a generated op replaces it)
 
     def __post_init__(self):
         self.by_name = {n.name: n for n in self.gm.graph.nodes}
@@ -265,7 +267,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
     graph = fx.Graph()
     env: dict = {}
     places = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    outer = {p: g.by_name.get(a.name) if isinstance(a, fx.Node) else a for p, a in zip(places, call.args)}
+    outer = {p: _original(a, g) for p, a in zip(places, call.args)}
     plan = _Plan(root, [], [])
     batch_node = None
     arg_index = {p: i for i, p in enumerate(places)}
@@ -382,6 +384,26 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
     plan.training = modes.pop() if modes else False
     plan.model = fx.GraphModule(root, graph, class_name="KgenPartition").train(plan.training)
     return plan
+
+
+def _original(a, g: _Graph):
+    """The node of Dynamo's graph that the partitioned graph's argument ``a`` stands for: itself (fusing
+    keeps the names of the nodes it leaves), or, where ``a`` is the output of another partition
+    (``fused_3`` or ``getitem(fused_3, k)``), the node that partition returns."""
+    if not isinstance(a, fx.Node):
+        return a
+    index = None
+    if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[0], fx.Node) \
+            and a.args[0].op == "call_module" and isinstance(a.args[1], int):
+        a, index = a.args[0], a.args[1]
+    if a.op == "call_module" and isinstance(a.target, str) and a.target.startswith("fused_"):
+        sub = g.parts.get(a.target)
+        if sub is None:
+            return None
+        outs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        inner = outs[index] if index is not None and isinstance(outs, (tuple, list)) else outs
+        return g.by_name.get(inner.name) if isinstance(inner, fx.Node) else None
+    return g.by_name.get(a.name)
 
 
 def _batch_in_shape(args, n: fx.Node, g: _Graph, batch):
@@ -527,6 +549,12 @@ def _ask_dynamic_batch(g: _Graph) -> None:
         size = [auto_unset] * rank
         size[0] = auto_dynamic
         process_automatic_dynamic(root, name, FrameStateSizeEntry.make_size(tuple(size)))
+    # The trace with a symbolic batch takes other steps (``B, T, C = x.size()`` is no longer constants):
+    # what Dynamo's speculation log remembers of this trace would not match it ("SpeculationLog diverged").
+    # Forgotten, a graph break it recorded is found again (and asked of this backend, which asks nothing twice).
+    log = getattr(root, "speculation_log", None)
+    if log is not None and hasattr(log, "clear"):
+        log.clear()
     raise _DynamicBatch(restart_reason=f"kgen: the batch of {', '.join(n for n, _ in inputs)} is the run-time size")
 
 
@@ -614,6 +642,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     described = [_calls(sorted(p.nodes, key=order.get)) for p in parts]
     fused = partitioner.fuse_partitions(parts)
     calls = {n.target: n for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")}
+    g.parts = {target: fused.get_submodule(target) for target in calls}
     for i, names in enumerate(described):
         target = f"fused_{i}"  # fuse_partitions names the i-th partition it is given so
         call = calls.get(target)

@@ -420,3 +420,69 @@ def test_backend_resolves_through_the_entry_point(cache, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), str(ROOT / "tests")])}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+class CausalAttention(nn.Module):
+    """KernelBench level 3's MinGPT attention in small: ``B, T, C = x.size()``, split, heads by view and
+    transpose, a causal mask read from a buffer sliced to the run-time T."""
+
+    def __init__(self, embed=8, heads=2, most=6):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(embed, 3 * embed)
+        self.register_buffer("bias", torch.tril(torch.ones(most, most)).view(1, 1, most, most))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (k.size(-1) ** 0.5))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return y.transpose(1, 2).contiguous().view(B, T, C)
+
+
+def test_attention_whose_trace_changes_with_a_dynamic_batch(cache):
+    """Asking Dynamo for a dynamic batch retraces the frame along other steps (the sizes are symbols):
+    what Dynamo remembered of the first trace must not make it fail ("SpeculationLog diverged")."""
+    from kgen import backend
+
+    torch.manual_seed(6)
+    model = CausalAttention()
+    compiled = _compiled(model)
+    before = len(backend.PARTITIONS)
+    for batch in (2, 3):
+        x = torch.randn(batch, 5, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert any(p["module"] for p in made), made
+    assert not any("masked_fill" in p["calls"] for p in made if p["module"])  # the buffer's mask: PyTorch's
+
+
+class Around(nn.Module):
+    """A partition reading another partition's output around a call left to PyTorch (cumsum): the partitioner
+    cannot merge them (the merged one would both feed and read the cumsum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 6)
+        self.fc2 = nn.Linear(6, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.fc1(x))
+        return self.fc2(y + torch.cumsum(y, 1))
+
+
+def test_partition_reading_another_partitions_output(cache):
+    from kgen import backend
+
+    torch.manual_seed(7)
+    model = Around()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 2 and all(p["module"] for p in made), made
+    assert any("add" in p["calls"] and "linear" in p["calls"] for p in made), made
