@@ -201,7 +201,7 @@ def op_arguments(pipe) -> list[tuple[str, str, str]]:
     one list (pipelines that have them), then the mode (pipelines with batch norm or
     dropout) and the running statistics' update weights. PyTorch's dispatcher takes ops
     of at most 64 arguments (a longer schema aborts the process when the library loads):
-    with the lists, a spec's at most MAX_INPUTS inputs keep the op far below that."""
+    with the lists, a spec's at most MAX_INPUTS inputs keep the op below that (spec.py says why)."""
     args = [(f"const at::Tensor& {n}", f"Tensor {n}", n) for n in ["x"] + pipe.input_names[1:]]
     args.append(("at::TensorList params", "Tensor[] params", "params"))
     if pipe.buffer_args():

@@ -194,7 +194,12 @@ def max_elements() -> int:
 TOP_KEYS = {"name", "description", "input", "inputs", "example", "params", "ops", "outputs", "precision", "intermediates",
             "rewrites", "plan", "constructor"}
 OP_KEYS = ("as", "from")  # keys any op may have besides its own fields
-MAX_INPUTS = 8
+# The op kgen::NAME takes each input as one argument and the rest as at most 4 more (the parameters and the
+# buffers as two lists, the mode, the update weights: render.op_arguments); PyTorch's dispatcher takes ops of at
+# most 64 arguments (a longer schema aborts the process when the library loads). 48 inputs keep a margin below
+# that and cover DenseNet's dense layers (a cat of up to 33 tensors in DenseNet201).
+DISPATCHER_MAX_ARGS = 64
+MAX_INPUTS = 48
 MAX_OUTPUTS = 16
 MAX_ARGS = 64  # constructor arguments
 

@@ -193,3 +193,38 @@ def test_spec_data_round_trip(tmp_path):
         assert "description" not in data
         again = spec_from_data(data, str(p))
         assert again == spec.__class__(**{**spec.__dict__, "description": ""})
+
+
+def _many_inputs(n: int) -> str:
+    """A spec of ``n`` inputs [N, 2, 3] concatenated along dim 1 (DenseNet's dense layer), then scaled and relu."""
+    names = ["x"] + [f"in{i}" for i in range(1, n)]
+    lines = ["name: many_inputs", "inputs:"] + [f"  {k}: {{shape: [N, 2, 3]}}" for k in names]
+    lines += ["example: {N: 2}", "params:", f"  w: {{shape: [{2 * n}, 1]}}", "ops:",
+              f"  - cat: {{dim: 1, tensors: [{', '.join(names[1:])}]}}", "  - mul: {param: w}", "  - relu"]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_input_limit_keeps_the_op_within_the_dispatchers_arguments(tmp_path):
+    """Each input is one argument of the op kgen::NAME (the rest are at most 4): MAX_INPUTS inputs are taken and
+    keep the op under PyTorch's 64 arguments; one more is refused naming the limit."""
+    from kgen.render import op_arguments
+    from kgen.spec import DISPATCHER_MAX_ARGS, MAX_INPUTS
+
+    path = tmp_path / "many.yaml"
+    path.write_text(_many_inputs(MAX_INPUTS))
+    pipe = load_pipeline(path)
+    assert len(pipe.input_names) == MAX_INPUTS and len(op_arguments(pipe)) < DISPATCHER_MAX_ARGS
+    path.write_text(_many_inputs(MAX_INPUTS + 1))
+    with pytest.raises(SpecError) as e:
+        load_pipeline(path)
+    _assert_one_line_error(e.value, path, "inputs", [f"expected 1 to {MAX_INPUTS} inputs, got {MAX_INPUTS + 1}"])
+
+
+def test_twenty_inputs_render_build_and_validate_on_the_cpu(tmp_path):
+    """A cat of 20 inputs (a DenseNet dense layer's width): rendered, built for the CPU, equal to float64 PyTorch."""
+    from conftest import build_and_validate, render_specs
+
+    rendered = render_specs(tmp_path, {"many_inputs": _many_inputs(20)})
+    binding = (rendered["many_inputs"][1] / "binding.cpp").read_text()
+    assert "Tensor in19, Tensor[] params" in binding
+    build_and_validate(rendered, "cpu")
