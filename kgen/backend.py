@@ -189,6 +189,9 @@ class _Support:
         from .importer import _IN_PLACE_OPERATORS, _in_place_name, maps_call
 
         g = self.g
+        if n.op in ("call_function", "call_method") and self._parameter_view(n):
+            # ``self.w.T``: taken with the calls reading it (the importer makes it the op's transposed parameter)
+            return bool(n.users) and all(self._supported(u) for u in n.users)
         if n.op not in ("call_function", "call_method") or not g.batch_first(n):
             return False
         layer = _layer(n)
@@ -225,7 +228,7 @@ class _Support:
                 if not isinstance(g.examples.get(a), nn.Parameter):
                     return False  # a buffer read by an op: the importer takes free parameters only
             elif isinstance(ex, torch.Tensor):
-                if not g.batch_first(a):
+                if not g.batch_first(a) and not self._parameter_view(a):
                     return False
             elif not g.is_batch(a):
                 return False
@@ -233,6 +236,13 @@ class _Support:
         if _in_place_name(name) or n.target in _IN_PLACE_OPERATORS or n.kwargs.get("inplace") is True:
             return self._in_place_ok(n)
         return True
+
+    def _parameter_view(self, n) -> bool:
+        """Whether ``n`` is a parameter seen through views and 2-d transposes (``self.w.T``, importer.viewed_from)."""
+        from .importer import viewed_from
+
+        base, _ = viewed_from(n)
+        return base is not n and base in self.g.state and isinstance(self.g.examples.get(base), nn.Parameter)
 
     def _in_place_ok(self, n: fx.Node) -> bool:
         """kgen computes an in-place call as a new value: only where nothing reads the operand after it

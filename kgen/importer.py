@@ -1185,17 +1185,7 @@ class Importer:
 
     def _param_of(self, o) -> tuple[str | None, bool]:
         """(free parameter name, transposed) of ``o``: self.p, or a view/.T/.t() of it."""
-        transpose = False
-        while isinstance(o, fx.Node) and o.op in ("call_method", "call_function"):
-            name = o.target if isinstance(o.target, str) else getattr(o.target, "__name__", "")
-            if name in ("view", "reshape", "squeeze", "unsqueeze", "contiguous", "clone", "detach"):
-                o = o.args[0]
-            elif (name == "getattr" and len(o.args) == 2 and o.args[1] == "T") or name in ("t",) or \
-                    (name == "transpose" and tuple(o.args[1:]) in ((0, 1), (1, 0), (-1, -2), (-2, -1))):
-                transpose = not transpose
-                o = o.args[0]
-            else:
-                return None, False
+        o, transpose = viewed_from(o)
         if not (isinstance(o, fx.Node) and o.op == "get_attr"):
             return None, False
         attr = str(o.target)
@@ -1569,6 +1559,24 @@ _LAYOUT_FUNCTIONS = (torch.cat, torch.concat, torch.concatenate, torch.stack, to
                      torch.swapaxes, torch.swapdims, torch.t, torch.narrow, F.pad, F.interpolate, F.upsample,
                      operator.getitem)
 _LAYOUT_METHODS = ("permute", "transpose", "swapaxes", "swapdims", "t", "narrow", "expand", "expand_as")
+
+
+def viewed_from(o) -> tuple:
+    """(node, transposed): the node ``o`` views through view/reshape/squeeze/unsqueeze/contiguous/clone/detach
+    and 2-d transposes (.T, .t(), transpose of the last two dims), and whether they transpose it: what a
+    parameter operand may be (``self.w.T``); ``(None, False)`` where another call is in the way."""
+    transpose = False
+    while isinstance(o, fx.Node) and o.op in ("call_method", "call_function"):
+        name = o.target if isinstance(o.target, str) else getattr(o.target, "__name__", "")
+        if name in ("view", "reshape", "squeeze", "unsqueeze", "contiguous", "clone", "detach"):
+            o = o.args[0]
+        elif (name == "getattr" and len(o.args) == 2 and o.args[1] == "T") or name in ("t",) or \
+                (name == "transpose" and tuple(o.args[1:]) in ((0, 1), (1, 0), (-1, -2), (-2, -1))):
+            transpose = not transpose
+            o = o.args[0]
+        else:
+            return None, False
+    return o, transpose
 
 
 def maps_call(n: fx.Node) -> bool:

@@ -486,3 +486,57 @@ def test_partition_reading_another_partitions_output(cache):
     made = backend.PARTITIONS[before:]
     assert len(made) == 2 and all(p["module"] for p in made), made
     assert any("add" in p["calls"] and "linear" in p["calls"] for p in made), made
+
+
+class DenseLayers(nn.Module):
+    """DenseNet's dense block in small: each layer reads the cat of the input and every earlier layer's output.
+    The cumsum after each layer (eager) ends the partitions there, so each cat reads its tensors as the
+    partition's inputs: the 12th layer's takes 12, the last cat 13 (more than a spec took before)."""
+
+    def __init__(self, layers=12, channels=3, growth=2):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(channels + i * growth, growth, 3, padding=1) for i in range(layers))
+
+    def forward(self, x):
+        features = [x]
+        for conv in self.convs:
+            features.append(torch.cumsum(torch.relu(conv(torch.cat(features, 1))), 3))
+        return torch.cat(features, 1)
+
+
+def test_dense_layers_cat_of_many_inputs_are_kgen_partitions(cache):
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = DenseLayers().eval()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = [p for p in backend.PARTITIONS[before:] if "cat" in p["calls"]]
+    assert len(made) == 13 and all(p["module"] is not None for p in made), made
+
+
+class HandLinear(nn.Module):
+    """A Linear without bias written by hand (KernelBench level 2 #14's form): Dynamo's graph reads the
+    weight as getattr(weight, 'T')."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 6))
+
+    def forward(self, x):
+        return torch.relu(torch.matmul(x, self.weight.T))
+
+
+def test_matmul_by_a_parameters_transpose_is_a_kgen_partition(cache):
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = HandLinear().eval()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 1 and made[0]["module"] is not None and made[0]["calls"] == ["getattr", "matmul", "relu"], made
