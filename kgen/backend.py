@@ -396,6 +396,11 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
     return plan
 
 
+def _outputs(sub: fx.GraphModule):
+    """What a partition's graph returns: a node, or a tuple of them."""
+    return next(n for n in sub.graph.nodes if n.op == "output").args[0]
+
+
 def _original(a, g: _Graph):
     """The node of Dynamo's graph that the partitioned graph's argument ``a`` stands for: itself (fusing
     keeps the names of the nodes it leaves), or, where ``a`` is the output of another partition
@@ -410,7 +415,7 @@ def _original(a, g: _Graph):
         sub = g.parts.get(a.target)
         if sub is None:
             return None
-        outs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        outs = _outputs(sub)
         inner = outs[index] if index is not None and isinstance(outs, (tuple, list)) else outs
         return g.by_name.get(inner.name) if isinstance(inner, fx.Node) else None
     return g.by_name.get(a.name)
@@ -487,8 +492,7 @@ def _compile_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: b
             tune_module(module_dir, [EXAMPLE_BATCH, *({g.batch} if isinstance(g.batch, int) else ())], verbose)
     if key not in _LOADED:
         _LOADED[key] = import_module_dir(module_dir)
-    outs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-    return KgenPartition(_LOADED[key], plan, isinstance(outs, (tuple, list)))
+    return KgenPartition(_LOADED[key], plan, isinstance(_outputs(sub), (tuple, list)))
 
 
 # ------------------------------------------------------------------ the backend
@@ -530,13 +534,11 @@ def _ask_dynamic_batch(g: _Graph) -> None:
     if _Restart is None or not isinstance(g.batch, int) or g.batch <= 1 \
             or not torch._dynamo.config.automatic_dynamic_shapes:
         return
+    root = _root_tx()
     try:
         from torch._dynamo.pgo import (CodeId, FrameStateSizeEntry, auto_dynamic, auto_unset, get_code_state,
                                        process_automatic_dynamic)
-        from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        tx = InstructionTranslator.current_tx()
-        root = tx.output.root_tx if tx is not None else None
         state = get_code_state()[CodeId.make(root.f_code, root.closure)].automatic_dynamic if root else None
     except (ImportError, AttributeError, TypeError):
         return
@@ -612,15 +614,21 @@ def _options(options: dict | None, mode: str | None) -> dict:
     return dict(verbose=verbose, precision=precision, autotune=mode != "default")
 
 
-def _one_graph() -> bool:
-    """Whether Dynamo was asked for one whole graph (``torch.compile(fullgraph=True)``)."""
+def _root_tx():
+    """Dynamo's translator of the frame being compiled (the one that calls this backend), or None where
+    Dynamo's internals are not what this expects."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
-        return bool(tx is not None and tx.output.root_tx.one_graph)
+        return tx.output.root_tx if tx is not None else None
     except (ImportError, AttributeError):
-        return False
+        return None
+
+
+def _one_graph() -> bool:
+    """Whether Dynamo was asked for one whole graph (``torch.compile(fullgraph=True)``)."""
+    return bool(getattr(_root_tx(), "one_graph", False))
 
 
 def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):

@@ -137,8 +137,6 @@ def tune_module(module_dir: Path, batches: list[int], verbose: bool = True) -> b
     Returns whether it tuned."""
     from . import target as targets, tunefile
     from .ir import load_pipeline
-    from .plan import choose_plans
-    from .render import render_plan, write_rendered
     from .tune import run_tune
 
     folder = module_dir.parent
@@ -151,9 +149,7 @@ def tune_module(module_dir: Path, batches: list[int], verbose: bool = True) -> b
     root = folder / "_tune"
     try:
         run_tune([spec], sorted(set(batches)), root=root)
-        sel = choose_plans(load_pipeline(spec))
-        _say_plan(verbose, sel, module_dir)
-        write_rendered(render_plan(sel, folder, spec_shown=f"{folder.name}/{SPEC_FILE}"), folder)
+        _plan_and_render(folder, folder.name, module_dir, verbose)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     build_module(module_dir, quiet=not verbose)
@@ -168,13 +164,22 @@ def _checked(imp, text: str, path: Path, verbose: bool, start: float):
     return pipe
 
 
-def _render_into_cache(folder: Path, module_name: str, imp, data: dict, verbose: bool, start: float) -> None:
-    """Check, plan and render into a folder beside ``folder``, then rename it into place (a folder that
-    is there is whole); a process that renamed its own first wins, and this one's is removed."""
+def _plan_and_render(into: Path, shown_folder: str, module_dir: Path, verbose: bool) -> None:
+    """Plan the spec in ``into`` (tuning file beside it, else the cost model) and render the module there;
+    ``shown_folder``: the cache folder's name, as the module names its spec."""
     from .ir import load_pipeline
     from .plan import choose_plans
     from .render import render_plan, write_rendered
 
+    sel = choose_plans(load_pipeline(into / SPEC_FILE))
+    _say_plan(verbose, sel, module_dir)
+    # the spec as the module names it: relative to the module folder's grandparent (kgen explain, validate)
+    write_rendered(render_plan(sel, into, spec_shown=f"{shown_folder}/{SPEC_FILE}"), into)
+
+
+def _render_into_cache(folder: Path, module_name: str, imp, data: dict, verbose: bool, start: float) -> None:
+    """Check, plan and render into a folder beside ``folder``, then rename it into place (a folder that
+    is there is whole); a process that renamed its own first wins, and this one's is removed."""
     text = spec_text(data)
     tmp = folder.parent / f"tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -185,10 +190,7 @@ def _render_into_cache(folder: Path, module_name: str, imp, data: dict, verbose:
         raise KgenError(f"kgen.compile: cannot write {e.filename or tmp}: {e.strerror or e}") from None
     try:
         _checked(imp, text, tmp / SPEC_FILE, verbose, start)
-        sel = choose_plans(load_pipeline(tmp / SPEC_FILE))
-        _say_plan(verbose, sel, folder / module_name)
-        # the spec as the module names it: relative to the module folder's grandparent (kgen explain, validate)
-        write_rendered(render_plan(sel, tmp, spec_shown=f"{folder.name}/{SPEC_FILE}"), tmp)
+        _plan_and_render(tmp, folder.name, folder / module_name, verbose)
         try:
             os.replace(tmp, folder)
         except OSError:

@@ -214,15 +214,19 @@ def op_arguments(pipe) -> list[tuple[str, str, str]]:
 
 
 def forward_arguments(pipe) -> tuple[list[str], str]:
-    """The module's functional ``forward(x, *params)``: (its argument names: the inputs, each
-    parameter and buffer, the mode and update weights as the op takes them; the op's call on
-    them, the parameters and buffers gathered into the op's lists)."""
-    inputs = ["x"] + pipe.input_names[1:]
-    params = [t.ident for t in pipe.tensor_args()]
-    buffers = [t.ident for t in pipe.buffer_args()]
-    extra = (["training"] if pipe.training_dependent else []) + (["factors"] if buffers else [])
-    call = inputs + ["[" + ", ".join(params) + "]"] + (["[" + ", ".join(buffers) + "]"] if buffers else []) + extra
-    return inputs + params + buffers + extra, ", ".join(call)
+    """The module's functional ``forward(x, *params)``: (its argument names: the op's arguments
+    (op_arguments) with each list spelled out, one per parameter and buffer; the op's call on them,
+    the parameters and buffers gathered into the op's lists)."""
+    lists = {"params": [t.ident for t in pipe.tensor_args()], "buffers": [t.ident for t in pipe.buffer_args()]}
+    names, call = [], []
+    for _, _, arg in op_arguments(pipe):
+        if arg in lists:
+            names += lists[arg]
+            call.append("[" + ", ".join(lists[arg]) + "]")
+        else:
+            names.append(arg)
+            call.append(arg)
+    return names, ", ".join(call)
 
 
 def spec_data_literal(plan: Plan) -> str:
