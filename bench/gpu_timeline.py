@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from kgen.cli import _spec_of
 from kgen.ir import load_pipeline
+from kgen.runtime import launches_one_by_one
 from kgen.validate import import_module_dir
 
 GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
@@ -29,7 +30,7 @@ def timeline(name: str, calls: int = 3, host: bool = False) -> None:
         for _ in range(5):
             model(x)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, launches_one_by_one():
             for i in range(calls):
                 torch.cuda.synchronize()
                 with record_function(f"timeline call {i}"):

@@ -73,9 +73,11 @@ def kgen_share(fn, inputs, device: str, calls: int = 3) -> float | None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from kgen.runtime import launches_one_by_one
+
     cuda = device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts) as prof, launches_one_by_one():  # kgen's ranges, not one graph
         for _ in range(calls):
             fn(*inputs)
         if cuda:

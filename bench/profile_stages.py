@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kgen.bench import time_ms
+from kgen.runtime import launches_one_by_one
 from kgen.cli import _spec_of
 from kgen.ir import load_pipeline
 from kgen.plan import choose_plans, stage_op_name
@@ -48,7 +49,7 @@ def main():
         with torch.no_grad():
             total = time_ms(lambda: model(x), 20)
             activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
-            with profile(activities=activities) as prof:
+            with profile(activities=activities) as prof, launches_one_by_one():  # each stage's range
                 for _ in range(5):
                     model(x)
                 torch.cuda.synchronize()

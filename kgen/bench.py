@@ -31,6 +31,7 @@ from .ir import Conv, load_pipeline
 from .explain import fused_floor_ms, stage_cost
 from .plan import choose_plans, stage_scope_name
 from .reference import ReferenceModel
+from .runtime import launches_one_by_one
 from .spec import REWRITE_NAMES
 from .target import current
 from .validate import import_module_dir, init_args, pack_buffer
@@ -160,7 +161,7 @@ def bench_one(module_dir: Path, spec, reps: int, baseline: bool, dtype: str = "f
             conv = ref.get_submodule(first.module)
             row["conv_ms"] = time_ms(lambda: conv(x), reps)
             conv_out = conv(x)
-            tensors = dict(ref.named_parameters())
+            tensors = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}  # a batch norm reads its running statistics
             rest = pipe.ops[1:]
 
             def eager_post():
@@ -207,7 +208,7 @@ def stage_times(name: str, pipe, model, x, *others, dtype: str = "float32") -> l
     sel = choose_plans(pipe)
     variant = sel.variant_for(x.shape[0], dtype=dtype)
     index, plan = sel.variants.index(variant), variant.plan
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, launches_one_by_one():  # each stage's range
         for _ in range(PROFILED_CALLS):
             model(x, *others)
         torch.cuda.synchronize()

@@ -157,6 +157,8 @@ def main():
                                 (default 2**34 elements)
       KGEN_POISON_OUTPUTS=1     fill outputs with a NaN pattern before the kernels run
                                 (kgen validate sets it, to catch unwritten elements)
+      KGEN_CUDA_GRAPHS=0        launch a module's kernels one by one, never as a replayed
+                                CUDA graph (the default where no autograd graph is recorded)
       KGEN_CACHE=DIR            where a CPU build keeps the precompiled kgen_runtime.h
                                 (default ~/.cache/kgen); KGEN_PCH=0 builds without it
       CUDA_HOME, CXX            the CUDA toolkit and the C++ compiler to build with

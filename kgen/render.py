@@ -29,6 +29,7 @@ import jinja2
 from . import cexpr
 from .errors import KgenError
 from .families.eager import aten_call, aten_prelude
+from .cost import estimate
 from .ir import dropout_refusal, load_pipeline
 from .plan import Plan, Selection, Variant, choose_plans, stage_op_name, stage_scope_name
 from .spec import NO_DEFAULT, spec_to_data
@@ -163,6 +164,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         op_args_py=[a[2] for a in op_args],
         forward_args=forward_args,  # the functional forward's arguments (flat)
         op_call_args=op_call_args,  # the op's call on them
+        launches=min(sum(e.launches for e in estimate(v.plan, sel.pipeline.example_batch())) for v in sel.variants),
     )
     files = {}
     for out, tpl in MODULE_FILES.items():

@@ -265,3 +265,166 @@ def _autocast_plan(op, device, autocast_dtype, arg_dtypes, training, dtypes, spe
             f"{spec_path} and run `kgen all {spec_path}` for 16-bit speed)", stacklevel=4)
         compute = torch.float32
     return compute, tuple(o.dtype for o in outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph replay of an op's kernels
+
+_GRAPHS_ENV = "KGEN_CUDA_GRAPHS"  # "0": every call launches its kernels one by one
+_graphs_off = 0  # > 0 inside launches_one_by_one()
+
+
+class launches_one_by_one:
+    """Within this context generated modules launch their kernels one by one (no CUDA-graph
+    replay): for profilers that time each stage's kernels."""
+
+    def __enter__(self):
+        global _graphs_off
+        _graphs_off += 1
+
+    def __exit__(self, *exc):
+        global _graphs_off
+        _graphs_off -= 1
+
+
+def replay_pays(launches: int, copied_bytes: int, target=None) -> bool:
+    """Whether replaying a call's kernels as one CUDA graph saves time: the host's dispatch of each
+    launch (the cost model's ``launch_s``) against the replay's own launch and the bytes it moves
+    besides the op's (the inputs copied in, the outputs copied out, weights derived afresh)."""
+    from .target import current
+
+    t = target or current()
+    saved = launches * t.launch_s
+    cost = t.launch_s + REPLAY_COPY_LAUNCHES * t.launch_s + copied_bytes / t.dram_bytes_per_s
+    return saved > cost
+
+
+REPLAY_COPY_LAUNCHES = 2  # a replay copies its inputs in and its outputs out
+MAX_GRAPHS = 8  # graphs kept per op (call signatures); calls of further signatures launch one by one
+MAX_SEEN = 256  # signatures remembered as called once
+
+
+class GraphReplay:
+    """An op's kernels replayed as one CUDA graph per call signature, where no autograd graph
+    is recorded: a call of many small kernels costs one launch instead of one per kernel.
+
+    A signature is the inputs' shapes, strides and dtypes, the parameters' and buffers'
+    storage (a replay reads them in place, so an optimizer's in-place step is seen; a
+    module moved or reloaded gets a new graph), the scalar arguments and the stream. The
+    first call of a signature launches one by one (cuDNN and cuBLAS choose and allocate
+    outside the capture); the second captures, if ``replay_pays``; later calls copy the
+    inputs into the graph's own, replay, and return copies of its outputs (a later replay
+    overwrites the graph's). Weights a stage derives (packed, re-laid) are derived inside
+    the graph, so updates of the parameters are seen. Not used while a CUDA graph is being
+    captured by someone else, under KGEN_CUDA_GRAPHS=0, or in launches_one_by_one().
+    """
+
+    def __init__(self, op_name: str, launches: int):
+        import threading
+
+        self.op_name = op_name
+        self.launches = launches
+        self.graphs: dict = {}  # signature -> (graph, static inputs, static outputs)
+        self.direct: set = set()  # signatures that launch one by one (replay does not pay, or capture failed)
+        self.seen: set = set()  # signatures called once
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def enabled(x) -> bool:
+        import os
+
+        return (isinstance(x, torch.Tensor) and x.is_cuda and not _graphs_off and os.environ.get(_GRAPHS_ENV, "1") != "0"
+                and not torch.cuda.is_current_stream_capturing())
+
+    def __call__(self, op, *args):
+        if not self.enabled(args[0]):
+            return _call_below_autograd(op, args)
+        key = _signature(args)
+        with self.lock:
+            entry = self.graphs.get(key)
+            if entry is None:
+                if key in self.direct or key not in self.seen:
+                    out = _call_below_autograd(op, args)
+                    if key not in self.direct:
+                        if len(self.seen) > MAX_SEEN:  # signatures that never repeat (a factor that changes per call)
+                            self.seen.clear()
+                        self.seen.add(key)
+                        if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.launches, _replay_bytes(args, out)):
+                            self.direct.add(key)
+                    return out
+                entry = self._capture(op, args, key)
+                if entry is None:
+                    return _call_below_autograd(op, args)
+            graph, static_in, static_out = entry
+            for s, a in zip(static_in, _inputs(args)):
+                s.copy_(a)
+            graph.replay()
+            return _map_tensors(static_out, torch.Tensor.clone)
+
+    def _capture(self, op, args, key):
+        static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in _inputs(args)]
+        for s, a in zip(static_in, _inputs(args)):
+            s.copy_(a)
+        it = iter(static_in)
+        static_args = tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run CUDA meanwhile
+                static_out = _call_below_autograd(op, static_args)
+        except RuntimeError as e:  # an op that cannot be captured (a host sync): launch one by one
+            self.direct.add(key)
+            warnings.warn(f"{self.op_name}: not replayed as a CUDA graph, its capture failed: {str(e).splitlines()[0]}",
+                          stacklevel=3)
+            return None
+        entry = (graph, static_in, static_out)
+        self.graphs[key] = entry
+        return entry
+
+
+def _call_below_autograd(op, args):
+    # No graph to record: call the kernels below torch.library's Python autograd kernel, as that
+    # kernel itself does without grad mode (it costs ~8 us a call on the host).
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _inputs(args) -> list:
+    """The op's input tensors: its tensor arguments outside lists (parameters and buffers come as lists)."""
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+def _signature(args) -> tuple:
+    x = args[0]
+    key = [torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((tuple(a.shape), a.stride(), a.dtype, a.device))
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            key.append(tuple(map(torch.Tensor.data_ptr, a)))  # parameters or buffers: where they lie
+        elif isinstance(a, (list, tuple)):
+            key.append(tuple(a))
+        else:
+            key.append(a)
+    return tuple(key)
+
+
+def _replay_bytes(args, out) -> int:
+    """Bytes a replay moves besides the op's: inputs copied in, outputs copied out, and (at most)
+    every parameter derived afresh (read and written)."""
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    n = sum(2 * nbytes(a) for a in _inputs(args))
+    n += sum(2 * nbytes(t) for t in _flat_tensors(out))
+    n += sum(2 * nbytes(t) for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor))
+    return n
+
+
+def _flat_tensors(out) -> list:
+    return [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def _map_tensors(out, fn):
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    return type(out)(fn(t) if isinstance(t, torch.Tensor) else t for t in out)

@@ -1,0 +1,170 @@
+"""CUDA-graph replay of a generated op's kernels (kgen.runtime.GraphReplay): where no autograd graph is
+recorded, the second call of a signature captures the op's kernels and later calls replay them. The
+decision (host dispatch saved against the bytes a replay copies), the signature and the CPU path run
+everywhere; the replay itself (marked cuda) on a GPU: outputs equal to the kernels launched one by one,
+training-mode running statistics equal to eager's, parameters updated in place seen, one graph per batch,
+and no replay inside a caller's own capture."""
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, load_model_file, write_model_file
+from kgen.runtime import GraphReplay, launches_one_by_one, replay_pays
+from kgen.target import DEFAULT
+
+# 8 convolution + batch norm + ReLU blocks at a small size: a call of ~16 short kernels
+BLOCKS = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, channels=4, blocks=8):
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                                                  nn.ReLU()) for _ in range(blocks)])
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def get_inputs():
+    return [torch.rand(2, 4, 6, 6)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_replay_pays_where_dispatch_outweighs_the_copies():
+    many, few = 60, 3
+    assert replay_pays(many, copied_bytes=10_000_000, target=DEFAULT)  # 240 us of dispatch, ~3 us of copies
+    assert not replay_pays(few, copied_bytes=134_000_000, target=DEFAULT)  # a large input copied for 3 launches
+    assert not replay_pays(few, copied_bytes=0, target=DEFAULT)  # the replay's own launch and copies cost as much
+
+
+def test_cpu_calls_launch_directly_and_keep_no_graph():
+    calls = []
+
+    def op(x, params, training, factors):
+        calls.append(torch.is_grad_enabled())
+        return x + params[0]
+
+    replay = GraphReplay("kgen::test", launches=100)
+    x, p = torch.ones(3), [torch.full((3,), 2.0)]
+    for _ in range(3):
+        assert torch.equal(replay(op, x, p, False, [0.1]), torch.full((3,), 3.0))
+    assert len(calls) == 3 and not replay.graphs and not replay.seen
+
+
+def test_signature_tells_strides_storage_and_scalars_apart():
+    from kgen.runtime import _signature
+
+    x = torch.randn(2, 3, 4)
+    p = [torch.randn(3)]
+    base = _signature((x, p, True, [0.1]))
+    assert base == _signature((x.clone(), p, True, [0.1]))  # another input of the same layout
+    assert base != _signature((x.transpose(1, 2).contiguous().transpose(1, 2), p, True, [0.1]))
+    assert base != _signature((x, [p[0].clone()], True, [0.1]))  # a parameter elsewhere
+    assert base != _signature((x, p, False, [0.1]))
+    assert base != _signature((x, p, True, [0.2]))
+    assert base != _signature((x, p, True, []))  # a module without batch norms: empty lists
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory):
+    """The model imported, rendered, built for CUDA: (generated module, original model file)."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    from kgen.build import build_modules
+    from kgen.importer import import_model
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import import_module_dir
+
+    tmp = tmp_path_factory.mktemp("replay")
+    src = write_model_file(tmp, "blocks_model", BLOCKS)
+    spec = import_model(str(src), name="replay_blocks", out_dir=tmp / "specs")
+    gen = tmp / "gen"
+    write_rendered(render_spec(spec, gen), gen)
+    build_modules([gen / "replay_blocks"], "cuda")
+    mod = import_module_dir(gen / "replay_blocks")
+    assert mod.KERNEL_LAUNCHES >= 8
+    return mod, load_model_file(src)
+
+
+def _pair(blocks, seed=5):
+    mod, original = blocks
+    torch.manual_seed(seed)
+    theirs = original.Model().cuda()
+    ours = mod.Model().cuda()
+    ours.load_state_dict(theirs.state_dict())
+    return mod, ours, theirs
+
+
+@pytest.mark.cuda
+def test_cuda_replay_equals_the_kernels_launched_one_by_one(blocks):
+    mod, ours, _ = _pair(blocks)
+    mod._REPLAY.graphs.clear(), mod._REPLAY.seen.clear(), mod._REPLAY.direct.clear()
+    ours.eval()
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(2, 4, 6, 6, device="cuda") * (10.0 if i == 3 else 1.0)
+            if i == 4:
+                x[0, 1, 2, 3] = float("nan")
+            y = ours(x)
+            with launches_one_by_one():
+                ref = ours(x)
+            torch.testing.assert_close(y, ref, rtol=0, atol=0, equal_nan=True)
+    assert len(mod._REPLAY.graphs) == 1  # captured at the second call, replayed since
+
+
+@pytest.mark.cuda
+def test_cuda_replay_in_training_mode_updates_the_running_statistics_as_eager(blocks):
+    _, ours, theirs = _pair(blocks, seed=6)
+    ours.train(), theirs.train()
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4, 6, 6, device="cuda")
+            torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
+    for k, v in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.cuda
+def test_cuda_replay_sees_parameters_updated_in_place_and_new_batches(blocks):
+    mod, ours, theirs = _pair(blocks, seed=7)
+    ours.eval(), theirs.eval()
+    x = torch.randn(2, 4, 6, 6, device="cuda")
+    with torch.no_grad():
+        for step in range(4):
+            torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
+            for m in (ours, theirs):  # as an optimizer's step: in place
+                m.get_submodule(f"body.{step}.0").weight.mul_(-0.5)
+                m.get_submodule(f"body.{step}.1").running_var.mul_(3.0)
+        before = len(mod._REPLAY.graphs)
+        for _ in range(3):
+            x3 = torch.randn(3, 4, 6, 6, device="cuda")
+            torch.testing.assert_close(ours(x3), theirs(x3), rtol=1e-4, atol=1e-4)
+        assert len(mod._REPLAY.graphs) == before + 1  # one graph per batch
+
+
+@pytest.mark.cuda
+def test_cuda_no_replay_inside_a_callers_capture_or_when_switched_off(blocks, monkeypatch):
+    mod, ours, theirs = _pair(blocks, seed=8)
+    ours.eval(), theirs.eval()
+    x = torch.randn(2, 4, 6, 6, device="cuda")
+    with torch.no_grad():
+        for _ in range(2):  # warm-up outside the capture, as CUDA graphs want
+            ours(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = ours(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(y, theirs(x), rtol=1e-4, atol=1e-4)
+        monkeypatch.setenv("KGEN_CUDA_GRAPHS", "0")
+        mod._REPLAY.graphs.clear(), mod._REPLAY.seen.clear(), mod._REPLAY.direct.clear()
+        for _ in range(3):
+            torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
+        assert not mod._REPLAY.graphs
