@@ -362,7 +362,8 @@ class GraphReplay:
             return _map_tensors(static_out, torch.Tensor.clone)
 
     def _capture(self, op, args, key):
-        static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in _inputs(args)]
+        with torch.inference_mode(False):  # normal tensors: later calls outside inference mode copy into them
+            static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in _inputs(args)]
         for s, a in zip(static_in, _inputs(args)):
             s.copy_(a)
         it = iter(static_in)

@@ -12,6 +12,7 @@ What proves it correct:
 - the same through torch.compile (a training step) and DDP.
 """
 import ast
+import inspect
 import copy
 import os
 import subprocess
@@ -23,6 +24,7 @@ import torch
 from conftest import HAS_CUDA, ROOT, SHIPPED
 from handwritten import MODELS
 from kgen.errors import SpecError
+from kgen.runtime import _call_below_autograd
 from kgen.ir import build_pipeline, load_pipeline
 from kgen.runtime import pipeline_vjp
 from kgen.spec import load_spec, parse_spec, spec_from_data, spec_to_data
@@ -173,7 +175,8 @@ def test_calls_without_grad_mode_skip_autograd_and_match(name, modules):
         inference = model(x)
     assert plain.grad_fn is None and torch.equal(plain, graded.detach()) and torch.equal(inference, plain)
     source = (ROOT / "generated" / name / "__init__.py").read_text()
-    assert "torch._C._AutoDispatchBelowAutograd()" in source and "torch.compiler.is_compiling()" in source
+    assert "return _REPLAY(_OP, " in source and "torch.compiler.is_compiling()" in source
+    assert "torch._C._AutoDispatchBelowAutograd()" in inspect.getsource(_call_below_autograd)
 
 
 def _training_step(model, x, weight, opt):

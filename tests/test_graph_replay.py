@@ -168,3 +168,17 @@ def test_cuda_no_replay_inside_a_callers_capture_or_when_switched_off(blocks, mo
         for _ in range(3):
             torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
         assert not mod._REPLAY.graphs
+
+
+@pytest.mark.cuda
+def test_cuda_replay_captured_in_inference_mode_serves_no_grad_calls(blocks):
+    mod, ours, theirs = _pair(blocks, seed=9)
+    ours.eval(), theirs.eval()
+    mod._REPLAY.graphs.clear(), mod._REPLAY.seen.clear(), mod._REPLAY.direct.clear()
+    x = torch.randn(2, 4, 6, 6, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):  # captured here: the graph's own inputs must stay normal tensors
+            torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
+    assert len(mod._REPLAY.graphs) == 1
