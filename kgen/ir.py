@@ -1273,6 +1273,12 @@ class Pipeline:
         op = self.ops[i]
         return self.values[op.src] if op.src is not None else self.types[i]
 
+    def one_value_batch_norms(self) -> list[TensorType]:
+        """The input types of the batch norms that see one value per channel in a sample ([N, C], [N, C, 1, 1]):
+        PyTorch refuses their batch statistics at batch 1 in training mode."""
+        return [t for i, op in enumerate(self.ops) if isinstance(op, BatchNorm)
+                for t in [self.in_type(i)] if t.sample_numel == t.channels]
+
     @property
     def training_dependent(self) -> bool:
         """Whether some op computes differently in training and eval mode (batch norm, dropout)."""

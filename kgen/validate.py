@@ -524,7 +524,8 @@ def validate(
             for mode in modes(pipe):
                 suffix = "" if mode is None else (" (training mode)" if mode else " (eval mode)")
                 b = batch
-                if mode and b == 1 and _batch_norm_over_batch_only(pipe):
+                refused = bool(mode) and bool(pipe.one_value_batch_norms())  # at batch 1, as eager refuses
+                if refused and b == 1:
                     b = 2
                 cases = end_to_end_cases(pipe.input, device, full, b)
                 if len(variants) > 1 and batch is None:  # each plan of the batch dispatch runs once at least
@@ -533,9 +534,11 @@ def validate(
                 if example_batch:
                     b = pipe.example_batch()
                     cases.append((f"normal N={b} (the example batch)", _randn(pipe.input.concrete(b), 8, device)))
+                if refused:
+                    report.cases.append(replace(check_refusal(mod, model, pipe, device, dt), dtype=dtype))
                 for label, x in cases:
-                    if mode and x.shape[0] == 1 and _batch_norm_over_batch_only(pipe):
-                        continue  # PyTorch refuses batch statistics of one value per channel
+                    if refused and x.shape[0] == 1:
+                        continue  # checked by check_refusal
                     inputs = {n: t.to(dt) for n, t in other_inputs(pipe, x.shape[0], len(label), device).items()}
                     results = _end_to_end(prefix + label + suffix, op, pipe, st, p64, buffers, x.to(dt), inputs, bool(mode), tol)
                     report.cases += [replace(r, dtype=dtype) for r in results]
@@ -545,9 +548,32 @@ def validate(
     return report
 
 
-def _batch_norm_over_batch_only(pipe: Pipeline) -> bool:
-    """Whether some batch norm's statistics are over the batch alone (a 2-d input)."""
-    return any(isinstance(op, BatchNorm) and op.rank == 2 for op in pipe.ops)
+def check_refusal(mod, validated, pipe: Pipeline, device: str, dtype: torch.dtype) -> CaseResult:
+    """At batch 1 in training mode, where a batch norm sees one value per channel, eager PyTorch raises
+    ValueError: so must the module's Model, before it changes any running statistic."""
+    label = "batch 1, training mode: refused as eager refuses (a batch norm of one value per channel)"
+    with torch.device("meta"):
+        model = mod.Model(*init_args(mod))
+    model.load_state_dict(validated.state_dict(), assign=True)  # the validated model's tensors, not copies
+    model.train()
+    x = _randn(pipe.input.concrete(1), 31, device).to(dtype)
+    inputs = {n: t.to(dtype) for n, t in other_inputs(pipe, 1, 31, device).items()}
+    counts = {k: v.clone() for k, v in validated.state_dict().items() if k.endswith("num_batches_tracked")}
+    try:
+        model(x, *inputs.values())
+    except ValueError as e:
+        if "Expected more than 1 value per channel when training" not in str(e):
+            return CaseResult(label, math.inf, math.inf, False, f"raised another ValueError: {e}")
+    except Exception as e:  # noqa: BLE001 - whatever else breaks, it is this case's failure
+        return CaseResult(label, math.inf, math.inf, False, f"raised {type(e).__name__} where eager raises ValueError")
+    else:
+        return CaseResult(label, math.inf, math.inf, False, "returned an output where eager raises ValueError")
+    finally:
+        model.eval()
+    state = validated.state_dict()
+    if any(not torch.equal(state[k], v) for k, v in counts.items()):
+        return CaseResult(label, math.inf, math.inf, False, "counted the refused batch in num_batches_tracked")
+    return CaseResult(label, 0.0, 0.0, True)
 
 
 def _randomize_running_stats(model: torch.nn.Module) -> None:
@@ -667,6 +693,11 @@ def check_model(mod, validated, pipe: Pipeline, device: str, op, tol, dtype: tor
         if not all(compare(label, a, o.double(), tol, dtype=dtype).passed
                    for a, o in zip(_tuple(again(x, *inputs.values())), _tuple(out))):
             return CaseResult(label, math.inf, math.inf, False, "a Model loaded from another's state_dict computes differently")
+        # a second and third call: on a GPU a CUDA-graph capture and its replay, where that pays
+        model(_randn(pipe.input.concrete(1), 32, device).to(dtype), *inputs.values())
+        if not all(compare(label, a, o.double(), tol, dtype=dtype).passed
+                   for a, o in zip(_tuple(model(x, *inputs.values())), _tuple(out))):
+            return CaseResult(label, math.inf, math.inf, False, "a third call on the first call's input computes differently")
         tensors = dict(validated.named_parameters())
         tensors.update(validated.named_buffers())
         reference, _ = op_call(op, pipe, x, inputs, {k: v.detach().to(dtype) if v.is_floating_point() else v.detach()

@@ -159,6 +159,28 @@ def test_validates_in_both_modes(rendered, device):
     build_and_validate(rendered, device)
 
 
+def test_batch_1_in_training_mode_is_refused_as_eager_refuses(rendered):
+    """A batch norm over [N, C] sees one value per channel at batch 1: in training mode eager raises ValueError,
+    and so does the module (after test_validates_in_both_modes built it), counting nothing; validation checks that
+    case instead of comparing outputs."""
+    from kgen.validate import import_module_dir, validate
+
+    assert [t.concrete(1) for t in load_pipeline(rendered["bn_linear"][0]).one_value_batch_norms()] == [(1, 24)]
+    assert not load_pipeline(rendered["bn_1d"][0]).one_value_batch_norms()  # [N, C, L]: L values per sample
+    model = import_module_dir(rendered["bn_linear"][1]).Model().train()
+    eager = torch.nn.BatchNorm1d(24).train()
+    with pytest.raises(ValueError) as ours:
+        model(torch.randn(1, 16))
+    with pytest.raises(ValueError) as theirs:
+        eager(torch.randn(1, 24))
+    assert str(ours.value) == str(theirs.value)
+    assert model.batch_norm.num_batches_tracked.item() == 0
+    assert model(torch.randn(2, 16)).shape == (2, 24)  # batch 2 computes
+    report = validate(*rendered["bn_linear"], "cpu", stages=False)
+    refusal = [c for c in report.cases if c.case.startswith("batch 1, training mode: refused")]
+    assert len(refusal) == 1 and refusal[0].passed
+
+
 @pytest.mark.parametrize("device", BUILD_DEVICES)
 def test_eval_mode_runs_its_plan_and_follows_the_running_statistics(rendered, device):
     """In eval mode the op runs plan 1 (its profiler range says so); the derived scale follows in-place
