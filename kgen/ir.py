@@ -1335,6 +1335,20 @@ class Pipeline:
         """Running statistics the op reads (and returns updated in training mode), in creation order."""
         return [b for m in self.members() for b in m.buffers]
 
+    def op_signature(self) -> list[str]:
+        """The names of the op kgen::NAME's arguments, in order (the one home of that order): the inputs (the
+        first is ``x``), ``params`` (the parameters as one list), ``buffers`` (the running statistics as one list,
+        where there are some), ``training`` (the mode, where an op computes differently in it) and ``factors``
+        (the running statistics' update weights)."""
+        names = ["x", *self.input_names[1:], "params"]
+        if self.buffer_args():
+            names.append("buffers")
+        if self.training_dependent:
+            names.append("training")
+        if self.buffer_args():
+            names.append("factors")
+        return names
+
     def stage_tensors(self) -> list[TensorArg]:
         """Every tensor a stage may take like a parameter: parameters, buffers, derived tensors,
         and the tensors a stage makes for the stages after it (batch statistics)."""

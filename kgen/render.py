@@ -204,15 +204,10 @@ def op_arguments(pipe) -> list[tuple[str, str, str]]:
     dropout) and the running statistics' update weights. PyTorch's dispatcher takes ops
     of at most 64 arguments (a longer schema aborts the process when the library loads):
     with the lists, a spec's at most MAX_INPUTS inputs keep the op below that (spec.py says why)."""
-    args = [(f"const at::Tensor& {n}", f"Tensor {n}", n) for n in ["x"] + pipe.input_names[1:]]
-    args.append(("at::TensorList params", "Tensor[] params", "params"))
-    if pipe.buffer_args():
-        args.append(("at::TensorList buffers", "Tensor[] buffers", "buffers"))
-    if pipe.training_dependent:
-        args.append(("bool training", "bool training", "training"))
-    if pipe.buffer_args():
-        args.append(("at::ArrayRef<double> factors", "float[] factors", "factors"))
-    return args
+    kinds = {"params": ("at::TensorList", "Tensor[]"), "buffers": ("at::TensorList", "Tensor[]"), "training": ("bool", "bool"),
+             "factors": ("at::ArrayRef<double>", "float[]")}
+    return [(f"{kinds[n][0]} {n}", f"{kinds[n][1]} {n}", n) if n in kinds else (f"const at::Tensor& {n}", f"Tensor {n}", n)
+            for n in pipe.op_signature()]
 
 
 def forward_arguments(pipe) -> tuple[list[str], str]:

@@ -103,10 +103,9 @@ def register_autograd(op: str, spec_data: dict, param_names) -> None:
 
 def _op_arguments(pipe, args) -> tuple:
     """The op's arguments as (inputs, parameters, running statistics, the rest: mode, update weights)."""
-    k = len(pipe.input_names)
-    n_lists = 2 if pipe.buffer_args() else 1
-    buffers = args[k + 1] if n_lists == 2 else []
-    return tuple(args[:k]), list(args[k]), list(buffers), tuple(args[k + n_lists:])
+    named = dict(zip(pipe.op_signature(), args))
+    inputs = tuple(named[n] for n in ["x", *pipe.input_names[1:]])
+    return inputs, list(named["params"]), list(named.get("buffers", [])), tuple(named[n] for n in ("training", "factors") if n in named)
 
 
 class _SetupContext:

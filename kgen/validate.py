@@ -464,16 +464,14 @@ def op_call(op, pipe: Pipeline, x, inputs: dict, params: dict, training: bool | 
     """Call the module's op (or a stand-in with its arguments) the way the generated Model does: the
     inputs, then the parameters and the buffers as lists; ``params`` holds both by state_dict name. Returns (output, new buffers); several
     outputs are a tuple."""
-    args = [x] + [inputs[n] for n in pipe.input_names[1:]] + [[params[a.name] for a in pipe.tensor_args()]]
     buffers = pipe.buffer_args()
+    norms = [o for o in pipe.ops if isinstance(o, BatchNorm) and o.track_running_stats]
+    counts = [params.get(f"{o.module}.num_batches_tracked") for o in norms]  # as nn.BatchNorm counts this batch
+    named = {"x": x, **inputs, "params": [params[a.name] for a in pipe.tensor_args()],
+             "buffers": [params[b.name] for b in buffers], "training": bool(training),
+             "factors": [o.factor(None if c is None else c + 1) if training else 0.0 for o, c in zip(norms, counts)]}
+    args = [named[n] for n in pipe.op_signature()]
     if buffers:
-        args.append([params[b.name] for b in buffers])
-    if pipe.training_dependent:
-        args.append(bool(training))
-    if buffers:
-        norms = [o for o in pipe.ops if isinstance(o, BatchNorm) and o.track_running_stats]
-        counts = [params.get(f"{o.module}.num_batches_tracked") for o in norms]  # as nn.BatchNorm counts this batch
-        args.append([o.factor(None if c is None else c + 1) if training else 0.0 for o, c in zip(norms, counts)])
         out = op(*args)
         n = len(pipe.output_types)
         first = tuple(out[:n]) if pipe.several_outputs else out[0]
