@@ -323,6 +323,9 @@ class GraphReplay:
 
         self.op_name = op_name
         self.launches = launches
+        from .target import DEFAULT  # (the current device's target would initialize CUDA at import)
+
+        self.never = not replay_pays(launches, 0, DEFAULT)  # too few launches: not even the signature is worth its time
         self.graphs: dict = {}  # signature -> (graph, static inputs, static outputs)
         self.direct: set = set()  # signatures that launch one by one (replay does not pay, or capture failed)
         self.seen: set = set()  # signatures called once
@@ -336,7 +339,7 @@ class GraphReplay:
                 and not torch.cuda.is_current_stream_capturing())
 
     def __call__(self, op, *args):
-        if not self.enabled(args[0]):
+        if self.never or not self.enabled(args[0]):
             return _call_below_autograd(op, args)
         key = _signature(args)
         with self.lock:

@@ -56,6 +56,7 @@ def test_cpu_calls_launch_directly_and_keep_no_graph():
     for _ in range(3):
         assert torch.equal(replay(op, x, p, False, [0.1]), torch.full((3,), 3.0))
     assert len(calls) == 3 and not replay.graphs and not replay.seen
+    assert GraphReplay("kgen::few", launches=3).never  # its own launch and copies cost what 3 launches save
 
 
 def test_signature_tells_strides_storage_and_scalars_apart():
