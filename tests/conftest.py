@@ -47,6 +47,33 @@ def load_model_file(path: Path):
     return mod
 
 
+def conv_bn_blocks_model(blocks: int, size: int) -> str:
+    """A model file's text (KernelBench's layout): ``blocks`` blocks of a 3x3 convolution, a batch norm and a ReLU
+    over 4 channels, input [2, 4, size, size]: each block 4 parameters and 2 running statistics."""
+    return f'''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, channels=4, blocks={blocks}):
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                                                  nn.ReLU()) for _ in range(blocks)])
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def get_inputs():
+    return [torch.rand(2, 4, {size}, {size})]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
 def write_model_file(dir_path: Path, name: str, text: str) -> Path:
     """A model file in KernelBench's layout, ``text`` dedented, as ``dir_path/NAME.py``."""
     import textwrap

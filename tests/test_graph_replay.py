@@ -8,33 +8,11 @@ and no replay inside a caller's own capture."""
 import pytest
 import torch
 
-from conftest import HAS_CUDA, load_model_file, write_model_file
+from conftest import HAS_CUDA, conv_bn_blocks_model, load_model_file, write_model_file
 from kgen.runtime import GraphReplay, launches_one_by_one, replay_pays
 from kgen.target import DEFAULT
 
-# 8 convolution + batch norm + ReLU blocks at a small size: a call of ~16 short kernels
-BLOCKS = '''
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def __init__(self, channels=4, blocks=8):
-        super().__init__()
-        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
-                                                  nn.ReLU()) for _ in range(blocks)])
-
-    def forward(self, x):
-        return self.body(x)
-
-
-def get_inputs():
-    return [torch.rand(2, 4, 6, 6)]
-
-
-def get_init_inputs():
-    return []
-'''
+BLOCKS = conv_bn_blocks_model(blocks=8, size=6)  # a call of ~16 short kernels
 
 
 def test_replay_pays_where_dispatch_outweighs_the_copies():

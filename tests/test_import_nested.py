@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from conftest import assert_report_passed, load_model_file, write_model_file
+from conftest import assert_report_passed, conv_bn_blocks_model, load_model_file, write_model_file
 from kgen.errors import SpecError
 from kgen.importer import ImportFailed, import_model
 from kgen.ir import load_pipeline
@@ -398,24 +398,7 @@ def _spec_file(tmp_path, text):
 
 # 12 convolution + batch norm blocks: 48 parameters and 24 running statistics, more tensors than a
 # PyTorch op takes arguments (64), which the op takes as two lists
-DEEP = HEADER + '''
-class Model(nn.Module):
-    def __init__(self, channels=4, blocks=12):
-        super().__init__()
-        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
-                                                  nn.ReLU()) for _ in range(blocks)])
-
-    def forward(self, x):
-        return self.body(x)
-
-
-def get_inputs():
-    return [torch.rand(2, 4, 5, 5)]
-
-
-def get_init_inputs():
-    return []
-'''
+DEEP = conv_bn_blocks_model(blocks=12, size=5)
 
 
 @pytest.mark.slow  # its build and validation take ~80 s on 2 cores
