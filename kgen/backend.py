@@ -49,6 +49,7 @@ except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dy
     _Restart = None
 
 from .errors import KgenError, one_line
+from .spec import MAX_RANK
 
 STATS = {"graphs": 0, "partitions": 0, "kgen": 0, "eager": 0}  # counts since the process started
 PARTITIONS: list = []  # per partition since the process started: its calls, and its module or why it stays eager
@@ -154,7 +155,7 @@ class _Graph:
     def batch_first(self, n) -> bool:
         """A tensor of the graph's dtype whose dim 0 is the batch and whose other sizes are static."""
         ex = _example(n)
-        return (isinstance(n, fx.Node) and n not in self.state and isinstance(ex, torch.Tensor) and ex.dim() >= 1
+        return (isinstance(n, fx.Node) and n not in self.state and isinstance(ex, torch.Tensor) and 1 <= ex.dim() <= MAX_RANK
                 and ex.dtype == self.dtype and self.batch is not None and _same_size(ex.shape[0], self.batch)
                 and not any(isinstance(s, torch.SymInt) for s in ex.shape[1:]))
 
@@ -189,6 +190,8 @@ class _Support:
         from .importer import _IN_PLACE_OPERATORS, _in_place_name, maps_call
 
         g = self.g
+        if any(isinstance(_example(a), torch.Tensor) and _example(a).dim() > MAX_RANK for a in n.all_input_nodes):
+            return False  # a value of more dims than kgen's (ViT's unfolded patches): the call stays eager
         if n.op in ("call_function", "call_method") and self._parameter_view(n):
             # ``self.w.T``: taken with the calls reading it (the importer makes it the op's transposed parameter)
             return bool(n.users) and all(self._supported(u) for u in n.users)

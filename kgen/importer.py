@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import KgenError, one_line
 from .fields import IDENT, MAX_NAME, MAX_PATH, PATH
 from .names import module_name_reason, path_reason, reserved_reason
-from .spec import DTYPES
+from .spec import DTYPES, MAX_RANK
 
 MAX_CHECKED_PARAMS = 2**26  # parameter elements up to which the equivalence check runs in float64 (else float32)
 MAX_REAL_PARAMS = 2**28  # parameter elements up to which the model is built for real to check its init and output
@@ -471,8 +471,8 @@ class Importer:
                     t.dtype != self.src.inputs[0].dtype:
                 raise ImportFailed(f"{self.src.shown}: every input must be a {' or '.join(dtypes)} tensor (all of one "
                                    f"dtype), got {getattr(t, 'dtype', type(t).__name__)}")
-            if t.dim() < 2 or t.dim() > 5:
-                raise ImportFailed(f"{self.src.shown}: inputs must have 2 to 5 dims (batch first), got shape {list(t.shape)}")
+            if t.dim() < 2 or t.dim() > MAX_RANK:
+                raise ImportFailed(f"{self.src.shown}: inputs must have 2 to {MAX_RANK} dims (batch first), got shape {list(t.shape)}")
         batches = {t.shape[0] for t in self.src.inputs}
         if len(batches) != 1:
             shapes = ", ".join(str(list(t.shape)) for t in self.src.inputs)

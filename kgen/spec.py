@@ -199,6 +199,7 @@ OP_KEYS = ("as", "from")  # keys any op may have besides its own fields
 # most 64 arguments (a longer schema aborts the process when the library loads). 48 inputs keep a margin below
 # that and cover DenseNet's dense layers (a cat of up to 33 tensors in DenseNet201).
 DISPATCHER_MAX_ARGS = 64
+MAX_RANK = 5  # dims of an input or a parameter: [batch, channels, up to 3 spatial]
 MAX_INPUTS = 48
 MAX_OUTPUTS = 16
 MAX_ARGS = 64  # constructor arguments
@@ -277,8 +278,8 @@ def _load_shape(raw, key, path):
     if "shape" not in raw:
         fail(path, f"{key}.shape", "missing required field")
     shape = raw["shape"]
-    if not isinstance(shape, list) or len(shape) < 2 or len(shape) > 5:
-        fail(path, f"{key}.shape", f"expected a list of 2 to 5 sizes [batch, channels, spatial...], got {show(shape)}")
+    if not isinstance(shape, list) or len(shape) < 2 or len(shape) > MAX_RANK:
+        fail(path, f"{key}.shape", f"expected a list of 2 to {MAX_RANK} sizes [batch, channels, spatial...], got {show(shape)}")
     clean = []
     for d, v in enumerate(shape):
         k = f"{key}.shape[{d}]"
@@ -458,8 +459,8 @@ def _load_params(raw, path):
         _mapping(p, key, path)
         _no_extra(p, {"shape", "init", "unused"}, key, path)
         shape = p.get("shape")
-        if not isinstance(shape, list) or not len(shape) <= 5 or not all(size_ok(v, 1) for v in shape):
-            fail(path, f"{key}.shape", f"expected a list of at most 5 positive integers ([] for a scalar), got {show(shape)}")
+        if not isinstance(shape, list) or not len(shape) <= MAX_RANK or not all(size_ok(v, 1) for v in shape):
+            fail(path, f"{key}.shape", f"expected a list of at most {MAX_RANK} positive integers ([] for a scalar), got {show(shape)}")
         init = p.get("init", "randn")
         if isinstance(init, (int, float)) and not isinstance(init, bool):
             init = number(init, f"{key}.init", path)

@@ -540,3 +540,30 @@ def test_matmul_by_a_parameters_transpose_is_a_kgen_partition(cache):
         torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
     made = backend.PARTITIONS[before:]
     assert len(made) == 1 and made[0]["module"] is not None and made[0]["calls"] == ["getattr", "matmul", "relu"], made
+
+
+class Patches(nn.Module):
+    """ViT's patch embedding: the image unfolded into patches, a 6-d value kgen has no dims for."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3 * 4 * 4, 8)
+
+    def forward(self, x):
+        p = x.unfold(2, 4, 4).unfold(3, 4, 4)  # [N, 3, 2, 2, 4, 4]
+        p = p.reshape(x.shape[0], 3, 4, 16).permute(0, 2, 1, 3).reshape(x.shape[0], 4, 48)
+        return torch.relu(self.proj(p))
+
+
+def test_a_value_of_more_dims_than_kgens_stays_eager_and_the_rest_is_a_partition(cache):
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = Patches().eval()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert made and all(p["module"] is not None for p in made), made  # none refused for a 6-d input
+    assert any("linear" in p["calls"] for p in made), made
