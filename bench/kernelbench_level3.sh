@@ -3,9 +3,11 @@
 # `kgen import` of each (the CPU's cores), then bench/kernelbench_gpu.py: build, validate against float64
 # at the files' own sizes, KernelBench's own check, and eager / torch.compile / kgen timed in one process
 # (training mode, as KernelBench's evaluator runs the models). KernelBench is read where it lies (KB: a
-# checkout, its level3 folder, or a bare git mirror); reports go to $OUT.
+# checkout, its level3 folder, or a bare git mirror); reports go to $OUT. Specs already in $WORK/specs (imported
+# on a CPU machine and carried) are not imported again.
 #
 #   KB=~/KernelBench OUT=out BUDGET=500 bash bench/kernelbench_level3.sh
+#   GPU_ONLY=2,3,7 PHASE=time MODE=" " ...   (some problems; one phase; eval mode: MODE set to a space)
 set -uo pipefail
 KB=${KB:?the KernelBench checkout (KB=...)}
 OUT=${OUT:-gpu-out}
@@ -14,7 +16,9 @@ BUDGET=${BUDGET:-500}
 WORK=${WORK:-build/kernelbench3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-python3 bench/kernelbench_import.py --kernelbench "$KB" --level 3 --only "$ONLY" --no-all --jobs "$(nproc)" \
-  --timeout 300 --work "$WORK" --report "$OUT/kernelbench_level3_import.md" | cut -c1-220
+if [ -z "$(ls "$WORK"/specs/*.yaml 2>/dev/null)" ]; then  # imported already (on a CPU machine, carried): skip
+  python3 bench/kernelbench_import.py --kernelbench "$KB" --level 3 --only "$ONLY" --no-all --jobs "$(nproc)" \
+    --timeout 300 --work "$WORK" --report "$OUT/kernelbench_level3_import.md" | cut -c1-220
+fi
 python3 bench/kernelbench_gpu.py --specs "$WORK/specs" --gen "$WORK/generated_gpu" --state "$WORK/gpu_state.json" \
-  --out "$OUT" --phase all --budget "$BUDGET" --training
+  --out "$OUT" --phase "${PHASE:-all}" --budget "$BUDGET" ${MODE:---training} ${GPU_ONLY:+--only "$GPU_ONLY"}
