@@ -1053,6 +1053,8 @@ class Importer:
     def _adaptive(self, n, x, kind: str, size, return_indices) -> None:
         if return_indices:
             raise ImportFailed(f"{self._where(n)}: {self._call(n)} with return_indices=True is not supported")
+        if size is None:  # (an argument read under the wrong name would keep every size: refuse instead)
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} needs its output_size")
         spatial = self._shape(x)[2:]
         size = list(size) if isinstance(size, (tuple, list)) else [size] * len(spatial)
         size = [L if s is None else s for s, L in zip(size, spatial)]  # None keeps the input's size
@@ -1431,6 +1433,8 @@ _POSITIONAL = {
     **{f"max_pool{r}d": ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
        for r in (1, 2, 3)},
     "avg_pool1d": ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
+    **{f"adaptive_avg_pool{r}d": ("input", "output_size") for r in (1, 2, 3)},
+    **{f"adaptive_max_pool{r}d": ("input", "output_size", "return_indices") for r in (1, 2, 3)},
     **{f"avg_pool{r}d": ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
                          "divisor_override") for r in (2, 3)},
 }

@@ -567,3 +567,29 @@ def test_a_value_of_more_dims_than_kgens_stays_eager_and_the_rest_is_a_partition
     made = backend.PARTITIONS[before:]
     assert made and all(p["module"] is not None for p in made), made  # none refused for a 6-d input
     assert any("linear" in p["calls"] for p in made), made
+
+
+class TokenPool(nn.Module):
+    """Swin's head: tokens [N, L, C] transposed, an adaptive average pool over L, flattened, a linear layer
+    (Dynamo hands the pool over as the builtin torch.adaptive_avg_pool1d, whose arguments have no signature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool1d(1)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.avgpool(x.transpose(1, 2)), 1))
+
+
+def test_adaptive_pool_builtin_is_a_kgen_partition(cache):
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = TokenPool().eval()
+    before = len(backend.PARTITIONS)
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 1 and made[0]["module"] is not None and "adaptive_avg_pool1d" in made[0]["calls"], made
