@@ -673,7 +673,9 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         sub = fused.get_submodule(target)
         try:
             runner = _compile_partition(sub, call, g, verbose, precision, opts["autotune"])
-        except (KgenError, NotImplementedError, RuntimeError, TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever fails in one partition, the model runs (that one eagerly)
+            if not isinstance(e, (KgenError, NotImplementedError, RuntimeError, TypeError, ValueError)):
+                e = KgenError(f"kgen failed on it, a bug in kgen ({type(e).__name__}: {one_line(e, 200)}); please report it")
             STATS["eager"] += 1
             PARTITIONS.append({"calls": names, "module": None, "reason": one_line(e, 300)})
             text = ", ".join(names[:6]) + (f", ... ({len(names)} calls)" if len(names) > 6 else "")

@@ -95,6 +95,14 @@ def test_plan_linear_pins_the_implementation():
     assert "eager" not in str(make_plan(pipeline_of(text), target=DEFAULT).options)
 
 
+def test_cublas_linear_without_a_bias_renders_builds_and_validates(tmp_path):
+    """linear_aten's call of a linear with bias=False (a transformer's projections) names no bias tensor."""
+    text = spec_text([24], [{"linear": {"out_features": 16, "bias": False}}, "gelu"], plan={"linear": "aten"}, name="nobias")
+    rendered = render_specs(tmp_path, {"nobias": text})
+    assert "std::nullopt" in (rendered["nobias"][1] / "binding.cpp").read_text()
+    build_and_validate(rendered, "cpu")
+
+
 def test_cost_model_prefers_it_at_kernelbench_sizes():
     """KernelBench #9's 1024 x 8192 x 8192 product: ~1.1 ms in split TF32 (lab gemm_lab in docs/performance.md) against cuBLAS's ~2.7."""
     from kgen.plan import candidate_plans
