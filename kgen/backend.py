@@ -470,8 +470,7 @@ class KgenPartition(nn.Module):
             out, stats = (out[:k] if self._several else out[0]), out[k:]
             if self._update:
                 with torch.no_grad():
-                    for b, new in zip(buffers, stats):
-                        b.copy_(new)
+                    torch._foreach_copy_(buffers, list(stats))  # one launch for every running statistic
         return tuple(out) if self._several else out
 
 
