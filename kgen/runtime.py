@@ -2,6 +2,8 @@
 the autograd formula of its op."""
 from __future__ import annotations
 
+import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -300,7 +302,7 @@ def replay_pays(launches: int, copied_bytes: int, target=None) -> bool:
 
 REPLAY_COPY_LAUNCHES = 2  # a replay copies its inputs in and its outputs out
 MAX_GRAPHS = 8  # graphs kept per op (call signatures); calls of further signatures launch one by one
-MAX_SEEN = 256  # signatures remembered as called once
+MAX_SEEN = 256  # signatures remembered as called once, or as launching one by one
 
 
 class GraphReplay:
@@ -319,12 +321,10 @@ class GraphReplay:
     """
 
     def __init__(self, op_name: str, launches: int):
-        import threading
+        from .target import DEFAULT  # (the current device's target would initialize CUDA at import)
 
         self.op_name = op_name
         self.launches = launches
-        from .target import DEFAULT  # (the current device's target would initialize CUDA at import)
-
         self.never = not replay_pays(launches, 0, DEFAULT)  # too few launches: not even the signature is worth its time
         self.graphs: dict = {}  # signature -> (graph, static inputs, static outputs)
         self.direct: set = set()  # signatures that launch one by one (replay does not pay, or capture failed)
@@ -333,8 +333,6 @@ class GraphReplay:
 
     @staticmethod
     def enabled(x) -> bool:
-        import os
-
         return (isinstance(x, torch.Tensor) and x.is_cuda and not _graphs_off and os.environ.get(_GRAPHS_ENV, "1") != "0"
                 and not torch.cuda.is_current_stream_capturing())
 
@@ -352,6 +350,8 @@ class GraphReplay:
                             self.seen.clear()
                         self.seen.add(key)
                         if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.launches, _replay_bytes(args, out)):
+                            if len(self.direct) > MAX_SEEN:
+                                self.direct.clear()
                             self.direct.add(key)
                     return out
                 entry = self._capture(op, args, key)
