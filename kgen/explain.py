@@ -169,7 +169,28 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     out.append(f"  (floor: FLOPs / {target.product_flops(plan.pipeline.dtype) / 1e12:.0f} TFLOP/s {rate}, "
                f"bytes / {target.dram_bytes_per_s / 1e12:.1f} TB/s, "
                "summed over kernels)")
+    out.append(replay_line(plan, batch, target))
     return "\n".join(out)
+
+
+def replay_line(plan: Plan, batch: int, target: Target) -> str:
+    """Whether the module replays this plan's kernels as one CUDA graph at ``batch`` where no autograd graph is
+    recorded (kgen.runtime.replay_pays: the launches' host dispatch against the bytes the replay copies, here at
+    most: the inputs and outputs copied, every parameter and running statistic derived afresh)."""
+    from .runtime import replay_pays
+
+    pipe = plan.original
+    size = 4 if pipe.dtype == "float32" else 2
+    launches = sum(e.launches for e in cost.estimate(plan, batch))
+    values = [math.prod(pipe.inputs[n].concrete(batch)) for n in pipe.input_names] if pipe.inputs else \
+        [math.prod(pipe.input.concrete(batch))]
+    values += [math.prod(t.concrete(batch)) for t in pipe.output_types]
+    values += [math.prod(t.shape) for t in (*pipe.tensor_args(), *pipe.buffer_args())]
+    copied = 2 * size * sum(values)
+    pays = replay_pays(launches, copied, target)
+    return (f"CUDA-graph replay without autograd (at batch {batch}): {'yes' if pays else 'no'}: {launches} launches' "
+            f"dispatch {1e3 * launches * target.launch_s:.3f} ms against the replay's copies, at most "
+            f"{copied / 1e6:.1f} MB ({1e3 * copied / target.dram_bytes_per_s:.3f} ms)")
 
 
 def _candidates(sel, batch: int, dtype: str = "float32") -> list[str]:

@@ -22,6 +22,17 @@ def test_replay_pays_where_dispatch_outweighs_the_copies():
     assert not replay_pays(few, copied_bytes=0, target=DEFAULT)  # the replay's own launch and copies cost as much
 
 
+def test_explain_says_a_model_of_many_short_kernels_replays(tmp_path):
+    from kgen.explain import explain_text
+    from kgen.importer import import_model
+    from kgen.ir import load_pipeline
+
+    spec = import_model(str(write_model_file(tmp_path, "blocks_model", BLOCKS)), name="replay_blocks",
+                        out_dir=tmp_path / "specs")
+    line = explain_text(load_pipeline(spec), training=True).splitlines()[-1]
+    assert line.startswith("CUDA-graph replay without autograd (at batch 2): yes: "), line
+
+
 def test_cpu_calls_launch_directly_and_keep_no_graph():
     calls = []
 
