@@ -474,17 +474,25 @@ class KgenPartition(nn.Module):
         return tuple(out) if self._several else out
 
 
-def _compile_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, precision,
-                       autotune: bool = False) -> KgenPartition:
+def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, precision) -> tuple[_Plan, Path]:
+    """The partition imported, checked and rendered into kgen's cache (or found there), not built."""
     from .build import default_variant
-    from .compiler import compile_module, tune_module
-    from .validate import import_module_dir
+    from .compiler import compile_module
 
     devices = {t.device.type for t in g.examples.values() if isinstance(t, torch.Tensor)}
     if "cuda" in devices and default_variant() != "cuda":
         raise KgenError("the model is on a GPU, but kgen builds for the CPU here (no nvcc, or KGEN_DEVICE=cpu)")
     plan = _partition_model(sub, call, g)
-    module_dir = compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose)
+    return plan, compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose, build=False)
+
+
+def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Path, verbose: bool,
+                    autotune: bool = False) -> KgenPartition:
+    """The built partition (tuned first, for max-autotune) loaded as its runner."""
+    from .build import default_variant
+    from .compiler import tune_module
+    from .validate import import_module_dir
+
     key = str(module_dir)
     if autotune:
         if default_variant() != "cuda" or not torch.cuda.is_available():
@@ -663,6 +671,19 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     fused = partitioner.fuse_partitions(parts)
     calls = {n.target: n for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")}
     g.parts = {target: fused.get_submodule(target) for target in calls}
+    def eager(names, e) -> None:
+        """Whatever fails in one partition, the model runs: that partition eagerly, with one line saying why."""
+        if not isinstance(e, (KgenError, NotImplementedError, RuntimeError, TypeError, ValueError)):
+            e = KgenError(f"kgen failed on it, a bug in kgen ({type(e).__name__}: {one_line(e, 200)}); please report it")
+        STATS["eager"] += 1
+        PARTITIONS.append({"calls": names, "module": None, "reason": one_line(e, 300)})
+        text = ", ".join(names[:6]) + (f", ... ({len(names)} calls)" if len(names) > 6 else "")
+        why = f"{type(e).__name__ + ': ' if not isinstance(e, KgenError) else ''}{one_line(e, 300)}"
+        if fullgraph:
+            raise KgenError(f"fullgraph=True: partition ({text}) would stay eager: {why}") from None
+        _say(f"partition ({text}) stays eager: {why}")
+
+    rendered = []  # (target, calls, its submodule, plan, module folder): every partition rendered first ...
     for i, names in enumerate(described):
         target = f"fused_{i}"  # fuse_partitions names the i-th partition it is given so
         call = calls.get(target)
@@ -671,20 +692,34 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         STATS["partitions"] += 1
         sub = fused.get_submodule(target)
         try:
-            runner = _compile_partition(sub, call, g, verbose, precision, opts["autotune"])
-        except Exception as e:  # noqa: BLE001 - whatever fails in one partition, the model runs (that one eagerly)
-            if not isinstance(e, (KgenError, NotImplementedError, RuntimeError, TypeError, ValueError)):
-                e = KgenError(f"kgen failed on it, a bug in kgen ({type(e).__name__}: {one_line(e, 200)}); please report it")
-            STATS["eager"] += 1
-            PARTITIONS.append({"calls": names, "module": None, "reason": one_line(e, 300)})
-            text = ", ".join(names[:6]) + (f", ... ({len(names)} calls)" if len(names) > 6 else "")
-            why = f"{type(e).__name__ + ': ' if not isinstance(e, KgenError) else ''}{one_line(e, 300)}"
-            if fullgraph:
-                raise KgenError(f"fullgraph=True: partition ({text}) would stay eager: {why}") from None
-            _say(f"partition ({text}) stays eager: {why}")
+            rendered.append((target, names, sub, *_render_partition(sub, call, g, verbose, precision)))
+        except Exception as e:  # noqa: BLE001 - see eager()
+            eager(names, e)
+    failures: dict = {}  # ... then built together (ninja's jobs of several modules at once) ...
+    _build_together([r[4] for r in rendered if str(r[4]) not in _LOADED], failures, verbose)
+    for target, names, sub, plan, module_dir in rendered:  # ... and loaded
+        try:
+            if module_dir in failures:
+                raise KgenError(failures[module_dir])
+            runner = _load_partition(sub, g, plan, module_dir, verbose, opts["autotune"])
+        except Exception as e:  # noqa: BLE001 - see eager()
+            eager(names, e)
             continue
         STATS["kgen"] += 1
         PARTITIONS.append({"calls": names, "module": runner.module_name, "reason": None})
         setattr(fused, target, runner)
     fused.recompile()
     return fused.forward
+
+
+def _build_together(module_dirs: list, failures: dict, verbose: bool) -> None:
+    """Build the partitions' modules at once; each one that fails is recorded in ``failures`` (its folder ->
+    the error's first line), the others still built. Anything else that breaks here leaves each module to be
+    built as it loads, where its partition's own error is caught."""
+    from .build import build_modules
+
+    if module_dirs:
+        try:
+            build_modules(list(dict.fromkeys(module_dirs)), failures=failures, quiet=not verbose)
+        except Exception:  # noqa: BLE001 - see above
+            pass

@@ -549,15 +549,16 @@ def build_module(module_dir: Path, variant: str | None = None, quiet: bool = Fal
     return result
 
 
-def build_modules(module_dirs, variant: str | None = None, failures: dict | None = None) -> list[BuildResult]:
+def build_modules(module_dirs, variant: str | None = None, failures: dict | None = None,
+                  quiet: bool = False) -> list[BuildResult]:
     """Build several modules at once (each ninja runs its own jobs); the first failure is raised,
     or, given ``failures``, recorded there (module directory -> the error's first line) and the
-    others still built (kgen tune)."""
+    others still built (kgen tune, the Dynamo backend's partitions)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(d):
         try:
-            return build_module(d, variant)
+            return build_module(d, variant, quiet=quiet)
         except KgenError as e:
             if failures is None:
                 raise

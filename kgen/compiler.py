@@ -90,9 +90,11 @@ def compile(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathL
 
 
 def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathLike | None = None,
-                   name: str | None = None, precision: str | None = None, verbose: bool = True) -> Path:
+                   name: str | None = None, precision: str | None = None, verbose: bool = True,
+                   build: bool = True) -> Path:
     """``compile`` up to the built module: its folder, rendered and built (or found in the cache), not
-    yet loaded. The Dynamo backend (kgen.backend) calls it for each partition of a graph."""
+    yet loaded. ``build=False``: rendered only (the Dynamo backend, kgen.backend, renders every partition
+    of a graph, then builds them together)."""
     start = time.monotonic()
     if precision is not None and precision not in PRECISIONS:
         raise KgenError(f"kgen.compile: precision={precision!r}; expected one of {', '.join(PRECISIONS)}")
@@ -116,12 +118,16 @@ def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | o
         folder = kgen_cache() / "compiled" / f"{base}-{key}"
         module_dir = folder / module_name
         if (folder / SPEC_FILE).is_file() and (module_dir / "__init__.py").is_file():
+            if not build:
+                return module_dir
             built = build_module(module_dir, quiet=True)  # found by its content hash (built again if it is gone)
             _say(verbose, f"{module_name}: {'built' if built.built else 'loaded'} from the cache {folder} "
                           f"in {time.monotonic() - start:.2f} s")
             return module_dir
         _say(verbose, f"{traced}; compiling it into {folder}")
         _render_into_cache(folder, module_name, imp, {**data, "name": module_name}, verbose, start)
+    if not build:
+        return module_dir
     result = build_module(module_dir, quiet=not verbose)
     if verbose and not result.built:
         _say(verbose, f"{module_dir.name}: its build was there already ({result.library.parent})")
