@@ -77,6 +77,17 @@ def _compiled(model):
     return torch.compile(model, backend=kgen_backend)
 
 
+def _partitions_of(model, *inputs) -> list:
+    """``model`` under the backend computes what it computes eagerly on ``inputs`` (without grad); the
+    partitions the backend made for it (``kgen.backend.PARTITIONS``' new entries)."""
+    from kgen import backend
+
+    before = len(backend.PARTITIONS)
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(model)(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+    return backend.PARTITIONS[before:]
+
+
 def _folders(cache: Path) -> set:
     return {p.name for p in (cache / "compiled").iterdir()} if (cache / "compiled").is_dir() else set()
 
@@ -511,15 +522,8 @@ class DenseLayers(nn.Module):
 
 
 def test_dense_layers_cat_of_many_inputs_are_kgen_partitions(cache):
-    from kgen import backend
-
     torch.manual_seed(0)
-    model = DenseLayers().eval()
-    before = len(backend.PARTITIONS)
-    x = torch.randn(2, 3, 4, 4)
-    with torch.no_grad():
-        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
-    made = [p for p in backend.PARTITIONS[before:] if "cat" in p["calls"]]
+    made = [p for p in _partitions_of(DenseLayers().eval(), torch.randn(2, 3, 4, 4)) if "cat" in p["calls"]]
     assert len(made) == 9 and all(p["module"] is not None for p in made), made
 
 
@@ -536,15 +540,8 @@ class HandLinear(nn.Module):
 
 
 def test_matmul_by_a_parameters_transpose_is_a_kgen_partition(cache):
-    from kgen import backend
-
     torch.manual_seed(0)
-    model = HandLinear().eval()
-    before = len(backend.PARTITIONS)
-    x = torch.randn(3, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
-    made = backend.PARTITIONS[before:]
+    made = _partitions_of(HandLinear().eval(), torch.randn(3, 6))
     assert len(made) == 1 and made[0]["module"] is not None and made[0]["calls"] == ["getattr", "matmul", "relu"], made
 
 
@@ -562,15 +559,8 @@ class Patches(nn.Module):
 
 
 def test_a_value_of_more_dims_than_kgens_stays_eager_and_the_rest_is_a_partition(cache):
-    from kgen import backend
-
     torch.manual_seed(0)
-    model = Patches().eval()
-    before = len(backend.PARTITIONS)
-    x = torch.randn(2, 3, 8, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
-    made = backend.PARTITIONS[before:]
+    made = _partitions_of(Patches().eval(), torch.randn(2, 3, 8, 8))
     assert made and all(p["module"] is not None for p in made), made  # none refused for a 6-d input
     assert any("linear" in p["calls"] for p in made), made
 
@@ -589,13 +579,6 @@ class TokenPool(nn.Module):
 
 
 def test_adaptive_pool_builtin_is_a_kgen_partition(cache):
-    from kgen import backend
-
     torch.manual_seed(0)
-    model = TokenPool().eval()
-    before = len(backend.PARTITIONS)
-    x = torch.randn(2, 7, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
-    made = backend.PARTITIONS[before:]
+    made = _partitions_of(TokenPool().eval(), torch.randn(2, 7, 16))
     assert len(made) == 1 and made[0]["module"] is not None and "adaptive_avg_pool1d" in made[0]["calls"], made
