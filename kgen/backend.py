@@ -671,6 +671,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     fused = partitioner.fuse_partitions(parts)
     calls = {n.target: n for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")}
     g.parts = {target: fused.get_submodule(target) for target in calls}
+
     def eager(names, e) -> None:
         """Whatever fails in one partition, the model runs: that partition eagerly, with one line saying why."""
         if not isinstance(e, (KgenError, NotImplementedError, RuntimeError, TypeError, ValueError)):

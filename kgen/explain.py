@@ -175,8 +175,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
 
 def replay_line(plan: Plan, batch: int, target: Target) -> str:
     """Whether the module replays this plan's kernels as one CUDA graph at ``batch`` where no autograd graph is
-    recorded (kgen.runtime.replay_pays: the launches' host dispatch against the bytes the replay copies, here at
-    most: the inputs and outputs copied, every parameter and running statistic derived afresh)."""
+    recorded (kgen.runtime.replay_pays: the launches' host dispatch against the bytes the replay copies)."""
     from .runtime import replay_pays
 
     pipe = plan.original
@@ -186,8 +185,9 @@ def replay_line(plan: Plan, batch: int, target: Target) -> str:
         [math.prod(pipe.input.concrete(batch))]
     values += [math.prod(t.concrete(batch)) for t in pipe.output_types]
     values += [math.prod(t.shape) for t in (*pipe.tensor_args(), *pipe.buffer_args())]
-    copied = 2 * size * sum(values)
-    pays = replay_pays(launches, copied, target)
+    argument_bytes = size * sum(values)
+    pays = replay_pays(launches, argument_bytes, target)
+    copied = 2 * argument_bytes  # at most (replay_pays)
     return (f"CUDA-graph replay without autograd (at batch {batch}): {'yes' if pays else 'no'}: {launches} launches' "
             f"dispatch {1e3 * launches * target.launch_s:.3f} ms against the replay's copies, at most "
             f"{copied / 1e6:.1f} MB ({1e3 * copied / target.dram_bytes_per_s:.3f} ms)")

@@ -288,15 +288,17 @@ class launches_one_by_one:
         _graphs_off -= 1
 
 
-def replay_pays(launches: int, copied_bytes: int, target=None) -> bool:
+def replay_pays(launches: int, argument_bytes: int, target=None) -> bool:
     """Whether replaying a call's kernels as one CUDA graph saves time: the host's dispatch of each
     launch (the cost model's ``launch_s``) against the replay's own launch and the bytes it moves
-    besides the op's (the inputs copied in, the outputs copied out, weights derived afresh)."""
+    besides the op's. ``argument_bytes``: the bytes of the op's inputs, outputs, parameters and
+    running statistics; a replay reads and writes each once at most (the inputs copied in, the
+    outputs copied out, weights derived afresh inside the graph)."""
     from .target import current
 
     t = target or current()
     saved = launches * t.launch_s
-    cost = t.launch_s + REPLAY_COPY_LAUNCHES * t.launch_s + copied_bytes / t.dram_bytes_per_s
+    cost = t.launch_s + REPLAY_COPY_LAUNCHES * t.launch_s + 2 * argument_bytes / t.dram_bytes_per_s
     return saved > cost
 
 
@@ -346,13 +348,9 @@ class GraphReplay:
                 if key in self.direct or key not in self.seen:
                     out = _call_below_autograd(op, args)
                     if key not in self.direct:
-                        if len(self.seen) > MAX_SEEN:  # signatures that never repeat (a factor that changes per call)
-                            self.seen.clear()
-                        self.seen.add(key)
-                        if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.launches, _replay_bytes(args, out)):
-                            if len(self.direct) > MAX_SEEN:
-                                self.direct.clear()
-                            self.direct.add(key)
+                        _remember(self.seen, key)
+                        if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.launches, _argument_bytes(args, out)):
+                            _remember(self.direct, key)
                     return out
                 entry = self._capture(op, args, key)
                 if entry is None:
@@ -364,9 +362,10 @@ class GraphReplay:
             return _map_tensors(static_out, torch.Tensor.clone)
 
     def _capture(self, op, args, key):
+        inputs = _inputs(args)
         with torch.inference_mode(False):  # normal tensors: later calls outside inference mode copy into them
-            static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in _inputs(args)]
-        for s, a in zip(static_in, _inputs(args)):
+            static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in inputs]
+        for s, a in zip(static_in, inputs):
             s.copy_(a)
         it = iter(static_in)
         static_args = tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args)
@@ -375,13 +374,21 @@ class GraphReplay:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run CUDA meanwhile
                 static_out = _call_below_autograd(op, static_args)
         except RuntimeError as e:  # an op that cannot be captured (a host sync): launch one by one
-            self.direct.add(key)
+            _remember(self.direct, key)
             warnings.warn(f"{self.op_name}: not replayed as a CUDA graph, its capture failed: {str(e).splitlines()[0]}",
                           stacklevel=3)
             return None
         entry = (graph, static_in, static_out)
         self.graphs[key] = entry
         return entry
+
+
+def _remember(signatures: set, key) -> None:
+    """Add ``key``, forgetting them all first past MAX_SEEN (signatures that never repeat: a batch norm's
+    update weight that changes every call)."""
+    if len(signatures) > MAX_SEEN:
+        signatures.clear()
+    signatures.add(key)
 
 
 def _call_below_autograd(op, args):
@@ -411,16 +418,11 @@ def _signature(args) -> tuple:
     return tuple(key)
 
 
-def _replay_bytes(args, out) -> int:
-    """Bytes a replay moves besides the op's: inputs copied in, outputs copied out, and (at most)
-    every parameter derived afresh (read and written)."""
-    def nbytes(t):
-        return t.numel() * t.element_size()
-
-    n = sum(2 * nbytes(a) for a in _inputs(args))
-    n += sum(2 * nbytes(t) for t in _flat_tensors(out))
-    n += sum(2 * nbytes(t) for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor))
-    return n
+def _argument_bytes(args, out) -> int:
+    """The bytes of the op's tensors (``replay_pays``): its inputs, outputs, parameters and running statistics."""
+    tensors = [*_inputs(args), *_flat_tensors(out),
+               *(t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor))]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _flat_tensors(out) -> list:

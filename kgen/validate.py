@@ -559,15 +559,12 @@ def check_refusal(mod, validated, pipe: Pipeline, device: str, dtype: torch.dtyp
     counts = {k: v.clone() for k, v in validated.state_dict().items() if k.endswith("num_batches_tracked")}
     try:
         model(x, *inputs.values())
+        return CaseResult(label, math.inf, math.inf, False, "returned an output where eager raises ValueError")
     except ValueError as e:
         if "Expected more than 1 value per channel when training" not in str(e):
             return CaseResult(label, math.inf, math.inf, False, f"raised another ValueError: {e}")
     except Exception as e:  # noqa: BLE001 - whatever else breaks, it is this case's failure
         return CaseResult(label, math.inf, math.inf, False, f"raised {type(e).__name__} where eager raises ValueError")
-    else:
-        return CaseResult(label, math.inf, math.inf, False, "returned an output where eager raises ValueError")
-    finally:
-        model.eval()
     state = validated.state_dict()
     if any(not torch.equal(state[k], v) for k, v in counts.items()):
         return CaseResult(label, math.inf, math.inf, False, "counted the refused batch in num_batches_tracked")
@@ -688,13 +685,14 @@ def check_model(mod, validated, pipe: Pipeline, device: str, op, tol, dtype: tor
         again = construct().eval()
         again.load_state_dict(model.state_dict(), assign=big)
         # (within the tolerance: cuDNN may pick another algorithm, or reduce in another order, on a second call)
-        if not all(compare(label, a, o.double(), tol, dtype=dtype).passed
-                   for a, o in zip(_tuple(again(x, *inputs.values())), _tuple(out))):
+        def agrees(result) -> bool:
+            return all(compare(label, a, o.double(), tol, dtype=dtype).passed for a, o in zip(_tuple(result), _tuple(out)))
+
+        if not agrees(again(x, *inputs.values())):
             return CaseResult(label, math.inf, math.inf, False, "a Model loaded from another's state_dict computes differently")
         # a second and third call: on a GPU a CUDA-graph capture and its replay, where that pays
         model(_randn(pipe.input.concrete(1), 32, device).to(dtype), *inputs.values())
-        if not all(compare(label, a, o.double(), tol, dtype=dtype).passed
-                   for a, o in zip(_tuple(model(x, *inputs.values())), _tuple(out))):
+        if not agrees(model(x, *inputs.values())):
             return CaseResult(label, math.inf, math.inf, False, "a third call on the first call's input computes differently")
         tensors = dict(validated.named_parameters())
         tensors.update(validated.named_buffers())

@@ -17,9 +17,10 @@ BLOCKS = conv_bn_blocks_model(blocks=8, size=6)  # a call of ~16 short kernels
 
 def test_replay_pays_where_dispatch_outweighs_the_copies():
     many, few = 60, 3
-    assert replay_pays(many, copied_bytes=10_000_000, target=DEFAULT)  # 240 us of dispatch, ~3 us of copies
-    assert not replay_pays(few, copied_bytes=134_000_000, target=DEFAULT)  # a large input copied for 3 launches
-    assert not replay_pays(few, copied_bytes=0, target=DEFAULT)  # the replay's own launch and copies cost as much
+    # argument bytes: each read and written once by a replay at most
+    assert replay_pays(many, argument_bytes=5_000_000, target=DEFAULT)  # 240 us of dispatch, ~3 us of copies
+    assert not replay_pays(few, argument_bytes=67_000_000, target=DEFAULT)  # a large input copied for 3 launches
+    assert not replay_pays(few, argument_bytes=0, target=DEFAULT)  # the replay's own launch and copies cost as much
 
 
 def test_explain_says_a_model_of_many_short_kernels_replays(tmp_path):
