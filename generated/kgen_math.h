@@ -28,6 +28,10 @@ inline dim3 sample_grid(unsigned per_sample, long long batch) {
   return dim3(per_sample, static_cast<unsigned>(y), static_cast<unsigned>((batch + y - 1) / y));
 }
 __device__ __forceinline__ long long grid_sample() { return static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y; }
+// Whether `p` may be read or written as whole `Bytes`-byte vectors (a tensor's storage is, a view into it
+// need not be).
+template <int Bytes>
+inline bool aligned_to(const void* p) { return reinterpret_cast<unsigned long long>(p) % Bytes == 0; }
 #endif
 
 // ---- 16-bit storage types: a stage of a bfloat16 or float16 plan reads and

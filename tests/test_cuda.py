@@ -515,30 +515,45 @@ def test_pool_ring_pinned_on_small_shapes(shape, tmp_path):
 
 
 # Stages that reduce nothing (pool_reduce's map_kernel): 4, 2 and 1 outputs per thread by the
-# loads each output issues, an output count that leaves the last block part-full
+# loads each output issues, an output count that leaves the last block part-full; where the input is
+# read at the output's own index and a sample is whole 16-byte vectors, 4 values per vector access
+# (map_vector_kernel), one of the ops reading a second tensor
 MAP_STAGES = {
-    "map_elementwise": ([{"batch_norm": {}}, "tanh", {"mul": {"scalar": 2.0}}], 4),
-    "map_pool_pairs": ([{"batch_norm": {}}, {"max_pool2d": {"kernel_size": [1, 2]}}, "tanh"], 2),
-    "map_pool_squares": ([{"batch_norm": {}}, {"max_pool2d": {"kernel_size": 2}}, "tanh"], 1),
+    "map_elementwise": ([{"batch_norm": {}}, "tanh", {"mul": {"scalar": 2.0}}], 4, [6, 15, 17], 1),
+    "map_pool_pairs": ([{"batch_norm": {}}, {"max_pool2d": {"kernel_size": [1, 2]}}, "tanh"], 2, [6, 15, 17], 1),
+    "map_pool_squares": ([{"batch_norm": {}}, {"max_pool2d": {"kernel_size": 2}}, "tanh"], 1, [6, 15, 17], 1),
+    "map_vectors": ([{"batch_norm": {}}, "tanh", {"mul": {"scalar": 2.0}}], 4, [6, 16, 17], 4),
+    "map_vectors_two_inputs": ([{"conv2d": {"out_channels": 8, "kernel_size": 1, "as": "c"}}, {"batch_norm": {}},
+                                {"add": {"tensor": "c"}}, "relu"], 4, [6, 16, 17], 4),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MAP_STAGES))
 def test_stages_that_reduce_nothing_validate(name, tmp_path):
     """Against the float64 reference with validate's cases (NaN, inf, ties, large values, both
-    modes of the batch norm before them), at batches 1 to 3 and at the example batch (37)."""
+    modes of the batch norm before them), at batches 1 to 3 and at the example batch (37); the
+    vector form also on an input 4 bytes past a vector boundary (one value at a time then)."""
     from conftest import pipeline_of
     from kgen.build import build_module
     from kgen.plan import make_plan
     from kgen.render import render_spec, write_rendered
     from kgen.target import DEFAULT
-    from kgen.validate import validate
+    from kgen.validate import import_module_dir, validate
 
-    ops, outputs = MAP_STAGES[name]
-    text = spec_text([6, 15, 17], ops, batch=37, name=name)
-    stage = make_plan(pipeline_of(text), target=DEFAULT).stages[1]
-    assert stage.reduced_count == 1 and stage.schedule.map_outputs == outputs
+    ops, outputs, shape, vector = MAP_STAGES[name]
+    text = spec_text(shape, ops, batch=37, name=name)
+    stage = next(st for st in make_plan(pipeline_of(text), target=DEFAULT).stages if st.kind == "pool_reduce")
+    assert stage.reduced_count == 1 and stage.schedule.map_outputs == outputs and stage.schedule.map_vector == vector
     spec = write_spec(tmp_path, text, f"{name}.yaml")
     write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
     build_module(tmp_path / "gen" / name, quiet=True)
     assert_report_passed(validate(spec, tmp_path / "gen" / name, "cuda", example_batch=True))
+    if vector > 1:
+        torch.manual_seed(0)
+        model = import_module_dir(tmp_path / "gen" / name).Model().cuda()
+        x = torch.randn(5, *shape, device="cuda")
+        shifted = torch.empty(x.numel() + 1, device="cuda")[1:].view_as(x)  # 4 bytes past the storage's start
+        shifted.copy_(x)
+        assert shifted.data_ptr() % 16 == 4
+        with torch.no_grad():
+            torch.testing.assert_close(model(shifted), model(x), rtol=0, atol=0)

@@ -16,7 +16,7 @@ from ..buffer import flat_buffer
 from ..ir import Elementwise, Pool, Reduce, TensorType
 from ..spec import DTYPES
 from ..stage import Stage
-from .base import Family, StageRequest, fused_stage_json, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
+from .base import DTYPE_BYTES, Family, StageRequest, fused_stage_json, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
 
 CUDA_THREADS = 256  # threads per block
 MIN_PER_THREAD = 32  # values a thread combines before a reduction is split across blocks
@@ -30,6 +30,10 @@ MAX_UNROLL = 8
 # outputs of a stage that reduces nothing per thread, their loads all issued first (kernel.cu.j2 map_kernel):
 # one output per thread ran #15's and #38's large elementwise stages at ~1.5-1.9 TB/s on an H200
 MAP_LOADS_IN_FLIGHT = 4
+# bytes of one load or store of consecutive outputs in map_kernel, where the input is a plain contiguous tensor
+# read at the output's own index: scalar 4-byte accesses ran ResNet's batch norm + ReLU stages at ~2.1 TB/s on an
+# H200, half of what torch.compile's 16-byte accesses reach on the same tensors
+MAP_VECTOR_BYTES = 16
 MAX_UNROLLED_WINDOW = 512  # window taps up to which the window loops are unrolled
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 TRANSPOSE_TILE = 1024  # values of a shared-memory tile when a channels_last input becomes an NC[D]HW output
@@ -60,6 +64,9 @@ class Schedule:
     # per memory sector, ~8 ms of #13's 16; the scattered writes are the smaller side: docs/performance.md, 2026-11-25)
     kept_walk: tuple = ()
     map_outputs: int = 1  # outputs per thread where nothing is reduced (map_kernel)
+    # consecutive outputs a map_kernel thread loads and stores as one vector (1: one at a time); the kernel
+    # falls back to one at a time where a pointer is not aligned to the vector at run time
+    map_vector: int = 1
 
 
 @dataclass
@@ -177,8 +184,20 @@ class PoolReduce(Family):
             transpose_positions=TRANSPOSE_TILE // tc if tc else 0,
             kept_walk=tuple(d for d in mem if d in st.kept_dims) if not r_fast and not tc else st.kept_dims,
             map_outputs=max(1, MAP_LOADS_IN_FLIGHT // st.window_loads) if st.reduced_count == 1 else 1,
+            map_vector=self._map_vector(st, tc, DTYPE_BYTES[req.dtype]),
         )
         return st
+
+    @staticmethod
+    def _map_vector(st: PoolReduceStage, transpose_channels: int, value_bytes: int) -> int:
+        """Outputs per vector access in map_kernel: where nothing is reduced or pooled and output k of a
+        sample is the input's element k (a plain contiguous input), consecutive outputs are consecutive
+        values of both; the samples stay aligned to the vector where it divides their size."""
+        vector = MAP_VECTOR_BYTES // value_bytes
+        if (st.reduced_count != 1 or st.reduce is not None or len(st.levels) != 1 or transpose_channels
+                or not st.input.flat or st.kept_count % vector):
+            return 1
+        return vector
 
     @staticmethod
     def _transpose_channels(st: PoolReduceStage) -> int:
