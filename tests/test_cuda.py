@@ -525,6 +525,8 @@ MAP_STAGES = {
     "map_vectors": ([{"batch_norm": {}}, "tanh", {"mul": {"scalar": 2.0}}], 4, [6, 16, 17], 4),
     "map_vectors_two_inputs": ([{"conv2d": {"out_channels": 8, "kernel_size": 1, "as": "c"}}, {"batch_norm": {}},
                                 {"add": {"tensor": "c"}}, "relu"], 4, [6, 16, 17], 4),
+    "map_vectors_bfloat16": ([{"conv2d": {"out_channels": 8, "kernel_size": 1, "as": "c"}}, "tanh",
+                              {"add": {"tensor": "c"}}, "relu"], 4, [6, 16, 17], 8, "bfloat16"),
 }
 
 
@@ -540,8 +542,8 @@ def test_stages_that_reduce_nothing_validate(name, tmp_path):
     from kgen.target import DEFAULT
     from kgen.validate import import_module_dir, validate
 
-    ops, outputs, shape, vector = MAP_STAGES[name]
-    text = spec_text(shape, ops, batch=37, name=name)
+    ops, outputs, shape, vector, *dtype = MAP_STAGES[name]
+    text = spec_text(shape, ops, batch=37, name=name).replace("dtype: float32", f"dtype: {(dtype or ['float32'])[0]}")
     stage = next(st for st in make_plan(pipeline_of(text), target=DEFAULT).stages if st.kind == "pool_reduce")
     assert stage.reduced_count == 1 and stage.schedule.map_outputs == outputs and stage.schedule.map_vector == vector
     spec = write_spec(tmp_path, text, f"{name}.yaml")
@@ -551,9 +553,10 @@ def test_stages_that_reduce_nothing_validate(name, tmp_path):
     if vector > 1:
         torch.manual_seed(0)
         model = import_module_dir(tmp_path / "gen" / name).Model().cuda()
-        x = torch.randn(5, *shape, device="cuda")
-        shifted = torch.empty(x.numel() + 1, device="cuda")[1:].view_as(x)  # 4 bytes past the storage's start
+        x = torch.randn(5, *shape, device="cuda", dtype=getattr(torch, (dtype or ["float32"])[0]))
+        model = model.to(x.dtype)
+        shifted = torch.empty(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view_as(x)  # one value past the storage's start
         shifted.copy_(x)
-        assert shifted.data_ptr() % 16 == 4
+        assert shifted.data_ptr() % 16 == x.element_size()
         with torch.no_grad():
             torch.testing.assert_close(model(shifted), model(x), rtol=0, atol=0)
