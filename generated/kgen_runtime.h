@@ -112,11 +112,13 @@ inline void check_dtype(const char* op, const at::Tensor& x, std::initializer_li
 // Checks dtype, device and static shape of an argument, naming what was
 // expected; `like` (if given) is the tensor (x) whose device and dtype it must share,
 // as PyTorch's modules refuse mixed dtypes; without it, float32.
+// `dtype` (where not Undefined): the dtype `t` has whatever x's is (a batch norm's float statistics).
 inline void check_arg(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef expected,
-                      const at::Tensor* like = nullptr) {
+                      const at::Tensor* like = nullptr, at::ScalarType dtype = at::ScalarType::Undefined) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
-  if (like == nullptr) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  if (like == nullptr || dtype != at::ScalarType::Undefined) {
+    const at::ScalarType want = like == nullptr ? at::kFloat : dtype;
+    TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", dtype_name(want), ", got ", dtype_name(t.scalar_type()));
   } else {
     TORCH_CHECK(t.scalar_type() == like->scalar_type(), op, ": ", name, " is ", dtype_name(t.scalar_type()), " but x is ",
                 dtype_name(like->scalar_type()), ": every input, parameter and buffer must have x's dtype, as PyTorch "
@@ -515,10 +517,19 @@ inline at::Tensor tap_sum_convolution(const at::Tensor& x, const at::Tensor& w, 
   return y.reshape(out_shape);
 }
 
+// A 16-bit tensor converted to float (ATen's batch norm computes a 16-bit input's statistics in float);
+// any other as it is.
+inline at::Tensor float_of_16_bit(const at::Tensor& t) {
+  const bool half = t.defined() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
+  return half ? t.to(at::kFloat) : t;
+}
+
 // Batch norm's per-channel scale, weight / sqrt(var + eps) (1 / sqrt(...) where `weight` is
 // undefined: no affine), for (x - mean) * scale + bias in a fused stage; eval mode's from the
-// running variance, training mode's from the batch's (batch_norm_batch_stats).
-inline at::Tensor batch_norm_scale(const at::Tensor& var, const at::Tensor& weight, double eps) {
+// running variance, training mode's from the batch's (batch_norm_batch_stats). Float for 16-bit
+// tensors (the stages take it as float: ATen's invstd is float there).
+inline at::Tensor batch_norm_scale(const at::Tensor& var_in, const at::Tensor& weight_in, double eps) {
+  const at::Tensor var = float_of_16_bit(var_in), weight = float_of_16_bit(weight_in);
   const at::Tensor root = at::sqrt(at::add(var, eps));
   return weight.defined() ? at::div(weight, root) : at::reciprocal(root);
 }
@@ -534,8 +545,13 @@ inline std::pair<at::Tensor, at::Tensor> batch_norm_batch_stats(const at::Tensor
   for (int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
   const int64_t n = x.numel() / x.size(1);
   TORCH_CHECK(n > 1, "Expected more than 1 value per channel when training, got input size ", x.sizes());
-  const auto [var, mean] = at::var_mean(x, dims, std::optional<at::Scalar>(0), /*keepdim=*/false);
-  if (running_mean.defined()) {
+  const auto [var, mean] = at::var_mean(float_of_16_bit(x), dims, std::optional<at::Scalar>(0), /*keepdim=*/false);
+  if (running_mean.defined() && running_mean.scalar_type() != at::kFloat) {
+    // 16-bit running statistics: each updated in float and rounded once, as ATen's batch norm updates them
+    const at::Tensor unbiased = at::mul(var, static_cast<double>(n) / static_cast<double>(n - 1));
+    running_mean.copy_(at::add(at::mul(mean, factor), at::mul(running_mean.to(at::kFloat), 1.0 - factor)));
+    running_var.copy_(at::add(at::mul(unbiased, factor), at::mul(running_var.to(at::kFloat), 1.0 - factor)));
+  } else if (running_mean.defined()) {
     running_mean.mul_(1.0 - factor).add_(mean, factor);
     running_var.mul_(1.0 - factor).add_(at::mul(var, static_cast<double>(n) / static_cast<double>(n - 1)), factor);
   }

@@ -94,10 +94,13 @@ class TensorArg:
     name: str  # "conv.weight"
     ident: str  # "conv_weight"
     shape: tuple[int, ...]
+    # None: the plan's dtype (a parameter or buffer, converted with the model); "float32": a batch norm's
+    # statistics, float in every plan, as ATen keeps them for a 16-bit input (BatchStats, DerivedTensor)
+    dtype: str | None = None
 
     @classmethod
-    def named(cls, name: str, shape) -> "TensorArg":
-        return cls(name, _ident(name), tuple(shape))
+    def named(cls, name: str, shape, dtype: str | None = None) -> "TensorArg":
+        return cls(name, _ident(name), tuple(shape), dtype)
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,10 @@ class Member:
 
 def batch_norm_scale(var: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """A batch norm's per-channel scale ``weight / sqrt(var + eps)`` (``1 / sqrt(...)`` without a
-    weight), as kgen::batch_norm_scale computes it in the generated bindings."""
+    weight), as kgen::batch_norm_scale computes it in the generated bindings: in float for 16-bit
+    tensors (ATen's batch norm computes a 16-bit input's statistics and scale in float)."""
+    if var.dtype in (torch.bfloat16, torch.float16):
+        var, weight = var.float(), weight.float() if weight is not None else None
     root = torch.sqrt(var + eps)
     return weight / root if weight is not None else torch.reciprocal(root)
 
@@ -415,6 +421,9 @@ class Elementwise(Op):
     tensor: str | None = None  # a value (input or named result) as the operand; it broadcasts to x
     reverse: bool = False  # the operand on the left: f(operand, x)
     register: bool = False  # the plan reads the tensor operand from a register of the same stage
+    # a step inside one op eager computes whole (a batch norm as sub, mul, add: rewrites.batch_norm_batch_stats):
+    # eager materializes no tensor there, so a 16-bit plan does not round its output (kgen.plan.rounding_points)
+    inner: bool = False
 
     @property
     def op_name(self) -> str:
@@ -806,11 +815,11 @@ class BatchStats(Op):
 
     @property
     def mean(self) -> TensorArg:
-        return TensorArg.named(f"{self.norm.module}.batch_mean", (self.norm.num_features,))
+        return TensorArg.named(f"{self.norm.module}.batch_mean", (self.norm.num_features,), "float32")
 
     @property
     def scale(self) -> TensorArg:
-        return TensorArg.named(f"{self.norm.module}.batch_scale", (self.norm.num_features,))
+        return TensorArg.named(f"{self.norm.module}.batch_scale", (self.norm.num_features,), "float32")
 
     @property
     def weight(self) -> str | None:
@@ -839,12 +848,17 @@ class BatchStats(Op):
         n = x.numel() // x.shape[1]
         if n <= 1:  # as F.batch_norm refuses it
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
-        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        half = x.dtype in (torch.bfloat16, torch.float16)  # statistics in float, as ATen's batch norm computes them
+        var, mean = torch.var_mean(x.float() if half else x, dim=dims, correction=0)
         if self.norm.track_running_stats and getattr(tensors, "training", False):
             rm, rv = (tensors[b] for b in self.buffer_names())
             factor = self.norm.count_batch(tensors)
-            rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)
-            rv.mul_(1 - factor).add_((var * (n / (n - 1))).to(rv.dtype), alpha=factor)
+            if half:  # each update in float, rounded once (ATen's batch_norm_update_stats)
+                rm.copy_(mean * factor + (1 - factor) * rm.float())
+                rv.copy_(var * (n / (n - 1)) * factor + (1 - factor) * rv.float())
+            else:
+                rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)
+                rv.mul_(1 - factor).add_((var * (n / (n - 1))).to(rv.dtype), alpha=factor)
         tensors[self.mean.name] = mean
         tensors[self.scale.name] = batch_norm_scale(var, tensors[self.weight] if self.weight else None, self.norm.eps)
         return x
@@ -858,7 +872,7 @@ class BatchStats(Op):
             device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), None)
             mean = torch.zeros(self.norm.num_features, device=device)
             var = torch.ones(self.norm.num_features, device=device)
-        return {self.mean.name: mean,
+        return {self.mean.name: mean.float() if mean.dtype in (torch.bfloat16, torch.float16) else mean,
                 self.scale.name: batch_norm_scale(var, tensors[self.weight] if self.weight else None, self.norm.eps)}
 
     def describe(self):

@@ -197,10 +197,13 @@ def rounding_points(pipe: Pipeline, stage: Stage) -> tuple[Op, ...]:
     convolution's or GEMM's main loop nothing changes: its output is the rounding point, as cuDNN's is).
     A name (``as:``) computes nothing and rounds nothing. The spec's ``intermediates: float32`` keeps
     float32 until the stage's output (closer to float64, further from eager); float32 plans round nowhere.
-    Only the families that generate a stage's math render these; an ATen call rounds its own output."""
+    A step inside an op eager computes whole (``Elementwise.inner``: a batch norm's subtraction and scale,
+    rewrites.batch_norm_batch_stats / batch_norm_eval_affine) rounds nothing: eager rounds the norm's output
+    once, after its last step, which rounds here. Only the families that generate a stage's math render
+    these; an ATen call rounds its own output."""
     if pipe.dtype == "float32" or pipe.intermediates == "float32":
         return ()
-    return tuple(op for op in stage.ops if not isinstance(op, Capture))
+    return tuple(op for op in stage.ops if not isinstance(op, Capture) and not getattr(op, "inner", False))
 
 
 def defer_conv_bias(pipe: Pipeline) -> Pipeline:
@@ -269,7 +272,8 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
     fire = lambda rewrite, site: picker.pick(rewrite_key(rewrite, site), (ON, OFF)) == ON  # noqa: E731
     if pipeline.dtype == "float32":
         rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
-    else:  # the rewritten forms need fused stages, which have no 16-bit kernels yet, and round unlike eager
+    else:  # not shown exact against eager's 16-bit rounding (each rewrite changes which values eager rounds to the
+        # dtype between ops); batch norm's own rewrites (tuned_candidates, _batch_stats) keep eager's rounding points
         rewritten, decisions = pipeline, [Decision(n, "*", False, f"not in {pipeline.dtype}: the ops as written") for n, _ in REWRITES]
     rewritten = defer_conv_bias(rewritten)
     resolved, cuts = values.resolve(rewritten.ops, rewritten.outputs)
@@ -552,8 +556,7 @@ def tuned_candidates(pipeline: Pipeline, target: Target) -> tuple[list[Plan], bo
     as a per-channel affine (a norm without running statistics as its batch statistics), and the
     spec's ops through ATen; else the training candidates (where no norm keeps running statistics),
     or every candidate."""
-    # (16-bit: the ops as written; the norm as an affine needs fused stages, which have no 16-bit kernels yet)
-    eval_pipe = batch_norm_eval_affine(pipeline) if pipeline.rewrites.get(EVAL_REWRITE, True) and pipeline.dtype == "float32" else None
+    eval_pipe = batch_norm_eval_affine(pipeline) if pipeline.rewrites.get(EVAL_REWRITE, True) else None
     if eval_pipe is None:
         tracked = any(isinstance(op, BatchNorm) and op.track_running_stats for op in pipeline.ops)
         return (candidate_plans(pipeline, target) if tracked else training_candidates(pipeline, target)), False
@@ -573,8 +576,6 @@ def training_candidates(pipeline: Pipeline, target: Target) -> list[Plan]:
 
 def _batch_stats(pipeline: Pipeline) -> Pipeline | None:
     """rewrites.batch_norm_batch_stats unless the spec switches it off (None: not made)."""
-    if pipeline.dtype != "float32":  # the ops as written (the statistics stage has no 16-bit kernels yet)
-        return None
     return batch_norm_batch_stats(pipeline) if pipeline.rewrites.get(TRAIN_REWRITE, True) else None
 
 

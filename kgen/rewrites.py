@@ -778,10 +778,10 @@ def batch_norm_eval_affine(pipe: Pipeline) -> Pipeline | None:
         weight, bias = op.tensor_names() or (None, None)
         view = (op.num_features,) + (1,) * (op.rank - 2)  # per channel, against the activation's dims 1..
         name = f"{op.module}.eval_scale"
-        scale = DerivedTensor(TensorArg.named(name, (op.num_features,)), var, weight, op.eps)
+        scale = DerivedTensor(TensorArg.named(name, (op.num_features,), "float32"), var, weight, op.eps)  # float: ATen's invstd
         derived.append(scale)
-        ops += [Elementwise(key=op.key, src=op.src, fn="sub", param=mean, param_view=view),
-                Elementwise(key=f"{op.key}.scale", fn="mul", param=name, param_view=view)]
+        ops += [Elementwise(key=op.key, src=op.src, fn="sub", param=mean, param_view=view, inner=True),
+                Elementwise(key=f"{op.key}.scale", fn="mul", param=name, param_view=view, inner=bool(bias))]
         if bias:
             ops.append(Elementwise(key=f"{op.key}.shift", fn="add", param=bias, param_view=view))
     if not derived:
@@ -809,8 +809,8 @@ def batch_norm_batch_stats(pipe: Pipeline) -> Pipeline | None:
         stats = BatchStats(key=f"{op.key}.stats", src=op.src, norm=op)
         view = (op.num_features,) + (1,) * (op.rank - 2)
         ops += [stats,
-                Elementwise(key=op.key, fn="sub", param=stats.mean.name, param_view=view),
-                Elementwise(key=f"{op.key}.scale", fn="mul", param=stats.scale.name, param_view=view)]
+                Elementwise(key=op.key, fn="sub", param=stats.mean.name, param_view=view, inner=True),
+                Elementwise(key=f"{op.key}.scale", fn="mul", param=stats.scale.name, param_view=view, inner=op.affine)]
         if op.affine:
             ops.append(Elementwise(key=f"{op.key}.shift", fn="add", param=op.tensor_names()[1], param_view=view))
     if len(ops) == len(pipe.ops):

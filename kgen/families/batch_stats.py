@@ -8,6 +8,12 @@ order in double, writes the mean and the scale and updates the running statistic
 var_mean (its Welford reduction) reads the same bytes at about half the bandwidth on the H100
 (docs/performance.md, 2026-11-27). Elsewhere (the CPU build, BatchNorm1d over [N, C]): ATen's var_mean
 (kgen::batch_norm_batch_stats). Templates: ``templates/batch_stats/``.
+
+In a 16-bit plan the input, the weight and the running statistics are in the plan's dtype (a model converted
+with ``model.to(dtype)``), as ATen's batch norm takes them: the input converted to float where it is loaded,
+the statistics in float (the kernels' sums in float, their merge in double, as in float32), the mean and the
+scale made in float (the stages after it take them as float: ``TensorArg.dtype``), and each running statistic
+updated in float and rounded once to the dtype, as ATen's batch_norm_update_stats does.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 
 from ..buffer import flat_buffer
 from ..ir import BatchStats
+from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
 from .base import Family, StageRequest, Work
@@ -68,6 +75,7 @@ class BatchStatsFamily(Family):
     writes_output = False
     pieces = ("kernel.cu", "binding.cpp")
     summary = "training-mode batch norm's per-channel statistics and running-statistics update (one read)"
+    dtypes = DTYPES  # 16-bit: the input and parameters as stored, the statistics in float (module docstring)
 
     def fits(self, ops):
         return len(ops) == 1 and isinstance(ops[0], BatchStats)
