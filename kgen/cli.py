@@ -151,7 +151,7 @@ def main():
                                 (default: cuda when torch has CUDA and nvcc is found)
       TORCH_CUDA_ARCH_LIST      GPU architectures to build for, e.g. "9.0a;8.0"
                                 (default: the GPU's own; sm_90a on Hopper)
-      KGEN_TARGET=default       plan for the default target (an H100) instead of this GPU,
+      KGEN_TARGET=default       plan for the default target (an H200) instead of this GPU,
                                 so that rendering gives the committed files on any machine
       KGEN_MAX_ELEMENTS=N       largest activation sample or weight a spec may make
                                 (default 2**34 elements)
@@ -349,10 +349,11 @@ def explain(spec, no_rewrites, batch, training, dtype):
     for this target, else the cost model), every candidate plan with the
     model's estimate and the measured time, ops before and after rewrites,
     which rewrites fired and why others did not, the stages, FLOPs, bytes
-    moved, the H100 floor (FLOPs / 400 TFLOP/s TF32, bytes / 3.0 TB/s) and the
-    model's estimate per stage. Where a batch norm uses running statistics,
-    eval mode has a plan of its own; the details are eval mode's (as bench and
-    tune run the module) unless --training."""
+    moved, the target's floor (FLOPs / its tensor-core rate, bytes / its DRAM
+    bandwidth, both printed with it) and the model's estimate per stage. Where
+    a batch norm uses running statistics, eval mode has a plan of its own; the
+    details are eval mode's (as bench and tune run the module) unless
+    --training."""
     from .explain import explain_text
     from .ir import load_pipeline
     from .spec import REWRITE_NAMES
@@ -443,7 +444,8 @@ def bench(names, out, json_path, md_path, reps, baseline, plot_path, dtypes):
     torch.compile in the same process: CUDA events, warm-up, median of REPS.
 
     Each row has kgen's floor ratio (its time over the fully fused pipeline's
-    floor: FLOPs / 400 TFLOP/s TF32 + bytes / 3.0 TB/s per stage) and is
+    floor: FLOPs / the GPU's TF32 rate + bytes / its DRAM bandwidth per
+    stage, kgen.target's figures for it) and is
     marked where kgen is slower than eager. Each stage is timed too
     (torch.profiler), for the roofline of --plot.
     """

@@ -7,8 +7,8 @@ calls. A piece of work takes
     launches * launch_s + calls * call_s + latency_s + max(FLOPs / rate, bytes / DRAM bandwidth)
 
 and a plan's stages run one after another, so their times add. The device
-facts come from the target (``kgen.target``: the H100's ~3.0 TB/s, TF32 tensor
-cores at ~400 TFLOP/s, a few microseconds per launch); what is particular to a
+facts come from the target (``kgen.target``, per device: the H200's ~4.3 TB/s,
+TF32 tensor cores at ~400 TFLOP/s, a few microseconds per launch); what is particular to a
 library (cuDNN reaching ~300 TFLOP/s on large convolutions, much less on small
 ones, and tens of microseconds per call) is in its family. The model decides
 where a spec's tuning file has no entry for the target (``kgen.plan.choose_plans``);

@@ -103,7 +103,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     sym = pipe.batch_symbol
     out = [
         f"{pipe.name} ({pipe.path}): {pipe.input} -> {pipe.output}, precision {pipe.precision}",
-        f"counts below are for {sym or 'batch'} = {batch}; target {target.name}",
+        f"counts below are for {sym or 'batch'} = {batch}; target {target.described()}",
     ]
     if pipe.dtypes != ("float32",):
         out.append(f"dtypes: {', '.join(pipe.dtypes)} (a plan per dtype; the details below are {dtype}'s, --dtype picks)")

@@ -15,10 +15,12 @@ import sys
 from pathlib import Path
 
 from .errors import KgenError
-from .target import DEFAULT, Target
+from .target import DEFAULT, KNOWN, Target
 
 
-def plot(result: dict, path: Path, target: Target = DEFAULT) -> Path:
+def plot(result: dict, path: Path, target: Target | None = None) -> Path:
+    """Draw ``result`` (a `kgen bench` result) to ``path``, under ``target``'s ceilings (default: those of the
+    device it was measured on, where kgen knows it, else the default target's)."""
     try:
         import matplotlib
 
@@ -27,6 +29,7 @@ def plot(result: dict, path: Path, target: Target = DEFAULT) -> Path:
     except ImportError:
         raise KgenError("kgen bench --plot needs matplotlib: pip install 'kgen[plot]'") from None
     rows = result["rows"]
+    target = target or KNOWN.get(result["environment"]["device"], DEFAULT)
     stages = [(r["name"], s) for r in rows for s in r.get("stages", []) if s["ms"] > 0 and s["bytes"] > 0]
     fig, (roof, band, bars) = plt.subplots(1, 3, figsize=(20, 7), gridspec_kw={"width_ratios": [1, 0.8, 1.1]})
     _roofline(roof, stages, target, result["environment"]["device"])

@@ -4,7 +4,7 @@ This module is their only reader and writer. A file holds one entry per
 device and dtype it was tuned on (`kgen tune --dtype`):
 
     {"format": 1, "spec": "specs/NAME.yaml", "entries": [{
-        "device": "NVIDIA H100 80GB HBM3",       # torch.cuda.get_device_name()
+        "device": "NVIDIA H200",                 # torch.cuda.get_device_name()
         "dtype": "bfloat16",                      # the plans it measured; absent: float32's
         "versions": {"torch": ..., "cuda": ..., "cudnn": ..., "kgen": commit},
         "date": ..., "reps": 30,
@@ -18,8 +18,8 @@ device and dtype it was tuned on (`kgen tune --dtype`):
                                                   # at the example batch (kgen.tune.measure_eager_conv_tf32)
 
 An entry applies to the plans of its dtype when its device is the render
-target's (``Target.name``; the default target is the H100, so the committed
-H100 entries give the committed ``generated/`` files on a CPU-only machine too)
+target's (``Target.name``; the default target is the H200, so the committed
+H200 entries give the committed ``generated/`` files on a CPU-only machine too)
 and both hashes match what kgen computes now; otherwise it is ignored with a
 note saying why (another device, the spec changed, kgen's candidates changed:
 retune). A float32 entry has no "dtype" key (files written before 16-bit

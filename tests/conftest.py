@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Plan for the default target (an H100) on any machine, so that rendering gives
+# Plan for the default target (the H200) on any machine, so that rendering gives
 # the committed generated/ files on a GPU with another SM count too.
 os.environ.setdefault("KGEN_TARGET", "default")
 

@@ -2,18 +2,19 @@
 schedules (from the target), buffers and tiles. No builds: plans only."""
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import pipeline_of, spec_text
+from conftest import ROOT, pipeline_of, spec_text
 from kgen import families
 from kgen.families import conv_aten, layer_norm, norm, pool_reduce, softmax
 from kgen.families.base import Family
-from kgen.ir import Capture, Elementwise, LayerNorm, Norm, Reduce, Softmax
+from kgen.ir import Capture, Elementwise, LayerNorm, Norm, Reduce, Softmax, load_pipeline
 from kgen.lowering import Subpixel
 from kgen.plan import choose_plans, make_plan
 from kgen.stage import ConvStage
-from kgen.target import DEFAULT, Target, current
+from kgen.target import DEFAULT, H100, H200, KNOWN, Target, current
 
 CONV2 = {"conv2d": {"out_channels": 4, "kernel_size": 3}}
 
@@ -425,7 +426,8 @@ def test_plan_json_records_target_family_and_schedule():
 
 def test_target_is_the_default_without_a_gpu_or_when_forced(monkeypatch):
     monkeypatch.setenv("KGEN_TARGET", "default")
-    assert current() == DEFAULT == Target(132, 2048)
+    assert current() == DEFAULT == Target(132, 2048) == H200  # the machine kgen is measured on now
+    assert DEFAULT.name == "NVIDIA H200" and DEFAULT.dram_bytes_per_s == 4.3e12 and DEFAULT.ceilings_of is None
     monkeypatch.setenv("KGEN_TARGET", "h100x")
     with pytest.raises(Exception, match="KGEN_TARGET"):
         current()
@@ -434,6 +436,49 @@ def test_target_is_the_default_without_a_gpu_or_when_forced(monkeypatch):
 
     if not torch.cuda.is_available():
         assert current() == DEFAULT
+
+
+def _fake_device(monkeypatch, name: str, sms: int = 114, memory: int = 80 * 2**30):
+    import torch
+
+    props = SimpleNamespace(name=name, multi_processor_count=sms, max_threads_per_multi_processor=2048, major=9,
+                            total_memory=memory)
+    monkeypatch.delenv("KGEN_TARGET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+
+
+def test_a_known_device_gets_its_own_ceilings_and_an_unknown_one_the_defaults_marked(monkeypatch):
+    """The ceilings (bandwidth, FLOP/s, launch cost) come from KNOWN by the device's CUDA name; SMs, threads and
+    memory from the device. Another device gets the default's ceilings, and says they were not measured on it."""
+    from kgen.explain import explain_text
+
+    assert KNOWN == {"NVIDIA H100 80GB HBM3": H100, "NVIDIA H200": H200}
+    assert H100.dram_bytes_per_s == 3.0e12 < H200.dram_bytes_per_s and H100.tensor_flops == H200.tensor_flops
+    _fake_device(monkeypatch, H100.name, memory=85_000_000_000)
+    t = current()
+    assert t == replace(H100, sm_count=114) and t.ceilings_of is None and t.described() == H100.name
+    _fake_device(monkeypatch, "NVIDIA H200", sms=132, memory=150_000_000_000)
+    assert current() == replace(H200, memory_bytes=150_000_000_000)  # the device's own memory
+    _fake_device(monkeypatch, "NVIDIA GeForce RTX 5090", sms=170, memory=32 * 10**9)
+    t = current()
+    assert (t.name, t.sm_count, t.memory_bytes) == ("NVIDIA GeForce RTX 5090", 170, 32 * 10**9)
+    assert (t.dram_bytes_per_s, t.tensor_flops, t.launch_s) == (DEFAULT.dram_bytes_per_s, DEFAULT.tensor_flops, DEFAULT.launch_s)
+    assert t.ceilings_of == DEFAULT.name
+    text = explain_text(load_pipeline(ROOT / "specs" / "maxpool_sum.yaml"))
+    head = "target NVIDIA GeForce RTX 5090 (ceilings of the NVIDIA H200: not measured on this device)"
+    assert text.count(head) == 1 and text.count("not measured on this device") == 1  # said once
+    assert f"bytes / {DEFAULT.dram_bytes_per_s / 1e12:.1f} TB/s" in text  # the floor at the target's bandwidth
+
+
+def test_explain_prints_the_targets_own_figures(monkeypatch):
+    """kgen explain's target line and floor follow the target (the default: the H200's 4.3 TB/s)."""
+    from kgen.explain import explain_text
+
+    monkeypatch.setenv("KGEN_TARGET", "default")
+    text = explain_text(load_pipeline(ROOT / "specs" / "maxpool_sum.yaml"))
+    assert "; target NVIDIA H200\n" in text and "bytes / 4.3 TB/s" in text and "3.0 TB/s" not in text
 
 
 # ------------------------------------------------------------------ implementations to choose between

@@ -23,7 +23,7 @@ namespace v0 {
 
 // ==== stage 0: conv_gemm (kgen-template: templates/conv_gemm/stage.h.j2)
 //   ops[0].conv_transpose3d: conv_transpose3d(32->64, k=5, s=2, p=2) as 8 sub-pixel conv3d, bias added by the next stage
-//   implicit GEMM on tensor cores (tf32: eager's cuDNN call for a transposed convolution runs TF32: TF32 products), stage 1 fused in as its epilogue
+//   implicit GEMM on tensor cores (tf32: a sum or mean over its values follows: TF32 products), stage 1 fused in as its epilogue
 namespace s1 {
 struct Args;
 }  // namespace s1

@@ -55,7 +55,8 @@ NCHW_CONVERSION = 1.86
 # ... and a sub-pixel phase's NCHW output is every stride-th value of the whole output: its conversion
 # writes half-used sectors. Set by hand (H200 `kgen tune`, 2026-11-27, 1feed18): the fitted model put #34's
 # (ConvTranspose3d 32 -> 64, k4 s2) NCHW phases at 3.40 ms against 3.52 channels_last; they took
-# 5.47 against 3.08 (#93, #100: 1.13x and 1.33x the model)
+# 5.47 against 3.08 (#93, #100: 1.13x and 1.33x the model). Set with the bytes at 3.0 TB/s, where the H200's
+# target now has 4.3 (kgen.target): its conversions now cost the H200 0.70x what it was set against (not reset).
 PHASE_NCHW_WRITE = 2.0
 # Host and setup cost of one cuDNN convolution call beyond its math: small sub-pixel
 # phase convolutions took 45-60 us each on the H100 (issue #10's 8 and 9 phase cases)

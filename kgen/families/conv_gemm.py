@@ -107,7 +107,10 @@ GEMM_TENSOR_FRACTION = 0.22
 # The window loop on one convolution (no sub-pixel phases) after its epilogue walk (2026-11-27, 21d2759): its MMAs
 # and its memory traffic add up rather than overlap (one CTA per SM runs its loop, then its epilogue).
 # Fitted to `kgen tune` of 11 KernelBench problems (H200, 2026-11-27, 1feed18; docs/performance.md):
-# FLOPs / (0.35 x the TF32 peak) + bytes / DRAM bandwidth, rms log error 0.13 (0.27 with the old rate)
+# FLOPs / (0.35 x the TF32 peak) + bytes / DRAM bandwidth, rms log error 0.13 (0.27 with the old rate).
+# That fit, and the phases' below (H200 too, 1feed18), priced the bytes at 3.0 TB/s, the H100's, which the model
+# then used on every device; at the H200's own 4.3 TB/s (kgen.target) the bytes cost 0.70x what was fitted. Not
+# refitted: that needs the H200's times again.
 WINDOW_TENSOR_FRACTION = 0.35
 # Sub-pixel phases (either loop): each phase's tiles store every stride-th output and reload their
 # box, so their bytes cost ~6x a streamed pass; the MMAs run at about the window loop's rate (fitted
