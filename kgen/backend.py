@@ -336,7 +336,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
         layer = _layer(n)
         if layer is None:
             args, kwargs = arg(n.args), arg(n.kwargs)
-            if n.target in ("view", "reshape") or n.target is torch.reshape:
+            if n.target in ("view", "reshape", "expand") or n.target is torch.reshape:
                 args = _batch_in_shape(args, n, g, batch)
             env[n] = graph.create_node(n.op, n.target, args, kwargs, n.name)
             continue
@@ -425,7 +425,8 @@ def _original(a, g: _Graph):
 
 
 def _batch_in_shape(args, n: fx.Node, g: _Graph, batch):
-    """``x.view(2, -1)`` in a graph Dynamo specialized to batch 2: the batch is the input's dim 0, whatever it is."""
+    """``x.view(2, -1)`` (or ``self.cls_token.expand(2, -1, -1)``) in a graph Dynamo specialized to batch 2: the
+    batch is the input's dim 0, whatever it is."""
     if g.batch is None or isinstance(g.batch, torch.SymInt) or len(args) < 2:
         return args
     shape = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])

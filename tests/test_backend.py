@@ -582,3 +582,41 @@ def test_adaptive_pool_builtin_is_a_kgen_partition(cache):
     torch.manual_seed(0)
     made = _partitions_of(TokenPool().eval(), torch.randn(2, 7, 16))
     assert len(made) == 1 and made[0]["module"] is not None and "adaptive_avg_pool1d" in made[0]["calls"], made
+
+
+class ClassToken(nn.Module):
+    """CvT's and ViT's class token (KernelBench level 3 #32, #28): a parameter expanded to the batch and put
+    before the patches' embeddings, then the head on the token."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, kernel_size=2, stride=2)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8))
+        self.fc_out = nn.Linear(8, 5)
+
+    def forward(self, x):
+        B = x.size(0)
+        x = self.conv1(x).flatten(2).transpose(1, 2)  # (B, 4, 8)
+        cls_tokens = self.cls_token.expand(B, -1, -1)
+        x = torch.cat((cls_tokens, x), dim=1)  # (B, 5, 8)
+        return self.fc_out(F.gelu(x)[:, 0])
+
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_parameter_expanded_to_the_batch_before_a_cat_is_a_kgen_partition(cache, dynamic):
+    """The expand of the class token is the IR's expand of a parameter (any batch; with dynamic=False the
+    graph's batch is a number, read as the input's batch); the whole graph is one partition."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = ClassToken().eval()
+    compiled = torch.compile(model, backend=backend.kgen_backend, dynamic=dynamic)
+    before = len(backend.PARTITIONS)
+    for batch in (2, 3):
+        x = torch.randn(batch, 3, 4, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert made and all(p["module"] is not None for p in made), made
+    assert all(p["calls"] == ["conv2d", "flatten", "transpose", "expand", "cat", "gelu", "getitem", "linear"]
+               for p in made), made
