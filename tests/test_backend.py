@@ -620,3 +620,65 @@ def test_parameter_expanded_to_the_batch_before_a_cat_is_a_kgen_partition(cache,
     assert made and all(p["module"] is not None for p in made), made
     assert all(p["calls"] == ["conv2d", "flatten", "transpose", "expand", "cat", "gelu", "getitem", "linear"]
                for p in made), made
+
+
+class VisionAttention(nn.Module):
+    """KernelBench level 3 #31's layout: nn.MultiheadAttention without batch_first reads (seq, batch, embed)
+    after a permute; the residual add and the layer norm run on sequence-first values, then a permute puts the
+    batch first again."""
+
+    def __init__(self, embed_dim=8, num_heads=2):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(embed_dim, num_heads)
+        self.norm = nn.LayerNorm(embed_dim)
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+        x = x.view(B, C, H * W).permute(2, 0, 1)  # (seq_len, batch_size, embed_dim)
+        attn_output, _ = self.attn(x, x, x)
+        x = self.norm(attn_output + x)
+        return x.permute(1, 2, 0).view(B, C, H, W)
+
+
+def test_sequence_first_values_after_attention_are_a_kgen_partition(cache):
+    """Dynamo's multi_head_attention_forward stays eager (kgen has no call for it); what follows it, on values
+    whose batch is dim 1, is one partition computed with the batch moved first."""
+    torch.manual_seed(0)
+    made = _partitions_of(VisionAttention().eval(), torch.rand(2, 8, 4, 4))
+    assert [p["calls"] for p in made] == [["add", "layer_norm", "permute", "view"]] and made[0]["module"], made
+
+
+class SequenceFirstOut(nn.Module):
+    """A sequence-first region whose result stays sequence-first: a linear layer, a parameter broadcast over the
+    last dim and a residual on [L, B, C], then a call kgen has no op for (cumsum over the sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        s = x.permute(2, 0, 1)  # (L, B, C)
+        h = torch.relu(self.fc(s)) * self.scale + s
+        return torch.cumsum(h, 0)  # over the sequence: eager PyTorch's, on the result moved back to (L, B, C)
+
+
+def test_sequence_first_result_moves_back_and_trains_as_eager(cache):
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = SequenceFirstOut()
+    reference = copy.deepcopy(model)
+    before = len(backend.PARTITIONS)
+    compiled = _compiled(model)
+    for batch in (3, 2):
+        x = torch.randn(batch, 6, 5)
+        y, want = compiled(x), reference(x)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+        y.square().sum().backward()
+        want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}.grad: {m}")
+    made = backend.PARTITIONS[before:]
+    assert made and all(p["module"] for p in made), made
+    assert all(p["calls"] == ["permute", "linear", "relu", "mul", "add"] for p in made), made
