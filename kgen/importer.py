@@ -1155,8 +1155,16 @@ class Importer:
             if self._shape(primary) != self.shapes[n]:
                 primary, other = other, primary
             if self._shape(primary) != self.shapes[n]:
-                raise ImportFailed(f"{self._where(n)}: {self._call(n)} broadcasts both operands "
-                                   f"{list(self._shape(a))} and {list(self._shape(b))}; one must have the result's shape")
+                # both broadcast ([B, 1, C] * [B, N, 1]): the first expanded to the result's shape, the other then
+                # broadcasting to it as a value operand does
+                if not (len(self._shape(a)) == len(self._shape(b)) == len(self.shapes[n])):
+                    raise ImportFailed(f"{self._where(n)}: {self._call(n)} broadcasts both operands "
+                                       f"{list(self._shape(a))} and {list(self._shape(b))} of different ranks; kgen "
+                                       "broadcasts operands of the result's rank")
+                name = self._name_of(b)
+                self._emit(n, "expand", {"shape": list(self.shapes[n][1:])}, src=a)
+                self._emit(n, kind, {"tensor": name}, src=n)
+                return
             fields = {"tensor": self._name_of(other)}
         else:
             primary, other = (a, b) if ta else (b, a)

@@ -682,3 +682,18 @@ def test_sequence_first_result_moves_back_and_trains_as_eager(cache):
     made = backend.PARTITIONS[before:]
     assert made and all(p["module"] for p in made), made
     assert all(p["calls"] == ["permute", "linear", "relu", "mul", "add"] for p in made), made
+
+
+class BothBroadcast(nn.Module):
+    """Both operands of a product broadcast ([B, 1, C] * [B, N, 1], as NetVLAD's and Mamba2's)."""
+
+    def forward(self, x):
+        g = x.mean(1, keepdim=True)  # (B, 1, C)
+        s = torch.sigmoid(x.sum(2, keepdim=True))  # (B, N, 1)
+        return torch.relu(g * s) - s / (g.abs() + 1)
+
+
+def test_binary_op_broadcasting_both_operands_is_a_kgen_partition(cache):
+    torch.manual_seed(0)
+    made = _partitions_of(BothBroadcast().eval(), torch.randn(3, 5, 4))
+    assert len(made) == 1 and made[0]["module"] is not None and "mul" in made[0]["calls"], made
