@@ -302,8 +302,11 @@ class _Support:
         g = self.g
         k, rank = g.batch_dim(n), _example(n).dim()
         tensors = [a for a in n.all_input_nodes if a not in g.state and isinstance(_example(a), torch.Tensor)]
-        if _permutation(n) is not None:
-            return len(tensors) == 1 and g.batch_dim(tensors[0]) is not None
+        dims = _permutation(n)
+        if dims is not None:  # one that only moves the batch (MultiheadAttention's transpose(1, 0)) is a view eager
+            # PyTorch makes for free, and kgen's op would return its operand (for the batch-first model it is nothing)
+            k_in = g.batch_dim(tensors[0]) if len(tensors) == 1 else None
+            return k_in is not None and _moved_permutation(dims, k_in, k) != list(range(rank))
         if any(g.batch_dim(a) != k or _example(a).dim() != rank for a in tensors):
             return False
         layer = _layer(n)

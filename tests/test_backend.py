@@ -697,3 +697,27 @@ def test_binary_op_broadcasting_both_operands_is_a_kgen_partition(cache):
     torch.manual_seed(0)
     made = _partitions_of(BothBroadcast().eval(), torch.randn(3, 5, 4))
     assert len(made) == 1 and made[0]["module"] is not None and "mul" in made[0]["calls"], made
+
+
+class BatchFirstAttention(nn.Module):
+    """nn.TransformerEncoderLayer with batch_first (CvT, KernelBench level 3 #32) after a cat: Dynamo's graph
+    transposes the cat's result to (seq, batch, embed) for multi_head_attention_forward and keeps it for the
+    residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8))
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        x = torch.cat((self.cls_token.expand(x.size(0), -1, -1), x), dim=1)
+        return self.layer(x)
+
+
+def test_transpose_that_only_moves_the_batch_stays_a_view_of_pytorch(cache):
+    """A transpose that moves the batch from dim 0 without changing the batch-first order is not taken (kgen's
+    op would return its input twice): the cat before it and the layers after the attention are partitions."""
+    torch.manual_seed(0)
+    made = _partitions_of(BatchFirstAttention().train(), torch.randn(3, 4, 8))
+    assert made and all(p["module"] for p in made), made
+    assert not any("transpose" in p["calls"] for p in made) and any("cat" in p["calls"] for p in made), made
