@@ -12,7 +12,10 @@ builds it in kgen's cache (a partition seen before, in this process or another, 
 and the partition runs as the generated op's functional form, given the partition's inputs,
 parameters and running statistics at each call (batch norm's statistics are updated in place, as
 ``F.batch_norm`` does). Every other node runs as PyTorch runs it; a partition kgen cannot import,
-plan or build stays eager, with one line on stderr saying why. Graph breaks are Dynamo's.
+plan or build stays eager, with one line on stderr saying why. Graph breaks are Dynamo's. A value whose
+batch (Dynamo's symbol) is not dim 0, a sequence-first [S, B, E], is taken where the calls on it do not
+mind the batch moved first (``_Support._moved_ok``): the partition's model is written batch-first (its
+permutes renamed, ``_moved_permutation``) and its runner moves the inputs and results (``_Plan.moved_in``).
 
 The batch (dim 0 of the graph's inputs) is the one run-time size: a generated module takes any
 batch. When Dynamo first hands over a graph with a static batch (its default: every size static
@@ -75,9 +78,11 @@ for _r in (1, 2, 3):
         _CONVS[_fn] = (getattr(nn, f"ConvTranspose{_r}d"), _r, True)
 _LINEARS = (F.linear, torch._C._nn.linear)
 _BATCH_NORMS = (F.batch_norm,)
+_LAYER_NORMS = (F.layer_norm,)
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
 _BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_LN_ARGS = ("input", "normalized_shape", "weight", "bias", "eps")
 
 
 def _bound(n: fx.Node, names) -> dict:
@@ -100,6 +105,8 @@ def _layer(n: fx.Node):
         return "linear", _bound(n, ("input", "weight", "bias")), ("weight", "bias")
     if n.target in _BATCH_NORMS:
         return "batch_norm", _bound(n, _BN_ARGS), ("running_mean", "running_var", "weight", "bias")
+    if n.target in _LAYER_NORMS:
+        return "layer_norm", _bound(n, _LN_ARGS), ("weight", "bias")
     return None
 
 
@@ -152,17 +159,56 @@ class _Graph:
             elif self.batch is None and isinstance(_example(n), torch.Tensor) and _example(n).dim() >= 1:
                 self.batch, self.dtype = _example(n).shape[0], _example(n).dtype
 
+    def batch_dim(self, n) -> int | None:
+        """Where the batch is in a tensor of the graph's dtype whose other sizes are static: dim 0, or, where the
+        batch is Dynamo's symbol, the one dim of that size (a sequence-first [S, B, E]); None for anything else."""
+        ex = _example(n)
+        if not (isinstance(n, fx.Node) and n not in self.state and isinstance(ex, torch.Tensor) and 1 <= ex.dim() <= MAX_RANK
+                and ex.dtype == self.dtype and self.batch is not None):
+            return None
+        if not isinstance(self.batch, torch.SymInt):  # a static batch: a size equal to it elsewhere may be anything
+            return 0 if _same_size(ex.shape[0], self.batch) and \
+                not any(isinstance(s, torch.SymInt) for s in ex.shape[1:]) else None
+        dims = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)]
+        return dims[0] if len(dims) == 1 and _same_size(ex.shape[dims[0]], self.batch) else None
+
     def batch_first(self, n) -> bool:
         """A tensor of the graph's dtype whose dim 0 is the batch and whose other sizes are static."""
-        ex = _example(n)
-        return (isinstance(n, fx.Node) and n not in self.state and isinstance(ex, torch.Tensor) and 1 <= ex.dim() <= MAX_RANK
-                and ex.dtype == self.dtype and self.batch is not None and _same_size(ex.shape[0], self.batch)
-                and not any(isinstance(s, torch.SymInt) for s in ex.shape[1:]))
+        return self.batch_dim(n) == 0
 
     def is_batch(self, v) -> bool:
         """A size argument that is the batch: the batch's symbol (dynamic) or a node giving it."""
         ex = _example(v) if isinstance(v, fx.Node) else None
         return isinstance(ex, torch.SymInt) and isinstance(self.batch, torch.SymInt) and _same_size(ex, self.batch)
+
+
+def _permutation(n: fx.Node) -> list | None:
+    """The dims of a permute or transpose call (``x.permute(2, 0, 1)``, ``x.transpose(0, 1)``) as a permutation
+    of its operand's, else None."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    ex = _example(n)
+    if n.op not in ("call_method", "call_function") or name not in ("permute", "transpose", "swapaxes", "swapdims") \
+            or not isinstance(ex, torch.Tensor) or not n.args:
+        return None
+    rank = ex.dim()
+    rest = list(n.args[1:]) or list(n.kwargs.values())
+    if name == "permute":
+        dims = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        return [d % rank for d in dims] if len(dims) == rank and all(isinstance(d, int) for d in dims) else None
+    if len(rest) != 2 or not all(isinstance(d, int) for d in rest):
+        return None
+    dims = list(range(rank))
+    a, b = rest[0] % rank, rest[1] % rank
+    dims[a], dims[b] = dims[b], dims[a]
+    return dims
+
+
+def _moved_permutation(dims: list, k_in: int, k_out: int) -> list:
+    """``x.permute(dims)`` where x's batch is at dim ``k_in`` and the result's at ``k_out``, as a permutation of
+    x with its batch moved first whose result has its batch first (dims[0] is 0)."""
+    order_in = [k_in] + [d for d in range(len(dims)) if d != k_in]  # the moved value's dim i is x's dim order_in[i]
+    order_out = [k_out] + [d for d in range(len(dims)) if d != k_out]
+    return [order_in.index(dims[j]) for j in order_out]
 
 
 def _views(n: fx.Node) -> bool:
@@ -195,12 +241,14 @@ class _Support:
         if n.op in ("call_function", "call_method") and self._parameter_view(n):
             # ``self.w.T``: taken with the calls reading it (the importer makes it the op's transposed parameter)
             return bool(n.users) and all(self._supported(u) for u in n.users)
-        if n.op not in ("call_function", "call_method") or not g.batch_first(n):
+        if n.op not in ("call_function", "call_method") or g.batch_dim(n) is None:
+            return False
+        if any(g.batch_dim(a) not in (None, 0) for a in [n, *n.all_input_nodes]) and not self._moved_ok(n):
             return False
         layer = _layer(n)
         if layer is not None:
             kind, args, slots = layer
-            if not g.batch_first(args.get("input")):
+            if g.batch_dim(args.get("input")) is None:
                 return False
             for s in slots:
                 t = args.get(s)
@@ -210,6 +258,9 @@ class _Support:
                 if k not in slots and k != "input" and isinstance(v, fx.Node):
                     return False  # a size or a flag computed at run time
             if kind == "conv" and isinstance(args.get("padding"), str) and args["padding"] != "valid":
+                return False
+            if kind == "layer_norm" and (args.get("weight") is None and args.get("bias") is not None
+                                         or not isinstance(args.get("eps", 1e-5), float)):
                 return False
             if kind == "batch_norm":
                 if not isinstance(args.get("training", False), bool) or not isinstance(args.get("eps", 1e-5), float):
@@ -231,7 +282,7 @@ class _Support:
                 if not isinstance(g.examples.get(a), nn.Parameter):
                     return False  # a buffer read by an op: the importer takes free parameters only
             elif isinstance(ex, torch.Tensor):
-                if not g.batch_first(a) and not self._parameter_view(a):
+                if g.batch_dim(a) is None and not self._parameter_view(a):
                     return False
             elif not g.is_batch(a):
                 return False
@@ -239,6 +290,37 @@ class _Support:
         if _in_place_name(name) or n.target in _IN_PLACE_OPERATORS or n.kwargs.get("inplace") is True:
             return self._in_place_ok(n)
         return True
+
+    def _moved_ok(self, n: fx.Node) -> bool:
+        """A call on values whose batch is not dim 0 (sequence-first attention's [S, B, E]) that kgen computes with
+        the batch moved first (``_Plan.moved``: the partition's inputs moved at run time, its outputs moved back),
+        where that changes nothing but the dims the call names: elementwise calls on values of one layout (a
+        parameter operand broadcasting over dims after the batch), linear and layer norm over dims after the batch,
+        and permute/transpose (their dims renamed, ``_moved_permutation``)."""
+        from .importer import _UNARY, _UNARY_METHODS, _elementwise_binary
+
+        g = self.g
+        k, rank = g.batch_dim(n), _example(n).dim()
+        tensors = [a for a in n.all_input_nodes if a not in g.state and isinstance(_example(a), torch.Tensor)]
+        dims = _permutation(n)
+        if dims is not None:  # one that only moves the batch (MultiheadAttention's transpose(1, 0)) is a view eager
+            # PyTorch makes for free, and kgen's op would return its operand (for the batch-first model it is nothing)
+            k_in = g.batch_dim(tensors[0]) if len(tensors) == 1 else None
+            return k_in is not None and _moved_permutation(dims, k_in, k) != list(range(rank))
+        if any(g.batch_dim(a) != k or _example(a).dim() != rank for a in tensors):
+            return False
+        layer = _layer(n)
+        if layer is not None:
+            kind, args, _ = layer
+            if kind == "layer_norm":
+                shape = args.get("normalized_shape")
+                return isinstance(shape, (int, tuple, list)) and (1 if isinstance(shape, int) else len(shape)) < rank - k
+            return kind == "linear" and k < rank - 1
+        name = n.target if isinstance(n.target, str) else None
+        if not (_elementwise_binary(n) or (n.op == "call_function" and n.target in _UNARY) or name in _UNARY_METHODS):
+            return False
+        others = [a for a in n.all_input_nodes if a not in tensors]  # parameters: over the dims after the batch
+        return all(isinstance(_example(a), torch.Tensor) and _example(a).dim() < rank - k for a in others)
 
     def _parameter_view(self, n) -> bool:
         """Whether ``n`` is a parameter seen through views and 2-d transposes (``self.w.T``, importer.viewed_from)."""
@@ -270,6 +352,10 @@ class _Plan:
     members: dict = field(default_factory=dict)  # state_dict name -> argument index
     momentum: dict = field(default_factory=dict)  # batch norm module -> its momentum
     training: bool = False
+    # where the batch is in each input and output (0 but for sequence-first values: the op takes them with the batch
+    # moved first, and its results are moved back)
+    moved_in: list = field(default_factory=list)
+    moved_out: list = field(default_factory=list)
 
 
 def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
@@ -289,8 +375,12 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
         if isinstance(o, fx.Node) and o not in g.state and isinstance(_example(o), torch.Tensor):
             env[p] = graph.placeholder("x" if not plan.inputs else f"input{len(plan.inputs)}")
             plan.inputs.append(arg_index[p])
-            ex = _example(o)
-            plan.examples.append(torch.empty((EXAMPLE_BATCH,) + tuple(ex.shape[1:]), dtype=ex.dtype, device="meta"))
+            ex, k = _example(o), g.batch_dim(o)
+            if k is None:
+                raise KgenError(f"{o.name}: an input without the batch (shape {list(ex.shape)})")
+            plan.moved_in.append(k)
+            rest = tuple(s for d, s in enumerate(ex.shape) if d != k)
+            plan.examples.append(torch.empty((EXAMPLE_BATCH,) + rest, dtype=ex.dtype, device="meta"))
     if not plan.inputs:
         raise KgenError("no tensor input")
     counts: dict = {}
@@ -331,12 +421,23 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
         if n.op == "placeholder":
             continue
         if n.op == "output":
-            graph.output(arg(n.args[0]))
+            outs = n.args[0]
+            for o in (outs if isinstance(outs, (tuple, list)) else [outs]):
+                k = g.batch_dim(g.by_name.get(o.name)) if isinstance(o, fx.Node) else None
+                if k is None:
+                    raise KgenError(f"{getattr(o, 'name', o)}: a result without the batch")
+                plan.moved_out.append(k)
+            graph.output(arg(outs))
             continue
         layer = _layer(n)
+        dims = _permutation(n)
+        if dims is not None and (g.batch_dim(n) != 0 or g.batch_dim(n.args[0]) != 0):
+            dims = _moved_permutation(dims, g.batch_dim(n.args[0]), g.batch_dim(n))
+            env[n] = graph.call_method("permute", (arg(n.args[0]), *dims))
+            continue
         if layer is None:
             args, kwargs = arg(n.args), arg(n.kwargs)
-            if n.target in ("view", "reshape") or n.target is torch.reshape:
+            if n.target in ("view", "reshape", "expand") or n.target is torch.reshape:
                 args = _batch_in_shape(args, n, g, batch)
             env[n] = graph.create_node(n.op, n.target, args, kwargs, n.name)
             continue
@@ -360,6 +461,12 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             with torch.device("meta"):
                 m = nn.Linear(w.shape[1], w.shape[0], bias=a.get("bias") is not None)
             name = fresh("linear")
+        elif kind == "layer_norm":
+            shape = a["normalized_shape"]
+            with torch.device("meta"):
+                m = nn.LayerNorm(shape, eps=a.get("eps", 1e-5), elementwise_affine=a.get("weight") is not None,
+                                 bias=a.get("bias") is not None)
+            name = fresh("ln")
         else:
             channels = _example(n).shape[1]
             rank = _example(n).dim()
@@ -425,7 +532,8 @@ def _original(a, g: _Graph):
 
 
 def _batch_in_shape(args, n: fx.Node, g: _Graph, batch):
-    """``x.view(2, -1)`` in a graph Dynamo specialized to batch 2: the batch is the input's dim 0, whatever it is."""
+    """``x.view(2, -1)`` (or ``self.cls_token.expand(2, -1, -1)``) in a graph Dynamo specialized to batch 2: the
+    batch is the input's dim 0, whatever it is."""
     if g.batch is None or isinstance(g.batch, torch.SymInt) or len(args) < 2:
         return args
     shape = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
@@ -461,16 +569,24 @@ class KgenPartition(nn.Module):
         self._extra = extra
         self._update = plan.training and bool(self._buffers)
         self._several = several
+        self._moved_in = list(plan.moved_in) if any(plan.moved_in) else None
+        self._moved_out = list(plan.moved_out) if any(plan.moved_out) else None
 
     def forward(self, *args):
         buffers = [args[i] for i in self._buffers]
-        out = self._forward(*(args[i] for i in self._inputs), *(args[i] for i in self._params), *buffers, *self._extra)
+        inputs = [args[i] for i in self._inputs]
+        if self._moved_in:  # sequence-first values: the op takes the batch first
+            inputs = [t.movedim(k, 0) if k else t for t, k in zip(inputs, self._moved_in)]
+        out = self._forward(*inputs, *(args[i] for i in self._params), *buffers, *self._extra)
         if buffers:
             k = len(out) - len(buffers)
             out, stats = (out[:k] if self._several else out[0]), out[k:]
             if self._update:
                 with torch.no_grad():
                     torch._foreach_copy_(buffers, list(stats))  # one launch for every running statistic
+        if self._moved_out:  # ... and its results go back where the graph has their batch
+            out = [o.movedim(0, k) if k else o for o, k in zip(out if self._several else [out], self._moved_out)]
+            out = out if self._several else out[0]
         return tuple(out) if self._several else out
 
 
@@ -592,8 +708,8 @@ def _dynamic_sizes(g: _Graph) -> list:
             ex = _example(a)
             if a in g.state or not isinstance(ex, torch.Tensor) or ex.dim() == 0:
                 continue
-            rest = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)
-                    and not (d == 0 and g.batch is not None and _same_size(s, g.batch))]
+            rest = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)  # the batch is the batch anywhere
+                    and not (g.batch is not None and _same_size(s, g.batch))]
             if rest:
                 shape = ", ".join(str(s) for s in ex.shape)
                 out.append((n, f"{a.name} is [{shape}]: dim {', '.join(map(str, rest))} dynamic"))

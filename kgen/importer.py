@@ -850,6 +850,8 @@ class Importer:
             self._cat(n, kw.get("tensors", x), kw.get("dim", kw.get("axis", args[1] if len(args) > 1 else 0)))
         elif fn is torch.stack:
             self._stack(n, kw.get("tensors", x), kw.get("dim", args[1] if len(args) > 1 else 0))
+        elif method and name in ("expand", "expand_as"):  # of a value, or of a parameter (broadcast over the batch)
+            self._expand(n, x)
         elif not self._tensor(x):
             return False
         elif (method and name == "permute") or fn is torch.permute:
@@ -881,8 +883,6 @@ class Importer:
                 raise ImportFailed(f"{self._where(n)}: {self._call(n)} with antialias=True is not supported")
             self._interpolate(n, x, b.get("size"), b.get("scale_factor"), b.get("mode", "nearest"), b.get("align_corners"),
                               b.get("recompute_scale_factor"))
-        elif method and name in ("expand", "expand_as"):
-            self._expand(n, x)
         else:
             return False
         return True
@@ -1069,6 +1069,9 @@ class Importer:
                 return False
             others = [a for a in list(user.args) + list(user.kwargs.values()) if a is not n]
             return len(others) == 1 and self._tensor(others[0]) and self._shape(others[0]) == shape
+        if not self._tensor(x):
+            self._expand_param(n, x)
+            return
         if len(self._shape(x)) == len(shape) and n.users and all(broadcasts(u) for u in n.users):
             self._alias(n, x)
             return
@@ -1076,6 +1079,19 @@ class Importer:
         if len(src_shape) != len(shape):
             raise ImportFailed(f"{self._where(n)}: {self._call(n)} adds dims in front of the batch")
         self._emit(n, "expand", {"shape": [-1 if a == b else b for a, b in zip(src_shape[1:], shape[1:])]}, src=x)
+
+    def _expand_param(self, n, x) -> None:
+        """``self.p.expand(B, ...)`` with B the batch (ViT's class token): the parameter broadcast over the batch,
+        an expand op reading the parameter; the first input gives it the batch."""
+        param, transpose = self._param_of(x)
+        if param is None:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} expands something that is not a value of the forward "
+                               "or a parameter of the model")
+        if transpose or tuple(self.shapes.get(x, ())) != tuple(self.params[param]["shape"]):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} expands a view of the parameter self.{param}; kgen "
+                               "expands the parameter as it is")
+        first = next(v.node for v in self.values.values() if v.op is None)
+        self._emit(n, "expand", {"param": param, "shape": list(self.shapes[n][1:])}, src=first)
 
     def _clamp(self, n, name) -> None:
         a = self._args(n)
@@ -1139,8 +1155,16 @@ class Importer:
             if self._shape(primary) != self.shapes[n]:
                 primary, other = other, primary
             if self._shape(primary) != self.shapes[n]:
-                raise ImportFailed(f"{self._where(n)}: {self._call(n)} broadcasts both operands "
-                                   f"{list(self._shape(a))} and {list(self._shape(b))}; one must have the result's shape")
+                # both broadcast ([B, 1, C] * [B, N, 1]): the first expanded to the result's shape, the other then
+                # broadcasting to it as a value operand does
+                if not (len(self._shape(a)) == len(self._shape(b)) == len(self.shapes[n])):
+                    raise ImportFailed(f"{self._where(n)}: {self._call(n)} broadcasts both operands "
+                                       f"{list(self._shape(a))} and {list(self._shape(b))} of different ranks; kgen "
+                                       "broadcasts operands of the result's rank")
+                name = self._name_of(b)
+                self._emit(n, "expand", {"shape": list(self.shapes[n][1:])}, src=a)
+                self._emit(n, kind, {"tensor": name}, src=n)
+                return
             fields = {"tensor": self._name_of(other)}
         else:
             primary, other = (a, b) if ta else (b, a)

@@ -1148,15 +1148,23 @@ class AdaptivePool(Op):
 
 @dataclass(frozen=True)
 class Expand(Op):
-    """x.expand(N, *shape).contiguous(): size-1 dims repeated; the batch stays."""
+    """x.expand(N, *shape).contiguous(): size-1 dims repeated; the batch stays. With ``param``: that
+    parameter broadcast over the batch, ``param.expand(N, *shape).contiguous()`` (ViT's class token
+    before its cat): the input (the previous result or ``from:``) only gives the batch N."""
 
     shape: tuple = (1,)
+    param: str | None = None  # the parameter expanded instead of the input (its shape checked by the builder)
 
     @property
     def op_name(self) -> str:
         return "expand"
 
+    def tensor_names(self):
+        return (self.param,) if self.param else ()
+
     def infer(self, t):
+        if self.param is not None:
+            return TensorType((t.shape[0],) + tuple(self.shape))
         if len(self.shape) != t.rank - 1 or any(s != n and n != 1 for s, n in zip(self.shape, t.shape[1:])):
             raise ShapeError(f"cannot expand shape {t} to [{t.shape[0]}, {', '.join(map(str, self.shape))}]: only "
                              "dims of size 1 grow")
@@ -1166,10 +1174,12 @@ class Expand(Op):
         return 0
 
     def run(self, x, tensors):
+        if self.param is not None:
+            return tensors[self.param].to(x.dtype).expand((x.shape[0],) + tuple(self.shape)).contiguous()
         return x.expand((x.shape[0],) + tuple(self.shape)).contiguous()
 
     def describe(self):
-        return f"expand([N, {', '.join(map(str, self.shape))}])"
+        return f"{self.param or 'x'}.expand([N, {', '.join(map(str, self.shape))}])"
 
 
 class DropoutError(RuntimeError):
@@ -1641,6 +1651,20 @@ class _Builder:
 
     def expand(self, o: OpSpec, entry, t: TensorType) -> Op:
         shape = o.args["shape"]
+        pname = self.param(o)
+        if pname:  # the parameter broadcast over the input's batch: torch's expand rule against [N, *shape]
+            pshape = tuple(self.spec.params[pname].shape)
+            lead = len(shape) + 1 - len(pshape)  # new dims in front of the parameter's (the batch's among them)
+            sample, ok = [], lead >= 0
+            for i, s in enumerate(shape, start=1):
+                p = pshape[i - lead] if ok and i >= lead else None
+                ok = ok and (s != -1 or p is not None) and (p is None or s in (-1, p) or p == 1)
+                sample.append(p if s == -1 else s)
+            if not ok or (lead == 0 and pshape[0] != 1):
+                raise SpecError(self.path, f"{o.key}.shape", f"cannot expand parameter '{pname}' {list(pshape)} to "
+                                f"[{t.shape[0]}, {', '.join(map(str, shape))}]: its dims align with the last ones, each of "
+                                "size 1 or the size given (-1 keeps it); where it has the batch's place its size there is 1")
+            return Expand(key=o.key, shape=tuple(sample), param=pname)
         if len(shape) != t.rank - 1:
             raise SpecError(self.path, f"{o.key}.shape", f"{list(shape)} has {len(shape)} dims; a sample of {t} has "
                             f"{t.rank - 1} (the batch stays first)")

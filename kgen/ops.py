@@ -303,8 +303,10 @@ def _table() -> dict[str, OpDef]:
             "align_corners": (f.optional(f.boolean), None),
         }, ATEN, "F.interpolate / nn.Upsample: nearest (1-3 spatial dims) or bilinear (2), to `size` or by "
                  "`scale_factor` (exactly one)", _check_interpolate),
-        OpDef("expand", "expand", {"shape": (f.expand_shape, REQUIRED)}, ATEN,
-              "x.expand(N, *shape).contiguous(): dims of size 1 repeated (-1 keeps a size); the batch stays"),
+        OpDef("expand", "expand", {"shape": (f.expand_shape, REQUIRED), "param": (f.optional(f.member_path), None)}, ATEN,
+              "x.expand(N, *shape).contiguous(): dims of size 1 repeated (-1 keeps a size); the batch stays. With "
+              "`param`: that parameter broadcast over the batch, param.expand(N, *shape) (a class token); the input "
+              "only gives N"),
         OpDef("as", "capture", {}, FUSED, "names the value at this point (spec: `as: NAME` on the op before it)"),
         OpDef("batch_stats", "batch_stats", {}, ("batch_stats",),
               "training-mode batch norm's batch statistics, the norm then applied as a per-channel affine that fuses "

@@ -582,3 +582,142 @@ def test_adaptive_pool_builtin_is_a_kgen_partition(cache):
     torch.manual_seed(0)
     made = _partitions_of(TokenPool().eval(), torch.randn(2, 7, 16))
     assert len(made) == 1 and made[0]["module"] is not None and "adaptive_avg_pool1d" in made[0]["calls"], made
+
+
+class ClassToken(nn.Module):
+    """CvT's and ViT's class token (KernelBench level 3 #32, #28): a parameter expanded to the batch and put
+    before the patches' embeddings, then the head on the token."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, kernel_size=2, stride=2)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8))
+        self.fc_out = nn.Linear(8, 5)
+
+    def forward(self, x):
+        B = x.size(0)
+        x = self.conv1(x).flatten(2).transpose(1, 2)  # (B, 4, 8)
+        cls_tokens = self.cls_token.expand(B, -1, -1)
+        x = torch.cat((cls_tokens, x), dim=1)  # (B, 5, 8)
+        return self.fc_out(F.gelu(x)[:, 0])
+
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_parameter_expanded_to_the_batch_before_a_cat_is_a_kgen_partition(cache, dynamic):
+    """The expand of the class token is the IR's expand of a parameter (any batch; with dynamic=False the
+    graph's batch is a number, read as the input's batch); the whole graph is one partition."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = ClassToken().eval()
+    compiled = torch.compile(model, backend=backend.kgen_backend, dynamic=dynamic)
+    before = len(backend.PARTITIONS)
+    for batch in (2, 3):
+        x = torch.randn(batch, 3, 4, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert made and all(p["module"] is not None for p in made), made
+    assert all(p["calls"] == ["conv2d", "flatten", "transpose", "expand", "cat", "gelu", "getitem", "linear"]
+               for p in made), made
+
+
+class VisionAttention(nn.Module):
+    """KernelBench level 3 #31's layout: nn.MultiheadAttention without batch_first reads (seq, batch, embed)
+    after a permute; the residual add and the layer norm run on sequence-first values, then a permute puts the
+    batch first again."""
+
+    def __init__(self, embed_dim=8, num_heads=2):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(embed_dim, num_heads)
+        self.norm = nn.LayerNorm(embed_dim)
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+        x = x.view(B, C, H * W).permute(2, 0, 1)  # (seq_len, batch_size, embed_dim)
+        attn_output, _ = self.attn(x, x, x)
+        x = self.norm(attn_output + x)
+        return x.permute(1, 2, 0).view(B, C, H, W)
+
+
+def test_sequence_first_values_after_attention_are_a_kgen_partition(cache):
+    """Dynamo's multi_head_attention_forward stays eager (kgen has no call for it); what follows it, on values
+    whose batch is dim 1, is one partition computed with the batch moved first."""
+    torch.manual_seed(0)
+    made = _partitions_of(VisionAttention().eval(), torch.rand(2, 8, 4, 4))
+    assert [p["calls"] for p in made] == [["add", "layer_norm", "permute", "view"]] and made[0]["module"], made
+
+
+class SequenceFirstOut(nn.Module):
+    """A sequence-first region whose result stays sequence-first: a linear layer, a parameter broadcast over the
+    last dim and a residual on [L, B, C], then a call kgen has no op for (cumsum over the sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        s = x.permute(2, 0, 1)  # (L, B, C)
+        h = torch.relu(self.fc(s)) * self.scale + s
+        return torch.cumsum(h, 0)  # over the sequence: eager PyTorch's, on the result moved back to (L, B, C)
+
+
+def test_sequence_first_result_moves_back_and_trains_as_eager(cache):
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = SequenceFirstOut()
+    reference = copy.deepcopy(model)
+    before = len(backend.PARTITIONS)
+    compiled = _compiled(model)
+    for batch in (3, 2):
+        x = torch.randn(batch, 6, 5)
+        y, want = compiled(x), reference(x)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+        y.square().sum().backward()
+        want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}.grad: {m}")
+    made = backend.PARTITIONS[before:]
+    assert made and all(p["module"] for p in made), made
+    assert all(p["calls"] == ["permute", "linear", "relu", "mul", "add"] for p in made), made
+
+
+class BothBroadcast(nn.Module):
+    """Both operands of a product broadcast ([B, 1, C] * [B, N, 1], as NetVLAD's and Mamba2's)."""
+
+    def forward(self, x):
+        g = x.mean(1, keepdim=True)  # (B, 1, C)
+        s = torch.sigmoid(x.sum(2, keepdim=True))  # (B, N, 1)
+        return torch.relu(g * s) - s / (g.abs() + 1)
+
+
+def test_binary_op_broadcasting_both_operands_is_a_kgen_partition(cache):
+    torch.manual_seed(0)
+    made = _partitions_of(BothBroadcast().eval(), torch.randn(3, 5, 4))
+    assert len(made) == 1 and made[0]["module"] is not None and "mul" in made[0]["calls"], made
+
+
+class BatchFirstAttention(nn.Module):
+    """nn.TransformerEncoderLayer with batch_first (CvT, KernelBench level 3 #32) after a cat: Dynamo's graph
+    transposes the cat's result to (seq, batch, embed) for multi_head_attention_forward and keeps it for the
+    residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8))
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        x = torch.cat((self.cls_token.expand(x.size(0), -1, -1), x), dim=1)
+        return self.layer(x)
+
+
+def test_transpose_that_only_moves_the_batch_stays_a_view_of_pytorch(cache):
+    """A transpose that moves the batch from dim 0 without changing the batch-first order is not taken (kgen's
+    op would return its input twice): the cat before it and the layers after the attention are partitions."""
+    torch.manual_seed(0)
+    made = _partitions_of(BatchFirstAttention().train(), torch.randn(3, 4, 8))
+    assert made and all(p["module"] for p in made), made
+    assert not any("transpose" in p["calls"] for p in made) and any("cat" in p["calls"] for p in made), made

@@ -105,6 +105,31 @@ def test_cat_reads_its_values_as_tensors():
     assert isinstance(plan.stages[2].ops[0], Cat) and plan.stages[1].ops[-1].register is False
 
 
+@pytest.mark.parametrize("pshape, shape, fn", [
+    ([1, 1, 5], [1, -1], lambda p, n: p.expand(n, -1, -1)),  # ViT's class token
+    ([1, 5], [3, 5], lambda p, n: p.expand(n, 3, 5)),  # fewer dims than the result: new ones in front
+    ([1, 2, 1], [2, 4], lambda p, n: p.expand(n, 2, 4)),  # a dim of size 1 grows too
+])
+def test_expand_of_a_parameter_broadcasts_it_over_the_batch(pshape, shape, fn):
+    """``expand: {param: P}``: the parameter, not the input, expanded to [N, *shape]; the input (here `from: x`,
+    the cat's other piece) only gives the batch; the gradient of the parameter sums over the batch."""
+    ops = [{"relu": {"as": "h"}}, {"expand": {"param": "tok", "shape": shape, "from": "x"}},
+           {"cat": {"dim": 1, "tensors": ["h"]}}]
+    sample = [4] + list(fn(torch.zeros(pshape), 1).shape[2:])
+    pipe = pipeline_of(spec_text(sample, ops, params={"tok": {"shape": pshape}}))
+    p = torch.randn(pshape, dtype=torch.float64, requires_grad=True)
+    for n, make in ((3, lambda s: torch.randn(s, dtype=torch.float64)), (2, _adversarial)):
+        x = make((n, *sample))
+        got = pipe.run(x, {"tok": p})
+        want = torch.cat([fn(p, n), torch.relu(x)], 1)
+        assert got.shape == want.shape == pipe.types[-1].concrete(n)
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+        g = torch.randn_like(want)
+        torch.testing.assert_close(torch.autograd.grad(got, p, g)[0], torch.autograd.grad(want, p, g)[0])
+    assert pipe.ops[2].describe() == f"tok.expand([N, {', '.join(map(str, pipe.ops[2].shape))}])"
+    assert [s.family.name for s in make_plan(pipe, target=DEFAULT).stages] == ["pool_reduce", "aten", "aten"]
+
+
 ERRORS = [  # (input sample shape, ops, the key, words of the message)
     ([4, 5], [{"cat": {"dim": 0, "tensors": ["x"]}}], "ops[0].cat.dim", "batch"),
     ([4, 5], [{"cat": {"dim": 3, "tensors": ["x"]}}], "ops[0].cat.dim", "out of range"),
@@ -135,7 +160,22 @@ ERRORS = [  # (input sample shape, ops, the key, words of the message)
     ([4, 5, 6], [{"adaptive_avg_pool2d": {"output_size": [2, 0]}}], "ops[0].adaptive_avg_pool2d.output_size", "positive"),
     ([4, 1], [{"expand": {"shape": [4]}}], "ops[0].expand.shape", "the batch stays first"),
     ([4, 2], [{"expand": {"shape": [4, 6]}}], "ops[0].expand.shape", "only dims of size 1 grow"),
+    ([4, 2], [{"expand": {"param": "nope", "shape": [4, 2]}}], "ops[0].expand.param", "unknown parameter 'nope'"),
 ]
+PARAM_ERRORS = [  # (the parameter's shape, expand's shape, words of the message)
+    ([2, 1, 5], [1, 5], "where it has the batch's place its size there is 1"),  # a parameter with a batch of 2
+    ([1, 3, 5], [4, 5], "cannot expand parameter 'p' [1, 3, 5] to [N, 4, 5]"),
+    ([1, 1, 1, 5], [1, 5], "cannot expand parameter 'p'"),  # more dims than the result
+    ([5], [-1, 5], "cannot expand parameter 'p'"),  # -1 where the parameter has no dim
+]
+
+
+@pytest.mark.parametrize("pshape, shape, words", PARAM_ERRORS)
+def test_expand_of_a_parameter_that_does_not_broadcast_names_the_key(pshape, shape, words):
+    ops = [{"expand": {"param": "p", "shape": shape}}]
+    with pytest.raises(SpecError) as e:
+        pipeline_of(spec_text([4, 5], ops, params={"p": {"shape": pshape}}), "bad.yaml")
+    assert e.value.key == "ops[0].expand.shape" and words in e.value.message, (e.value.key, e.value.message)
 
 
 @pytest.mark.parametrize("shape, ops, key, words", ERRORS, ids=lambda v: v if isinstance(v, str) else None)

@@ -162,6 +162,8 @@ def aten_call(op: Op, src: str, ident, buffers=(), value=None) -> str | None:
     ``buffers``: the op's running-statistics arguments' names in order, a batch norm's update weight
     being factors[its index // 2]; ``value``: a named value -> its C++ tensor, for a cat); None for
     an op without one here."""
+    if isinstance(op, Expand) and op.param is not None:  # the parameter broadcast over src's batch
+        return f"{ident(op.param)}.expand({braces([f'{src}.size(0)'] + list(op.shape))})"
     if isinstance(op, LAYOUT_OPS):
         return layout_call(op, src, value)
     if isinstance(op, BatchNorm):
