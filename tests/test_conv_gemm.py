@@ -12,13 +12,13 @@ from kgen.build import build_modules, cuda_home, demangle, ptxas_report
 from kgen.families import conv_gemm
 from kgen.plan import make_plan
 from kgen.render import render_spec, write_rendered
-from kgen.target import DEFAULT
+from kgen.target import DEFAULT, H100
 from dataclasses import replace
 from kgen.validate import TOLERANCES, compare, import_module_dir, validate
 
 
-def plan_of(shape, ops, **kw):
-    return make_plan(pipeline_of(spec_text(shape, ops, **kw)), target=DEFAULT)
+def plan_of(shape, ops, target=DEFAULT, **kw):
+    return make_plan(pipeline_of(spec_text(shape, ops, **kw)), target=target)
 
 
 CONV3 = {"conv3d": {"out_channels": 16, "kernel_size": 3}}
@@ -111,15 +111,19 @@ def test_ieee_runs_the_direct_loop():
 
 
 def test_mma_precision_follows_what_comes_after_the_convolution():
-    normed = plan_of([8, 8, 16, 16], [CONV3, {"instance_norm": {}}])  # K = 216: the norm is not fused in
-    pooled = plan_of([3, 8, 16, 16], [CONV3, {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
+    """The rules on eager's own cuDNN calls hold on the GPU they were measured on (base.EAGER_RULES_DEVICE,
+    the H100); on the default target (the H200, not measured) fp32-level products unless a sum follows."""
+    def on_h100(shape, ops, **kw):
+        return plan_of(shape, ops, target=H100, **kw)
+    normed = on_h100([8, 8, 16, 16], [CONV3, {"instance_norm": {}}])  # K = 216: the norm is not fused in
+    pooled = on_h100([3, 8, 16, 16], [CONV3, {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": 1}}])
     assert normed.stages[0].schedule.mma == "tf32x3" and pooled.stages[0].schedule.mma == "tf32"
     assert normed.stages[0].epilogue is None
     # each output carries a convolution value's error (elementwise ops, a max pool): split TF32, as eager's cuDNN
     # runs such small convolutions in fp32; a mean over the values lets TF32 products average out
-    elementwise = plan_of([3, 8, 16, 16], [CONV3, "relu", {"clamp": {"min": -1.0, "max": 1.0}}], plan=GEMM)
-    max_pooled = plan_of([3, 8, 16, 16], [CONV3, {"max_pool3d": {"kernel_size": 2}}], plan=GEMM)
-    averaged = plan_of([3, 8, 16, 16], [CONV3, "relu", {"mean": {"dim": [2, 3, 4]}}], plan=GEMM)
+    elementwise = on_h100([3, 8, 16, 16], [CONV3, "relu", {"clamp": {"min": -1.0, "max": 1.0}}], plan=GEMM)
+    max_pooled = on_h100([3, 8, 16, 16], [CONV3, {"max_pool3d": {"kernel_size": 2}}], plan=GEMM)
+    averaged = on_h100([3, 8, 16, 16], [CONV3, "relu", {"mean": {"dim": [2, 3, 4]}}], plan=GEMM)
     assert elementwise.stages[0].schedule.mma == max_pooled.stages[0].schedule.mma == "tf32x3"
     assert averaged.stages[0].schedule.mma == "tf32"
     # from 16 input channels eager's cuDNN call is TF32 (EAGER_TF32_MIN_CIN): TF32 products rounded as that
@@ -127,23 +131,23 @@ def test_mma_precision_follows_what_comes_after_the_convolution():
     # split TF32 there would differ from eager by eager's own TF32 error (KernelBench #25's check: 1/5)
     conv16 = {"conv2d": {"out_channels": 32, "kernel_size": 3}}
     for after in (["relu"], [{"min": {"dim": 1}}, "tanh"], [{"group_norm": {"num_groups": 4}}]):
-        wide_in = plan_of([16, 12, 12], [conv16] + after, plan=GEMM).stages[0]
+        wide_in = on_h100([16, 12, 12], [conv16] + after, plan=GEMM).stages[0]
         assert wide_in.schedule.mma == "tf32" and not wide_in.tf32_half_even, after
         assert "16 or more input channels" in wide_in.x3_reason
-    below = plan_of([15, 12, 12], [conv16, "relu"], plan=GEMM).stages[0]
+    below = on_h100([15, 12, 12], [conv16, "relu"], plan=GEMM).stages[0]
     assert below.schedule.mma == "tf32x3"
     # outside what was measured (2-d and 3-d, no groups) the rule for small convolutions stands
-    conv1d = plan_of([16, 40], [{"conv1d": {"out_channels": 32, "kernel_size": 3}}, "relu"], plan=GEMM).stages[0]
+    conv1d = on_h100([16, 40], [{"conv1d": {"out_channels": 32, "kernel_size": 3}}, "relu"], plan=GEMM).stages[0]
     assert conv1d.schedule.mma == "tf32x3"
     grouped = {"conv2d": {"out_channels": 32, "kernel_size": 3, "groups": 2}}
     cl = {"conv": "aten", "conv_layout": "channels_last"}
-    assert "no sum or mean" in plan_of([32, 12, 12], [grouped, "relu"], plan=cl).stages[0].fp32_products
+    assert "no sum or mean" in on_h100([32, 12, 12], [grouped, "relu"], plan=cl).stages[0].fp32_products
     # where `kgen tune` measured eager's call on the target (Pipeline.eager_conv_tf32), the measurement decides
     # instead of the channel-count and transposed rules; what follows still asks for fp32-level products
     def measured(shape, ops, tf32):
         pipe = pipeline_of(spec_text(shape, ops, plan=GEMM))
         pipe = replace(pipe, eager_conv_tf32=((pipe.ops[0].module, tf32),))
-        return make_plan(pipe, target=DEFAULT).stages[0]
+        return make_plan(pipe, target=H100).stages[0]
     small_tf32 = measured([3, 12, 12], [conv16, "relu"], True)
     assert small_tf32.schedule.mma == "tf32" and "measured by `kgen tune`" in small_tf32.x3_reason
     assert measured([16, 12, 12], [conv16, "relu"], False).schedule.mma == "tf32x3"
@@ -152,7 +156,7 @@ def test_mma_precision_follows_what_comes_after_the_convolution():
     assert measured([3, 8, 8], [up_fp32, "relu"], False).schedule.mma == "tf32x3"
     # on a GPU other than the one those two rules were measured on (EAGER_RULES_DEVICE), until `kgen tune`
     # measures eager's calls there: fp32-level products (never less accurate than eager), unless a sum follows
-    other = replace(DEFAULT, name="NVIDIA H200")
+    other = DEFAULT  # the H200
 
     def unmeasured(shape, ops):
         return make_plan(pipeline_of(spec_text(shape, ops, plan=GEMM)), target=other).stages[0]
@@ -163,9 +167,9 @@ def test_mma_precision_follows_what_comes_after_the_convolution():
     # eager's cuDNN call for a transposed convolution is TF32 (cudnn_calibrate.py): TF32 products even before
     # a norm, and cuDNN keeps TF32 allowed in any form
     up = {"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}}
-    up_normed = plan_of([3, 8, 16, 16], [up, {"group_norm": {"num_groups": 4}}], plan=GEMM).stages[0]
+    up_normed = on_h100([3, 8, 16, 16], [up, {"group_norm": {"num_groups": 4}}], plan=GEMM).stages[0]
     assert up_normed.schedule.mma == "tf32" and "transposed" in up_normed.x3_reason
-    up_aten = plan_of([3, 8, 16, 16], [up, "relu"], plan={"conv": "aten", "conv_layout": "channels_last"}).stages[0]
+    up_aten = on_h100([3, 8, 16, 16], [up, "relu"], plan={"conv": "aten", "conv_layout": "channels_last"}).stages[0]
     assert up_aten.layout == "channels_last" and not up_aten.fp32_products
 
 

@@ -819,8 +819,9 @@ class ConvGemm(Family):
         rank = c.rank
         if window:  # (tile, warps_m), largest first; kMT rows in H per warp
             mt = WINDOW_M_TILES if rank >= 2 else 1
+            # (TF32 products only: split TF32's second operand parts spill at the 128 registers of 16 warps)
             phases_big = ([((4, 4 * mt, 16), 16)] if len(problems) > 1 and c.in_channels <= PHASE_BIG_TILE_MAX_CIN
-                          and block_n <= PHASE_BIG_TILE_MAX_COUT else [])
+                          and block_n <= PHASE_BIG_TILE_MAX_COUT and mma == "tf32" else [])
             tiles = {3: phases_big + [((2, 2 * mt, 16), 4), ((1, 2 * mt, 16), 2), ((1, mt, 16), 1)],
                      2: [((1, 2 * mt, 32), 4), ((1, 2 * mt, 16), 2), ((1, mt, 16), 1)],
                      1: [((1, 1, 64), 4), ((1, 1, 32), 2), ((1, 1, 16), 1)]}[rank]
