@@ -264,12 +264,16 @@ def test_transposed_convolution_runs_as_its_phases():
                                                 (3, 16, 2, False)])
 def test_few_channel_3d_phases_take_big_window_tiles(cin, cout, rank, big):
     """KernelBench #58's kind of convolution (3 -> 16, k3 s2, 3-d): 4 x 16 x 16 tiles of 16 warps for its phases
-    (conv_gemm.PHASE_BIG_TILE_MAX_CIN / _COUT); more channels or 2-d keep the window loop's usual tiles."""
+    with TF32 products (conv_gemm.PHASE_BIG_TILE_MAX_CIN / _COUT; on the H100, where eager's transposed convolution
+    runs TF32); more channels or 2-d keep the window loop's usual tiles, and so do split-TF32 products (on the H200,
+    eager's precision not measured: 16 warps' 128 registers do not hold both operand parts)."""
     shape = [cin, 6, 10, 12] if rank == 3 else [cin, 10, 12]
     conv = {f"conv_transpose{rank}d": {"out_channels": cout, "kernel_size": 3, "stride": 2, "padding": 1}}
-    sc = plan_of(shape, [conv, "relu"], plan=GEMM).stages[0].schedule
-    assert sc.loop == "window"
+    sc = plan_of(shape, [conv, "relu"], target=H100, plan=GEMM).stages[0].schedule
+    assert sc.loop == "window" and sc.mma == "tf32"
     assert (sc.tile == (4, 16, 16) and sc.warps_m == 16) == big, sc
+    split = plan_of(shape, [conv, "relu"], plan=GEMM).stages[0].schedule
+    assert split.loop == "window" and split.mma == "tf32x3" and split.warps_m < 16, split
 
 
 def test_wgmma_loop_where_it_wins_on_hopper():
