@@ -544,3 +544,27 @@ def test_an_op_no_family_takes_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(OPS, "sigmoid", replace(OPS["sigmoid"], families=()))
     with pytest.raises(KgenError, match=r"t.yaml: ops\[1\].sigmoid: no template family computes sigmoid"):
         plan_of([2, 6], ["relu", "sigmoid"])
+
+
+def test_elementwise_stages_move_16_byte_vectors_where_output_k_is_input_k():
+    """pool_reduce's map_vector: 4 float32 or 8 16-bit values per access where nothing is pooled or reduced and
+    the input is a plain contiguous tensor whose samples are whole vectors; one at a time otherwise (a sample of
+    an odd size, a pool, a channels_last input); kgen explain says which."""
+    from kgen.explain import explain_text
+
+    def map_stage(shape, ops, dtype="float32", **kw):
+        text = spec_text(shape, ops, **kw).replace("dtype: float32", f"dtype: {dtype}")
+        return next(st for st in make_plan(pipeline_of(text), target=DEFAULT).stages if st.kind == "pool_reduce")
+
+    affine = [{"batch_norm": {}}, "relu", {"mul": {"scalar": 2.0}}]
+    assert map_stage([8, 6, 6], affine).schedule.map_vector == 4
+    assert map_stage([8, 6, 6], affine, dtype="bfloat16").schedule.map_vector == 8
+    assert map_stage([8, 6, 6], affine, dtype="float16").schedule.map_vector == 8
+    assert map_stage([3, 5, 5], affine).schedule.map_vector == 1  # 75 values a sample: not whole vectors
+    pooled = map_stage([8, 6, 6], [{"batch_norm": {}}, {"max_pool2d": {"kernel_size": 2}}])
+    assert pooled.schedule.map_vector == 1
+    cl = map_stage([8, 6, 6], [{"conv2d": {"out_channels": 32, "kernel_size": 1}}, "relu"],
+                   plan={"conv": "aten", "conv_layout": "channels_last"})
+    assert cl.input.layout == "channels_last" and cl.schedule.map_vector == 1
+    text = explain_text(pipeline_of(spec_text([8, 6, 6], affine), "t.yaml"))
+    assert "4 consecutive values per 16-byte load and store" in text

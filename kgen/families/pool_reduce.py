@@ -207,10 +207,13 @@ class PoolReduce(Family):
         return min(MAX_TRANSPOSE_CHANNELS, pow2_floor(channels))
 
     def explain_lines(self, st: PoolReduceStage) -> list[str]:
-        if st.schedule.transpose_channels:
-            sc = st.schedule
+        sc = st.schedule
+        if sc.transpose_channels:
             return [f"channels_last input to the NC[D]HW output through shared-memory tiles of {sc.transpose_channels} "
                     f"channels x {sc.transpose_positions} positions (whole memory sectors read and written)"]
+        if sc.map_vector > 1:
+            return [f"elementwise over a plain contiguous input: {sc.map_vector} consecutive values per {MAP_VECTOR_BYTES}-byte "
+                    "load and store (one at a time where a pointer is not aligned at run time)"]
         return []
 
     @staticmethod
