@@ -53,6 +53,7 @@ except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dy
 
 from .errors import KgenError, one_line
 from .spec import MAX_RANK
+from .runtime import op_result
 
 STATS = {"graphs": 0, "partitions": 0, "kgen": 0, "eager": 0}  # counts since the process started
 PARTITIONS: list = []  # per partition since the process started: its calls, and its module or why it stays eager
@@ -568,7 +569,8 @@ class KgenPartition(nn.Module):
             extra.append([plan.momentum[f["name"]] for f in norms if f.get("track_running_stats", True)])
         self._extra = extra
         self._update = plan.training and bool(self._buffers)
-        self._several = several
+        self._several = several  # the graph takes a tuple (of one output, maybe)
+        self._result = op_result(f"kgen::{self.module_name}")  # how the op lays out its outputs and statistics
         self._moved_in = list(plan.moved_in) if any(plan.moved_in) else None
         self._moved_out = list(plan.moved_out) if any(plan.moved_out) else None
 
@@ -577,17 +579,14 @@ class KgenPartition(nn.Module):
         inputs = [args[i] for i in self._inputs]
         if self._moved_in:  # sequence-first values: the op takes the batch first
             inputs = [t.movedim(k, 0) if k else t for t, k in zip(inputs, self._moved_in)]
-        out = self._forward(*inputs, *(args[i] for i in self._params), *buffers, *self._extra)
-        if buffers:
-            k = len(out) - len(buffers)
-            out, stats = (out[:k] if self._several else out[0]), out[k:]
-            if self._update:
-                with torch.no_grad():
-                    torch._foreach_copy_(buffers, list(stats))  # one launch for every running statistic
+        out, stats = self._result.split(self._forward(*inputs, *(args[i] for i in self._params), *buffers, *self._extra))
+        if self._update:
+            with torch.no_grad():
+                torch._foreach_copy_(buffers, stats)  # one launch for every running statistic
+        outs = list(out) if self._result.several else [out]
         if self._moved_out:  # ... and its results go back where the graph has their batch
-            out = [o.movedim(0, k) if k else o for o, k in zip(out if self._several else [out], self._moved_out)]
-            out = out if self._several else out[0]
-        return tuple(out) if self._several else out
+            outs = [o.movedim(0, k) if k else o for o, k in zip(outs, self._moved_out)]
+        return tuple(outs) if self._several else outs[0]
 
 
 def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, precision) -> tuple[_Plan, Path]:

@@ -155,6 +155,51 @@ class DerivedTensor:
 # ---------------------------------------------------------------- ops
 
 
+@dataclass(frozen=True)
+class OpResult:
+    """How the op kgen::NAME lays out its result (the one home of that layout; ``Pipeline.op_result``):
+    the outputs in the order of the spec's ``outputs:``, then each running statistic's new value
+    (training mode; eval mode returns copies) in the order of ``Pipeline.buffer_args``. One tensor
+    alone is returned as a Tensor; more as one list (schema ``Tensor[]``: a C++ std::vector rather
+    than a std::tuple, whose boxing templates the compiler instantiates over every element, a
+    minute of compile time for DenseNet-201's 210 tensors)."""
+
+    outputs: int  # how many outputs
+    several: bool  # the Model returns a tuple of outputs (else the one output)
+    buffers: tuple[str, ...]  # the running statistics' state_dict names
+
+    @property
+    def count(self) -> int:
+        return self.outputs + len(self.buffers)
+
+    @property
+    def is_list(self) -> bool:
+        """Whether the op returns a list (``Tensor[]``) rather than one tensor."""
+        return self.count > 1
+
+    @property
+    def schema(self) -> str:
+        return "Tensor[]" if self.is_list else "Tensor"
+
+    @property
+    def cpp_type(self) -> str:
+        return "std::vector<at::Tensor>" if self.is_list else "at::Tensor"
+
+    def split(self, result) -> tuple:
+        """(the outputs as the Model returns them: one tensor, or a tuple of several; the running
+        statistics' new values, a list in ``buffers``' order) of the op's ``result``."""
+        if not self.is_list:
+            return result, []
+        n = self.outputs
+        return (tuple(result[:n]) if self.several else result[0]), list(result[n:])
+
+    def output_grads(self, grads: tuple) -> tuple:
+        """The gradients of the outputs (None for an unused one) among the backward's arguments: torch.library
+        hands a list result's gradients over as one list, a tensor's as one tensor."""
+        flat = list(grads[0]) if self.is_list else [grads[0]]
+        return tuple(flat[: self.outputs])
+
+
 class Env(dict):
     """What an op's ``run`` reads besides its input: parameters and buffers by state_dict
     name, values by name (inputs and results named with ``as``), and the mode."""
@@ -1372,6 +1417,10 @@ class Pipeline:
         if self.buffer_args():
             names.append("factors")
         return names
+
+    def op_result(self) -> OpResult:
+        """How the op kgen::NAME lays out its result (``OpResult``); ``op_signature`` says its arguments."""
+        return OpResult(len(self.output_types), self.several_outputs, tuple(b.name for b in self.buffer_args()))
 
     def stage_tensors(self) -> list[TensorArg]:
         """Every tensor a stage may take like a parameter: parameters, buffers, derived tensors,

@@ -103,6 +103,11 @@ def register_autograd(op: str, spec_data: dict, param_names) -> None:
         torch.library.register_autograd(op, _Backward(op), setup_context=_SetupContext(op))
 
 
+def op_result(op: str):
+    """How the registered op ``op`` (``kgen::NAME``, its module imported) lays out its result: ``ir.OpResult``."""
+    return _PIPELINES[op][0].op_result()
+
+
 def _op_arguments(pipe, args) -> tuple:
     """The op's arguments as (inputs, parameters, running statistics, the rest: mode, update weights)."""
     named = dict(zip(pipe.op_signature(), args))
@@ -132,7 +137,8 @@ class _Backward:
     def __call__(self, ctx, *out_grads):
         pipe, names = _PIPELINES[self.op]
         # one gradient per output (the running statistics' after them get none)
-        grad = out_grads[: len(pipe.outputs)] if pipe.several_outputs else out_grads[0]
+        out_grads = pipe.op_result().output_grads(out_grads)
+        grad = out_grads if pipe.several_outputs else out_grads[0]
         saved = ctx.saved_tensors
         k = len(pipe.input_names)
         inputs, params = saved[:k], saved[k : k + len(names)]
@@ -215,8 +221,8 @@ def autocast_call(op: str, call, args: tuple, dtypes: tuple, spec_path: str):
         out = call(*(t.to(compute) if t.is_floating_point() else t for t in tensors), *extra)
     if isinstance(out, torch.Tensor):
         return out.to(out_dtypes[0])
-    k = len(out_dtypes)  # the outputs, then the running statistics (Model.forward copies them into its buffers)
-    return tuple(o.to(d) for o, d in zip(out[:k], out_dtypes)) + tuple(out[k:])
+    k = len(out_dtypes)  # the op's list: the outputs, then the running statistics (Model.forward copies them into its buffers)
+    return [*(o.to(d) for o, d in zip(out[:k], out_dtypes)), *out[k:]]
 
 
 @torch.compiler.assume_constant_result  # torch.compile takes the decision at trace time, as a constant

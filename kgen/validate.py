@@ -470,14 +470,9 @@ def op_call(op, pipe: Pipeline, x, inputs: dict, params: dict, training: bool | 
     named = {"x": x, **inputs, "params": [params[a.name] for a in pipe.tensor_args()],
              "buffers": [params[b.name] for b in buffers], "training": bool(training),
              "factors": [o.factor(None if c is None else c + 1) if training else 0.0 for o, c in zip(norms, counts)]}
-    args = [named[n] for n in pipe.op_signature()]
-    if buffers:
-        out = op(*args)
-        n = len(pipe.output_types)
-        first = tuple(out[:n]) if pipe.several_outputs else out[0]
-        return first, dict(zip((b.name for b in buffers), out[n:]))
-    out = op(*args)
-    return (tuple(out) if pipe.several_outputs else out), {}
+    result = pipe.op_result()
+    out, stats = result.split(op(*[named[n] for n in pipe.op_signature()]))
+    return out, dict(zip(result.buffers, stats))
 
 
 def validate(

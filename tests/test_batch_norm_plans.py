@@ -51,6 +51,17 @@ SPECS = {
                                               {"batch_norm": {}}, {"avg_pool3d": {"kernel_size": 2}},
                                               {"avg_pool3d": {"kernel_size": 2}}],
                                name="bn_stats_pass", plan={"conv": "gemm"}, batch=8),
+    # two outputs (the norm's and the pool's) beside the running statistics: the op's list holds all four
+    "bn_outputs": """
+name: bn_outputs
+input: {shape: [N, 3, 10, 10], dtype: float32, example: {N: 2}}
+ops:
+  - conv2d: {out_channels: 6, kernel_size: 3}
+  - batch_norm: {momentum: 0.2, as: b}
+  - relu
+  - max_pool2d: {kernel_size: 2, as: y}
+outputs: [y, b]
+""",
 }
 
 
@@ -205,6 +216,59 @@ def test_eval_mode_runs_its_plan_and_follows_the_running_statistics(rendered, de
             change(model.batch_norm)
             change(eager[1])
             torch.testing.assert_close(model(x).double(), eager(x.double()), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bn_pool", "bn_two", "bn_outputs"])
+def test_the_op_returns_one_list_and_the_model_trains_as_eager(rendered, name):
+    """More than one result (the outputs, then each running statistic's new value: Pipeline.op_result) comes back
+    as one list: schema Tensor[], a std::vector in C++ (the dispatcher's templates over a std::tuple of DenseNet-201's
+    210 tensors cost the compiler most of its time). The Model copies the statistics into its buffers, returns its
+    outputs as eager does, and its gradients are eager's, over two training steps and an eval step."""
+    from kgen.build import build_module
+    from kgen.reference import ReferenceModel
+    from kgen.validate import import_module_dir
+
+    spec, d = rendered[name]
+    pipe = load_pipeline(spec)
+    result = pipe.op_result()
+    assert result.is_list and result.count == len(pipe.output_types) + len(pipe.buffer_args())
+    binding = (d / "binding.cpp").read_text()
+    assert f'm.def("{name}(Tensor x, Tensor[] params, Tensor[] buffers, bool training, float[] factors) -> Tensor[]")' \
+        in binding
+    assert "std::tuple" not in binding and "std::vector<at::Tensor> forward(" in binding
+    build_module(d, "cpu")
+    mod = import_module_dir(d)
+    torch.manual_seed(5)
+    ours, theirs = mod.Model().train(), ReferenceModel(pipe).train()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, *pipe.input.shape[1:])
+    state = ours.state_dict()
+    got = mod.forward(x, *(state[n] for n in mod.PARAMETERS), *(state[n] for n in mod.BUFFERS), True,
+                      [0.5] * (len(mod.BUFFERS) // 2))
+    assert isinstance(got, list) and len(got) == result.count
+    out, stats = result.split(got)
+    assert len(stats) == len(mod.BUFFERS) and isinstance(out, tuple if pipe.several_outputs else torch.Tensor)
+    # the schema, the fake implementation (its list against the op's) and the autograd registration
+    params = [state[n].detach().clone().requires_grad_() for n in mod.PARAMETERS]
+    args = (x, params, [state[n].clone() for n in mod.BUFFERS], True, [0.5] * (len(mod.BUFFERS) // 2))
+    checked = torch.library.opcheck(getattr(torch.ops.kgen, name).default, args,
+                                    test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    assert all(v == "SUCCESS" for v in checked.values()), checked
+    for training in (True, True, False):
+        ours.train(training), theirs.train(training)
+        ours.zero_grad(), theirs.zero_grad()
+        a, b = ours(x), theirs(x)
+        if pipe.several_outputs:
+            assert isinstance(a, tuple) and len(a) == len(pipe.outputs)
+        a, b = (a, b) if pipe.several_outputs else ((a,), (b,))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        gs = [torch.randn_like(t) for t in a]
+        torch.autograd.backward(a, gs), torch.autograd.backward(b, gs)
+        grads = dict(theirs.named_parameters())
+        for n, p in ours.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-4, atol=1e-5, msg=n)
+        for k, v in theirs.state_dict().items():  # the running statistics (and counts) the step updated, or kept
+            torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_the_statistics_stage_is_generated_for_rows_with_a_spatial_extent():
