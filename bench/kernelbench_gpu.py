@@ -270,7 +270,9 @@ def time_all(specs, rows, args, deadline, write):
         row = rows[s.stem]
         if row["status"] not in ("validated", "validated, not timed (time box)"):
             continue
-        if time.time() > deadline - 15:
+        # its two torch.compile modes (from the inductor cache the check filled) and the timing: a problem that
+        # would run past the deadline is left for the next call (a call killed at its limit returns no output)
+        if time.time() > deadline - (15 + 2.5 * row.get("compile_s", 20)):
             row["status"] = "validated, not timed (time box)"
             continue
         t = time.time()
