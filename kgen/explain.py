@@ -198,10 +198,13 @@ def _candidates(sel, batch: int, dtype: str = "float32") -> list[str]:
     cands = [p for p in sel.candidates if p.pipeline.dtype == dtype]
     if len(cands) < 2:
         return []
-    chosen = json.dumps(sel.variant_for(batch, dtype=dtype).plan.choices, sort_keys=True)  # eval mode's, as the candidates
+    chosen_plan = sel.variant_for(batch, dtype=dtype).plan  # eval mode's, as the candidates
+    chosen = json.dumps(chosen_plan.choices, sort_keys=True)
     entry = sel.tuning_for(dtype)
     measured = tunefile.measured(entry) if entry is not None else {}
     rows = []
+    if all(json.dumps(p.choices, sort_keys=True) != chosen for p in cands):  # found one choice at a time from them
+        cands = [chosen_plan] + cands
     for p in cands:
         key = json.dumps(p.choices, sort_keys=True)
         ms = measured.get(key, {}).get(batch)

@@ -568,3 +568,37 @@ def test_elementwise_stages_move_16_byte_vectors_where_output_k_is_input_k():
     assert cl.input.layout == "channels_last" and cl.schedule.map_vector == 1
     text = explain_text(pipeline_of(spec_text([8, 6, 6], affine), "t.yaml"))
     assert "4 consecutive values per 16-byte load and store" in text
+
+
+def test_the_cost_model_choice_is_no_worse_than_any_one_choice_apart(monkeypatch):
+    """Where the decision points allow more plans than candidate_plans enumerates (MAX_CANDIDATES near the
+    default plan), the cost model's choice is the cheapest candidate improved one decision at a time: with
+    an estimate that falls with every choice away from each point's first option, the choice changes every
+    point (the enumeration alone reaches plans of one or two changes), and no plan one choice apart is
+    estimated cheaper."""
+    from kgen import cost
+    from kgen.plan import MAX_CANDIDATES, PIPELINE, candidate_plans
+
+    ops = []
+    for i in range(7):
+        ops += [{"conv2d": {"out_channels": 32, "kernel_size": 3, "padding": 1, "name": f"conv{i}"}}, "relu",
+                {"add": {"scalar": 1.0}}]
+    pipe = pipeline_of(spec_text([16, 20, 20], ops, batch=8))
+    points = [k for k, v in make_plan(pipe, None, DEFAULT).options.items() if len(v) > 1 and k != PIPELINE]
+    assert len(points) >= 7 and len(candidate_plans(pipe, DEFAULT)) == MAX_CANDIDATES
+
+    def estimate(plan, batch):  # 1 ms less per point away from its first option; the eager plan dearest
+        if plan.eager:
+            return 100.0
+        return 50.0 - sum(plan.choices.get(k) != plan.options[k][0] for k in plan.options if k != PIPELINE)
+
+    monkeypatch.setattr(cost, "estimate_ms", estimate)
+    chosen = choose_plans(pipe, DEFAULT).variants[0].plan
+    assert all(chosen.choices[k] != chosen.options[k][0] for k in points), chosen.choices
+    assert "plans one choice apart" in choose_plans(pipe, DEFAULT).variants[0].why
+    ms = estimate(chosen, 8)
+    for point, options in chosen.options.items():
+        for option in options:
+            if option != chosen.choices[point]:
+                other = make_plan(pipe, None, DEFAULT, {**chosen.choices, point: option}, 8)
+                assert estimate(other, 8) >= ms, (point, option)
