@@ -622,8 +622,8 @@ def _descend(plan: Plan, ms: float, target: Target, batch: int) -> tuple[Plan, f
     tried = 0
     for _ in range(MAX_DESCENT_PASSES):
         improved = False
-        for point in list(plan.options):
-            for option in plan.options.get(point, ()):
+        for point in [p for p in plan.options if p != PIPELINE]:  # kgen or eager: among the candidates only (eager's
+            for option in plan.options.get(point, ()):  # is the spec as written, not the rewritten pipeline's)
                 if option == plan.choices.get(point):
                     continue
                 try:
