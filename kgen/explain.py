@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from . import cost, tunefile
 from .errors import KgenError
-from .families.base import typed_ops, value_bytes
+from .families.base import DTYPE_BYTES, typed_ops, value_bytes
 from .ir import Conv, Pipeline
 from .plan import KGEN, PIPELINE, Plan, candidate_plans, choose_plans, describe_choices, make_plan
 from .stage import ConvStage
@@ -179,7 +179,7 @@ def replay_line(plan: Plan, batch: int, target: Target) -> str:
     from .runtime import replay_pays
 
     pipe = plan.original
-    size = 4 if pipe.dtype == "float32" else 2
+    size = DTYPE_BYTES[pipe.dtype]
     launches = sum(e.launches for e in cost.estimate(plan, batch))
     values = [math.prod(pipe.inputs[n].concrete(batch)) for n in pipe.input_names] if pipe.inputs else \
         [math.prod(pipe.input.concrete(batch))]

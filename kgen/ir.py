@@ -117,11 +117,14 @@ class Member:
     buffers: tuple[TensorArg, ...] = ()  # running statistics the op reads and (in training mode) updates
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # whose batch-norm statistics ATen computes in float
+
+
 def batch_norm_scale(var: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """A batch norm's per-channel scale ``weight / sqrt(var + eps)`` (``1 / sqrt(...)`` without a
     weight), as kgen::batch_norm_scale computes it in the generated bindings: in float for 16-bit
     tensors (ATen's batch norm computes a 16-bit input's statistics and scale in float)."""
-    if var.dtype in (torch.bfloat16, torch.float16):
+    if var.dtype in HALF_DTYPES:
         var, weight = var.float(), weight.float() if weight is not None else None
     root = torch.sqrt(var + eps)
     return weight / root if weight is not None else torch.reciprocal(root)
@@ -893,7 +896,7 @@ class BatchStats(Op):
         n = x.numel() // x.shape[1]
         if n <= 1:  # as F.batch_norm refuses it
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
-        half = x.dtype in (torch.bfloat16, torch.float16)  # statistics in float, as ATen's batch norm computes them
+        half = x.dtype in HALF_DTYPES  # statistics in float, as ATen's batch norm computes them
         var, mean = torch.var_mean(x.float() if half else x, dim=dims, correction=0)
         if self.norm.track_running_stats and getattr(tensors, "training", False):
             rm, rv = (tensors[b] for b in self.buffer_names())
@@ -917,7 +920,7 @@ class BatchStats(Op):
             device = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor)), None)
             mean = torch.zeros(self.norm.num_features, device=device)
             var = torch.ones(self.norm.num_features, device=device)
-        return {self.mean.name: mean.float() if mean.dtype in (torch.bfloat16, torch.float16) else mean,
+        return {self.mean.name: mean.float() if mean.dtype in HALF_DTYPES else mean,
                 self.scale.name: batch_norm_scale(var, tensors[self.weight] if self.weight else None, self.norm.eps)}
 
     def describe(self):
