@@ -1318,6 +1318,12 @@ class Pipeline:
         return self.types[-1]
 
     @property
+    def rounds_between_ops(self) -> bool:
+        """Whether each op's result is rounded to the dtype before the next op reads it, as eager's 16-bit
+        tensors are (a 16-bit plan, unless the spec's ``intermediates: float32`` keeps float32 between ops)."""
+        return self.dtype != "float32" and self.intermediates != "float32"
+
+    @property
     def several_outputs(self) -> bool:
         """Whether the model returns a tuple of tensors (``outputs`` names more than one value)."""
         return len(self.outputs) > 1

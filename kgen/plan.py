@@ -36,7 +36,7 @@ from .errors import KgenError
 from .ir import BatchNorm, Capture, Elementwise, Op, Pipeline
 from .lowering import TapSums, lowered
 from .ops import FUSED, OPS
-from .rewrites import REWRITES, Decision, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
+from .rewrites import Decision, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
 from .stage import ConvStage, Stage
 from .target import Target
 
@@ -201,7 +201,7 @@ def rounding_points(pipe: Pipeline, stage: Stage) -> tuple[Op, ...]:
     rewrites.batch_norm_batch_stats / batch_norm_eval_affine) rounds nothing: eager rounds the norm's output
     once, after its last step, which rounds here. Only the families that generate a stage's math render
     these; an ATen call rounds its own output."""
-    if pipe.dtype == "float32" or pipe.intermediates == "float32":
+    if not pipe.rounds_between_ops:
         return ()
     return tuple(op for op in stage.ops if not isinstance(op, Capture) and not getattr(op, "inner", False))
 
@@ -265,16 +265,20 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
     target = target or targets.current()
     batch = batch or pipeline.example_batch()
     picker = _Picker(choices)
+    try:
+        return _make_plan(pipeline, rewrites, target, picker, batch, reason)
+    except KgenError as e:
+        e.picked = picker  # the decisions taken before it failed: candidate_plans tries their other options
+        raise
+
+
+def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker: _Picker, batch: int, reason: str) -> Plan:
     eager = families.EAGER.whole(pipeline)
     if picker.pick(PIPELINE, (KGEN, EAGER) if eager else (KGEN,)) == EAGER:
         eager.choice = f"eager: the spec's ops through ATen ({reason})"
         return Plan(pipeline, pipeline, [], [eager], target, picker.chosen, picker.options, batch)
     fire = lambda rewrite, site: picker.pick(rewrite_key(rewrite, site), (ON, OFF)) == ON  # noqa: E731
-    if pipeline.dtype == "float32":
-        rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
-    else:  # not shown exact against eager's 16-bit rounding (each rewrite changes which values eager rounds to the
-        # dtype between ops); batch norm's own rewrites (tuned_candidates, _batch_stats) keep eager's rounding points
-        rewritten, decisions = pipeline, [Decision(n, "*", False, f"not in {pipeline.dtype}: the ops as written") for n, _ in REWRITES]
+    rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
     rewritten = defer_conv_bias(rewritten)
     resolved, cuts = values.resolve(rewritten.ops, rewritten.outputs)
     rewritten = rewritten.with_ops(resolved)
@@ -395,23 +399,30 @@ def candidate_plans(pipeline: Pipeline, target: Target | None = None, batch: int
     target = target or targets.current()
     found: dict[str, Plan] = {}
     queue: list[dict] = [{}]
+    tried: set[str] = set()
+    neighbours = lambda chosen, options: [{**chosen, point: o} for point, opts in options.items()  # noqa: E731
+                                          for o in opts if o != chosen[point]]
     while queue and len(found) < MAX_CANDIDATES:
         given = queue.pop(0)
+        if json.dumps(given, sort_keys=True) in tried:
+            continue
+        tried.add(json.dumps(given, sort_keys=True))
         try:
             plan = make_plan(pipeline, None, target, given, batch)
-        except KgenError:
-            if not given and pipeline.dtype != "float32" and families.EAGER.whole(pipeline):
-                queue.append({PIPELINE: EAGER})  # 16-bit: a family without kernels for it declined; eager computes it
-                continue
-            if not given:
+        except KgenError as e:
+            if not given and pipeline.dtype == "float32":
                 raise  # the default plan must exist
-            continue  # e.g. a rewrite declined leaves an op that no family the spec allows computes
+            # e.g. a rewrite left an op (a sub-pixel phase, a folded pool) that no family computes in this dtype:
+            # the plans with another option at a decision taken before it failed (the rewrite off), then eager
+            queue += neighbours(e.picked.chosen, e.picked.options)
+            if not given and families.EAGER.whole(pipeline):
+                queue.append({PIPELINE: EAGER})  # 16-bit: a family without kernels for it declined; eager computes it
+            continue
         key = json.dumps(plan.choices, sort_keys=True)
         if key in found:
             continue
         found[key] = plan
-        for point, options in plan.options.items():
-            queue += [{**plan.choices, point: o} for o in options if o != plan.choices[point]]
+        queue += neighbours(plan.choices, plan.options)
     return list(found.values())
 
 

@@ -122,7 +122,7 @@ def test_16_bit_plans_of_aten_backed_stages():
         # batch norm's plans as in float32 (tests/test_half_batch_norm.py): eval mode's affine fuses into the softmax
         assert families(dtype) == families("float32") and families(dtype)["eval"] == ["linear_aten", "softmax"]
         (v,) = [v for v in sel.variants if v.dtype == dtype and v.mode == "eval"]
-        assert all(not d.fired for d in v.plan.decisions)  # no other rewrite in 16 bits
+        assert all(not d.fired for d in v.plan.decisions)  # no other rewrite applies
 
 
 # ------------------------------------------------------------ the module (CPU build)

@@ -106,6 +106,48 @@ input:
 """
 
 
+# the rewrites that keep eager's 16-bit rounding points (kgen.rewrites.KEEPS_ROUNDING): sub-pixel phases, a
+# positive scale moved past a max, two max pools as one
+KEPT_REWRITES = """
+name: {name}
+input:
+  shape: [N, 4, 8, 8]
+  dtype: [bfloat16, float16]
+  example: {{N: 2}}
+{extra}ops:
+  - conv_transpose2d: {{out_channels: 6, kernel_size: 4, stride: 2, padding: 1}}
+  - div: {{scalar: 3.0}}
+  - {pool}: {{kernel_size: 2}}
+  - {pool}: {{kernel_size: 2}}
+  - sum: {{dim: 1}}
+"""
+
+
+def _fired(plan) -> set[str]:
+    return {d.rewrite for d in plan.decisions if d.fired}
+
+
+def test_16_bit_plans_run_the_rewrites_that_keep_eagers_rounding():
+    from kgen.plan import choose_plans
+
+    for dtype in ("bfloat16", "float16"):
+        (v,) = [v for v in choose_plans(pipeline_of(KEPT_REWRITES.format(name="r", extra="", pool="max_pool2d"))).variants
+                if v.dtype == dtype]
+        assert _fired(v.plan) == {"subpixel_conv_transpose", "scalar_through_max", "pool_composition"}
+        # average pools: a mean of rounded means is not the rounded mean; folding the pool into the
+        # convolution's weights would skip the rounding of the convolution's output
+        (a,) = [v for v in choose_plans(pipeline_of(KEPT_REWRITES.format(name="r", extra="", pool="avg_pool2d"))).variants
+                if v.dtype == dtype]
+        assert "pool_composition" not in _fired(a.plan) and "avg_pool_folding" not in _fired(a.plan)
+        why = {d.rewrite: d.reason for d in a.plan.decisions if not d.fired}
+        assert "eager rounds the first pool's means" in why["pool_composition"]
+        assert "skip roundings to the dtype that eager does" in why["avg_pool_folding"]
+    # float32 intermediates: every rewrite, as in float32
+    (f,) = [v for v in choose_plans(pipeline_of(KEPT_REWRITES.format(name="r", extra="intermediates: float32\n",
+                                                                     pool="avg_pool2d"))).variants if v.dtype == "bfloat16"]
+    assert "pool_composition" in _fired(f.plan)
+
+
 @pytest.fixture(scope="module")
 def rounding_modules(tmp_path_factory):
     from kgen.build import build_modules
@@ -116,6 +158,7 @@ def rounding_modules(tmp_path_factory):
         "rnd_chain": chain("rnd_chain", "[bfloat16, float16]", tail=""),
         "rnd_shift": SHIFT_NORM.format(name="rnd_shift", extra=""),
         "rnd_shift_f32": SHIFT_NORM.format(name="rnd_shift_f32", extra="intermediates: float32\n"),
+        "rnd_kept": KEPT_REWRITES.format(name="rnd_kept", extra="", pool="max_pool2d"),
     }
     rendered = render_specs(tmp_path_factory.mktemp("rounding"), texts)
     build_modules([d for _, d in rendered.values()], "cpu")
@@ -163,3 +206,14 @@ def test_norm_amplified_rounding_matches_eager(rounding_modules, dtype):
     assert max(e for e, _ in kept) < max(rounded)  # float32 intermediates: closer to the exact result
     if dtype == torch.bfloat16:
         assert not any(ok for _, ok in kept)  # ... and not what KernelBench's check against eager accepts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rewritten_16_bit_plan_computes_eagers_values(rounding_modules, dtype):
+    """Sub-pixel phases, the scale after the max and one max pool for two: the values eager rounds, rounded
+    where eager rounds them, so kgen's output is within one rounding of eager's (the channel sum's float
+    arithmetic may land on the other side of a tie)."""
+    pipe, m = rounding_modules["rnd_kept"]
+    for seed in range(3):
+        y, want, _ = run(pipe, m, dtype, seed)
+        assert (y - want).abs().max().item() <= torch.finfo(dtype).eps * want.abs().max().item(), seed

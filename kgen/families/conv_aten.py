@@ -120,8 +120,9 @@ class ConvAten(Family):
     def unsupported(self, req: StageRequest) -> str | None:
         if req.pipeline.conv_impl == "gemm":
             return "the spec asks for the generated convolution (plan.conv: gemm)"
-        if req.dtype != "float32" and not (type(lowered(req.ops[0]).lowering) is Direct and req.input.flat):
-            return f"no {req.dtype} form of this lowering yet (only the convolution as written)"
+        if req.dtype != "float32" and not (type(lowered(req.ops[0]).lowering) in (Direct, Subpixel) and req.input.flat):
+            # a folded pool's box-filtered weights or a tap sum would be rounded to the dtype where eager rounds none
+            return f"no {req.dtype} form of this lowering (only the convolution as written, cropped or as sub-pixel phases)"
         return None
 
     def layouts(self, req: StageRequest, conv) -> tuple[str, ...]:
