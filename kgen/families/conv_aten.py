@@ -49,6 +49,12 @@ TRANSPOSED_STRIDE1_EFFICIENCY = 0.87
 TRANSPOSED_STRIDED_EFFICIENCY = 0.33
 TRANSPOSED_NCHW_EFFICIENCY = 0.69
 TRANSPOSED_3D_EFFICIENCY = 0.59  # 3-d against 2-d (the fit: cuDNN's 3-d data-gradient kernels are slower)
+# ... in 16 bits (all of the above together, NCHW): cuDNN's 16-bit data-gradient kernels come much closer to its
+# forward rate. Set from two H200 measurements (6c9119c, 2026-11-28, kgen bench of the shipped specs in bfloat16,
+# eager's call alone): 3-d 64 -> 128 k3 s1 at 382 TFLOP/s (relu_group_norm), 3-d 32 -> 64 k5 s2 at 135
+# (maxpool_sum); the fitted float32 factors put them at 148 and 38.
+TRANSPOSED16_STRIDE1_EFFICIENCY = 0.91
+TRANSPOSED16_STRIDED_EFFICIENCY = 0.48
 # A forward convolution in NCHW: cuDNN's tensor-core kernels are NHWC, so it converts the input and the
 # output (each a read and a write: 2x the bytes; the fit gives 1.86x)
 NCHW_CONVERSION = 1.86
@@ -292,6 +298,8 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
     conv = lambda rate: Work(what, flops, nbytes * (read + written), rate, calls=1, call_s=CUDNN_CALL_S)  # noqa: E731
     if transposed_stride is not None:
         strided = any(s > 1 for s in transposed_stride)
+        if dtype != "float32":
+            return [conv(rate * (TRANSPOSED16_STRIDED_EFFICIENCY if strided else TRANSPOSED16_STRIDE1_EFFICIENCY))]
         nchw = TRANSPOSED_NCHW_EFFICIENCY if layout == "contiguous" else 1.0
         rank3 = TRANSPOSED_3D_EFFICIENCY if len(transposed_stride) == 3 else 1.0
         return [conv(rate * nchw * rank3 * (TRANSPOSED_STRIDED_EFFICIENCY if strided else TRANSPOSED_STRIDE1_EFFICIENCY))]
