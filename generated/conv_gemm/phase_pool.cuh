@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
               for (int hh = 0; hh < P::kTQH; ++hh) {
                 const int od = P::kSD * (P::kTQD * pd + pl) + rd, oh = P::kSH * (P::kTQH * ph + hh) + rh;
-                const float v = conv_output<P, E>(acc[pl][jw + G::kWGroups * hh][2 * c + e], bias);
+                const float v = conv_output<P, E, true>(acc[pl][jw + G::kWGroups * hh][2 * c + e], bias);
                 m[e] = kgen::max_nan(m[e], E::pre(ep, n, ch, od, oh, ow, v));
               }
           }
