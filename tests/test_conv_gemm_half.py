@@ -289,3 +289,89 @@ def test_cuda_against_float64_and_eager_odd_sizes_and_specials(c16_cuda, dtype):
         model.conv.weight.mul_(0.5)
         assert torch.allclose(model(x).float(), F.conv2d(x, model.conv.weight, model.conv.bias).float(),
                               atol=1e-2, rtol=1e-2, equal_nan=True)
+
+
+# ------------------------------------------------------------ phase_pool and pool_ring on the GPU
+
+
+@pytest.fixture(scope="module")
+def pool16_cuda(tmp_path_factory):
+    from kgen.build import build_modules
+    from kgen.ir import load_pipeline
+    from kgen.validate import import_module_dir
+
+    rendered = render_specs(tmp_path_factory.mktemp("pool16_cuda"), {n: t for n, (t, _, _) in POOL16.items()})
+    build_modules([d for _, d in rendered.values()], "cuda")
+    return {n: (spec, d, load_pipeline(str(spec)), import_module_dir(d)) for n, (spec, d) in rendered.items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(POOL16))
+def test_cuda_fused_pool_kernels_validate_in_16_bits(pool16_cuda, name):
+    """kgen validate's cases in bfloat16 and float16 (float64 on the rounded inputs within the dtype's tolerance,
+    KernelBench's 1e-2 against eager, batches 1-3, NaN and inf, each stage fed +-inf, NaN, ties); phase_pool also at
+    batch 17, whose last round of tiles runs split (136 tiles on 132 SMs)."""
+    from kgen.validate import validate
+
+    spec, d, _, _ = pool16_cuda[name]
+    assert_report_passed(validate(spec, d, "cuda"), name)
+    if name == "pp16":
+        assert_report_passed(validate(spec, d, "cuda", stages=False, batch=17), f"{name} at batch 17")
+
+
+def _run16(pipe, module, dtype, x):
+    """(kgen's output, eager's in the dtype, float64 on the same rounded input and parameters), on the GPU."""
+    from kgen.reference import ReferenceModel
+
+    torch.manual_seed(7)
+    ref = ReferenceModel(pipe).eval()
+    eager = ref.to(dtype).cuda()
+    model = module.Model().to(dtype).cuda()
+    model.load_state_dict(eager.state_dict())
+    xd = x.to(dtype).cuda()
+    with torch.no_grad():
+        return model(xd).double().cpu(), eager(xd).double().cpu(), ref.double()(xd.double()).cpu()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(POOL16))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_fused_pool_kernels_round_as_eager(pool16_cuda, name, dtype):
+    """Random normal input with NaN, +inf and -inf: NaN and inf where eager has them; the finite values within
+    two roundings of eager's in the dtype (the kernel's fp32 sums in another order may land a rounded intermediate
+    on the other side of a tie) and within the dtype's tolerance of float64. Integer data (every product and sum
+    exact, max pools full of ties; phase_pool): eager's values exactly."""
+    from kgen.validate import DTYPE_TOLERANCES
+
+    _, _, pipe, m = pool16_cuda[name]
+    eps = torch.finfo(dtype).eps
+    atol, rtol = DTYPE_TOLERANCES[str(dtype).removeprefix("torch.")]
+    torch.manual_seed(3)
+    x = torch.randn(5, *pipe.input.shape[1:])
+    x[1, 0, 1, 2, 3], x[2, 3, 2, 0, 5], x[3, 7, 0, 4, 1] = float("nan"), float("inf"), -float("inf")
+    y, want, exact = _run16(pipe, m, dtype, x)
+    assert y.shape == want.shape
+    assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.isinf(), want.isinf()), (y, want)
+    assert torch.equal(y[y.isinf()], want[want.isinf()])
+    fin = want.isfinite()
+    assert fin[0].all() and fin[4].all()  # (the samples without specials)
+    scale = want[fin].abs().max().item()
+    assert (y[fin] - want[fin]).abs().max().item() <= 2 * eps * scale, (y, want)
+    ok = exact.isfinite() & fin
+    assert torch.allclose(y[ok], exact[ok], atol=atol, rtol=rtol)
+    if name == "pp16":  # integer data: products and sums exact in fp32, the bias an integer too
+        xi = torch.randint(-2, 3, (3, *pipe.input.shape[1:])).float()
+        from kgen.reference import ReferenceModel
+
+        ref = ReferenceModel(pipe).eval()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(torch.randint(-2, 3, p.shape).float())
+        eager = ref.to(dtype).cuda()
+        model = m.Model().to(dtype).cuda()
+        model.load_state_dict(eager.state_dict())
+        with torch.no_grad():
+            got, ties = model(xi.to(dtype).cuda()), eager(xi.to(dtype).cuda())
+        assert torch.equal(got, ties)
