@@ -541,8 +541,8 @@ def check_non_finite_softmax(fn: str, shape_name: str, stage, device: str) -> to
 # conv_gemm in 16 bits (tests/test_conv_gemm_half.py, tests/test_ptxas.py): each form of the generated convolution with
 # 16-bit loads and stores, name -> (spec text in bfloat16 and float16, the main loop, the epilogue: Store or
 # Fused.{staged, elementwise, registers}); plan.conv: gemm, so that the generated convolution computes it at these small sizes.
-def _conv16(name, shape, ops, batch=2):
-    text = spec_text(shape, ops, batch=batch, name=name, plan={"conv": "gemm"})
+def _conv16(name, shape, ops, batch=2, params=None):
+    text = spec_text(shape, ops, params=params, batch=batch, name=name, plan={"conv": "gemm"})
     return text.replace("dtype: float32", "dtype:\n  - bfloat16\n  - float16")
 
 
@@ -564,4 +564,26 @@ CONV16 = {
     # ... with W = 15: BoxRegs' scalar loads
     "c16_wgmma_odd": (_conv16("c16_wgmma_odd", [8, 16, 15], [{"conv2d": {"out_channels": 32, "kernel_size": 3, "padding": 1}}, "relu"]),
                       "wgmma", "elementwise"),
+}
+
+
+# conv_gemm's fused-pool kernels in 16 bits (tests/test_conv_gemm_half.py, tests/test_ptxas.py): name -> (spec text in
+# bfloat16 and float16, the candidate the cost model takes, pool_ring's per_channel). Each convolution keeps its bias
+# (16-bit plans): the kernel adds it to the output rounded to the dtype.
+POOL16 = {
+    # phase_pool: 8 sub-pixel phases, max pools composed (2 then 2: a window of 2 strides), the channel sum
+    "pp16": (_conv16("pp16", [8, 5, 9, 10], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 4, "stride": 2, "padding": 1}},
+                                             {"max_pool3d": {"kernel_size": 2}}, {"max_pool3d": {"kernel_size": 2}},
+                                             {"sum": {"dim": 1, "keepdim": True}}]), "conv_gemm:phase_pool", None),
+    # pool_ring, a partial per channel: a negative scale before the pool (rounded there), the per-channel mean, a
+    # bias, then the channel sum (a stage of its own); 12 of 16 channels, odd D and H (a partial row block)
+    "ring16_channels": (_conv16("ring16_channels", [8, 9, 21, 64],
+                                [{"conv3d": {"out_channels": 12, "kernel_size": 3}}, {"div": {"scalar": -2.0}},
+                                 {"max_pool3d": {"kernel_size": 2}}, {"adaptive_avg_pool3d": {"output_size": [1, 1, 1]}},
+                                 {"add": {"param": "b"}}, {"sum": {"dim": 1}}], params={"b": {"shape": [12, 1, 1, 1], "init": "randn"}}),
+                        "conv_gemm:pool_ring", True),
+    # pool_ring, everything reduced: tanh before the pool, rows of 60 positions
+    "ring16_all": (_conv16("ring16_all", [8, 6, 13, 60], [{"conv3d": {"out_channels": 16, "kernel_size": 3}}, "tanh",
+                                                          {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}]),
+                   "conv_gemm:pool_ring", False),
 }

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import (CL_ATEN, CONV16, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, render_kept_walk,
+from conftest import (CL_ATEN, CONV16, POOL16, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, render_kept_walk,
                       render_layer_norm, render_norm_layout, render_softmax, spec_text, write_spec)
 from kgen.build import cuda_home, demangle, ptxas_report
 
@@ -128,7 +128,7 @@ def test_linear_gemm_16_bit_compiles_without_spills(tmp_path):
         assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
 
 
-@pytest.mark.parametrize("name", sorted(CONV16) + ["div_max_gap_bias_sum", "avgpool_sigmoid_sum", "instnorm_clamp_max"])
+@pytest.mark.parametrize("name", sorted(CONV16) + ["avgpool_sigmoid_sum", "instnorm_clamp_max"])
 def test_conv_gemm_16_bit_compiles_without_spills(name, tmp_path):
     """conv_gemm in bfloat16 and float16: each form of conftest.CONV16 (window, generic and wgmma loops; the Store, a
     staged, an elementwise and a register epilogue) and the shipped convolution specs' 16-bit plans: the instances
@@ -150,4 +150,27 @@ def test_conv_gemm_16_bit_compiles_without_spills(name, tmp_path):
     if fused and name in CONV16:  # the convolution keeps its bias (16-bit plans): the fused kernel adds it
         assert (tmp_path / "gen" / name / "kernel.cu").read_text().count("static constexpr bool kConvBias = true;") == 2
     assert not any("phase_pool" in n or "pool_ring" in n for n in names), names
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+@pytest.mark.parametrize("name", sorted(POOL16) + ["maxpool_sum", "div_max_gap_bias_sum"])
+def test_fused_pool_kernels_16_bit_compile_without_spills(name, tmp_path):
+    """conv_gemm:phase_pool and conv_gemm:pool_ring in bfloat16 and float16 (conftest.POOL16 and the shipped specs
+    that take them): an instance per dtype over its 16-bit problem (P::Elem), clean (no spill, no stack, no serialized
+    wgmma), with the plan's shared memory asserted to be the kernel's (kernel.cu's static_assert)."""
+    from kgen.render import render_spec, write_rendered
+
+    text = POOL16[name][0] if name in POOL16 else (ROOT / "specs" / f"{name}.yaml").read_text().replace(
+        "dtype: float32", "dtype: [bfloat16, float16]")
+    kernel = "phase_pool_kernel" if name in ("pp16", "maxpool_sum") else "pool_ring_kernel"
+    spec = write_spec(tmp_path, text, f"{name}.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    kernels = ptxas_report(tmp_path / "gen" / name, "9.0a")
+    names = [demangle(k.name) for k in kernels]
+    fused = [n for n in names if f"::{kernel}<" in n]
+    assert len(fused) == 2, names  # one per dtype
+    src = (tmp_path / "gen" / name / "kernel.cu").read_text()
+    for t in ("bfloat16", "float16"):
+        assert f"using Elem = kgen::{t};  // the input's type" in src
+    assert src.count("static constexpr bool kConvBias = true;") == 2  # the convolution keeps its bias: the kernel adds it
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]

@@ -36,7 +36,8 @@ beat the other loops (``_k_rule``): maxpool_sum 0.79 ms against 1.65 for its cuD
 
 Candidate ``conv_gemm:pool_ring`` (TF32): a 3 x 3 x 3 convolution into at most 16 channels (stride 1,
 no padding, input rows of at most 64 positions) whose next stage is a 2 x 2 x 2 max pool and a reduction
-of everything runs as one mma.sync kernel (``templates/conv_gemm/pool_ring.cuh``) with the output
+of everything (or of every spatial dim, a partial per channel: 16-bit plans, where the reduction over the
+channels after a rounded per-channel mean is a stage of its own) runs as one mma.sync kernel (``templates/conv_gemm/pool_ring.cuh``) with the output
 channels as M and the input box a ring of depth slots; the pool_reduce stage is its epilogue on the
 accumulators (div_max_gap_bias_sum 0.273 ms against the window loop's 0.338 in the lab).
 
@@ -50,8 +51,10 @@ stored and the rounding pass converts them; BoxRegs converts in registers). The 
 a float32 copy once per version; the accumulators are rounded to the dtype before the epilogue where
 kgen.plan.rounding_points says (eager's 16-bit convolution output). 16-bit plans keep the bias in the
 convolution (kgen.plan.defer_conv_bias): it is added to the rounded output and rounded again (the Store:
-as it stores; a fused epilogue: before its first op), as eager's cuDNN call and ATen's bias add after it. phase_pool,
-pool_ring and the norm epilogues (the direct loop) are float32 only for now and decline 16-bit plans.
+as it stores; a fused epilogue, phase_pool's and pool_ring's included: before its first op), as eager's cuDNN
+call and ATen's bias add after it. phase_pool and pool_ring load the 16-bit input as stored and convert it
+where they round it to TF32 today (the box; the ring's slots). The norm epilogues (the direct loop) are
+float32 only for now and decline 16-bit plans.
 
 On the CPU the stage runs ATen's convolution, then the epilogue stage's own
 C++ code. Templates: ``templates/conv_gemm/``.
@@ -351,12 +354,14 @@ class PoolRing:
     splits: int  # steps per sample: the partials the pool_reduce stage's finalize combines
     packed_floats: int  # the weights as A fragments
     smem_bytes: int
+    # the reduction keeps the channels (every spatial dim reduced): a partial per step and channel
+    per_channel: bool = False
 
 
 @functools.lru_cache(maxsize=256)
-def pool_ring_layout(c, in_spatial: tuple, pooled: tuple) -> PoolRing | str:
+def pool_ring_layout(c, in_spatial: tuple, pooled: tuple, per_channel: bool = False) -> PoolRing | str:
     """The pool_ring kernel's layout for convolution ``c`` on input ``in_spatial`` pooled (2 x 2 x 2,
-    floor mode) into ``pooled``, or why it does not apply."""
+    floor mode) into ``pooled``, or why it does not apply; ``per_channel``: the reduction keeps the channels."""
     if c.transposed or c.rank != 3:
         return "a 3-D convolution (not transposed) only"
     if tuple(c.kernel) != (3, 3, 3) or any(s != 1 for s in c.stride) or any(c.padding) or any(d != 1 for d in c.dilation):
@@ -372,10 +377,12 @@ def pool_ring_layout(c, in_spatial: tuple, pooled: tuple) -> PoolRing | str:
     box_rows = POOL_RING_ROWS + 2
     pair = -(-POOL_RING_SLOTS * box_rows * POOL_RING_BOX_W * 2 // 32) * 32 + 4
     packed = octets * POOL_RING_TAPS * 32 * 4  # an A fragment (32 lanes x 4) per octet and tap
-    smem = FLOAT_BYTES * (octets * 4 * pair + packed + 2 * POOL_RING_THREADS // 32)
+    # scratch (pool_ring.cuh kScratchFloats): per warp its sum (per channel: its 16), two steps apart
+    scratch = 2 * POOL_RING_THREADS // 32 * (POOL_RING_CHANNELS if per_channel else 1)
+    smem = FLOAT_BYTES * (octets * 4 * pair + packed + scratch)
     if smem > SMEM_LIMIT:
         return f"{smem // 1024} KB of shared memory"
-    return PoolRing(tuple(pooled), row_blocks, pooled[0] * row_blocks, packed, smem)
+    return PoolRing(tuple(pooled), row_blocks, pooled[0] * row_blocks, packed, smem, per_channel)
 
 
 def _max_taps(lc, in_spatial) -> int:
@@ -405,15 +412,23 @@ def _is_pool_2x2x2(p: Pool) -> bool:
             and not p.ceil_mode and all(d == 1 for d in p.dilation))
 
 
-def _pools_then_reduces_all(ops, rank: int) -> bool:
-    """``ops`` (what follows a convolution) are elementwise ops, one 2 x 2 x 2 max pool, elementwise ops
-    and a reduction of every dim (channels and space), then elementwise ops: conv_gemm:pool_ring's epilogue."""
+def _pool_ring_reduction(ops, rank: int) -> str | None:
+    """Whether ``ops`` (what follows a convolution) are elementwise ops, one 2 x 2 x 2 max pool, elementwise
+    ops and a reduction, then elementwise ops: conv_gemm:pool_ring's epilogue. "all": the reduction is of
+    every dim (channels and space); "spatial": of every spatial dim (a value per channel); None: neither.
+    A second reduction starts a stage of its own (16-bit plans: a per-channel mean, then a sum over the
+    channels of its rounded values), so the ops from there on are not the epilogue's."""
+    later = [i for i, o in enumerate(ops) if isinstance(o, Reduce)][1:]
+    ops = ops[:later[0]] if later else ops
     pools = [o for o in ops if isinstance(o, Pool)]
     reduces = [o for o in ops if isinstance(o, Reduce)]
     if len(pools) != 1 or len(reduces) != 1:
-        return False
+        return None
     p, r = pools[0], reduces[0]
-    return ops.index(p) < ops.index(r) and _is_pool_2x2x2(p) and sorted(r.dims) == list(range(1, rank))
+    if ops.index(p) > ops.index(r) or not _is_pool_2x2x2(p):
+        return None
+    dims = sorted(r.dims)
+    return "all" if dims == list(range(1, rank)) else "spatial" if dims == list(range(2, rank)) else None
 
 
 @dataclass
@@ -673,10 +688,8 @@ class ConvGemm(Family):
         return None
 
     def _fused_pool_epilogue(self, req: StageRequest) -> list | str:
-        """What phase_pool and pool_ring share: TF32 products, a plain NC[D]HW input and a pool_reduce
-        stage next; its ops (the elementwise ops, pools and reductions after the convolution), or why not."""
-        if req.dtype != "float32":
-            return f"float32 only: its kernel has no {req.dtype} loads yet"
+        """What phase_pool and pool_ring share: TF32 products (16-bit plans: exact), a plain NC[D]HW input and a
+        pool_reduce stage next; its ops (the elementwise ops, pools and reductions after the convolution), or why not."""
         if self.mma(req)[0] != "tf32":
             return "TF32 products only"
         if not req.input.flat or req.input.layout != "contiguous":
@@ -714,20 +727,22 @@ class ConvGemm(Family):
 
     def pool_ring(self, req: StageRequest) -> PoolRing | str:
         """The layout of candidate conv_gemm:pool_ring for the request, or why it does not apply: a
-        convolution in TF32 read from a plain NC[D]HW tensor (its bias left to the next stage),
-        before a pool_reduce stage of elementwise ops, a 2 x 2 x 2 max pool and a reduction of everything."""
+        convolution in TF32 read from a plain NC[D]HW tensor (float32: its bias left to the next stage; 16-bit
+        plans keep it, the kernel adds it), before a pool_reduce stage of elementwise ops, a 2 x 2 x 2 max pool
+        and a reduction of everything or of every spatial dim."""
         lc = lowered(req.ops[0])
         if type(lc.lowering) is not Direct:  # a crop (dead region) is fine: it keeps every whole pool window
             return "not a plain convolution"
-        if lc.conv.bias and not lc.bias_deferred:
+        if lc.conv.bias and not lc.bias_deferred and req.dtype == "float32":
             return "the convolution adds its own bias"
         following = self._fused_pool_epilogue(req)
         if isinstance(following, str):
             return following
-        if not _pools_then_reduces_all(following, req.types[1].rank):
-            return "the next stage is not a 2 x 2 x 2 max pool and a reduction of everything"
+        reduction = _pool_ring_reduction(following, req.types[1].rank)
+        if reduction is None:
+            return "the next stage is not a 2 x 2 x 2 max pool and a reduction of everything or of every spatial dim"
         pooled = tuple(o // 2 for o in req.types[1].spatial)
-        return pool_ring_layout(lc.conv, tuple(req.types[0].spatial), pooled)
+        return pool_ring_layout(lc.conv, tuple(req.types[0].spatial), pooled, reduction == "spatial")
 
     # ------------------------------------------------------------ problems
 
@@ -1068,9 +1083,11 @@ class ConvGemm(Family):
     @staticmethod
     def _absorbs_pool_ring(st: ConvGemmStage, nxt: Stage) -> bool:
         """pool_ring computes nothing but its epilogue: the stage after it must be the 2 x 2 x 2 max pool
-        and reduction of everything ``pool_ring`` planned for (else the plan is not made)."""
+        and reduction (of everything, or of every spatial dim: per_channel) ``pool_ring`` planned for (else the
+        plan is not made)."""
+        first = 2 if st.pool_ring.per_channel else 1
         ok = (nxt.family.name == "pool_reduce" and nxt.input == st.output and len(nxt.levels) == 2
-              and nxt.reduce is not None and sorted(nxt.reduce.dims) == list(range(1, 1 + st.rank + 1))
+              and nxt.reduce is not None and sorted(nxt.reduce.dims) == list(range(first, 1 + st.rank + 1))
               and _is_pool_2x2x2(nxt.levels[1].pool) and tuple(nxt.pooled_type.spatial) == st.pool_ring.pooled)
         if not ok:
             raise KgenError(f"conv_gemm:pool_ring at stage {st.index}: stage {nxt.index} is not the max pool and "
@@ -1167,8 +1184,8 @@ class ConvGemm(Family):
         pp = st.phase_pool
         if pp is not None:  # the input box of each tile (halo included), the pooled output once
             tiles = batch * pp.pooled[0] * pp.pooled[1]
-            read = FLOAT_BYTES * tiles * c.in_channels * math.prod(pp.box)
-            written = FLOAT_BYTES * batch * out_type.sample_numel
+            read = size * tiles * c.in_channels * math.prod(pp.box)
+            written = size * batch * out_type.sample_numel
             out.append(Work("phase_pool: transposed convolution + max pool + channel reduction", flops, read + written,
                             target.tensor_flops * PHASE_POOL_TENSOR_FRACTION))
             return out
@@ -1177,8 +1194,8 @@ class ConvGemm(Family):
             # each input plane read once per row block (its halo rows again), the partials written
             flops = (2 * batch * c.in_channels * POOL_RING_TAPS * POOL_RING_CHANNELS * (2 * pr.pooled[0])
                      * (POOL_RING_ROWS * pr.row_blocks) * POOL_RING_COLUMNS)
-            read = FLOAT_BYTES * batch * st.in_type.sample_numel * (POOL_RING_ROWS + 2) / POOL_RING_ROWS
-            written = FLOAT_BYTES * batch * pr.splits
+            read = size * batch * st.in_type.sample_numel * (POOL_RING_ROWS + 2) / POOL_RING_ROWS
+            written = FLOAT_BYTES * batch * pr.splits * (c.out_channels if pr.per_channel else 1)  # (float partials)
             out.append(Work("pool_ring: convolution + max pool + reduction", flops, read + written,
                             target.tensor_flops * POOL_RING_TENSOR_FRACTION, launches=2 if pr.splits > 1 else 1))
             return out
@@ -1221,7 +1238,7 @@ class ConvGemm(Family):
                     f"{pp.smem_bytes // 1024} KB shared memory",
                     f"stage {st.epilogue.index} (pool_reduce) is its epilogue: max pools of the accumulators, "
                     "the channel reduction in channel order; the convolution output is never written"
-                    if st.epilogue is not None else "(its epilogue stage is missing)", f"TF32 operands rounded {self.rounding_words(st)}"]
+                    if st.epilogue is not None else "(its epilogue stage is missing)", self._operands_line(st, "its epilogue's output")]
         pr = st.pool_ring
         if pr is not None:
             return [f"pool_ring (mma.sync, tf32: {st.x3_reason}): M = the output channels (the weights), N = 8 output "
@@ -1230,8 +1247,8 @@ class ConvGemm(Family):
                     f"loads its 2 new depths); CTAs of {POOL_RING_THREADS} threads, {pr.smem_bytes // 1024} KB shared memory "
                     f"each ({'2' if 2 * pr.smem_bytes <= SMEM_LIMIT else '1'} per SM)",
                     f"stage {st.epilogue.index} (pool_reduce) is its epilogue: 2 x 2 x 2 max pools of each thread's own "
-                    "accumulators, a partial per step; the convolution output is never written"
-                    if st.epilogue is not None else "(its epilogue stage is missing)", f"TF32 operands rounded {self.rounding_words(st)}"]
+                    f"accumulators, a partial per step{' and channel' if pr.per_channel else ''}; the convolution output is never written"
+                    if st.epilogue is not None else "(its epilogue stage is missing)", self._operands_line(st, "its epilogue's output")]
         sc = st.schedule
         teams = f" x {sc.teams} teams sharing the weights" if sc.teams > 1 else ""
         out = [f"{sc.loop} main loop, {sc.mma}: {st.x3_reason}; tile {'x'.join(map(str, sc.tile))} x {sc.block_n} channels, "
@@ -1257,15 +1274,22 @@ class ConvGemm(Family):
         if st.eager_products:
             out.append("x rounded ties to even and the weights folded from their TF32 values (ties to even), as eager's "
                        "cuDNN transposed convolution rounds them: eager's products, summed in another order")
-        if sc.mma == "tf32" and st.dtype != "float32":
-            rounded = " (rounded to " + st.dtype + " before its epilogue, as eager's output)" if st.ops[0] in st.rounded else ""
-            if st.conv.conv.bias and not st.conv.bias_deferred:
-                rounded += " + its bias" + (" (rounded again)" if st.ops[0] in st.rounded else "")
-            out.append(f"{st.dtype} input loaded as stored and converted to fp32 (exact TF32 operands), the weights packed from "
-                       f"a float32 copy; the accumulators{rounded} stored as {st.dtype}")
-        elif sc.mma == "tf32":
-            out.append(f"TF32 operands rounded {self.rounding_words(st)}")
+        if sc.mma == "tf32":
+            out.append(self._operands_line(st, "the accumulators"))
         return out
+
+    def _operands_line(self, st: ConvGemmStage, stored: str) -> str:
+        """How a TF32 plan's operands are made: rounded to TF32 (float32), or 16-bit values converted (exact),
+        the accumulators rounded to the dtype where eager's output is, the bias added, and what is stored."""
+        if st.dtype == "float32":
+            return f"TF32 operands rounded {self.rounding_words(st)}"
+        rounded = " (rounded to " + st.dtype + " before its epilogue, as eager's output)" if st.ops[0] in st.rounded else ""
+        if st.conv.conv.bias and not st.conv.bias_deferred:
+            rounded += " + its bias" + (" (rounded again)" if st.ops[0] in st.rounded else "")
+        then = f"; the accumulators{rounded} stored as {st.dtype}" if stored == "the accumulators" else \
+            f"; the accumulators{rounded} into its epilogue, {stored} stored as {st.dtype}"
+        return (f"{st.dtype} input loaded as stored and converted to fp32 (exact TF32 operands), the weights packed from "
+                f"a float32 copy{then}")
 
     @staticmethod
     def rounding_words(st: ConvGemmStage) -> str:
@@ -1286,6 +1310,8 @@ class ConvGemm(Family):
             d["phase_pool"] = asdict(st.phase_pool)
         if st.pool_ring:
             d["pool_ring"] = asdict(st.pool_ring)
+            if not st.pool_ring.per_channel:
+                del d["pool_ring"]["per_channel"]  # (as plans without it were)
         if st.output_dropped:
             d["output_dropped"] = True
         if st.eager_products:

@@ -132,6 +132,38 @@ template <class E>
 struct AddsConvBias<E, std::void_t<decltype(E::kConvBias)>> : std::bool_constant<E::kConvBias> {};
 template <class E>
 inline constexpr bool kAddsConvBias = AddsConvBias<E>::value;
+// The convolution's bias of channel `ch` where E adds it (else 0, unread).
+template <class E>
+__device__ __forceinline__ float conv_bias_value(const typename E::Params& ep, int ch) {
+  if constexpr (kAddsConvBias<E>) {
+    return ep.conv_bias[ch];
+  } else {
+    (void)ep, (void)ch;
+    return 0.f;
+  }
+}
+// Accumulator `v` as eager's convolution output holds it: rounded to Elem (kRoundsOutput), plus the bias `b`
+// (kAddsConvBias; conv_bias_value), rounded again. Nothing where neither applies (float32 plans).
+// kIntegerHalf: float16 rounded in integer arithmetic (the same nearest-even result): cvt.rn.f16.f32 on
+// phase_pool's wgmma accumulators made ptxas serialize its wgmma instructions (C7514; bfloat16's cvt did not).
+template <class P, class E, bool kIntegerHalf = false>
+__device__ __forceinline__ float conv_output(float v, float b) {
+  auto round = [](float x) {
+    if constexpr (kIntegerHalf && std::is_same_v<Elem<P>, float16>) {
+      return float16_value(float16_bits_int(x));
+    } else {
+      return round_to<Elem<P>>(x);
+    }
+  };
+  if constexpr (kRoundsOutput<P>) v = round(v);
+  if constexpr (kAddsConvBias<E>) {
+    v += b;
+    if constexpr (kRoundsOutput<P>) v = round(v);
+  } else {
+    (void)b;
+  }
+  return v;
+}
 
 // One input value as float, through the read-only cache.
 __device__ __forceinline__ float load_value(const float* p) { return __ldg(p); }
@@ -1281,18 +1313,9 @@ __device__ __forceinline__ void conv_ctas(const Elem<P>* __restrict__ x, const f
       for (int nt = 0; nt < G::kNT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float b = 0.f;
-          if constexpr (kAddsConvBias<E>) b = ep.conv_bias[min(c.cblock * P::kBN + fm.n(nt, i), P::kCout - 1)];
+          const float b = conv_bias_value<E>(ep, min(c.cblock * P::kBN + fm.n(nt, i), P::kCout - 1));
 #pragma unroll
-          for (int mt = 0; mt < G::kMT; ++mt) {
-            float v = acc[mt][nt][i];
-            if constexpr (kRoundsOutput<P>) v = round_to<Elem<P>>(v);
-            if constexpr (kAddsConvBias<E>) {
-              v += b;
-              if constexpr (kRoundsOutput<P>) v = round_to<Elem<P>>(v);
-            }
-            acc[mt][nt][i] = v;
-          }
+          for (int mt = 0; mt < G::kMT; ++mt) acc[mt][nt][i] = conv_output<P, E>(acc[mt][nt][i], b);
         }
     }
     if constexpr (E::kStaged) {

@@ -30,6 +30,11 @@
 // a part leaves its warpgroups' maxima in the workspace (E::workspace) and the last part of a tile to
 // arrive (a counter per tile) combines them and finishes the tile.
 //
+// 16-bit input (P::Elem, conv_gemm.cuh): the box is loaded as stored and converted to fp32 (every 16-bit
+// value is exact in TF32); the weights come packed from the binding's fp32 copy. Before the epilogue's first
+// op each accumulator becomes the convolution's output as eager's tensor holds it (conv_output: rounded to
+// Elem where P::kRoundOutput says, plus the bias where E::kConvBias says, rounded again).
+//
 // Members of P (all static constexpr):
 //   kCin, kCout                     channels (kCin a multiple of 8; kCout 64: one m64 block)
 //   kInD, kInH, kInW                input size
@@ -38,6 +43,7 @@
 //   kPooledD, kPooledH, kPooledW    pooled output size
 //   kEMinD, kEMinH, kEMinW          the smallest input offset e of any tap (the box starts there)
 //   kBD, kBH, kBW                   input box of a tile (positions)
+//   Elem, kRoundOutput              (16-bit plans) the input's type; whether the output is rounded to it
 #pragma once
 
 #include "conv_gemm.cuh"
@@ -102,7 +108,7 @@ __host__ __device__ inline bool split_last_round(const float* workspace, int tai
 
 template <class P, class E>
 __global__ void __launch_bounds__(kThreads, 1)
-    phase_pool_kernel(const float* __restrict__ x, const float* __restrict__ packed, const typename E::Params ep,
+    phase_pool_kernel(const Elem<P>* __restrict__ x, const float* __restrict__ packed, const typename E::Params ep,
                       const PhasePoolTables tables, int batch) {
   using G = PoolGeometry<P>;
   extern __shared__ float4 smem4[];
@@ -185,11 +191,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int n = tile / (P::kPooledD * P::kPooledH), pd = (tile / P::kPooledH) % P::kPooledD, ph = tile % P::kPooledH;
     __syncthreads();  // both warpgroups' MMAs of the last tile are done with the box
     {
-      // The box, rounded to TF32: a thread loads 4 channels of a position (4 coalesced loads along W)
-      // and stores them as one 16-byte quad.
+      // The box, rounded to TF32: a thread loads 4 channels of a position (4 coalesced loads along W;
+      // 16-bit values converted to fp32) and stores them as one 16-byte quad.
       constexpr int kItemsBox = G::kQuads * G::kBoxPos, kBatch = 4;
       constexpr long long kC = static_cast<long long>(P::kInD) * P::kInH * P::kInW;
-      const float* xn = x + static_cast<long long>(n) * P::kCin * kC;
+      const Elem<P>* xn = x + static_cast<long long>(n) * P::kCin * kC;
 #pragma unroll 1
       for (int base = 0; base < kItemsBox; base += kThreads * kBatch) {
         float4 v[kBatch];
@@ -200,8 +206,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int quad = r / (P::kBH * P::kBD);
           const int d = P::kTQD * pd + P::kEMinD + bd, h = P::kTQH * ph + P::kEMinH + bh, w = P::kEMinW + bw;
           const bool ok = item < kItemsBox && d >= 0 && d < P::kInD && h >= 0 && h < P::kInH && w >= 0 && w < P::kInW;
-          const float* p = xn + 4 * quad * kC + ((ok ? d : 0) * P::kInH + (ok ? h : 0)) * P::kInW + (ok ? w : 0);
-          v[k] = ok ? make_float4(__ldg(p), __ldg(p + kC), __ldg(p + 2 * kC), __ldg(p + 3 * kC)) : make_float4(0.f, 0.f, 0.f, 0.f);
+          const Elem<P>* p = xn + 4 * quad * kC + ((ok ? d : 0) * P::kInH + (ok ? h : 0)) * P::kInW + (ok ? w : 0);
+          v[k] = ok ? make_float4(load_value(p), load_value(p + kC), load_value(p + 2 * kC), load_value(p + 3 * kC))
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int k = 0; k < kBatch; ++k) {
@@ -262,6 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int ch = 16 * warp + g + 8 * c;
+        const float bias = conv_bias_value<E>(ep, ch);
 #pragma unroll
         for (int jw = 0; jw < G::kWGroups; ++jw) {
           float m[2];
@@ -275,7 +283,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
               for (int hh = 0; hh < P::kTQH; ++hh) {
                 const int od = P::kSD * (P::kTQD * pd + pl) + rd, oh = P::kSH * (P::kTQH * ph + hh) + rh;
-                m[e] = kgen::max_nan(m[e], E::pre(ep, n, ch, od, oh, ow, acc[pl][jw + G::kWGroups * hh][2 * c + e]));
+                const float v = conv_output<P, E, true>(acc[pl][jw + G::kWGroups * hh][2 * c + e], bias);
+                m[e] = kgen::max_nan(m[e], E::pre(ep, n, ch, od, oh, ow, v));
               }
           }
           *reinterpret_cast<float2*>(scr + ch * G::kScrStride + 8 * jw + 2 * t) = make_float2(m[0], m[1]);
@@ -370,7 +379,7 @@ __global__ void phase_pool_pack_kernel(const float* __restrict__ w, float* __res
 }
 
 template <class P, class E>
-cudaError_t run_phase_pool(const float* x, const float* w, float* packed, bool pack, const typename E::Params& ep,
+cudaError_t run_phase_pool(const Elem<P>* x, const float* w, float* packed, bool pack, const typename E::Params& ep,
                            const PhasePoolTables& tables, int kernel_taps, int batch, cudaStream_t stream) {
   using G = PoolGeometry<P>;
   if (pack) {

@@ -19,7 +19,15 @@
 // output planes 2 pd, 2 pd + 1. A CTA takes a contiguous share of the steps, pd fastest, and its box is a ring
 // of 4 depth slots (depth d in slot d % 4): a step loads only its 2 new depths, issued into registers before
 // its MMAs and stored (rounded to TF32, interleaved) once every warp is done with the box.
-// Per step, the threads' pooled values are combined in a fixed order into one partial (E::write).
+// Per step, the threads' pooled values are combined in a fixed order into one partial (E::write); where the
+// reduction keeps the channels (P::kPerChannel), into one partial per channel (the lanes of a channel pair,
+// then the warps, in order).
+//
+// 16-bit input (P::Elem, conv_gemm.cuh): a fill loads 4 values as stored (8 bytes) and converts them as it
+// stores them to the ring (every 16-bit value is exact in TF32); the weights come packed from the binding's
+// fp32 copy. Before the epilogue's first op each accumulator becomes the convolution's output as eager's
+// tensor holds it (conv_output: rounded to Elem where P::kRoundOutput says, plus the bias where E::kConvBias
+// says, rounded again).
 //
 // Measured (docs/performance.md, edd7557; lab dm_lab/kernel_cp.cu): div_max_gap_bias_sum's 8 -> 16
 // convolution + pool + sum at batch 128 in 0.273 ms on the H100 against the window loop's 0.338.
@@ -28,8 +36,11 @@
 //   kCin, kCout                     channels (kCin a multiple of 8; kCout at most 16)
 //   kInD, kInH, kInW                input size (kInW a multiple of 4, at most 64)
 //   kPooledD, kPooledH, kPooledW    pooled output size (floor mode)
+//   kPerChannel                     (optional, false where absent) a partial per step and channel
+//   Elem, kRoundOutput              (16-bit plans) the input's type; whether the output is rounded to it
 // E: Params; pre(p, n, c, d, h, w, v) (the stage's ops before the pool), post(p, n, c, pd, ph, pw, v) (after
-// it), identity(), combine(a, b), write(p, n, j, v) (the partial of step j of sample n).
+// it), identity(), combine(a, b), write(p, n, j, v) (the partial of step j of sample n; per channel:
+// write(p, n, j, c, v)).
 #pragma once
 
 #include "conv_gemm.cuh"
@@ -48,6 +59,42 @@ constexpr int kBoxRows = kRowsPerStep + kKernel - 1;
 constexpr int kBoxW = 68;        // columns of a box row: 64 computed + 2 of halo, rounded to 4; past kInW zero
 constexpr int kPrefetchSlots = 3;  // fill slots of a thread loaded before the MMAs (the rest after)
 
+// Whether the reduction keeps the channels (P::kPerChannel): a partial per step and channel.
+template <class P, class = void>
+struct PerChannel : std::false_type {};
+template <class P>
+struct PerChannel<P, std::void_t<decltype(P::kPerChannel)>> : std::bool_constant<P::kPerChannel> {};
+template <class P>
+inline constexpr bool kPerChannel = PerChannel<P>::value;
+
+// 4 input values along W as a fill loads them: a float4, or 4 16-bit values as stored (converted as stored to the ring).
+template <class T>
+struct QuadOf {
+  using type = uint2;
+};
+template <>
+struct QuadOf<float> {
+  using type = float4;
+};
+template <class P>
+using Quad = typename QuadOf<Elem<P>>::type;
+__device__ __forceinline__ float4 load_quad(const float* p, bool ok) {
+  return ok ? __ldg(reinterpret_cast<const float4*>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+template <class T>
+__device__ __forceinline__ uint2 load_quad(const T* p, bool ok) {
+  return ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
+}
+template <class T>
+__device__ __forceinline__ float4 quad_values(const float4& v) {
+  return v;
+}
+template <class T>
+__device__ __forceinline__ float4 quad_values(const uint2& u) {
+  return make_float4(to_float(T{static_cast<uint16_t>(u.x)}), to_float(T{static_cast<uint16_t>(u.x >> 16)}),
+                     to_float(T{static_cast<uint16_t>(u.y)}), to_float(T{static_cast<uint16_t>(u.y >> 16)}));
+}
+
 template <class P>
 struct RingGeometry {
   static_assert(P::kCin % 8 == 0 && P::kCout <= 16, "8k input channels, at most 16 output channels");
@@ -58,7 +105,8 @@ struct RingGeometry {
   static constexpr int kPair = (kRing * kBoxRows * kBoxW * 2 + 31) / 32 * 32 + 4;  // pair plane stride: 4 mod 32
   static constexpr int kBoxFloats = kOctets * 4 * kPair;
   static constexpr int kPackedFloats = kOctets * kTaps * 32 * 4;  // [octet][tap][lane][4]: A fragments
-  static constexpr int kScratchFloats = 2 * (kThreads / 32);      // per-warp sums, two steps apart
+  static constexpr int kKept = kPerChannel<P> ? 16 : 1;           // partials per step (per channel: one m16 tile's)
+  static constexpr int kScratchFloats = 2 * (kThreads / 32) * kKept;  // per-warp sums, two steps apart
   static constexpr int kSmemBytes = 4 * (kBoxFloats + kPackedFloats + kScratchFloats);
   static constexpr int kPieces = P::kInW / 4;  // 16-byte pieces of an input row
   static constexpr int kSlots = kOctets * 4 * kBoxRows * kPieces;  // (pair plane, box row, piece) of a fill
@@ -79,30 +127,31 @@ __device__ __forceinline__ Slot slot_of(int s) {
 }
 
 // Thread tid's fill slots kM0 .. kM1 - 1 (slot tid + m kThreads): the kCount depths d0.. of (sample n, row
-// block rb) from x into registers (rows past the input: zeros), then rounded and interleaved into their ring
-// slots. The slots' offsets are recomputed per step: hoisted out of the step loop they held ~80 registers.
+// block rb) from x into registers as stored (rows past the input: zeros), then converted, rounded and
+// interleaved into their ring slots. The slots' offsets are recomputed per step: hoisted out of the step loop
+// they held ~80 registers.
 template <class P, int kCount, int kM0, int kM1>
-__device__ __forceinline__ void load_slots(float4 (*v)[kCount][2], const float* __restrict__ x, int n, int rb, int d0, int tid) {
+__device__ __forceinline__ void load_slots(Quad<P> (*v)[kCount][2], const Elem<P>* __restrict__ x, int n, int rb, int d0, int tid) {
   using G = RingGeometry<P>;
   asm volatile("" : "+r"(tid));
   constexpr long long kDepth = static_cast<long long>(P::kInH) * P::kInW, kChan = P::kInD * kDepth;
-  const float* xs = x + static_cast<long long>(n) * P::kCin * kChan + d0 * kDepth + rb * kRowsPerStep * P::kInW;
+  const Elem<P>* xs = x + static_cast<long long>(n) * P::kCin * kChan + d0 * kDepth + rb * kRowsPerStep * P::kInW;
 #pragma unroll
   for (int m = kM0; m < kM1; ++m) {
     const int s = tid + m * kThreads;
     const Slot sl = slot_of<P>(s);
     const bool ok = (G::kSlots % kThreads == 0 || s < G::kSlots) && rb * kRowsPerStep + sl.bh < P::kInH;
-    const float* src = xs + (8 * (sl.q / 4) + sl.q % 4) * kChan + sl.bh * P::kInW + 4 * sl.piece;
+    const Elem<P>* src = xs + (8 * (sl.q / 4) + sl.q % 4) * kChan + sl.bh * P::kInW + 4 * sl.piece;
 #pragma unroll
     for (int i = 0; i < kCount; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e)  // channels q and q + 4 of the octet
-        v[m - kM0][i][e] = ok ? __ldg(reinterpret_cast<const float4*>(src + i * kDepth + 4 * e * kChan)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[m - kM0][i][e] = load_quad(src + i * kDepth + 4 * e * kChan, ok);
   }
 }
 
 template <class P, int kCount, int kM0, int kM1>
-__device__ __forceinline__ void store_slots(float* box, const float4 (*v)[kCount][2], int d0, int tid) {
+__device__ __forceinline__ void store_slots(float* box, const Quad<P> (*v)[kCount][2], int d0, int tid) {
   using G = RingGeometry<P>;
   asm volatile("" : "+r"(tid));
 #pragma unroll
@@ -114,7 +163,7 @@ __device__ __forceinline__ void store_slots(float* box, const float4 (*v)[kCount
 #pragma unroll
     for (int i = 0; i < kCount; ++i) {
       float4* dst = reinterpret_cast<float4*>(row + ((d0 + i) % kRing) * kBoxRows * kBoxW * 2);
-      const float4 a = v[m - kM0][i][0], b = v[m - kM0][i][1];
+      const float4 a = quad_values<Elem<P>>(v[m - kM0][i][0]), b = quad_values<Elem<P>>(v[m - kM0][i][1]);
       constexpr bool kEven = P::kTf32HalfEven;
       dst[0] = make_float4(to_tf32_operand<kEven>(a.x), to_tf32_operand<kEven>(b.x), to_tf32_operand<kEven>(a.y), to_tf32_operand<kEven>(b.y));
       dst[1] = make_float4(to_tf32_operand<kEven>(a.z), to_tf32_operand<kEven>(b.z), to_tf32_operand<kEven>(a.w), to_tf32_operand<kEven>(b.w));
@@ -124,15 +173,15 @@ __device__ __forceinline__ void store_slots(float* box, const float4 (*v)[kCount
 
 // Depths d0 .. d0 + kCount - 1 of slots kM0 .. kM1 - 1 (default: all of the thread's), loaded and stored.
 template <class P, int kCount, int kM0 = 0, int kM1 = RingGeometry<P>::kSlotsPerThread>
-__device__ __forceinline__ void fill(float* box, const float* __restrict__ x, int n, int rb, int d0, int tid) {
-  float4 v[kM1 - kM0][kCount][2];
+__device__ __forceinline__ void fill(float* box, const Elem<P>* __restrict__ x, int n, int rb, int d0, int tid) {
+  Quad<P> v[kM1 - kM0][kCount][2];
   load_slots<P, kCount, kM0, kM1>(v, x, n, rb, d0, tid);
   store_slots<P, kCount, kM0, kM1>(box, v, d0, tid);
 }
 
 template <class P, class E>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    pool_ring_kernel(const float* __restrict__ x, const float* __restrict__ packed, const typename E::Params ep, int batch) {
+    pool_ring_kernel(const Elem<P>* __restrict__ x, const float* __restrict__ packed, const typename E::Params ep, int batch) {
   using G = RingGeometry<P>;
   extern __shared__ __align__(16) float smem[];
   float* box = smem;
@@ -166,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int rot = 2 * (pd % 2);  // the ring slot of depth 2 pd
     // the next step of this sample and row block: its two new depths of the first kPre slots, loaded now
     const bool next_in_ring = step + 1 < end && pd + 1 < P::kPooledD;
-    float4 pre[G::kPre][2][2];
+    Quad<P> pre[G::kPre][2][2];
     if (next_in_ring) load_slots<P, 2, 0, G::kPre>(pre, x, n, rb, 2 * pd + 4, tid);
 
     float acc[2][2][4][4];  // [plane j][row i][n-tile jn][fragment]
@@ -230,9 +279,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // in bounds, also of a cropped output); windows outside the pooled output are left out.
     const int ph = rb * (kRowsPerStep / 2) + hp;
     float s = E::identity();
+    float sc[2] = {E::identity(), E::identity()};  // per channel (kPerChannel): channels g, g + 8
+    (void)s, (void)sc;  // (one of the two is unused)
 #pragma unroll
     for (int ch = 0; ch < 2; ++ch) {
       const int c = g + 8 * ch, cc = min(c, P::kCout - 1);
+      const float bias = conv_bias_value<E>(ep, cc);
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -246,22 +298,44 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int oh = min(2 * ph + i, 2 * P::kPooledH - 1), ow = min(2 * pw + e, 2 * P::kPooledW - 1);
-                m = kgen::max_nan(m, E::pre(ep, n, cc, 2 * pd + pl, oh, ow, acc[pl][i][2 * jp + e][2 * ch + half]));
+                const float v = conv_output<P, E>(acc[pl][i][2 * jp + e][2 * ch + half], bias);
+                m = kgen::max_nan(m, E::pre(ep, n, cc, 2 * pd + pl, oh, ow, v));
               }
           const bool in = c < P::kCout && ph < P::kPooledH && pw < P::kPooledW;
           const float w = E::post(ep, n, cc, pd, min(ph, P::kPooledH - 1), min(pw, P::kPooledW - 1), m);
-          s = E::combine(s, in ? w : E::identity());
+          if constexpr (kPerChannel<P>) {
+            sc[ch] = E::combine(sc[ch], in ? w : E::identity());
+          } else {
+            s = E::combine(s, in ? w : E::identity());
+          }
         }
     }
+    if constexpr (kPerChannel<P>) {
+      // a channel's values: the 4 lanes t of its lane group g, then the 4 warps, in order
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s = E::combine(s, __shfl_xor_sync(0xffffffffu, s, o));
-    if (lane == 0) scr[parity * 4 + warp] = s;
-    __syncthreads();  // every warp is done with the box and has written its sum
-    if (tid == 0) {
-      float tot = E::identity();
+      for (int ch = 0; ch < 2; ++ch) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) tot = E::combine(tot, scr[parity * 4 + i]);
-      E::write(ep, n, j, tot);
+        for (int o = 1; o < 4; o <<= 1) sc[ch] = E::combine(sc[ch], __shfl_xor_sync(0xffffffffu, sc[ch], o));
+        if (t == 0) scr[(parity * 4 + warp) * 16 + g + 8 * ch] = sc[ch];
+      }
+      __syncthreads();  // every warp is done with the box and has written its sums
+      if (tid < P::kCout) {
+        float tot = E::identity();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tot = E::combine(tot, scr[(parity * 4 + i) * 16 + tid]);
+        E::write(ep, n, j, tid, tot);
+      }
+    } else {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s = E::combine(s, __shfl_xor_sync(0xffffffffu, s, o));
+      if (lane == 0) scr[parity * 4 + warp] = s;
+      __syncthreads();  // every warp is done with the box and has written its sum
+      if (tid == 0) {
+        float tot = E::identity();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tot = E::combine(tot, scr[parity * 4 + i]);
+        E::write(ep, n, j, tot);
+      }
     }
     if (step + 1 < end) {
       if (next_in_ring) {  // the two new depths into the slots of the two retired
@@ -290,7 +364,7 @@ __global__ void pool_ring_pack_kernel(const float* __restrict__ w, float* __rest
 }
 
 template <class P, class E>
-cudaError_t run_pool_ring(const float* x, const float* w, float* packed, bool pack, const typename E::Params& ep, int batch,
+cudaError_t run_pool_ring(const Elem<P>* x, const float* w, float* packed, bool pack, const typename E::Params& ep, int batch,
                           cudaStream_t stream) {
   using G = RingGeometry<P>;
   if (pack) {
