@@ -5,7 +5,8 @@ lowering: direct (also transposed), folded (the box-filtered weight is made at
 run time) and sub-pixel (one ATen convolution per phase, each writing its own
 tile, which the next fused stage reads in place). It narrows its input to the
 prefix a cropped output needs. Its candidates are the memory formats of its
-output (channels_last, contiguous); the plan chooses.
+output (channels_last, contiguous), in every dtype (16-bit: the generated input
+copy moves the stored values); the plan chooses.
 Templates: ``templates/conv_aten/``.
 
 The cost of a cuDNN convolution (``conv_work``; the eager family uses it too),
