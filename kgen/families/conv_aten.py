@@ -5,7 +5,8 @@ lowering: direct (also transposed), folded (the box-filtered weight is made at
 run time) and sub-pixel (one ATen convolution per phase, each writing its own
 tile, which the next fused stage reads in place). It narrows its input to the
 prefix a cropped output needs. Its candidates are the memory formats of its
-output (channels_last, contiguous); the plan chooses.
+output (channels_last, contiguous), in every dtype (16-bit: the generated input
+copy moves the stored values); the plan chooses.
 Templates: ``templates/conv_aten/``.
 
 The cost of a cuDNN convolution (``conv_work``; the eager family uses it too),
@@ -126,9 +127,11 @@ class ConvAten(Family):
     def unsupported(self, req: StageRequest) -> str | None:
         if req.pipeline.conv_impl == "gemm":
             return "the spec asks for the generated convolution (plan.conv: gemm)"
-        if req.dtype != "float32" and not (type(lowered(req.ops[0]).lowering) in (Direct, Subpixel) and req.input.flat):
+        if req.dtype != "float32" and type(lowered(req.ops[0]).lowering) not in (Direct, Subpixel):
             # a folded pool's box-filtered weights or a tap sum would be rounded to the dtype where eager rounds none
             return f"no {req.dtype} form of this lowering (only the convolution as written, cropped or as sub-pixel phases)"
+        if req.dtype != "float32" and not req.input.dense:
+            return f"its {req.dtype} input is not one tensor (NC[D]HW or channels_last)"
         return None
 
     def layouts(self, req: StageRequest, conv) -> tuple[str, ...]:
@@ -136,8 +139,6 @@ class ConvAten(Family):
         reads it as fast (cuDNN is faster in channels_last, measured on the H100:
         docs/performance.md), except for a transposed convolution run as written."""
         if conv.conv.rank < 2 or isinstance(conv.lowering, TapSums):
-            return ("contiguous",)
-        if req.dtype != "float32":  # eager's own call: no generated copy stage (float32 kernels) after it
             return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions; tap sums are small
         if req.pipeline.conv_layout != "auto":
             return (req.pipeline.conv_layout,)
@@ -188,6 +189,8 @@ class ConvAten(Family):
         (#43's logsumexp: 5e-6 in channels_last)."""
         if conv.transposed or not isinstance(conv.lowering, Direct) or isinstance(conv.lowering, Folded):
             return False
+        if req.dtype != "float32":  # TF32's rounding: 16-bit operands' products are exact in every form
+            return False
         if req.pipeline.precision != "tf32" or self.fp32_products(req, conv, "channels_last"):
             return False
         return follows(req, NORMALIZATIONS)
@@ -204,8 +207,8 @@ class ConvAten(Family):
         c = conv.conv
         if isinstance(conv.lowering, TapSums):
             return "a convolution of input sums (each the sum of many values, whose rounding TF32 would keep)"
-        if req.pipeline.precision != "tf32":
-            return ""
+        if req.pipeline.precision != "tf32" or req.dtype != "float32":
+            return ""  # (TF32 is float32's: cuDNN multiplies 16-bit operands exactly in every form)
         as_eager = layout == "contiguous" and isinstance(conv.lowering, Direct) and not isinstance(conv.lowering, Folded)
         k = c.in_channels // c.groups * math.prod(c.kernel)  # the largest sub-pixel phase has at most these taps
         if as_eager or k > CUDNN_GEMM_K or c.out_channels > CUDNN_GEMM_COUT:
