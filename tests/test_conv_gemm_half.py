@@ -338,12 +338,17 @@ def _run16(pipe, module, dtype, x):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", sorted(POOL16))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_fused_pool_kernels_round_as_eager(pool16_cuda, name, dtype):
+def test_cuda_fused_pool_kernels_round_as_eager(pool16_cuda, name, dtype, request):
     """Random normal input with NaN, +inf and -inf: NaN and inf where eager has them; the finite values within
     two roundings of eager's in the dtype (the kernel's fp32 sums in another order may land a rounded intermediate
     on the other side of a tie) and within the dtype's tolerance of float64. Integer data (every product and sum
     exact, max pools full of ties; phase_pool): eager's values exactly."""
     from kgen.validate import DTYPE_TOLERANCES
+
+    if name == "ring16_channels" and dtype == torch.float16:
+        # H200, 2026-11-28: eager's float16 result is finite for the samples with an inf input, where kgen's is inf
+        # (as float64's arithmetic gives); bfloat16 agrees. Open (docs/roadmap.md): which of eager's calls drops it.
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason="eager's float16 drops an inf input here"))
 
     _, _, pipe, m = pool16_cuda[name]
     eps = torch.finfo(dtype).eps

@@ -144,13 +144,13 @@ __device__ __forceinline__ float conv_bias_value(const typename E::Params& ep, i
 }
 // Accumulator `v` as eager's convolution output holds it: rounded to Elem (kRoundsOutput), plus the bias `b`
 // (kAddsConvBias; conv_bias_value), rounded again. Nothing where neither applies (float32 plans).
-// kIntegerHalf: float16 rounded in integer arithmetic (the same nearest-even result): cvt.rn.f16.f32 on
+// kIntegerHalf: float16 rounded without a cvt (float16_rounded: the same nearest-even result): cvt.rn.f16.f32 on
 // phase_pool's wgmma accumulators made ptxas serialize its wgmma instructions (C7514; bfloat16's cvt did not).
 template <class P, class E, bool kIntegerHalf = false>
 __device__ __forceinline__ float conv_output(float v, float b) {
   auto round = [](float x) {
     if constexpr (kIntegerHalf && std::is_same_v<Elem<P>, float16>) {
-      return float16_value(float16_bits_int(x));
+      return float16_rounded(x);
     } else {
       return round_to<Elem<P>>(x);
     }
