@@ -124,6 +124,13 @@ KGEN_HD float float16_value(uint16_t h) {
 #endif
 }
 
+// x rounded to bfloat16 (nearest even at bit 16) as a float, in 32-bit integer arithmetic (no 16-bit register:
+// conv_gemm.cuh conv_output on wgmma accumulators); NaN stays NaN.
+KGEN_HD float bfloat16_rounded(float x) {
+  const uint32_t u = float_bits(x);
+  return (u & 0x7fffffffu) > 0x7f800000u ? x : bits_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+
 // x rounded to float16 (nearest even) as a float, without a branch or a 16-bit register: in CUDA a
 // cvt.rn.f16.f32 (or its packed form) on wgmma accumulators makes ptxas serialize the wgmma (C7514), and
 // float16_bits_int's branches made phase_pool's epilogue 3.8x slower than bfloat16's (H200). Normal

@@ -41,6 +41,14 @@ GEMM = ("linear_gemm", "linear_aten")  # implementations of a matrix product
 SOFTMAX = ("softmax",)  # softmax, log_softmax and logsumexp over one axis (alone, also the aten family's)
 ATEN = ("aten",)  # ops run by their ATen function in a stage of their own (not fused yet, or as a candidate)
 
+# Ops that turn a small error of their input into a large one of their output (relative to its size):
+# normalizations (batch_stats: training mode's batch norm) remove the input's scale and its mean, exponentials
+# turn an absolute error of large inputs into a relative one. Before them a convolution needs fp32-level
+# products (families.base.conv_precision), and a 16-bit plan keeps every rounding eager does (rewrites).
+NORMALIZATIONS = ("group_norm", "instance_norm", "batch_norm", "batch_stats", "layer_norm")
+EXPONENTIALS = ("softmax", "log_softmax", "logsumexp", "exp")
+AMPLIFYING = NORMALIZATIONS + EXPONENTIALS
+
 
 @dataclass(frozen=True)
 class OpDef:

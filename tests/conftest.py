@@ -568,20 +568,28 @@ CONV16 = {
 
 
 # conv_gemm's fused-pool kernels in 16 bits (tests/test_conv_gemm_half.py, tests/test_ptxas.py): name -> (spec text in
-# bfloat16 and float16, the candidate the cost model takes, pool_ring's per_channel). Each convolution keeps its bias
+# bfloat16 and float16, the candidate the cost model takes, pool_ring's per_channel: a bool, or one per dtype). Each convolution keeps its bias
 # (16-bit plans): the kernel adds it to the output rounded to the dtype.
 POOL16 = {
     # phase_pool: 8 sub-pixel phases, max pools composed (2 then 2: a window of 2 strides), the channel sum
     "pp16": (_conv16("pp16", [8, 5, 9, 10], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 4, "stride": 2, "padding": 1}},
                                              {"max_pool3d": {"kernel_size": 2}}, {"max_pool3d": {"kernel_size": 2}},
                                              {"sum": {"dim": 1, "keepdim": True}}]), "conv_gemm:phase_pool", None),
-    # pool_ring, a partial per channel: a negative scale before the pool (rounded there), the per-channel mean, a
-    # bias, then the channel sum (a stage of its own); 12 of 16 channels, odd D and H (a partial row block)
+    # pool_ring: a negative scale before the pool (rounded there), the per-channel mean, a bias, then the channel
+    # sum: nothing amplifies the roundings, so in bfloat16 the mean and the sum are one sum (rewrites.reduction_algebra)
+    # and the kernel reduces everything; in float16 the sum would not fit the dtype: a partial per channel, the
+    # channel sum a stage of its own; 12 of 16 channels, odd D and H (a partial row block)
     "ring16_channels": (_conv16("ring16_channels", [8, 9, 21, 64],
                                 [{"conv3d": {"out_channels": 12, "kernel_size": 3}}, {"div": {"scalar": -2.0}},
                                  {"max_pool3d": {"kernel_size": 2}}, {"adaptive_avg_pool3d": {"output_size": [1, 1, 1]}},
                                  {"add": {"param": "b"}}, {"sum": {"dim": 1}}], params={"b": {"shape": [12, 1, 1, 1], "init": "randn"}}),
-                        "conv_gemm:pool_ring", True),
+                        "conv_gemm:pool_ring", {"bfloat16": False, "float16": True}),
+    # ... without the channel sum: a partial per channel, the per-channel means and the bias the model's output
+    "ring16_per_channel": (_conv16("ring16_per_channel", [8, 9, 21, 64],
+                                   [{"conv3d": {"out_channels": 12, "kernel_size": 3}}, {"div": {"scalar": -2.0}},
+                                    {"max_pool3d": {"kernel_size": 2}}, {"adaptive_avg_pool3d": {"output_size": [1, 1, 1]}},
+                                    {"add": {"param": "b"}}], params={"b": {"shape": [12, 1, 1, 1], "init": "randn"}}),
+                           "conv_gemm:pool_ring", True),
     # pool_ring, everything reduced: tanh before the pool, rows of 60 positions
     "ring16_all": (_conv16("ring16_all", [8, 6, 13, 60], [{"conv3d": {"out_channels": 16, "kernel_size": 3}}, "tanh",
                                                           {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}]),

@@ -85,14 +85,16 @@ def test_16_bit_plans_fuse_the_norm_and_round_it_once(dtype, affine):
 
 
 def test_the_other_rewrites_stay_off_in_16_bits():
-    """Only the rewrites that keep eager's rounding points run in 16 bits (tests/test_rounding.py); none
-    applies to a convolution, a norm and a ReLU."""
+    """Training mode's batch statistics amplify eager's roundings: only the rewrites that keep them run there
+    (tests/test_rounding.py); eval mode's norm is an affine, and no rewrite applies to it and a ReLU."""
     from kgen.rewrites import KEEPS_ROUNDING
 
-    plan = _plans(SPECS["hb_cbr"], "bfloat16")["eval"]
-    assert plan.decisions and not any(d.fired for d in plan.decisions)
-    skipped = {d.rewrite for d in plan.decisions if "skip roundings to the dtype" in d.reason}
+    plans = _plans(SPECS["hb_cbr"], "bfloat16")
+    for plan in plans.values():
+        assert plan.decisions and not any(d.fired for d in plan.decisions)
+    skipped = {d.rewrite for d in plans["train"].decisions if "skip roundings to the dtype" in d.reason}
     assert skipped and not skipped & set(KEEPS_ROUNDING)
+    assert not any("skip roundings" in d.reason for d in plans["eval"].decisions)
 
 
 def test_explain_shows_the_fused_stages(tmp_path):

@@ -123,29 +123,52 @@ input:
 """
 
 
+# avgpool_sigmoid_sum's form: nothing after the pool amplifies the convolution's rounding, so the pool folds into
+# the convolution's weights in 16 bits too
+FOLDED = """
+name: {name}
+input:
+  shape: [N, 3, 18, 18]
+  dtype: [bfloat16, float16]
+  example: {{N: 2}}
+ops:
+  - conv2d: {{out_channels: 8, kernel_size: 3}}
+  - avg_pool2d: {{kernel_size: 4}}
+  - sigmoid
+  - sum: {{dim: [1, 2, 3]}}
+"""
+
+
 def _fired(plan) -> set[str]:
     return {d.rewrite for d in plan.decisions if d.fired}
 
 
-def test_16_bit_plans_run_the_rewrites_that_keep_eagers_rounding():
+def _variant(dtype, text):
     from kgen.plan import choose_plans
 
+    (v,) = [v for v in choose_plans(pipeline_of(text)).variants if v.dtype == dtype]
+    return v
+
+
+def test_16_bit_plans_run_the_rewrites_that_keep_eagers_rounding():
+    """Every 16-bit plan runs the rewrites that keep eager's rounding points; the others (a mean of rounded
+    means as one mean, a pool folded into the weights) skip roundings eager does, and run only where no
+    later op amplifies them (a softmax here) or with float32 intermediates."""
+    softmax = "  - softmax: {dim: 1}\n"
     for dtype in ("bfloat16", "float16"):
-        (v,) = [v for v in choose_plans(pipeline_of(KEPT_REWRITES.format(name="r", extra="", pool="max_pool2d"))).variants
-                if v.dtype == dtype]
+        v = _variant(dtype, KEPT_REWRITES.format(name="r", extra="", pool="max_pool2d"))
         assert _fired(v.plan) == {"subpixel_conv_transpose", "scalar_through_max", "pool_composition"}
-        # average pools: a mean of rounded means is not the rounded mean; folding the pool into the
-        # convolution's weights would skip the rounding of the convolution's output
-        (a,) = [v for v in choose_plans(pipeline_of(KEPT_REWRITES.format(name="r", extra="", pool="avg_pool2d"))).variants
-                if v.dtype == dtype]
-        assert "pool_composition" not in _fired(a.plan) and "avg_pool_folding" not in _fired(a.plan)
-        why = {d.rewrite: d.reason for d in a.plan.decisions if not d.fired}
-        assert "eager rounds the first pool's means" in why["pool_composition"]
-        assert "skip roundings to the dtype that eager does" in why["avg_pool_folding"]
+        a = _variant(dtype, KEPT_REWRITES.format(name="r", extra="", pool="avg_pool2d"))
+        assert "pool_composition" in _fired(a.plan)  # nothing after the pools amplifies their rounding
+        amp = _variant(dtype, KEPT_REWRITES.format(name="r", extra="", pool="avg_pool2d") + softmax)
+        assert not _fired(amp.plan) & {"pool_composition", "avg_pool_folding", "subpixel_conv_transpose"}
+        why = {d.rewrite: d.reason for d in amp.plan.decisions if not d.fired}
+        assert "skip roundings to the dtype that eager does between ops, which ops[5].softmax" in why["pool_composition"]
+        assert "skip roundings" in why["avg_pool_folding"] and "ops[5].softmax (softmax) needs eager's own call" in why[
+            "subpixel_conv_transpose"]
     # float32 intermediates: every rewrite, as in float32
-    (f,) = [v for v in choose_plans(pipeline_of(KEPT_REWRITES.format(name="r", extra="intermediates: float32\n",
-                                                                     pool="avg_pool2d"))).variants if v.dtype == "bfloat16"]
-    assert "pool_composition" in _fired(f.plan)
+    f = _variant("bfloat16", KEPT_REWRITES.format(name="r", extra="intermediates: float32\n", pool="avg_pool2d") + softmax)
+    assert "pool_composition" in _fired(f.plan) and not any("skip roundings" in d.reason for d in f.plan.decisions)
 
 
 def test_16_bit_transposed_convolution_before_a_norm_is_eagers_own_call():
@@ -171,6 +194,7 @@ def rounding_modules(tmp_path_factory):
         "rnd_shift": SHIFT_NORM.format(name="rnd_shift", extra=""),
         "rnd_shift_f32": SHIFT_NORM.format(name="rnd_shift_f32", extra="intermediates: float32\n"),
         "rnd_kept": KEPT_REWRITES.format(name="rnd_kept", extra="", pool="max_pool2d"),
+        "rnd_folded": FOLDED.format(name="rnd_folded"),
     }
     rendered = render_specs(tmp_path_factory.mktemp("rounding"), texts)
     build_modules([d for _, d in rendered.values()], "cpu")
@@ -229,3 +253,43 @@ def test_rewritten_16_bit_plan_computes_eagers_values(rounding_modules, dtype):
     for seed in range(3):
         y, want, _ = run(pipe, m, dtype, seed)
         assert (y - want).abs().max().item() <= torch.finfo(dtype).eps * want.abs().max().item(), seed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_folded_16_bit_plan_passes_the_check_against_eager(rounding_modules, dtype):
+    """The average pool folded into the convolution skips the rounding of the convolution's output that eager
+    does: kgen's output is then within KernelBench's 1e-2 of eager's in the dtype, and no further from float64
+    than eager plus one unit of the dtype (the sum's own rounding)."""
+    pipe, m = rounding_modules["rnd_folded"]
+    assert "avg_pool_folding" in _fired(_variant(str(dtype).removeprefix("torch."), FOLDED.format(name="rnd_folded")).plan)
+    for seed in range(3):
+        y, want, exact = run(pipe, m, dtype, seed)
+        assert torch.allclose(y, want, atol=1e-2, rtol=1e-2), seed
+        unit = torch.finfo(dtype).eps * exact.abs().max().item()
+        assert (y - exact).abs().max().item() <= (want - exact).abs().max().item() + unit, seed
+
+
+MEAN_THEN_SUM = """
+name: r_mean_sum
+input:
+  shape: [N, 4, 6, 6]
+  dtype: [bfloat16, float16]
+  example: {N: 2}
+params:
+  b: {shape: [4, 1, 1], init: randn}
+ops:
+  - adaptive_avg_pool2d: {output_size: [1, 1]}
+  - add: {param: b}
+  - sum: {dim: 1}
+"""
+
+
+def test_reduction_algebra_keeps_float16s_range():
+    """A mean then a sum as one sum, divided after: in bfloat16 (float's range) where nothing amplifies the
+    skipped roundings; in float16 the sum before the division is a rounding point 36 times the mean here, which
+    overflows where eager's mean does not (validation's x 1e3 case), so not there."""
+    assert "reduction_algebra" in _fired(_variant("bfloat16", MEAN_THEN_SUM).plan)
+    fp16 = _variant("float16", MEAN_THEN_SUM).plan
+    assert "reduction_algebra" not in _fired(fp16)
+    (why,) = [d.reason for d in fp16.decisions if d.rewrite == "reduction_algebra"]
+    assert "in float16 the sum over the mean's dims would round to the dtype" in why

@@ -144,12 +144,16 @@ __device__ __forceinline__ float conv_bias_value(const typename E::Params& ep, i
 }
 // Accumulator `v` as eager's convolution output holds it: rounded to Elem (kRoundsOutput), plus the bias `b`
 // (kAddsConvBias; conv_bias_value), rounded again. Nothing where neither applies (float32 plans).
-// kIntegerHalf: float16 rounded without a cvt (float16_rounded: the same nearest-even result): cvt.rn.f16.f32 on
-// phase_pool's wgmma accumulators made ptxas serialize its wgmma instructions (C7514; bfloat16's cvt did not).
-template <class P, class E, bool kIntegerHalf = false>
+// kWgmmaAccumulators: rounded in 32-bit integer and float arithmetic (bfloat16_rounded, float16_rounded, bit for
+// bit the conversions): a cvt to a 16-bit register on wgmma accumulators made ptxas serialize the wgmma
+// (phase_pool, float16: C7514) or spill (a folded convolution's fused epilogue, bfloat16); elsewhere the cvt is
+// the cheaper (a window loop's 16-bit Store spilled with the integer form).
+template <class P, class E, bool kWgmmaAccumulators = false>
 __device__ __forceinline__ float conv_output(float v, float b) {
   auto round = [](float x) {
-    if constexpr (kIntegerHalf && std::is_same_v<Elem<P>, float16>) {
+    if constexpr (kWgmmaAccumulators && std::is_same_v<Elem<P>, bfloat16>) {
+      return bfloat16_rounded(x);
+    } else if constexpr (kWgmmaAccumulators && std::is_same_v<Elem<P>, float16>) {
       return float16_rounded(x);
     } else {
       return round_to<Elem<P>>(x);
@@ -1315,7 +1319,7 @@ __device__ __forceinline__ void conv_ctas(const Elem<P>* __restrict__ x, const f
         for (int i = 0; i < 4; ++i) {
           const float b = conv_bias_value<E>(ep, min(c.cblock * P::kBN + fm.n(nt, i), P::kCout - 1));
 #pragma unroll
-          for (int mt = 0; mt < G::kMT; ++mt) acc[mt][nt][i] = conv_output<P, E>(acc[mt][nt][i], b);
+          for (int mt = 0; mt < G::kMT; ++mt) acc[mt][nt][i] = conv_output<P, E, P::kLoop == Loop::kWgmma>(acc[mt][nt][i], b);
         }
     }
     if constexpr (E::kStaged) {

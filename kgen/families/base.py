@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from ..buffer import Buffer
 from ..ir import Op, Pipeline, Reduce, TensorType
-from ..ops import OPS
+from ..ops import AMPLIFYING, OPS
 from ..stage import Stage
 from ..target import H100_NAME, Target
 
@@ -177,10 +177,6 @@ def value_bytes(stage: Stage) -> int:
 STRIDED_READ_FACTOR = 4  # a channels_last input read in contiguous order: each warp load touches a sector per thread (cost model)
 
 
-# ops after which a convolution needs fp32-level products: normalizations (batch_stats: training mode's
-# batch norm) and exponentials
-NORMALIZATIONS = ("group_norm", "instance_norm", "batch_norm", "batch_stats", "layer_norm")
-EXPONENTIALS = ("softmax", "log_softmax", "logsumexp", "exp")
 # Forward convolutions (2-d and 3-d, no groups: what was measured) with at least this many input channels
 # ran TF32 in eager's cuDNN call wherever TF32 was allowed: every one of KernelBench level 2's at its batch,
 # 16 -> 64 2-d (K = 144) to 64 -> 128 (reports/cudnn_calibration_h100.json, H100, cuDNN 9.19); below it cuDNN mixes fp32 kernels
@@ -233,7 +229,7 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
         return False, f"eager's cuDNN call for a forward convolution of {EAGER_TF32_MIN_CIN} or more input channels runs TF32"
     unknown = (f" (eager's cuDNN precision on {req.target.name} is not measured: `kgen tune` measures it)"
                if unmeasured_device else "")
-    if follows(req, NORMALIZATIONS + EXPONENTIALS):
+    if follows(req, AMPLIFYING):
         return True, "a normalization or an exponential follows" + unknown
     if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later_ops(req)):
         return True, "no sum or mean over its values follows (each output carries a convolution value's error)" + unknown

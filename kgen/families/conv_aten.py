@@ -29,7 +29,8 @@ from ..spec import DTYPES
 from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import ConvStage
 from ..target import Target
-from .base import DTYPE_BYTES, Candidate, Family, StageRequest, Work, NORMALIZATIONS, conv_precision, follows, value_bytes
+from ..ops import NORMALIZATIONS
+from .base import DTYPE_BYTES, Candidate, Family, StageRequest, Work, conv_precision, follows, value_bytes
 
 LAYOUTS = ("channels_last", "contiguous")
 # K = input channels x taps and output channels above which cuDNN runs its large tensor-core GEMMs (TF32

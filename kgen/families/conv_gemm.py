@@ -945,6 +945,9 @@ class ConvGemm(Family):
         """TF32 products where they are as accurate as eager's, else split TF32 (about fp32
         accuracy; base.conv_precision says which and why). 16-bit plans: TF32 products, exact for 16-bit operands."""
         if req.dtype != "float32":
+            if isinstance(lowered(req.ops[0]).lowering, Folded):
+                return "tf32", ("tf32: the folded weights (box sums of the 16-bit weights) round to TF32, the input is exact "
+                                "in it; the folded pool's mean averages the products' rounding")
             return "tf32", (f"tf32, exact for 16-bit operands ({req.dtype} values are exact in TF32: fp32 accumulation "
                             "as eager's 16-bit tensor-core convolution)")
         if req.pipeline.precision == "tf32" and cls.eager_products_needed(req):
