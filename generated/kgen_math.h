@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #ifdef __CUDACC__
 #define KGEN_HD __host__ __device__ __forceinline__
@@ -176,9 +177,15 @@ KGEN_HD T from_float(float f) {
 // `v` rounded to the 16-bit type T (nearest even) and read back as float: a rounding point of a 16-bit
 // plan (kgen/plan.py, rounding_points), where eager PyTorch materializes an op's output as a T tensor
 // and the next op reads that tensor. A round trip in registers; no memory is touched.
+// float16 by float16_rounded (bit for bit the conversion), without the 16-bit register of cvt.rn.f16.f32: that
+// spilled a window loop's float16 epilogue (a convolution, an eval-mode batch norm's affine, a ReLU).
 template <class T>
 KGEN_HD float round_to(float v) {
-  return to_float(from_float<T>(v));
+  if constexpr (std::is_same_v<T, float16>) {
+    return float16_rounded(v);
+  } else {
+    return to_float(from_float<T>(v));
+  }
 }
 
 // Tests NaN without std::isnan, which device code does not have.

@@ -176,3 +176,28 @@ def test_fused_pool_kernels_16_bit_compile_without_spills(name, tmp_path):
         assert f"using Elem = kgen::{t};  // the input's type" in src
     assert src.count("static constexpr bool kConvBias = true;") == 2  # the convolution keeps its bias: the kernel adds it
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+def test_16_bit_batch_norm_epilogue_compiles_without_spills(tmp_path):
+    """A convolution, an eval-mode batch norm (its affine in the convolution's epilogue) and a ReLU in bfloat16
+    and float16: every kernel clean (float16's rounding points once spilled there with cvt.rn.f16.f32's 16-bit
+    register; kgen_math.h round_to)."""
+    from kgen.render import render_spec, write_rendered
+
+    text = """
+name: hb_cbr_ptxas
+input:
+  shape: [N, 4, 8, 8]
+  dtype: [bfloat16, float16]
+  example: {N: 2}
+ops:
+  - conv2d: {out_channels: 6, kernel_size: 3, padding: 1}
+  - batch_norm: {}
+  - relu
+"""
+    spec = write_spec(tmp_path, text, "hb_cbr_ptxas.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    kernels = ptxas_report(tmp_path / "gen" / "hb_cbr_ptxas", "9.0a")
+    fused = [k for k in kernels if "conv_kernel" in demangle(k.name) and "::Fused>" in demangle(k.name)]
+    assert len(fused) == 2, [demangle(k.name) for k in kernels]  # eval mode's, one per dtype
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
