@@ -293,3 +293,16 @@ def test_reduction_algebra_keeps_float16s_range():
     assert "reduction_algebra" not in _fired(fp16)
     (why,) = [d.reason for d in fp16.decisions if d.rewrite == "reduction_algebra"]
     assert "in float16 the sum over the mean's dims would round to the dtype" in why
+
+
+def test_16_bit_search_goes_past_a_rewrite_no_family_computes():
+    """The pool folds into the convolution in 16 bits (nothing amplifies the skipped rounding), but with the
+    convolution pinned to ATen (`plan: {conv: aten}`) no family computes a folded 16-bit convolution (conv_aten
+    would round the box-filtered weights to the dtype): the candidate search takes the plan without the folding,
+    not the eager plan."""
+    text = FOLDED.format(name="r_pinned").replace("ops:\n", "plan: {conv: aten}\nops:\n")
+    for dtype in ("bfloat16", "float16"):
+        plan = _variant(dtype, text).plan
+        assert not plan.eager and [s.family.name for s in plan.stages] == ["conv_aten", "pool_reduce"]
+        (fold,) = [d for d in plan.decisions if d.rewrite == "avg_pool_folding"]
+        assert not fold.fired and "not chosen" in fold.reason
