@@ -214,17 +214,22 @@ def test_the_input_limit_keeps_the_op_within_the_dispatchers_arguments(tmp_path)
     path.write_text(_many_inputs(MAX_INPUTS))
     pipe = load_pipeline(path)
     assert len(pipe.input_names) == MAX_INPUTS and len(op_arguments(pipe)) < DISPATCHER_MAX_ARGS
+    # the longest op: every input, both lists, the mode and the update weights (a batch norm) fill the limit
+    path.write_text(_many_inputs(MAX_INPUTS) + "  - batch_norm: {}\n")
+    assert len(op_arguments(load_pipeline(path))) == DISPATCHER_MAX_ARGS
     path.write_text(_many_inputs(MAX_INPUTS + 1))
     with pytest.raises(SpecError) as e:
         load_pipeline(path)
     _assert_one_line_error(e.value, path, "inputs", [f"expected 1 to {MAX_INPUTS} inputs, got {MAX_INPUTS + 1}"])
 
 
-def test_twenty_inputs_render_build_and_validate_on_the_cpu(tmp_path):
-    """A cat of 20 inputs (a DenseNet dense layer's width): rendered, built for the CPU, equal to float64 PyTorch."""
+def test_the_longest_op_renders_builds_and_validates_on_the_cpu(tmp_path):
+    """A cat of MAX_INPUTS inputs (DenseNet's dense layers) and a batch norm: the op's 64 arguments, PyTorch's
+    limit, rendered, built for the CPU, registered with the dispatcher as the library loads, equal to float64."""
     from conftest import build_and_validate, render_specs
+    from kgen.spec import MAX_INPUTS
 
-    rendered = render_specs(tmp_path, {"many_inputs": _many_inputs(20)})
+    rendered = render_specs(tmp_path, {"many_inputs": _many_inputs(MAX_INPUTS) + "  - batch_norm: {}\n"})
     binding = (rendered["many_inputs"][1] / "binding.cpp").read_text()
-    assert "Tensor in19, Tensor[] params" in binding
+    assert f"Tensor in{MAX_INPUTS - 1}, Tensor[] params, Tensor[] buffers, bool training, float[] factors" in binding
     build_and_validate(rendered, "cpu")
