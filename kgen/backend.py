@@ -274,8 +274,10 @@ class _Support:
             return True
         if not maps_call(n):
             return False
-        if n.target is F.dropout and _bound(n, ("input", "p", "training", "inplace")).get("training", True) is not False:
-            return False  # random in training mode: PyTorch's
+        if n.target is F.dropout:
+            drop = _bound(n, ("input", "p", "training", "inplace"))
+            if drop.get("training", True) is not False and drop.get("p", 0.5) != 0:
+                return False  # random in training mode: PyTorch's (p = 0, DenseNet's nn.Dropout(0.0), is x)
         operands = [a for a in n.all_input_nodes]
         for a in operands:
             ex = _example(a)

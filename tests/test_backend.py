@@ -527,6 +527,37 @@ def test_dense_layers_cat_of_many_inputs_are_kgen_partitions(cache):
     assert len(made) == 9 and all(p["module"] is not None for p in made), made
 
 
+class ZeroDropout(nn.Module):
+    """DenseNet's layer: a convolution, nn.Dropout(0.0) (x itself, also in training mode), a ReLU, then a
+    convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Dropout(0.0), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.drop(self.a(x))))
+
+
+def test_dropout_of_zero_in_training_mode_is_in_the_partition(cache):
+    """Dropout with p = 0 is deterministic in training mode too: one partition, the dropout in it; with p > 0
+    the dropout stays eager (random) and cuts the model in two."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 5)
+    (one,) = _partitions_of(ZeroDropout().train(), x)
+    assert one["module"] is not None and "dropout" in one["calls"], one
+    torch._dynamo.reset()
+    random = ZeroDropout().train()
+    random.drop.p = 0.5
+    from kgen import backend
+
+    before = len(backend.PARTITIONS)
+    with torch.no_grad():
+        _compiled(random)(x)
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 2 and not any("dropout" in p["calls"] for p in made), made
+
+
 class HandLinear(nn.Module):
     """A Linear without bias written by hand (KernelBench level 2 #14's form): Dynamo's graph reads the
     weight as getattr(weight, 'T')."""
