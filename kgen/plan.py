@@ -404,9 +404,10 @@ def candidate_plans(pipeline: Pipeline, target: Target | None = None, batch: int
                                           for o in opts if o != chosen[point]]
     while queue and len(found) < MAX_CANDIDATES:
         given = queue.pop(0)
-        if json.dumps(given, sort_keys=True) in tried:
+        asked = json.dumps(given, sort_keys=True)
+        if asked in tried:
             continue
-        tried.add(json.dumps(given, sort_keys=True))
+        tried.add(asked)
         try:
             plan = make_plan(pipeline, None, target, given, batch)
         except KgenError as e:

@@ -102,8 +102,8 @@ def pool_composition(pipe: Pipeline):
         why = None
         if op.kind != nxt.kind:
             why = f"{op.kind} pool then {nxt.kind} pool"
-        elif op.kind == "avg" and rounding_amplifier(pipe):
-            why = f"the first pool's means are rounded: {_skips_rounding(pipe, rounding_amplifier(pipe))}"
+        elif op.kind == "avg" and (amp := rounding_amplifier(pipe)):
+            why = f"the first pool's means are rounded: {_skips_rounding(pipe, amp)}"
         else:
             for p in (op, nxt):
                 if not p.non_overlapping:
@@ -566,11 +566,10 @@ def subpixel_conv_transpose(pipe: Pipeline, fire=always):
             why = f"stride {list(op.stride)} exceeds kernel {list(op.kernel)}: some phases get no tap"
         elif any(o < s for o, s in zip(pipe.types[i + 1].spatial, op.stride)):
             why = f"output {list(pipe.types[i + 1].spatial)} is shorter than the stride {list(op.stride)}: some phases get no output"
-        elif rounding_amplifier(pipe):
+        elif amp := rounding_amplifier(pipe):
             # phases sum in another order than eager's cuDNN call: a unit of the dtype off in some outputs, which
             # a norm's output carries on top of its own rounding (relu_group_norm in bfloat16 on an H200: 6e-2
             # off eager, past KernelBench's 1e-2) and an exponential multiplies
-            amp = rounding_amplifier(pipe)
             why = f"in {pipe.dtype} {amp.key} ({amp.op_name}) needs eager's own call's rounded output"
         elif not fire("subpixel_conv_transpose", _site(op)):
             why = NOT_CHOSEN

@@ -79,19 +79,12 @@ KGEN_HD uint16_t bfloat16_bits(float f) {
 
 // float -> float16 bits, round to nearest even; beyond the largest finite value
 // (65504, with ties at 65520 to even) +-inf; NaN -> a quiet NaN.
-KGEN_HD uint16_t float16_bits_int(float f);
 KGEN_HD uint16_t float16_bits(float f) {
 #ifdef __CUDA_ARCH__
   uint16_t r;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
 #else
-  return float16_bits_int(f);
-#endif
-}
-// The same in integer arithmetic, in both builds (the C++ build's conversion; in CUDA where a cvt does not fit:
-// conv_gemm.cuh conv_output).
-KGEN_HD uint16_t float16_bits_int(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u, x = u & 0x7fffffffu;
   if (x > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
@@ -105,6 +98,7 @@ KGEN_HD uint16_t float16_bits_int(float f) {
   const uint32_t m = (x & 0x7fffffu) | 0x800000u, shift = 126 - e;  // |f| = m * 2^(e - 150)
   const uint32_t k = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
   return static_cast<uint16_t>(sign | (k + (rest > half || (rest == half && (k & 1u)))));
+#endif
 }
 
 KGEN_HD float bfloat16_value(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
@@ -134,7 +128,7 @@ KGEN_HD float bfloat16_rounded(float x) {
 
 // x rounded to float16 (nearest even) as a float, without a branch or a 16-bit register: in CUDA a
 // cvt.rn.f16.f32 (or its packed form) on wgmma accumulators makes ptxas serialize the wgmma (C7514), and
-// float16_bits_int's branches made phase_pool's epilogue 3.8x slower than bfloat16's (H200). Normal
+// float16_bits' C++ form in CUDA (its branches) made phase_pool's epilogue 3.8x slower than bfloat16's (H200). Normal
 // results: nearest-even at bit 13 of the float's bits (as bfloat16's at bit 16), inf from 65520 up; below
 // 2^-14: x + 0.75 has float ulp 2^-24 there, float16's subnormal step (the sign kept for a zero).
 KGEN_HD float float16_rounded(float x) {

@@ -67,34 +67,6 @@ struct PerChannel<P, std::void_t<decltype(P::kPerChannel)>> : std::bool_constant
 template <class P>
 inline constexpr bool kPerChannel = PerChannel<P>::value;
 
-// 4 input values along W as a fill loads them: a float4, or 4 16-bit values as stored (converted as stored to the ring).
-template <class T>
-struct QuadOf {
-  using type = uint2;
-};
-template <>
-struct QuadOf<float> {
-  using type = float4;
-};
-template <class P>
-using Quad = typename QuadOf<Elem<P>>::type;
-__device__ __forceinline__ float4 load_quad(const float* p, bool ok) {
-  return ok ? __ldg(reinterpret_cast<const float4*>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
-}
-template <class T>
-__device__ __forceinline__ uint2 load_quad(const T* p, bool ok) {
-  return ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
-}
-template <class T>
-__device__ __forceinline__ float4 quad_values(const float4& v) {
-  return v;
-}
-template <class T>
-__device__ __forceinline__ float4 quad_values(const uint2& u) {
-  return make_float4(to_float(T{static_cast<uint16_t>(u.x)}), to_float(T{static_cast<uint16_t>(u.x >> 16)}),
-                     to_float(T{static_cast<uint16_t>(u.y)}), to_float(T{static_cast<uint16_t>(u.y >> 16)}));
-}
-
 template <class P>
 struct RingGeometry {
   static_assert(P::kCin % 8 == 0 && P::kCout <= 16, "8k input channels, at most 16 output channels");

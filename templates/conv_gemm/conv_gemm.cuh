@@ -174,6 +174,35 @@ __device__ __forceinline__ float load_value(const T* p) {
   return to_float(T{__ldg(reinterpret_cast<const unsigned short*>(p))});
 }
 
+// 4 input values along W loaded together into registers, as stored (a float4, or 4 16-bit values in a uint2:
+// 8 bytes), and as floats (quad_values: a 16-bit value is exact in float). Zeros where not `ok`.
+template <class T>
+struct QuadOf {
+  using type = uint2;
+};
+template <>
+struct QuadOf<float> {
+  using type = float4;
+};
+template <class P>
+using Quad = typename QuadOf<Elem<P>>::type;
+__device__ __forceinline__ float4 load_quad(const float* p, bool ok) {
+  return ok ? __ldg(reinterpret_cast<const float4*>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+template <class T>
+__device__ __forceinline__ uint2 load_quad(const T* p, bool ok) {
+  return ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0u, 0u);
+}
+template <class T>
+__device__ __forceinline__ float4 quad_values(const float4& v) {
+  return v;
+}
+template <class T>
+__device__ __forceinline__ float4 quad_values(const uint2& u) {
+  return make_float4(to_float(T{static_cast<uint16_t>(u.x)}), to_float(T{static_cast<uint16_t>(u.x >> 16)}),
+                     to_float(T{static_cast<uint16_t>(u.y)}), to_float(T{static_cast<uint16_t>(u.y >> 16)}));
+}
+
 // A piece of 4 input values along W, global -> shared, as stored (16 bytes of float, 8 of a 16-bit type).
 __device__ __forceinline__ void copy_piece(float* dst, const float* src, bool valid) { cp_async16(dst, src, valid); }
 template <class T>
@@ -968,15 +997,9 @@ struct BoxRegs {
     for (int ch = 0; ch < 4; ++ch) {
       const int ci = ci0 + quad * 4 + ch;
       const bool ok = row_ok && ci < P::kCin;
-      if constexpr (G::kVecW && kHalfInput<P>) {  // 4 values, 8 bytes
+      if constexpr (G::kVecW) {  // 4 values: 16 bytes of float, 8 of a 16-bit type
         const long long off = input_offset<P>(c.n, ci, id, ih, iw);
-        const uint2 q = ok && iw >= 0 && iw < P::kInW ? __ldg(reinterpret_cast<const uint2*>(x + off)) : make_uint2(0u, 0u);
-        const uint32_t u[2] = {q.x, q.y};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[p][ch][j] = to_float(Elem<P>{static_cast<uint16_t>(u[j / 2] >> (16 * (j % 2)))});
-      } else if constexpr (G::kVecW) {
-        const long long off = input_offset<P>(c.n, ci, id, ih, iw);
-        const float4 q = ok && iw >= 0 && iw < P::kInW ? __ldg(reinterpret_cast<const float4*>(x + off)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 q = quad_values<Elem<P>>(load_quad(x + off, ok && iw >= 0 && iw < P::kInW));
         v[p][ch][0] = q.x, v[p][ch][1] = q.y, v[p][ch][2] = q.z, v[p][ch][3] = q.w;
       } else {
 #pragma unroll
