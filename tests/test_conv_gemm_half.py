@@ -346,11 +346,12 @@ def test_cuda_fused_pool_kernels_round_as_eager(pool16_cuda, name, dtype, reques
     exact, max pools full of ties; phase_pool): eager's values exactly."""
     from kgen.validate import DTYPE_TOLERANCES
 
-    if name == "ring16_channels" and dtype == torch.float16:
-        # H200, 2026-11-28 (the plan then: the per-channel kernel, the channel sum a stage of its own): eager's
-        # float16 result is finite for the samples with an inf input, where kgen's is inf (as float64's arithmetic
-        # gives); bfloat16 agrees. Open (docs/roadmap.md): which of eager's calls drops it.
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason="eager's float16 drops an inf input here"))
+    if name in ("ring16_channels", "ring16_per_channel") and dtype == torch.float16:
+        # H200, cuDNN 9.19 (2026-12-01; reports/dtypes_h200.md, Known differences): eager's float16 conv3d
+        # returns finite values at about half of the outputs an inf input reaches (154 of 324 where float64 has
+        # inf; bfloat16 and the transposed convolution keep all), so eager's result here is finite where kgen's
+        # and float64's are inf. kgen keeps IEEE arithmetic's inf.
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason="eager's float16 cuDNN convolution drops an inf input"))
 
     _, _, pipe, m = pool16_cuda[name]
     eps = torch.finfo(dtype).eps

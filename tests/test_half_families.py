@@ -168,11 +168,13 @@ def test_conversions_are_pytorchs(tmp_path):
     float16 overflow threshold 65520, NaN, +-inf, -0) on random bit patterns and dense ranges."""
     src = tmp_path / "conv.cpp"
     src.write_text(f'#include "{ROOT / "templates" / "kgen_math.h"}"\n' + """
-extern "C" void convert(const float* x, long n, uint16_t* h, uint16_t* b, float* hf, float* bf, float* hr, float* br) {
+extern "C" void convert(const float* x, long n, uint16_t* h, uint16_t* b, float* hf, float* bf, float* hr, float* hi,
+                        float* br) {
   for (long i = 0; i < n; ++i) {
     h[i] = kgen::from_float<kgen::float16>(x[i]).bits;
     b[i] = kgen::from_float<kgen::bfloat16>(x[i]).bits;
     hr[i] = kgen::float16_rounded(x[i]);  // round_to's forms (32-bit registers only), the same in CUDA
+    hi[i] = kgen::float16_rounded_integer(x[i]);
     br[i] = kgen::bfloat16_rounded(x[i]);
   }
   for (long i = 0; i < 65536; ++i) {
@@ -193,14 +195,15 @@ extern "C" void convert(const float* x, long n, uint16_t* h, uint16_t* b, float*
     x = torch.cat([random_bits.view(torch.float32), dense.view(torch.float32), -dense.view(torch.float32), special,
                    every16.view(torch.float16).float(), every16.view(torch.bfloat16).float()]).contiguous()
     h, b = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel(), dtype=torch.int16)
-    hf, bf, hr, br = torch.empty(65536), torch.empty(65536), torch.empty(x.numel()), torch.empty(x.numel())
+    hf, bf = torch.empty(65536), torch.empty(65536)
+    hr, hi, br = torch.empty(x.numel()), torch.empty(x.numel()), torch.empty(x.numel())
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    convert(ptr(x), ctypes.c_long(x.numel()), ptr(h), ptr(b), ptr(hf), ptr(bf), ptr(hr), ptr(br))
+    convert(ptr(x), ctypes.c_long(x.numel()), ptr(h), ptr(b), ptr(hf), ptr(bf), ptr(hr), ptr(hi), ptr(br))
 
     def same(got, want):  # equal values, equal signs of zero, NaN where NaN
         got, want = got.double(), want.double()
         return bool((((got == want) & (got.signbit() == want.signbit())) | (got.isnan() & want.isnan())).all())
 
     assert same(h.view(torch.float16), x.half()) and same(b.view(torch.bfloat16), x.bfloat16())
-    assert same(hr, x.half().float()) and same(br, x.bfloat16().float())
+    assert same(hr, x.half().float()) and same(hi, x.half().float()) and same(br, x.bfloat16().float())
     assert same(hf, every16.view(torch.float16).float()) and same(bf, every16.view(torch.bfloat16).float())
