@@ -126,12 +126,25 @@ KGEN_HD float bfloat16_rounded(float x) {
   return (u & 0x7fffffffu) > 0x7f800000u ? x : bits_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
 
-// x rounded to float16 (nearest even) as a float, without a branch or a 16-bit register: in CUDA a
-// cvt.rn.f16.f32 (or its packed form) on wgmma accumulators makes ptxas serialize the wgmma (C7514), and
-// float16_bits' C++ form in CUDA (its branches) made phase_pool's epilogue 3.8x slower than bfloat16's (H200). Normal
-// results: nearest-even at bit 13 of the float's bits (as bfloat16's at bit 16), inf from 65520 up; below
-// 2^-14: x + 0.75 has float ulp 2^-24 there, float16's subnormal step (the sign kept for a zero).
+// x rounded to float16 (nearest even) as a float: no 16-bit register (cvt.rn.f16.f32 on wgmma accumulators makes
+// ptxas serialize the wgmma, C7514, and it spilled a window loop's float16 epilogue) and one float addition does
+// the rounding (the integer form, 14 instructions, made the 16-bit norm kernels ALU-bound). c = 2^13 times |x|'s
+// binade (at least float16's smallest normal, 2^-14): the float spacing in c's binade is float16's unit in the last
+// place at |x| (2^-24 for its subnormals), and |x| + c lies there, so the addition rounds |x| to nearest even and
+// the subtraction is exact. From 65520 up (the tie above 65504 rounds to even, 65536) and inf: inf; NaN stays NaN;
+// the sign is x's (-0 too).
 KGEN_HD float float16_rounded(float x) {
+  const uint32_t u = float_bits(x), a = u & 0x7fffffffu, e = u & 0x7f800000u;
+  const float c = bits_float((e > 0x38800000u ? e : 0x38800000u) + (13u << 23));
+  const float r = (bits_float(a) + c) - c;
+  return bits_float((a >= 0x477ff000u && a <= 0x7f800000u ? 0x7f800000u : float_bits(r)) | (u & 0x80000000u));
+}
+
+// The same rounding in 32-bit integer arithmetic: nearest even at bit 13 of the float's bits (as bfloat16_rounded
+// at bit 16), inf from 65520 up; below 2^-14, x + 0.75 has float spacing 2^-24 there, float16's subnormal step.
+// The form for wgmma accumulators (conv_gemm.cuh conv_output), where float16_rounded's registers spilled a folded
+// convolution's fused epilogue (168 registers, the launch bound's limit).
+KGEN_HD float float16_rounded_integer(float x) {
   const uint32_t u = float_bits(x), sign = u & 0x80000000u, a = u & 0x7fffffffu;
   const uint32_t r = (a + 0xfffu + ((a >> 13) & 1u)) & ~0x1fffu;
   const float normal = bits_float(sign | (r >= 0x47800000u ? 0x7f800000u : r));

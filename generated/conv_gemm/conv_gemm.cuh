@@ -144,15 +144,20 @@ __device__ __forceinline__ float conv_bias_value(const typename E::Params& ep, i
 }
 // Accumulator `v` as eager's convolution output holds it: rounded to Elem (kRoundsOutput), plus the bias `b`
 // (kAddsConvBias; conv_bias_value), rounded again. Nothing where neither applies (float32 plans).
-// kWgmmaAccumulators: bfloat16 rounded in 32-bit integer arithmetic (bfloat16_rounded, bit for bit the
-// conversion): cvt.rn.bf16.f32 on wgmma accumulators spilled a folded convolution's fused epilogue, where in the
-// other loops it is the cheaper (a window loop's 16-bit Store spilled with the integer form). float16 is always
-// rounded so (round_to: float16_rounded; its cvt serialized phase_pool's wgmma, C7514).
+// kWgmmaAccumulators: rounded in 32-bit integer arithmetic (bfloat16_rounded, float16_rounded_integer; bit for bit
+// the conversions): cvt.rn.bf16.f32 and float16_rounded's float form on wgmma accumulators spilled a folded
+// convolution's fused epilogue, where in the other loops they are the cheaper (a window loop's 16-bit Store spilled
+// with the integer form).
+// Rounding and adding a channel's bias are monotone non-decreasing, so they commute with a max (NaN propagates
+// either way): where the epilogue has no level-0 ops (E::kPreIdentity), a pool window's max is taken over the raw
+// accumulators and conv_output runs once on it (phase_pool, pool_ring).
 template <class P, class E, bool kWgmmaAccumulators = false>
 __device__ __forceinline__ float conv_output(float v, float b) {
   auto round = [](float x) {
     if constexpr (kWgmmaAccumulators && std::is_same_v<Elem<P>, bfloat16>) {
       return bfloat16_rounded(x);
+    } else if constexpr (kWgmmaAccumulators && std::is_same_v<Elem<P>, float16>) {
+      return float16_rounded_integer(x);
     } else {
       return round_to<Elem<P>>(x);
     }

@@ -278,14 +278,23 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int col = 8 * jw + 2 * t + e;
             const int ow = P::kSW * col + rw;
             m[e] = -INFINITY;
+            if constexpr (E::kPreIdentity) {  // conv_output once, on the max (conv_gemm.cuh)
 #pragma unroll
-            for (int pl = 0; pl < P::kTQD; ++pl)
+              for (int pl = 0; pl < P::kTQD; ++pl)
 #pragma unroll
-              for (int hh = 0; hh < P::kTQH; ++hh) {
-                const int od = P::kSD * (P::kTQD * pd + pl) + rd, oh = P::kSH * (P::kTQH * ph + hh) + rh;
-                const float v = conv_output<P, E, true>(acc[pl][jw + G::kWGroups * hh][2 * c + e], bias);
-                m[e] = kgen::max_nan(m[e], E::pre(ep, n, ch, od, oh, ow, v));
-              }
+                for (int hh = 0; hh < P::kTQH; ++hh) m[e] = kgen::max_nan(m[e], acc[pl][jw + G::kWGroups * hh][2 * c + e]);
+              m[e] = conv_output<P, E, true>(m[e], bias);
+              (void)ow;
+            } else {
+#pragma unroll
+              for (int pl = 0; pl < P::kTQD; ++pl)
+#pragma unroll
+                for (int hh = 0; hh < P::kTQH; ++hh) {
+                  const int od = P::kSD * (P::kTQD * pd + pl) + rd, oh = P::kSH * (P::kTQH * ph + hh) + rh;
+                  const float v = conv_output<P, E, true>(acc[pl][jw + G::kWGroups * hh][2 * c + e], bias);
+                  m[e] = kgen::max_nan(m[e], E::pre(ep, n, ch, od, oh, ow, v));
+                }
+            }
           }
           *reinterpret_cast<float2*>(scr + ch * G::kScrStride + 8 * jw + 2 * t) = make_float2(m[0], m[1]);
         }

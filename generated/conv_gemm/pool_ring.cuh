@@ -269,10 +269,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             for (int i = 0; i < 2; ++i)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                const int oh = min(2 * ph + i, 2 * P::kPooledH - 1), ow = min(2 * pw + e, 2 * P::kPooledW - 1);
-                const float v = conv_output<P, E>(acc[pl][i][2 * jp + e][2 * ch + half], bias);
-                m = kgen::max_nan(m, E::pre(ep, n, cc, 2 * pd + pl, oh, ow, v));
+                if constexpr (E::kPreIdentity) {  // conv_output once, on the max (conv_gemm.cuh)
+                  m = kgen::max_nan(m, acc[pl][i][2 * jp + e][2 * ch + half]);
+                } else {
+                  const int oh = min(2 * ph + i, 2 * P::kPooledH - 1), ow = min(2 * pw + e, 2 * P::kPooledW - 1);
+                  const float v = conv_output<P, E>(acc[pl][i][2 * jp + e][2 * ch + half], bias);
+                  m = kgen::max_nan(m, E::pre(ep, n, cc, 2 * pd + pl, oh, ow, v));
+                }
               }
+          if constexpr (E::kPreIdentity) m = conv_output<P, E>(m, bias);
           const bool in = c < P::kCout && ph < P::kPooledH && pw < P::kPooledW;
           const float w = E::post(ep, n, cc, pd, min(ph, P::kPooledH - 1), min(pw, P::kPooledW - 1), m);
           if constexpr (kPerChannel<P>) {
