@@ -92,7 +92,7 @@ static_assert(pool_ring::RingGeometry<PoolRingProblem>::kPackedFloats == kPoolRi
 // its pool on each window's max, its reduction (everything: one output per sample), a partial per step.
 struct PoolRingEpilogue {
   using Params = s1::Args;
-  // No level-0 ops: a window's max is taken over the raw accumulators (pool_ring.cuh).
+  // true where there are no level-0 ops: a window's max is then taken over the raw accumulators (pool_ring.cuh)
   static constexpr bool kPreIdentity = false;
   __device__ static float pre(const Params& a, long long n, int c, int d, int h, int w, float v) {
     return s1::level0_from(a, n, c, d, h, w, v);

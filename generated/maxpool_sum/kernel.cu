@@ -322,7 +322,7 @@ struct PhasePoolEpilogue {
   using Params = s1::Args;
   // Where a split last round leaves its partial maxima (phase_pool.cuh kWorkspaceFloats).
   __host__ __device__ static float* workspace(const Params& a) { return a.partial; }
-  // No level-0 ops: a window's max is taken over the raw accumulators (phase_pool.cuh).
+  // true where there are no level-0 ops: a window's max is then taken over the raw accumulators (phase_pool.cuh)
   static constexpr bool kPreIdentity = false;
   __device__ static float pre(const Params& a, long long n, int c, int d, int h, int w, float v) {
     return s1::level0_from(a, n, c, d, h, w, v);
