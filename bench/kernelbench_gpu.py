@@ -20,7 +20,14 @@ them in consecutive runs, and a fresh one can be handed the state file):
 
 Problems a time box did not reach are listed as such; run the phase again.
 
+--dtype bfloat16 (or float16) runs everything in that dtype: each spec copied with its input's dtype set
+(into --gen's `specs` folder), validated in the dtype (`kgen validate`: the float64 reference of the rounded
+inputs, KernelBench's 1e-2 against eager in the dtype), KernelBench's check at 1e-2 against the reference in
+the dtype, and eager, torch.compile and kgen timed on the model converted with .to(dtype) (KernelBench's
+precision=bf16|fp16). Give each dtype its own --gen and --state.
+
     python3 bench/kernelbench_gpu.py --specs build/kernelbench/specs --out "$OUT" --phase all --budget 560
+    python3 bench/kernelbench_gpu.py --dtype bfloat16 --gen build/kernelbench/gen_bf16 --state build/kernelbench/bf16.json ...
 """
 from __future__ import annotations
 
@@ -66,10 +73,12 @@ def main() -> None:
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     ap.add_argument("--training", action="store_true",
                     help="time in training mode (batch norm's batch statistics; KernelBench's own check runs so)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="the models' dtype (16 bits: KernelBench's precision=bf16|fp16, checked at 1e-2)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one spec's check, JSON on stdout
     args = ap.parse_args()
     if args.worker:
-        print("KGEN_ROW " + json.dumps(check_one(args.worker, args.gen, args.compile)), flush=True)
+        print("KGEN_ROW " + json.dumps(check_one(args.worker, args.gen, args.compile, args.dtype)), flush=True)
         return
     t0 = time.time()
     deadline = t0 + args.budget
@@ -84,6 +93,8 @@ def main() -> None:
         wanted = {int(v) for v in args.only.split(",")}
         specs = [s for s in specs if number_of(s) in wanted]
     specs = [s for s in specs if number_of(s) >= args.start]
+    if args.dtype != "float32":
+        specs = [spec_in_dtype(s, args.dtype, args.gen / "specs") for s in specs]
     rows = {s.stem: {"number": number_of(s), "module": s.stem, "status": PENDING} for s in specs}
     if args.state.exists():
         for r in json.loads(args.state.read_text())["rows"]:
@@ -157,14 +168,30 @@ def build_all(specs, rows, args, deadline):
     print(f"built {sum(r['status'] == 'built' for r in rows.values())}/{len(rows)} in {time.time() - t:.0f} s", flush=True)
 
 
+def spec_in_dtype(spec: Path, dtype: str, folder: Path) -> Path:
+    """A copy of ``spec`` in ``folder`` whose input (every input) has ``dtype``: the same name, so that its module
+    has the float32 module's name (each dtype builds into its own --gen)."""
+    import yaml
+
+    data = yaml.safe_load(spec.read_text())
+    for inp in [data["input"]] if "input" in data else data["inputs"].values():
+        inp["dtype"] = dtype
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / spec.name
+    out.write_text(f"# {spec} with its input in {dtype} (bench/kernelbench_gpu.py --dtype)\n"
+                   + yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
 def kernelbench_allclose(model, ref, inputs, trials: int = 5, training: bool = True) -> str:
     """KernelBench's own correctness check: kgen's Model and the reference with the same weights
     (kgen.bench.models_and_inputs), in training mode as KernelBench's evaluator runs them (it never
     calls eval(): a batch norm normalizes with the batch's statistics; ``training`` False for a
     dropout with p > 0, which kgen refuses in training mode), `trials` inputs from
-    torch.rand shaped as `inputs`, torch.allclose(atol = rtol = 1e-4); "k/n", the largest difference,
-    and for the worst trial whose error it is: each side's largest difference from the reference run
-    in float64 on the same input. PyTorch's defaults (cuDNN may use TF32)."""
+    torch.rand shaped as `inputs`, torch.allclose(atol = rtol = 1e-4; 1e-2 for 16-bit models, as its
+    precision=bf16|fp16 checks); "k/n", the largest difference, and for the worst trial whose error it is:
+    each side's largest difference from the reference run in float64 on the same input (the model's
+    16-bit parameters and inputs converted exactly). PyTorch's defaults (cuDNN may use TF32)."""
     import copy
 
     import torch
@@ -173,11 +200,12 @@ def kernelbench_allclose(model, ref, inputs, trials: int = 5, training: bool = T
     model.train(training), ref.train(training)
     ref64 = copy.deepcopy(ref).double()
     passed, worst, kept = 0, -1.0, None
+    tol = 1e-4 if inputs[0].dtype == torch.float32 else 1e-2
     with torch.no_grad():
         for _ in range(trials):
             xs = [torch.rand_like(x) for x in inputs]
             a, b = model(*xs), ref(*xs)
-            passed += bool(torch.allclose(a, b, atol=1e-4, rtol=1e-4))
+            passed += bool(torch.allclose(a, b, atol=tol, rtol=tol))
             diff = float((a - b).abs().max())
             if diff > worst:
                 worst, kept = diff, (xs, a, b)  # the worst trial's inputs and both outputs
@@ -188,7 +216,7 @@ def kernelbench_allclose(model, ref, inputs, trials: int = 5, training: bool = T
             f"eager {eager_err:.2g})")
 
 
-def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
+def check_one(spec: Path, gen: Path, compile_too: bool, dtype: str = "float32") -> dict:
     """In a worker process: validate one built module; then compile its reference once."""
     import torch
 
@@ -209,7 +237,7 @@ def check_one(spec: Path, gen: Path, compile_too: bool) -> dict:
         row.update(status="validation failed", reason=f"{bad.case}: {bad.problem}")
         return row
     row["status"] = "validated"
-    pipe, _, model, ref, inputs = models_and_inputs(gen / spec.stem, spec)  # the module and its reference, built once
+    pipe, _, model, ref, inputs = models_and_inputs(gen / spec.stem, spec, dtype)  # the module and its reference, built once
     refused = modes(pipe) == [False]  # eval mode only: a dropout with p > 0, which kgen refuses in training mode
     row["kb_allclose"] = kernelbench_allclose(model, ref, inputs, training=not refused) + (" (eval mode: dropout)" if refused else "")
     if compile_too:
@@ -236,7 +264,7 @@ def check_all(specs, rows, args, deadline, write):
         left = deadline - time.time()
         if left <= 10:
             return spec, {"status": "built, not checked (time box)"}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec), "--gen", str(args.gen)]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec), "--gen", str(args.gen), "--dtype", args.dtype]
         if not args.compile:
             cmd.append("--no-compile")
         try:
@@ -277,7 +305,7 @@ def time_all(specs, rows, args, deadline, write):
             continue
         t = time.time()
         try:
-            _, batch, model, ref, inputs = models_and_inputs(args.gen / s.stem, s)
+            _, batch, model, ref, inputs = models_and_inputs(args.gen / s.stem, s, args.dtype)
             if args.training:
                 model.train(), ref.train()
             fns = {"eager_ms": lambda: ref(*inputs), "kgen_ms": lambda: model(*inputs)}
@@ -341,20 +369,21 @@ def markdown(rows, env, args) -> str:
     faster_g = sum(1 for r in ok if r.get("compile_graphs_ms") and r["kgen_ms"] < r["compile_graphs_ms"])
     with_g = sum(1 for r in ok if r.get("compile_graphs_ms"))
     lines = [
-        f"# KernelBench level {level_of(rows)} on {env['device']}: validation and timings",
+        f"# KernelBench level {level_of(rows)} on {env['device']}: validation and timings" + ("" if args.dtype == "float32" else f", {args.dtype}"),
         "",
         f"torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}), commit {env['commit']}, {env['date']}. "
         "Validation: `kgen validate --device cuda --example-batch` (the CUDA build against the float64 reference, "
         "batches 1 to 3 and the file's own, normal and adversarial data). Timings at the file's own sizes, " + ("training" if args.training else "eval") + " mode, "
         f"one process with nothing else on the GPU: median of {args.reps} runs after warm-up, CUDA events, eager, "
-        "torch.compile and kgen in turns (blocks of consecutive calls); eager = the imported model in PyTorch (float32), torch.compile = the same "
+        f"torch.compile and kgen in turns (blocks of consecutive calls); eager = the imported model in PyTorch ({args.dtype}), torch.compile = the same "
         "in default mode, torch.compile graphs = the same in mode=\"reduce-overhead\" (CUDA graphs, as kgen's module "
         "replays its kernels where no autograd graph is recorded).",
         "",
         f"{len(ok)} of {len(rows)} validated and timed; kgen faster than eager on {faster}, than torch.compile on "
         f"{faster_c} of {with_c}, than torch.compile's CUDA graphs on {faster_g} of {with_g}.",
         "",
-        "KernelBench's check: its evaluator's criterion, in training mode as it runs the models, torch.allclose(kgen, eager, atol = rtol = 1e-4) on 5 inputs "
+        "KernelBench's check: its evaluator's criterion, in training mode as it runs the models, torch.allclose(kgen, eager, atol = rtol = "
+        + ("1e-4" if args.dtype == "float32" else f"1e-2, both in {args.dtype}") + ") on 5 inputs "
         "from torch.rand, the same weights (PyTorch's defaults: cuDNN may use TF32).",
         "",
         "| # | module | status | cases | KernelBench's check | batch | eager ms | torch.compile ms | torch.compile graphs ms | kgen ms | vs eager | vs compile | vs compile graphs | reason |",
