@@ -1242,7 +1242,8 @@ class ConvGemm(Family):
         pp = st.phase_pool
         if pp is not None:
             loads = [sum(pp.taps[i] for i in g) for g in pp.phases]
-            return [f"phase_pool (wgmma, tf32: {st.x3_reason}): all {len(pp.taps)} sub-pixel phases in one kernel, "
+            mma = "tf32: " + st.x3_reason if st.dtype == "float32" else f"{st.dtype}: the input's values as stored, exact products"
+            return [f"phase_pool (wgmma, {mma}): all {len(pp.taps)} sub-pixel phases in one kernel, "
                     f"M = 64 output channels, N = {pp.tq[1]} x {pp.box[2]} box positions per d-plane; a tile is "
                     f"{pp.tq[0]} x {pp.tq[1]} x {pp.tq[2] * pp.pooled[2]} positions of every phase (one pooled row), "
                     f"its input box {'x'.join(map(str, pp.box))} x {st.conv.conv.in_channels} channels loaded once; "
