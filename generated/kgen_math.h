@@ -193,8 +193,8 @@ KGEN_HD float round_to(float v) {
 // The same in 32-bit registers only, for the stage math a generated convolution or GEMM runs in its epilogue
 // (pool_reduce's, linear_gemm's): there cvt.rn.f16.f32's 16-bit register spilled a window loop's float16
 // epilogue (a convolution, an eval-mode batch norm's affine, a ReLU), so float16 rounds by float16_rounded
-// (bit for bit the conversion, a few more instructions: in the norm kernels it cost 0.05 ms of
-// instnorm_clamp_max's 0.22 on an H200).
+// (bit for bit the conversion, a few more instructions: with it in the norm kernels instnorm_clamp_max's
+// float16 plan took 0.22 ms on an H200, with the cvt at c458bc3 0.17).
 template <class T>
 KGEN_HD float round_to_in_32_bit_registers(float v) {
   if constexpr (std::is_same_v<T, float16>) {
