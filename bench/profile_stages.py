@@ -5,6 +5,7 @@ stage op timed alone on a full-size input. For the GPU machine:
     PYTHONPATH=. python bench/profile_stages.py --norewrite relu_group_norm
     PYTHONPATH=. python bench/profile_stages.py --host maxpool_sum   # + the host side: where a call's time goes
     PYTHONPATH=. python bench/profile_stages.py --gen build/kernelbench/generated_gpu kb2_34_...   # modules built elsewhere
+    PYTHONPATH=. python bench/profile_stages.py --gen build/dtypes/gen --dtype bfloat16 maxpool_sum_dt  # a 16-bit plan
 """
 import argparse
 from pathlib import Path
@@ -29,6 +30,8 @@ def main():
     ap.add_argument("--once", action="store_true", help="only run each stage op once (for ncu)")
     ap.add_argument("--host", action="store_true", help="also profile the CPU side (ops by self CPU time)")
     ap.add_argument("--gen", type=Path, default=Path("generated"), help="where the built modules are")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the plan of this dtype (the module must have one: bench/gpu_dtypes.sh builds them)")
     args = ap.parse_args()
     for name in args.names:
         module_dir = args.gen / name
@@ -36,15 +39,16 @@ def main():
         pipe = load_pipeline(spec)
         d = baseline_module(spec) if args.norewrite else module_dir
         sel = choose_plans(pipe, rewrites={n: False for n in REWRITE_NAMES} if args.norewrite else None)
-        index = sel.variants.index(sel.variant_for(pipe.example_batch()))
+        index = sel.variants.index(sel.variant_for(pipe.example_batch(), dtype=args.dtype))
         plan = sel.plans[index]
         op_of = lambda st: getattr(torch.ops.kgen, stage_op_name(d.name, index, len(sel.variants), st.index))  # noqa: E731
         mod = import_module_dir(d)
         torch.manual_seed(0)
-        model = mod.Model(*init_args(mod)).cuda()
-        x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda")
+        dtype = getattr(torch, args.dtype)
+        model = mod.Model(*init_args(mod)).cuda().to(dtype)
+        x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda", dtype=dtype)
         if args.once:
-            stage_once(pipe, plan, op_of, model)
+            stage_once(pipe, plan, op_of, model, dtype)
             continue
         with torch.no_grad():
             total = time_ms(lambda: model(x), 20)
@@ -57,7 +61,7 @@ def main():
         # kernels (and memsets/copies): device time and no CPU time of their own; kgen's ranges are not kernels
         gpu_ms = sum(e.self_device_time_total for e in events
                      if e.self_cpu_time_total == 0 and not e.key.startswith("kgen::")) / 5 / 1e3
-        print(f"==== {d.name}: {total:.3f} ms per call, GPU busy {gpu_ms:.3f} ms of it")
+        print(f"==== {d.name} ({args.dtype}): {total:.3f} ms per call, GPU busy {gpu_ms:.3f} ms of it")
         print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
         if args.host:
             print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
@@ -66,11 +70,11 @@ def main():
         for st in plan.kernel_stages():
             op = op_of(st)
             stage_params = [params[a.name] for a in plan.stage_args(st)]
-            t = torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda")
+            t = torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda", dtype=dtype)
             tiles = pack_buffer(st.input, t)
             with torch.no_grad():
                 ms = time_ms(lambda: op(tiles, *stage_params), 20)
-            nbytes = 4 * (sum(tl.numel() for tl in tiles) + st.out_type.sample_numel * pipe.example_batch())
+            nbytes = x.element_size() * (sum(tl.numel() for tl in tiles) + st.out_type.sample_numel * pipe.example_batch())
             print(f"  stage {st.index} ({st.kind}) alone: {ms:.3f} ms, {nbytes / 1e6:.0f} MB -> {nbytes / ms / 1e9:.2f} TB/s")
 
 
@@ -92,12 +96,12 @@ def host_ms(fn, reps=20):
     return statistics.median(times)
 
 
-def stage_once(pipe, plan, op_of, model):
+def stage_once(pipe, plan, op_of, model, dtype):
     params = dict(model.named_parameters())
     for st in plan.kernel_stages():
         op = op_of(st)
         stage_params = [params[a.name] for a in plan.stage_args(st)]
-        tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda"))
+        tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda", dtype=dtype))
         with torch.no_grad():
             op(tiles, *stage_params)
         torch.cuda.synchronize()

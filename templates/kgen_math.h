@@ -183,15 +183,24 @@ KGEN_HD T from_float(float f) {
 
 // `v` rounded to the 16-bit type T (nearest even) and read back as float: a rounding point of a 16-bit
 // plan (kgen/plan.py, rounding_points), where eager PyTorch materializes an op's output as a T tensor
-// and the next op reads that tensor. A round trip in registers; no memory is touched.
-// float16 by float16_rounded (bit for bit the conversion), without the 16-bit register of cvt.rn.f16.f32: that
-// spilled a window loop's float16 epilogue (a convolution, an eval-mode batch norm's affine, a ReLU).
+// and the next op reads that tensor. A round trip in registers through the hardware's conversions; no
+// memory is touched.
 template <class T>
 KGEN_HD float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// The same in 32-bit registers only, for the stage math a generated convolution or GEMM runs in its epilogue
+// (pool_reduce's, linear_gemm's): there cvt.rn.f16.f32's 16-bit register spilled a window loop's float16
+// epilogue (a convolution, an eval-mode batch norm's affine, a ReLU), so float16 rounds by float16_rounded
+// (bit for bit the conversion, a few more instructions: with it in the norm kernels instnorm_clamp_max's
+// float16 plan took 0.22 ms on an H200, with the cvt at c458bc3 0.17).
+template <class T>
+KGEN_HD float round_to_in_32_bit_registers(float v) {
   if constexpr (std::is_same_v<T, float16>) {
     return float16_rounded(v);
   } else {
-    return to_float(from_float<T>(v));
+    return round_to<T>(v);
   }
 }
 

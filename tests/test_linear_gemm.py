@@ -250,7 +250,7 @@ def test_rendered_16_bit_kernels(rendered16, rendered):
         assert ("Fused{a}" in cu) == (name != "lg16_alone"), name
         fused = name != "lg16_alone"
         for t in ("bfloat16", "float16"):
-            assert (f"v = kgen::round_to<kgen::{t}>(v);  // ops[0]" in cu) == fused, (name, t)
+            assert (f"v = kgen::round_to_in_32_bit_registers<kgen::{t}>(v);  // ops[0]" in cu) == fused, (name, t)
     assert "stage0_weights().derived" in (rendered16["lg16_swish"][1] / "binding.cpp").read_text()  # [K, N]: rows kept
     for name, (spec, d) in rendered.items():
         cu = (d / "kernel.cu").read_text()

@@ -42,10 +42,13 @@ def chain(name, dtype="[float32, bfloat16, float16]", extra="", tail=LAYER_NORM_
     return CHAIN.format(name=name, dtype=dtype, extra=extra, tail=tail)
 
 
-def rounding_lines(text: str, dtype: str) -> list[str]:
-    """The op keys of the rounding points in generated code, in order."""
-    mark = f"v = kgen::round_to<{C_TYPES[dtype]}>(v);  // "
-    return [line.split(mark)[1].split("'s output")[0] for line in text.splitlines() if mark in line]
+ROUNDINGS = ("round_to", "round_to_in_32_bit_registers")  # kgen_math.h: the cvt's round trip; the form for epilogues
+
+
+def rounding_lines(text: str, dtype: str, form: str | None = None) -> list[str]:
+    """The op keys of the rounding points in generated code, in order (those of one form of kgen_math.h's)."""
+    marks = [f"v = kgen::{f}<{C_TYPES[dtype]}>(v);  // " for f in ROUNDINGS if form in (None, f)]
+    return [line.split(m)[1].split("'s output")[0] for line in text.splitlines() for m in marks if m in line]
 
 
 def test_every_op_of_a_16_bit_stage_is_a_rounding_point(tmp_path):
@@ -70,6 +73,11 @@ def test_rounding_points_render_in_16_bit_plans_only(tmp_path):
     assert rounding_lines(fp16_part, "float16") == keys and "kgen::bfloat16>" not in fp16_part
     plans = json.loads((d / "plan.json").read_text())["plans"]
     assert [[k for s in p["stages"] for k in s.get("rounds_after", [])] for p in plans] == [[], keys, keys]
+    # pool_reduce's math may run in a generated convolution's epilogue: its float16 rounding keeps to 32-bit
+    # registers; the norm, softmax and layer_norm kernels round through the hardware's conversions
+    in_epilogue = [k for s in plans[2]["stages"] if s["family"] == "pool_reduce" for k in s.get("rounds_after", [])]
+    assert in_epilogue and rounding_lines(fp16_part, "float16", "round_to_in_32_bit_registers") == in_epilogue
+    assert rounding_lines(fp16_part, "float16", "round_to") == [k for k in keys if k not in in_epilogue]
 
 
 def test_intermediates_float32_renders_no_rounding_point(tmp_path):

@@ -159,7 +159,7 @@ __device__ __forceinline__ float conv_output(float v, float b) {
     } else if constexpr (kWgmmaAccumulators && std::is_same_v<Elem<P>, float16>) {
       return float16_rounded_integer(x);
     } else {
-      return round_to<Elem<P>>(x);
+      return round_to_in_32_bit_registers<Elem<P>>(x);
     }
   };
   if constexpr (kRoundsOutput<P>) v = round(v);

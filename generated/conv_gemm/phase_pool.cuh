@@ -1,6 +1,6 @@
 // phase_pool.cuh: a strided transposed 3-D convolution, then a max pool whose window is a whole number
-// of stride periods, then a reduction over the channels: one kernel on sm_90a wgmma (TF32, fp32
-// accumulators). The convolution output is never written. Ordinary C++ templates: the generated stage
+// of stride periods, then a reduction over the channels: one kernel on sm_90a wgmma (TF32, or bf16/f16
+// for 16-bit input; fp32 accumulators). The convolution output is never written. Ordinary C++ templates: the generated stage
 // supplies a problem struct `P` (members below) and an epilogue struct `E` (the pool_reduce stage's
 // math); the per-tap tables come as a kernel argument (PhasePoolTables).
 //
@@ -10,13 +10,15 @@
 // CTA that owns whole windows needs nothing from other CTAs.
 //
 // The GEMM is turned around, M = the 64 output channels, N = output positions: per k step one wgmma
-// m64nNk8 reads 2 KB of weights (A) and the N positions of the input box (B); with M = positions and
-// N = 64 channels the box would be read as A at 4 KB per 65 KFLOP, the shared-memory bound of that form.
+// m64nNk8 (TF32; m64nNk16 in 16 bits) reads 2 KB of weights (A) and the N positions of the input box (B); with
+// M = positions and N = 64 channels the box would be read as A at 4 KB per 65 KFLOP, the shared-memory bound
+// of that form.
 //
 // A tile: sample n, one pooled position (pd, ph) in D and H, every pooled position in W. Its input box,
-// [Cin / 4 quads][kBD][kBH][kBW][4 channels], serves all phases and is loaded once per tile; a box row
-// holds kBW positions (a multiple of 8), so the kTQH rows of one plane are one B descriptor (8-position
-// groups 128 bytes apart, the two channel quads of a k step a quad plane apart); columns past the
+// [Cin / U units][kBD][kBH][kBW][U channels] (a unit: 16 bytes, U = 4 floats or 8 16-bit values), serves all
+// phases and is loaded once per tile; a box row holds kBW positions (a multiple of 8), so the kTQH rows of one
+// plane are one B descriptor (8-position groups 128 bytes apart, the two units of a k step a unit plane
+// apart); columns past the
 // pooled ones are computed and ignored. Two warpgroups share the box, each taking a fixed set of
 // phases (balanced by taps at plan time) and streaming its weights, one tap (Cin x 64) at a time,
 // through a kRing-deep cp.async ring. A phase's accumulators (kTQD planes x 64 x N) are pooled into
@@ -30,8 +32,9 @@
 // a part leaves its warpgroups' maxima in the workspace (E::workspace) and the last part of a tile to
 // arrive (a counter per tile) combines them and finishes the tile.
 //
-// 16-bit input (P::Elem, conv_gemm.cuh): the box is loaded as stored and converted to fp32 (every 16-bit
-// value is exact in TF32); the weights come packed from the binding's fp32 copy. Before the epilogue's first
+// 16-bit input (P::Elem, conv_gemm.cuh): the box holds the input as stored and the MMAs are bf16/f16 ones
+// (twice TF32's rate; products of 16-bit values are exact, accumulated in fp32 as TF32's were); the weights
+// come packed in the dtype from the binding's fp32 copy (exact). Before the epilogue's first
 // op each accumulator becomes the convolution's output as eager's tensor holds it (conv_output: rounded to
 // Elem where P::kRoundOutput says, plus the bias where E::kConvBias says, rounded again).
 //
@@ -71,16 +74,23 @@ struct PhasePoolTables {
 
 template <class P>
 struct PoolGeometry {
+  // The MMAs' operands: float32 input as TF32 (k-steps of 8 channels), 16-bit input as stored on bf16/f16
+  // wgmma (k-steps of 16). Box and weights are K-major 16-byte units: kUnitChannels channels of a position
+  // (of an output channel, for the weights), 4 TF32 or 8 16-bit values; a k-step reads two units.
+  // 16-bit input with Cin an odd multiple of 8: the last k-step's second unit is zeros (box and weights).
+  static constexpr bool kHalfMma = kHalfInput<P>;
+  static constexpr int kUnitChannels = kHalfMma ? 8 : 4;
   static_assert(P::kCin % 8 == 0 && P::kCout == 64, "phase_pool: Cin a multiple of 8, 64 output channels");
-  static constexpr int kQuads = P::kCin / 4;
+  static constexpr int kInUnits = P::kCin / kUnitChannels;                             // units of the input's channels
+  static constexpr int kUnits = (P::kCin + 2 * kUnitChannels - 1) / (2 * kUnitChannels) * 2;  // whole k-steps
   static constexpr int kBoxPos = P::kBD * P::kBH * P::kBW;
-  static constexpr int kBoxFloats = kQuads * kBoxPos * 4;
+  static constexpr int kBoxFloats = kUnits * kBoxPos * 4;
   static constexpr int kBoxPad = 4 * (P::kBW - P::kTQW * P::kPooledW + 1);  // garbage columns read past the box
   static constexpr int kN = P::kTQH * P::kBW;                            // positions of one wgmma (a d-plane)
   static constexpr int kJ = kN / 8;
   static constexpr int kWGroups = P::kBW / 8;
-  static constexpr int kKSteps = P::kCin / 8;
-  static constexpr int kPieceFloats = kKSteps * 2 * P::kCout * 4;  // one tap: [k step][quad][64][4]
+  static constexpr int kKSteps = kUnits / 2;
+  static constexpr int kPieceFloats = kKSteps * 2 * P::kCout * 4;  // one tap: [k step][unit][64][16 bytes]
   static constexpr int kScrStride = P::kBW + 8;
   static constexpr int kScrFloats = P::kCout * kScrStride;
   static constexpr int kOuts = P::kCout * P::kPooledW;  // (channel, pooled w) maxima of a tile
@@ -191,31 +201,54 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int n = tile / (P::kPooledD * P::kPooledH), pd = (tile / P::kPooledH) % P::kPooledD, ph = tile % P::kPooledH;
     __syncthreads();  // both warpgroups' MMAs of the last tile are done with the box
     {
-      // The box, rounded to TF32: a thread loads 4 channels of a position (4 coalesced loads along W;
-      // 16-bit values converted to fp32) and stores them as one 16-byte quad.
-      constexpr int kItemsBox = G::kQuads * G::kBoxPos, kBatch = 4;
+      // The box: a thread loads a unit's channels of a position (coalesced loads along W) and stores them as
+      // one 16-byte unit: 4 floats rounded to TF32, or 8 16-bit values as stored.
+      constexpr int kItemsBox = G::kUnits * G::kBoxPos, kBatch = 4;
       constexpr long long kC = static_cast<long long>(P::kInD) * P::kInH * P::kInW;
       const Elem<P>* xn = x + static_cast<long long>(n) * P::kCin * kC;
+      // item's first channel in x (a zero where the position is outside the input: ok false)
+      auto source = [&](int item, bool& ok) {
+        const int bw = item % P::kBW, r = item / P::kBW, bh = r % P::kBH, bd = (r / P::kBH) % P::kBD;
+        const int unit = r / (P::kBH * P::kBD);
+        const int d = P::kTQD * pd + P::kEMinD + bd, h = P::kTQH * ph + P::kEMinH + bh, w = P::kEMinW + bw;
+        ok = item < kItemsBox && unit < G::kInUnits && d >= 0 && d < P::kInD && h >= 0 && h < P::kInH && w >= 0 && w < P::kInW;
+        return xn + G::kUnitChannels * (ok ? unit : 0) * kC + ((ok ? d : 0) * P::kInH + (ok ? h : 0)) * P::kInW + (ok ? w : 0);
+      };
 #pragma unroll 1
       for (int base = 0; base < kItemsBox; base += kThreads * kBatch) {
-        float4 v[kBatch];
+        if constexpr (G::kHalfMma) {
+          uint4 v[kBatch];
 #pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          const int item = base + tid + kThreads * k;
-          const int bw = item % P::kBW, r = item / P::kBW, bh = r % P::kBH, bd = (r / P::kBH) % P::kBD;
-          const int quad = r / (P::kBH * P::kBD);
-          const int d = P::kTQD * pd + P::kEMinD + bd, h = P::kTQH * ph + P::kEMinH + bh, w = P::kEMinW + bw;
-          const bool ok = item < kItemsBox && d >= 0 && d < P::kInD && h >= 0 && h < P::kInH && w >= 0 && w < P::kInW;
-          const Elem<P>* p = xn + 4 * quad * kC + ((ok ? d : 0) * P::kInH + (ok ? h : 0)) * P::kInW + (ok ? w : 0);
-          v[k] = ok ? make_float4(load_value(p), load_value(p + kC), load_value(p + 2 * kC), load_value(p + 3 * kC))
-                    : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+          for (int k = 0; k < kBatch; ++k) {
+            bool ok;
+            const unsigned short* p = reinterpret_cast<const unsigned short*>(source(base + tid + kThreads * k, ok));
+            uint32_t pair[4];
 #pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          const int item = base + tid + kThreads * k;
-          if (item < kItemsBox)
-            reinterpret_cast<float4*>(box)[item] = make_float4(to_tf32_operand<P::kTf32HalfEven>(v[k].x), to_tf32_operand<P::kTf32HalfEven>(v[k].y),
-                                                               to_tf32_operand<P::kTf32HalfEven>(v[k].z), to_tf32_operand<P::kTf32HalfEven>(v[k].w));
+            for (int c = 0; c < 4; ++c)
+              pair[c] = ok ? static_cast<uint32_t>(__ldg(p + 2 * c * kC)) | static_cast<uint32_t>(__ldg(p + (2 * c + 1) * kC)) << 16 : 0u;
+            v[k] = make_uint4(pair[0], pair[1], pair[2], pair[3]);
+          }
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            const int item = base + tid + kThreads * k;
+            if (item < kItemsBox) reinterpret_cast<uint4*>(box)[item] = v[k];
+          }
+        } else {
+          float4 v[kBatch];
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            bool ok;
+            const Elem<P>* p = source(base + tid + kThreads * k, ok);
+            v[k] = ok ? make_float4(load_value(p), load_value(p + kC), load_value(p + 2 * kC), load_value(p + 3 * kC))
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            const int item = base + tid + kThreads * k;
+            if (item < kItemsBox)
+              reinterpret_cast<float4*>(box)[item] = make_float4(to_tf32_operand<P::kTf32HalfEven>(v[k].x), to_tf32_operand<P::kTf32HalfEven>(v[k].y),
+                                                                 to_tf32_operand<P::kTf32HalfEven>(v[k].z), to_tf32_operand<P::kTf32HalfEven>(v[k].w));
+          }
         }
       }
     }
@@ -248,9 +281,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int ks = 0; ks < G::kKSteps; ++ks)
 #pragma unroll
-          for (int pl = 0; pl < P::kTQD; ++pl)
-            Wgmma<G::kN>::mma(acc[pl], a_base + ks * (2 * P::kCout * 4 * 4 / 16),
-                              b_base + ks * 2 * G::kBoxPos + pl * P::kBH * P::kBW);
+          for (int pl = 0; pl < P::kTQD; ++pl) {
+            // descriptors count 16-byte units: a k-step is two units of every row
+            const uint64_t a = a_base + ks * 2 * P::kCout, b = b_base + ks * 2 * G::kBoxPos + pl * P::kBH * P::kBW;
+            if constexpr (G::kHalfMma) {
+              Wgmma16<G::kN, Elem<P>>::mma(acc[pl], a, b);
+            } else {
+              Wgmma<G::kN>::mma(acc[pl], a, b);
+            }
+          }
         wgmma_commit();
         wgmma_wait<1>();  // piece j - 1's MMAs are done: its ring slot takes the next load
         load_next();
@@ -370,20 +409,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_wait<0>();
 }
 
-// Packs the weight (Cin, Cout, KD, KH, KW) into the pieces the kernel streams, TF32-rounded:
-// [warpgroup 0's taps, then 1's][k step][channel quad][64 output channels][4].
+// Packs the weight (Cin, Cout, KD, KH, KW) into the pieces the kernel streams, TF32-rounded (16-bit plans: in the
+// dtype, from the float32 copy of the 16-bit weight: exact):
+// [warpgroup 0's taps, then 1's][k step][unit][64 output channels][U channels].
 template <class P>
 __global__ void phase_pool_pack_kernel(const float* __restrict__ w, float* __restrict__ packed, const PhasePoolTables tables,
                                        int kernel_taps) {
   using G = PoolGeometry<P>;
+  // a piece's values: [k step][unit][output channel][kUnitChannels], as TF32 floats or 16-bit values
+  constexpr int kU = G::kUnitChannels, kPieceValues = G::kKSteps * 2 * P::kCout * kU;
   const int pieces = tables.pieces[0] + tables.pieces[1];
-  const long long total = static_cast<long long>(pieces) * G::kPieceFloats;
+  const long long total = static_cast<long long>(pieces) * kPieceValues;
   for (long long e = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; e < total; e += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const int piece = static_cast<int>(e / G::kPieceFloats), r = static_cast<int>(e % G::kPieceFloats);
-    const int i = r % 4, co = (r / 4) % P::kCout, kq = (r / (4 * P::kCout)) % 2, ks = r / (8 * P::kCout);
+    const int piece = static_cast<int>(e / kPieceValues), r = static_cast<int>(e % kPieceValues);
+    const int i = r % kU, co = (r / kU) % P::kCout, ku = (r / (kU * P::kCout)) % 2, ks = r / (2 * kU * P::kCout);
     const int wg = piece < tables.pieces[0] ? 0 : 1, j = wg ? piece - tables.pieces[0] : piece;
-    const int ci = 8 * ks + 4 * kq + i;
-    packed[e] = to_tf32_operand<P::kTf32HalfEven>(w[(static_cast<long long>(ci) * P::kCout + co) * kernel_taps + tables.weight_tap[wg][j]]);
+    const int ci = 2 * kU * ks + kU * ku + i;
+    const float v = ci < P::kCin ? w[(static_cast<long long>(ci) * P::kCout + co) * kernel_taps + tables.weight_tap[wg][j]] : 0.f;
+    if constexpr (G::kHalfMma) {
+      reinterpret_cast<Elem<P>*>(packed)[e] = from_float<Elem<P>>(v);  // exact: a copy of the 16-bit weight
+    } else {
+      packed[e] = to_tf32_operand<P::kTf32HalfEven>(v);
+    }
   }
 }
 

@@ -38,7 +38,7 @@ constexpr long long kPackedFloats = 256000;
 cudaError_t launch(const float* x, const float* w, const float* bias, float* packed, bool pack, float* out, int batch, cudaStream_t stream);
 // conv_gemm:phase_pool: the convolution with stage 1 as its epilogue, in one kernel: writes `a.out`.
 cudaError_t launch_fused(const float* x, const float* w, float* packed, bool pack, const s1::Args& a, int batch, cudaStream_t stream);
-constexpr long long kPhasePoolPackedFloats = 256000;  // its weights: every phase's taps, TF32
+constexpr long long kPhasePoolPackedFloats = 256000;  // its weights: every phase's taps as the MMAs take them
 constexpr long long kPhasePoolWorkspaceFloats = 327936;  // a split last round's partial maxima and counters
 #endif
 

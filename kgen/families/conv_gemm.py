@@ -27,7 +27,7 @@ each CTA stores its tile's moments, counts itself in, waits for the sample's
 other tiles, merges their moments as the merge kernel does, and normalizes its
 accumulators, still in registers. The convolution output is never written.
 
-Candidate ``conv_gemm:phase_pool`` (Hopper, TF32): a strided transposed 3-D convolution into
+Candidate ``conv_gemm:phase_pool`` (Hopper; TF32, bf16/f16 MMAs in 16-bit plans): a strided transposed 3-D convolution into
 64 channels whose next stage is a max pool over whole stride periods and a reduction over the
 channels runs as one wgmma kernel (``templates/conv_gemm/phase_pool.cuh``) with the GEMM turned
 around (M = the output channels, N = positions of an input box all sub-pixel phases share); the
@@ -52,8 +52,9 @@ a float32 copy once per version; the accumulators are rounded to the dtype befor
 kgen.plan.rounding_points says (eager's 16-bit convolution output). 16-bit plans keep the bias in the
 convolution (kgen.plan.defer_conv_bias): it is added to the rounded output and rounded again (the Store:
 as it stores; a fused epilogue, phase_pool's and pool_ring's included: before its first op), as eager's cuDNN
-call and ATen's bias add after it. phase_pool and pool_ring load the 16-bit input as stored and convert it
-where they round it to TF32 today (the box; the ring's slots). The norm epilogues (the direct loop) are
+call and ATen's bias add after it. phase_pool multiplies the 16-bit input as stored on bf16/f16 wgmma (twice
+TF32's rate; the same exact products, k-steps of 16 channels); pool_ring loads it as stored and converts it
+where it rounds it to TF32 (the ring's slots). The norm epilogues (the direct loop) are
 float32 only for now and decline 16-bit plans.
 
 On the CPU the stage runs ATen's convolution, then the epilogue stage's own
@@ -266,9 +267,10 @@ def _phase_taps(k: int, s: int, p: int, r: int) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=256)  # asked for by unsupported and candidates, for every candidate plan
-def phase_pool_layout(c, window: tuple, pooled: tuple) -> PhasePool | str:
+def phase_pool_layout(c, window: tuple, pooled: tuple, elem_bytes: int = FLOAT_BYTES) -> PhasePool | str:
     """The phase_pool kernel's layout for transposed convolution ``c`` pooled by ``window`` into
-    ``pooled``, or why it does not apply."""
+    ``pooled`` with operands of ``elem_bytes`` (4: TF32 MMAs, k-steps of 8 channels; 2: the 16-bit input as
+    stored on bf16/f16 MMAs, k-steps of 16), or why it does not apply."""
     if not c.transposed or c.rank != 3:
         return "a transposed 3-D convolution only"
     if c.in_channels % 8 or c.out_channels != 64:
@@ -303,9 +305,10 @@ def phase_pool_layout(c, window: tuple, pooled: tuple) -> PhasePool | str:
         return f"{max(load)} taps per warpgroup (at most {PHASE_POOL_MAX_PIECES})"
     offsets = tuple(tuple(o for ph in g for _, o in pieces[ph]) for g in groups)
     weight_taps = tuple(tuple(t for ph in g for t, _ in pieces[ph]) for g in groups)
-    cin = c.in_channels
-    box_floats = cin * math.prod(box) + 4 * (box[2] - qw + 1)
-    piece_floats = cin * 64
+    k_step = 8 * FLOAT_BYTES // elem_bytes  # an MMA's K: 32 bytes of channels (16-bit: zeros past Cin)
+    operand_floats = -(-c.in_channels // k_step) * k_step * elem_bytes // FLOAT_BYTES  # a position's channels
+    box_floats = operand_floats * math.prod(box) + 4 * (box[2] - qw + 1)
+    piece_floats = operand_floats * 64
     floats = box_floats + 2 * PHASE_POOL_RING * piece_floats + 2 * 64 * (box[2] + 8) + 64 * pooled[2]
     smem = FLOAT_BYTES * floats + PHASE_POOL_TABLE_BYTES
     if smem > SMEM_LIMIT:
@@ -465,8 +468,13 @@ class ConvGemmStage(ConvStage):
         return 2 * PHASE_POOL_MAX_WORKERS * self.conv.conv.out_channels * pooled_w + PHASE_POOL_MAX_WORKERS
 
     def phase_pool_packed_floats(self) -> int:
+        """phase_pool's packed weights in floats: every phase's taps, as the MMAs take them (TF32 in float32,
+        the 16-bit type in 16-bit plans, two to a float)."""
         pp = self.phase_pool
-        return sum(len(o) for o in pp.offsets) * self.conv.conv.in_channels * self.conv.conv.out_channels
+        c = self.conv.conv
+        size = DTYPE_BYTES[self.dtype]
+        k_step = 8 * FLOAT_BYTES // size  # whole k-steps of channels (zeros past Cin)
+        return sum(len(o) for o in pp.offsets) * -(-c.in_channels // k_step) * k_step * c.out_channels * size // FLOAT_BYTES
 
     @property
     def rank(self) -> int:
@@ -723,7 +731,7 @@ class ConvGemm(Family):
         pooled = tuple(o // w for o, w in zip(out, window))
         if 0 in pooled:
             return "no whole pool window"
-        return phase_pool_layout(lc.conv, window, pooled)
+        return phase_pool_layout(lc.conv, window, pooled, DTYPE_BYTES[req.dtype])
 
     def pool_ring(self, req: StageRequest) -> PoolRing | str:
         """The layout of candidate conv_gemm:pool_ring for the request, or why it does not apply: a
@@ -1189,8 +1197,9 @@ class ConvGemm(Family):
             tiles = batch * pp.pooled[0] * pp.pooled[1]
             read = size * tiles * c.in_channels * math.prod(pp.box)
             written = size * batch * out_type.sample_numel
+            mma_rate = target.tensor_flops if st.dtype == "float32" else target.half_tensor_flops  # 16-bit: bf16/f16 MMAs
             out.append(Work("phase_pool: transposed convolution + max pool + channel reduction", flops, read + written,
-                            target.tensor_flops * PHASE_POOL_TENSOR_FRACTION))
+                            mma_rate * PHASE_POOL_TENSOR_FRACTION))
             return out
         pr = st.pool_ring
         if pr is not None:  # what it computes (16 channels, 64 columns, whole row blocks, the pooled planes);
@@ -1233,7 +1242,8 @@ class ConvGemm(Family):
         pp = st.phase_pool
         if pp is not None:
             loads = [sum(pp.taps[i] for i in g) for g in pp.phases]
-            return [f"phase_pool (wgmma, tf32: {st.x3_reason}): all {len(pp.taps)} sub-pixel phases in one kernel, "
+            mma = "tf32: " + st.x3_reason if st.dtype == "float32" else f"{st.dtype}: the input's values as stored, exact products"
+            return [f"phase_pool (wgmma, {mma}): all {len(pp.taps)} sub-pixel phases in one kernel, "
                     f"M = 64 output channels, N = {pp.tq[1]} x {pp.box[2]} box positions per d-plane; a tile is "
                     f"{pp.tq[0]} x {pp.tq[1]} x {pp.tq[2] * pp.pooled[2]} positions of every phase (one pooled row), "
                     f"its input box {'x'.join(map(str, pp.box))} x {st.conv.conv.in_channels} channels loaded once; "
