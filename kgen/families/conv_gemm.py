@@ -258,6 +258,7 @@ class PhasePool:
     residues: tuple  # per phase: (rd, rh, rw)
     offsets: tuple  # per warpgroup: each of its taps' offset in the box (positions)
     weight_taps: tuple  # per warpgroup: each of its taps' weight tap ((kd KH + kh) KW + kw)
+    piece_floats: int  # one tap's weights as the MMAs take them (TF32, or the 16-bit type two to a float)
     smem_bytes: int
 
 
@@ -314,7 +315,7 @@ def phase_pool_layout(c, window: tuple, pooled: tuple, elem_bytes: int = FLOAT_B
     if smem > SMEM_LIMIT:
         return f"{smem // 1024} KB of shared memory"
     return PhasePool(stride, tq, tuple(pooled), emin, box, tuple(tuple(g) for g in groups), tuple(taps),
-                     tuple(residues), offsets, weight_taps, smem)
+                     tuple(residues), offsets, weight_taps, piece_floats, smem)
 
 
 def _balanced_halves(taps: list[int]) -> list[list[int]]:
@@ -471,10 +472,7 @@ class ConvGemmStage(ConvStage):
         """phase_pool's packed weights in floats: every phase's taps, as the MMAs take them (TF32 in float32,
         the 16-bit type in 16-bit plans, two to a float)."""
         pp = self.phase_pool
-        c = self.conv.conv
-        size = DTYPE_BYTES[self.dtype]
-        k_step = 8 * FLOAT_BYTES // size  # whole k-steps of channels (zeros past Cin)
-        return sum(len(o) for o in pp.offsets) * -(-c.in_channels // k_step) * k_step * c.out_channels * size // FLOAT_BYTES
+        return sum(len(o) for o in pp.offsets) * pp.piece_floats
 
     @property
     def rank(self) -> int:
