@@ -314,26 +314,21 @@ __global__ void __launch_bounds__(kThreads, 1)
           float m[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int col = 8 * jw + 2 * t + e;
-            const int ow = P::kSW * col + rw;
             m[e] = -INFINITY;
-            if constexpr (E::kPreIdentity) {  // conv_output once, on the max (conv_gemm.cuh)
 #pragma unroll
-              for (int pl = 0; pl < P::kTQD; ++pl)
+            for (int pl = 0; pl < P::kTQD; ++pl)
 #pragma unroll
-                for (int hh = 0; hh < P::kTQH; ++hh) m[e] = kgen::max_nan(m[e], acc[pl][jw + G::kWGroups * hh][2 * c + e]);
-              m[e] = conv_output<P, E, true>(m[e], bias);
-              (void)ow;
-            } else {
-#pragma unroll
-              for (int pl = 0; pl < P::kTQD; ++pl)
-#pragma unroll
-                for (int hh = 0; hh < P::kTQH; ++hh) {
+              for (int hh = 0; hh < P::kTQH; ++hh) {
+                const float a = acc[pl][jw + G::kWGroups * hh][2 * c + e];
+                if constexpr (E::kPreIdentity) {  // conv_output once, on the max (conv_gemm.cuh)
+                  m[e] = kgen::max_nan(m[e], a);
+                } else {
                   const int od = P::kSD * (P::kTQD * pd + pl) + rd, oh = P::kSH * (P::kTQH * ph + hh) + rh;
-                  const float v = conv_output<P, E, true>(acc[pl][jw + G::kWGroups * hh][2 * c + e], bias);
-                  m[e] = kgen::max_nan(m[e], E::pre(ep, n, ch, od, oh, ow, v));
+                  const int ow = P::kSW * (8 * jw + 2 * t + e) + rw;
+                  m[e] = kgen::max_nan(m[e], E::pre(ep, n, ch, od, oh, ow, conv_output<P, E, true>(a, bias)));
                 }
-            }
+              }
+            if constexpr (E::kPreIdentity) m[e] = conv_output<P, E, true>(m[e], bias);
           }
           *reinterpret_cast<float2*>(scr + ch * G::kScrStride + 8 * jw + 2 * t) = make_float2(m[0], m[1]);
         }
