@@ -66,14 +66,9 @@ def main():
         if args.host:
             print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
             print(f"  host: {host_ms(lambda: model(x)):.3f} ms to issue one call (median, queue drained before each)")
-        params = dict(model.named_parameters())
-        for st in plan.kernel_stages():
-            op = op_of(st)
-            stage_params = [params[a.name] for a in plan.stage_args(st)]
-            t = torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda", dtype=dtype)
-            tiles = pack_buffer(st.input, t)
+        for st, call, tiles in stage_calls(pipe, plan, op_of, model, dtype):
             with torch.no_grad():
-                ms = time_ms(lambda: op(tiles, *stage_params), 20)
+                ms = time_ms(call, 20)
             nbytes = x.element_size() * (sum(tl.numel() for tl in tiles) + st.out_type.sample_numel * pipe.example_batch())
             print(f"  stage {st.index} ({st.kind}) alone: {ms:.3f} ms, {nbytes / 1e6:.0f} MB -> {nbytes / ms / 1e9:.2f} TB/s")
 
@@ -96,14 +91,26 @@ def host_ms(fn, reps=20):
     return statistics.median(times)
 
 
-def stage_once(pipe, plan, op_of, model, dtype):
-    params = dict(model.named_parameters())
+def stage_calls(pipe, plan, op_of, model, dtype):
+    """(stage, a call of its op alone on a random full-size input, the packed input) per kernel stage:
+    the op takes (input tiles, the stage's tensors, the values it reads), as the module calls it."""
+    batch = pipe.example_batch()
+    with torch.no_grad():
+        tensors = plan.pipeline.with_stage_tensors({n: p.detach() for n, p in model.state_dict().items()})
+    floats = {a.name for a in plan.pipeline.stage_tensors() if a.dtype == "float32"}  # stay float (batch-norm statistics)
     for st in plan.kernel_stages():
         op = op_of(st)
-        stage_params = [params[a.name] for a in plan.stage_args(st)]
-        tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(pipe.example_batch()), device="cuda", dtype=dtype))
+        args = [tensors[a.name] if a.name in floats or not tensors[a.name].is_floating_point() else tensors[a.name].to(dtype)
+                for a in plan.stage_args(st)]
+        values = [torch.randn(plan.pipeline.values[n].concrete(batch), device="cuda", dtype=dtype) for n in plan.stage_values(st)]
+        tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(batch), device="cuda", dtype=dtype))
+        yield st, (lambda op=op, tiles=tiles, args=args, values=values: op(tiles, args, values)), tiles
+
+
+def stage_once(pipe, plan, op_of, model, dtype):
+    for _, call, _ in stage_calls(pipe, plan, op_of, model, dtype):
         with torch.no_grad():
-            op(tiles, *stage_params)
+            call()
         torch.cuda.synchronize()
 
 
