@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0, help="skip problems numbered below this")
     ap.add_argument("--only", default="", help="comma-separated problem numbers")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="skip torch.compile's mode=\"reduce-overhead\" (CUDA graphs) in the timing phase")
     ap.add_argument("--training", action="store_true",
                     help="time in training mode (batch norm's batch statistics; KernelBench's own check runs so)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -317,6 +319,7 @@ def time_all(specs, rows, args, deadline, write):
                         fns["compile_ms"] = lambda: compiled(*inputs)
                     except Exception as e:  # noqa: BLE001
                         row["compile_error"] = _line(e)
+                if args.compile and args.graphs:
                     try:  # its CUDA-graph mode: the peer of kgen's replay of its kernels
                         graphed = torch.compile(ref, mode="reduce-overhead")
                         for _ in range(3):  # warm-up, record, replay
