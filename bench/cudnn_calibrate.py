@@ -3,9 +3,11 @@ first convolution at its example batch, in every form a conv_aten stage can call
 channels_last; a strided transposed one also as its sub-pixel phase convolutions; a stride-1 transposed one also
 as the flipped-kernel forward convolution), each timed with TF32 allowed (PyTorch's default) and with TF32 off,
 beside conv_work's estimate of the same call. "fp32 kernel" means TF32 allowed gave the same bits as TF32 off:
-cuDNN picked an fp32 kernel anyway. GPU machine:
+cuDNN picked an fp32 kernel anyway. With --dtype bfloat16 or float16: the input, weights and bias in that dtype,
+each form timed once (TF32 does not apply) beside conv_work's 16-bit estimate. GPU machine:
 
     PYTHONPATH=. python bench/cudnn_calibrate.py --out cal.json SPEC.yaml ...
+    PYTHONPATH=. python bench/cudnn_calibrate.py --dtype bfloat16 --out cal_bf16.json SPEC.yaml ...
 """
 import argparse
 import json
@@ -54,17 +56,17 @@ def forms(pipe, x: torch.Tensor):
     rank = conv.rank
     n, L = x.shape[0], tuple(x.shape[2:])
     cin, cout, g = conv.in_channels, conv.out_channels, conv.groups
-    bias = torch.randn(cout, device=x.device)
+    bias = torch.randn(cout, device=x.device, dtype=x.dtype)
     out = []
     for layout in ("contiguous", "channels_last"):
         f = fmt_of(layout, rank)
         xl = x.contiguous(memory_format=f)
         if conv.transposed:
-            w = torch.randn(cin, cout // g, *conv.kernel, device=x.device).contiguous(memory_format=f)
+            w = torch.randn(cin, cout // g, *conv.kernel, device=x.device, dtype=x.dtype).contiguous(memory_format=f)
             call = lambda xl=xl, w=w: TRANSPOSED[rank](xl, w, bias, conv.stride, conv.padding,  # noqa: E731
                                                        conv.output_padding, g, conv.dilation)
         else:
-            w = torch.randn(cout, cin // g, *conv.kernel, device=x.device).contiguous(memory_format=f)
+            w = torch.randn(cout, cin // g, *conv.kernel, device=x.device, dtype=x.dtype).contiguous(memory_format=f)
             call = lambda xl=xl, w=w: FWD[rank](xl, w, bias, conv.stride, conv.padding, conv.dilation, g)  # noqa: E731
         y = call()
         flops = 2 * n * cin // g * cout * math.prod(conv.kernel) * (math.prod(L) if conv.transposed else math.prod(y.shape[2:]))
@@ -81,7 +83,7 @@ def forms(pipe, x: torch.Tensor):
             xin = x[(slice(None), slice(None)) + tuple(slice(0, e) for e in phases[0].input_extent)].contiguous(memory_format=f)
             calls, ests = [], []
             for ph in phases:
-                w = torch.randn(cout, cin, *ph.taps, device=x.device).contiguous(memory_format=f)
+                w = torch.randn(cout, cin, *ph.taps, device=x.device, dtype=x.dtype).contiguous(memory_format=f)
                 calls.append(lambda w=w, ph=ph: FWD[rank](xin, w, bias, 1, ph.padding))
                 ests.append(dict(flops=2 * n * cin * cout * math.prod(ph.taps) * math.prod(ph.count), read=xin.numel(),
                                  written=n * cout * math.prod(ph.conv_out), n=cout, k=cin * math.prod(ph.taps),
@@ -95,7 +97,10 @@ def main():
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = ap.parse_args()
+    if args.dtype != "float32":
+        return calibrate_16_bit(args)
     target = current()
     rows = []
     for path in args.specs:
@@ -127,6 +132,39 @@ def main():
         del x
         torch.cuda.empty_cache()
     json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), open(args.out, "w"), indent=1)
+
+
+def calibrate_16_bit(args):
+    """Each form of each spec's first convolution in args.dtype: its time and conv_work's estimate."""
+    target, dtype = current(), getattr(torch, args.dtype)
+    rows = []
+    for path in args.specs:
+        pipe = load_pipeline(path)
+        conv = pipe.ops[0]
+        if not isinstance(conv, Conv):
+            continue
+        batch = pipe.example_batch()
+        torch.manual_seed(0)
+        x = torch.randn(pipe.input.concrete(batch), device="cuda", dtype=dtype)
+        for name, layout, calls, ests in forms(pipe, x):
+            try:
+                with torch.no_grad():
+                    ms = time_ms(lambda: [c() for c in calls], args.reps)  # noqa: B023
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                continue
+            model = 1e3 * sum(work_s(w, target) for e in ests for w in conv_work("c", target=target, dtype=args.dtype, **e))
+            row = dict(spec=pipe.name, conv=f"{conv.kind} {conv.in_channels}->{conv.out_channels} k{list(conv.kernel)} "
+                       f"s{list(conv.stride)} p{list(conv.padding)}", batch=batch, form=name, layout=layout,
+                       calls=len(calls), k=ests[0]["k"], n=ests[0]["n"], gflop=sum(e["flops"] for e in ests) / 1e9,
+                       dtype=args.dtype, ms=ms, model_ms=model)
+            rows.append(row)
+            print(f"{row['spec'][:44]:44s} {name[:20]:20s} {layout[:6]:6s} K={row['k']:5d} N={row['n']:4d} "
+                  f"{row['gflop']:8.2f} GF  {ms:8.3f} ms  model {model:8.3f}", flush=True)
+        del x
+        torch.cuda.empty_cache()
+    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype, rows=rows),
+              open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":
