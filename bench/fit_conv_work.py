@@ -8,6 +8,12 @@ forward convolutions with TF32 off). Prints the fitted values and measured / mod
 and scipy, which kgen itself does not):
 
     PYTHONPATH=. python bench/fit_conv_work.py reports/cudnn_calibration_h100.json SPEC_DIR ...
+
+With --dtype: calibration files of 16-bit calls (`cudnn_calibrate.py --dtype`, one or more, e.g. bfloat16 and
+float16 together) fit the 16-bit terms (SIXTEEN_BIT):
+
+    PYTHONPATH=. python bench/fit_conv_work.py --dtype reports/cudnn_calibration_h200_bf16.json \
+        reports/cudnn_calibration_h200_f16.json --specs SPEC_DIR ...
 """
 import argparse
 import collections
@@ -35,6 +41,8 @@ from kgen.target import current  # noqa: E402
 TENSOR_CORE = ["CUDNN_FRACTION", "TRANSPOSED_STRIDE1_EFFICIENCY",
                "TRANSPOSED_STRIDED_EFFICIENCY", "TRANSPOSED_NCHW_EFFICIENCY", "TRANSPOSED_3D_EFFICIENCY", "NCHW_CONVERSION"]
 FP32 = ["CUDNN_FP32_FRACTION"]
+SIXTEEN_BIT = ["CUDNN16_FRACTION", "TRANSPOSED16_STRIDE1_EFFICIENCY", "TRANSPOSED16_STRIDED_EFFICIENCY",
+               "TRANSPOSED16_NCHW_EFFICIENCY", "TRANSPOSED16_3D_EFFICIENCY", "NCHW16_CONVERSION"]
 RESTARTS = 12
 
 
@@ -72,15 +80,21 @@ def samples(rows, spec_dirs):
 
 
 def log_errors(data, target, fp32: bool):
-    column = "tf32_off_ms" if fp32 else "tf32_allowed_ms"
+    """(row, log(measured / model)) per calibration row: a 16-bit row (its "dtype") against its 16-bit estimate."""
     for r, est in data:
-        if fp32 and kind(r).startswith("transposed"):
+        dtype = r.get("dtype", "float32")
+        if dtype != "float32":
+            column = "ms"
+        elif fp32 and kind(r).startswith("transposed"):
             continue
-        model = 1e3 * sum(work_s(w, target) for a in est for w in conv_aten.conv_work("c", target=target, fp32=fp32, **a))
+        else:
+            column = "tf32_off_ms" if fp32 else "tf32_allowed_ms"
+        model = 1e3 * sum(work_s(w, target) for a in est
+                          for w in conv_aten.conv_work("c", target=target, fp32=fp32, dtype=dtype, **a))
         yield r, math.log(r[column] / model)
 
 
-def fit(data, target, names, fp32: bool):
+def fit(data, target, names, fp32: bool, label: str | None = None):
     def loss(logp):
         for n, v in zip(names, np.exp(logp)):
             setattr(conv_aten, n, float(v))
@@ -96,7 +110,7 @@ def fit(data, target, names, fp32: bool):
         r = minimize(loss, x0, method="Powell", options=dict(maxiter=20000, xtol=1e-3, ftol=1e-7))
         best = r if best is None or r.fun < best.fun else best
     loss(best.x)  # leave the best values set
-    print(f"{'TF32 off' if fp32 else 'TF32 allowed'}: rms log error {math.sqrt(before):.3f} -> {math.sqrt(best.fun):.3f}")
+    print(f"{label or ('TF32 off' if fp32 else 'TF32 allowed')}: rms log error {math.sqrt(before):.3f} -> {math.sqrt(best.fun):.3f}")
     for n, old, new in zip(names, np.exp(start), np.exp(best.x)):
         print(f"  {n:32s} {old:10.4g} -> {new:10.4g}")
     groups = collections.defaultdict(list)
@@ -110,11 +124,20 @@ def fit(data, target, names, fp32: bool):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("calibration")
-    ap.add_argument("spec_dirs", nargs="+")
+    ap.add_argument("spec_dirs", nargs="*")
+    ap.add_argument("--dtype", action="store_true",
+                    help="16-bit calibration files (the positional arguments up to --specs) and the 16-bit terms")
+    ap.add_argument("--specs", nargs="+", default=[], help="with --dtype: the spec folders")
     args = ap.parse_args()
+    target = current()
+    if args.dtype:
+        rows = [r for f in [args.calibration] + args.spec_dirs for r in json.load(open(f))["rows"]]
+        data = samples(rows, args.specs)
+        print(f"{len(data)} calls")
+        fit(data, target, SIXTEEN_BIT, fp32=False, label="16-bit")
+        return
     data = samples(json.load(open(args.calibration))["rows"], args.spec_dirs)
     print(f"{len(data)} calls")
-    target = current()
     fit(data, target, TENSOR_CORE, fp32=False)
     fit(data, target, FP32, fp32=True)
 

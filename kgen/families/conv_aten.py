@@ -51,12 +51,18 @@ TRANSPOSED_STRIDE1_EFFICIENCY = 0.87
 TRANSPOSED_STRIDED_EFFICIENCY = 0.33
 TRANSPOSED_NCHW_EFFICIENCY = 0.69
 TRANSPOSED_3D_EFFICIENCY = 0.59  # 3-d against 2-d (the fit: cuDNN's 3-d data-gradient kernels are slower)
-# ... in 16 bits (all of the above together, NCHW): cuDNN's 16-bit data-gradient kernels come much closer to its
-# forward rate. Set from two H200 measurements (6c9119c, 2026-11-28, kgen bench of the shipped specs in bfloat16,
-# eager's call alone): 3-d 64 -> 128 k3 s1 at 382 TFLOP/s (relu_group_norm), 3-d 32 -> 64 k5 s2 at 135
-# (maxpool_sum); the fitted float32 factors put them at 148 and 38.
-TRANSPOSED16_STRIDE1_EFFICIENCY = 0.91
+# ... in 16 bits (bfloat16 and float16 together): the same terms fitted on their own, to 312 calls (every form of
+# the 63 level-2 problems' first convolution, each dtype) on an H200 (reports/cudnn_calibration_h200_bf16.json and
+# _f16.json, 2026-12-02; `bench/cudnn_calibrate.py --dtype`, `bench/fit_conv_work.py --dtype`). Before the fit the
+# 16-bit calls took TF32's fraction of the 16-bit peak: measured / model was 2.2x (2-d forward), 2.6x (3-d forward),
+# up to 5.8x (3-d transposed in NCHW), so 16-bit plans kept cuDNN calls the model halved. float16 ran 1.18x faster
+# than bfloat16 (geometric mean over the same calls); one set of terms serves both.
+CUDNN16_FRACTION = 0.33
+TRANSPOSED16_STRIDE1_EFFICIENCY = 1.8
 TRANSPOSED16_STRIDED_EFFICIENCY = 0.48
+TRANSPOSED16_NCHW_EFFICIENCY = 0.43
+TRANSPOSED16_3D_EFFICIENCY = 0.61
+NCHW16_CONVERSION = 4.6  # NCHW_CONVERSION (below) of a 16-bit call
 # A forward convolution in NCHW: cuDNN's tensor-core kernels are NHWC, so it converts the input and the
 # output (each a read and a write: 2x the bytes; the fit gives 1.86x)
 NCHW_CONVERSION = 1.86
@@ -291,25 +297,31 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
     N = ``n`` output channels and K = ``k`` (input channels x taps); ``transposed_stride``:
     the stride of a transposed convolution run as written; ``fp32``: TF32 off (fp32 kernels);
     ``phase``: a sub-pixel phase, whose output is a strided view of the whole output; ``dtype``:
-    its operands' (16-bit: the 16-bit tensor cores, at the fraction of their peak fitted for TF32's,
-    not measured yet; values of 2 bytes)."""
+    its operands' (16-bit: the 16-bit tensor cores at CUDNN16_FRACTION of their peak and the 16-bit
+    transposed terms; values of 2 bytes)."""
+    half = dtype != "float32"
     fill = min(1.0, n / CUDNN_FULL_N) * min(1.0, k / CUDNN_FULL_K)
-    if dtype != "float32":
-        rate = target.product_flops(dtype) * CUDNN_FRACTION * fill
+    if half:
+        rate = target.product_flops(dtype) * CUDNN16_FRACTION * fill
     else:
         rate = target.fp32_flops * CUDNN_FP32_FRACTION if fp32 else target.tensor_flops * CUDNN_FRACTION * fill
     nbytes = DTYPE_BYTES[dtype]
     conv = lambda rate: Work(what, flops, nbytes * (read + written), rate, calls=1, call_s=CUDNN_CALL_S)  # noqa: E731
     if transposed_stride is not None:
         strided = any(s > 1 for s in transposed_stride)
-        if dtype != "float32":
-            return [conv(rate * (TRANSPOSED16_STRIDED_EFFICIENCY if strided else TRANSPOSED16_STRIDE1_EFFICIENCY))]
-        nchw = TRANSPOSED_NCHW_EFFICIENCY if layout == "contiguous" else 1.0
-        rank3 = TRANSPOSED_3D_EFFICIENCY if len(transposed_stride) == 3 else 1.0
-        return [conv(rate * nchw * rank3 * (TRANSPOSED_STRIDED_EFFICIENCY if strided else TRANSPOSED_STRIDE1_EFFICIENCY))]
+        if half:
+            nchw, rank3 = TRANSPOSED16_NCHW_EFFICIENCY, TRANSPOSED16_3D_EFFICIENCY
+            stride1, strided_eff = TRANSPOSED16_STRIDE1_EFFICIENCY, TRANSPOSED16_STRIDED_EFFICIENCY
+        else:
+            nchw, rank3 = TRANSPOSED_NCHW_EFFICIENCY, TRANSPOSED_3D_EFFICIENCY
+            stride1, strided_eff = TRANSPOSED_STRIDE1_EFFICIENCY, TRANSPOSED_STRIDED_EFFICIENCY
+        nchw = nchw if layout == "contiguous" else 1.0
+        rank3 = rank3 if len(transposed_stride) == 3 else 1.0
+        return [conv(rate * nchw * rank3 * (strided_eff if strided else stride1))]
     if layout == "contiguous":
-        return [Work(f"{what}: NCHW to NHWC", 0, NCHW_CONVERSION * nbytes * read), conv(rate),
-                Work(f"{what}: NHWC to NCHW", 0, NCHW_CONVERSION * (PHASE_NCHW_WRITE if phase else 1.0) * nbytes * written)]
+        conversion = NCHW16_CONVERSION if half else NCHW_CONVERSION
+        return [Work(f"{what}: NCHW to NHWC", 0, conversion * nbytes * read), conv(rate),
+                Work(f"{what}: NHWC to NCHW", 0, conversion * (PHASE_NCHW_WRITE if phase else 1.0) * nbytes * written)]
     return [conv(rate)]
 
 

@@ -121,6 +121,12 @@ WINDOW_TENSOR_FRACTION = 0.35
 # to KernelBench #15, #34, #58, #72, #93, #100: within 1.4x; the old model was 2-12x low)
 PHASES_TENSOR_FRACTION = 0.34
 PHASES_BYTES_FACTOR = 6.0
+# A 16-bit plan's convolution in the generic loops (not phase_pool or pool_ring, which are priced on their own
+# rates): its time against the float32 terms above. Measured in the level-2 bfloat16 sweep on an H200
+# (reports/kernelbench_level2_h200_bf16.md, kgen at 9727fbb): the eight problems whose plan is one such kernel
+# took 1.0-3.7x the model (geometric mean 2.3x; #57, #69, #71, Conv2d 8 -> 64 k3 with a 1 GB output: 2.4-3.7x).
+# Not profiled yet: a factor on the whole time, not a term of the loads, the MMAs or the stores.
+HALF_TIME_FACTOR = 2.3
 # A pass that writes only its tiles' moments (output_dropped) still stages each tile and reduces every value
 # per channel: about the time of writing the output once at DRAM speed (one point: KernelBench #72's
 # statistics pass, 407 us on an H100 for 1.03 GB of values, where the rest of the model gives 0.10 ms)
@@ -1234,6 +1240,9 @@ class ConvGemm(Family):
         if st.output_dropped:
             out.append(Work("its tiles reduced to moments (not stored)", 0,
                             FLOAT_BYTES * batch * st.out_type.sample_numel * DROPPED_OUTPUT_BYTES_FACTOR, launches=0))
+        if st.dtype != "float32":  # (every term of the time, the weight pack's aside)
+            out = out[:1] + [replace(w, bytes=w.bytes * HALF_TIME_FACTOR, flop_rate=(w.flop_rate or target.fp32_flops) / HALF_TIME_FACTOR,
+                                     latency_s=w.latency_s * HALF_TIME_FACTOR) for w in out[1:]]
         return out  # the folded and packed weights are kept between calls (kgen::WeightCache)
 
     def explain_lines(self, st: ConvGemmStage) -> list[str]:
