@@ -4,6 +4,10 @@ machine, on specs `kgen import` wrote (built into --gen first if not built there
 
     PYTHONPATH=. python bench/profile_vs_inductor.py build/kb2loss/specs/kb2_54_*.yaml
     PYTHONPATH=. python bench/profile_vs_inductor.py --training build/kernelbench3/specs/kb3_8_*.yaml
+    PYTHONPATH=. python bench/profile_vs_inductor.py --dtype bfloat16 build/kernelbench/specs/kb2_1_*.yaml
+
+--dtype bfloat16 (or float16): each spec copied with its input in that dtype (into --gen's `specs` folder, as
+bench/kernelbench_gpu.py --dtype does), and the three models converted with .to(dtype).
 """
 import argparse
 import subprocess
@@ -40,21 +44,27 @@ def main():
     ap.add_argument("--gen", type=Path, default=Path("build/profile"))
     ap.add_argument("--training", action="store_true", help="batch norm with batch statistics (KernelBench's mode)")
     ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = ap.parse_args()
+    if args.dtype != "float32":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from kernelbench_gpu import spec_in_dtype
+
+        args.specs = [spec_in_dtype(s, args.dtype, args.gen / "specs") for s in args.specs]
     for spec in args.specs:
         name = spec.stem
         if not (args.gen / name).exists():
             subprocess.run([sys.executable, "-m", "kgen", "render", str(spec), "--out", str(args.gen)], check=True)
         subprocess.run([sys.executable, "-m", "kgen", "build", "--out", str(args.gen), name], check=True,
                        stdout=subprocess.DEVNULL)
-        pipe, batch, model, ref, inputs = models_and_inputs(args.gen / name, spec)
+        pipe, batch, model, ref, inputs = models_and_inputs(args.gen / name, spec, args.dtype)
         model.train(args.training)
         ref.train(args.training)
         compiled = torch.compile(ref)
         fns = {"eager": lambda: ref(*inputs), "torch.compile": lambda: compiled(*inputs), "kgen": lambda: model(*inputs)}
         with torch.no_grad():
             times = time_in_blocks(fns, 20)
-            print(f"==== {name} (batch {batch}, {'training' if args.training else 'eval'} mode): " +
+            print(f"==== {name} ({args.dtype}, batch {batch}, {'training' if args.training else 'eval'} mode): " +
                   ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()))
             for label, fn in fns.items():
                 with launches_one_by_one():  # kgen's kernels one by one, not as one graph launch
