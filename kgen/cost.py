@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .families.base import Work
+from .families.base import Work, value_bytes
 from .stage import Stage
 from .target import Target
 
@@ -55,8 +55,27 @@ def estimate(plan, batch: int) -> list[StageEstimate]:
     for st in plan.stages:
         if getattr(st, "absorbed_by", None) is not None:
             continue
-        work = st.family.work(st, batch, plan.target)
+        work = st.family.work(st, batch, plan.target) + relayout_copies(plan, st, batch)
         out.append(StageEstimate(st, work, 1e3 * sum(work_s(w, plan.target) for w in work)))
+    return out
+
+
+def relayout_copies(plan, st: Stage, batch: int) -> list[Work]:
+    """The copies a generated stage's binding makes of the tensors it reads as plain NC[D]HW ones (a value
+    operand, or the value it starts from: `.contiguous()`) where the stage that wrote one left it channels_last."""
+    exprs = getattr(plan, "value_exprs", None)
+    if not st.family.generates_kernel or not exprs:
+        return []
+    writers = {f"t{s.index}": s for s in plan.stages}
+    read = [exprs[n] for n in plan.stage_values(st) if n in exprs]
+    if st.ops and st.ops[0].src is not None:
+        read.append(st.source)
+    out = []
+    for tensor in read:
+        src = writers.get(tensor)
+        if src is not None and src.output is not None and not src.output.flat:
+            out.append(Work(f"{tensor} copied into a plain tensor", 0,
+                            2 * value_bytes(src) * batch * src.out_type.sample_numel))
     return out
 
 

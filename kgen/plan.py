@@ -231,7 +231,8 @@ def defer_conv_bias(pipe: Pipeline) -> Pipeline:
             ops.append(op)
             continue
         view = (lc.conv.out_channels,) + (1,) * lc.conv.rank
-        add = Elementwise(key=op.key, fn="add", param=lc.conv.bias_name, param_view=view)
+        # its own key (the convolution's bias): the stage it starts is a decision point of its own
+        add = Elementwise(key=f"{op.key}.bias", fn="add", param=lc.conv.bias_name, param_view=view)
         # only where the next op's stage takes it (not a layer_norm whose rows are too long for its family)
         if families.claimants([add, nxt]):
             ops += [replace(lc, bias_deferred=True), add]

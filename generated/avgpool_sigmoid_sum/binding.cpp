@@ -103,7 +103,7 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
 }
 
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/binding.cpp.j2)
-// Stage 1 (pool_reduce): ops[0].conv2d, ops[2].sigmoid, ops[3].sum
+// Stage 1 (pool_reduce): ops[0].conv2d.bias, ops[2].sigmoid, ops[3].sum
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias) {
   TORCH_CHECK(in.size() == 1, kOp, " stage 1: expected 1 input buffer(s), got ", in.size());
   const at::Tensor& like = in[0];

@@ -44,7 +44,7 @@ constexpr int kSplits = 144;  // partials per output of stage 1: tiles along its
 }  // namespace s0
 
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
-//   ops[0].conv2d: add(conv.bias per channel)
+//   ops[0].conv2d.bias: add(conv.bias per channel)
 //   ops[2].sigmoid: sigmoid
 //   ops[3].sum: sum(dims=[1, 2, 3])
 namespace s1 {
@@ -78,9 +78,9 @@ struct Input {
   KGEN_HD float operator()(const Args& a, long long n, int c, int d0, int d1) const { return load(a, n, c, d0, d1); }
 };
 
-// level 0: the input value `v` at a position, then ops[0].conv2d, ops[2].sigmoid
+// level 0: the input value `v` at a position, then ops[0].conv2d.bias, ops[2].sigmoid
 KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, float v) {
-  v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv2d: add(conv.bias per channel)
+  v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv2d.bias: add(conv.bias per channel)
   v = kgen::sigmoid(v);  // ops[2].sigmoid: sigmoid
   (void)a; (void)n; (void)c; (void)d0; (void)d1; 
   return v;

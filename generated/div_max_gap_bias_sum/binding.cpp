@@ -111,7 +111,7 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
 }
 
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/binding.cpp.j2)
-// Stage 1 (pool_reduce): ops[0].conv3d, ops[2].max_pool3d, ops[1].div, ops[3].adaptive_avg_pool3d, ops[3].adaptive_avg_pool3d, ops[4].add
+// Stage 1 (pool_reduce): ops[0].conv3d.bias, ops[2].max_pool3d, ops[1].div, ops[3].adaptive_avg_pool3d, ops[3].adaptive_avg_pool3d, ops[4].add
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tensor& bias) {
   TORCH_CHECK(in.size() == 1, kOp, " stage 1: expected 1 input buffer(s), got ", in.size());
   const at::Tensor& like = in[0];

@@ -45,7 +45,7 @@ constexpr long long kPoolRingPackedFloats = 3456;  // its weights: A fragments p
 }  // namespace s0
 
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
-//   ops[0].conv3d: add(conv.bias per channel)
+//   ops[0].conv3d.bias: add(conv.bias per channel)
 //   ops[2].max_pool3d: max_pool3d(k=2)
 //   ops[1].div: div(2)
 //   ops[3].adaptive_avg_pool3d: sum(dims=[1, 2, 3, 4], keeping [2, 3, 4])
@@ -89,9 +89,9 @@ struct Input {
   KGEN_HD float operator()(const Args& a, long long n, int c, int d0, int d1, int d2) const { return load(a, n, c, d0, d1, d2); }
 };
 
-// level 0: the input value `v` at a position, then ops[0].conv3d
+// level 0: the input value `v` at a position, then ops[0].conv3d.bias
 KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
-  v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv3d: add(conv.bias per channel)
+  v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv3d.bias: add(conv.bias per channel)
   (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;
 }

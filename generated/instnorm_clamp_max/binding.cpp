@@ -108,7 +108,7 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_weight, cons
 }
 
 // ==== stage 1: norm (kgen-template: templates/norm/binding.cpp.j2)
-// Stage 1 (norm): ops[0].conv3d, ops[1].mul, ops[2].instance_norm, ops[3].clamp, ops[4].mul, ops[5].max
+// Stage 1 (norm): ops[0].conv3d.bias, ops[1].mul, ops[2].instance_norm, ops[3].clamp, ops[4].mul, ops[5].max
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_bias, const at::Tensor& multiplier) {
   TORCH_CHECK(in.size() == 1, kOp, " stage 1: expected 1 input buffer(s), got ", in.size());
   const at::Tensor& like = in[0];

@@ -46,7 +46,7 @@ constexpr int kCoresidentSyncInts = 2312;  // after a.arrived's per-sample count
 }  // namespace s0
 
 // ==== stage 1: norm (kgen-template: templates/norm/stage.h.j2)
-//   ops[0].conv3d: add(conv.bias per channel)
+//   ops[0].conv3d.bias: add(conv.bias per channel)
 //   ops[1].mul: mul(multiplier)
 //   ops[2].instance_norm: instance_norm(eps=1e-05)
 //   ops[3].clamp: clamp(-1.0, 1.0)
@@ -96,9 +96,9 @@ constexpr int kMaxSplits = 65535;  // the grid's y limit
 constexpr int kCpuStatsGrain = 1;  // (sample, group) pairs per ATen task of the statistics
 constexpr int kCpuGrain = 256;  // outputs per ATen task of the apply step
 
-// The input value `v` at (n, c, position) as the norm sees it: after ops[0].conv3d, ops[1].mul.
+// The input value `v` at (n, c, position) as the norm sees it: after ops[0].conv3d.bias, ops[1].mul.
 KGEN_HD float pre(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
-  v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv3d: add(conv.bias per channel)
+  v = kgen::add(v, a.conv_bias[c]);  // ops[0].conv3d.bias: add(conv.bias per channel)
   v = kgen::mul(v, a.multiplier[c]);  // ops[1].mul: mul(multiplier)
   (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;

@@ -108,7 +108,7 @@ at::Tensor stage0_fused(const at::Tensor& x, const at::Tensor& conv_transpose_we
 }
 
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/binding.cpp.j2)
-// Stage 1 (pool_reduce): ops[0].conv_transpose3d, ops[1].max_pool3d, ops[3].sum
+// Stage 1 (pool_reduce): ops[0].conv_transpose3d.bias, ops[1].max_pool3d, ops[3].sum
 at::Tensor stage1(at::TensorList in, const at::Tensor& conv_transpose_bias) {
   TORCH_CHECK(in.size() == 1, kOp, " stage 1: expected 1 input buffer(s), got ", in.size());
   const at::Tensor& like = in[0];

@@ -45,7 +45,7 @@ constexpr long long kPhasePoolWorkspaceFloats = 327936;  // a split last round's
 }  // namespace s0
 
 // ==== stage 1: pool_reduce (kgen-template: templates/pool_reduce/stage.h.j2)
-//   ops[0].conv_transpose3d: add(conv_transpose.bias per channel)
+//   ops[0].conv_transpose3d.bias: add(conv_transpose.bias per channel)
 //   ops[1].max_pool3d: max_pool3d(k=6)
 //   ops[3].sum: sum(dims=[1], keepdim)
 namespace s1 {
@@ -79,9 +79,9 @@ struct Input {
   KGEN_HD float operator()(const Args& a, long long n, int c, int d0, int d1, int d2) const { return load(a, n, c, d0, d1, d2); }
 };
 
-// level 0: the input value `v` at a position, then ops[0].conv_transpose3d
+// level 0: the input value `v` at a position, then ops[0].conv_transpose3d.bias
 KGEN_HD float level0_from(const Args& a, long long n, int c, int d0, int d1, int d2, float v) {
-  v = kgen::add(v, a.conv_transpose_bias[c]);  // ops[0].conv_transpose3d: add(conv_transpose.bias per channel)
+  v = kgen::add(v, a.conv_transpose_bias[c]);  // ops[0].conv_transpose3d.bias: add(conv_transpose.bias per channel)
   (void)a; (void)n; (void)c; (void)d0; (void)d1; (void)d2; 
   return v;
 }

@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..buffer import flat_buffer
+from ..buffer import dense_buffer, flat_buffer
 from ..ir import Elementwise, Pool, Reduce, TensorType
 from ..spec import DTYPES
 from ..stage import Stage
-from .base import DTYPE_BYTES, Family, StageRequest, fused_stage_json, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
+from .base import DTYPE_BYTES, Candidate, Family, StageRequest, fused_stage_json, index_type, pow2_ceil, pow2_floor, target_blocks_per_sm
 
 CUDA_THREADS = 256  # threads per block
 MIN_PER_THREAD = 32  # values a thread combines before a reduction is split across blocks
@@ -136,7 +136,20 @@ class PoolReduce(Family):
             return False
         return True
 
-    def make_stage(self, req: StageRequest) -> PoolReduceStage:
+    def candidates(self, req: StageRequest) -> list[Candidate]:
+        """The stage writing a plain NC[D]HW tensor; and, where it maps a channels_last input value by value
+        (elementwise ops only) for a next stage, one writing channels_last in the input's own order: no
+        transposition, and a next convolution that takes channels_last (cuDNN's tensor-core layout) reads it
+        without the copy it would make of an NC[D]HW tensor. The plan chooses (the cost model prices the
+        next stage's copy, and the copy of a value another stage reads as a plain tensor)."""
+        flat = self.make_stage(req)
+        out = [Candidate(self.name, flat)]
+        if (req.next_family is not None and req.input.layout == "channels_last" and req.input.dense
+                and len(flat.levels) == 1 and flat.reduce is None and not flat.epilogue and flat.in_type.rank >= 3):
+            out.append(Candidate(f"{self.name}:channels_last", self.make_stage(req, output_layout="channels_last")))
+        return out
+
+    def make_stage(self, req: StageRequest, output_layout: str = "contiguous") -> PoolReduceStage:
         types = req.types
         levels = [Level(None, [], types[0], types[0])]
         reduce, epilogue = None, []
@@ -155,7 +168,9 @@ class PoolReduce(Family):
             lv.unroll_window = math.prod(p.kernel) <= MAX_UNROLLED_WINDOW
             lv.clipped = tuple(_clipped(p, L, O, d) for d, (L, O) in enumerate(zip(lv.in_type.spatial, lv.out_type.spatial)))
         buf = req.input
-        st = PoolReduceStage(req.index, list(req.ops), types[0], types[-1], input=buf, output=flat_buffer(types[-1]),
+        shape = tuple(types[-1].shape[1:])
+        output = dense_buffer(shape, shape, "channels_last") if output_layout == "channels_last" else flat_buffer(types[-1])
+        st = PoolReduceStage(req.index, list(req.ops), types[0], types[-1], input=buf, output=output,
                              levels=levels, reduce=reduce, epilogue=epilogue)
         pooled = st.pooled_type
         red = set(reduce.dims) if reduce else set()
@@ -202,12 +217,16 @@ class PoolReduce(Family):
     @staticmethod
     def _transpose_channels(st: PoolReduceStage) -> int:
         channels = st.pooled_type.shape[1]
-        if st.input.layout != "channels_last" or st.reduce is not None or channels < MIN_TRANSPOSE_CHANNELS:
+        if (st.input.layout != "channels_last" or st.output.layout == "channels_last" or st.reduce is not None
+                or channels < MIN_TRANSPOSE_CHANNELS):
             return 0
         return min(MAX_TRANSPOSE_CHANNELS, pow2_floor(channels))
 
     def explain_lines(self, st: PoolReduceStage) -> list[str]:
         sc = st.schedule
+        if st.output.layout == "channels_last":
+            return ["channels_last input to a channels_last output, value by value in memory order (the next stage "
+                    "reads channels_last)"]
         if sc.transpose_channels:
             return [f"channels_last input to the NC[D]HW output through shared-memory tiles of {sc.transpose_channels} "
                     f"channels x {sc.transpose_positions} positions (whole memory sectors read and written)"]
