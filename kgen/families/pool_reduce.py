@@ -138,15 +138,13 @@ class PoolReduce(Family):
 
     def candidates(self, req: StageRequest) -> list[Candidate]:
         """The stage writing a plain NC[D]HW tensor; and, where it maps a channels_last input value by value
-        (elementwise ops only) for a cuDNN convolution (conv_aten: the next stage's family as the plan's
-        choices so far name it), one writing channels_last in the input's own order: no transposition, and
-        a next convolution that takes channels_last (cuDNN's tensor-core layout) reads it without the copy it
-        would make of an NC[D]HW tensor. (Offered for that next family only: each offer is a decision point
-        of the plan's search, 86 of them in ResNet-101.) The plan chooses (the cost model prices the
+        (elementwise ops only) for a next stage, one writing channels_last in the input's own order: no
+        transposition, and a next convolution that takes channels_last (cuDNN's tensor-core layout) reads it
+        without the copy it would make of an NC[D]HW tensor. The plan chooses (the cost model prices the
         next stage's copy, and the copy of a value another stage reads as a plain tensor)."""
         flat = self.make_stage(req)
         out = [Candidate(self.name, flat)]
-        if (req.next_family is not None and req.next_family.name == "conv_aten" and req.input.layout == "channels_last" and req.input.dense
+        if (req.next_family is not None and req.input.layout == "channels_last" and req.input.dense
                 and len(flat.levels) == 1 and flat.reduce is None and not flat.epilogue and flat.in_type.rank >= 3):
             out.append(Candidate(f"{self.name}:channels_last", self.make_stage(req, output_layout="channels_last")))
         return out
