@@ -58,9 +58,10 @@ TRANSPOSED_3D_EFFICIENCY = 0.59  # 3-d against 2-d (the fit: cuDNN's 3-d data-gr
 # up to 5.8x (3-d transposed in NCHW), so 16-bit plans kept cuDNN calls the model halved. float16 ran 1.18x faster
 # than bfloat16 (geometric mean over the same calls); one set of terms serves both.
 CUDNN16_FRACTION = 0.33
-TRANSPOSED16_STRIDE1_EFFICIENCY = 1.8
-TRANSPOSED16_STRIDED_EFFICIENCY = 0.48
-TRANSPOSED16_NCHW_EFFICIENCY = 0.43
+TRANSPOSED16_STRIDE1_EFFICIENCY = 1.42
+TRANSPOSED16_STRIDED_EFFICIENCY = 0.52
+TRANSPOSED16_NCHW_EFFICIENCY = 0.37  # strided; at stride 1 (below) NCHW costs cuDNN far less
+TRANSPOSED16_STRIDE1_NCHW_EFFICIENCY = 0.68
 TRANSPOSED16_3D_EFFICIENCY = 0.61
 NCHW16_CONVERSION = 4.6  # NCHW_CONVERSION (below) of a 16-bit call
 # A forward convolution in NCHW: cuDNN's tensor-core kernels are NHWC, so it converts the input and the
@@ -310,7 +311,8 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
     if transposed_stride is not None:
         strided = any(s > 1 for s in transposed_stride)
         if half:
-            nchw, rank3 = TRANSPOSED16_NCHW_EFFICIENCY, TRANSPOSED16_3D_EFFICIENCY
+            nchw = TRANSPOSED16_NCHW_EFFICIENCY if strided else TRANSPOSED16_STRIDE1_NCHW_EFFICIENCY
+            rank3 = TRANSPOSED16_3D_EFFICIENCY
             stride1, strided_eff = TRANSPOSED16_STRIDE1_EFFICIENCY, TRANSPOSED16_STRIDED_EFFICIENCY
         else:
             nchw, rank3 = TRANSPOSED_NCHW_EFFICIENCY, TRANSPOSED_3D_EFFICIENCY
