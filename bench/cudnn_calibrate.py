@@ -92,53 +92,10 @@ def forms(pipe, x: torch.Tensor):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("specs", nargs="+")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    args = ap.parse_args()
-    if args.dtype != "float32":
-        return calibrate_16_bit(args)
-    target = current()
-    rows = []
-    for path in args.specs:
-        pipe = load_pipeline(path)
-        conv = pipe.ops[0]
-        if not isinstance(conv, Conv):
-            continue
-        batch = pipe.example_batch()
-        torch.manual_seed(0)
-        x = torch.randn(pipe.input.concrete(batch), device="cuda")
-        for name, layout, calls, ests in forms(pipe, x):
-            try:
-                on, off, fp32_bits = measure(calls, args.reps)
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                continue
-            model_ms = {}
-            for fp32 in (False, True):
-                model_ms[fp32] = 1e3 * sum(work_s(w, target) for e in ests for w in conv_work("c", target=target, fp32=fp32, **e))
-            flops = sum(e["flops"] for e in ests)
-            row = dict(spec=pipe.name, conv=f"{conv.kind} {conv.in_channels}->{conv.out_channels} k{list(conv.kernel)} "
-                       f"s{list(conv.stride)} p{list(conv.padding)}", batch=batch, form=name, layout=layout,
-                       calls=len(calls), k=ests[0]["k"], n=ests[0]["n"], gflop=flops / 1e9, tf32_allowed_ms=on,
-                       tf32_off_ms=off, fp32_kernel=fp32_bits, model_tf32_ms=model_ms[False], model_fp32_ms=model_ms[True])
-            rows.append(row)
-            print(f"{row['spec'][:44]:44s} {row['form'][:20]:20s} {layout[:6]:6s} K={row['k']:5d} N={row['n']:4d} "
-                  f"{row['gflop']:8.2f} GF  allowed {on:8.3f} ms ({'fp32' if fp32_bits else 'tf32'})  off {off:8.3f}  "
-                  f"model tf32 {model_ms[False]:8.3f} fp32 {model_ms[True]:8.3f}", flush=True)
-        del x
-        torch.cuda.empty_cache()
-    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), open(args.out, "w"), indent=1)
-
-
-def calibrate_16_bit(args):
-    """Each form of each spec's first convolution in args.dtype: its time and conv_work's estimate."""
-    target, dtype = current(), getattr(torch, args.dtype)
-    rows = []
-    for path in args.specs:
+def first_convolutions(specs, dtype):
+    """(pipeline, its first op (a convolution), its example batch, form, layout, calls, estimate arguments) for
+    each form of each spec that starts with a convolution, its input on CUDA in ``dtype``."""
+    for path in specs:
         pipe = load_pipeline(path)
         conv = pipe.ops[0]
         if not isinstance(conv, Conv):
@@ -147,24 +104,55 @@ def calibrate_16_bit(args):
         torch.manual_seed(0)
         x = torch.randn(pipe.input.concrete(batch), device="cuda", dtype=dtype)
         for name, layout, calls, ests in forms(pipe, x):
-            try:
-                with torch.no_grad():
-                    ms = time_ms(lambda: [c() for c in calls], args.reps)  # noqa: B023
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                continue
-            model = 1e3 * sum(work_s(w, target) for e in ests for w in conv_work("c", target=target, dtype=args.dtype, **e))
-            row = dict(spec=pipe.name, conv=f"{conv.kind} {conv.in_channels}->{conv.out_channels} k{list(conv.kernel)} "
-                       f"s{list(conv.stride)} p{list(conv.padding)}", batch=batch, form=name, layout=layout,
-                       calls=len(calls), k=ests[0]["k"], n=ests[0]["n"], gflop=sum(e["flops"] for e in ests) / 1e9,
-                       dtype=args.dtype, ms=ms, model_ms=model)
-            rows.append(row)
-            print(f"{row['spec'][:44]:44s} {name[:20]:20s} {layout[:6]:6s} K={row['k']:5d} N={row['n']:4d} "
-                  f"{row['gflop']:8.2f} GF  {ms:8.3f} ms  model {model:8.3f}", flush=True)
+            yield pipe, conv, batch, name, layout, calls, ests
         del x
         torch.cuda.empty_cache()
-    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype, rows=rows),
-              open(args.out, "w"), indent=1)
+
+
+def row_of(pipe, conv, batch, name, layout, calls, ests, **times) -> dict:
+    return dict(spec=pipe.name, conv=f"{conv.kind} {conv.in_channels}->{conv.out_channels} k{list(conv.kernel)} "
+                f"s{list(conv.stride)} p{list(conv.padding)}", batch=batch, form=name, layout=layout, calls=len(calls),
+                k=ests[0]["k"], n=ests[0]["n"], gflop=sum(e["flops"] for e in ests) / 1e9, **times)
+
+
+def model_ms(ests, target, **kw) -> float:
+    return 1e3 * sum(work_s(w, target) for e in ests for w in conv_work("c", target=target, **kw, **e))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("specs", nargs="+")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    args = ap.parse_args()
+    target, half = current(), args.dtype != "float32"
+    rows = []
+    for pipe, conv, batch, name, layout, calls, ests in first_convolutions(args.specs, getattr(torch, args.dtype)):
+        try:
+            if half:  # one time: TF32 does not apply
+                with torch.no_grad():
+                    ms = time_ms(lambda: [c() for c in calls], args.reps)  # noqa: B023
+            else:
+                on, off, fp32_bits = measure(calls, args.reps)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            continue
+        if half:
+            row = row_of(pipe, conv, batch, name, layout, calls, ests, dtype=args.dtype, ms=ms,
+                         model_ms=model_ms(ests, target, dtype=args.dtype))
+            said = f"{ms:8.3f} ms  model {row['model_ms']:8.3f}"
+        else:
+            row = row_of(pipe, conv, batch, name, layout, calls, ests, tf32_allowed_ms=on, tf32_off_ms=off,
+                         fp32_kernel=fp32_bits, model_tf32_ms=model_ms(ests, target, fp32=False),
+                         model_fp32_ms=model_ms(ests, target, fp32=True))
+            said = (f"allowed {on:8.3f} ms ({'fp32' if fp32_bits else 'tf32'})  off {off:8.3f}  "
+                    f"model tf32 {row['model_tf32_ms']:8.3f} fp32 {row['model_fp32_ms']:8.3f}")
+        rows.append(row)
+        print(f"{row['spec'][:44]:44s} {name[:20]:20s} {layout[:6]:6s} K={row['k']:5d} N={row['n']:4d} "
+              f"{row['gflop']:8.2f} GF  {said}", flush=True)
+    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
+    json.dump({**out, "dtype": args.dtype} if half else out, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":
