@@ -2,6 +2,7 @@
 
     python bench/compare_bench.py before.json after.json
 """
+import argparse
 import json
 import sys
 
@@ -30,4 +31,8 @@ def main(before_path: str, after_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("before", help="`kgen bench --json` of the earlier tree")
+    ap.add_argument("after", help="... and of the later one")
+    args = ap.parse_args()
+    sys.exit(main(args.before, args.after))

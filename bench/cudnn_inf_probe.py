@@ -4,6 +4,8 @@ dtype's largest finite value. For the GPU machine:
 
     python bench/cudnn_inf_probe.py
 """
+import argparse
+
 import torch
 
 F = torch.nn.functional
@@ -36,4 +38,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -6,8 +6,8 @@ only). GPU machine:
 
     PYTHONPATH=. BATCHES=1,2,3 python bench/cudnn_precision.py SPEC.yaml ...
 """
+import argparse
 import os
-import sys
 
 import torch
 import yaml
@@ -15,7 +15,9 @@ import yaml
 CONVS = {"conv1d": torch.nn.Conv1d, "conv2d": torch.nn.Conv2d, "conv3d": torch.nn.Conv3d,
          "conv_transpose1d": torch.nn.ConvTranspose1d, "conv_transpose2d": torch.nn.ConvTranspose2d,
          "conv_transpose3d": torch.nn.ConvTranspose3d}
-for path in sys.argv[1:]:
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("specs", nargs="+", help="spec files whose first op is a convolution")
+for path in ap.parse_args().specs:
     spec = yaml.safe_load(open(path))
     (kind, args), = spec["ops"][0].items()
     if kind not in CONVS:

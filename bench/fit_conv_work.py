@@ -23,9 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
-from scipy.optimize import minimize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cudnn_calibrate import forms  # noqa: E402
@@ -96,6 +94,9 @@ def log_errors(data, target, fp32: bool):
 
 
 def fit(data, target, names, fp32: bool, label: str | None = None):
+    import numpy as np  # (the fit's own needs, not kgen's: imported here so that --help works without them)
+    from scipy.optimize import minimize
+
     def loss(logp):
         for n, v in zip(names, np.exp(logp)):
             setattr(conv_aten, n, float(v))

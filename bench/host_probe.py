@@ -9,7 +9,7 @@ parameters are all its op's arguments after the inputs), of a `torch.add` and an
 example batch (what `kgen bench` counts: kgen.bench.time_call), and the time per call back to back
 (the GPU's own time); eager's (the reference model in float32) beside kgen's. Models and inputs as `kgen bench` makes them (kgen.bench.models_and_inputs).
 """
-import sys
+import argparse
 import time
 from pathlib import Path
 
@@ -77,5 +77,7 @@ def probe(name: str) -> dict:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("modules", nargs="+", help="module names under generated/, or module folders")
+    for name in ap.parse_args().modules:
         print(name, " ".join(f"{k}={v:.1f}" for k, v in probe(name).items()), flush=True)

@@ -11,6 +11,7 @@ the tiles: waiting for the (last) input stage, the main loop, the moments, the a
 sample's other tiles, the merge, normalize and store; then when each sample ended. Stops with an error
 if the templates no longer have the lines the stamps go after (update the anchors below).
 """
+import argparse
 import os
 import shutil
 import statistics
@@ -123,7 +124,9 @@ def summarize(lines: list[str]) -> None:
 
 
 def main():
-    name = sys.argv[1] if len(sys.argv) > 1 else "instnorm_clamp_max"
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", nargs="?", default="instnorm_clamp_max", help="a module under generated/ whose plan is conv_gemm:onepass")
+    name = ap.parse_args().name
     with tempfile.TemporaryDirectory() as tmp:
         gen = Path(tmp) / "generated"
         shutil.copytree(ROOT / "generated", gen, ignore=shutil.ignore_patterns("_build"))

@@ -14,6 +14,7 @@ runs on kgen's kernels too, training mode as well, running statistics included.
 
 ROOT: the folder of built modules (default generated/).
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -61,4 +62,6 @@ def main(root="generated"):
 
 
 if __name__ == "__main__":
-    sys.exit(1 if main(*sys.argv[1:2]) else 0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", nargs="?", default="generated", help="the folder of the built modules")
+    sys.exit(1 if main(ap.parse_args().root) else 0)
