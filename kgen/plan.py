@@ -378,7 +378,8 @@ def _absorb_epilogues(plan: Plan) -> None:
     for st, nxt in zip(plan.stages, plan.stages[1:]):
         output = f"t{st.index}"
         read_later = output in value_tensors or any(s.source == output for s in plan.stages if s is not nxt)  # `from:` it
-        if read_later or nxt.source != output or plan.stage_values(nxt):
+        # (nor a stage that writes channels_last, pool_reduce:channels_last: the absorbing kernels write plain tensors)
+        if read_later or nxt.source != output or plan.stage_values(nxt) or (nxt.output is not None and not nxt.output.flat):
             continue
         if st.absorbed_by is None and st.family.absorbs_epilogue(st, nxt):
             st.epilogue, nxt.absorbed_by = nxt, st
