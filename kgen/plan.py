@@ -666,7 +666,7 @@ def stage_scope_name(module: str, variant: int, variants: int, stage: Stage) -> 
 
 def describe_choices(choices: dict) -> str:
     """A plan's choices in one line: ``eager``, or each rewrite's on/off and each stage's
-    candidate at the op that starts it (``ops[i]``)."""
+    candidate at the op that starts it (``ops[i]``; ``ops[i].bias``: convolution i's deferred bias)."""
     if choices.get(PIPELINE) == EAGER:
         return "eager (the spec's ops through ATen)"
     parts = []
@@ -674,6 +674,6 @@ def describe_choices(choices: dict) -> str:
         if key == PIPELINE:
             continue
         what, _, site = key.partition(" @ ")
-        where = site.split(".")[0]
+        where = site.split(".")[0] + (".bias" if site.endswith(".bias") else "")  # (the stage a deferred bias starts)
         parts.append(f"{option}@{where}" if what == "implementation" else f"{what}@{where}={option}")
     return " ".join(parts) or "kgen (no choices)"
