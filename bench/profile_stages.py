@@ -19,7 +19,7 @@ from kgen.cli import _spec_of
 from kgen.ir import load_pipeline
 from kgen.plan import choose_plans, stage_op_name
 from kgen.spec import REWRITE_NAMES
-from kgen.validate import import_module_dir, init_args, pack_buffer
+from kgen.validate import import_module_dir, init_args, pack_buffer, stage_tensors_in
 from kgen.variants import baseline_module
 
 
@@ -48,7 +48,7 @@ def main():
         model = mod.Model(*init_args(mod)).cuda().to(dtype)
         x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda", dtype=dtype)
         if args.once:
-            stage_once(pipe, plan, op_of, model, dtype)
+            stage_once(pipe, plan, op_of, model, args.dtype)
             continue
         with torch.no_grad():
             total = time_ms(lambda: model(x), 20)
@@ -66,7 +66,7 @@ def main():
         if args.host:
             print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
             print(f"  host: {host_ms(lambda: model(x)):.3f} ms to issue one call (median, queue drained before each)")
-        for st, call, tiles in stage_calls(pipe, plan, op_of, model, dtype):
+        for st, call, tiles in stage_calls(pipe, plan, op_of, model, args.dtype):
             with torch.no_grad():
                 ms = time_ms(call, 20)
             nbytes = x.element_size() * (sum(tl.numel() for tl in tiles) + st.out_type.sample_numel * pipe.example_batch())
@@ -91,17 +91,16 @@ def host_ms(fn, reps=20):
     return statistics.median(times)
 
 
-def stage_calls(pipe, plan, op_of, model, dtype):
-    """(stage, a call of its op alone on a random full-size input, the packed input) per kernel stage:
-    the op takes (input tiles, the stage's tensors, the values it reads), as the module calls it."""
+def stage_calls(pipe, plan, op_of, model, dtype: str):
+    """(stage, a call of its op alone on a random full-size input, the packed input) per kernel stage of the
+    ``dtype`` plan: the op takes (input tiles, the stage's tensors, the values it reads), as the module calls it."""
     batch = pipe.example_batch()
     with torch.no_grad():
-        tensors = plan.pipeline.with_stage_tensors({n: p.detach() for n, p in model.state_dict().items()})
-    floats = {a.name for a in plan.pipeline.stage_tensors() if a.dtype == "float32"}  # stay float (batch-norm statistics)
+        tensors = stage_tensors_in(plan, plan.pipeline.with_stage_tensors({n: p.detach() for n, p in model.state_dict().items()}), dtype)
+    dtype = getattr(torch, dtype)
     for st in plan.kernel_stages():
         op = op_of(st)
-        args = [tensors[a.name] if a.name in floats or not tensors[a.name].is_floating_point() else tensors[a.name].to(dtype)
-                for a in plan.stage_args(st)]
+        args = [tensors[a.name] for a in plan.stage_args(st)]
         values = [torch.randn(plan.pipeline.values[n].concrete(batch), device="cuda", dtype=dtype) for n in plan.stage_values(st)]
         tiles = pack_buffer(st.input, torch.randn(st.in_type.concrete(batch), device="cuda", dtype=dtype))
         yield st, (lambda op=op, tiles=tiles, args=args, values=values: op(tiles, args, values)), tiles

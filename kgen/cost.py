@@ -66,13 +66,12 @@ def relayout_copies(plan, st: Stage, batch: int) -> list[Work]:
     exprs = getattr(plan, "value_exprs", None)
     if not st.family.generates_kernel or not exprs:
         return []
-    writers = {f"t{s.index}": s for s in plan.stages}
     read = [exprs[n] for n in plan.stage_values(st) if n in exprs]
     if st.ops and st.ops[0].src is not None:
         read.append(st.source)
     out = []
     for tensor in read:
-        src = writers.get(tensor)
+        src = plan.writer_of(tensor)
         if src is not None and src.output is not None and not src.output.flat:
             out.append(Work(f"{tensor} copied into a plain tensor", 0,
                             2 * value_bytes(src) * batch * src.out_type.sample_numel))

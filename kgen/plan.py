@@ -124,6 +124,10 @@ class Plan:
             return set()
         return {self.value_exprs[n] for n in pipe.outputs if n != pipe.ops[-1].name}
 
+    def writer_of(self, tensor: str) -> Stage | None:
+        """The stage whose output is the binding's tensor ``tensor`` (``t<index>``); None for an input."""
+        return next((s for s in self.stages if f"t{s.index}" == tensor), None)
+
     def output_exprs(self) -> list[str]:
         """The binding's C++ tensor of each output of the graph, in order: the last stage's for the
         last op's result; another output is the tensor holding its value (a plain contiguous one)."""
@@ -139,7 +143,7 @@ class Plan:
                 out.append(f"{self.stages[0].value(n)}.contiguous()")  # a named value of the eager stage
             else:
                 expr = self.value_exprs[n]
-                writer = next((s for s in self.stages if f"t{s.index}" == expr), None)
+                writer = self.writer_of(expr)
                 out.append(expr if writer is None or writer.output.flat else f"{expr}.contiguous()")
         return out
 

@@ -707,6 +707,17 @@ def _tuple(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+def stage_tensors_in(plan, tensors: dict, dtype: str) -> dict:
+    """``tensors`` (a plan's stage tensors by name) as the stage ops of its ``dtype`` plan take them: floating ones
+    in the dtype, but for the statistics a 16-bit plan keeps float (a batch norm's: TensorArg.dtype; eager's run of
+    the ops rounds them to the dtype)."""
+    if dtype == "float32":
+        return tensors
+    floats = {a.name for a in plan.pipeline.stage_tensors() if a.dtype == "float32"}
+    dt = TORCH_DTYPES[dtype]
+    return {n: p.to(dt) if p.is_floating_point() and n not in floats else p for n, p in tensors.items()}
+
+
 def check_stages(sel: Selection, name: str, model, device: str, reference_device: str | None = None) -> list[CaseResult]:
     """The per-stage adversarial cases: each fused stage's op ``kgen::NAME_stageK`` (of each
     plan) on ``device`` against its ops run by PyTorch on ``reference_device`` (default: the
@@ -723,10 +734,7 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
             # values, 16-bit tolerances (DTYPE_TOLERANCES)
             dtype = sel.variants[i].dtype
             dt = TORCH_DTYPES[dtype]
-            # (a batch norm's statistics stay float: TensorArg.dtype; eager's run of the ops rounds them to the dtype)
-            floats = {a.name for a in plan.pipeline.stage_tensors() if a.dtype == "float32"}
-            params = tensors[i] if dtype == "float32" else {n: p.to(dt) if p.is_floating_point() and n not in floats else p
-                                                            for n, p in tensors[i].items()}
+            params = stage_tensors_in(plan, tensors[i], dtype)
             stage_op = getattr(torch.ops.kgen, stage_op_name(name, i, count, st.index))
             args = [params[a.name].to(device) for a in plan.stage_args(st)]
             names = plan.stage_values(st)
