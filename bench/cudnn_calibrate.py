@@ -71,7 +71,7 @@ def forms(pipe, x: torch.Tensor):
         y = call()
         flops = 2 * n * cin // g * cout * math.prod(conv.kernel) * (math.prod(L) if conv.transposed else math.prod(y.shape[2:]))
         est = dict(flops=flops, read=x.numel(), written=y.numel(), n=cout // g, k=cin // g * math.prod(conv.kernel),
-                   layout=layout, transposed_stride=tuple(conv.stride) if conv.transposed else None)
+                   layout=layout, transposed_stride=tuple(conv.stride) if conv.transposed else None, channels=cin // g, bias=True)
         out.append(("as written", layout, [call], [est]))
         del y
     lowered = subpixel_conv_transpose(pipe)[0][0]  # the rewrite's own test of where sub-pixel phases apply
@@ -87,7 +87,7 @@ def forms(pipe, x: torch.Tensor):
                 calls.append(lambda w=w, ph=ph: FWD[rank](xin, w, bias, 1, ph.padding))
                 ests.append(dict(flops=2 * n * cin * cout * math.prod(ph.taps) * math.prod(ph.count), read=xin.numel(),
                                  written=n * cout * math.prod(ph.conv_out), n=cout, k=cin * math.prod(ph.taps),
-                                 layout=layout, transposed_stride=None))
+                                 layout=layout, transposed_stride=None, channels=cin, bias=True))
             out.append((name, layout, calls, ests))
     return out
 

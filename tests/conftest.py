@@ -259,21 +259,27 @@ INPUT_COPIES = {
 
 
 # A channels_last convolution output read by an elementwise stage that writes the NC[D]HW output: the
-# shared-memory tile (pool_reduce's schedule.transpose_channels) and its channels per tile; 0: threads
-# walk the output (too few channels). (input shape, ops, tile channels)
+# shared-memory tile (pool_reduce's schedule.transpose_channels), its channels per tile (0: threads walk the
+# output, too few channels), its channels per 16-byte load (schedule.transpose_vector; 0: value by value,
+# where the input is pooled) and the spec's dtype. (input shape, ops, tile channels, vector, dtype)
 TRANSPOSE_TILES = {
     "tile_c40_3d": ([8, 5, 7, 9], [{"conv3d": {"out_channels": 40, "kernel_size": 3, "padding": 1}}, "relu",
-                                   {"mul": {"scalar": 3.0}}], 32),
-    "tile_c12_2d": ([3, 13, 17], [{"conv2d": {"out_channels": 12, "kernel_size": 3}}, "sigmoid"], 8),
+                                   {"mul": {"scalar": 3.0}}], 32, 4, "float32"),
+    "tile_c12_2d": ([3, 13, 17], [{"conv2d": {"out_channels": 12, "kernel_size": 3}}, "sigmoid"], 8, 4, "float32"),
     "tile_phases": ([8, 6, 7, 5], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}},
-                                   {"clamp": {"min": -1.0}}, {"div": {"scalar": 2.0}}], 16),
+                                   {"clamp": {"min": -1.0}}, {"div": {"scalar": 2.0}}], 16, 4, "float32"),
     "tile_pool": ([8, 9, 10, 11], [{"conv3d": {"out_channels": 24, "kernel_size": 3, "padding": 1}},
-                                   {"max_pool3d": {"kernel_size": 2}}, "relu"], 16),
-    "tile_c4_off": ([3, 9, 11], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, "tanh"], 0),
+                                   {"max_pool3d": {"kernel_size": 2}}, "relu"], 16, 0, "float32"),
+    "tile_c4_off": ([3, 9, 11], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, "tanh"], 0, 0, "float32"),
+    # 96 channels: a tile of 64 and a partial one; 80 positions per channel: stores of 8 positions
+    "tile_c96_half": ([16, 12, 10], [{"conv2d": {"out_channels": 96, "kernel_size": 3}}, "gelu",
+                                     {"mul": {"scalar": 0.5}}], 64, 8, "[bfloat16, float16]"),
+    # one load per position (8 channels), 63 positions per channel: stores one at a time
+    "tile_c8_half": ([4, 9, 11], [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, "relu"], 8, 8, "float16"),
 }
 
 
-def render_cl_aten(name: str, shape, ops, root: Path) -> tuple[Path, Path, list[dict]]:
+def render_cl_aten(name: str, shape, ops, root: Path, dtype: str = "float32") -> tuple[Path, Path, list[dict]]:
     """A spec (convolution pinned to ATen, channels_last; example batch 3) rendered under root/gen;
     returns (spec, module directory, the schedules of its pool_reduce stages over all plans). The
     convolution's output is what the stages read: sum_before_conv (which would sum a spatial mean's
@@ -282,8 +288,8 @@ def render_cl_aten(name: str, shape, ops, root: Path) -> tuple[Path, Path, list[
 
     from kgen.render import render_spec, write_rendered
 
-    spec = write_spec(root, spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN, rewrites={"sum_before_conv": False}),
-                      f"{name}.yaml")
+    text = spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN, rewrites={"sum_before_conv": False})
+    spec = write_spec(root, text.replace("dtype: float32", f"dtype: {dtype}"), f"{name}.yaml")
     write_rendered(render_spec(spec, root / "gen"), root / "gen")
     plan = json.loads((root / "gen" / name / "plan.json").read_text())
     schedules = [s["schedule"] for p in plan["plans"] for s in p["stages"] if s.get("kind") == "pool_reduce"]
@@ -292,9 +298,9 @@ def render_cl_aten(name: str, shape, ops, root: Path) -> tuple[Path, Path, list[
 
 def render_transpose_tile(name: str, root: Path) -> tuple[Path, Path]:
     """TRANSPOSE_TILES[name] rendered (render_cl_aten), checked to have the tile it stands for."""
-    shape, ops, channels = TRANSPOSE_TILES[name]
-    spec, module_dir, schedules = render_cl_aten(name, shape, ops, root)
-    assert [s["transpose_channels"] for s in schedules] == [channels] * len(schedules), schedules
+    shape, ops, channels, vector, dtype = TRANSPOSE_TILES[name]
+    spec, module_dir, schedules = render_cl_aten(name, shape, ops, root, dtype)
+    assert [(s["transpose_channels"], s["transpose_vector"]) for s in schedules] == [(channels, vector)] * len(schedules), schedules
     return spec, module_dir
 
 

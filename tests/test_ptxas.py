@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from conftest import (CL_ATEN, CONV16, POOL16, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, render_kept_walk,
-                      render_layer_norm, render_norm_layout, render_softmax, spec_text, write_spec)
+from conftest import (CL_ATEN, CONV16, POOL16, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, TRANSPOSE_TILES, render_kept_walk,
+                      render_layer_norm, render_norm_layout, render_softmax, render_transpose_tile, spec_text, write_spec)
 from kgen.build import cuda_home, demangle, ptxas_report
 
 pytestmark = pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
@@ -93,6 +93,17 @@ def test_input_copies_compile_without_spills(name, tmp_path):
     write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
     kernels = ptxas_report(tmp_path / "gen" / name, "9.0a")
     assert any("to_channels_last_kernel" in demangle(k.name) for k in kernels)
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+@pytest.mark.parametrize("name", [n for n, t in sorted(TRANSPOSE_TILES.items()) if t[3]])
+def test_vector_transpose_tiles_compile_without_spills(name, tmp_path):
+    """The channels_last -> NC[D]HW tile with 16-byte loads (conftest.TRANSPOSE_TILES with a vector) and its
+    value-by-value fallback compile clean."""
+    _, module_dir = render_transpose_tile(name, tmp_path)
+    kernels = ptxas_report(module_dir, "9.0a")
+    names = [demangle(k.name) for k in kernels]
+    assert any("transpose_vector_kernel" in n for n in names) and any("transpose_kernel" in n for n in names), names
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
 
 

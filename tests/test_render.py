@@ -120,11 +120,15 @@ def test_channels_last_input_to_nchw_output_goes_through_a_tile(name, tmp_path):
     transposes through shared memory (its tile sizes named constants), unless the channels are too few."""
     _, module_dir = render_transpose_tile(name, tmp_path)
     kernel = (module_dir / "kernel.cu").read_text()
-    channels = TRANSPOSE_TILES[name][2]
+    _, _, channels, vector, _ = TRANSPOSE_TILES[name]
     assert ("transpose_kernel" in kernel) == bool(channels)
     assert ("reduce_kernel" in kernel) == (not channels)
+    assert ("transpose_vector_kernel" in kernel) == bool(vector)
     if channels:
-        assert f"constexpr int kTileC = {channels};" in kernel and f"constexpr int kTileP = {1024 // channels};" in kernel
+        positions = (4096 if vector else 1024) // channels
+        assert f"constexpr int kTileC = {channels};" in kernel and f"constexpr int kTileP = {positions};" in kernel
+    if vector:
+        assert f"constexpr int kLoadVector = {vector};" in kernel
 
 
 @pytest.mark.parametrize("name", sorted(KEPT_WALKS))

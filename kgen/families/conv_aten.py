@@ -53,17 +53,29 @@ TRANSPOSED_NCHW_EFFICIENCY = 0.69
 TRANSPOSED_3D_EFFICIENCY = 0.59  # 3-d against 2-d (the fit: cuDNN's 3-d data-gradient kernels are slower)
 # ... in 16 bits (bfloat16 and float16 together): the same terms fitted on their own, to 312 calls (every form of
 # the 63 level-2 problems' first convolution, each dtype) on an H200 (reports/cudnn_calibration_h200_bf16.json and
-# _f16.json, 2026-12-02; `bench/cudnn_calibrate.py --dtype`, `bench/fit_conv_work.py --dtype`). Before the fit the
-# 16-bit calls took TF32's fraction of the 16-bit peak: measured / model was 2.2x (2-d forward), 2.6x (3-d forward),
-# up to 5.8x (3-d transposed in NCHW), so 16-bit plans kept cuDNN calls the model halved. float16 ran 1.18x faster
-# than bfloat16 (geometric mean over the same calls); one set of terms serves both.
-CUDNN16_FRACTION = 0.33
-TRANSPOSED16_STRIDE1_EFFICIENCY = 1.42
-TRANSPOSED16_STRIDED_EFFICIENCY = 0.52
-TRANSPOSED16_NCHW_EFFICIENCY = 0.37  # strided; at stride 1 (below) NCHW costs cuDNN far less
-TRANSPOSED16_STRIDE1_NCHW_EFFICIENCY = 0.68
-TRANSPOSED16_3D_EFFICIENCY = 0.61
-NCHW16_CONVERSION = 4.6  # NCHW_CONVERSION (below) of a 16-bit call
+# _f16.json, 2026-12-02; `bench/cudnn_calibrate.py --dtype`, `bench/fit_conv_work.py --dtype`; rms log error 0.45).
+# float16 ran 1.18x faster than bfloat16 (geometric mean over the same calls); one set of terms serves both.
+# CUDNN16_FRACTION and BIAS16_PASS are set from torch.profiler's kernels of KernelBench #1 (Conv2d 64 -> 128, k3,
+# batch 128, bfloat16 channels_last, 2026-12-02): cuDNN's kernel 0.454 ms for 300 GFLOP (660 TFLOP/s of 790), then
+# ATen's bias add 0.709 ms for the output's 1.04 GB read and written (2.9x its DRAM time). Left to the fit (every
+# call adds a bias) the two traded against each other (fraction 4.2, pass 4.3: no call bound by its FLOPs).
+CUDNN16_FRACTION = 0.84
+TRANSPOSED16_STRIDE1_EFFICIENCY = 1.09
+TRANSPOSED16_STRIDED_EFFICIENCY = 0.91
+TRANSPOSED16_NCHW_EFFICIENCY = 0.16  # strided; at stride 1 (below) NCHW costs cuDNN far less
+TRANSPOSED16_STRIDE1_NCHW_EFFICIENCY = 0.60
+TRANSPOSED16_3D_EFFICIENCY = 0.52
+NCHW16_CONVERSION = 3.3  # NCHW_CONVERSION (below) of a 16-bit call
+# Input channels (per group, per tap) below which a 16-bit call's rate falls, as (channels / full) ** power (fitted):
+# cuDNN's 16-bit kernels took 5-8 TFLOP/s with 3 input channels, 14-33 with 8 and 62 with 16, against ~240 from 32
+# up (the calibration; the TF32 terms' K = channels x taps does not see it: 8 channels x 27 taps fill its K). The
+# 3-d forward calls with 3 or 8 channels stay 1.3-1.6x slower than the model (#7, #8, #48).
+CUDNN16_FULL_CHANNELS = 32
+CUDNN16_CHANNELS_POWER = 0.46
+# ATen adds a kept bias to a 16-bit cuDNN output in a pass of its own (Convolution.cpp: output.add_(bias)), at
+# this multiple of the output's read and write at DRAM bandwidth (above). A bias the plan defers to the next stage
+# (plan.defer_conv_bias) costs nothing here.
+BIAS16_PASS = 2.9
 # A forward convolution in NCHW: cuDNN's tensor-core kernels are NHWC, so it converts the input and the
 # output (each a read and a write: 2x the bytes; the fit gives 1.86x)
 NCHW_CONVERSION = 1.86
@@ -246,6 +258,7 @@ class ConvAten(Family):
     def work(self, st: ConvStage, batch: int, target: Target) -> list[Work]:
         # The weights a stage derives (flipped, phase, folded, re-laid) are kept between calls.
         lc, c = st.conv, st.conv.conv
+        bias = c.bias and not lc.bias_deferred
         read = batch * c.in_channels * math.prod(st.input_extent)
         out = []
         if self.input_copy(st):
@@ -256,7 +269,7 @@ class ConvAten(Family):
                 flops = 2 * batch * c.in_channels * c.out_channels * taps * math.prod(ph.count)
                 out += conv_work(f"phase {ph.residue}", flops, read, batch * c.out_channels * math.prod(ph.conv_out),
                                  c.out_channels, c.in_channels * taps, st.layout, target, fp32=bool(st.fp32_products),
-                                 phase=True, dtype=st.dtype)
+                                 phase=True, dtype=st.dtype, channels=c.in_channels, bias=bias)
             return out
         if isinstance(lc.lowering, TapSums):  # the input's tap sums in ATen calls, then a small convolution of them
             sums = batch * c.in_channels * math.prod(c.kernel[d] for d in lc.lowering.dims) * math.prod(
@@ -268,7 +281,8 @@ class ConvAten(Family):
         written = batch * sum(math.prod(t.dims) for t in st.output.tiles)
         K = c.in_channels // c.groups * math.prod(lc.kernel)
         out += conv_work("convolution", flops, read, written, c.out_channels // c.groups, K, st.layout, target,
-                         transposed_stride=c.stride if lc.transposed else None, fp32=bool(st.fp32_products), dtype=st.dtype)
+                         transposed_stride=c.stride if lc.transposed else None, fp32=bool(st.fp32_products), dtype=st.dtype,
+                         channels=c.in_channels // c.groups, bias=bias)
         return out
 
     def explain_lines(self, st: ConvStage) -> list[str]:
@@ -293,21 +307,24 @@ class ConvAten(Family):
 
 def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, layout: str, target: Target,
               transposed_stride: tuple | None = None, fp32: bool = False, phase: bool = False,
-              dtype: str = "float32") -> list[Work]:
+              dtype: str = "float32", channels: int | None = None, bias: bool = False) -> list[Work]:
     """One cuDNN convolution call: ``read`` input and ``written`` output elements, a GEMM of
     N = ``n`` output channels and K = ``k`` (input channels x taps); ``transposed_stride``:
     the stride of a transposed convolution run as written; ``fp32``: TF32 off (fp32 kernels);
     ``phase``: a sub-pixel phase, whose output is a strided view of the whole output; ``dtype``:
     its operands' (16-bit: the 16-bit tensor cores at CUDNN16_FRACTION of their peak and the 16-bit
-    transposed terms; values of 2 bytes)."""
+    transposed terms; values of 2 bytes; ``channels``: input channels per group and tap, CUDNN16_FULL_CHANNELS;
+    ``bias``: ATen's pass that adds a kept bias, BIAS16_PASS)."""
     half = dtype != "float32"
     fill = min(1.0, n / CUDNN_FULL_N) * min(1.0, k / CUDNN_FULL_K)
     if half:
+        fill *= min(1.0, (channels or CUDNN16_FULL_CHANNELS) / CUDNN16_FULL_CHANNELS) ** CUDNN16_CHANNELS_POWER
         rate = target.product_flops(dtype) * CUDNN16_FRACTION * fill
     else:
         rate = target.fp32_flops * CUDNN_FP32_FRACTION if fp32 else target.tensor_flops * CUDNN_FRACTION * fill
     nbytes = DTYPE_BYTES[dtype]
     conv = lambda rate: Work(what, flops, nbytes * (read + written), rate, calls=1, call_s=CUDNN_CALL_S)  # noqa: E731
+    after = [Work(f"{what}: bias (ATen's add)", 0, BIAS16_PASS * 2 * nbytes * written)] if half and bias else []
     if transposed_stride is not None:
         strided = any(s > 1 for s in transposed_stride)
         if half:
@@ -319,12 +336,12 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
             stride1, strided_eff = TRANSPOSED_STRIDE1_EFFICIENCY, TRANSPOSED_STRIDED_EFFICIENCY
         nchw = nchw if layout == "contiguous" else 1.0
         rank3 = rank3 if len(transposed_stride) == 3 else 1.0
-        return [conv(rate * nchw * rank3 * (strided_eff if strided else stride1))]
+        return [conv(rate * nchw * rank3 * (strided_eff if strided else stride1))] + after
     if layout == "contiguous":
         conversion = NCHW16_CONVERSION if half else NCHW_CONVERSION
         return [Work(f"{what}: NCHW to NHWC", 0, conversion * nbytes * read), conv(rate),
-                Work(f"{what}: NHWC to NCHW", 0, conversion * (PHASE_NCHW_WRITE if phase else 1.0) * nbytes * written)]
-    return [conv(rate)]
+                Work(f"{what}: NHWC to NCHW", 0, conversion * (PHASE_NCHW_WRITE if phase else 1.0) * nbytes * written)] + after
+    return [conv(rate)] + after
 
 
 FAMILY = ConvAten()

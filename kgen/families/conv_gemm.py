@@ -50,9 +50,9 @@ products, only their loads and stores change (conv_gemm.cuh: the cp.async stages
 stored and the rounding pass converts them; BoxRegs converts in registers). The weights are packed from
 a float32 copy once per version; the accumulators are rounded to the dtype before the epilogue where
 kgen.plan.rounding_points says (eager's 16-bit convolution output). 16-bit plans keep the bias in the
-convolution (kgen.plan.defer_conv_bias): it is added to the rounded output and rounded again (the Store:
-as it stores; a fused epilogue, phase_pool's and pool_ring's included: before its first op), as eager's cuDNN
-call and ATen's bias add after it. phase_pool multiplies the 16-bit input as stored on bf16/f16 wgmma (twice
+convolution (a deferred one, kgen.plan.defer_conv_bias, this family declines): it is added to the rounded output and
+rounded again (the Store: as it stores; a fused epilogue, phase_pool's and pool_ring's included: before its first
+op), as eager's cuDNN call and ATen's bias add after it. phase_pool multiplies the 16-bit input as stored on bf16/f16 wgmma (twice
 TF32's rate; the same exact products, k-steps of 16 channels); pool_ring loads it as stored and converts it
 where it rounds it to TF32 (the ring's slots). The norm epilogues (the direct loop) are
 float32 only for now and decline 16-bit plans.
@@ -671,6 +671,8 @@ class ConvGemm(Family):
         c = lc.conv
         taps = _max_taps(lc, req.types[0].spatial)
         half = req.dtype != "float32"
+        if half and lc.bias_deferred:
+            return "a 16-bit convolution adds its own bias (the plan keeps it: plan.defer_conv_bias)"
         try:
             mma = "tf32" if half else "fp32" if req.pipeline.precision == "ieee" else "tf32x3"
             self.schedule(lc, self.problems(lc, req.types[0], req.types[1]), True, mma, req.target, DTYPE_BYTES[req.dtype])

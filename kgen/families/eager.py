@@ -323,8 +323,9 @@ class Eager(Family):
                 K = op.in_channels // op.groups * math.prod(op.kernel)
                 read = n_in + math.prod(op.weight_shape())
                 out += conv_work(op.key, flops, read, n_out, op.out_channels // op.groups, K, "contiguous", target,
-                                 transposed_stride=op.stride if op.transposed else None, dtype=st.dtype)
-                if op.bias:
+                                 transposed_stride=op.stride if op.transposed else None, dtype=st.dtype,
+                                 channels=op.in_channels // op.groups, bias=bool(op.bias))
+                if op.bias and st.dtype == "float32":  # (conv_work prices a 16-bit call's bias pass)
                     out.append(Work(f"{op.key} bias", n_out, 2 * size * n_out))
             elif isinstance(op, (Norm, BatchNorm)):  # a batch norm as training mode runs it (eval mode: one pass less)
                 out.append(Work(op.key, flops, size * (2 * n_in + n_out), launches=NORM_LAUNCHES))

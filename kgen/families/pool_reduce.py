@@ -38,6 +38,11 @@ MAX_UNROLLED_WINDOW = 512  # window taps up to which the window loops are unroll
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 TRANSPOSE_TILE = 1024  # values of a shared-memory tile when a channels_last input becomes an NC[D]HW output
 MAX_TRANSPOSE_CHANNELS = 32  # channels of such a tile (its positions: TRANSPOSE_TILE / channels)
+# The same tile where a thread loads 16 bytes of channels at once (a dense channels_last input, nothing pooled).
+# Value by value, the generic tile ran KernelBench #1's bfloat16 ReLU + bias (128 x 128 x 126 x 126, 1 GB moved)
+# at 0.94 ms, ~1.1 TB/s: index math per value, and 2-byte loads too few in flight (2026-12-02, H200)
+VECTOR_TRANSPOSE_TILE = 4096
+MAX_VECTOR_TRANSPOSE_CHANNELS = 64
 MIN_TRANSPOSE_CHANNELS = 8  # below this a channels_last input is read as it is
 
 
@@ -58,6 +63,10 @@ class Schedule:
     # read a channels_last input one value per memory sector, 5-9x below the bandwidth (docs/performance.md, 2026-11-25)
     transpose_channels: int = 0
     transpose_positions: int = 0  # positions of such a tile
+    # channels per 16-byte load of that tile (0: value by value), and consecutive positions per store of the
+    # NC[D]HW output (the largest power of two up to the same 16 bytes that divides the positions per channel)
+    transpose_vector: int = 0
+    transpose_store: int = 1
     # kept dims (1 = channels) in the order consecutive threads walk the outputs, innermost last: the
     # output's row-major order, or the input's memory order where that differs and the threads walk the
     # outputs (a channels_last input reduced over a spatial dim: walking the NC[D]HW output read one value
@@ -195,8 +204,10 @@ class PoolReduce(Family):
             cpu_grain=max(1, CPU_TASK_VALUES // max(1, st.reduced_count * st.window_loads)),
             cpu_chunk=max(1, math.isqrt(st.reduced_count)),
             index_type=index_type(st),
-            transpose_channels=(tc := self._transpose_channels(st)),
-            transpose_positions=TRANSPOSE_TILE // tc if tc else 0,
+            transpose_channels=(tc := self._transpose_channels(st, tv := self._transpose_vector(st, DTYPE_BYTES[req.dtype]))),
+            transpose_positions=(VECTOR_TRANSPOSE_TILE if tv else TRANSPOSE_TILE) // tc if tc else 0,
+            transpose_vector=tv,
+            transpose_store=self._transpose_store(st, tv),
             kept_walk=tuple(d for d in mem if d in st.kept_dims) if not r_fast and not tc else st.kept_dims,
             map_outputs=max(1, MAP_LOADS_IN_FLIGHT // st.window_loads) if st.reduced_count == 1 else 1,
             map_vector=self._map_vector(st, tc, DTYPE_BYTES[req.dtype]),
@@ -215,12 +226,33 @@ class PoolReduce(Family):
         return vector
 
     @staticmethod
-    def _transpose_channels(st: PoolReduceStage) -> int:
-        channels = st.pooled_type.shape[1]
-        if (st.input.layout != "channels_last" or st.output.layout == "channels_last" or st.reduce is not None
-                or channels < MIN_TRANSPOSE_CHANNELS):
+    def _transposes(st: PoolReduceStage) -> bool:
+        """A channels_last input to an NC[D]HW output with nothing reduced: through shared-memory tiles."""
+        return (st.input.layout == "channels_last" and st.output.layout != "channels_last" and st.reduce is None
+                and st.pooled_type.shape[1] >= MIN_TRANSPOSE_CHANNELS)
+
+    @classmethod
+    def _transpose_channels(cls, st: PoolReduceStage, vector: int) -> int:
+        if not cls._transposes(st):
             return 0
-        return min(MAX_TRANSPOSE_CHANNELS, pow2_floor(channels))
+        return min(MAX_VECTOR_TRANSPOSE_CHANNELS if vector else MAX_TRANSPOSE_CHANNELS, pow2_floor(st.pooled_type.shape[1]))
+
+    @classmethod
+    def _transpose_vector(cls, st: PoolReduceStage, value_bytes: int) -> int:
+        """Channels per 16-byte load of a transposing tile: where the input is one dense channels_last sample
+        read at the output's own positions (nothing pooled) and the channels are whole vectors."""
+        vector = MAP_VECTOR_BYTES // value_bytes
+        channels = st.pooled_type.shape[1]
+        if not cls._transposes(st) or len(st.levels) != 1 or not st.input.dense or channels % vector:
+            return 0
+        return vector
+
+    @staticmethod
+    def _transpose_store(st: PoolReduceStage, vector: int) -> int:
+        if not vector:
+            return 1
+        positions = math.prod(st.pooled_type.spatial)
+        return math.gcd(vector, positions & -positions)
 
     def explain_lines(self, st: PoolReduceStage) -> list[str]:
         sc = st.schedule
@@ -228,8 +260,11 @@ class PoolReduce(Family):
             return ["channels_last input to a channels_last output, value by value in memory order (the next stage "
                     "reads channels_last)"]
         if sc.transpose_channels:
+            how = (f": {sc.transpose_vector} channels per {MAP_VECTOR_BYTES}-byte load, {sc.transpose_store} positions per "
+                   "store (value by value where a pointer is not aligned at run time)") if sc.transpose_vector else \
+                " (whole memory sectors read and written)"
             return [f"channels_last input to the NC[D]HW output through shared-memory tiles of {sc.transpose_channels} "
-                    f"channels x {sc.transpose_positions} positions (whole memory sectors read and written)"]
+                    f"channels x {sc.transpose_positions} positions{how}"]
         if sc.map_vector > 1:
             return [f"elementwise over a plain contiguous input: {sc.map_vector} consecutive values per {MAP_VECTOR_BYTES}-byte "
                     "load and store (one at a time where a pointer is not aligned at run time)"]
