@@ -414,6 +414,8 @@ def sum_before_conv(pipe: Pipeline):
             why = "the reduction drops its dims (keepdim false)"
         elif pipe.conv_impl == "gemm":
             why = "the spec asks for the generated convolution (plan.conv: gemm), which does not take tap sums"
+        elif pipe.dtype != "float32":
+            why = f"no {pipe.dtype} form of a convolution of tap sums (conv_aten's runs in float32)"
         elif op.groups != 1:
             why = f"groups={op.groups}"
         elif op.transposed and any(d != 1 for d in op.dilation):
@@ -468,6 +470,9 @@ def _feature_pool(pipe: Pipeline, ops: list, j: int) -> tuple[int, int, list] | 
     return k, 2, [Reshape(key=ops[j].key, shape=(1, groups))]
 
 
+_NO_16_BIT_POOLED_PRODUCT = "no 16-bit form of a product with summed weight rows (linear_aten's runs in float32)"
+
+
 def pool_into_linear(pipe: Pipeline):
     """linear (or matmul with a parameter), affine ops, a sum / mean over its output features ->
     the product with its weight rows summed, then the affine ops.
@@ -495,6 +500,10 @@ def pool_into_linear(pipe: Pipeline):
             j += 1
         red = ops[j] if j < len(ops) else None
         pooled = _feature_pool(now, ops, j) if j == i + 1 else None
+        if pooled is not None and pipe.dtype != "float32":
+            decisions.append(Decision("pool_into_linear", _site(op, ops[j + 1]), False, _NO_16_BIT_POOLED_PRODUCT))
+            i += 1
+            continue
         if pooled is not None:
             k, used, tail = pooled
             pool = ops[j + 1]
@@ -510,6 +519,8 @@ def pool_into_linear(pipe: Pipeline):
         run, why = ops[i + 1 : j], None
         if red.kept != red.dims:
             why = "the reduction drops the feature dim (keepdim false)"
+        elif pipe.dtype != "float32":
+            why = _NO_16_BIT_POOLED_PRODUCT
         for e in run:
             if why:
                 break

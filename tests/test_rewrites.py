@@ -685,6 +685,28 @@ def test_sum_before_conv_does_not_fire(conv, red, why):
     assert why in d.reason and q.ops == p.ops
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_plans_keep_products_that_have_16_bit_kernels(dtype):
+    """The convolution of tap sums and the product with summed weight rows run in float32 only: in a 16-bit pipeline
+    neither rewrite fires (the decision says why) and the plan is kgen's, not eager's (KernelBench #44 and #14 in
+    bfloat16 were eager plans for want of a family that computes the rewritten op)."""
+    from kgen.plan import make_plan
+
+    conv = {"conv_transpose2d": {"out_channels": 5, "kernel_size": 3, "stride": 2, "padding": 1, "output_padding": 1}}
+    mean = {"mean": {"dim": [2, 3], "keepdim": True}}
+    linear = [{"linear": {"out_features": 16}}, {"div": {"scalar": 2.0}}, {"sum": {"dim": [1], "keepdim": True}}]
+    for text, name in ((spec_text([4, 9, 11], [conv, mean]), "sum_before_conv"),
+                       (spec_text([32], linear), "pool_into_linear")):
+        p = replace(build(text), dtype=dtype)
+        q, ds = rewrite(p, name)
+        (d,) = not_fired(ds, name)
+        assert f"no {dtype} form" in d.reason or "no 16-bit form" in d.reason
+        assert q.ops == p.ops
+        plan = make_plan(p)
+        assert not plan.eager and plan.stages[0].family.name in ("conv_aten", "linear_aten", "linear_gemm")
+        assert fired(rewrite(replace(p, dtype="float32"), name)[1], name)  # (float32 rewrites it)
+
+
 def test_sum_before_conv_leaves_a_channel_sum_alone():
     p = build(spec_text([2, 8, 8], [{"conv2d": {"out_channels": 3, "kernel_size": 3}}, {"sum": {"dim": [1, 2], "keepdim": True}}]))
     q, ds = rewrite(p, "sum_before_conv")
