@@ -103,9 +103,13 @@ def main() -> None:
             if r["module"] in rows:
                 rows[r["module"]] = r
     env = environment()
+    args.commit = env["commit"]  # each timed row records it (a state file can hold rows of several runs)
+
+    # rows of problems outside this run (--only, --start) stay in the state file as they were
+    kept = [r for r in json.loads(args.state.read_text())["rows"] if r["module"] not in rows] if args.state.exists() else []
 
     def write():
-        ordered = sorted(rows.values(), key=lambda r: r["number"])
+        ordered = sorted(list(rows.values()) + kept, key=lambda r: r["number"])
         text = json.dumps({"environment": env, "rows": ordered}, indent=1) + "\n"
         args.state.parent.mkdir(parents=True, exist_ok=True)
         args.state.write_text(text)
@@ -334,7 +338,7 @@ def time_all(specs, rows, args, deadline, write):
                     except Exception as e:  # noqa: BLE001
                         row["compile_graphs_error"] = _line(e)
                 row.update(time_in_blocks(fns, args.reps))
-            row.update(status="ok", batch=batch, time_s=round(time.time() - t, 1))
+            row.update(status="ok", batch=batch, time_s=round(time.time() - t, 1), commit=args.commit)
         except Exception as e:  # noqa: BLE001
             row.update(status="timing failed", reason=_line(e))
             if "CUDA error" in str(e):
@@ -395,15 +399,15 @@ def markdown(rows, env, args) -> str:
         + ("1e-4" if args.dtype == "float32" else f"1e-2, both in {args.dtype}") + ") on 5 inputs "
         "from torch.rand, the same weights (PyTorch's defaults: cuDNN may use TF32).",
         "",
-        "| # | module | status | cases | KernelBench's check | batch | eager ms | torch.compile ms | torch.compile graphs ms | kgen ms | vs eager | vs compile | vs compile graphs | reason |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| # | module | status | cases | KernelBench's check | batch | eager ms | torch.compile ms | torch.compile graphs ms | kgen ms | vs eager | vs compile | vs compile graphs | timed at | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         e, c, g, k = r.get("eager_ms"), r.get("compile_ms"), r.get("compile_graphs_ms"), r.get("kgen_ms")
         ve, vc, vg = (f"{t / k:.2f}x" if t and k else "-" for t in (e, c, g))
         reason = (r.get("reason") or r.get("compile_error") or r.get("compile_graphs_error") or "").replace("|", "\\|")
         lines.append(f"| {r['number']} | {r['module']} | {r['status']} | {r.get('cases', '')} | {r.get('kb_allclose', '')} | {r.get('batch', '')} | "
-                     f"{_f(e)} | {_f(c)} | {_f(g)} | {_f(k)} | {ve} | {vc} | {vg} | {reason} |")
+                     f"{_f(e)} | {_f(c)} | {_f(g)} | {_f(k)} | {ve} | {vc} | {vg} | {r.get('commit', '-')} | {reason} |")
     return "\n".join(lines) + "\n"
 
 
