@@ -272,16 +272,16 @@ def test_the_op_returns_one_list_and_the_model_trains_as_eager(rendered, name):
 
 
 def test_the_statistics_stage_is_generated_for_rows_with_a_spatial_extent():
-    """batch_stats: the generated CUDA kernels for rows of at least MIN_SPATIAL values; BatchNorm1d's
-    rows of one value keep ATen's var_mean."""
+    """batch_stats: the generated CUDA kernels, a block per chunk of a row for rows of at least MIN_SPATIAL
+    values; BatchNorm1d's rows of one value by columns (a thread per channel over a share of the samples)."""
     from kgen.families.batch_stats import MIN_SPATIAL
 
     def stats_stage(spec):
         kgen = next(c for c in training_candidates(pipeline_of(SPECS[spec]), DEFAULT) if not c.eager)
         return next(st for st in kgen.stages if st.family.name == "batch_stats")
 
-    assert stats_stage("bn_first").kernel and stats_stage("bn_first").spatial == 71 * 69 >= MIN_SPATIAL
-    assert not stats_stage("bn_linear").kernel
+    assert not stats_stage("bn_first").columns and stats_stage("bn_first").spatial == 71 * 69 >= MIN_SPATIAL
+    assert stats_stage("bn_linear").columns
     # it reads its input once and writes nothing: the floor's bytes and the cost model's alike
     from kgen.explain import stage_cost
 
@@ -304,6 +304,61 @@ def test_statistics_kernels_compile_without_spills(rendered):
         assert all(k.clean for k in kernels), [(demangle(k.name), k.stack, k.spill_stores) for k in kernels]
 
 
+# Statistics by columns (rows shorter than MIN_SPATIAL): BatchNorm1d over a product's [N, C] and over a short [N, C, L],
+# each dtype; batch 5 at the example and 1 to 3 in validation (fewer samples than the sample chunks aim for)
+COLUMN_SPECS = {
+    "bn_cols_linear": spec_text([40], [{"linear": {"out_features": 300}}, {"batch_norm": {}}, "gelu"], name="bn_cols_linear",
+                                batch=5).replace("dtype: float32", "dtype: [float32, bfloat16, float16]"),
+    "bn_cols_short": spec_text([6, 12], [{"conv1d": {"out_channels": 20, "kernel_size": 3}}, {"batch_norm": {"momentum": 0.3}}, "relu"],
+                               name="bn_cols_short", batch=5).replace("dtype: float32", "dtype: [float32, bfloat16]"),
+}
+
+
+@pytest.fixture(scope="module")
+def rendered_columns(tmp_path_factory):
+    return render_specs(tmp_path_factory.mktemp("bn_cols"), COLUMN_SPECS)
+
+
+def test_statistics_by_columns_compile_without_spills(rendered_columns):
+    """The column kernel and its finalize, one pair per dtype, clean (nvcc sm_90a where there is one)."""
+    from kgen.build import cuda_home, demangle, ptxas_report
+
+    if cuda_home() is None:
+        pytest.skip("needs nvcc")
+    for name, (_, d) in rendered_columns.items():
+        kernels = [k for k in ptxas_report(d, "9.0a") if "float2" in demangle(k.name)]
+        dtypes = 3 if name == "bn_cols_linear" else 2
+        assert sorted(demangle(k.name).split("(")[0].rsplit("::", 1)[-1] for k in kernels) == (
+            ["column_partials_kernel"] * dtypes + ["finalize_kernel"] * dtypes), name
+        assert all(k.clean for k in kernels), [(demangle(k.name), k.stack, k.spill_stores) for k in kernels]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_statistics_by_columns_validate_on_the_gpu(rendered_columns):
+    """The column kernel on CUDA against the float64 reference and eager in each dtype (training mode's cases
+    update the running statistics too), and one training step's batch statistics and running statistics against
+    eager's at a batch of 700 (more samples than a thread's share: several rounds of loads)."""
+    from kgen.build import build_modules
+    from kgen.validate import import_module_dir, validate
+
+    build_modules([d for _, d in rendered_columns.values()], "cuda")
+    for name, (spec, d) in rendered_columns.items():
+        assert_report_passed(validate(spec, d, "cuda", example_batch=True), name)
+    mod = import_module_dir(rendered_columns["bn_cols_linear"][1])
+    ours = mod.Model().cuda().train()
+    ref = mod.Model().cuda().train()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(700, 40, device="cuda") * 3 + 5
+    eager = torch.nn.functional.gelu(torch.nn.functional.batch_norm(
+        torch.nn.functional.linear(x, ref.state_dict()["linear.weight"], ref.state_dict()["linear.bias"]),
+        ref.state_dict()["batch_norm.running_mean"], ref.state_dict()["batch_norm.running_var"],
+        ref.state_dict()["batch_norm.weight"], ref.state_dict()["batch_norm.bias"], True, 0.1, 1e-5))
+    torch.testing.assert_close(ours(x), eager, rtol=1e-4, atol=1e-4)
+    for k in ("batch_norm.running_mean", "batch_norm.running_var"):
+        torch.testing.assert_close(ours.state_dict()[k], ref.state_dict()[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_the_convolution_gathers_the_statistics_as_it_stores(rendered, tmp_path):
     """A batch_stats stage right after a generated convolution that stores through a staged tile of at
     least GATHER_MIN_TILE positions: the convolution's Store epilogue writes each tile's (count, mean, M2)
@@ -324,7 +379,7 @@ def test_the_convolution_gathers_the_statistics_as_it_stores(rendered, tmp_path)
         plan = choose_plans(pipeline_of(SPECS[name]), target).variant_for(2, True).plan
         conv, stats = plan.stages[:2]
         assert conv.family.name == "conv_gemm" and conv.moments_for is stats and stats.gathered_by is conv, name
-        assert stats.kernel and stage_cost(plan, stats, 2)[1] == 12 * 2 * 8 * conv.moments_tiles()
+        assert not stats.columns and stage_cost(plan, stats, 2)[1] == 12 * 2 * 8 * conv.moments_tiles()
         assert "gathers (count, mean, M2)" in stats.family.explain_lines(stats)[0]
         binding, kernel = (d / "binding.cpp").read_text(), (d / "kernel.cu").read_text()
         assert "stage0_gathering({x.contiguous()}" in binding and ", moments1);" in binding
@@ -340,7 +395,7 @@ def test_the_convolution_gathers_the_statistics_as_it_stores(rendered, tmp_path)
     small = spec_text([16, 6, 10, 12], [{"conv_transpose3d": {"out_channels": 32, "kernel_size": 3, "stride": 2, "padding": 1}},
                                         {"batch_norm": {}}], plan={"conv": "gemm"})
     conv, stats = choose_plans(pipeline_of(small), H100).variant_for(2, True).plan.stages[:2]
-    assert conv.schedule.tile == (1, 8, 8) and stats.kernel and stats.gathered_by is None and conv.moments_for is None
+    assert conv.schedule.tile == (1, 8, 8) and not stats.columns and stats.gathered_by is None and conv.moments_for is None
 
 
 def test_split_tf32_phases_gathering_the_statistics_compile_without_spills(rendered):

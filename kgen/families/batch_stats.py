@@ -2,11 +2,13 @@
 reads its input once and passes it on; the stages after it apply the norm as a per-channel affine
 (rewrites.batch_norm_batch_stats).
 
-On CUDA, for inputs with a spatial extent, two generated kernels: per-block shifted sums of
-fixed chunks of each (sample, channel) row, then one block per channel that adds them in index
-order in double, writes the mean and the scale and updates the running statistics. ATen's
-var_mean (its Welford reduction) reads the same bytes at about half the bandwidth on the H100
-(docs/performance.md, 2026-11-27). Elsewhere (the CPU build, BatchNorm1d over [N, C]): ATen's var_mean
+On CUDA two generated kernels: per-block shifted sums of fixed chunks of each (sample, channel)
+row (rows of at least MIN_SPATIAL values), or, for shorter rows (BatchNorm1d over [N, C]), per-thread
+shifted sums of one column (channel and position) over an interleaved share of the samples; then one
+block per channel that adds them in index order in double, writes the mean and the scale and updates
+the running statistics. ATen's var_mean (its Welford reduction) reads the same bytes at about half the
+bandwidth on the H100 (docs/performance.md, 2026-11-27), and over [N, C] it was followed by 8 ATen
+calls on C values each (the running statistics, the scale). On the CPU: ATen's var_mean
 (kgen::batch_norm_batch_stats). Templates: ``templates/batch_stats/``.
 
 In a 16-bit plan the input, the weight and the running statistics are in the plan's dtype (a model converted
@@ -29,10 +31,11 @@ from .base import Family, StageRequest, Work
 
 CUDA_THREADS = 256
 PER_THREAD = 16  # values a thread loads before it adds them (loads in flight)
-MIN_SPATIAL = 64  # shorter rows (BatchNorm1d: 1) keep ATen's var_mean: a block per row would idle
-# the running statistics' update (mul_, add_ for each), the variance's correction, the scale (add, sqrt, div):
-# ATen calls on C values each, on the var_mean path
-ATEN_SMALL_CALLS = 8
+MIN_SPATIAL = 64  # shorter rows (BatchNorm1d: 1) take the column kernel: a block per row would idle
+# the column kernel: blocks it aims for (a multiple of the SMs' resident blocks; sample chunks fill the grid's y) and
+# the most sample chunks (each thread sums batch / chunks samples of its column)
+COLUMN_TARGET_BLOCKS_PER_SM = 8
+MAX_SAMPLE_CHUNKS = 64
 MOMENT_BYTES = 12  # a tile's (count, mean, M2) in float (kgen::TileMoments)
 # blocks per channel that merge gathered tile moments (merge_moments_kernel), each a range in index order, then
 # combined in order: one block per channel left the GPU idle (H100, #72's 16 channels x 16384 tiles: 33 us)
@@ -43,7 +46,9 @@ MERGE_PARTS = 16
 class BatchStatsStage(Stage):
     threads: int = CUDA_THREADS
     per_thread: int = PER_THREAD
-    kernel: bool = False  # the generated CUDA kernels (else ATen's var_mean on every device)
+    columns: bool = False  # rows shorter than MIN_SPATIAL: the column kernel (a thread per channel and position)
+    target_blocks: int = 0  # the column kernel's grid aims for this many blocks
+    max_sample_chunks: int = MAX_SAMPLE_CHUNKS
     merge_parts: int = MERGE_PARTS
     # the stage (a generated convolution) whose kernel gathers per-tile moments of this stage's input
     # while writing it (on CUDA this stage then only merges them: merge_moments_kernel)
@@ -83,7 +88,8 @@ class BatchStatsFamily(Family):
     def make_stage(self, req: StageRequest) -> BatchStatsStage:
         t_in, t_out = req.types
         st = BatchStatsStage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
-        st.kernel = st.spatial >= MIN_SPATIAL
+        st.columns = st.spatial < MIN_SPATIAL
+        st.target_blocks = req.target.sm_count * COLUMN_TARGET_BLOCKS_PER_SM
         return st
 
     def work(self, st: BatchStatsStage, batch: int, target: Target) -> list[Work]:
@@ -91,8 +97,7 @@ class BatchStatsFamily(Family):
         before it: one launch that reads the tiles' moments."""
         if st.gathered_by is not None:
             return [Work("merge of the gathered moments", 0, MOMENT_BYTES * self.moments(st, batch), launches=2)]
-        launches = 2 if st.kernel else 1 + ATEN_SMALL_CALLS
-        return [Work("batch statistics", 0, self.read_bytes(st, batch), launches=launches)]
+        return [Work("batch statistics", 0, self.read_bytes(st, batch), launches=2)]
 
     @staticmethod
     def moments(st: BatchStatsStage, batch: int) -> int:
@@ -126,10 +131,12 @@ class BatchStatsFamily(Family):
             return [f"CUDA: stage {st.gathered_by.index}'s kernel gathers (count, mean, M2) of each output tile and channel "
                     f"{how}; {st.merge_parts} blocks per channel merge consecutive ranges of them, combined in order "
                     "(double, Chan's formula), and update the running statistics; CPU: ATen's var_mean"]
-        if st.kernel:
-            return [f"CUDA: shifted sums of {st.chunk}-value chunks of each (sample, channel) row, then a block per "
-                    "channel adds them in order (double) and updates the running statistics; CPU: ATen's var_mean"]
-        return ["ATen's var_mean over (batch, spatial) (rows too short for the generated kernels)"]
+        if st.columns:
+            return [f"CUDA: a thread per channel and position sums its column over a share of the samples (rows of {st.spatial} "
+                    "too short for a block each), then a block per channel adds them in order (double) and updates the "
+                    "running statistics; CPU: ATen's var_mean"]
+        return [f"CUDA: shifted sums of {st.chunk}-value chunks of each (sample, channel) row, then a block per "
+                "channel adds them in order (double) and updates the running statistics; CPU: ATen's var_mean"]
 
 
 FAMILY = BatchStatsFamily()

@@ -999,7 +999,7 @@ class ConvGemm(Family):
 
         # (float32 only: in 16 bits the statistics are of the output rounded to the dtype, as eager's, not of the
         # accumulators the Store reads back)
-        return (st.dtype == "float32" and isinstance(nxt, BatchStatsStage) and nxt.kernel and st.epilogue is None and st.fused_norm is None
+        return (st.dtype == "float32" and isinstance(nxt, BatchStatsStage) and not nxt.columns and st.epilogue is None and st.fused_norm is None
                 and st.phase_pool is None and st.pool_ring is None and st.store_staged()
                 and math.prod(st.schedule.tile) >= GATHER_MIN_TILE and nxt.input == st.output)
 
