@@ -192,3 +192,21 @@ def test_compare_finds_non_finite_values_on_either_side():
         ref[5] = value
         res = compare("reference", r.float(), ref, (1e-5, 1e-5))
         assert not res.passed and res.problem.startswith(f"{what} at 0 places") and "missing at 1" in res.problem, res.problem
+
+
+def test_a_16_bit_case_passes_against_eager_only_where_eager_is_the_one_off():
+    """KernelBench's 16-bit check (allclose to eager at 1e-2) is arbitrated by the float64 result: a note (the case
+    passes) where kgen is within 1e-2 of it rounded to the dtype and eager is not; nothing where kgen is off it too,
+    or where eager is within it (then kgen is the one off)."""
+    import torch
+
+    from kgen.validate import _eager_off_reference
+
+    exact = torch.tensor([0.125, 0.5, 0.25], dtype=torch.float64)
+    near = torch.tensor([0.1245, 0.5, 0.25], dtype=torch.float64)
+    off = torch.tensor([0.16, 0.5, 0.25], dtype=torch.float64)
+    note = _eager_off_reference(near, off, (exact, 1.0), torch.bfloat16)
+    assert "eager is off the float64 result by 0.035" in note
+    assert _eager_off_reference(off, near, (exact, 1.0), torch.bfloat16) == ""  # kgen off, eager close: a failure
+    assert _eager_off_reference(off, off + 0.1, (exact, 1.0), torch.bfloat16) == ""  # both off
+    assert _eager_off_reference(near, off, None, torch.bfloat16) == ""  # no reference computed
