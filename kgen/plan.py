@@ -219,7 +219,7 @@ KEEPS_16_BIT_BIAS_AFTER = ("norm", "layer_norm", "batch_norm", "batch_stats", "s
 DEFER_BIAS = "defer_conv_bias"  # a 16-bit plan's decision point per convolution (rewrite_key)
 
 
-def defer_conv_bias(pipe: Pipeline, choose: Callable[[str], bool] = lambda key: True) -> Pipeline:
+def defer_conv_bias(pipe: Pipeline, choose: Callable[[str], bool]) -> Pipeline:
     """Move each convolution's bias into the fused stage that reads it.
 
     cuDNN does not add a bias: ATen adds it in a separate pass over the whole
