@@ -90,6 +90,37 @@ def _request(pipe, dtype):
                                  plan.target, plan.batch)
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_16_bit_bias_is_deferred_where_nothing_amplifies_it(dtype):
+    """plan.defer_conv_bias in 16 bits: a decision per convolution (kept first). Before an elementwise tail the
+    model takes the deferral with cuDNN's call (ATen's separate bias pass priced, conv_aten.BIAS16_PASS): the next
+    stage adds the bias to the rounded output and rounds again; before a norm no decision is offered; conv_gemm
+    declines a deferred 16-bit bias."""
+    from dataclasses import replace
+
+    from kgen.plan import DEFER_BIAS, OFF, ON, choose_plans, make_plan, rewrite_key
+
+    # KernelBench #1's kind (64 -> 128 channels, k3, 64 x 64): cuDNN's call is the model's choice
+    tail = spec_text([64, 64, 64], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, "relu", {"mul": {"scalar": 2.0}}],
+                     batch=32).replace("dtype: float32", f"dtype: {dtype}")
+    (v,) = choose_plans(pipeline_of(tail)).variants
+    conv, nxt = v.plan.stages
+    key = rewrite_key(DEFER_BIAS, "ops[0].conv2d")
+    assert v.plan.choices[key] == ON and v.plan.options[key] == (OFF, ON)
+    assert conv.family.name == "conv_aten" and conv.conv.bias_deferred
+    assert nxt.ops[0].key == "ops[0].conv2d.bias" and nxt.ops[0] in nxt.rounded
+    assert not any("bias (ATen's add)" in w.what for w in conv.family.work(conv, 32, v.plan.target))
+    kept = make_plan(replace(pipeline_of(tail), dtype=dtype), choices={key: OFF, "implementation @ ops[0].conv2d": "conv_aten:channels_last"})
+    assert not kept.stages[0].conv.bias_deferred
+    assert any("bias (ATen's add)" in w.what for w in kept.stages[0].family.work(kept.stages[0], 32, kept.target))
+    deferred = make_plan(replace(pipeline_of(tail), dtype=dtype), choices={key: ON, "implementation @ ops[0].conv2d": "conv_gemm"})
+    assert deferred.stages[0].family.name != "conv_gemm"  # conv_gemm declines: the first family that takes it
+    normed = spec_text([64, 64, 64], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, "relu", {"group_norm": {"num_groups": 8}}],
+                       batch=32).replace("dtype: float32", f"dtype: {dtype}")
+    (v,) = choose_plans(pipeline_of(normed)).variants
+    assert key not in v.plan.options and not v.plan.stages[0].conv.bias_deferred
+
+
 def test_tf32_layout_rules_are_float32s():
     """A forward convolution with TF32 products before a group norm is eager's own call in float32
     (eager_rounding_only: cuDNN's TF32 ties); in 16 bits its products are exact in every form, so both
