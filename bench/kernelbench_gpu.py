@@ -98,15 +98,12 @@ def main() -> None:
     if args.dtype != "float32":
         specs = [spec_in_dtype(s, args.dtype, args.gen / "specs") for s in specs]
     rows = {s.stem: {"number": number_of(s), "module": s.stem, "status": PENDING} for s in specs}
-    if args.state.exists():
-        for r in json.loads(args.state.read_text())["rows"]:
-            if r["module"] in rows:
-                rows[r["module"]] = r
+    stored = json.loads(args.state.read_text())["rows"] if args.state.exists() else []
+    rows.update({r["module"]: r for r in stored if r["module"] in rows})
+    # rows of problems outside this run (--only, --start) stay in the state file as they were
+    kept = [r for r in stored if r["module"] not in rows]
     env = environment()
     args.commit = env["commit"]  # each timed row records it (a state file can hold rows of several runs)
-
-    # rows of problems outside this run (--only, --start) stay in the state file as they were
-    kept = [r for r in json.loads(args.state.read_text())["rows"] if r["module"] not in rows] if args.state.exists() else []
 
     def write():
         ordered = sorted(list(rows.values()) + kept, key=lambda r: r["number"])

@@ -628,9 +628,7 @@ def _end_to_end(label, op, pipe, state, params64, buffers, x, inputs, training, 
             if a.dtype != x.dtype:
                 continue
             a, e = a.double(), e.double()
-            ok = bool(torch.allclose(a, e, rtol=KGEN_EAGER_ATOL, atol=KGEN_EAGER_ATOL, equal_nan=True))
-            diff = torch.where(torch.isfinite(a) & torch.isfinite(e), a - e, 0.0).abs()
-            worst = float(diff.max()) if diff.numel() else 0.0
+            ok, worst = _kernelbench_close(a, e), _finite_max_diff(a, e)
             which = f": output {n}" if several else ""
             note = "" if ok or several else _eager_off_reference(a, e, outs.get("reference"), x.dtype)
             results.append(CaseResult(f"{label}{which}: vs eager {str(x.dtype).removeprefix('torch.')} (allclose at 1e-2){note}", worst,
@@ -799,11 +797,20 @@ def _eager_off_reference(out, eager, reference, dtype) -> str:
     if reference is None:
         return ""
     exact = reference[0].to(dtype).double()
-    close = lambda t: bool(torch.allclose(t, exact, rtol=KGEN_EAGER_ATOL, atol=KGEN_EAGER_ATOL, equal_nan=True))  # noqa: E731
-    if not close(out) or close(eager):
+    if not _kernelbench_close(out, exact) or _kernelbench_close(eager, exact):
         return ""
-    off = float(torch.where(torch.isfinite(eager) & torch.isfinite(exact), eager - exact, 0.0).abs().max())
-    return f" [eager is off the float64 result by {off:.3g}, kgen within 1e-2 of it]"
+    return f" [eager is off the float64 result by {_finite_max_diff(eager, exact):.3g}, kgen within 1e-2 of it]"
+
+
+def _kernelbench_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """KernelBench's 16-bit criterion: allclose at atol = rtol = KGEN_EAGER_ATOL, NaN equal to NaN."""
+    return bool(torch.allclose(a, b, rtol=KGEN_EAGER_ATOL, atol=KGEN_EAGER_ATOL, equal_nan=True))
+
+
+def _finite_max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| where both are finite (0 for empty tensors)."""
+    diff = torch.where(torch.isfinite(a) & torch.isfinite(b), a - b, 0.0).abs()
+    return float(diff.max()) if diff.numel() else 0.0
 
 
 def _case(label, run, run_reference, run_eager, tol, dtype=torch.float32) -> CaseResult:
