@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--start", type=int, default=0, help="skip problems numbered below this")
     ap.add_argument("--only", default="", help="comma-separated problem numbers")
+    ap.add_argument("--restart", action="store_true",
+                    help="build, check and time this run's problems again, whatever the state file says of them "
+                         "(the state's other rows stay)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false",
                     help="skip torch.compile's mode=\"reduce-overhead\" (CUDA graphs) in the timing phase")
@@ -99,7 +102,8 @@ def main() -> None:
         specs = [spec_in_dtype(s, args.dtype, args.gen / "specs") for s in specs]
     rows = {s.stem: {"number": number_of(s), "module": s.stem, "status": PENDING} for s in specs}
     stored = json.loads(args.state.read_text())["rows"] if args.state.exists() else []
-    rows.update({r["module"]: r for r in stored if r["module"] in rows})
+    if not args.restart:
+        rows.update({r["module"]: r for r in stored if r["module"] in rows})
     # rows of problems outside this run (--only, --start) stay in the state file as they were
     kept = [r for r in stored if r["module"] not in rows]
     env = environment()

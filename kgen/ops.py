@@ -324,13 +324,13 @@ def _table() -> dict[str, OpDef]:
             "eps": (f.number, 1e-5),
             "affine": (f.boolean, True),
             "name": (f.optional(f.member_path), None),
-        }, ("norm",), "nn.GroupNorm; a submodule named `group_norm`"),
+        }, ("norm", "layer_norm"), "nn.GroupNorm; a submodule named `group_norm`"),
         OpDef("instance_norm", "norm", {
             "eps": (f.number, 1e-5),
             "affine": (f.boolean, False),
             "track_running_stats": (f.boolean, False),
             "name": (f.optional(f.member_path), None),
-        }, ("norm",), "nn.InstanceNormNd; a submodule named `instance_norm`", _check_instance_norm),
+        }, ("norm", "layer_norm"), "nn.InstanceNormNd; a submodule named `instance_norm`", _check_instance_norm),
     ]
     for e in entries:
         assert e.role in ROLES, e

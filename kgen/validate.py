@@ -790,16 +790,28 @@ def _output_cases(names, label, run, run_reference, run_eager, tol, dtype=torch.
 
 
 def _eager_off_reference(out, eager, reference, dtype) -> str:
-    """Where kgen's 16-bit output is not allclose to eager's: a note (the case passes) if eager is the one off, i.e.
-    kgen's output is allclose (atol = rtol = 1e-2) to the float64 reference rounded to the dtype and eager's is not
-    (ATen's CPU batch norm over [N, C] in bfloat16 rounds its statistics where eager CUDA and kgen keep them float);
-    else ""."""
+    """Where kgen's 16-bit output is not allclose to eager's: a note (the case passes) if kgen is at least as
+    accurate as eager, else "". Measured against the float64 reference rounded to the dtype: kgen allclose to it
+    (atol = rtol = 1e-2) and eager not (ATen's CPU batch norm over [N, C] in bfloat16 rounds its statistics where
+    eager CUDA and kgen keep them float), or kgen's largest difference from it no larger than eager's. The second:
+    two roundings of the same value to the dtype differ by an ulp where the value lies at a rounding midpoint (a
+    batch norm's statistics summed in another order), and a later op can grow that past 1e-2 (one element of 67M
+    after GELU in a GEMM + batch norm), as it could between two eager runs with different reduction orders."""
     if reference is None:
         return ""
     exact = reference[0].to(dtype).double()
-    if not _kernelbench_close(out, exact) or _kernelbench_close(eager, exact):
-        return ""
-    return f" [eager is off the float64 result by {_finite_max_diff(eager, exact):.3g}, kgen within 1e-2 of it]"
+    ours, theirs = _finite_max_diff(out, exact), _finite_max_diff(eager, exact)
+    if _kernelbench_close(out, exact) and not _kernelbench_close(eager, exact):
+        return f" [eager is off the float64 result by {theirs:.3g}, kgen within 1e-2 of it]"
+    if ours <= theirs and _nonfinite_agree(out, eager):
+        return f" [kgen is off the float64 result by {ours:.3g}, eager by {theirs:.3g}: as accurate as eager]"
+    return ""
+
+
+def _nonfinite_agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b have NaN and infinities at the same places (the same ones)."""
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    return bool(torch.equal(fa, fb) and torch.equal(torch.where(fa, 0.0, a).nan_to_num(0.5), torch.where(fb, 0.0, b).nan_to_num(0.5)))
 
 
 def _kernelbench_close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -231,7 +231,8 @@ def pipeline_of(text: str, path: str = "t.yaml"):
 # (input shape, ops, layout[, plan]).
 CL_ATEN = {"conv": "aten", "conv_layout": "channels_last"}
 NORM_LAYOUTS = {
-    # a GEMM row's groups: 8 groups of 32 values, a warp each; apply over all outputs in order
+    # a GEMM row's groups: 8 groups of 32 values, a warp each; apply over all outputs in order (pinned: the
+    # layer_norm family's one pass is the cost model's choice, LAYER_NORMS' gn_rows)
     "norm_rows": ([256], ["relu", {"group_norm": {"num_groups": 8}}, "tanh"], ("warp", "flat")),
     # small groups over a 3x3 map, reduced over the channels by a warp per position
     "norm_small_max": ([64, 3, 3], [{"group_norm": {"num_groups": 16}}, {"max": {"dim": 1}}], ("warp", "warp")),
@@ -337,10 +338,10 @@ def render_norm_layout(name: str, root: Path) -> tuple[Path, Path]:
     layout it stands for; returns (spec, module directory)."""
     import json
 
-    from kgen.render import render_spec, write_rendered
+    from kgen.render import render_plan, write_rendered
 
     spec = norm_layout_spec(name, root)
-    write_rendered(render_spec(spec, root / "gen"), root / "gen")
+    write_rendered(render_plan(pinned_selection(name, spec), root / "gen"), root / "gen")
     plan = json.loads((root / "gen" / name / "plan.json").read_text())
     layouts = {(s["schedule"]["stats_by"], s["schedule"]["apply_by"]) for p in plan["plans"] for s in p["stages"]
                if s.get("kind") == "norm"}
@@ -351,18 +352,23 @@ def render_norm_layout(name: str, root: Path) -> tuple[Path, Path]:
 # The layer_norm family's CUDA schedules (templates/layer_norm): each spec picks another row form.
 # (input shape, ops, params, plan, example batch, (row_threads, vector), input form: "flat" | "phased" | "channels_last")
 LAYER_NORMS = {
-    # KernelBench level 2 #34's row of 64 (a warp per row, float2 loads) after a per-channel prologue, then gelu and a scale
+    # KernelBench level 2 #34's row of 64 (16 lanes per row, float4 loads) after a per-channel prologue, then gelu and a scale
     "ln_r64": ([5, 3, 64], [{"add": {"param": "s"}}, {"layer_norm": {"normalized_shape": [64]}}, "gelu", {"mul": {"scalar": 1.5}}],
-               {"s": {"shape": [5, 1, 1]}}, None, 37, (32, 2), "flat"),
+               {"s": {"shape": [5, 1, 1]}}, None, 37, (16, 4), "flat"),
     # 48 values: a warp per row, its second slot half full (scalar loads); no affine part
     "ln_r48": ([4, 7, 48], [{"layer_norm": {"normalized_shape": [48], "elementwise_affine": False}}, "relu"],
                None, None, 37, (32, 1), "flat"),
     # a 2-dim row (6 x 8 = 48 values over H and W): a weight and no bias, its output kept in a register for a later op
     "ln_6x8": ([3, 6, 8], [{"layer_norm": {"normalized_shape": [6, 8], "bias": False, "as": "h"}}, "tanh",
                            {"mul": {"tensor": "h"}}], None, None, 37, (32, 1), "flat"),
-    # rows of 8: 8 lanes per row, 4 rows per warp
+    # rows of 8: 2 lanes per row (float4 loads), 16 rows per warp
     "ln_r8": ([3, 5, 8], [{"layer_norm": {"normalized_shape": [8], "eps": 0.01}}, {"hardtanh": {"min_val": -0.5, "max_val": 0.75}}],
-              None, None, 37, (8, 1), "flat"),
+              None, None, 37, (2, 4), "flat"),
+    # a group norm's rows: a GEMM row's 8 groups of 32 channels (8 lanes per group, float4 loads, each value its
+    # channel's weight and bias) between a prologue and an epilogue op; an instance norm over 5 x 7 maps (rows of
+    # 35: a warp per row, scalar loads, no affine part)
+    "gn_rows": ([256], ["relu", {"group_norm": {"num_groups": 8}}, "tanh"], None, None, 37, (8, 4), "flat"),
+    "in_rows": ([6, 5, 7], [{"instance_norm": {}}, {"mul": {"scalar": 2.0}}], None, None, 37, (32, 1), "flat"),
     # a block per row: 512 values (float2 loads), and a 2-dim row of 1024 (float4 loads)
     "ln_r512": ([3, 512], [{"sub": {"scalar": 0.5}}, {"layer_norm": {"normalized_shape": [512]}}], None, None, 37, (256, 2), "flat"),
     "ln_32x32": ([2, 32, 32], [{"layer_norm": {"normalized_shape": [32, 32]}}, "silu"], None, None, 37, (256, 4), "flat"),
@@ -463,11 +469,12 @@ SOFTMAXES = {
 }
 
 
-# Cases (of SOFTMAXES, LAYER_NORMS) planned with choices pinned (decision point -> option) rather than by the
-# cost model: the sub-pixel lowering of a transposed convolution, which the cost model takes or not as
-# conv_work is refit.
+# Cases (of SOFTMAXES, LAYER_NORMS, NORM_LAYOUTS) planned with choices pinned (decision point -> option) rather
+# than by the cost model: the sub-pixel lowering of a transposed convolution, which the cost model takes or not as
+# conv_work is refit; the norm family's kernels for groups the layer_norm family holds in registers.
 PINNED_CHOICES = {"sm_phases": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on"},
-                  "ln_phases": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on"}}
+                  "ln_phases": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on"},
+                  "norm_rows": {"pipeline": "kgen", "implementation @ ops[0].relu": "norm"}}
 
 
 def pinned_selection(name: str, spec: Path):

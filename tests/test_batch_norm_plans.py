@@ -9,7 +9,7 @@ against the float64 reference, on the CPU build and (GPU tests) the CUDA one."""
 import pytest
 import torch
 
-from conftest import BUILD_DEVICES, build_and_validate, pipeline_of, render_specs, spec_text
+from conftest import BUILD_DEVICES, assert_report_passed, build_and_validate, pipeline_of, render_specs, spec_text
 from kgen.ir import BatchNorm, BatchStats, load_pipeline
 from kgen.plan import EAGER, PIPELINE, choose_plans, training_candidates, tuned_candidates
 from kgen.rewrites import batch_norm_batch_stats

@@ -231,7 +231,7 @@ def test_norm_layouts_validate(name, tmp_path):
 
     spec, module_dir = render_norm_layout(name, tmp_path)
     build_module(module_dir, quiet=True)
-    report = validate(spec, module_dir, "cuda", example_batch=True)
+    report = validate(spec, module_dir, "cuda", selection=pinned_selection(name, spec), example_batch=True)
     assert_report_passed(report)
 
 

@@ -46,6 +46,17 @@ ops:
     "hf_group_norm": ("""
 name: hf_group_norm
 input:
+  shape: [N, 4, 24, 25]
+  dtype: [bfloat16, float16]
+  example: {N: 3}
+ops:
+  - relu
+  - group_norm: {num_groups: 2}
+  - mul: {scalar: 2.0}
+""", ["norm"]),
+    "hf_group_rows": ("""
+name: hf_group_rows
+input:
   shape: [N, 6, 5, 7]
   dtype: [bfloat16, float16]
   example: {N: 3}
@@ -53,7 +64,7 @@ ops:
   - relu
   - group_norm: {num_groups: 3}
   - mul: {scalar: 2.0}
-""", ["norm"]),
+""", ["layer_norm"]),
     "hf_softmax": ("""
 name: hf_softmax
 input:

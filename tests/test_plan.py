@@ -55,9 +55,12 @@ def test_grouping(shape, ops, expected):
     assert families_of(plan) == expected
     # every op of the (rewritten) pipeline is in exactly one stage, in order
     assert [o for s in plan.stages for o in s.ops] == list(plan.pipeline.ops)
-    for s in plan.stages:  # each stage's candidates: the conv families' (conv_aten: one per layout), else its family
+    for s in plan.stages:  # each stage's candidates: the conv families' (conv_aten: one per layout), a group norm's
+        # without a channel reduction also the layer_norm family's (its groups in registers), else its family
         assert s.family.name in {c.split(":")[0] for c in s.candidates} and s.choice.startswith(s.family.name)
-        expected_families = ("conv_gemm", "conv_aten") if s.kind == "conv" else (s.family.name,)
+        reduced = any(o.op_name in ("sum", "max") for o in s.ops)
+        expected_families = (("conv_gemm", "conv_aten") if s.kind == "conv" else
+                             ("norm", "layer_norm") if s.family.name == "norm" and not reduced else (s.family.name,))
         assert tuple(dict.fromkeys(c.split(":")[0] for c in s.candidates)) == expected_families
 
 
@@ -106,7 +109,7 @@ def test_layer_norm_fuses_with_the_elementwise_ops_around_it():
     assert [o.fn for o in st.post] == ["gelu", "mul"]
     assert (st.row_size, st.rows, st.row_dims) == (64, 12, 1)
     sc = st.schedule
-    assert (sc.cuda_threads, sc.row_threads, sc.vector, sc.rows_in_flight) == (layer_norm.CUDA_THREADS, 32, 2, 4)
+    assert (sc.cuda_threads, sc.row_threads, sc.vector, sc.rows_in_flight) == (layer_norm.CUDA_THREADS, 16, 4, 2)
     assert sc.cpu_grain == layer_norm.CPU_TASK_VALUES // 64 and sc.index_type == "int"
     # alone, it is also the aten family's: both are candidates, the generated one first
     (alone,) = plan_of([4, 3, 64], [LN64]).stages
@@ -156,7 +159,8 @@ def test_layer_norm_rows_longer_than_the_registers_stay_with_aten():
 
 
 @pytest.mark.parametrize("shape, normalized, row_threads, vector, rows_in_flight", [
-    ([5, 8], [8], 8, 1, 8),  # short rows: 8 lanes each, 4 rows per warp
+    ([5, 8], [8], 2, 4, 2),  # short rows: 2 lanes of one float4 each, 16 rows per warp
+    ([5, 64], [64], 16, 4, 2),  # 16 lanes of one float4 (not 32 of a float2)
     ([5, 48], [48], 32, 1, 4),  # 48 values: two slots, the second half full
     ([6, 8], [6, 8], 32, 1, 4),  # a 2-dim row of 48 values
     ([5, 128], [128], 32, 4, 2),  # float4: whole vectors per lane

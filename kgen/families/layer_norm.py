@@ -1,8 +1,14 @@
-"""The layer_norm family: nn.LayerNorm with the elementwise ops around it, in one pass.
+"""The layer_norm family: a norm whose rows fit in registers, with the elementwise ops around it, in one pass.
 
 A LayerNorm over ``normalized_shape`` normalizes each *row* of R =
 prod(normalized_shape) values: the last dims of a sample, contiguous in an
-NC[D]HW tensor. A row of at most ``MAX_ROW_VALUES`` values is held in
+NC[D]HW tensor. A GroupNorm (or InstanceNorm) normalizes groups of channels,
+also contiguous in NC[D]HW order: its rows are the (sample, group) pairs, R =
+channels per group x spatial size, and its affine part is per channel (so
+per row and value, where a LayerNorm's is per value). A GEMM's [N, C] output
+in groups of 64 channels is such a norm: the norm family's statistics and
+apply kernels read it twice with a warp per group; here a thread group holds
+the group once. A row of at most ``MAX_ROW_VALUES`` values is held in
 registers by one group of threads: a warp or part of one for R <= 256
 (``WARP_ROW_VALUES``), a block for longer rows. Each thread loads its share of
 the row (vector loads where the input is a plain contiguous tensor and the
@@ -30,7 +36,8 @@ and an ATen convolution before the norm writes NC[D]HW).
 Declines: a row of more than ``MAX_ROW_VALUES`` values (``unsupported``). As
 the planner groups ops greedily before any family is asked to make a stage,
 ``fits`` then takes the layer_norm alone, so the op stays an ATen stage of its
-own and the ops around it go to the other fused families.
+own and the ops around it go to the other fused families; a group norm's
+groups that long go to the norm family (which also takes the ops around it).
 Templates: ``templates/layer_norm/``.
 """
 from __future__ import annotations
@@ -39,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..buffer import flat_buffer
-from ..ir import Elementwise, LayerNorm
+from ..ir import Elementwise, LayerNorm, Norm
 from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest, fused_stage_json, group_words, index_type, input_words, pow2_ceil, split_around
@@ -50,7 +57,7 @@ WARP_ROW_VALUES = 256  # rows up to this long: a warp (or part of one) per row; 
 MAX_ROW_VALUES = 1024  # longest row held in registers (at most 4 values per thread of a block); longer: declined
 VECTOR_WIDTHS = (4, 2, 1)  # floats per load, widest first (float4, float2, float)
 VECTOR_WIDTHS_16 = (8, 4, 2, 1)  # 16-bit values per load: 16-byte vectors too
-VALUES_IN_FLIGHT = 8  # values a thread loads before it uses any (several rows when rows are short)
+BYTES_IN_FLIGHT = 32  # bytes a thread loads before it uses any (several rows when rows are short)
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 
 
@@ -67,20 +74,33 @@ class Schedule:
 @dataclass
 class LayerNormStage(Stage):
     prologue: list[Elementwise] = field(default_factory=list)  # before the norm, on each loaded value
-    norm: LayerNorm = None
+    norm: LayerNorm | Norm = None  # a Norm: group_norm / instance_norm, a row per (sample, group)
     post: list[Elementwise] = field(default_factory=list)  # after the norm (and its affine part)
     schedule: Schedule = None
     value_bytes: int = 4  # bytes per value of its input and output (2: a 16-bit plan's)
 
     @property
     def row_size(self) -> int:
-        """R: values normalized together (the normalized dims)."""
-        return math.prod(self.norm.normalized_shape)
+        """R: values normalized together (the normalized dims; a group's channels x the spatial size)."""
+        return row_size(self.norm, self.in_type)
+
+    @property
+    def grouped(self) -> bool:
+        """A group norm's rows: (sample, group), the affine part per channel."""
+        return isinstance(self.norm, Norm)
 
     @property
     def row_dims(self) -> int:
-        """How many of the sample's dims (C, *S) a row spans (the last ones)."""
+        """How many of the sample's dims (C, *S) a layer norm's row spans (the last ones)."""
         return len(self.norm.normalized_shape)
+
+    @property
+    def weight_name(self) -> str | None:
+        return self.norm.tensor_names()[0] if self.norm.tensor_names() else None
+
+    @property
+    def bias_name(self) -> str | None:
+        return self.norm.tensor_names()[1] if len(self.norm.tensor_names()) > 1 else None
 
     @property
     def rows(self) -> int:
@@ -88,8 +108,25 @@ class LayerNormStage(Stage):
         return self.in_type.sample_numel // self.row_size
 
 
-def row_size(op: LayerNorm) -> int:
+def row_size(op: LayerNorm | Norm, t) -> int:
+    """Values per row: a layer norm's normalized dims; a group norm's group of channels over ``t``'s spatial dims."""
+    if isinstance(op, Norm):
+        return op.num_channels // op.num_groups * math.prod(t.spatial)
     return math.prod(op.normalized_shape)
+
+
+def row_schedule(r: int, widths: tuple[int, ...], flat: bool) -> tuple[int, int]:
+    """(threads per row, values per load) for rows of ``r`` values: whole vectors per thread, from a plain
+    tensor (row starts are then multiples of the vector), the widest first. A row of at most
+    WARP_ROW_VALUES takes as few lanes as hold it in those vectors (a GEMM row's group of 64 16-bit values:
+    8 lanes of one 16-byte vector, not 32 lanes of two values); a longer row a block."""
+    if r > WARP_ROW_VALUES:
+        return CUDA_THREADS, next(v for v in widths if v == 1 or (flat and r % (CUDA_THREADS * v) == 0))
+    for v in widths:
+        threads = min(WARP, pow2_ceil(-(-r // v)))
+        if v == 1 or (flat and r % (threads * v) == 0):
+            return threads, v
+    raise AssertionError("widths end with 1")
 
 
 class LayerNormFamily(Family):
@@ -99,19 +136,20 @@ class LayerNormFamily(Family):
     generates_kernel = True
     reads_channels_last = False  # a row's values lie a channel count apart in channels_last
     pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
-    summary = "layer norm over rows held in registers, with the elementwise ops around it, one pass"
+    summary = "layer or group norm over rows held in registers, with the elementwise ops around it, one pass"
 
     def fits(self, ops):
-        """elementwise* layer_norm elementwise*; a layer_norm whose rows are too long for
-        registers alone (``unsupported`` then declines it, and the ATen stage computes it)."""
-        norms = [op for op in ops if isinstance(op, LayerNorm)]
-        if len(norms) != 1 or not all(isinstance(op, (Elementwise, LayerNorm)) for op in ops):
+        """elementwise* (layer_norm | group_norm | instance_norm) elementwise*; a layer_norm whose rows
+        are too long for registers alone (``unsupported`` then declines it, and the ATen stage computes
+        it). A group norm's row size depends on the spatial size, known to ``unsupported`` only."""
+        norms = [op for op in ops if isinstance(op, (LayerNorm, Norm))]
+        if len(norms) != 1 or not all(isinstance(op, (Elementwise, LayerNorm, Norm)) for op in ops):
             return False
-        return row_size(norms[0]) <= MAX_ROW_VALUES or len(ops) == 1
+        return isinstance(norms[0], Norm) or row_size(norms[0], None) <= MAX_ROW_VALUES or len(ops) == 1
 
     def unsupported(self, req: StageRequest) -> str | None:
-        norm = next(op for op in req.ops if isinstance(op, LayerNorm))
-        r = row_size(norm)
+        i = next(i for i, op in enumerate(req.ops) if isinstance(op, (LayerNorm, Norm)))
+        r = row_size(req.ops[i], req.types[i])
         if r > MAX_ROW_VALUES:
             return f"rows of {r} values: more than the {MAX_ROW_VALUES} a block holds in registers"
         return None
@@ -119,19 +157,16 @@ class LayerNormFamily(Family):
     def make_stage(self, req: StageRequest) -> LayerNormStage:
         types = req.types
         st = LayerNormStage(req.index, list(req.ops), types[0], types[-1], input=req.input, output=flat_buffer(types[-1]))
-        st.prologue, st.norm, st.post = split_around(req.ops, lambda op: isinstance(op, LayerNorm))
+        st.prologue, st.norm, st.post = split_around(req.ops, lambda op: isinstance(op, (LayerNorm, Norm)))
         st.value_bytes = 4 if req.dtype == "float32" else 2
         r = st.row_size
-        row_threads = min(WARP, pow2_ceil(r)) if r <= WARP_ROW_VALUES else CUDA_THREADS
-        # whole vectors per thread, and a plain tensor: row starts are then multiples of the vector
-        widths = VECTOR_WIDTHS if req.dtype == "float32" else VECTOR_WIDTHS_16
-        vector = next(v for v in widths if v == 1 or (st.input.flat and r % (row_threads * v) == 0))
+        row_threads, vector = row_schedule(r, VECTOR_WIDTHS if req.dtype == "float32" else VECTOR_WIDTHS_16, st.input.flat)
         per_thread = -(-r // (row_threads * vector)) * vector  # values a thread holds of one row
         st.schedule = Schedule(
             cuda_threads=CUDA_THREADS,
             row_threads=row_threads,
             vector=vector,
-            rows_in_flight=max(1, VALUES_IN_FLIGHT // per_thread),
+            rows_in_flight=max(1, BYTES_IN_FLIGHT // st.value_bytes // per_thread),
             cpu_grain=max(1, CPU_TASK_VALUES // r),
             index_type=index_type(st),
         )
@@ -147,8 +182,10 @@ class LayerNormFamily(Family):
         source = input_words(st.input)
         if not st.input.phased and not st.input.flat and st.input.layout == "channels_last":
             source += " (a row's values a channel count apart)"
-        affine = ("weight and bias" if st.norm.bias else "weight") if st.norm.affine else "no affine part"
-        return [f"{st.rows} rows of {r} values per sample, {who}: {per_thread} values per thread in registers, "
+        affine = ("weight and bias" if st.bias_name else "weight") if st.weight_name else "no affine part"
+        if st.grouped:
+            affine += " per channel"
+        return [f"{st.rows} rows of {r} values per sample{' (its groups)' if st.grouped else ''}, {who}: {per_thread} values per thread in registers, "
                 f"{sc.rows_in_flight} row(s) in flight, {loads} from {source}",
                 f"mean, then the centered variance from the same registers (fp32, fixed-order butterfly); {affine} "
                 f"in registers; one store per value"]
