@@ -54,16 +54,11 @@ ops:
   - group_norm: {num_groups: 2}
   - mul: {scalar: 2.0}
 """, ["norm"]),
+    # a GEMM row's groups (3 of 16 channels): the layer_norm family's rows, 2 lanes of one 16-byte vector each
     "hf_group_rows": ("""
 name: hf_group_rows
-input:
-  shape: [N, 6, 5, 7]
-  dtype: [bfloat16, float16]
-  example: {N: 3}
-ops:
-  - relu
-  - group_norm: {num_groups: 3}
-  - mul: {scalar: 2.0}
+input: {shape: [N, 48], dtype: [bfloat16, float16], example: {N: 5}}
+ops: [sigmoid, {group_norm: {num_groups: 3}}, {add: {scalar: 0.5}}]
 """, ["layer_norm"]),
     "hf_softmax": ("""
 name: hf_softmax
