@@ -18,7 +18,9 @@ them in consecutive runs, and a fresh one can be handed the state file):
    float32), torch.compile (default mode) and kgen, in turns (blocks of consecutive
    calls), CUDA events, median of --reps after warm-up.
 
-Problems a time box did not reach are listed as such; run the phase again.
+Problems a time box did not reach are listed as such; run the phase again. With --only, the state file's rows
+of other problems stay; --restart builds, checks and times this run's problems again whatever the state file
+says of them (after a commit changed their generated code), and each row records the commit it ran at.
 
 --dtype bfloat16 (or float16) runs everything in that dtype: each spec copied with its input's dtype set
 (into --gen's `specs` folder), validated in the dtype (`kgen validate`: the float64 reference of the rounded
