@@ -1,4 +1,6 @@
 """CUDA-only behaviour of the generated ops (skipped without a GPU; run on the GPU machine)."""
+import math
+
 import pytest
 import torch
 
@@ -517,7 +519,9 @@ def test_pool_ring_pinned_on_small_shapes(shape, tmp_path):
 # Stages that reduce nothing (pool_reduce's map_kernel): 4, 2 and 1 outputs per thread by the
 # loads each output issues, an output count that leaves the last block part-full; where the input is
 # read at the output's own index and a sample is whole 16-byte vectors, 4 values per vector access
-# (map_vector_kernel), one of the ops reading a second tensor
+# (map_vector_kernel), one of the ops reading a second tensor; where a channel holds fewer values than a
+# vector ([N, C] rows, or 2 positions per channel) and an op reads a per-channel parameter, lane order
+# (schedule.map_lane_order: the warp's vectors exchanged through shared memory), the last warp part-full
 MAP_STAGES = {
     "map_elementwise": ([{"batch_norm": {}}, "tanh", {"mul": {"scalar": 2.0}}], 4, [6, 15, 17], 1),
     "map_pool_pairs": ([{"batch_norm": {}}, {"max_pool2d": {"kernel_size": [1, 2]}}, "tanh"], 2, [6, 15, 17], 1),
@@ -527,6 +531,9 @@ MAP_STAGES = {
                                 {"add": {"tensor": "c"}}, "relu"], 4, [6, 16, 17], 4),
     "map_vectors_bfloat16": ([{"conv2d": {"out_channels": 8, "kernel_size": 1, "as": "c"}}, "tanh",
                               {"add": {"tensor": "c"}}, "relu"], 4, [6, 16, 17], 8, "bfloat16"),
+    "map_lanes_rows": ([{"batch_norm": {}}, "tanh", {"mul": {"scalar": 2.0}}], 4, [40], 4),
+    "map_lanes_rows_bfloat16": ([{"batch_norm": {}}, "gelu", {"add": {"scalar": 0.5}}], 4, [48], 8, "bfloat16"),
+    "map_lanes_pairs_float16": ([{"batch_norm": {}}, "sigmoid"], 4, [12, 2], 8, "float16"),
 }
 
 
@@ -537,7 +544,7 @@ def test_stages_that_reduce_nothing_validate(name, tmp_path):
     vector form also on an input 4 bytes past a vector boundary (one value at a time then)."""
     from conftest import pipeline_of
     from kgen.build import build_module
-    from kgen.plan import make_plan
+    from kgen.plan import choose_plans, make_plan
     from kgen.render import render_spec, write_rendered
     from kgen.target import DEFAULT
     from kgen.validate import import_module_dir, validate
@@ -546,6 +553,9 @@ def test_stages_that_reduce_nothing_validate(name, tmp_path):
     text = spec_text(shape, ops, batch=37, name=name).replace("dtype: float32", f"dtype: {(dtype or ['float32'])[0]}")
     stage = next(st for st in make_plan(pipeline_of(text), target=DEFAULT).stages if st.kind == "pool_reduce")
     assert stage.reduced_count == 1 and stage.schedule.map_outputs == outputs and stage.schedule.map_vector == vector
+    chosen = [st for v in choose_plans(pipeline_of(text), DEFAULT).variants for st in v.plan.stages if st.kind == "pool_reduce"]
+    lanes = vector > 1 and math.prod(shape[1:]) < vector  # the plans' normalize stages read per-channel parameters
+    assert lanes == any(st.schedule.map_lane_order for st in chosen), [st.schedule for st in chosen]
     spec = write_spec(tmp_path, text, f"{name}.yaml")
     write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
     build_module(tmp_path / "gen" / name, quiet=True)
