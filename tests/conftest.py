@@ -377,9 +377,17 @@ LAYER_NORMS = {
     "ln_phases": ([4, 3, 5, 6], [{"conv_transpose3d": {"out_channels": 6, "kernel_size": 4, "stride": 2, "padding": 1}},
                                  {"layer_norm": {"normalized_shape": [12]}}, "gelu", {"mul": {"scalar": 1.0}}],
                   None, {"conv": "aten", "conv_layout": "contiguous"}, 2048, (16, 1), "phased"),
-    # a channels_last ATen convolution output, read in place (a row's values a channel count apart)
+    # a channels_last ATen convolution output, rows along its last dim: the tiles form (a thread per row, the
+    # 7 x 5 tiles of a sample's rows through shared memory, 51 tiles per block: scalar loads), and 8 x 16 tiles
+    # (float4 loads and stores) with a per-channel prologue
     "ln_cl": ([3, 6, 7], [{"conv2d": {"out_channels": 5, "kernel_size": 3, "padding": 1}}, {"layer_norm": {"normalized_shape": [7]}},
-                          {"leaky_relu": {"negative_slope": 0.2}}], None, CL_ATEN, 37, (8, 1), "channels_last"),
+                          {"leaky_relu": {"negative_slope": 0.2}}], None, CL_ATEN, 37, (1, 1), "channels_last"),
+    "ln_cl_tiles": ([3, 5, 8], [{"conv2d": {"out_channels": 16, "kernel_size": 3, "padding": 1}}, {"add": {"param": "s"}},
+                                {"layer_norm": {"normalized_shape": [8]}}, "gelu"], {"s": {"shape": [16, 1, 1]}}, CL_ATEN, 37,
+                    (1, 4), "channels_last"),
+    # a channels_last input whose rows span two dims (6 x 7): read in place, a row's values a channel count apart
+    "ln_cl_2d": ([3, 6, 7], [{"conv2d": {"out_channels": 5, "kernel_size": 3, "padding": 1}}, {"layer_norm": {"normalized_shape": [6, 7]}}],
+                 None, CL_ATEN, 37, (32, 1), "channels_last"),
 }
 
 

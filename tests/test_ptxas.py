@@ -63,12 +63,14 @@ def test_norm_layouts_compile_without_spills(name, tmp_path):
 @pytest.mark.parametrize("name", sorted(LAYER_NORMS))
 def test_layer_norms_compile_without_spills(name, tmp_path):
     """Each row form of the layer_norm kernels (conftest.LAYER_NORMS) compiles clean: one kernel, and a
-    second one with vector loads where the rows take them (the launch picks by alignment)."""
+    second one with vector loads where the rows take them (the launch picks by alignment); the tiles form
+    (a thread per row: row_threads 1) as layer_norm_tiles_kernel."""
     _, module_dir = render_layer_norm(name, tmp_path)
     kernels = ptxas_report(module_dir, "9.0a")
     names = [demangle(k.name) for k in kernels]
-    vector = LAYER_NORMS[name][5][1]
-    assert sum("layer_norm_kernel" in n for n in names) == (2 if vector > 1 else 1), names
+    row_threads, vector = LAYER_NORMS[name][5]
+    kernel = "layer_norm_tiles_kernel" if row_threads == 1 else "layer_norm_kernel"
+    assert sum(kernel + ("<" if row_threads == 1 else "") in n for n in names) == (2 if vector > 1 else 1), names
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
 
 

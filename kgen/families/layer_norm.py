@@ -59,6 +59,13 @@ VECTOR_WIDTHS = (4, 2, 1)  # floats per load, widest first (float4, float2, floa
 VECTOR_WIDTHS_16 = (8, 4, 2, 1)  # 16-bit values per load: 16-byte vectors too
 BYTES_IN_FLIGHT = 32  # bytes a thread loads before it uses any (several rows when rows are short)
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
+# The tiles form: a channels_last input whose rows run along its last spatial dim (a layer norm over W after a
+# channels_last convolution): the W x C values at one outer position are contiguous there, so a block reads them
+# whole into shared memory (as float, a column of padding), a thread normalizes each channel's row, and the block
+# writes the NC[D]HW rows from the tile. Read in place, a row's values lie a channel count apart (a memory sector
+# per value).
+MAX_TILE_ROW = 64  # longest row a thread holds in registers (the tiles form)
+TILE_SMEM_BYTES = 40 * 1024  # shared memory of a block's tiles
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,8 @@ class Schedule:
     rows_in_flight: int  # rows a thread group holds at once (their loads issued together)
     cpu_grain: int  # rows per ATen task on the CPU
     index_type: str  # of per-sample indices: int when they fit in 32 bits
+    form: str = "rows"  # "rows": thread groups over rows read in place; "tiles": channels_last tiles (MAX_TILE_ROW)
+    tiles_per_block: int = 0  # the tiles form: (sample, outer position) tiles a block holds at once
 
 
 @dataclass
@@ -129,6 +138,20 @@ def row_schedule(r: int, widths: tuple[int, ...], flat: bool) -> tuple[int, int]
     raise AssertionError("widths end with 1")
 
 
+def tiles_per_block(st: LayerNormStage) -> int:
+    """The tiles form's tiles per block, 0 where it does not apply: a layer norm over the last dim of a dense
+    channels_last input (not sub-pixel phases) with rows of at most MAX_TILE_ROW values and at most a block's
+    threads of channels, a tile in TILE_SMEM_BYTES."""
+    buf, t = st.input, st.in_type
+    if st.grouped or st.row_dims != 1 or t.rank < 3 or buf.layout != "channels_last" or not buf.dense:
+        return 0
+    channels, r = t.shape[1], st.row_size
+    tile_bytes = r * (channels + 1) * 4
+    if r > MAX_TILE_ROW or channels > CUDA_THREADS or tile_bytes > TILE_SMEM_BYTES:
+        return 0
+    return max(1, min(CUDA_THREADS // channels, TILE_SMEM_BYTES // tile_bytes))
+
+
 class LayerNormFamily(Family):
     name = "layer_norm"
     dtypes = DTYPES  # 16-bit: loads converted to float, float arithmetic and statistics, stores rounded
@@ -154,27 +177,44 @@ class LayerNormFamily(Family):
             return f"rows of {r} values: more than the {MAX_ROW_VALUES} a block holds in registers"
         return None
 
+    def read_bytes(self, stage: LayerNormStage, batch: int) -> float:
+        """The tiles form reads a channels_last input in its own order: whole sectors."""
+        if stage.schedule is not None and stage.schedule.form == "tiles":
+            return stage.value_bytes * batch * sum(math.prod(t.dims) for t in stage.input.tiles)
+        return super().read_bytes(stage, batch)
+
     def make_stage(self, req: StageRequest) -> LayerNormStage:
         types = req.types
         st = LayerNormStage(req.index, list(req.ops), types[0], types[-1], input=req.input, output=flat_buffer(types[-1]))
         st.prologue, st.norm, st.post = split_around(req.ops, lambda op: isinstance(op, (LayerNorm, Norm)))
         st.value_bytes = 4 if req.dtype == "float32" else 2
         r = st.row_size
-        row_threads, vector = row_schedule(r, VECTOR_WIDTHS if req.dtype == "float32" else VECTOR_WIDTHS_16, st.input.flat)
+        widths = VECTOR_WIDTHS if req.dtype == "float32" else VECTOR_WIDTHS_16
+        row_threads, vector = row_schedule(r, widths, st.input.flat)
         per_thread = -(-r // (row_threads * vector)) * vector  # values a thread holds of one row
+        tiles = tiles_per_block(st)
         st.schedule = Schedule(
             cuda_threads=CUDA_THREADS,
-            row_threads=row_threads,
-            vector=vector,
-            rows_in_flight=max(1, BYTES_IN_FLIGHT // st.value_bytes // per_thread),
+            row_threads=1 if tiles else row_threads,
+            # the tiles form: values per load of a tile (whole vectors of it; the launch checks alignment)
+            vector=next(v for v in widths if (r * st.in_type.shape[1]) % v == 0) if tiles else vector,
+            rows_in_flight=1 if tiles else max(1, BYTES_IN_FLIGHT // st.value_bytes // per_thread),
             cpu_grain=max(1, CPU_TASK_VALUES // r),
             index_type=index_type(st),
+            form="tiles" if tiles else "rows",
+            tiles_per_block=tiles,
         )
         return st
 
     def explain_lines(self, st: LayerNormStage) -> list[str]:
         sc = st.schedule
         r = st.row_size
+        if sc.form == "tiles":
+            c = st.in_type.shape[1]
+            return [f"{st.rows} rows of {r} values per sample along the last dim of a channels_last buffer: a block reads "
+                    f"{sc.tiles_per_block} tile(s) of {r} positions x {c} channels (contiguous there) into shared memory, "
+                    f"a thread normalizes each channel's row (fp32: the mean, then the centered variance), and the block "
+                    f"stores the NC[D]HW rows from the tile, consecutive threads at consecutive positions"]
         per_thread = -(-r // (sc.row_threads * sc.vector)) * sc.vector
         who = group_words(sc.row_threads, sc.cuda_threads, "row", WARP)
         loads = ({4: "float4", 2: "float2", 1: "scalar"}[sc.vector] if st.value_bytes == 4 else
