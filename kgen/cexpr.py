@@ -139,7 +139,10 @@ def elementwise(op: Elementwise, act: TensorType, coords: list[str], tensors: di
             args.append(f"a.{t.ident}[{param_index(op.param_view or t.shape, act, coords)}]")
         if op.reverse:
             args[0], args[1] = args[1], args[0]
-    return f"v = {entry.c_fn}({', '.join(args)});"
+    statement = f"v = {entry.c_fn}({', '.join(args)});"
+    if getattr(op, "cuda_only", False):  # the CPU build's ATen call computed it (Elementwise.cuda_only)
+        return f"#ifdef __CUDA_ARCH__  // CUDA only: on the CPU, ATen's call added it\n  {statement}\n#endif"
+    return statement
 
 
 # A parameter of at least this many values that enters summed is summed once per call by the binding

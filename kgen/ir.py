@@ -472,6 +472,10 @@ class Elementwise(Op):
     # a step inside one op eager computes whole (a batch norm as sub, mul, add: rewrites.batch_norm_batch_stats):
     # eager materializes no tensor there, so a 16-bit plan does not round its output (kgen.plan.rounding_points)
     inner: bool = False
+    # computed by the CUDA build only: the CPU build's ATen call computed it already (a 16-bit convolution's bias
+    # that the next stage adds on CUDA, as ATen's CUDA call adds it after cuDNN's; ATen's CPU convolution adds it
+    # inside and rounds once: kgen.plan.defer_conv_bias)
+    cuda_only: bool = False
 
     @property
     def op_name(self) -> str:
@@ -510,6 +514,8 @@ class Elementwise(Op):
         return p.reshape((1,) * (rank - p.dim()) + tuple(p.shape))
 
     def run(self, x, tensors):
+        if self.cuda_only and x.device.type != "cuda":
+            return x  # the CPU build's ATen call computed it
         if not self.entry.operand:
             return self.entry.torch_fn(x, *self.consts)
         if self.tensor is not None:

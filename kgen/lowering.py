@@ -471,6 +471,8 @@ class LoweredConv(Op):
     lowering: Direct | Subpixel | TapSums = DIRECT
     crop: tuple | None = None
     bias_deferred: bool = False  # the next fused stage adds the bias (plan step)
+    # on CUDA only (a 16-bit plan: ATen's CPU call adds it inside, as eager's does; Elementwise.cuda_only)
+    bias_deferred_on_cuda: bool = False
 
     @property
     def op_name(self) -> str:
@@ -527,7 +529,8 @@ class LoweredConv(Op):
 
     def run(self, x, tensors):
         c = self.conv
-        b = tensors[c.bias_name] if c.bias and not self.bias_deferred else None
+        deferred = self.bias_deferred and not (self.bias_deferred_on_cuda and x.device.type != "cuda")
+        b = tensors[c.bias_name] if c.bias and not deferred else None
         return self.lowering.run(c, x, tensors[c.weight_name], b, self.crop)
 
     def describe(self):
@@ -535,7 +538,7 @@ class LoweredConv(Op):
         if self.crop is not None:
             text += f", computing only the first {fmt(self.crop)}"
         if self.bias_deferred:
-            text += ", bias added by the next stage"
+            text += ", bias added by the next stage" + (" (on CUDA; on the CPU by ATen's call)" if self.bias_deferred_on_cuda else "")
         return text
 
 

@@ -211,11 +211,11 @@ def rounding_points(pipe: Pipeline, stage: Stage) -> tuple[Op, ...]:
     return tuple(op for op in stage.ops if not isinstance(op, Capture) and not getattr(op, "inner", False))
 
 
-# Ops after which a 16-bit plan keeps a convolution's bias in the convolution (defer_conv_bias): roles that scale
-# a one-unit difference of their 16-bit input past KernelBench's 1e-2 (a norm's statistics, a softmax, a product
-# summing many such values), and pools (conv_gemm's fused max pools add a kept bias once per window max)
-KEEPS_16_BIT_BIAS_AFTER = ("norm", "layer_norm", "batch_norm", "batch_stats", "softmax", "pool", "global_pool", "conv",
-                           "linear")
+# Ops after which a 16-bit plan keeps a convolution's bias in the convolution (defer_conv_bias): pools (conv_gemm's
+# fused max pools add a kept bias once per window max, and without them in the list #67, #82 and #96 went to cuDNN
+# on a cost model too fast for its 2-d calls with 8 input channels), and a product after it (a later convolution
+# or GEMM, which the deferred add would have to go into)
+KEEPS_16_BIT_BIAS_AFTER = ("pool", "global_pool", "conv", "linear")
 DEFER_BIAS = "defer_conv_bias"  # a 16-bit plan's decision point per convolution (rewrite_key)
 
 
@@ -228,10 +228,11 @@ def defer_conv_bias(pipe: Pipeline, choose: Callable[[str], bool]) -> Pipeline:
     and the value is the same: the convolution's output (rounded to a 16-bit dtype, as cuDNN's),
     then one rounded add, as ATen's CUDA call. float32 plans always defer it. In 16 bits it is a
     decision (``choose(key)``; the plan search's, keeping it first): the generated convolution
-    adds a kept bias itself and declines a deferred one, and ATen's CPU convolution adds the
-    bias inside and rounds once, so the CPU build is then within one unit of the dtype of
-    eager's CPU result: the bias stays where a later op amplifies that unit or pools
-    (KEEPS_16_BIT_BIAS_AFTER).
+    adds a kept bias itself and declines a deferred one; ATen's CPU convolution adds the bias
+    inside and rounds once, so on the CPU the ATen call keeps it and the next stage's add is
+    CUDA's only (Elementwise.cuda_only): each build rounds as eager does on its device, which
+    matters where a norm or a softmax scales one unit of the dtype. The bias stays after
+    KEEPS_16_BIT_BIAS_AFTER.
     """
     ops = []
     local = values.local_captures(pipe)
@@ -249,10 +250,11 @@ def defer_conv_bias(pipe: Pipeline, choose: Callable[[str], bool]) -> Pipeline:
             continue
         view = (lc.conv.out_channels,) + (1,) * lc.conv.rank
         # its own key (the convolution's bias): the stage it starts is a decision point of its own
-        add = Elementwise(key=f"{op.key}.bias", fn="add", param=lc.conv.bias_name, param_view=view)
+        add = Elementwise(key=f"{op.key}.bias", fn="add", param=lc.conv.bias_name, param_view=view,
+                          cuda_only=pipe.dtype != "float32")
         # only where the next op's stage takes it (not a layer_norm whose rows are too long for its family)
         if families.claimants([add, nxt]):
-            ops += [replace(lc, bias_deferred=True), add]
+            ops += [replace(lc, bias_deferred=True, bias_deferred_on_cuda=add.cuda_only), add]
         else:
             ops.append(op)
     return pipe.with_ops(ops) if len(ops) != len(pipe.ops) else pipe

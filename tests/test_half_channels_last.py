@@ -94,8 +94,10 @@ def _request(pipe, dtype):
 def test_16_bit_bias_is_deferred_where_nothing_amplifies_it(dtype):
     """plan.defer_conv_bias in 16 bits: a decision per convolution (kept first). Before an elementwise tail the
     model takes the deferral with cuDNN's call (ATen's separate bias pass priced, conv_aten.BIAS16_PASS): the next
-    stage adds the bias to the rounded output and rounds again; before a norm no decision is offered; conv_gemm
-    declines a deferred 16-bit bias."""
+    stage adds the bias to the rounded output and rounds again; conv_gemm declines a deferred 16-bit bias. Before a
+    norm the decision is offered too: the next stage's add is CUDA's only (Elementwise.cuda_only, under
+    __CUDA_ARCH__) and ATen's CPU call keeps the bias, so each build rounds as eager does on its device; before a
+    pool no decision is offered."""
     from dataclasses import replace
 
     from kgen.plan import DEFER_BIAS, OFF, ON, choose_plans, make_plan, rewrite_key
@@ -118,7 +120,54 @@ def test_16_bit_bias_is_deferred_where_nothing_amplifies_it(dtype):
     normed = spec_text([64, 64, 64], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, "relu", {"group_norm": {"num_groups": 8}}],
                        batch=32).replace("dtype: float32", f"dtype: {dtype}")
     (v,) = choose_plans(pipeline_of(normed)).variants
+    assert v.plan.options[key] == (OFF, ON)
+    deferred = make_plan(replace(pipeline_of(normed), dtype=dtype), choices={key: ON})
+    conv, nxt = deferred.stages[:2]
+    assert conv.family.name == "conv_aten" and conv.conv.bias_deferred and nxt.ops[0].cuda_only
+    assert not any(o.cuda_only for o in v.plan.pipeline.ops if hasattr(o, "cuda_only")) or v.plan.stages[0].conv.bias_deferred
+    pooled = spec_text([64, 64, 64], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, "relu", {"max_pool2d": {"kernel_size": 2}}],
+                       batch=32).replace("dtype: float32", f"dtype: {dtype}")
+    (v,) = choose_plans(pipeline_of(pooled)).variants
     assert key not in v.plan.options and not v.plan.stages[0].conv.bias_deferred
+
+
+DEFERRED_BEFORE_NORMS = {
+    "dfb_group_norm": [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, {"group_norm": {"num_groups": 2}}, "relu"],
+    "dfb_layer_norm": [{"conv2d": {"out_channels": 6, "kernel_size": 3, "padding": 1}}, {"layer_norm": {"normalized_shape": [9]}}],
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", sorted(DEFERRED_BEFORE_NORMS))
+def test_16_bit_bias_deferred_before_a_norm_validates(name, dtype, device, tmp_path):
+    """A 16-bit convolution's bias deferred into the norm stage after it (cuDNN's channels_last call): on CUDA the
+    stage adds it to the rounded output and rounds again, as ATen's CUDA call; on the CPU ATen's call adds it inside
+    (as eager's) and the stage's add is compiled out: each build against the float64 reference, eager in the dtype
+    at 1e-2, and stage by stage (the stage's own reference skips the add where the build does)."""
+    from dataclasses import replace
+
+    from conftest import assert_report_passed, write_spec
+    from kgen.build import build_module
+    from kgen.ir import load_pipeline
+    from kgen.plan import DEFER_BIAS, ON, Selection, Variant, make_plan, rewrite_key
+    from kgen.render import render_plan, write_rendered
+    from kgen.validate import validate
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    module = f"{name}_{dtype}_{device}"
+    text = spec_text([3, 7, 9], DEFERRED_BEFORE_NORMS[name], batch=5, name=module, plan=CL_ATEN)
+    spec = write_spec(tmp_path, text.replace("dtype: float32", f"dtype: {dtype}"), f"{module}.yaml")
+    plan = make_plan(replace(load_pipeline(spec), dtype=dtype), choices={rewrite_key(DEFER_BIAS, "ops[0].conv2d"): ON})
+    conv, norm = plan.stages
+    assert conv.conv.bias_deferred and conv.conv.bias_deferred_on_cuda and norm.ops[0].cuda_only
+    sel = Selection(load_pipeline(spec), [Variant(plan, why="pinned by the test", dtype=dtype)], "pinned by the test", candidates=[plan])
+    write_rendered(render_plan(sel, tmp_path / "gen"), tmp_path / "gen")
+    source = (tmp_path / "gen" / module / "stages.h").read_text()
+    assert "#ifdef __CUDA_ARCH__" in source and "is_cuda() ?" in (tmp_path / "gen" / module / "binding.cpp").read_text()
+    build_module(tmp_path / "gen" / module, device, quiet=True)
+    assert_report_passed(validate(spec, tmp_path / "gen" / module, device, selection=sel), module)
 
 
 def test_tf32_layout_rules_are_float32s():
