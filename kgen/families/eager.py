@@ -32,6 +32,11 @@ from .conv_aten import conv_work
 from .linear_aten import half_product
 
 NORM_LAUNCHES = 3  # ATen's group, instance and (training mode) batch norms: statistics, (finalize), apply
+# ATen's 16-bit batch norm over rows of channels ([N, C], BatchNorm1d after a GEMM) reads its input for the
+# statistics at a fraction of the bandwidth: torch.profiler on the H200 (2026-12-02, bfloat16, training mode),
+# batch_norm_collect_statistics_channels_last_kernel 223 us for KernelBench #41's 134 MB (7.2x the bytes' time at
+# 4.3 TB/s) and 20.7 us for #33's 16.8 MB (5.0x); the apply pass near the bandwidth (110 us for 268 MB)
+BATCH_NORM_ROWS16_STATS_FACTOR = 6.0
 
 
 def aten_function(entry: ElementwiseOp) -> str | None:
@@ -327,6 +332,9 @@ class Eager(Family):
                                  channels=op.in_channels // op.groups, bias=bool(op.bias))
                 if op.bias and st.dtype == "float32":  # (conv_work prices a 16-bit call's bias pass)
                     out.append(Work(f"{op.key} bias", n_out, 2 * size * n_out))
+            elif isinstance(op, BatchNorm) and st.dtype != "float32" and math.prod(t_in.spatial) == 1:
+                out += [Work(f"{op.key} statistics", 0, size * n_in * BATCH_NORM_ROWS16_STATS_FACTOR, launches=NORM_LAUNCHES - 1),
+                        Work(op.key, flops, size * (n_in + n_out))]
             elif isinstance(op, (Norm, BatchNorm)):  # a batch norm as training mode runs it (eval mode: one pass less)
                 out.append(Work(op.key, flops, size * (2 * n_in + n_out), launches=NORM_LAUNCHES))
             else:
