@@ -1,6 +1,7 @@
 """The planner: grouping ops into stages and families, the choice among implementations,
 schedules (from the target), buffers and tiles. No builds: plans only."""
 import json
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -185,6 +186,30 @@ def test_a_value_named_after_layer_norm():
                                 {"sub": {"from": "h", "tensor": "m"}}])
     assert families_of(later) == ["layer_norm", "pool_reduce", "pool_reduce"]
     assert later.value_exprs["h"] == "t0" and isinstance(later.stages[0].ops[-1], Capture)
+
+
+def test_layer_norm_over_channels_last_rows_takes_tiles():
+    """A layer norm over the last dim of a channels_last convolution's output: the tiles form (a thread per row,
+    tiles of W x C through shared memory; 16-byte vectors where W x C divides), priced at plain bytes where the
+    row form reading in place is charged the strided read; over two dims, or with more than MAX_TILE_ROW values a
+    row, the row form."""
+    from kgen.families import layer_norm
+
+    def ln_stage(shape, normalized, channels=16, dtype="float32"):
+        text = spec_text(shape, [{"conv2d": {"out_channels": channels, "kernel_size": 1}}, {"layer_norm": {"normalized_shape": normalized}}],
+                         plan={"conv": "aten", "conv_layout": "channels_last"}).replace("dtype: float32", f"dtype: {dtype}")
+        plan = make_plan(replace(pipeline_of(text), dtype=dtype), target=DEFAULT)
+        return next(st for st in plan.stages if st.kind == "layer_norm")
+
+    st = ln_stage([4, 6, 64], [64], dtype="bfloat16")
+    assert st.input.layout == "channels_last" and st.schedule.form == "tiles" and st.schedule.row_threads == 1
+    assert st.schedule.vector == 8 and st.schedule.tiles_per_block == layer_norm.TILE_SMEM_BYTES // (64 * 17 * 4)
+    assert layer_norm.FAMILY.read_bytes(st, 2) == 2 * 2 * 16 * 6 * 64  # whole sectors: the bytes themselves
+    odd = ln_stage([4, 6, 7], [7], channels=5)
+    assert odd.schedule.form == "tiles" and odd.schedule.vector == 1 and odd.schedule.tiles_per_block == layer_norm.CUDA_THREADS // 5
+    for rows in (ln_stage([4, 6, 8], [6, 8]), ln_stage([4, 2, 128], [128])):
+        assert rows.schedule.form == "rows" and rows.schedule.row_threads > 1
+        assert layer_norm.FAMILY.read_bytes(rows, 2) > 4 * 2 * 16 * math.prod(rows.in_type.spatial)
 
 
 def test_softmax_fuses_with_the_elementwise_ops_around_it():
@@ -572,6 +597,25 @@ def test_elementwise_stages_move_16_byte_vectors_where_output_k_is_input_k():
     assert cl.input.layout == "channels_last" and cl.schedule.map_vector == 1
     text = explain_text(pipeline_of(spec_text([8, 6, 6], affine), "t.yaml"))
     assert "4 consecutive values per 16-byte load and store" in text
+
+
+def test_vector_maps_take_lane_order_where_a_vector_spans_channels():
+    """schedule.map_lane_order: where a channel holds fewer values than a vector (a GEMM's [N, C] rows, or 2 positions
+    per channel in 16 bits) and an op reads a per-channel parameter, the warp's vectors go through shared memory
+    and lane l computes values l, l + 32, ...; not where a vector lies in one channel, nor without a parameter."""
+    from kgen.explain import explain_text
+
+    def stages(shape, ops, dtype="float32"):
+        text = spec_text(shape, ops).replace("dtype: float32", f"dtype: {dtype}")
+        return [st for v in choose_plans(pipeline_of(text), DEFAULT).variants for st in v.plan.stages if st.kind == "pool_reduce"]
+
+    affine = [{"batch_norm": {}}, "relu"]
+    assert all(st.schedule.map_vector == 4 and st.schedule.map_lane_order for st in stages([64], affine))
+    assert all(st.schedule.map_vector == 8 and st.schedule.map_lane_order for st in stages([16, 2], affine, "bfloat16"))
+    assert not any(st.schedule.map_lane_order for st in stages([16, 8], affine, "bfloat16"))  # a vector, one channel
+    assert not any(st.schedule.map_lane_order for st in stages([64], ["relu", {"mul": {"scalar": 2.0}}]))  # no parameter
+    text = explain_text(pipeline_of(spec_text([64], affine), "t.yaml"))
+    assert "lane l computing values l, l + 32" in text
 
 
 def test_the_cost_model_choice_is_no_worse_than_any_one_choice_apart(monkeypatch):
