@@ -140,7 +140,7 @@ def elementwise(op: Elementwise, act: TensorType, coords: list[str], tensors: di
         if op.reverse:
             args[0], args[1] = args[1], args[0]
     statement = f"v = {entry.c_fn}({', '.join(args)});"
-    if getattr(op, "cuda_only", False):  # the CPU build's ATen call computed it (Elementwise.cuda_only)
+    if op.cuda_only:  # the CPU build's ATen call computed it (Elementwise.cuda_only)
         return f"#ifdef __CUDA_ARCH__  // CUDA only: on the CPU, ATen's call added it\n  {statement}\n#endif"
     return statement
 

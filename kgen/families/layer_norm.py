@@ -190,20 +190,15 @@ class LayerNormFamily(Family):
         st.value_bytes = 4 if req.dtype == "float32" else 2
         r = st.row_size
         widths = VECTOR_WIDTHS if req.dtype == "float32" else VECTOR_WIDTHS_16
-        row_threads, vector = row_schedule(r, widths, st.input.flat)
-        per_thread = -(-r // (row_threads * vector)) * vector  # values a thread holds of one row
         tiles = tiles_per_block(st)
-        st.schedule = Schedule(
-            cuda_threads=CUDA_THREADS,
-            row_threads=1 if tiles else row_threads,
-            # the tiles form: values per load of a tile (whole vectors of it; the launch checks alignment)
-            vector=next(v for v in widths if (r * st.in_type.shape[1]) % v == 0) if tiles else vector,
-            rows_in_flight=1 if tiles else max(1, BYTES_IN_FLIGHT // st.value_bytes // per_thread),
-            cpu_grain=max(1, CPU_TASK_VALUES // r),
-            index_type=index_type(st),
-            form="tiles" if tiles else "rows",
-            tiles_per_block=tiles,
-        )
+        if tiles:  # a thread per row; values per load of a tile (whole vectors of it; the launch checks alignment)
+            form = dict(row_threads=1, vector=next(v for v in widths if (r * st.in_type.shape[1]) % v == 0), rows_in_flight=1,
+                        form="tiles", tiles_per_block=tiles)
+        else:
+            row_threads, vector = row_schedule(r, widths, st.input.flat)
+            per_thread = -(-r // (row_threads * vector)) * vector  # values a thread holds of one row
+            form = dict(row_threads=row_threads, vector=vector, rows_in_flight=max(1, BYTES_IN_FLIGHT // st.value_bytes // per_thread))
+        st.schedule = Schedule(cuda_threads=CUDA_THREADS, cpu_grain=max(1, CPU_TASK_VALUES // r), index_type=index_type(st), **form)
         return st
 
     def explain_lines(self, st: LayerNormStage) -> list[str]:
