@@ -385,6 +385,9 @@ LAYER_NORMS = {
     "ln_cl_tiles": ([3, 5, 8], [{"conv2d": {"out_channels": 16, "kernel_size": 3, "padding": 1}}, {"add": {"param": "s"}},
                                 {"layer_norm": {"normalized_shape": [8]}}, "gelu"], {"s": {"shape": [16, 1, 1]}}, CL_ATEN, 37,
                     (1, 4), "channels_last"),
+    # rows of 9 over 6 channels: a tile of 54 values read as float2 pairs, the rows (odd) stored value by value
+    "ln_cl_pairs": ([3, 7, 9], [{"conv2d": {"out_channels": 6, "kernel_size": 3, "padding": 1}}, {"layer_norm": {"normalized_shape": [9]}}],
+                    None, CL_ATEN, 37, (1, 2), "channels_last"),
     # a channels_last input whose rows span two dims (6 x 7): read in place, a row's values a channel count apart
     "ln_cl_2d": ([3, 6, 7], [{"conv2d": {"out_channels": 5, "kernel_size": 3, "padding": 1}}, {"layer_norm": {"normalized_shape": [6, 7]}}],
                  None, CL_ATEN, 37, (32, 1), "channels_last"),
