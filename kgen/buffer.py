@@ -50,6 +50,13 @@ class Buffer:
         """A plain contiguous (C, *S) tensor: element e of a sample lies at e."""
         return self.dense and self.layout == "contiguous"
 
+    def channel_vectors(self, vector: int) -> bool:
+        """Whether every tile holds all channels of a position adjacent (channel stride 1) and every
+        position starts at a multiple of ``vector`` values: a load of ``vector`` channels is aligned to
+        its size wherever the tile pointers are."""
+        return all(t.dims[0] == self.logical[0] and t.strides[0] == 1 and t.sample_stride % vector == 0
+                   and all(s % vector == 0 for s in t.strides[1:]) for t in self.tiles)
+
     @property
     def innermost(self) -> int:
         order = [d for d in self.tiles[0].memory_order if self.logical[d] > 1]

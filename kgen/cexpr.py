@@ -164,13 +164,13 @@ def summed_params(ops, tensors: dict[str, TensorArg]) -> list[tuple[str, int, bo
 
 
 def tile_address(buf: Buffer, t: int, coords: list[str]) -> str:
-    """Element offset of logical ``coords`` in tile ``t`` (phased: coords are phase-local m)."""
+    """Element offset of logical ``coords`` in tile ``t`` (phased: coords are phase-local m; "0": left out)."""
     tile = buf.tiles[t]
     terms = [f"n * {tile.sample_stride}LL"]
     for d, (name, stride) in enumerate(zip(coords, tile.strides)):
         off = tile.offset[d - 1] if d > 0 else 0
         pos = f"({name} + {off})" if off else name
-        if tile.dims[d] > 1:
+        if tile.dims[d] > 1 and pos != "0":
             terms.append(pos if stride == 1 else f"{pos} * {stride}")
     return " + ".join(terms)
 

@@ -277,6 +277,10 @@ TRANSPOSE_TILES = {
                                      {"mul": {"scalar": 0.5}}], 64, 8, "[bfloat16, float16]"),
     # one load per position (8 channels), 63 positions per channel: stores one at a time
     "tile_c8_half": ([4, 9, 11], [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, "relu"], 8, 8, "float16"),
+    # #100 in small: the 8 sub-pixel phase tiles of a transposed convolution, its bias deferred (PINNED_CHOICES), each position's
+    # 16 channels two 16-byte loads from the tile of its phase; 693 positions per channel: stores one at a time
+    "tile_phases_half": ([8, 6, 7, 5], [{"conv_transpose3d": {"out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1}},
+                                        {"clamp": {"min": -1.0}}, {"div": {"scalar": 2.0}}], 16, 8, "bfloat16"),
 }
 
 
@@ -287,11 +291,11 @@ def render_cl_aten(name: str, shape, ops, root: Path, dtype: str = "float32") ->
     input first) is off."""
     import json
 
-    from kgen.render import render_spec, write_rendered
+    from kgen.render import render_plan, write_rendered
 
     text = spec_text(shape, ops, name=name, batch=3, plan=CL_ATEN, rewrites={"sum_before_conv": False})
     spec = write_spec(root, text.replace("dtype: float32", f"dtype: {dtype}"), f"{name}.yaml")
-    write_rendered(render_spec(spec, root / "gen"), root / "gen")
+    write_rendered(render_plan(pinned_selection(name, spec), root / "gen"), root / "gen")
     plan = json.loads((root / "gen" / name / "plan.json").read_text())
     schedules = [s["schedule"] for p in plan["plans"] for s in p["stages"] if s.get("kind") == "pool_reduce"]
     return spec, root / "gen" / name, schedules
@@ -480,11 +484,13 @@ SOFTMAXES = {
 }
 
 
-# Cases (of SOFTMAXES, LAYER_NORMS, NORM_LAYOUTS) planned with choices pinned (decision point -> option) rather
+# Cases (of SOFTMAXES, LAYER_NORMS, NORM_LAYOUTS, TRANSPOSE_TILES) planned with choices pinned (decision point -> option) rather
 # than by the cost model: the sub-pixel lowering of a transposed convolution, which the cost model takes or not as
 # conv_work is refit; the norm family's kernels for groups the layer_norm family holds in registers.
 PINNED_CHOICES = {"sm_phases": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on"},
                   "ln_phases": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on"},
+                  "tile_phases_half": {"subpixel_conv_transpose @ ops[0].conv_transpose3d": "on",
+                                       "defer_conv_bias @ ops[0].conv_transpose3d": "on"},
                   "norm_rows": {"pipeline": "kgen", "implementation @ ops[0].relu": "norm"}}
 
 
@@ -500,7 +506,7 @@ def pinned_selection(name: str, spec: Path):
     why = "pinned by the test (conftest.PINNED_CHOICES)"
     plan = make_plan(pipe, choices=PINNED_CHOICES[name], reason=why)
     assert plan.choices == PINNED_CHOICES[name], plan.choices
-    return Selection(pipe, [Variant(plan, why=why)], why, candidates=[plan])
+    return Selection(pipe, [Variant(plan, why=why, dtype=pipe.dtype)], why, candidates=[plan])
 
 
 def render_softmax(name: str, root: Path, module: str | None = None) -> tuple[Path, Path]:

@@ -383,7 +383,7 @@ def test_transpose_tiles_validate(name, tmp_path):
 
     spec, module_dir = render_transpose_tile(name, tmp_path)
     build_module(module_dir, quiet=True)
-    assert_report_passed(validate(spec, module_dir, "cuda", example_batch=True))
+    assert_report_passed(validate(spec, module_dir, "cuda", selection=pinned_selection(name, spec), example_batch=True))
 
 
 @pytest.mark.parametrize("name", sorted(KEPT_WALKS))

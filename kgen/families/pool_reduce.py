@@ -248,11 +248,12 @@ class PoolReduce(Family):
 
     @classmethod
     def _transpose_vector(cls, st: PoolReduceStage, value_bytes: int) -> int:
-        """Channels per 16-byte load of a transposing tile: where the input is one dense channels_last sample
-        read at the output's own positions (nothing pooled) and the channels are whole vectors."""
+        """Channels per 16-byte load of a transposing tile: where the input is read at the output's own
+        positions (nothing pooled) and each of its tiles (one, or a sub-pixel convolution's phases) holds a
+        position's channels as whole aligned vectors."""
         vector = MAP_VECTOR_BYTES // value_bytes
         channels = st.pooled_type.shape[1]
-        if not cls._transposes(st) or len(st.levels) != 1 or not st.input.dense or channels % vector:
+        if not cls._transposes(st) or len(st.levels) != 1 or channels % vector or not st.input.channel_vectors(vector):
             return 0
         return vector
 
