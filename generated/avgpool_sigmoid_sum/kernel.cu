@@ -152,7 +152,6 @@ KGEN_HD Index kept_of_walk(Index j) { return j; }  // the threads walk the outpu
 // Block = kOLanes outputs x kRLanes lanes; blockIdx.y picks a slice of the
 // reduction when it is split (then `partial` gets one value per slice).
 __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int splits) {
-  __shared__ float acc_lanes[kThreads];
   const int t = threadIdx.x;
   const int lane_r = kRFast ? t % kRLanes : t / kOLanes;
   const int lane_o = kRFast ? t / kRLanes : t % kOLanes;
@@ -174,22 +173,42 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
       KGEN_UNROLL
       for (int u = 0; u < kUnroll; ++u) acc = combine(acc, element_from(a, n, k, r + u * kRLanes, v[u]));
     }
-    for (; r < end; r += kRLanes) acc = combine(acc, element(a, n, k, r));
+    // The rest (fewer than kUnroll per lane) in one predicated pass, its loads in flight together (a loop of
+    // one load at a time left the few values per lane of a min over channels latency-bound).
+    float v[kUnroll];
+    KGEN_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      if (r + u * kRLanes < end) v[u] = element_input(a, n, k, r + u * kRLanes);
+    }
+    KGEN_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      if (r + u * kRLanes < end) acc = combine(acc, element_from(a, n, k, r + u * kRLanes, v[u]));
+    }
   }
-  acc_lanes[t] = acc;
-  __syncthreads();
-  // Tree over the lanes of each output; `step` apart in threadIdx.
+  // Tree over the lanes of each output (lane l takes lane l + half, half = kRLanes / 2, ..., 1): within a
+  // warp by shuffles where an output's lanes are consecutive threads (the same pairs, so the same bits),
+  // else through shared memory, `kLaneStride` apart in threadIdx.
+  constexpr bool kWarpTree = kRFast && kRLanes <= 32;
   constexpr int kLaneStride = kRFast ? 1 : kOLanes;
-#pragma unroll
-  for (int half = kRLanes / 2; half > 0; half /= 2) {
-    if (lane_r < half) acc_lanes[t] = combine(acc_lanes[t], acc_lanes[t + half * kLaneStride]);
+  if constexpr (kWarpTree) {
+    KGEN_UNROLL
+    for (int half = kRLanes / 2; half > 0; half /= 2) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, half));
+  } else {
+    __shared__ float acc_lanes[kThreads];
+    acc_lanes[t] = acc;
     __syncthreads();
+#pragma unroll
+    for (int half = kRLanes / 2; half > 0; half /= 2) {
+      if (lane_r < half) acc_lanes[t] = combine(acc_lanes[t], acc_lanes[t + half * kLaneStride]);
+      __syncthreads();
+    }
+    acc = acc_lanes[t];
   }
   if (lane_r == 0 && live) {
     if (splits == 1) {
-      a.out[o] = finish(a, n, k, acc_lanes[t]);
+      a.out[o] = finish(a, n, k, acc);
     } else {
-      a.partial[o * splits + blockIdx.y] = acc_lanes[t];
+      a.partial[o * splits + blockIdx.y] = acc;
     }
   }
 }
