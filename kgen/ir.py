@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Mapping
 
 import torch
@@ -1322,6 +1323,25 @@ class Pipeline:
     def output(self) -> TensorType:
         """The last op's result (the only output, or one of several: ``output_types``)."""
         return self.types[-1]
+
+    @cached_property
+    def names_after(self) -> tuple[frozenset[str], ...]:
+        """[i]: the op names (kgen.ops.OPS) of the ops after op i (i up to len(ops)). Families ask what follows
+        their op once per candidate plan: a scan of the rest of a whole model each time made planning quadratic."""
+        out, seen = [frozenset()] * (len(self.ops) + 1), set()
+        for i in range(len(self.ops) - 1, -1, -1):
+            out[i] = frozenset(seen)
+            seen.add(self.ops[i].op_name)
+        return tuple(out)
+
+    @cached_property
+    def sum_after(self) -> tuple[bool, ...]:
+        """[i]: whether a sum or mean reduction comes after op i (i up to len(ops))."""
+        out, seen = [False] * (len(self.ops) + 1), False
+        for i in range(len(self.ops) - 1, -1, -1):
+            out[i] = seen
+            seen = seen or (isinstance(self.ops[i], Reduce) and self.ops[i].fn in ("sum", "mean"))
+        return tuple(out)
 
     @property
     def rounds_between_ops(self) -> bool:

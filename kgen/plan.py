@@ -332,6 +332,7 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
             pipeline=rewritten,
             target=target,
             batch=batch,
+            start=start,
         )
         # the candidates of every family that takes the request, in registry order
         declined, offered = [], []
@@ -381,7 +382,7 @@ def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch:
             continue
         family = families.claimants([])[0]  # a stage of no ops: a copy
         t = st.out_type
-        req = families.StageRequest(i + 1, [], (t,), st.output, nxt.family if nxt else None, pipe, target, batch)
+        req = families.StageRequest(i + 1, [], (t,), st.output, nxt.family if nxt else None, pipe, target, batch, len(pipe.ops))
         copy = family.candidates(req)[0].stage
         copy.family, copy.candidates, copy.choice = family, (family.name,), f"{family.name}: the first family that copies"
         stages.insert(i + 1, copy)

@@ -645,15 +645,20 @@ def dead_region(pipe: Pipeline, fire=always):
             need = tuple(types[i + 1].shape[1:])
         needs[i] = need
         need = _needed_input(ops[i], pipe.in_type(i), types[i + 1], need)
+    # first_named[i]: the first op after op i that reads or names a value (None: none), found in one backward pass
+    first_named, found = [None] * len(ops), None
+    for i in range(len(ops) - 1, -1, -1):
+        first_named[i] = found
+        if ops[i].src is not None or ops[i].value_names() or isinstance(ops[i], Capture):
+            found = ops[i]
     decisions = []
     for i, op in enumerate(ops):
         lc = lowered(op)
         if lc is None:
             continue
-        later = [o for o in ops[i + 1:] if o.src is not None or o.value_names() or isinstance(o, Capture)]
-        if later:
-            decisions.append(Decision("dead_region", _site(op), False, f"{later[0].describe()} reads or names a value "
-                                      "after the convolution"))
+        if first_named[i] is not None:
+            decisions.append(Decision("dead_region", _site(op), False, f"{first_named[i].describe()} reads or names a "
+                                      "value after the convolution"))
             continue
         full = types[i + 1].spatial
         keep = needs[i][1:]

@@ -37,17 +37,21 @@ def runs(ops) -> list[int]:
     return out
 
 
-def readers(ops, name: str) -> list[int]:
-    """Indices of the ops that read value ``name`` (as operand or input)."""
-    return [j for j, op in enumerate(ops) if name in op.value_names() or op.src == name]
+def readers(ops) -> dict[str, list[int]]:
+    """Each value's readers: the indices of the ops that read it (as operand or input)."""
+    out: dict[str, list[int]] = {}
+    for j, op in enumerate(ops):
+        for name in set(op.value_names()) | ({op.src} if op.src is not None else set()):
+            out.setdefault(name, []).append(j)
+    return out
 
 
-def _local(ops, c: int, run_of: list[int], cuts: set[int], outputs=()) -> bool:
+def _local(ops, c: int, run_of: list[int], cuts: set[int], readers_of: dict, outputs=()) -> bool:
     """Whether every reader of the value captured at ``c`` can take it from a register (an output
     before the last op is not: the stage that ends with it writes it for the op's result)."""
     if ops[c].name in outputs and c + 1 < len(ops):
         return False
-    for j in readers(ops, ops[c].name):
+    for j in readers_of.get(ops[c].name, ()):
         op = ops[j]
         if op.src is not None or run_of[j] != run_of[c] or any(k in cuts for k in range(c + 1, j + 1)):
             return False
@@ -57,15 +61,16 @@ def _local(ops, c: int, run_of: list[int], cuts: set[int], outputs=()) -> bool:
 def local_captures(pipe: Pipeline) -> set[int]:
     """Indices of the captures whose readers all take them from a register (before the plan's cuts)."""
     cuts = resolve(pipe.ops, pipe.outputs)[1]
-    run_of = runs(pipe.ops)
-    return {c for c, op in enumerate(pipe.ops) if isinstance(op, Capture) and _local(pipe.ops, c, run_of, cuts, pipe.outputs)}
+    run_of, readers_of = runs(pipe.ops), readers(pipe.ops)
+    return {c for c, op in enumerate(pipe.ops)
+            if isinstance(op, Capture) and _local(pipe.ops, c, run_of, cuts, readers_of, pipe.outputs)}
 
 
 def resolve(ops, outputs=()) -> tuple[tuple[Op, ...], set[int]]:
     """(ops with ``register`` set on the operands read from a register, cuts): a stage starts
     at every cut index; ``outputs``: the graph's outputs (each a tensor)."""
     ops = list(ops)
-    run_of = runs(ops)
+    run_of, readers_of = runs(ops), readers(ops)
     cuts = {i for i, op in enumerate(ops) if op.src is not None}
     changed = True
     while changed:
@@ -73,7 +78,7 @@ def resolve(ops, outputs=()) -> tuple[tuple[Op, ...], set[int]]:
         for c, op in enumerate(ops):
             if not isinstance(op, Capture) or c + 1 >= len(ops) or c + 1 in cuts:
                 continue
-            if _local(ops, c, run_of, cuts, outputs) or (c > 0 and standalone(ops[c - 1])) or c == 0:
+            if _local(ops, c, run_of, cuts, readers_of, outputs) or (c > 0 and standalone(ops[c - 1])) or c == 0:
                 continue
             cuts.add(c + 1)
             changed = True

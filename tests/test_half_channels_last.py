@@ -87,7 +87,7 @@ def _request(pipe, dtype):
     plan = make_plan(replace(pipe, dtype=dtype))
     st, nxt = plan.stages[0], plan.stages[1]
     return families.StageRequest(0, list(st.ops), (st.in_type, st.out_type), flat_buffer(st.in_type), nxt.family, plan.pipeline,
-                                 plan.target, plan.batch)
+                                 plan.target, plan.batch, start=0)
 
 
 @pytest.mark.parametrize("dtype", HALF)

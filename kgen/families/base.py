@@ -68,6 +68,7 @@ class StageRequest:
     pipeline: Pipeline  # rewritten
     target: Target
     batch: int  # the example batch (schedules that depend on the batch count on it)
+    start: int  # where ops[0] is in pipeline.ops (a copy stage, of no ops: len(pipeline.ops))
 
     @property
     def dtype(self) -> str:
@@ -193,12 +194,12 @@ EAGER_RULES_DEVICE = H100_NAME
 
 def later_ops(req: StageRequest) -> list:
     """The pipeline's ops after the stage's (first) op."""
-    return req.pipeline.ops[req.pipeline.ops.index(req.ops[0]) + 1:]
+    return req.pipeline.ops[req.start + 1:]
 
 
 def follows(req: StageRequest, op_names: tuple[str, ...]) -> bool:
     """Whether one of ``op_names`` comes after the stage's op in the pipeline."""
-    return any(o.op_name in op_names for o in later_ops(req))
+    return not req.pipeline.names_after[req.start].isdisjoint(op_names)
 
 
 def conv_precision(req: StageRequest) -> tuple[bool, str]:
@@ -231,7 +232,7 @@ def conv_precision(req: StageRequest) -> tuple[bool, str]:
                if unmeasured_device else "")
     if follows(req, AMPLIFYING):
         return True, "a normalization or an exponential follows" + unknown
-    if not any(isinstance(o, Reduce) and o.fn in ("sum", "mean") for o in later_ops(req)):
+    if not req.pipeline.sum_after[req.start]:
         return True, "no sum or mean over its values follows (each output carries a convolution value's error)" + unknown
     return False, "a sum or mean over its values follows"
 

@@ -710,9 +710,8 @@ class ConvGemm(Family):
             return "its input is not a plain NC[D]HW tensor"
         if req.next_family is None or req.next_family.name != "pool_reduce":
             return "no pool_reduce stage after it"
-        ops = req.pipeline.ops
         following = []
-        for o in ops[ops.index(req.ops[-1]) + 1:]:
+        for o in req.pipeline.ops[req.start + len(req.ops):]:
             if not isinstance(o, (Elementwise, Pool, Reduce)):
                 break
             following.append(o)
