@@ -28,6 +28,7 @@ different plans for ranges of the batch, which the op dispatches between.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -399,9 +400,10 @@ def _absorb_epilogues(plan: Plan) -> None:
     # values read as tensors (an operand kept in a register of its own stage is not)
     value_tensors = {plan.value_exprs[v] for s in plan.stages for v in plan.stage_values(s)}
     value_tensors |= plan.output_tensors()  # the graph's outputs are written, read later or not
+    readers_of = Counter(s.source for s in plan.stages)  # stages that start from each tensor
     for st, nxt in zip(plan.stages, plan.stages[1:]):
         output = f"t{st.index}"
-        read_later = output in value_tensors or any(s.source == output for s in plan.stages if s is not nxt)  # `from:` it
+        read_later = output in value_tensors or readers_of[output] > (nxt.source == output)  # another stage `from:` it
         # (nor a stage that writes channels_last, pool_reduce:channels_last: the absorbing kernels write plain tensors)
         if read_later or nxt.source != output or plan.stage_values(nxt) or (nxt.output is not None and not nxt.output.flat):
             continue
