@@ -269,15 +269,18 @@ def group_ops(pipe: Pipeline, cuts: set[int] = frozenset()) -> list[tuple[int, l
     """Split the op chain into (first op index, ops, families that accept them); an op
     joins the current group while some family accepts the longer group, and a group
     starts at every cut (``kgen.values``: where a value must be a tensor)."""
-    groups: list[tuple[int, list[Op]]] = []
+    groups: list[tuple[int, list[Op], list[families.Family]]] = []
     for i, op in enumerate(pipe.ops):
-        if groups and i not in cuts and families.claimants(groups[-1][1] + [op]):
-            groups[-1][1].append(op)
-            continue
-        if not families.claimants([op]):
+        if groups and i not in cuts:
+            longer = families.claimants(groups[-1][1] + [op])
+            if longer:
+                groups[-1] = (groups[-1][0], groups[-1][1] + [op], longer)
+                continue
+        alone = families.claimants([op])
+        if not alone:
             raise KgenError(f"{pipe.path}: {op.key}: no template family computes {op.describe()}")
-        groups.append((i, [op]))
-    return [(start, ops, families.claimants(ops)) for start, ops in groups]
+        groups.append((i, [op], alone))
+    return groups
 
 
 def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target | None = None,
