@@ -9,7 +9,7 @@ against the float64 reference, on the CPU build and (GPU tests) the CUDA one."""
 import pytest
 import torch
 
-from conftest import BUILD_DEVICES, assert_report_passed, build_and_validate, pipeline_of, render_specs, spec_text
+from conftest import BUILD_DEVICES, CL_ATEN, assert_report_passed, build_and_validate, pipeline_of, render_specs, spec_text
 from kgen.ir import BatchNorm, BatchStats, load_pipeline
 from kgen.plan import EAGER, PIPELINE, choose_plans, training_candidates, tuned_candidates
 from kgen.rewrites import batch_norm_batch_stats
@@ -311,12 +311,31 @@ COLUMN_SPECS = {
                                 batch=5).replace("dtype: float32", "dtype: [float32, bfloat16, float16]"),
     "bn_cols_short": spec_text([6, 12], [{"conv1d": {"out_channels": 20, "kernel_size": 3}}, {"batch_norm": {"momentum": 0.3}}, "relu"],
                                name="bn_cols_short", batch=5).replace("dtype: float32", "dtype: [float32, bfloat16]"),
+    # a channels_last convolution's output read as it lies: 12 channels in rows of 21 positions (of 7 x 9; 252 columns),
+    # and 3-d, 100 channels in rows of 2 positions (of 5 x 4 x 3; 200 columns)
+    "bn_cols_cl": spec_text([5, 9, 11], [{"conv2d": {"out_channels": 12, "kernel_size": 3}}, {"batch_norm": {}}, "relu"],
+                            name="bn_cols_cl", batch=5, plan=CL_ATEN).replace("dtype: float32", "dtype: [float32, bfloat16]"),
+    "bn_cols_cl3d": spec_text([4, 7, 6, 5], [{"conv3d": {"out_channels": 100, "kernel_size": 3}},
+                                             {"batch_norm": {"momentum": 0.3}}, {"mul": {"scalar": 2.0}}],
+                              name="bn_cols_cl3d", batch=3, plan=CL_ATEN),
 }
 
 
 @pytest.fixture(scope="module")
 def rendered_columns(tmp_path_factory):
     return render_specs(tmp_path_factory.mktemp("bn_cols"), COLUMN_SPECS)
+
+
+def test_a_channels_last_input_is_read_as_it_lies():
+    """After a channels_last convolution the statistics stage reads the output as it lies (no copy into NC[D]HW):
+    rows of whole positions' channels, at most a block's threads wide, and the stages after it read that buffer."""
+    for name, slots, threads in (("bn_cols_cl", 21, 256), ("bn_cols_cl3d", 2, 224)):
+        kgen = next(c for c in training_candidates(pipeline_of(COLUMN_SPECS[name]), DEFAULT) if not c.eager)
+        conv, stats, after = kgen.stages[0], kgen.stages[1], kgen.stages[2]
+        assert stats.family.name == "batch_stats" and conv.output.layout == "channels_last", name
+        assert stats.channels_last and stats.columns and (stats.slots, stats.threads) == (slots, threads), name
+        assert stats.spatial % stats.slots == 0 and stats.rows_per_sample * stats.slots == stats.spatial
+        assert stats.output is conv.output and after.input is conv.output, name
 
 
 def test_statistics_by_columns_compile_without_spills(rendered_columns):
@@ -327,7 +346,7 @@ def test_statistics_by_columns_compile_without_spills(rendered_columns):
         pytest.skip("needs nvcc")
     for name, (_, d) in rendered_columns.items():
         kernels = [k for k in ptxas_report(d, "9.0a") if "float2" in demangle(k.name)]
-        dtypes = 3 if name == "bn_cols_linear" else 2
+        dtypes = {"bn_cols_linear": 3, "bn_cols_cl3d": 1}.get(name, 2)
         assert sorted(demangle(k.name).split("(")[0].rsplit("::", 1)[-1] for k in kernels) == (
             ["column_partials_kernel"] * dtypes + ["finalize_kernel"] * dtypes), name
         assert all(k.clean for k in kernels), [(demangle(k.name), k.stack, k.spill_stores) for k in kernels]

@@ -3,8 +3,10 @@ reads its input once and passes it on; the stages after it apply the norm as a p
 (rewrites.batch_norm_batch_stats).
 
 On CUDA two generated kernels: per-block shifted sums of fixed chunks of each (sample, channel)
-row (rows of at least MIN_SPATIAL values), or, for shorter rows (BatchNorm1d over [N, C]), per-thread
-shifted sums of one column (channel and position) over an interleaved share of the samples; then one
+row (rows of at least MIN_SPATIAL values), or, for shorter rows (BatchNorm1d over [N, C]) and for a
+dense channels_last input (read as it lies: rows of channels), per-thread shifted sums of one column
+(channel and position, or channel and slot of a group of positions) over an interleaved share of the
+rows; then one
 block per channel that adds them in index order in double, writes the mean and the scale and updates
 the running statistics. ATen's var_mean (its Welford reduction) reads the same bytes at about half the
 bandwidth on the H100 (docs/performance.md, 2026-11-27), and over [N, C] it was followed by 8 ATen
@@ -47,6 +49,10 @@ class BatchStatsStage(Stage):
     threads: int = CUDA_THREADS
     per_thread: int = PER_THREAD
     columns: bool = False  # rows shorter than MIN_SPATIAL: the column kernel (a thread per channel and position)
+    # a dense channels_last input, read as it lies by the column kernel: a row of the kernel is `slots` consecutive
+    # positions' channels (slots * C columns), the output is the input (no copy into NC[D]HW)
+    channels_last: bool = False
+    slots: int = 1
     target_blocks: int = 0  # the column kernel's grid aims for this many blocks
     max_sample_chunks: int = MAX_SAMPLE_CHUNKS
     merge_parts: int = MERGE_PARTS
@@ -61,6 +67,16 @@ class BatchStatsStage(Stage):
     @property
     def spatial(self) -> int:
         return math.prod(self.in_type.spatial)
+
+    @property
+    def column_slots(self) -> int:
+        """The column kernel's columns per channel: its positions in NC[D]HW, `slots` in channels_last."""
+        return self.slots if self.channels_last else self.spatial
+
+    @property
+    def rows_per_sample(self) -> int:
+        """The column kernel's rows per sample (each of C x column_slots values)."""
+        return self.spatial // self.slots if self.channels_last else 1
 
     @property
     def chunk(self) -> int:
@@ -88,9 +104,21 @@ class BatchStatsFamily(Family):
     def make_stage(self, req: StageRequest) -> BatchStatsStage:
         t_in, t_out = req.types
         st = BatchStatsStage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
-        st.columns = st.spatial < MIN_SPATIAL
         st.target_blocks = req.target.sm_count * COLUMN_TARGET_BLOCKS_PER_SM
+        st.columns = st.spatial < MIN_SPATIAL
+        if req.input.layout == "channels_last" and req.input.dense and st.spatial > 1:
+            # read as it lies (a copy into NC[D]HW would read and write it once more): rows of channels, grouped
+            # into rows of `slots` positions so that a block's loads are whole rows of at most CUDA_THREADS values
+            channels = st.stats.norm.num_features
+            st.channels_last, st.columns, st.output = True, True, req.input
+            st.slots = max(g for g in range(1, max(1, CUDA_THREADS // channels) + 1) if st.spatial % g == 0)
+            st.threads = min(CUDA_THREADS, -(-channels * st.slots // 32) * 32)
+            st.max_sample_chunks = st.target_blocks  # rows are many and short: as many chunks as blocks
         return st
+
+    def reads_channels_last_fast(self, channels: int, phased: bool) -> bool:
+        """A dense channels_last input is read as it lies (the column kernel); sub-pixel phase tiles are not."""
+        return not phased
 
     def work(self, st: BatchStatsStage, batch: int, target: Target) -> list[Work]:
         """One read of the input; nothing written (its output is its input). Gathered by the stage
@@ -131,6 +159,10 @@ class BatchStatsFamily(Family):
             return [f"CUDA: stage {st.gathered_by.index}'s kernel gathers (count, mean, M2) of each output tile and channel "
                     f"{how}; {st.merge_parts} blocks per channel merge consecutive ranges of them, combined in order "
                     "(double, Chan's formula), and update the running statistics; CPU: ATen's var_mean"]
+        if st.channels_last:
+            return [f"CUDA: the channels_last input read as it lies: a thread per column of rows of {st.slots} position(s) x "
+                    f"{st.stats.norm.num_features} channels sums it over a share of the rows, then a warp per channel adds "
+                    "them in order (double) and updates the running statistics; CPU: ATen's var_mean"]
         if st.columns:
             return [f"CUDA: a thread per channel and position sums its column over a share of the samples (rows of {st.spatial} "
                     "too short for a block each), then a block per channel adds them in order (double) and updates the "
