@@ -423,9 +423,12 @@ def test_schedule_fields_come_from_the_family_and_the_target():
     assert big.cuda_threads == pool_reduce.CUDA_THREADS and big.min_per_thread == pool_reduce.MIN_PER_THREAD
     # contiguous input, spatial reduction innermost: lanes walk the reduction
     assert big.r_fast and big.r_lanes == 256
-    # a short reduction adjacent in memory: R_FAST_PER_LANE values per lane (128 -> 32 lanes), not one each
+    # a short reduction adjacent in memory, few outputs: R_FAST_MIN_PER_LANE values per lane (128 -> 32 lanes), not one
+    # each; outputs enough to fill the device: R_FAST_PER_LANE (128 -> 8 lanes, 4 outputs per warp)
     short = plan_of([4, 6, 128], [{"min": {"dim": 3}}], batch=1, target=DEFAULT).stages[0].schedule
-    assert short.r_fast and short.r_lanes == 128 // pool_reduce.R_FAST_PER_LANE == 32
+    assert short.r_fast and short.r_lanes == 128 // pool_reduce.R_FAST_MIN_PER_LANE == 32
+    many = plan_of([4, 600, 128], [{"min": {"dim": 3}}], batch=128, target=DEFAULT).stages[0].schedule
+    assert many.r_fast and many.r_lanes == 128 // pool_reduce.R_FAST_PER_LANE == 8
     # reducing channels of a contiguous tensor: threads walk the outputs, lanes fill the device
     chans = [{"sum": {"dim": 1}}]
     lanes_big = plan_of([64, 32, 32], chans, batch=1, target=DEFAULT).stages[0].schedule

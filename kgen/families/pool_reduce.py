@@ -23,8 +23,12 @@ MIN_PER_THREAD = 32  # values a thread combines before a reduction is split acro
 WAVES = 2  # a split reduction aims for this many times the blocks the device holds at once
 MAX_R_LANES_ACROSS = 32  # lanes of one output when threads walk the outputs: >= 8 adjacent outputs per block
 # values per lane when lanes walk a reduction adjacent in memory: one value per lane left a short reduction (min
-# over 128 channels_last channels) to a shared-memory tree of 7 synchronized steps per 2 outputs (#36, 2026-11-25)
-R_FAST_PER_LANE = 4
+# over 128 channels_last channels) to a shared-memory tree of 7 synchronized steps per 2 outputs (#36, 2026-11-25);
+# 4 per lane (a warp per output of 128) left #32's 4.1 M outputs issue-bound (ncu on the H200: SM throughput 85%,
+# DRAM 15%: each thread's index math and lane tree for 4 values), so R_FAST_PER_LANE where the outputs fill the
+# device, down to R_FAST_MIN_PER_LANE where more lanes are needed to fill it
+R_FAST_PER_LANE = 16
+R_FAST_MIN_PER_LANE = 4
 LOADS_IN_FLIGHT = 16  # loads per thread before their values are combined (a window pool issues its own)
 MAX_UNROLL = 8
 # outputs of a stage that reduces nothing per thread, their loads all issued first (kernel.cu.j2 map_kernel):
@@ -284,14 +288,16 @@ class PoolReduce(Family):
 
     @staticmethod
     def _r_lanes(st: PoolReduceStage, r_fast: bool, req: StageRequest) -> int:
-        """Threads per output: a whole block walks a reduction that is adjacent in memory;
-        otherwise enough lanes that the example batch fills the device."""
+        """Threads per output: enough lanes that the example batch fills the device; where the lanes walk a
+        reduction adjacent in memory, R_FAST_PER_LANE values per lane where the outputs alone fill it (more per
+        lane spread each thread's index math and lane tree over more values), at most a block."""
         if st.reduced_count == 1:
             return 1
-        if r_fast:
-            return min(CUDA_THREADS, pow2_floor(max(1, st.reduced_count // R_FAST_PER_LANE)))
         outputs = req.batch * st.kept_count
         want = pow2_ceil(max(1, req.target.resident_threads // max(outputs, 1)))
+        if r_fast:
+            lanes = max(st.reduced_count // R_FAST_PER_LANE, min(want, st.reduced_count // R_FAST_MIN_PER_LANE))
+            return min(CUDA_THREADS, pow2_floor(max(1, lanes)))
         return max(1, min(want, MAX_R_LANES_ACROSS, pow2_floor(st.reduced_count)))
 
     def stage_json(self, st: PoolReduceStage) -> dict:
