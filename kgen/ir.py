@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+import functools
 from functools import cached_property
 from typing import Mapping
 
@@ -59,6 +60,12 @@ class TensorType:
 
     def __str__(self) -> str:
         return "[" + ", ".join(str(d) for d in self.shape) + "]"
+
+
+@functools.lru_cache(maxsize=4096)
+def _conv_out_size(conv: "Conv", L: tuple[int, ...]) -> tuple[int, ...]:
+    """Conv.out_size, remembered (planning asks for each convolution's size many times per plan it tries)."""
+    return conv._out_size(L)
 
 
 def conv_out(L, k, s, p, d):
@@ -319,6 +326,9 @@ class Conv(Op):
 
     def out_size(self, L: tuple[int, ...]) -> tuple[int, ...]:
         """Output spatial size for input spatial size ``L``."""
+        return _conv_out_size(self, tuple(L))
+
+    def _out_size(self, L: tuple[int, ...]) -> tuple[int, ...]:
         if self.transposed:
             return tuple(
                 (l - 1) * s - 2 * p + d * (k - 1) + op + 1

@@ -25,9 +25,19 @@ FAMILIES: tuple[Family, ...] = (conv_gemm.FAMILY, conv_aten.FAMILY, norm.FAMILY,
 EAGER = eager.FAMILY
 
 
+MAX_REMEMBERED = 100_000
+_CLAIMANTS: dict = {}  # (FAMILIES, ops) -> the families that accept them: planning asks again for every plan it tries
+
+
 def claimants(ops) -> list[Family]:
-    """The families that can compute ``ops`` as one stage."""
-    return [f for f in FAMILIES if f.accepts(list(ops))]
+    """The families that can compute ``ops`` as one stage (ops are values: the same ops, the same answer)."""
+    key = (FAMILIES, tuple(ops))
+    found = _CLAIMANTS.get(key)
+    if found is None:
+        if len(_CLAIMANTS) > MAX_REMEMBERED:
+            _CLAIMANTS.clear()
+        found = _CLAIMANTS[key] = tuple(f for f in FAMILIES if f.accepts(list(ops)))
+    return list(found)
 
 
 def by_name(name: str) -> Family:

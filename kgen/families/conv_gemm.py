@@ -352,6 +352,7 @@ POOL_RING_CHANNELS = 16  # output channels it computes (one m16 tile; fewer are 
 POOL_RING_TAPS = 27  # a 3 x 3 x 3 kernel (kTaps)
 POOL_RING_BOX_W = 68  # box columns (kBoxW): the computed ones + the halo, rounded to 4
 POOL_RING_SLOTS = 4  # depth slots of the ring (kRing)
+MAX_REMEMBERED_SCHEDULES = 10_000  # schedule()'s answers kept (a process planning many models)
 
 
 @dataclass(frozen=True)
@@ -651,6 +652,9 @@ class ConvGemm(Family):
                "16-bit operands), the next stage fused in")
     dtypes = DTYPES  # 16-bit: loads converted to float, single TF32 products (exact), stores rounded (module docstring)
 
+    def __init__(self):
+        self._schedules: dict = {}  # schedule()'s answers
+
     def fits(self, ops):
         if len(ops) != 1:
             return False
@@ -818,6 +822,24 @@ class ConvGemm(Family):
 
     def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target,
                  input_bytes: int = FLOAT_BYTES) -> Schedule:
+        """``_schedule``'s answer (or its KgenError), remembered: planning asks for the same convolution's
+        schedule once per plan it tries (every argument is a value)."""
+        key = (lc, tuple(problems), staged, mma, target, input_bytes)
+        found = self._schedules.get(key)
+        if found is None:
+            if len(self._schedules) > MAX_REMEMBERED_SCHEDULES:
+                self._schedules.clear()
+            try:
+                found = self._schedule(lc, problems, staged, mma, target, input_bytes)
+            except KgenError as e:
+                found = e
+            self._schedules[key] = found
+        if isinstance(found, KgenError):
+            raise found
+        return found
+
+    def _schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target,
+                  input_bytes: int = FLOAT_BYTES) -> Schedule:
         """Tile shapes measured on the H100 (lab conv_lab, docs/performance.md): the wgmma loop
         where it wins (WGMMA_MIN_COUT), in the first of WGMMA_SHAPES that fits (teams of one
         warpgroup on 8 x 8 tiles sharing the weights); else the window loop with 4 m-tiles of 16
