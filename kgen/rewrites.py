@@ -203,7 +203,7 @@ def avg_pool_folding(pipe: Pipeline, fire=always):
             continue
         if j != i + 1:
             why = f"{ops[i + 1].describe()} between the convolution and the pool"
-        elif op is not conv:
+        elif isinstance(op, LoweredConv):
             why = f"convolution is already {lc.lowering.name}"
         elif any(d != 1 for d in conv.dilation):
             why = f"dilated convolution (dilation {list(conv.dilation)})"
