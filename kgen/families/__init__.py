@@ -9,6 +9,7 @@ table (``kgen.ops``) for the ops it absorbs.
 from __future__ import annotations
 
 from . import aten, batch_stats, conv_aten, conv_gemm, eager, layer_norm, linear_aten, linear_gemm, norm, pool_reduce, softmax
+from ..ops import OPS
 from .base import Family, StageRequest
 
 # Registry order is the order of preference when several families accept the same ops
@@ -26,18 +27,21 @@ EAGER = eager.FAMILY
 
 
 MAX_REMEMBERED = 100_000
-_CLAIMANTS: dict = {}  # (FAMILIES, ops) -> the families that accept them: planning asks again for every plan it tries
+_CLAIMANTS: dict = {}  # what claimants() answered: planning asks again for every plan it tries
 
 
 def claimants(ops) -> list[Family]:
-    """The families that can compute ``ops`` as one stage (ops are values: the same ops, the same answer)."""
-    key = (FAMILIES, tuple(ops))
+    """The families that can compute ``ops`` as one stage. Remembered per family list, ops (values) and their
+    op-table entries (by identity: an entry replaced is a new question; each remembered answer holds its entries,
+    so their ids are not reused while it stands)."""
+    entries = tuple(OPS.get(op.op_name) for op in ops)
+    key = (FAMILIES, tuple(ops), tuple(map(id, entries)))
     found = _CLAIMANTS.get(key)
     if found is None:
         if len(_CLAIMANTS) > MAX_REMEMBERED:
             _CLAIMANTS.clear()
-        found = _CLAIMANTS[key] = tuple(f for f in FAMILIES if f.accepts(list(ops)))
-    return list(found)
+        found = _CLAIMANTS[key] = (entries, tuple(f for f in FAMILIES if f.accepts(list(ops))))
+    return list(found[1])
 
 
 def by_name(name: str) -> Family:
