@@ -87,7 +87,7 @@ def forms(pipe, x: torch.Tensor):
                 calls.append(lambda w=w, ph=ph: FWD[rank](xin, w, bias, 1, ph.padding))
                 ests.append(dict(flops=2 * n * cin * cout * math.prod(ph.taps) * math.prod(ph.count), read=xin.numel(),
                                  written=n * cout * math.prod(ph.conv_out), n=cout, k=cin * math.prod(ph.taps),
-                                 layout=layout, transposed_stride=None, channels=cin, bias=True))
+                                 layout=layout, transposed_stride=None, channels=cin, bias=True, phase=len(phases) > 1))
             out.append((name, layout, calls, ests))
     return out
 

@@ -53,25 +53,27 @@ TRANSPOSED_NCHW_EFFICIENCY = 0.69
 TRANSPOSED_3D_EFFICIENCY = 0.59  # 3-d against 2-d (the fit: cuDNN's 3-d data-gradient kernels are slower)
 # ... in 16 bits (bfloat16 and float16 together): the same terms fitted on their own, to 312 calls (every form of
 # the 63 level-2 problems' first convolution, each dtype) on an H200 (reports/cudnn_calibration_h200_bf16.json and
-# _f16.json, 2026-12-02; `bench/cudnn_calibrate.py --dtype`, `bench/fit_conv_work.py --dtype`; rms log error 0.45).
+# _f16.json, 2026-12-02; `bench/cudnn_calibrate.py --dtype`, `bench/fit_conv_work.py --dtype`). Refit with the
+# sub-pixel phases at the full rate (conv_work) and a single flipped-kernel phase priced as the dense call it is:
+# rms log error 0.46 -> 0.36 over the 312 calls.
 # float16 ran 1.18x faster than bfloat16 (geometric mean over the same calls); one set of terms serves both.
 # CUDNN16_FRACTION and BIAS16_PASS are set from torch.profiler's kernels of KernelBench #1 (Conv2d 64 -> 128, k3,
 # batch 128, bfloat16 channels_last, 2026-12-02): cuDNN's kernel 0.454 ms for 300 GFLOP (660 TFLOP/s of 790), then
 # ATen's bias add 0.709 ms for the output's 1.04 GB read and written (2.9x its DRAM time). Left to the fit (every
 # call adds a bias) the two traded against each other (fraction 4.2, pass 4.3: no call bound by its FLOPs).
 CUDNN16_FRACTION = 0.84
-TRANSPOSED16_STRIDE1_EFFICIENCY = 1.09
-TRANSPOSED16_STRIDED_EFFICIENCY = 0.91
-TRANSPOSED16_NCHW_EFFICIENCY = 0.16  # strided; at stride 1 (below) NCHW costs cuDNN far less
+TRANSPOSED16_STRIDE1_EFFICIENCY = 1.00
+TRANSPOSED16_STRIDED_EFFICIENCY = 1.08
+TRANSPOSED16_NCHW_EFFICIENCY = 0.14  # strided; at stride 1 (below) NCHW costs cuDNN far less
 TRANSPOSED16_STRIDE1_NCHW_EFFICIENCY = 0.60
-TRANSPOSED16_3D_EFFICIENCY = 0.52
-NCHW16_CONVERSION = 3.3  # NCHW_CONVERSION (below) of a 16-bit call
+TRANSPOSED16_3D_EFFICIENCY = 0.61
+NCHW16_CONVERSION = 2.5  # NCHW_CONVERSION (below) of a 16-bit call
 # Input channels (per group, per tap) below which a 16-bit call's rate falls, as (channels / full) ** power (fitted):
 # cuDNN's 16-bit kernels took 5-8 TFLOP/s with 3 input channels, 14-33 with 8 and 62 with 16, against ~240 from 32
 # up (the calibration; the TF32 terms' K = channels x taps does not see it: 8 channels x 27 taps fill its K). The
 # 3-d forward calls with 3 or 8 channels stay 1.3-1.6x slower than the model (#7, #8, #48).
 CUDNN16_FULL_CHANNELS = 32
-CUDNN16_CHANNELS_POWER = 0.46
+CUDNN16_CHANNELS_POWER = 0.66
 # ATen adds a kept bias to a 16-bit cuDNN output in a pass of its own (Convolution.cpp: output.add_(bias)), at
 # this multiple of the output's read and write at DRAM bandwidth (above). A bias the plan defers to the next stage
 # (plan.defer_conv_bias) costs nothing here.
@@ -269,7 +271,7 @@ class ConvAten(Family):
                 flops = 2 * batch * c.in_channels * c.out_channels * taps * math.prod(ph.count)
                 out += conv_work(f"phase {ph.residue}", flops, read, batch * c.out_channels * math.prod(ph.conv_out),
                                  c.out_channels, c.in_channels * taps, st.layout, target, fp32=bool(st.fp32_products),
-                                 phase=True, dtype=st.dtype, channels=c.in_channels, bias=bias)
+                                 phase=len(st.phases) > 1, dtype=st.dtype, channels=c.in_channels, bias=bias)
             return out
         if isinstance(lc.lowering, TapSums):  # the input's tap sums in ATen calls, then a small convolution of them
             sums = batch * c.in_channels * math.prod(c.kernel[d] for d in lc.lowering.dims) * math.prod(
@@ -319,7 +321,9 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
     fill = min(1.0, n / CUDNN_FULL_N) * min(1.0, k / CUDNN_FULL_K)
     if half:
         fill *= min(1.0, (channels or CUDNN16_FULL_CHANNELS) / CUDNN16_FULL_CHANNELS) ** CUDNN16_CHANNELS_POWER
-        rate = target.product_flops(dtype) * CUDNN16_FRACTION * fill
+        # a sub-pixel phase: the full rate (fitted as a factor on its fill, the phases took 10x the forward calls',
+        # saturating it: their small K and N do not slow cuDNN's 16-bit kernels as they do a whole convolution's)
+        rate = target.product_flops(dtype) * CUDNN16_FRACTION * (1.0 if phase else fill)
     else:
         rate = target.fp32_flops * CUDNN_FP32_FRACTION if fp32 else target.tensor_flops * CUDNN_FRACTION * fill
     nbytes = DTYPE_BYTES[dtype]
