@@ -212,11 +212,13 @@ def rounding_points(pipe: Pipeline, stage: Stage) -> tuple[Op, ...]:
     return tuple(op for op in stage.ops if not isinstance(op, Capture) and not getattr(op, "inner", False))
 
 
-# Ops after which a 16-bit plan keeps a convolution's bias in the convolution (defer_conv_bias): pools (conv_gemm's
-# fused max pools add a kept bias once per window max, and without them in the list #67, #82 and #96 went to cuDNN
-# on a cost model too fast for its 2-d calls with 8 input channels), and a product after it (a later convolution
-# or GEMM, which the deferred add would have to go into)
-KEEPS_16_BIT_BIAS_AFTER = ("pool", "global_pool", "conv", "linear")
+# Ops after which a 16-bit plan keeps a convolution's bias in the convolution (defer_conv_bias): a product after it
+# (a later convolution or GEMM, which the deferred add would have to go into). Before a pool the decision is the
+# cost model's: cuDNN's call with the bias deferred into the pooling stage (ATen's bias pass gone: 1.49 ms of #10's
+# bfloat16 call), or conv_gemm, which keeps it (its fused max pools add it once per window max). Pools were in
+# this list while the model put 2-d cuDNN calls with 8 input channels too fast (#67, #82, #96 went to cuDNN
+# without them); since the 16-bit refit they keep conv_gemm.
+KEEPS_16_BIT_BIAS_AFTER = ("conv", "linear")
 DEFER_BIAS = "defer_conv_bias"  # a 16-bit plan's decision point per convolution (rewrite_key)
 
 

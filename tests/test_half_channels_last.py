@@ -96,8 +96,8 @@ def test_16_bit_bias_is_deferred_where_nothing_amplifies_it(dtype):
     model takes the deferral with cuDNN's call (ATen's separate bias pass priced, conv_aten.BIAS16_PASS): the next
     stage adds the bias to the rounded output and rounds again; conv_gemm declines a deferred 16-bit bias. Before a
     norm the decision is offered too: the next stage's add is CUDA's only (Elementwise.cuda_only, under
-    __CUDA_ARCH__) and ATen's CPU call keeps the bias, so each build rounds as eager does on its device; before a
-    pool no decision is offered."""
+    __CUDA_ARCH__) and ATen's CPU call keeps the bias, so each build rounds as eager does on its device; and
+    before a pool (the stage adds it to each value before it pools them), where conv_gemm's choice keeps it."""
     from dataclasses import replace
 
     from kgen.plan import DEFER_BIAS, OFF, ON, choose_plans, make_plan, rewrite_key
@@ -128,20 +128,26 @@ def test_16_bit_bias_is_deferred_where_nothing_amplifies_it(dtype):
     pooled = spec_text([64, 64, 64], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, "relu", {"max_pool2d": {"kernel_size": 2}}],
                        batch=32).replace("dtype: float32", f"dtype: {dtype}")
     (v,) = choose_plans(pipeline_of(pooled)).variants
-    assert key not in v.plan.options and not v.plan.stages[0].conv.bias_deferred
+    assert v.plan.options[key] == (OFF, ON)
+    assert v.plan.stages[0].conv.bias_deferred == (v.plan.stages[0].family.name == "conv_aten")
+    deferred = make_plan(replace(pipeline_of(pooled), dtype=dtype), choices={key: ON})
+    conv, nxt = deferred.stages[:2]
+    assert conv.family.name == "conv_aten" and conv.conv.bias_deferred and nxt.ops[0].cuda_only
+    assert [o.op_name for o in nxt.ops] == ["add", "relu", "max_pool2d"]
 
 
-DEFERRED_BEFORE_NORMS = {
+DEFERRED_BEFORE_NORMS_AND_POOLS = {
     "dfb_group_norm": [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, {"group_norm": {"num_groups": 2}}, "relu"],
     "dfb_layer_norm": [{"conv2d": {"out_channels": 6, "kernel_size": 3, "padding": 1}}, {"layer_norm": {"normalized_shape": [9]}}],
+    "dfb_max_pool": [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, "tanh", {"max_pool2d": {"kernel_size": 2}}],
 }
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("name", sorted(DEFERRED_BEFORE_NORMS))
-def test_16_bit_bias_deferred_before_a_norm_validates(name, dtype, device, tmp_path):
-    """A 16-bit convolution's bias deferred into the norm stage after it (cuDNN's channels_last call): on CUDA the
+@pytest.mark.parametrize("name", sorted(DEFERRED_BEFORE_NORMS_AND_POOLS))
+def test_16_bit_bias_deferred_before_a_norm_or_pool_validates(name, dtype, device, tmp_path):
+    """A 16-bit convolution's bias deferred into the norm or pool stage after it (cuDNN's channels_last call): on CUDA the
     stage adds it to the rounded output and rounds again, as ATen's CUDA call; on the CPU ATen's call adds it inside
     (as eager's) and the stage's add is compiled out: each build against the float64 reference, eager in the dtype
     at 1e-2, and stage by stage (the stage's own reference skips the add where the build does)."""
@@ -157,7 +163,7 @@ def test_16_bit_bias_deferred_before_a_norm_validates(name, dtype, device, tmp_p
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     module = f"{name}_{dtype}_{device}"
-    text = spec_text([3, 7, 9], DEFERRED_BEFORE_NORMS[name], batch=5, name=module, plan=CL_ATEN)
+    text = spec_text([3, 7, 9], DEFERRED_BEFORE_NORMS_AND_POOLS[name], batch=5, name=module, plan=CL_ATEN)
     spec = write_spec(tmp_path, text.replace("dtype: float32", f"dtype: {dtype}"), f"{module}.yaml")
     plan = make_plan(replace(load_pipeline(spec), dtype=dtype), choices={rewrite_key(DEFER_BIAS, "ops[0].conv2d"): ON})
     conv, norm = plan.stages
