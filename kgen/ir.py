@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-import functools
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Mapping
 
 import torch
@@ -62,10 +61,15 @@ class TensorType:
         return "[" + ", ".join(str(d) for d in self.shape) + "]"
 
 
-@functools.lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096)
 def _conv_out_size(conv: "Conv", L: tuple[int, ...]) -> tuple[int, ...]:
     """Conv.out_size, remembered (planning asks for each convolution's size many times per plan it tries)."""
-    return conv._out_size(L)
+    if conv.transposed:
+        return tuple(
+            (l - 1) * s - 2 * p + d * (k - 1) + op + 1
+            for l, k, s, p, d, op in zip(L, conv.kernel, conv.stride, conv.padding, conv.dilation, conv.output_padding)
+        )
+    return tuple(conv_out(*a) for a in zip(L, conv.kernel, conv.stride, conv.padding, conv.dilation))
 
 
 def conv_out(L, k, s, p, d):
@@ -327,14 +331,6 @@ class Conv(Op):
     def out_size(self, L: tuple[int, ...]) -> tuple[int, ...]:
         """Output spatial size for input spatial size ``L``."""
         return _conv_out_size(self, tuple(L))
-
-    def _out_size(self, L: tuple[int, ...]) -> tuple[int, ...]:
-        if self.transposed:
-            return tuple(
-                (l - 1) * s - 2 * p + d * (k - 1) + op + 1
-                for l, k, s, p, d, op in zip(L, self.kernel, self.stride, self.padding, self.dilation, self.output_padding)
-            )
-        return tuple(conv_out(*a) for a in zip(L, self.kernel, self.stride, self.padding, self.dilation))
 
     def check_input(self, t: TensorType) -> None:
         _check_rank(t, self.rank, self.kind)

@@ -652,9 +652,6 @@ class ConvGemm(Family):
                "16-bit operands), the next stage fused in")
     dtypes = DTYPES  # 16-bit: loads converted to float, single TF32 products (exact), stores rounded (module docstring)
 
-    def __init__(self):
-        self._schedules: dict = {}  # schedule()'s answers
-
     def fits(self, ops):
         if len(ops) != 1:
             return False
@@ -822,21 +819,21 @@ class ConvGemm(Family):
 
     def schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target,
                  input_bytes: int = FLOAT_BYTES) -> Schedule:
-        """``_schedule``'s answer (or its KgenError), remembered: planning asks for the same convolution's
-        schedule once per plan it tries (every argument is a value)."""
-        key = (lc, tuple(problems), staged, mma, target, input_bytes)
-        found = self._schedules.get(key)
-        if found is None:
-            if len(self._schedules) > MAX_REMEMBERED_SCHEDULES:
-                self._schedules.clear()
-            try:
-                found = self._schedule(lc, problems, staged, mma, target, input_bytes)
-            except KgenError as e:
-                found = e
-            self._schedules[key] = found
+        """``_schedule``, remembered: planning asks for the same convolution's schedule once per plan it tries
+        (every argument is a value)."""
+        found = self._remembered_schedule(lc, tuple(problems), staged, mma, target, input_bytes)
         if isinstance(found, KgenError):
-            raise found
+            raise found.with_traceback(None)  # (each raise would otherwise lengthen the remembered one's traceback)
         return found
+
+    @functools.lru_cache(maxsize=MAX_REMEMBERED_SCHEDULES)
+    def _remembered_schedule(self, lc, problems: tuple[Problem, ...], staged: bool, mma: str, target: Target,
+                             input_bytes: int) -> Schedule | KgenError:
+        """``_schedule``'s answer, or the KgenError it raised (lru_cache remembers no exceptions)."""
+        try:
+            return self._schedule(lc, list(problems), staged, mma, target, input_bytes)
+        except KgenError as e:
+            return e
 
     def _schedule(self, lc, problems: list[Problem], staged: bool, mma: str, target: Target,
                   input_bytes: int = FLOAT_BYTES) -> Schedule:
