@@ -38,7 +38,8 @@ from kgen.target import current  # noqa: E402
 # convolution, 3.4x and 2x slower in the 2026-11-25 sweep at d5b17bd (docs/performance.md)
 TENSOR_CORE = ["CUDNN_FRACTION", "TRANSPOSED_STRIDE1_EFFICIENCY",
                "TRANSPOSED_STRIDED_EFFICIENCY", "TRANSPOSED_NCHW_EFFICIENCY", "TRANSPOSED_3D_EFFICIENCY", "NCHW_CONVERSION"]
-FP32 = ["CUDNN_FP32_FRACTION"]
+FP32 = ["CUDNN_FP32_FRACTION", "FP32_TRANSPOSED_STRIDED_EFFICIENCY", "FP32_TRANSPOSED_STRIDE1_EFFICIENCY",
+        "FP32_TRANSPOSED_3D_EFFICIENCY"]
 # CUDNN16_FRACTION and BIAS16_PASS are set from a profile (conv_aten.py says which): every calibration call adds a
 # bias, and left free the two traded against each other (fraction 4.2 of the peak, pass 4.3)
 SIXTEEN_BIT = ["TRANSPOSED16_STRIDE1_EFFICIENCY", "TRANSPOSED16_STRIDED_EFFICIENCY",
@@ -86,8 +87,6 @@ def log_errors(data, target, fp32: bool):
         dtype = r.get("dtype", "float32")
         if dtype != "float32":
             column = "ms"
-        elif fp32 and kind(r).startswith("transposed"):
-            continue
         else:
             column = "tf32_off_ms" if fp32 else "tf32_allowed_ms"
         model = 1e3 * sum(work_s(w, target) for a in est

@@ -82,6 +82,9 @@ def main() -> None:
                     help="time in training mode (batch norm's batch statistics; KernelBench's own check runs so)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="the models' dtype (16 bits: KernelBench's precision=bf16|fp16, checked at 1e-2)")
+    ap.add_argument("--precision", action="store_true",
+                    help="float32: first measure eager's cuDNN precision of each spec's convolutions on this GPU "
+                         "(`kgen tune --precision-only`, written beside the specs), so the plans match it")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one spec's check, JSON on stdout
     args = ap.parse_args()
     if args.worker:
@@ -140,6 +143,12 @@ def build_all(specs, rows, args, deadline):
     from kgen.render import render_spec, write_rendered
 
     args.gen.mkdir(parents=True, exist_ok=True)
+    if args.precision and args.dtype == "float32":
+        from kgen.tune import run_precision
+
+        t = time.time()
+        run_precision([s for s in specs if rows[s.stem]["status"] not in ("render failed", "build failed")])
+        print(f"eager's convolution precision measured in {time.time() - t:.0f} s", flush=True)
     # Every module is (re)built, also those a previous call checked: on a fresh machine
     # their builds are gone; on a warm one ninja finds them up to date at once.
     todo = []
@@ -341,7 +350,8 @@ def time_all(specs, rows, args, deadline, write):
                     except Exception as e:  # noqa: BLE001
                         row["compile_graphs_error"] = _line(e)
                 row.update(time_in_blocks(fns, args.reps))
-            row.update(status="ok", batch=batch, time_s=round(time.time() - t, 1), commit=args.commit)
+            row.update(status="ok", batch=batch, time_s=round(time.time() - t, 1), commit=args.commit,
+                       **({"eager_precision": "measured"} if args.precision and args.dtype == "float32" else {}))
         except Exception as e:  # noqa: BLE001
             row.update(status="timing failed", reason=_line(e))
             if "CUDA error" in str(e):

@@ -474,8 +474,12 @@ def bench(names, out, json_path, md_path, reps, baseline, plot_path, dtypes):
               help="Candidates measured per spec at most: the cost model's best and the eager one (default 8).")
 @click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
               help="Tune the plans of this dtype (repeatable; default: every dtype of each spec).")
+@click.option("--precision-only", is_flag=True,
+              help="Only measure whether eager's float32 cuDNN calls for the specs' convolutions run TF32 on this "
+                   "GPU (seconds; nothing built) and store it: the cost model's plans then match eager's precision "
+                   "there, where untuned they assume fp32 calls on a GPU whose rules were not measured.")
 @_fail_cleanly
-def tune(specs, batches, reps, max_candidates, dtypes):
+def tune(specs, batches, reps, max_candidates, dtypes, precision_only):
     """Measure the candidate plans of SPECS (default: specs/*.yaml) on this GPU
     and write each spec's tuning file (specs/NAME.tune.json), which
     `kgen render` reads.
@@ -494,8 +498,14 @@ def tune(specs, batches, reps, max_candidates, dtypes):
     spec or kgen's candidates changed, is ignored by render (with a note),
     and the cost model decides.
     """
-    from .tune import MAX_CANDIDATES, TABLE_HEADERS, run_tune
+    from .tune import MAX_CANDIDATES, PRECISION_HEADERS, TABLE_HEADERS, run_precision, run_tune
 
+    if precision_only:
+        if batches or dtypes or max_candidates:
+            raise KgenError("--precision-only measures eager's float32 calls at each spec's example batch: "
+                            "--batch, --dtype and --max-candidates do not apply")
+        click.echo(format_table(PRECISION_HEADERS, run_precision(_spec_paths(specs))))
+        return
     for b in batches:
         _positive(b, "--batch")
     _positive(reps, "--reps")

@@ -270,6 +270,39 @@ def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MA
     return rows
 
 
+PRECISION_HEADERS = ["spec", "convolution", "eager's cuDNN call"]
+
+
+def run_precision(specs) -> list[list]:
+    """`kgen tune --precision-only`: measure eager's float32 cuDNN precision of each spec's convolutions on this
+    GPU (``measure_eager_conv_tf32``, at the example batch; seconds, nothing rendered or built) and store it in the
+    spec's tuning file, where the cost model's plans take it as a full tuning's do. An entry this device already
+    has keeps its measured plans (its measurement replaced); else a precision-only entry (no candidates: the cost
+    model still chooses the plans). Returns the summary table's rows."""
+    if not torch.cuda.is_available():
+        raise KgenError("kgen tune --precision-only needs a CUDA GPU: it measures eager's cuDNN calls")
+    device, rows = torch.cuda.get_device_name(), []
+    for s in specs:
+        pipe = load_pipeline(s)
+        if "float32" not in pipe.dtypes:
+            continue
+        pipe = replace(pipe, dtype="float32")
+        measured = measure_eager_conv_tf32(pipe, pipe.example_batch())
+        if not measured:
+            continue
+        stored, _ = tunefile.spec_entry(pipe, targets.current())
+        e = dict(stored) if stored is not None else {
+            "device": device, "spec_hash": tunefile.spec_hash(pipe),
+            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
+                         "cudnn": torch.backends.cudnn.version(), "kgen": _commit()}}
+        e["eager_conv_tf32"] = dict(measured)
+        e["precision_date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        path = tunefile.write_entry(s, e)
+        _log(f"tune {pipe.name}: eager's convolution precision written to {path}")
+        rows += [[pipe.name, module, "TF32" if tf32 else "fp32"] for module, tf32 in measured]
+    return rows
+
+
 def _shown_name(t: SpecTuning) -> str:
     """The spec's name, and the dtype where it is not float32."""
     return t.pipe.name if t.pipe.dtype == "float32" else f"{t.pipe.name} [{t.pipe.dtype}]"

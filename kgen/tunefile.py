@@ -17,6 +17,10 @@ device and dtype it was tuned on (`kgen tune --dtype`):
         "eager_conv_tf32": {"conv": true}}]}      # per convolution module: eager's cuDNN call ran TF32
                                                   # at the example batch (kgen.tune.measure_eager_conv_tf32)
 
+`kgen tune --precision-only` writes an entry of the last key alone (with the
+device, versions and spec_hash; no candidates or ranges): the cost model
+chooses the plans, knowing eager's precision on that device.
+
 An entry applies to the plans of its dtype when its device is the render
 target's (``Target.name``; the default target is the H200, so the committed
 H200 entries give the committed ``generated/`` files on a CPU-only machine too)
@@ -159,7 +163,7 @@ def spec_entry(pipe, target) -> tuple[dict | None, list[str]]:
 def applicable_entry(stored: dict | None, pipe, target, cand_hash: str) -> tuple[Entry | None, list[str]]:
     """``spec_entry``'s entry, if kgen's candidates are still those it was tuned among, and a note
     where they are not."""
-    if stored is None:
+    if stored is None or "candidates" not in stored:  # none, or only eager's precision (`kgen tune --precision-only`)
         return None, []
     path = path_for(pipe.path)
     if stored.get("candidates_hash") != cand_hash:

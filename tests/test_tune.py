@@ -250,6 +250,39 @@ def test_eager_convolution_precision_measured_by_tune_decides_the_products(tmp_p
         conv_stage()
 
 
+def test_precision_only_tuning_keeps_the_cost_model_and_a_full_entry(tmp_path, monkeypatch):
+    """`kgen tune --precision-only` stores eager's measured precision alone (no candidates): render's cost model
+    still chooses, with no stale-plans note, and takes the precision; on a spec already tuned it replaces the
+    measurement and keeps the measured plans."""
+    from click.testing import CliRunner
+
+    from kgen.cli import main
+
+    spec = write_spec(tmp_path, spec_text([3, 12, 12], [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, "relu"],
+                                          batch=4, name="measured", plan={"conv": "gemm"}), "measured.yaml")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: DEFAULT.name)
+    monkeypatch.setattr(tune, "measure_eager_conv_tf32", lambda pipe, b: (("conv", True),))
+    assert choose_plans(load_pipeline(spec), DEFAULT).plans[0].stages[0].schedule.mma == "tf32x3"  # untuned: the rules
+    result = CliRunner().invoke(main, ["tune", "--precision-only", str(spec)])
+    assert result.exit_code == 0, result.output
+    assert "measured" in result.stdout and "TF32" in result.stdout
+    (e,) = json.loads(tunefile.path_for(spec).read_text())["entries"]
+    assert e["device"] == DEFAULT.name and e["eager_conv_tf32"] == {"conv": True} and "candidates" not in e
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source == "cost model" and not sel.notes
+    assert sel.plans[0].stages[0].schedule.mma == "tf32" and "measured by `kgen tune`" in sel.plans[0].stages[0].x3_reason
+    # a spec tuned in full: the plans stay, the measurement is replaced
+    t = fake_tuning(spec, [], lambda choices: True, tmp_path / "tune")
+    tunefile.write_entry(spec, dict(tune.entry(t, 30, DEFAULT.name), eager_conv_tf32={"conv": False}))
+    tune.run_precision([spec])
+    (e,) = json.loads(tunefile.path_for(spec).read_text())["entries"]
+    assert e["eager_conv_tf32"] == {"conv": True} and e["candidates"] and e["ranges"]
+    assert choose_plans(load_pipeline(spec), DEFAULT).source.startswith("tuning file")
+    result = CliRunner().invoke(main, ["tune", "--precision-only", "--batch", "8", str(spec)])
+    assert result.exit_code == 1 and "--batch, --dtype and --max-candidates do not apply" in result.stderr
+
+
 # ------------------------------------------------------------------ the eager candidate and the dispatch
 
 

@@ -42,6 +42,14 @@ CUDNN_GEMM_COUT = 128
 # (reports/cudnn_calibration_h100.json; bench/fit_conv_work.py). The fit leaves a typical
 # error of ~1.5x (rms log error 0.39, was 0.81 with the hand-set values): a guide, not a measurement.
 CUDNN_FP32_FRACTION = 0.32  # of the fp32 peak, cuDNN's fp32 convolutions (TF32 off; fitted on forward calls)
+# cuDNN's fp32 transposed calls (TF32 off, as written) against CUDNN_FP32_FRACTION at the same fill (N, K as
+# CUDNN_FULL_N, CUDNN_FULL_K): strided, stride 1, and 3-d against 2-d. Fitted to the 62 transposed calls' TF32-off
+# times on an H200 (reports/cudnn_calibration_h200.json, 2026-12-02): their rms log error 0.65 -> 0.55 with the
+# forward calls', each kind of transposed call now within 5% on average (a flat fp32 rate had put 3 -> 16 channel
+# ConvTranspose3d calls at 1.3 ms where they take 11.5: #60 ran one and was slower than eager).
+FP32_TRANSPOSED_STRIDED_EFFICIENCY = 0.70
+FP32_TRANSPOSED_STRIDE1_EFFICIENCY = 2.0
+FP32_TRANSPOSED_3D_EFFICIENCY = 0.59
 CUDNN_FRACTION = 0.53  # of the tensor-core peak on convolutions that fill its tiles (~210 of 400 TFLOP/s)
 CUDNN_FULL_N = 96  # output channels (per group) and input channels x taps (below) at which the rate stops falling:
 CUDNN_FULL_K = 320  # below them it falls in proportion (kept out of the fit: fit_conv_work.py says why)
@@ -331,6 +339,10 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
     after = [Work(f"{what}: bias (ATen's add)", 0, BIAS16_PASS * 2 * nbytes * written)] if half and bias else []
     if transposed_stride is not None:
         strided = any(s > 1 for s in transposed_stride)
+        if fp32:  # cuDNN's fp32 data-gradient kernels: slow at small sizes as its TF32 ones are, in both layouts
+            rank3 = FP32_TRANSPOSED_3D_EFFICIENCY if len(transposed_stride) == 3 else 1.0
+            return [conv(rate * fill * rank3 * (FP32_TRANSPOSED_STRIDED_EFFICIENCY if strided
+                                                else FP32_TRANSPOSED_STRIDE1_EFFICIENCY))]
         if half:
             nchw = TRANSPOSED16_NCHW_EFFICIENCY if strided else TRANSPOSED16_STRIDE1_NCHW_EFFICIENCY
             rank3 = TRANSPOSED16_3D_EFFICIENCY
