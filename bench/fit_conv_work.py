@@ -3,11 +3,11 @@
 Each calibration row is one spec's first convolution in one form (as written, flipped kernel, sub-pixel phases;
 NC[D]HW or channels_last) with its time on the GPU, TF32 allowed and off. The estimate's arguments are
 recomputed here on the "meta" device (no GPU), so the fit can change the model's structure too. The TF32-allowed
-times fit the tensor-core constants; the TF32-off times of forward calls fit CUDNN_FP32_FRACTION (kgen runs only
-forward convolutions with TF32 off). Prints the fitted values and measured / model per kind of call (needs numpy
+times fit the tensor-core constants; the TF32-off times fit CUDNN_FP32_FRACTION and the fp32 transposed terms.
+Prints the fitted values and measured / model per kind of call (needs numpy
 and scipy, which kgen itself does not):
 
-    PYTHONPATH=. python bench/fit_conv_work.py reports/cudnn_calibration_h100.json SPEC_DIR ...
+    PYTHONPATH=. python bench/fit_conv_work.py reports/cudnn_calibration_h200.json SPEC_DIR ...
 
 With --dtype: calibration files of 16-bit calls (`cudnn_calibrate.py --dtype`, one or more, e.g. bfloat16 and
 float16 together) fit the 16-bit terms (SIXTEEN_BIT):

@@ -44,9 +44,9 @@ CUDNN_GEMM_COUT = 128
 CUDNN_FP32_FRACTION = 0.32  # of the fp32 peak, cuDNN's fp32 convolutions (TF32 off; fitted on forward calls)
 # cuDNN's fp32 transposed calls (TF32 off, as written) against CUDNN_FP32_FRACTION at the same fill (N, K as
 # CUDNN_FULL_N, CUDNN_FULL_K): strided, stride 1, and 3-d against 2-d. Fitted to the 62 transposed calls' TF32-off
-# times on an H200 (reports/cudnn_calibration_h200.json, 2026-12-02): their rms log error 0.65 -> 0.55 with the
-# forward calls', each kind of transposed call now within 5% on average (a flat fp32 rate had put 3 -> 16 channel
-# ConvTranspose3d calls at 1.3 ms where they take 11.5: #60 ran one and was slower than eager).
+# times on an H200 (reports/cudnn_calibration_h200.json, 2026-12-02): each kind of transposed call within 5% of the
+# model on average (the flat fp32 forward rate had put 3 -> 16 channel ConvTranspose3d calls at 1.3 ms where they
+# take 11.5: #60 ran one and was slower than eager; docs/performance.md, The cost model).
 FP32_TRANSPOSED_STRIDED_EFFICIENCY = 0.70
 FP32_TRANSPOSED_STRIDE1_EFFICIENCY = 2.0
 FP32_TRANSPOSED_3D_EFFICIENCY = 0.59
