@@ -139,7 +139,7 @@ def tune_module(module_dir: Path, batches: list[int], verbose: bool = True) -> b
     """`kgen tune` of a module in the cache (on a CUDA GPU): its candidates are rendered and built under
     ``<folder>/_tune/`` (removed after), the tuning file is written beside the spec (``spec.tune.json``,
     kept: the folder's key is the spec's, so later compiles find the tuned module), and the module is
-    rendered again from it and built. A spec with an entry for this device already is left as it is.
+    rendered again from it and built. A spec with a tuned entry for this device already is left as it is.
     Returns whether it tuned."""
     from . import target as targets, tunefile
     from .ir import load_pipeline
@@ -148,7 +148,7 @@ def tune_module(module_dir: Path, batches: list[int], verbose: bool = True) -> b
     folder = module_dir.parent
     spec = folder / SPEC_FILE
     stored, _ = tunefile.spec_entry(load_pipeline(spec), targets.current())
-    if stored is not None:
+    if stored is not None and "candidates" in stored:  # (not an entry of eager's precision alone)
         _say(verbose, f"{module_dir.name}: tuned already ({tunefile.path_for(spec)})")
         return False
     start = time.monotonic()
@@ -161,6 +161,20 @@ def tune_module(module_dir: Path, batches: list[int], verbose: bool = True) -> b
     build_module(module_dir, quiet=not verbose)
     _say(verbose, f"{module_dir.name}: tuned in {time.monotonic() - start:.1f} s ({tunefile.path_for(spec)})")
     return True
+
+
+def _measure_precision(spec: Path, verbose: bool) -> None:
+    """On the CUDA GPU the module is rendered for, eager's float32 cuDNN precision of the spec's convolutions
+    (`kgen tune --precision-only`, in its tuning file beside it): a second at most, and the plan then rounds as
+    eager's calls do there (untuned, a GPU whose rules kgen has not measured gets fp32-level products for small
+    convolutions: slower, and further from eager's TF32 results)."""
+    from . import target as targets
+
+    if not torch.cuda.is_available() or targets.current().name != torch.cuda.get_device_name():
+        return
+    from .tune import run_precision
+
+    run_precision([spec], log=lambda msg: _say(verbose, msg))
 
 
 def _checked(imp, text: str, path: Path, verbose: bool, start: float):
@@ -196,6 +210,7 @@ def _render_into_cache(folder: Path, module_name: str, imp, data: dict, verbose:
         raise KgenError(f"kgen.compile: cannot write {e.filename or tmp}: {e.strerror or e}") from None
     try:
         _checked(imp, text, tmp / SPEC_FILE, verbose, start)
+        _measure_precision(tmp / SPEC_FILE, verbose)
         _plan_and_render(tmp, folder.name, folder / module_name, verbose)
         try:
             os.replace(tmp, folder)
@@ -222,6 +237,7 @@ def _render_into_project(out: Path, imp, data: dict, verbose: bool, start: float
         os.replace(tmp, spec_path)
     except OSError as e:
         raise KgenError(f"kgen.compile: cannot write {e.filename or spec_path}: {e.strerror or e}") from None
+    _measure_precision(spec_path, verbose)
     rendered = render_spec(spec_path, out)
     written = write_rendered(rendered, out)
     _say(verbose, f"wrote {spec_path} and {out / rendered.name} ({len(written)} files changed)")

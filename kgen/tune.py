@@ -278,7 +278,7 @@ def run_tune(specs, batches: list[int], reps: int = 30, max_candidates: int = MA
 PRECISION_HEADERS = ["spec", "convolution", "eager's cuDNN call"]
 
 
-def run_precision(specs) -> list[list]:
+def run_precision(specs, log=_log) -> list[list]:
     """`kgen tune --precision-only`: measure eager's float32 cuDNN precision of each spec's convolutions on this
     GPU (``measure_eager_conv_tf32``, at the example batch; seconds, nothing rendered or built) and store it in the
     spec's tuning file, where the cost model's plans take it as a full tuning's do. An entry this device already
@@ -303,7 +303,7 @@ def run_precision(specs) -> list[list]:
         e["eager_conv_tf32"] = dict(measured)
         e["precision_date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         path = tunefile.write_entry(s, e)
-        _log(f"tune {pipe.name}: eager's convolution precision written to {path}")
+        log(f"tune {pipe.name}: eager's convolution precision written to {path}")
         rows += [[pipe.name, module, "TF32" if tf32 else "fp32"] for module, tf32 in measured]
     return rows
 

@@ -234,3 +234,34 @@ def test_import_kgen_does_not_import_torch():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_compile_measures_eager_precision_on_the_gpu_it_renders_for(env, monkeypatch):
+    """On the CUDA GPU the module is rendered for, kgen.compile measures eager's cuDNN precision of the model's
+    convolutions first (`kgen tune --precision-only`, into the cache folder's tuning file: a stand-in measurement
+    here) and plans with it; such an entry is not a tuning that max-autotune would skip."""
+    from kgen import compiler, tune, tunefile
+    from kgen.compiler import compile_module
+    from kgen.ir import Conv, load_pipeline
+    from kgen.plan import choose_plans
+    from kgen.target import DEFAULT
+
+    _, mod, _ = env
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: DEFAULT.name)
+    calls = []
+    monkeypatch.setattr(tune, "measure_eager_conv_tf32", lambda pipe, batch: calls.append(batch) or tuple(
+        sorted({(op.module, True) for op in pipe.ops if isinstance(op, Conv)})))
+    module_dir = compile_module(mod.Net().eval(), torch.randn(3, 3, 12, 12), name="measured_net", verbose=False,
+                                build=False)
+    spec = module_dir.parent / compiler.SPEC_FILE
+    (entry,) = tunefile.read(tunefile.path_for(spec))["entries"]
+    assert calls == [3] and "candidates" not in entry
+    assert entry["eager_conv_tf32"] and all(entry["eager_conv_tf32"].values())
+    sel = choose_plans(load_pipeline(spec), DEFAULT)
+    assert sel.source == "cost model" and dict(sel.pipeline.eager_conv_tf32) == entry["eager_conv_tf32"]
+    ran = []
+    monkeypatch.setattr(tune, "run_tune", lambda *a, **k: ran.append(a) or [])
+    monkeypatch.setattr(compiler, "_plan_and_render", lambda *a: None)
+    monkeypatch.setattr(compiler, "build_module", lambda *a, **k: None)
+    assert compiler.tune_module(module_dir, [3], verbose=False) and ran  # not "tuned already"
