@@ -524,3 +524,15 @@ def test_explain_details_either_modes_plan():
     assert "mul(batch_norm.eval_scale per channel)" in after(ev) and "batch_norm(" not in after(ev)
     assert "(the plan for N = 2 in training mode)" in train
     assert "batch statistics of batch_norm(eps=1e-05" in after(train) and "mul(batch_norm.batch_scale per channel)" in after(train)
+
+
+def test_batch_statistics_price_a_cropped_channels_last_input_as_the_copy_it_takes():
+    """batch_stats reads a dense channels_last input as it lies (one read) and copies a cropped view of a larger
+    convolution output into NC[D]HW first: the cost model and a convolution's layout choice see the difference."""
+    from kgen.buffer import dense_buffer
+    from kgen.families.batch_stats import FAMILY
+
+    dense = dense_buffer((16, 30, 62), (16, 30, 62), "channels_last")
+    cropped = dense_buffer((16, 30, 62), (16, 31, 63), "channels_last")
+    assert FAMILY.reads_channels_last_fast(dense) and not FAMILY.reads_channels_last_fast(cropped)
+    assert FAMILY.reads_channels_last_fast(dense_buffer((16, 1, 1), (16, 2, 2), "channels_last"))  # one position

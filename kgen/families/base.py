@@ -128,13 +128,13 @@ class Family:
         family that walks it in contiguous order wastes part of each memory sector."""
         elements = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
         buf = stage.input
-        wasted = buf.layout == "channels_last" and not self.reads_channels_last_fast(buf.logical[0], buf.phased)
+        wasted = buf.layout == "channels_last" and not self.reads_channels_last_fast(buf)
         return value_bytes(stage) * elements * (STRIDED_READ_FACTOR if wasted else 1)
 
-    def reads_channels_last_fast(self, channels: int, phased: bool) -> bool:
-        """Whether a stage of this family reads a channels_last input of ``channels`` channels
-        (held as sub-pixel phase tiles if ``phased``) at full speed: by default the family's
-        ``reads_channels_last``; a family's kernels may depend on the sizes."""
+    def reads_channels_last_fast(self, buf: Buffer) -> bool:
+        """Whether a stage of this family reads the channels_last input ``buf`` (its channels are
+        ``buf.logical[0]``; it may be sub-pixel phase tiles or a cropped view) at full speed: by
+        default the family's ``reads_channels_last``; a family's kernels may depend on the sizes."""
         return self.reads_channels_last
 
     def absorbs_epilogue(self, stage: Stage, nxt: Stage) -> bool:

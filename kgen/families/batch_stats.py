@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..buffer import flat_buffer
+from ..buffer import Buffer, flat_buffer
 from ..ir import BatchStats
 from ..spec import DTYPES
 from ..stage import Stage
@@ -116,9 +116,10 @@ class BatchStatsFamily(Family):
             st.max_sample_chunks = st.target_blocks  # rows are many and short: as many chunks as blocks
         return st
 
-    def reads_channels_last_fast(self, channels: int, phased: bool) -> bool:
-        """A dense channels_last input is read as it lies (the column kernel); sub-pixel phase tiles are not."""
-        return not phased
+    def reads_channels_last_fast(self, buf: Buffer) -> bool:
+        """A dense channels_last input is read as it lies (the column kernel, make_stage); sub-pixel phase tiles
+        and a cropped view are copied into NC[D]HW first (where positions are one, the layouts are one)."""
+        return buf.dense or math.prod(buf.logical[1:]) == 1
 
     def work(self, st: BatchStatsStage, batch: int, target: Target) -> list[Work]:
         """One read of the input; nothing written (its output is its input). Gathered by the stage

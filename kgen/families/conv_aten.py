@@ -176,8 +176,7 @@ class ConvAten(Family):
             return ("contiguous",)
         direct_transposed = conv.transposed
         nxt = req.next_family
-        phased = isinstance(conv.lowering, Subpixel) and len(conv.phases(req.types[0].spatial)) > 1
-        fast = nxt is not None and nxt.reads_channels_last_fast(conv.conv.out_channels, phased)
+        fast = nxt is not None and nxt.reads_channels_last_fast(self._output(req, conv, "channels_last")[0])
         return LAYOUTS if fast and not direct_transposed else LAYOUTS[::-1]
 
     def candidates(self, req: StageRequest) -> list[Candidate]:
@@ -188,25 +187,29 @@ class ConvAten(Family):
         conv = lowered(req.ops[0])
         t_in, t_out = req.types
         layout = layout or self.layouts(req, conv)[0]
-        C = conv.conv.out_channels
         st = ConvStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=conv, layout=layout)
         st.fp32_products = self.fp32_products(req, conv, layout)
+        st.output, st.phases = self._output(req, conv, layout)
+        st.input_extent = st.phases[0].input_extent if st.phases else conv.input_extent(t_in.spatial)
+        return st
+
+    @staticmethod
+    def _output(req: StageRequest, conv, layout: str) -> tuple[Buffer, list]:
+        """The buffer the convolution writes in ``layout``, and its sub-pixel phases (none: one call)."""
+        t_in, t_out = req.types
+        C = conv.conv.out_channels
         if isinstance(conv.lowering, Subpixel):
-            st.phases = conv.phases(t_in.spatial)
+            phases = conv.phases(t_in.spatial)
             tiles = []
-            for ph in st.phases:
+            for ph in phases:
                 dims = (C,) + ph.conv_out
                 strides, sample = strides_of(dims, layout)
                 tiles.append(Tile(dims, strides, sample, ph.offset, ph.residue))
             # stride 1 has a single phase: a dense tile, maybe offset
             phase_stride = conv.conv.stride if len(tiles) > 1 else ()
-            st.output = Buffer(t_out.shape[1:], layout, tuple(tiles), phase_stride=phase_stride)
-            st.input_extent = st.phases[0].input_extent
-            return st
-        st.input_extent = conv.input_extent(t_in.spatial)
+            return Buffer(t_out.shape[1:], layout, tuple(tiles), phase_stride=phase_stride), phases
         # a cropped output is a view of what the convolution produces from the input prefix
-        st.output = dense_buffer(t_out.shape[1:], (C,) + conv.physical_out(t_in.spatial), layout)
-        return st
+        return dense_buffer(t_out.shape[1:], (C,) + conv.physical_out(t_in.spatial), layout), []
 
     def eager_rounding_only(self, req: StageRequest, conv) -> bool:
         """Whether only eager's own call (NC[D]HW, as written) rounds this convolution's operands as eager

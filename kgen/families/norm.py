@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..buffer import flat_buffer
+from ..buffer import Buffer, flat_buffer
 from ..ir import Elementwise, Norm, Reduce
 from ..spec import DTYPES
 from ..stage import Stage
@@ -119,8 +119,8 @@ class NormFamily(Family):
         )
         return st
 
-    def reads_channels_last_fast(self, channels: int, phased: bool) -> bool:
-        return not phased and channels <= MAX_ROW_CHANNELS  # the row kernels; else NC[D]HW order, strided
+    def reads_channels_last_fast(self, buf: Buffer) -> bool:
+        return not buf.phased and buf.logical[0] <= MAX_ROW_CHANNELS  # the row kernels; else NC[D]HW order, strided
 
     def work(self, st: NormStage, batch: int, target: Target) -> list[Work]:
         """Statistics (one pass over the input), finalize, apply (a second pass, and the output)."""
@@ -141,7 +141,7 @@ def rows_input(st: NormStage) -> bool:
     """Whether the input is one channels_last tensor (rows of channels) narrow enough for the
     row kernels: a block's threads a multiple of the channels, the transposed tile in shared memory."""
     buf = st.input
-    return buf.layout == "channels_last" and len(buf.tiles) == 1 and FAMILY.reads_channels_last_fast(st.norm.num_channels, buf.phased)
+    return buf.layout == "channels_last" and len(buf.tiles) == 1 and FAMILY.reads_channels_last_fast(buf)
 
 
 def choose_layout(group_channels: int, spatial: int, reduce_fn: str | None, rows: bool = False) -> dict:
