@@ -82,9 +82,10 @@ def main() -> None:
                     help="time in training mode (batch norm's batch statistics; KernelBench's own check runs so)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="the models' dtype (16 bits: KernelBench's precision=bf16|fp16, checked at 1e-2)")
-    ap.add_argument("--precision", action="store_true",
+    ap.add_argument("--precision", action=argparse.BooleanOptionalAction, default=True,
                     help="float32: first measure eager's cuDNN precision of each spec's convolutions on this GPU "
-                         "(`kgen tune --precision-only`, written beside the specs), so the plans match it")
+                         "(`kgen tune --precision-only`, written beside the specs), so the plans match it; "
+                         "--no-precision: the untuned rules")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one spec's check, JSON on stdout
     args = ap.parse_args()
     if args.worker:
