@@ -71,7 +71,8 @@ def forms(pipe, x: torch.Tensor):
         y = call()
         flops = 2 * n * cin // g * cout * math.prod(conv.kernel) * (math.prod(L) if conv.transposed else math.prod(y.shape[2:]))
         est = dict(flops=flops, read=x.numel(), written=y.numel(), n=cout // g, k=cin // g * math.prod(conv.kernel),
-                   layout=layout, transposed_stride=tuple(conv.stride) if conv.transposed else None, channels=cin // g, bias=True)
+                   layout=layout, transposed_stride=tuple(conv.stride) if conv.transposed else None, channels=cin // g, bias=True,
+                   kernel=tuple(conv.kernel))
         out.append(("as written", layout, [call], [est]))
         del y
     lowered = subpixel_conv_transpose(pipe)[0][0]  # the rewrite's own test of where sub-pixel phases apply

@@ -67,3 +67,6 @@ class ConvStage(Stage):
     phases: list = field(default_factory=list)  # SubpixelPhase, for a sub-pixel lowering
     epilogue: Stage | None = None
     fp32_products: str = ""  # ATen's convolution: why it runs with TF32 off ("": the spec's precision)
+    # ATen's convolution as eager calls it, whose call `kgen tune` measured running cuDNN's fp32 kernels with TF32
+    # allowed: priced at cuDNN's fp32 rate (conv_aten.conv_work)
+    eager_fp32_kernels: bool = False

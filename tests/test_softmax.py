@@ -68,3 +68,20 @@ def test_non_finite_values_of_a_slice_are_pytorchs(fn, shape_name, non_finite_mo
     else:
         assert torch.isnan(first[:4]).all() and torch.isnan(first[5]).all() and not torch.isnan(first[4]).any()
         assert not torch.isnan(first[6:]).any()
+
+
+def test_a_softmax_over_channels_reads_a_channels_last_input_at_full_speed():
+    """In channels_last a softmax over the channels finds each slice adjacent (priced as one read, so a convolution
+    before it may write channels_last); over another dim, or over more channels than CHANNELS_LAST_SLICE_CHANNELS,
+    the read is strided (priced STRIDED_READ_FACTOR times)."""
+    from kgen.buffer import dense_buffer
+    from kgen.families.softmax import CHANNELS_LAST_SLICE_CHANNELS, FAMILY
+    from kgen.ir import Softmax
+
+    def cl(channels):
+        return dense_buffer((channels, 8, 8), (channels, 8, 8), "channels_last")
+
+    assert FAMILY.reads_channels_last_fast(cl(64), [Softmax("softmax", dim=1)])
+    assert not FAMILY.reads_channels_last_fast(cl(64), [Softmax("softmax", dim=2)])
+    assert not FAMILY.reads_channels_last_fast(cl(2 * CHANNELS_LAST_SLICE_CHANNELS), [Softmax("softmax", dim=1)])
+    assert not FAMILY.reads_channels_last_fast(cl(64))  # no op known: as the family says

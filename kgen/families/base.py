@@ -128,13 +128,14 @@ class Family:
         family that walks it in contiguous order wastes part of each memory sector."""
         elements = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
         buf = stage.input
-        wasted = buf.layout == "channels_last" and not self.reads_channels_last_fast(buf)
+        wasted = buf.layout == "channels_last" and not self.reads_channels_last_fast(buf, stage.ops)
         return value_bytes(stage) * elements * (STRIDED_READ_FACTOR if wasted else 1)
 
-    def reads_channels_last_fast(self, buf: Buffer) -> bool:
+    def reads_channels_last_fast(self, buf: Buffer, ops=()) -> bool:
         """Whether a stage of this family reads the channels_last input ``buf`` (its channels are
-        ``buf.logical[0]``; it may be sub-pixel phase tiles or a cropped view) at full speed: by
-        default the family's ``reads_channels_last``; a family's kernels may depend on the sizes."""
+        ``buf.logical[0]``; it may be sub-pixel phase tiles or a cropped view) at full speed; ``ops``:
+        the stage's ops (or the ops from its first on, where the stage is not made yet). By default
+        the family's ``reads_channels_last``; a family's kernels may depend on the sizes."""
         return self.reads_channels_last
 
     def absorbs_epilogue(self, stage: Stage, nxt: Stage) -> bool:

@@ -116,7 +116,7 @@ class BatchStatsFamily(Family):
             st.max_sample_chunks = st.target_blocks  # rows are many and short: as many chunks as blocks
         return st
 
-    def reads_channels_last_fast(self, buf: Buffer) -> bool:
+    def reads_channels_last_fast(self, buf: Buffer, ops=()) -> bool:
         """A dense channels_last input is read as it lies (the column kernel, make_stage); sub-pixel phase tiles
         and a cropped view are copied into NC[D]HW first (where positions are one, the layouts are one)."""
         return buf.dense or math.prod(buf.logical[1:]) == 1

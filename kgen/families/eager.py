@@ -57,6 +57,7 @@ class EagerStage(Stage):
     others their own names."""
 
     inputs: dict = field(default_factory=dict)  # the pipeline's inputs: name -> type, the first is x
+    fp32_kernel_convs: frozenset = frozenset()  # convolution modules whose eager call `kgen tune` measured in fp32
 
     def chain(self) -> list[tuple[Op, TensorType, TensorType]]:
         """(op, input type, output type) in order, an op reading a value (``from:``) from its type."""
@@ -310,7 +311,8 @@ class Eager(Family):
         if not self.accepts(list(pipe.ops)) or pipe.conv_impl != "auto" or pipe.linear_impl != "auto":
             return None
         st = EagerStage(0, list(pipe.ops), pipe.input, pipe.output, input=flat_buffer(pipe.input), output=flat_buffer(pipe.output),
-                        inputs=dict(pipe.inputs) or {"x": pipe.input})
+                        inputs=dict(pipe.inputs) or {"x": pipe.input},
+                        fp32_kernel_convs=frozenset(m for m, tf32 in pipe.eager_conv_tf32 if not tf32))
         st.family, st.candidates = self, ("eager",)
         return st
 
@@ -329,7 +331,8 @@ class Eager(Family):
                 read = n_in + math.prod(op.weight_shape())
                 out += conv_work(op.key, flops, read, n_out, op.out_channels // op.groups, K, "contiguous", target,
                                  transposed_stride=op.stride if op.transposed else None, dtype=st.dtype,
-                                 channels=op.in_channels // op.groups, bias=bool(op.bias))
+                                 channels=op.in_channels // op.groups, bias=bool(op.bias), kernel=op.kernel,
+                                 fp32=op.module in st.fp32_kernel_convs)
                 if op.bias and st.dtype == "float32":  # (conv_work prices a 16-bit call's bias pass)
                     out.append(Work(f"{op.key} bias", n_out, 2 * size * n_out))
             elif isinstance(op, BatchNorm) and st.dtype != "float32" and math.prod(t_in.spatial) == 1:

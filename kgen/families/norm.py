@@ -119,7 +119,7 @@ class NormFamily(Family):
         )
         return st
 
-    def reads_channels_last_fast(self, buf: Buffer) -> bool:
+    def reads_channels_last_fast(self, buf: Buffer, ops=()) -> bool:
         return not buf.phased and buf.logical[0] <= MAX_ROW_CHANNELS  # the row kernels; else NC[D]HW order, strided
 
     def work(self, st: NormStage, batch: int, target: Target) -> list[Work]:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..buffer import flat_buffer
+from ..buffer import Buffer, flat_buffer
 from ..ir import Elementwise, Op, Reduce, Softmax
 from ..spec import DTYPES
 from ..stage import Stage
@@ -67,6 +67,9 @@ BLOCK_VALUES_PER_THREAD = 16  # a block per row: enough threads for this many va
 MAX_BLOCK_THREADS = 1024  # ... up to CUDA's block limit
 MAX_CACHED_PER_THREAD = 64  # values a thread holds in registers at most; more: read twice (softmax)
 MAX_CACHED_PER_BLOCK = 16384  # values a block holds in registers at most (64 KB, a quarter of an SM's registers)
+# A softmax over the channels of a channels_last input is read at full speed up to this many channels (a warp's
+# 32 slices then span 16 KB in fp32, in L1 across its loads; measured at 64: #49 on the H200)
+CHANNELS_LAST_SLICE_CHANNELS = 128
 STREAM_UNROLL = 8  # values a thread loads before it uses any, where it does not hold its slice
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 
@@ -140,6 +143,7 @@ class SoftmaxFamily(Family):
     stage_kind = "softmax"
     generates_kernel = True
     reads_channels_last = False  # a column's values are adjacent in channels_last, neighbouring threads' C apart
+    # (but see reads_channels_last_fast: a slice over the channels)
     pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
     summary = "softmax / log_softmax / logsumexp over one axis, with the elementwise ops around it, one pass"
 
@@ -147,6 +151,14 @@ class SoftmaxFamily(Family):
         """elementwise* (softmax | log_softmax | logsumexp over consecutive dims) elementwise*."""
         core = [op for op in ops if not isinstance(op, Elementwise)]
         return len(core) == 1 and is_slice_op(core[0])
+
+    def reads_channels_last_fast(self, buf: Buffer, ops=()) -> bool:
+        """A softmax over the channels of a channels_last input: a lane's slice is one position's channels, adjacent
+        in memory, and its sectors stay in L1 across the lane's loads (#49, 64 channels: its plan measured at the
+        floor of its bytes on the H200); other slices lie a channel count apart."""
+        core = next((op for op in ops if not isinstance(op, Elementwise)), None)
+        return (core is not None and is_slice_op(core) and slice_axis(core) == (1,) and not buf.phased
+                and buf.logical[0] <= CHANNELS_LAST_SLICE_CHANNELS)
 
     def make_stage(self, req: StageRequest) -> SoftmaxStage:
         types = req.types
