@@ -591,3 +591,31 @@ def test_the_check_judges_an_output_that_cancels_by_what_it_sums():
     assert tune._rel_l2(other, ref) > tune.CHECK_TOLERANCE  # the plain check rejects it
     assert tune._rel_l2(other, ref, magnitude) < 1e-5
     assert tune._rel_l2(other + 0.1, ref, magnitude) > tune.CHECK_TOLERANCE  # an eighth of the summed values off
+
+
+def test_a_call_eager_makes_is_priced_as_the_kernels_tune_measured():
+    """Where `kgen tune` measured eager's cuDNN call running fp32 kernels (TF32 allowed), kgen's same call (NC[D]HW,
+    as written) is priced at cuDNN's fp32 rate, and so is the eager candidate's; a channels_last call keeps the
+    tensor-core price (cuDNN picks per call), and an unmeasured one too."""
+    from dataclasses import replace
+
+    from kgen.families.conv_aten import FAMILY as CONV_ATEN
+    from kgen.families.eager import FAMILY as EAGER_FAMILY
+
+    pipe = pipeline_of(spec_text([32, 10, 10, 10], [{"conv_transpose3d": {"out_channels": 64, "kernel_size": 5,
+                                                                          "stride": 2}}, "relu"], batch=4,
+                                 name="k5"))
+
+    def conv_stages(p):  # the direct transposed call's stage of each layout
+        return {st.layout: st for c in candidate_plans(p, DEFAULT) if not c.eager
+                for st in c.stages if st.family is CONV_ATEN and not st.phases}
+
+    measured = replace(pipe, eager_conv_tf32=((pipe.ops[0].module, False),))
+    before, after = conv_stages(pipe), conv_stages(measured)
+    assert after["contiguous"].eager_fp32_kernels and not after["channels_last"].eager_fp32_kernels
+    assert not before["contiguous"].eager_fp32_kernels
+    ms = lambda st: sum(cost.work_s(w, DEFAULT) for w in CONV_ATEN.work(st, 4, DEFAULT))  # noqa: E731
+    assert ms(after["contiguous"]) > 2 * ms(before["contiguous"])
+    assert ms(after["channels_last"]) == ms(before["channels_last"])
+    eager_ms = lambda p: sum(cost.work_s(w, DEFAULT) for w in EAGER_FAMILY.work(EAGER_FAMILY.whole(p), 4, DEFAULT))  # noqa: E731
+    assert eager_ms(measured) > 2 * eager_ms(pipe)
