@@ -2,7 +2,8 @@
 # On a GPU machine: KernelBench level 3's convolutional and MLP problems (1-27 and 45) end to end:
 # `kgen import` of each (the CPU's cores), then bench/kernelbench_gpu.py: build, validate against float64
 # at the files' own sizes, KernelBench's own check, and eager / torch.compile / kgen timed in one process
-# (training mode, as KernelBench's evaluator runs the models). KernelBench is read where it lies (KB: a
+# (training mode, as KernelBench's evaluator runs the models), eager's cuDNN precision of each convolution
+# measured first (`kgen tune --precision-only`, kernelbench_gpu.py's default). KernelBench is read where it lies (KB: a
 # checkout, its level3 folder, or a bare git mirror); reports go to $OUT. Specs already in $WORK/specs (imported
 # on a CPU machine and carried) are not imported again.
 #
