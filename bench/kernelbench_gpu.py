@@ -88,6 +88,7 @@ def main() -> None:
                          "--no-precision: the untuned rules")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # one spec's check, JSON on stdout
     args = ap.parse_args()
+    args.precision = args.precision and args.dtype == "float32"  # (16-bit convolutions have no TF32 question)
     if args.worker:
         print("KGEN_ROW " + json.dumps(check_one(args.worker, args.gen, args.compile, args.dtype)), flush=True)
         return
@@ -144,7 +145,7 @@ def build_all(specs, rows, args, deadline):
     from kgen.render import render_spec, write_rendered
 
     args.gen.mkdir(parents=True, exist_ok=True)
-    if args.precision and args.dtype == "float32":
+    if args.precision:
         from kgen.tune import run_precision
 
         t = time.time()
@@ -352,7 +353,7 @@ def time_all(specs, rows, args, deadline, write):
                         row["compile_graphs_error"] = _line(e)
                 row.update(time_in_blocks(fns, args.reps))
             row.update(status="ok", batch=batch, time_s=round(time.time() - t, 1), commit=args.commit,
-                       **({"eager_precision": "measured"} if args.precision and args.dtype == "float32" else {}))
+                       **({"eager_precision": "measured"} if args.precision else {}))
         except Exception as e:  # noqa: BLE001
             row.update(status="timing failed", reason=_line(e))
             if "CUDA error" in str(e):

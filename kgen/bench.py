@@ -97,6 +97,11 @@ def _commit() -> str:
         return "unknown"
 
 
+def _utc_now() -> str:
+    """A measurement's date, as reports and tuning files write it."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def environment() -> dict:
     return dict(
         device=torch.cuda.get_device_name(),
@@ -105,7 +110,7 @@ def environment() -> dict:
         cudnn=torch.backends.cudnn.version(),
         cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
         commit=_commit(),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date=_utc_now(),
         host=platform.node(),
     )
 

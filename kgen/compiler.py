@@ -148,7 +148,7 @@ def tune_module(module_dir: Path, batches: list[int], verbose: bool = True) -> b
     folder = module_dir.parent
     spec = folder / SPEC_FILE
     stored, _ = tunefile.spec_entry(load_pipeline(spec), targets.current())
-    if stored is not None and "candidates" in stored:  # (not an entry of eager's precision alone)
+    if tunefile.tuned(stored):
         _say(verbose, f"{module_dir.name}: tuned already ({tunefile.path_for(spec)})")
         return False
     start = time.monotonic()

@@ -26,7 +26,6 @@ candidate's check is against eager PyTorch in that dtype.
 from __future__ import annotations
 
 import copy
-import datetime
 import hashlib
 import json
 import math
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import cost, target as targets, tunefile
-from .bench import _commit, time_in_blocks
+from .bench import _commit, _utc_now, time_in_blocks
 from .build import build_modules
 from .errors import KgenError
 from .ir import Conv, Pipeline, load_pipeline
@@ -213,6 +212,12 @@ def _rel_l2(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor | None
     return float((out[finite] - ref[finite]).norm() / size[finite].norm().clamp_min(1e-30))
 
 
+def _versions() -> dict:
+    """What measured an entry: torch, CUDA, cuDNN and kgen's commit."""
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "kgen": _commit()}
+
+
 def entry(t: SpecTuning, reps: int, device: str) -> dict:
     """The tuning file entry of a measured spec for ``device`` (its name, as Target.name)."""
     example = t.pipe.example_batch()
@@ -227,9 +232,8 @@ def entry(t: SpecTuning, reps: int, device: str) -> dict:
     return {
         "device": device,
         **({"dtype": t.pipe.dtype} if t.pipe.dtype != "float32" else {}),  # float32: no key, as before 16-bit tuning
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-                     "kgen": _commit()},
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": _versions(),
+        "date": _utc_now(),
         "reps": reps,
         "spec_hash": tunefile.spec_hash(t.pipe),
         "candidates_hash": tunefile.candidates_hash(t.candidates),
@@ -296,12 +300,10 @@ def run_precision(specs, log=_log) -> list[list]:
         if not measured:
             continue
         stored, _ = tunefile.spec_entry(pipe, targets.current())
-        e = dict(stored) if stored is not None else {
-            "device": device, "spec_hash": tunefile.spec_hash(pipe),
-            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                         "cudnn": torch.backends.cudnn.version(), "kgen": _commit()}}
+        e = dict(stored) if stored is not None else {"device": device, "spec_hash": tunefile.spec_hash(pipe),
+                                                     "versions": _versions()}
         e["eager_conv_tf32"] = dict(measured)
-        e["precision_date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        e["precision_date"] = _utc_now()
         path = tunefile.write_entry(s, e)
         log(f"tune {pipe.name}: eager's convolution precision written to {path}")
         rows += [[pipe.name, module, "TF32" if tf32 else "fp32"] for module, tf32 in measured]

@@ -160,10 +160,15 @@ def spec_entry(pipe, target) -> tuple[dict | None, list[str]]:
     return entry, []
 
 
+def tuned(stored: dict | None) -> bool:
+    """Whether ``spec_entry``'s entry holds measured plans (not only eager's precision: `kgen tune --precision-only`)."""
+    return stored is not None and "candidates" in stored
+
+
 def applicable_entry(stored: dict | None, pipe, target, cand_hash: str) -> tuple[Entry | None, list[str]]:
     """``spec_entry``'s entry, if kgen's candidates are still those it was tuned among, and a note
     where they are not."""
-    if stored is None or "candidates" not in stored:  # none, or only eager's precision (`kgen tune --precision-only`)
+    if not tuned(stored):
         return None, []
     path = path_for(pipe.path)
     if stored.get("candidates_hash") != cand_hash:

@@ -360,8 +360,6 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
     after = [Work(f"{what}: bias (ATen's add)", 0, BIAS16_PASS * 2 * nbytes * written)] if half and bias else []
     if transposed_stride is not None:
         strided = any(s > 1 for s in transposed_stride)
-        if kernel is not None and not fp32 and not half:  # TF32 data-gradient kernels run ceil(k / s) taps per residue
-            rate /= math.prod(-(-k // s) * s / k for k, s in zip(kernel, transposed_stride))
         if fp32:  # cuDNN's fp32 data-gradient kernels: slow at small sizes as its TF32 ones are, in both layouts
             rank3 = FP32_TRANSPOSED_3D_EFFICIENCY if len(transposed_stride) == 3 else 1.0
             return [conv(rate * fill * rank3 * (FP32_TRANSPOSED_STRIDED_EFFICIENCY if strided
@@ -373,6 +371,8 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
         else:
             nchw, rank3 = TRANSPOSED_NCHW_EFFICIENCY, TRANSPOSED_3D_EFFICIENCY
             stride1, strided_eff = TRANSPOSED_STRIDE1_EFFICIENCY, TRANSPOSED_STRIDED_EFFICIENCY
+            if kernel is not None:  # TF32 data-gradient kernels run ceil(k / s) taps per residue
+                rate /= math.prod(-(-k // s) * s / k for k, s in zip(kernel, transposed_stride))
         nchw = nchw if layout == "contiguous" else 1.0
         rank3 = rank3 if len(transposed_stride) == 3 else 1.0
         return [conv(rate * nchw * rank3 * (strided_eff if strided else stride1))] + after
