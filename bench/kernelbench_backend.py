@@ -109,7 +109,9 @@ def run_problem(path: Path, args) -> dict:
     forms = {"eager": model}
     if "inductor" not in args.skip:
         forms["inductor"] = torch.compile(copy.deepcopy(model))
-    forms["kgen"] = torch.compile(copy.deepcopy(model), backend="kgen", options={"verbose": args.verbose})
+    # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
+    kgen_backend = "kgen" if "kgen" in torch._dynamo.list_backends() else backend.kgen_backend
+    forms["kgen"] = torch.compile(copy.deepcopy(model), backend=kgen_backend, options={"verbose": args.verbose})
 
     def inputs_for(seed: int):
         torch.manual_seed(seed)
@@ -190,11 +192,11 @@ def environment(device: str) -> dict:
 
     import torch
 
-    from kgen.bench import _commit
+    from kgen.bench import _commit, _utc_now
 
     return dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else (platform.processor() or "cpu"),
                 torch=torch.__version__, cuda=torch.version.cuda, commit=_commit(),
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), host=platform.node())
+                date=_utc_now(), host=platform.node())
 
 
 def markdown(rows, env, args) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import datetime
 import json
 import os
 import re
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from kgen.bench import _commit, _utc_now  # noqa: E402  (one format for every report's commit and date)
 
 
 def checkout(kernelbench: Path, work: Path, level: int) -> Path:
@@ -125,7 +126,6 @@ def one(path: Path, args, env: dict) -> dict:
 def plan_summary(spec: Path) -> str:
     """The stages of the spec's plan, e.g. conv + pool_reduce."""
     try:
-        sys.path.insert(0, str(ROOT))
         from kgen.ir import load_pipeline
         from kgen.plan import make_plan
         from kgen.target import DEFAULT
@@ -190,14 +190,6 @@ def job_threads(jobs: int) -> int:
     return max(1, cores // max(1, jobs))
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernelbench", type=Path, required=True,
@@ -238,7 +230,7 @@ def main() -> None:
     threads = str(job_threads(min(max(1, args.jobs), max(1, len(files)))))
     env = dict(os.environ, PYTHONPATH=str(ROOT), KGEN_TARGET=os.environ.get("KGEN_TARGET", "default"),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = _utc_now()
     rows = []
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = {pool.submit(one, f, args, env): f for f in files}

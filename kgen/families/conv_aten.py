@@ -20,6 +20,7 @@ and output (a transposed one run as written is faster in NCHW: docs/performance.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass
@@ -198,27 +199,16 @@ class ConvAten(Family):
         st.fp32_products = self.fp32_products(req, conv, layout)
         st.eager_fp32_kernels = (req.dtype == "float32" and self.as_eager(conv, layout)
                                  and dict(req.pipeline.eager_conv_tf32).get(conv.conv.module) is False)
-        st.output, st.phases = self._output(req, conv, layout)
+        st.output, phases = self._output(req, conv, layout)
+        st.phases = list(phases)
         st.input_extent = st.phases[0].input_extent if st.phases else conv.input_extent(t_in.spatial)
         return st
 
     @staticmethod
-    def _output(req: StageRequest, conv, layout: str) -> tuple[Buffer, list]:
+    def _output(req: StageRequest, conv, layout: str) -> tuple[Buffer, tuple]:
         """The buffer the convolution writes in ``layout``, and its sub-pixel phases (none: one call)."""
         t_in, t_out = req.types
-        C = conv.conv.out_channels
-        if isinstance(conv.lowering, Subpixel):
-            phases = conv.phases(t_in.spatial)
-            tiles = []
-            for ph in phases:
-                dims = (C,) + ph.conv_out
-                strides, sample = strides_of(dims, layout)
-                tiles.append(Tile(dims, strides, sample, ph.offset, ph.residue))
-            # stride 1 has a single phase: a dense tile, maybe offset
-            phase_stride = conv.conv.stride if len(tiles) > 1 else ()
-            return Buffer(t_out.shape[1:], layout, tuple(tiles), phase_stride=phase_stride), phases
-        # a cropped output is a view of what the convolution produces from the input prefix
-        return dense_buffer(t_out.shape[1:], (C,) + conv.physical_out(t_in.spatial), layout), []
+        return _output_of(conv, t_in.spatial, t_out.shape[1:], layout)
 
     def eager_rounding_only(self, req: StageRequest, conv) -> bool:
         """Whether only eager's own call (NC[D]HW, as written) rounds this convolution's operands as eager
@@ -384,3 +374,21 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
 
 
 FAMILY = ConvAten()
+
+
+@functools.lru_cache(maxsize=512)  # layouts and make_stage ask for it per layout, for every candidate plan
+def _output_of(conv, in_spatial: tuple, logical: tuple, layout: str) -> tuple[Buffer, tuple]:
+    """ConvAten._output's answer, a function of values: ``logical`` is the output's (C, *S)."""
+    C = conv.conv.out_channels
+    if isinstance(conv.lowering, Subpixel):
+        phases = tuple(conv.phases(in_spatial))
+        tiles = []
+        for ph in phases:
+            dims = (C,) + ph.conv_out
+            strides, sample = strides_of(dims, layout)
+            tiles.append(Tile(dims, strides, sample, ph.offset, ph.residue))
+        # stride 1 has a single phase: a dense tile, maybe offset
+        phase_stride = conv.conv.stride if len(tiles) > 1 else ()
+        return Buffer(logical, layout, tuple(tiles), phase_stride=phase_stride), phases
+    # a cropped output is a view of what the convolution produces from the input prefix
+    return dense_buffer(logical, (C,) + conv.physical_out(in_spatial), layout), ()
