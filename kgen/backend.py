@@ -51,6 +51,7 @@ try:  # the one restart a backend may raise through Dynamo's compile step (torch
 except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dynamic_batch)
     _Restart = None
 
+from .build import kgen_cache
 from .errors import KgenError, one_line
 from .spec import MAX_RANK
 from .runtime import op_result
@@ -58,9 +59,12 @@ from .runtime import op_result
 STATS = {"graphs": 0, "partitions": 0, "kgen": 0, "eager": 0}  # counts since the process started
 PARTITIONS: list = []  # per partition since the process started: its calls, and its module or why it stays eager
 _LOADED: dict = {}  # module folder -> the imported generated module
+_EXAMPLE_BATCHES: dict = {}  # (cache, a partition's code, its inputs' other sizes) -> the batch its spec was made for
 _NAME = "partition"  # each partition's spec name; the cache key (its ops and sizes) tells them apart
-# The batch the partitions' specs give as their example (not the graph's: the spec, and so the cache
-# key, must not depend on the batch Dynamo first saw; the generated op takes any batch)
+# A partition's spec gives the batch of the call Dynamo compiled as its example: its plans are chosen for
+# it, as `kgen import` chooses them for the file's batch (a GEMM's best plan at 8 rows is not its best at
+# 1024). The generated op takes any batch; a process whose first call has another batch renders its own.
+# This one where that batch cannot be read (a symbol without a hint).
 EXAMPLE_BATCH = 8
 
 
@@ -114,6 +118,17 @@ def _layer(n: fx.Node):
 # ------------------------------------------------------------------ what kgen computes
 
 
+def _size_seen(size, example) -> int:
+    """The batch's size in the call being compiled: the example input's (Dynamo passes the call's tensors),
+    else the symbol's hint, else EXAMPLE_BATCH."""
+    if isinstance(example, torch.Tensor) and example.dim() >= 1 and isinstance(example.shape[0], int):
+        return example.shape[0]
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return hint if isinstance(hint, int) else EXAMPLE_BATCH
+
+
 def _example(n):
     return n.meta.get("example_value") if isinstance(n, fx.Node) else None
 
@@ -145,6 +160,7 @@ class _Graph:
     examples: dict = field(default_factory=dict)  # placeholder -> its example input
     state: set = field(default_factory=set)  # placeholders that are parameters or buffers
     batch: object = None  # dim 0 of the first input that is not a parameter (an int or a SymInt)
+    batch_seen: int = EXAMPLE_BATCH  # its size in the call being compiled
     dtype: torch.dtype | None = None
     by_name: dict = field(default_factory=dict)  # node name -> node (fusing copies the graph's nodes)
     parts: dict = field(default_factory=dict)  # fused_i -> partition i's graph (before a generated op replaces it)
@@ -159,6 +175,7 @@ class _Graph:
                 self.state.add(n)
             elif self.batch is None and isinstance(_example(n), torch.Tensor) and _example(n).dim() >= 1:
                 self.batch, self.dtype = _example(n).shape[0], _example(n).dtype
+                self.batch_seen = _size_seen(self.batch, ex)
 
     def batch_dim(self, n) -> int | None:
         """Where the batch is in a tensor of the graph's dtype whose other sizes are static: dim 0, or, where the
@@ -383,9 +400,14 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
                 raise KgenError(f"{o.name}: an input without the batch (shape {list(ex.shape)})")
             plan.moved_in.append(k)
             rest = tuple(s for d, s in enumerate(ex.shape) if d != k)
-            plan.examples.append(torch.empty((EXAMPLE_BATCH,) + rest, dtype=ex.dtype, device="meta"))
+            plan.examples.append(torch.empty((g.batch_seen,) + rest, dtype=ex.dtype, device="meta"))
     if not plan.inputs:
         raise KgenError("no tensor input")
+    # the same partition compiled again in this process (Dynamo's graph of its own for a batch of 1, a
+    # recompile) keeps its first spec, whose module is loaded, not built again for another example batch
+    key = (str(kgen_cache()), sub.code, tuple((e.shape[1:], e.dtype) for e in plan.examples))
+    first = _EXAMPLE_BATCHES.setdefault(key, g.batch_seen)
+    plan.examples = [torch.empty((first,) + tuple(e.shape[1:]), dtype=e.dtype, device="meta") for e in plan.examples]
     counts: dict = {}
 
     def fresh(kind: str) -> str:
@@ -616,7 +638,7 @@ def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Pat
             _say_once("mode max-autotune: nothing to tune on the CPU (kgen tune measures plans on a CUDA GPU); "
                       "the cost model's plans run")
         elif key not in _LOADED:  # (a module loaded in this process keeps its op until the next process)
-            tune_module(module_dir, [EXAMPLE_BATCH, *({g.batch} if isinstance(g.batch, int) else ())], verbose)
+            tune_module(module_dir, [g.batch_seen], verbose)
     if key not in _LOADED:
         _LOADED[key] = import_module_dir(module_dir)
     return KgenPartition(_LOADED[key], plan, isinstance(_outputs(sub), (tuple, list)))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 import torch.nn.functional as F
 from torch import nn
 
@@ -121,6 +122,9 @@ def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_reco
     folders, graphs = _folders(cache), backend.STATS["graphs"]
     frames = counters["stats"]["unique_graphs"]
     assert len(folders) == 1
+    # its plans are chosen for the batch of the call compiled (as `kgen import` plans for the file's batch)
+    spec = yaml.safe_load((cache / "compiled" / next(iter(folders)) / "spec.yaml").read_text())
+    assert list(spec["input"]["example"].values()) == [2], spec["input"]
     for batch in (3, 5, 7):  # the batch was dynamic from the first trace: no recompile, nothing built
         x = torch.randn(batch, 3, 8, 8)
         with torch.no_grad():
