@@ -27,6 +27,7 @@ different plans for ranges of the batch, which the op dispatches between.
 """
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -70,13 +71,74 @@ class _Picker:
         self.options: dict[str, tuple[str, ...]] = {}
         self.chosen: dict[str, str] = {}
 
+    def answer(self, key: str, options: tuple[str, ...]) -> str:
+        choice = self.given.get(key)
+        return choice if choice in options else options[0]
+
     def pick(self, key: str, options) -> str:
         options = tuple(options)
-        choice = self.given.get(key)
-        choice = choice if choice in options else options[0]
+        choice = self.answer(key, options)
         if len(options) > 1:
             self.options[key], self.chosen[key] = options, choice
         return choice
+
+
+class _Recorder:
+    """A picker's stand-in that also records each question and its answer (the rewriting front's, _Memo)."""
+
+    def __init__(self, picker: _Picker):
+        self.picker, self.asked = picker, []
+
+    def pick(self, key: str, options) -> str:
+        options = tuple(options)
+        choice = self.picker.pick(key, options)
+        self.asked.append((key, options, choice))
+        return choice
+
+
+@dataclass
+class _Front:
+    """The rewriting front of _make_plan: the rewritten pipeline, its decisions and its groups of ops."""
+
+    rewritten: Pipeline
+    decisions: list
+    groups: list  # (start, ops, families that claim them), groups of names only merged away
+    named_after: dict  # group index -> the names the dropped groups after it gave its output
+
+
+class _Memo:
+    """What _make_plan computes again when a search makes plans of one pipeline with one decision changed
+    (candidate_plans, coordinate descent: hundreds of plans of a whole model): the rewriting front for the
+    same answers to its questions, and each family's answer to the same stage request (its stages copied
+    out, as the plan sets their fields). Every key is a value or an object the memo keeps alive."""
+
+    def __init__(self):
+        self.fronts: list[tuple[tuple, _Front]] = []  # (the questions asked and their answers, the front)
+        self.offers: dict = {}  # stage request -> (families' reasons to decline, candidates offered)
+
+    def front(self, picker: _Picker) -> _Front | None:
+        """The front made with the answers ``picker`` gives (the same questions, asked in turn), recorded in it."""
+        for asked, front in self.fronts:
+            if all(picker.answer(key, options) == choice for key, options, choice in asked):
+                for key, options, _ in asked:
+                    picker.pick(key, options)
+                return front
+        return None
+
+
+MEMO_PIPELINES = 4  # the pipelines whose plans _make_plan remembers (choose_plans asks of one or two at a time)
+_MEMOS: dict = {}  # (id(pipeline), id(target), batch, rewrites) -> (pipeline, target, _Memo), the latest last
+
+
+def _memo(pipeline: Pipeline, target: Target, batch: int, rewrites: dict | None) -> _Memo:
+    key = (id(pipeline), id(target), batch, json.dumps(rewrites, sort_keys=True))
+    entry = _MEMOS.pop(key, None)
+    if entry is None or entry[0] is not pipeline or entry[1] is not target:
+        entry = (pipeline, target, _Memo())
+    _MEMOS[key] = entry
+    while len(_MEMOS) > MEMO_PIPELINES:
+        _MEMOS.pop(next(iter(_MEMOS)))
+    return entry[2]
 
 
 @dataclass
@@ -307,21 +369,12 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
     if picker.pick(PIPELINE, (KGEN, EAGER) if eager else (KGEN,)) == EAGER:
         eager.choice = f"eager: the spec's ops through ATen ({reason})"
         return Plan(pipeline, pipeline, [], [eager], target, picker.chosen, picker.options, batch)
-    fire = lambda rewrite, site: picker.pick(rewrite_key(rewrite, site), (ON, OFF)) == ON  # noqa: E731
-    rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
-    rewritten = defer_conv_bias(rewritten, lambda key: picker.pick(rewrite_key(DEFER_BIAS, key), (OFF, ON)) == ON)
-    resolved, cuts = values.resolve(rewritten.ops, rewritten.outputs)
-    rewritten = rewritten.with_ops(resolved)
+    memo = _memo(pipeline, target, batch, rewrites)
+    front = memo.front(picker)
+    if front is None:
+        front = _rewriting_front(pipeline, rewrites, _Recorder(picker), memo)
+    rewritten, decisions, groups, named_after = front.rewritten, list(front.decisions), front.groups, front.named_after
     types = rewritten.types
-    groups = group_ops(rewritten, cuts)
-    # a group of nothing but names (after a standalone op, before a cut) names that op's output: no stage
-    named_after, kept = {}, []
-    for group in groups:
-        if kept and all(isinstance(o, Capture) for o in group[1]):
-            named_after.setdefault(len(kept) - 1, []).extend(o.name for o in group[1])
-        else:
-            kept.append(group)
-    groups = kept
     # the family of each group first (a stage's request names the next stage's family)
     chosen = [_family_named(picker.given.get(implementation_key(gops[0]), ""), cands) for _, gops, cands in groups]
     stages: list[Stage] = []
@@ -341,18 +394,15 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
             start=start,
         )
         # the candidates of every family that takes the request, in registry order
-        declined, offered = [], []
-        for f in cands:
-            why_not = f.declines(req)
-            if why_not is None:
-                offered += f.candidates(req)
-            else:
-                declined.append(f"{f.name} declined ({why_not})")
+        asked = (id(rewritten), start, len(gops), req.index, buf, req.next_family)
+        if asked not in memo.offers:
+            memo.offers[asked] = _offers(req, cands)
+        declined, offered = memo.offers[asked]
         if not offered:
             raise KgenError(f"{req.pipeline.path}: {gops[0].key}: no family computes it here: " + "; ".join(declined))
         labels = [c.label for c in offered]
         label = picker.pick(implementation_key(gops[0]), labels)
-        st = next(c.stage for c in offered if c.label == label)
+        st = copy.copy(next(c.stage for c in offered if c.label == label))  # the memo's stays as made
         st.family = next(f for f in cands if f.name == label.split(":")[0])
         st.candidates = tuple(labels)
         st.choice = f"{label}: " + ("the only candidate" if len(labels) == 1 else reason)
@@ -368,6 +418,37 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
     plan.value_exprs = values.materialized(plan)
     _absorb_epilogues(plan)
     return plan
+
+
+def _rewriting_front(pipeline: Pipeline, rewrites: dict | None, picker: _Recorder, memo: _Memo) -> _Front:
+    """The rewrites the picker's answers fire, the bias deferrals, the values resolved, the ops grouped."""
+    fire = lambda rewrite, site: picker.pick(rewrite_key(rewrite, site), (ON, OFF)) == ON  # noqa: E731
+    rewritten, decisions = apply_rewrites(pipeline, rewrites, fire)
+    rewritten = defer_conv_bias(rewritten, lambda key: picker.pick(rewrite_key(DEFER_BIAS, key), (OFF, ON)) == ON)
+    resolved, cuts = values.resolve(rewritten.ops, rewritten.outputs)
+    rewritten = rewritten.with_ops(resolved)
+    # a group of nothing but names (after a standalone op, before a cut) names that op's output: no stage
+    named_after, kept = {}, []
+    for group in group_ops(rewritten, cuts):
+        if kept and all(isinstance(o, Capture) for o in group[1]):
+            named_after.setdefault(len(kept) - 1, []).extend(o.name for o in group[1])
+        else:
+            kept.append(group)
+    front = _Front(rewritten, decisions, kept, named_after)
+    memo.fronts.append((tuple(picker.asked), front))
+    return front
+
+
+def _offers(req: families.StageRequest, cands: list[families.Family]) -> tuple[list[str], list]:
+    """Why each family of ``cands`` declines ``req``, and the candidates of those that take it."""
+    declined, offered = [], []
+    for f in cands:
+        why_not = f.declines(req)
+        if why_not is None:
+            offered += f.candidates(req)
+        else:
+            declined.append(f"{f.name} declined ({why_not})")
+    return declined, offered
 
 
 def _family_named(label: str, cands: list[families.Family]) -> families.Family:

@@ -653,3 +653,29 @@ def test_the_cost_model_choice_is_no_worse_than_any_one_choice_apart(monkeypatch
             if option != chosen.choices[point]:
                 other = make_plan(pipe, None, DEFAULT, {**chosen.choices, point: option}, 8)
                 assert estimate(other, 8) >= ms, (point, option)
+
+
+@pytest.mark.parametrize("spec", ["maxpool_sum", "relu_group_norm", "div_max_gap_bias_sum"])
+def test_a_plan_made_from_remembered_answers_is_the_plan_made_afresh(spec):
+    """make_plan remembers, per pipeline, its rewriting front and the families' answers to each stage request
+    (coordinate descent makes hundreds of plans one decision apart); every plan one decision away from the
+    default is the one an empty memory makes, and no two plans share a stage (the plan sets their fields)."""
+    from kgen import plan as plan_module
+
+    pipe = load_pipeline(ROOT / "specs" / f"{spec}.yaml")
+    default = make_plan(pipe, None, DEFAULT, {})
+    tries = [{}] + [{point: o} for point, opts in default.options.items() for o in opts[1:]]
+    assert len(tries) > 1, default.options
+    remembered = [make_plan(pipe, None, DEFAULT, given) for given in tries]
+    for made in remembered:
+        for st in made.stages:
+            st.choice = "changed after planning"  # must not reach a later plan
+    afresh = []
+    for given in tries:
+        plan_module._MEMOS.clear()
+        afresh.append(make_plan(pipe, None, DEFAULT, given))
+    again = [make_plan(pipe, None, DEFAULT, given) for given in tries]
+    for fresh, made in zip(afresh, again):
+        assert json.dumps(made.to_json(), sort_keys=True, default=str) == json.dumps(fresh.to_json(), sort_keys=True, default=str)
+    ids = [id(st) for made in remembered + again for st in made.stages]
+    assert len(ids) == len(set(ids))
