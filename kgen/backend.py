@@ -36,6 +36,7 @@ would stay eager, or a node kgen would compute but for a dynamic size, is an err
 from __future__ import annotations
 
 import inspect
+import json
 import operator
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dy
     _Restart = None
 
 from .build import kgen_cache
+from .compiler import SPEC_FILE
 from .errors import KgenError, one_line
 from .spec import MAX_RANK
 from .runtime import op_result
@@ -622,7 +624,22 @@ def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bo
     if "cuda" in devices and default_variant() != "cuda":
         raise KgenError("the model is on a GPU, but kgen builds for the CPU here (no nvcc, or KGEN_DEVICE=cpu)")
     plan = _partition_model(sub, call, g)
-    return plan, compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose, build=False)
+    module_dir = compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose, build=False)
+    _refuse_eager_plans(module_dir)
+    return plan, module_dir
+
+
+def _refuse_eager_plans(module_dir: Path) -> None:
+    """A partition whose every plan is the eager candidate (its ops through ATen, chosen by the cost model or
+    the tuning file as the fastest) stays PyTorch's: a generated op would only add a call around the same
+    kernels. Says why, with the choice's reason."""
+    import json
+
+    plans = json.loads((module_dir / "plan.json").read_text())["plans"]
+    if all(any(c["decision"] == "pipeline" and c["chosen"] == "eager" for c in p["choices"]) for p in plans):
+        choice = plans[0]["stages"][0].get("choice", "") if plans[0]["stages"] else ""
+        why = choice.removeprefix("eager: the spec's ops through ATen (").removesuffix(")")
+        raise KgenError(f"its fastest plan is its own ops through ATen ({why})")
 
 
 def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Path, verbose: bool,
@@ -639,6 +656,7 @@ def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Pat
                       "the cost model's plans run")
         elif key not in _LOADED:  # (a module loaded in this process keeps its op until the next process)
             tune_module(module_dir, [g.batch_seen], verbose)
+            _refuse_eager_plans(module_dir)
     if key not in _LOADED:
         _LOADED[key] = import_module_dir(module_dir)
     return KgenPartition(_LOADED[key], plan, isinstance(_outputs(sub), (tuple, list)))
@@ -817,7 +835,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
             e = KgenError(f"kgen failed on it, a bug in kgen ({type(e).__name__}: {one_line(e, 200)}); please report it")
         STATS["eager"] += 1
         PARTITIONS.append({"calls": names, "module": None, "reason": one_line(e, 300)})
-        text = ", ".join(names[:6]) + (f", ... ({len(names)} calls)" if len(names) > 6 else "")
+        text = _calls_text(names)
         why = f"{type(e).__name__ + ': ' if not isinstance(e, KgenError) else ''}{one_line(e, 300)}"
         if fullgraph:
             raise KgenError(f"fullgraph=True: partition ({text}) would stay eager: {why}") from None
@@ -846,10 +864,18 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
             eager(names, e)
             continue
         STATS["kgen"] += 1
-        PARTITIONS.append({"calls": names, "module": runner.module_name, "reason": None})
+        spec = module_dir.parent / SPEC_FILE
+        PARTITIONS.append({"calls": names, "module": runner.module_name, "reason": None, "spec": str(spec)})
+        if verbose:
+            _say(f"partition ({_calls_text(names)}) runs as kgen::{runner.module_name}; `kgen explain {spec}` "
+                 "shows its plan")
         setattr(fused, target, runner)
     fused.recompile()
     return fused.forward
+
+
+def _calls_text(names: list) -> str:
+    return ", ".join(names[:6]) + (f", ... ({len(names)} calls)" if len(names) > 6 else "")
 
 
 def _build_together(module_dirs: list, failures: dict, verbose: bool) -> None:

@@ -66,6 +66,17 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def partitions_in_kgen(request, monkeypatch):
+    """The models here are tiny, where the cost model often finds a partition's own ops through ATen its fastest
+    plan, and such a partition stays PyTorch's (test_a_partition_whose_plan_is_eager_stays_pytorchs): the tests of
+    partitions keep them as kgen modules."""
+    from kgen import backend
+
+    if "eager_stays" not in request.node.name:
+        monkeypatch.setattr(backend, "_refuse_eager_plans", lambda module_dir: None)
+
+
+@pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
     yield
@@ -125,6 +136,12 @@ def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_reco
     # its plans are chosen for the batch of the call compiled (as `kgen import` plans for the file's batch)
     spec = yaml.safe_load((cache / "compiled" / next(iter(folders)) / "spec.yaml").read_text())
     assert list(spec["input"]["example"].values()) == [2], spec["input"]
+    # the partition names its spec, which `kgen explain` reads
+    from kgen.explain import explain_text
+    from kgen.ir import load_pipeline
+
+    assert Path(made[0]["spec"]).parent.name in folders
+    assert "kernels of the plan" in explain_text(load_pipeline(made[0]["spec"]))
     for batch in (3, 5, 7):  # the batch was dynamic from the first trace: no recompile, nothing built
         x = torch.randn(batch, 3, 8, 8)
         with torch.no_grad():
@@ -332,7 +349,7 @@ def test_a_new_spatial_size_recompiles_and_its_dynamic_sizes_stay_eager_with_the
             for g, w in zip(compiled(x), model(x)):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     assert backend.STATS["graphs"] == graphs + 2  # the batch: no recompile; the spatial size: one
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kgen: backend:")]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kgen: backend:") and "eager" in ln]
     assert len(lines) == 1 and "stay eager: sizes other than the batch are dynamic" in lines[0], lines
     assert "conv2d" in lines[0] and "dim 2, 3 dynamic" in lines[0], lines
     assert backend.PARTITIONS[-1]["module"] is None
@@ -756,3 +773,26 @@ def test_transpose_that_only_moves_the_batch_stays_a_view_of_pytorch(cache):
     made = _partitions_of(BatchFirstAttention().train(), torch.randn(3, 4, 8))
     assert made and all(p["module"] for p in made), made
     assert not any("transpose" in p["calls"] for p in made) and any("cat" in p["calls"] for p in made), made
+
+
+class ConvRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x)) * 2.0
+
+
+def test_a_partition_whose_plan_is_eager_stays_pytorchs(cache, monkeypatch):
+    """Where the cost model (or a tuning file) finds the partition's own ops through ATen its fastest plan, the
+    partition stays PyTorch's, with the reason: a generated op would only wrap the same kernels. Nothing is built."""
+    from kgen import backend, cost
+
+    monkeypatch.setattr(cost, "estimate_ms", lambda plan, batch: 0.0 if plan.eager else 1.0)
+    builds = []
+    monkeypatch.setattr(backend, "_build_together", lambda dirs, failures, verbose: builds.extend(dirs))
+    made = _partitions_of(ConvRelu().eval(), torch.randn(3, 3, 6, 6))
+    assert made and all(p["module"] is None for p in made), made
+    assert made[0]["reason"].startswith("its fastest plan is its own ops through ATen (cost model: "), made
+    assert builds == []
