@@ -392,6 +392,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
     plan = _Plan(root, [], [])
     batch_node = None
     arg_index = {p: i for i, p in enumerate(places)}
+    rests = []  # each tensor input's sizes other than the batch, and its dtype
     for p in places:  # the tensor inputs first (the op's inputs, x first)
         o = outer[p]
         if isinstance(o, fx.Node) and o not in g.state and isinstance(_example(o), torch.Tensor):
@@ -401,15 +402,13 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             if k is None:
                 raise KgenError(f"{o.name}: an input without the batch (shape {list(ex.shape)})")
             plan.moved_in.append(k)
-            rest = tuple(s for d, s in enumerate(ex.shape) if d != k)
-            plan.examples.append(torch.empty((g.batch_seen,) + rest, dtype=ex.dtype, device="meta"))
+            rests.append((tuple(s for d, s in enumerate(ex.shape) if d != k), ex.dtype))
     if not plan.inputs:
         raise KgenError("no tensor input")
     # the same partition compiled again in this process (Dynamo's graph of its own for a batch of 1, a
     # recompile) keeps its first spec, whose module is loaded, not built again for another example batch
-    key = (str(kgen_cache()), sub.code, tuple((e.shape[1:], e.dtype) for e in plan.examples))
-    first = _EXAMPLE_BATCHES.setdefault(key, g.batch_seen)
-    plan.examples = [torch.empty((first,) + tuple(e.shape[1:]), dtype=e.dtype, device="meta") for e in plan.examples]
+    first = _EXAMPLE_BATCHES.setdefault((str(kgen_cache()), sub.code, tuple(rests)), g.batch_seen)
+    plan.examples = [torch.empty((first,) + rest, dtype=dtype, device="meta") for rest, dtype in rests]
     counts: dict = {}
 
     def fresh(kind: str) -> str:
@@ -633,12 +632,12 @@ def _refuse_eager_plans(module_dir: Path) -> None:
     """A partition whose every plan is the eager candidate (its ops through ATen, chosen by the cost model or
     the tuning file as the fastest) stays PyTorch's: a generated op would only add a call around the same
     kernels. Says why, with the choice's reason."""
-    import json
+    from .plan import EAGER, EAGER_CHOICE, PIPELINE
 
     plans = json.loads((module_dir / "plan.json").read_text())["plans"]
-    if all(any(c["decision"] == "pipeline" and c["chosen"] == "eager" for c in p["choices"]) for p in plans):
+    if all(any(c["decision"] == PIPELINE and c["chosen"] == EAGER for c in p["choices"]) for p in plans):
         choice = plans[0]["stages"][0].get("choice", "") if plans[0]["stages"] else ""
-        why = choice.removeprefix("eager: the spec's ops through ATen (").removesuffix(")")
+        why = choice.removeprefix(EAGER_CHOICE.partition("{reason}")[0]).removesuffix(")")
         raise KgenError(f"its fastest plan is its own ops through ATen ({why})")
 
 

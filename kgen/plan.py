@@ -45,6 +45,7 @@ from .target import Target
 
 # Decision points: the keys of a plan's choices.
 PIPELINE = "pipeline"  # options KGEN, EAGER: kgen's stages or the spec's ops through ATen
+EAGER_CHOICE = "eager: the spec's ops through ATen ({reason})"  # the eager plan's stage choice (plan.json)
 KGEN, EAGER = "kgen", "eager"
 EVAL_REWRITE = "batch_norm_eval_affine"  # the spec's switch for eval mode's own plan
 TRAIN_REWRITE = "batch_norm_batch_stats"  # the spec's switch for training mode's batch statistics stage
@@ -367,7 +368,7 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
 def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker: _Picker, batch: int, reason: str) -> Plan:
     eager = families.EAGER.whole(pipeline)
     if picker.pick(PIPELINE, (KGEN, EAGER) if eager else (KGEN,)) == EAGER:
-        eager.choice = f"eager: the spec's ops through ATen ({reason})"
+        eager.choice = EAGER_CHOICE.format(reason=reason)
         return Plan(pipeline, pipeline, [], [eager], target, picker.chosen, picker.options, batch)
     memo = _memo(pipeline, target, batch, rewrites)
     front = memo.front(picker)
