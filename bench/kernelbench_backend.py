@@ -94,6 +94,18 @@ def kgen_share(fn, inputs, device: str, calls: int = 3) -> float | None:
     return kgen / total if total > 0 else None
 
 
+def compiled_copy(model, **compile_args):
+    """``torch.compile`` of a copy of ``model`` (the same weights). A deep copy of an RNN module loses the one
+    block of memory its weights share (cuDNN then copies them at every call): flattened again, as the original."""
+    import torch
+
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if isinstance(m, torch.nn.RNNBase):
+            m.flatten_parameters()
+    return torch.compile(twin, **compile_args)
+
+
 def run_problem(path: Path, args) -> dict:
     import torch
 
@@ -108,10 +120,10 @@ def run_problem(path: Path, args) -> dict:
     before = len(backend.PARTITIONS)
     forms = {"eager": model}
     if "inductor" not in args.skip:
-        forms["inductor"] = torch.compile(copy.deepcopy(model))
+        forms["inductor"] = compiled_copy(model)
     # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
     kgen_backend = "kgen" if "kgen" in torch._dynamo.list_backends() else backend.kgen_backend
-    forms["kgen"] = torch.compile(copy.deepcopy(model), backend=kgen_backend, options={"verbose": args.verbose})
+    forms["kgen"] = compiled_copy(model, backend=kgen_backend, options={"verbose": args.verbose})
 
     def inputs_for(seed: int):
         torch.manual_seed(seed)
@@ -133,6 +145,8 @@ def run_problem(path: Path, args) -> dict:
                 row[f"{name}_first_s"] = round(time.perf_counter() - t, 2)
             except Exception as e:  # noqa: BLE001 - a form that fails is reported, the others go on
                 row[f"{name}_error"] = _line(e)
+        if args.warm:  # the compiles only, into the caches (a parallel phase before the timed one)
+            return row
         ok = {n: f for n, f in forms.items() if f"{n}_error" not in row}
         passed = {n: 0 for n in ok if n != "eager"}
         worst = {n: 0.0 for n in passed}
@@ -160,9 +174,9 @@ def run_problem(path: Path, args) -> dict:
     return row
 
 
-def in_child(n: int, args) -> dict:
+def in_child(n: int, args, warm: bool = False) -> dict:
     """Problem ``n`` run by a process of its own (this script with ``--row``), stopped after ``args.timeout``
-    seconds: a crash (a signal, an abort in a generated op) or a hang is its row."""
+    seconds: a crash (a signal, an abort in a generated op) or a hang is its row. ``warm``: its compiles only."""
     import subprocess
     import tempfile
 
@@ -171,11 +185,14 @@ def in_child(n: int, args) -> dict:
             "--reps", str(args.reps), "--skip", args.skip, "--out", str(args.out)]
     argv += ["--batch", str(args.batch)] if args.batch is not None else []
     argv += ["--verbose"] if args.verbose else []
+    argv += ["--warm"] if warm else []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
         child = subprocess.Popen(argv + ["--row", str(out)], start_new_session=True)  # its group: it and its builds
         try:
-            code = child.wait(timeout=args.timeout)
+            limit = args.timeout or 3600.0
+            code = child.wait(timeout=limit if args.deadline is None
+                              else max(5.0, min(limit, args.deadline - time.time())))
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
@@ -199,6 +216,32 @@ def environment(device: str) -> dict:
                 date=_utc_now(), host=platform.node())
 
 
+def summary(rows) -> list[str]:
+    """The table in a few lines: checks passed, geometric means, the problems slower than eager."""
+    import math
+
+    timed = [r for r in rows if r.get("eager_ms") and r.get("kgen_ms")]
+    if not timed:
+        return ["No problem timed."]
+
+    def geomean(key):
+        both = [r for r in timed if r.get(key)]
+        return math.exp(sum(math.log(r[key] / r["kgen_ms"]) for r in both) / len(both)) if both else float("nan")
+
+    def passed_all(check: str) -> bool:  # "5/5 (max diff ...)"
+        got, _, of = check.partition(" ")[0].partition("/")
+        return bool(of) and got == of
+
+    passed = {f: sum(1 for r in timed if passed_all(r.get(f"{f}_check", ""))) for f in ("kgen", "inductor")}
+    whole = sum(1 for r in timed if r.get("partitions_kgen") and not r.get("eager_reasons"))
+    slower = [f"{r['number']} ({r['eager_ms'] / r['kgen_ms']:.2f}x)" for r in timed if r["kgen_ms"] > r["eager_ms"]]
+    return [f"**{len(timed)} of {len(rows)} problems timed; geometric mean {geomean('eager_ms'):.2f}x eager, "
+            f"{geomean('inductor_ms'):.2f}x inductor. KernelBench's check passed by kgen on {passed['kgen']}, by "
+            f"inductor on {passed['inductor']}. {whole} with every partition in kgen, "
+            f"{sum(1 for r in timed if not r.get('partitions_kgen'))} with none in kgen.** Slower than eager: "
+            + (", ".join(slower) if slower else "none") + "."]
+
+
 def markdown(rows, env, args) -> str:
     lines = [
         f"# KernelBench level {args.level} under torch.compile(backend=\"kgen\") on {env['device']}",
@@ -211,9 +254,11 @@ def markdown(rows, env, args) -> str:
         + ("CUDA events" if args.device.startswith("cuda") else "wall clock") + "; first call = compile. "
         "kgen share: time inside the generated ops over the call's (torch.profiler).",
         "",
+        *summary(rows),
+        "",
         "| problem | batch | eager ms | inductor ms | kgen ms | vs eager | vs inductor | inductor check | kgen check | "
-        "kgen share | partitions in kgen | first call s (inductor / kgen) | left eager / errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "kgen share | partitions in kgen | first call s (inductor / kgen) | left eager / errors | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         e, i, k = r.get("eager_ms"), r.get("inductor_ms"), r.get("kgen_ms")
@@ -223,7 +268,7 @@ def markdown(rows, env, args) -> str:
             f"| {r['problem']} | {r.get('batch', '')} | {_f(e)} | {_f(i)} | {_f(k)} | {f'{e / k:.2f}x' if e and k else '-'} | "
             f"{f'{i / k:.2f}x' if i and k else '-'} | {r.get('inductor_check', '-')} | {r.get('kgen_check', '-')} | "
             f"{'-' if share is None else f'{share:.0%}'} | {r.get('partitions_kgen', '')} | "
-            f"{r.get('inductor_first_s', '-')} / {r.get('kgen_first_s', '-')} | {notes.replace('|', '/')[:400]} |")
+            f"{r.get('inductor_first_s', '-')} / {r.get('kgen_first_s', '-')} | {notes.replace('|', '/')[:400]} | {r.get('commit', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -243,6 +288,16 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=None,
                     help="run each problem in a process of its own, stopped after this many seconds (a crash or a "
                          "hang is that problem's row; the others go on)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="first compile the problems this many at a time, each in a process of its own (their first "
+                         "calls fill kgen's and inductor's caches), then check and time them one by one")
+    ap.add_argument("--state", type=Path, default=None,
+                    help="a JSON report to merge into: its rows for other problems kept, these replaced; written "
+                         "after each problem, and the report's .md beside it")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: start no problem (compile or timing) after this long; the rows made so far are "
+                         "written")
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # (a child's: compile only)
     ap.add_argument("--row", type=Path, default=None, help=argparse.SUPPRESS)  # (the child's: one problem's row as JSON)
     args = ap.parse_args()
     if args.row is not None:  # a child of --timeout: one problem, its row to the file
@@ -259,8 +314,30 @@ def main() -> None:
         sys.exit(f"{args.kernelbench}/level{args.level}: no such folder (KernelBench's; --kernelbench DIR)")
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment(args.device)
+    start = time.time()
+    # a problem started before the budget's end may run past it by a minute at most (then it is stopped)
+    args.deadline = None if args.budget is None else start + args.budget + 60
+
+    def time_left() -> bool:
+        return args.budget is None or time.time() - start < args.budget
+
+    if args.jobs > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        t = time.time()
+        with ThreadPoolExecutor(args.jobs) as pool:
+            warmed = list(pool.map(lambda n: in_child(n, args, warm=True) if time_left() else {}, args.problems))
+        failed = [r["problem"] for r in warmed if r.get("status") == "failed"]
+        print(f"compiled {len(args.problems)} problems, {args.jobs} at a time, in {time.time() - t:.0f} s"
+              + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    kept = []
+    if args.state is not None and args.state.exists():
+        kept = [r for r in json.loads(args.state.read_text())["rows"] if r.get("number") not in args.problems]
     rows = []
     for n in args.problems:
+        if not time_left():
+            print(f"the budget of {args.budget:g} s is spent: stopped before problem {n}", flush=True)
+            break
         t = time.time()
         if args.timeout is not None:
             row = in_child(n, args)
@@ -274,8 +351,11 @@ def main() -> None:
         print(f"{row['problem']}: eager {_f(row.get('eager_ms'))} ms, inductor {_f(row.get('inductor_ms'))} ms, "
               f"kgen {_f(row.get('kgen_ms'))} ms, check {row.get('kgen_check', '-')}, {row['status']} "
               f"({row['time_s']} s)", flush=True)
-        (args.out / "kernelbench_backend.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
-        (args.out / "kernelbench_backend.md").write_text(markdown(rows, env, args))
+        row["commit"], row["date"] = env["commit"], env["date"]
+        every = sorted(kept + rows, key=lambda r: r["number"])
+        for path in [args.out / "kernelbench_backend.json"] + ([args.state] if args.state is not None else []):
+            path.write_text(json.dumps({"environment": env, "rows": every}, indent=1) + "\n")
+            path.with_suffix(".md").write_text(markdown(every, env, args))
         torch._dynamo.reset()
 
 

@@ -135,7 +135,15 @@ def _example(n):
     return n.meta.get("example_value") if isinstance(n, fx.Node) else None
 
 
+def _static(size):
+    """A size as an int where it is one: a symbol Dynamo has specialized to a constant is that constant."""
+    if isinstance(size, torch.SymInt) and getattr(size.node.expr, "is_number", False):
+        return int(size.node.expr)
+    return size
+
+
 def _same_size(a, b) -> bool:
+    a, b = _static(a), _static(b)
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
         return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and str(a.node.expr) == str(b.node.expr)
     return a == b
@@ -169,15 +177,32 @@ class _Graph:
 
     def __post_init__(self):
         self.by_name = {n.name: n for n in self.gm.graph.nodes}
+        inputs = []  # the tensor inputs that are not parameters: (node, its example)
         for n in self.gm.graph.nodes:
             if n.op != "placeholder":
                 continue
             ex = self.examples.get(n)
             if _is_state(n, ex):
                 self.state.add(n)
-            elif self.batch is None and isinstance(_example(n), torch.Tensor) and _example(n).dim() >= 1:
-                self.batch, self.dtype = _example(n).shape[0], _example(n).dtype
-                self.batch_seen = _size_seen(self.batch, ex)
+            elif isinstance(_example(n), torch.Tensor) and _example(n).dim() >= 1:
+                inputs.append((n, ex))
+        if inputs:
+            n, ex = self._batch_input(inputs)
+            self.batch, self.dtype = _static(_example(n).shape[0]), _example(n).dtype
+            self.batch_seen = _size_seen(self.batch, ex)
+
+    def _batch_input(self, inputs: list) -> tuple:
+        """The input whose dim 0 is the batch: the first input's, unless the graph's values lead with another
+        input's dim 0 more often (an RNN's sequence-first ``x`` [S, B, E] beside its state ``h0`` [B, H]: its
+        steps ``x[t]`` and everything computed from them lead with B)."""
+        def leading(n) -> int:  # sizes compared by value: a symbol Dynamo specialized is its value
+            size = _size_seen(_example(n).shape[0], None)
+            return sum(1 for v in self.gm.graph.nodes if v.op in ("call_function", "call_method")
+                       and isinstance(_example(v), torch.Tensor) and _example(v).dim() >= 1
+                       and _size_seen(_example(v).shape[0], None) == size)
+
+        counts = [leading(n) for n, _ in inputs]
+        return inputs[counts.index(max(counts))]
 
     def batch_dim(self, n) -> int | None:
         """Where the batch is in a tensor of the graph's dtype whose other sizes are static: dim 0, or, where the

@@ -796,3 +796,30 @@ def test_a_partition_whose_plan_is_eager_stays_pytorchs(cache, monkeypatch):
     assert made and all(p["module"] is None for p in made), made
     assert made[0]["reason"].startswith("its fastest plan is its own ops through ATen (cost model: "), made
     assert builds == []
+
+
+class RNNCell(nn.Module):
+    """KernelBench level 3 #34's layout: a sequence-first input x [S, B, E] beside a batch-first state h0 [B, H];
+    every computed value, from the steps x[t] on, leads with the batch B (its stack over the steps leads with S)."""
+
+    def __init__(self, e=6, h=5, o=4):
+        super().__init__()
+        self.i2h = nn.Linear(e + h, h)
+        self.h2o = nn.Linear(h, o)
+
+    def forward(self, x, h0):
+        hidden, outputs = h0, []
+        for t in range(x.size(0)):
+            hidden = torch.tanh(self.i2h(torch.cat((x[t], hidden), dim=1)))
+            outputs.append(self.h2o(hidden))
+        return torch.stack(outputs, dim=0)
+
+
+def test_sequence_first_input_beside_a_batch_first_state_takes_the_states_batch(cache):
+    """The batch is the size most values lead with (the state's B, not x's S): the unrolled steps are one
+    partition (with x's S as the batch, none of them was kgen's)."""
+    torch.manual_seed(0)
+    model = RNNCell().eval()
+    made = _partitions_of(model, torch.randn(3, 7, 6), torch.randn(7, 5))
+    assert len(made) == 1 and made[0]["module"], made
+    assert made[0]["calls"] == ["cat", "linear", "tanh", "linear"] * 3, made
