@@ -68,11 +68,11 @@ def cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def partitions_in_kgen(request, monkeypatch):
     """The models here are tiny, where the cost model often finds a partition's own ops through ATen its fastest
-    plan, and such a partition stays PyTorch's (test_a_partition_whose_plan_is_eager_stays_pytorchs): the tests of
-    partitions keep them as kgen modules."""
+    plan, and such a partition stays PyTorch's (test_a_partition_whose_plan_is_eager_stays_pytorchs, marked
+    ``eager_fallback``): the other tests of partitions keep them as kgen modules."""
     from kgen import backend
 
-    if "eager_stays" not in request.node.name:
+    if request.node.get_closest_marker("eager_fallback") is None:
         monkeypatch.setattr(backend, "_refuse_eager_plans", lambda module_dir: None)
 
 
@@ -784,6 +784,7 @@ class ConvRelu(nn.Module):
         return torch.relu(self.conv(x)) * 2.0
 
 
+@pytest.mark.eager_fallback
 def test_a_partition_whose_plan_is_eager_stays_pytorchs(cache, monkeypatch):
     """Where the cost model (or a tuning file) finds the partition's own ops through ATen its fastest plan, the
     partition stays PyTorch's, with the reason: a generated op would only wrap the same kernels. Nothing is built."""
