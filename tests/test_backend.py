@@ -217,6 +217,7 @@ def test_training_steps_give_eager_parameters_and_running_statistics(cache, kind
     assert made and all(p["module"] for p in made), made  # kgen computed them all
 
 
+@pytest.mark.slow
 def test_compiled_training_step_function(cache):
     """torch.compile of the whole step (forward, loss, backward, optimizer step): Dynamo breaks the graph at
     backward; the forward's graph is kgen's, the optimizer's graph PyTorch's."""
@@ -542,6 +543,7 @@ class DenseLayers(nn.Module):
         return torch.cat(features, 1)
 
 
+@pytest.mark.slow
 def test_dense_layers_cat_of_many_inputs_are_kgen_partitions(cache):
     torch.manual_seed(0)
     made = [p for p in _partitions_of(DenseLayers().eval(), torch.randn(2, 3, 4, 4)) if "cat" in p["calls"]]

@@ -165,6 +165,7 @@ def test_the_op_dispatches_on_the_mode(rendered):
     assert "kgen::batch_norm_scale(batch_norm_running_var, batch_norm_weight, 1e-05)" in binding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", BUILD_DEVICES)
 def test_validates_in_both_modes(rendered, device):
     build_and_validate(rendered, device)
@@ -338,6 +339,7 @@ def test_a_channels_last_input_is_read_as_it_lies():
         assert stats.output is conv.output and after.input is conv.output, name
 
 
+@pytest.mark.slow
 def test_statistics_by_columns_compile_without_spills(rendered_columns):
     """The column kernel and its finalize, one pair per dtype, clean (nvcc sm_90a where there is one)."""
     from kgen.build import cuda_home, demangle, ptxas_report

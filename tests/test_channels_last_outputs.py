@@ -103,6 +103,7 @@ def _residual_selection(spec):
     return Selection(pipe, [Variant(plan, why=why)], why, candidates=[plan])
 
 
+@pytest.mark.slow
 def test_cpu_build_matches_the_reference(tmp_path):
     """Both cases in float32 and float16 (the memory-order walk and the per-channel parameter), and the residual
     read of a channels_last output (its `.contiguous()` copy), against float64 and eager. (Not bfloat16 on the

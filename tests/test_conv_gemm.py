@@ -513,6 +513,7 @@ def test_cpu_twins_plan_as_their_originals(cg_modules):
             [{k: v for k, v in vars(s.schedule).items() if k not in drop} for s in full.stages]
 
 
+@pytest.mark.slow
 def test_cpu_builds_validate(cg_modules):
     cpu = {n: m for n, m in cg_modules.items() if n not in CPU_TWINS}  # a twin validates in its place
     build_modules([d for _, d in cpu.values()], "cpu")
@@ -521,6 +522,7 @@ def test_cpu_builds_validate(cg_modules):
         assert_report_passed(report, name)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")
 def test_generated_kernels_compile_without_spills(cg_modules):
     from concurrent.futures import ThreadPoolExecutor
