@@ -245,6 +245,30 @@ def test_compiled_training_step_function(cache):
     assert any(p["module"] and "conv2d" in p["calls"] for p in backend.PARTITIONS[before:])
 
 
+def test_a_partition_whose_values_nothing_reads_is_not_built(cache):
+    """A region whose results nothing reads (dead code here; in an optimizer's graph, in-place updates kept
+    for their effect) is no partition: nothing built, the graph's result PyTorch's."""
+    import torch.fx as fx
+
+    from kgen import backend
+
+    def f(x, w):
+        y = F.conv2d(x, w)
+        y.relu_()  # in place, and nothing reads y after it
+        return (x + 1,)
+
+    gm = fx.symbolic_trace(f)
+    conv, relu_, add = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert [conv.target, relu_.target] == [F.conv2d, "relu_"]
+    assert not backend._computes([conv, relu_])  # (torch 2.11's partitioner proposes such a region)
+    assert backend._computes([conv]) and backend._computes([add])
+    before = len(backend.PARTITIONS)
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    fn = backend.kgen_backend(gm, [x, w])
+    torch.testing.assert_close(fn(x, w)[0], x + 1)
+    assert backend.PARTITIONS[before:] == []  # (each partition, built or eager, has its row)
+
+
 def test_unsupported_call_runs_in_pytorch_and_the_rest_in_kgen(cache):
     from kgen import backend
 

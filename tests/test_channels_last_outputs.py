@@ -27,9 +27,10 @@ RESIDUAL = ([8, 7, 9], [{"conv2d": {"out_channels": 8, "kernel_size": 3, "paddin
 CL = "pool_reduce:channels_last"
 
 
-def _text(name, dtypes="float32"):
+def _text(name, dtypes="float32", suffix=""):
     shape, ops, params = CASES[name]
-    return spec_text(shape, ops, params=params, name=name, batch=3, plan=CL_ATEN).replace("dtype: float32", f"dtype: {dtypes}")
+    return spec_text(shape, ops, params=params, name=name + suffix, batch=3, plan=CL_ATEN).replace(
+        "dtype: float32", f"dtype: {dtypes}")
 
 
 def _elementwise_stage(plan):
@@ -120,11 +121,12 @@ def test_cpu_build_matches_the_reference(tmp_path):
 def test_cuda_build_matches_the_reference(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    texts = {n: _text(n, "[float32, bfloat16, float16]") for n in CASES}
+    # named apart from the CPU test's modules: a process loads one module of a name (on a GPU machine both run)
+    texts = {n + "_gpu": _text(n, "[float32, bfloat16, float16]", "_gpu") for n in CASES}
     _render_and_validate(tmp_path, texts, "cuda")
     shape, ops = RESIDUAL
-    _render_and_validate(tmp_path, {"clo_res": spec_text(shape, ops, name="clo_res", batch=3, plan=CL_ATEN)}, "cuda",
-                         _residual_selection)
+    _render_and_validate(tmp_path, {"clo_res_gpu": spec_text(shape, ops, name="clo_res_gpu", batch=3, plan=CL_ATEN)},
+                         "cuda", _residual_selection)
 
 
 @pytest.mark.skipif(cuda_home() is None and shutil.which("nvcc") is None, reason="needs nvcc")

@@ -896,7 +896,9 @@ def test_transposed_phases_in_rounds_match_float64(tmp_path):
 def test_folded_transposed_convolutions_match_float64(tmp_path):
     """FOLD_SPECS on the GPU: the folded weights made on the device, the ordinary convolution's kernel, validated
     against the pipeline as written in float64 (batches 1 to 3, adversarial cases, and the example batch)."""
-    cases = list(render_specs(tmp_path, FOLD_SPECS).values())
+    # named apart from cg_modules' modules of the same specs, which other tests load in this process
+    texts = {f"{n}_alone": t.replace(f"name: {n}\n", f"name: {n}_alone\n") for n, t in FOLD_SPECS.items()}
+    cases = list(render_specs(tmp_path, texts).values())
     build_modules([d for _, d in cases], "cuda")
     for spec, d in cases:
         st = make_plan(pipeline_of(spec.read_text())).stages[0]
@@ -963,12 +965,16 @@ def test_split_tf32_error_stays_at_eagers_over_a_long_k(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_tf32_transposed_convolutions_round_as_eagers_cudnn_call(tmp_path):
+def test_tf32_transposed_convolutions_round_as_eagers_cudnn_call(tmp_path, monkeypatch):
     """ConvGemmStage.tf32_half_even: a transposed convolution's TF32 operands round ties to even, as
     cuDNN's transposed-convolution kernels do, so kgen's TF32 phases and eager's call (TF32 allowed)
     differ only by the order of their fp32 sums: far less than either is off float64 (ties away from
     zero left ~45% of TF32's error between them, which a batch norm after it scaled past 1e-4).
-    The window loop (3 -> 16, KernelBench #72's) and the wgmma loop (16 -> 32, #15's) on Hopper."""
+    The window loop (3 -> 16, KernelBench #72's) and the wgmma loop (16 -> 32, #15's) on Hopper. Eager's call
+    taken as measured TF32 (the H100's cuDNN runs these on TF32; the H200's in fp32, where kgen plans tf32x3)."""
+    from kgen import tunefile
+
+    monkeypatch.setattr(tunefile, "eager_conv_tf32", lambda stored, pipe: ((pipe.ops[0].module, True),))
     convs = {"cg_round_window": [3, 6, 10, 12], "cg_round_wide": [16, 6, 10, 12]}
     texts = {name: spec_text(shape, [{"conv_transpose3d": {"out_channels": 16 if shape[0] == 3 else 32, "kernel_size": 3,
                                                               "stride": 2, "padding": 1}}], name=name, plan=GEMM, batch=4)
@@ -979,7 +985,8 @@ def test_tf32_transposed_convolutions_round_as_eagers_cudnn_call(tmp_path):
     torch.backends.cudnn.allow_tf32 = True
     try:
         for name, (spec, d) in cases.items():
-            st = make_plan(pipeline_of(texts[name])).stages[0]
+            pipe = pipeline_of(texts[name])
+            st = make_plan(replace(pipe, eager_conv_tf32=tunefile.eager_conv_tf32(None, pipe))).stages[0]
             assert st.family is conv_gemm.FAMILY and st.schedule.mma == "tf32" and st.tf32_half_even, st.schedule
             assert "kTf32HalfEven = true" in (d / "kernel.cu").read_text()
             torch.manual_seed(0)
