@@ -4,7 +4,7 @@ Each family says what one of its stages does at a batch (``Family.work``):
 FLOPs and the rate they run at, bytes moved, kernel launches and library
 calls. A piece of work takes
 
-    launches * launch_s + calls * call_s + latency_s + max(FLOPs / rate, bytes / DRAM bandwidth)
+    launches * launch_s + calls * call_s + latency_s + max(FLOPs / rate, bytes / (DRAM bandwidth * share))
 
 and a plan's stages run one after another, so their times add. The device
 facts come from the target (``kgen.target``, per device: the H200's ~4.3 TB/s,
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .families.base import Work, value_bytes
+from .families.base import ATEN_RELAYOUT_SHARE, Work, value_bytes
 from .stage import Stage
 from .target import Target
 
@@ -26,7 +26,7 @@ from .target import Target
 def work_s(w: Work, target: Target) -> float:
     rate = w.flop_rate or target.fp32_flops
     return (w.launches * target.launch_s + w.calls * w.call_s + w.latency_s
-            + max(w.flops / rate, w.bytes / target.dram_bytes_per_s))
+            + max(w.flops / rate, w.bytes / (target.dram_bytes_per_s * w.bandwidth_share)))
 
 
 @dataclass
@@ -62,9 +62,10 @@ def estimate(plan, batch: int) -> list[StageEstimate]:
 
 def relayout_copies(plan, st: Stage, batch: int) -> list[Work]:
     """The copies a generated stage's binding makes of the tensors it reads as plain NC[D]HW ones (a value
-    operand, or the value it starts from: `.contiguous()`) where the stage that wrote one left it channels_last."""
+    operand, or the value it starts from: `.contiguous()`) where the stage that wrote one left it channels_last;
+    for an ATen op's stage (a cat), the transposing copy its kernel makes of such an operand instead."""
     exprs = getattr(plan, "value_exprs", None)
-    if not st.family.generates_kernel or not exprs:
+    if not exprs or not (st.family.generates_kernel or st.family.name == "aten"):
         return []
     read = [exprs[n] for n in plan.stage_values(st) if n in exprs]
     if st.ops and st.ops[0].src is not None:
@@ -73,8 +74,10 @@ def relayout_copies(plan, st: Stage, batch: int) -> list[Work]:
     for tensor in read:
         src = plan.writer_of(tensor)
         if src is not None and src.output is not None and not src.output.flat:
-            out.append(Work(f"{tensor} copied into a plain tensor", 0,
-                            2 * value_bytes(src) * batch * src.out_type.sample_numel))
+            what = "copied into a plain tensor" if st.family.generates_kernel else f"read channels_last by ATen's {st.ops[0].op_name}"
+            out.append(Work(f"{tensor} {what}", 0,
+                            2 * value_bytes(src) * batch * src.out_type.sample_numel,
+                            bandwidth_share=ATEN_RELAYOUT_SHARE))
     return out
 
 

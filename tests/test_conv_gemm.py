@@ -91,6 +91,20 @@ def test_aten_where_the_generated_convolution_declines(ops, kw, why):
         assert "conv_gemm" not in st.candidates
 
 
+@pytest.mark.parametrize("cin,cout,k,cudnn", [(480, 96, 1, True), (256, 64, 1, True), (480, 16, 1, False),
+                                               (128, 64, 1, False), (32, 64, 3, False)])
+def test_a_pointwise_convolution_of_many_channels_is_cudnns(cin, cout, k, cudnn):
+    """conv_gemm declines a 1-tap convolution of >= 256 channels to >= 64 over an NC[D]HW input (cuDNN's GEMM 3-9x
+    faster, measured: POINTWISE_CUDNN_K); narrower outputs (the window loop wins) and other kernels it keeps."""
+    text = spec_text([cin, 12, 12], [{"conv2d": {"out_channels": cout, "kernel_size": k, "padding": k // 2}}], batch=4)
+    st = make_plan(pipeline_of(text), target=DEFAULT).stages[0]
+    declined = "conv_gemm declined (a pointwise convolution" in (st.choice or "")
+    assert declined == cudnn and (st.family.name == "conv_aten") == cudnn, (st.family.name, st.choice)
+    forced = make_plan(pipeline_of(spec_text([cin, 12, 12], [{"conv2d": {"out_channels": cout, "kernel_size": k}}],
+                                             batch=4, plan=GEMM)), target=DEFAULT).stages[0]
+    assert forced.family is conv_gemm.FAMILY  # plan.conv: gemm still has it
+
+
 def test_ieee_runs_the_direct_loop():
     """precision ieee: the generated convolution in plain fp32 FMAs (the direct loop), all
     output channels in one CTA, fused epilogues as in the tensor-core loops."""

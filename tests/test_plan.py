@@ -381,6 +381,35 @@ def test_how_the_aten_convolution_gets_its_input():
                        plan={"conv_layout": "contiguous", "conv": "aten"}).stages[0]
     assert tuple(narrowed.input_extent) != tuple(narrowed.in_type.spatial)  # the dead region cuts the input
     assert fam.input_copy(narrowed) == "aten"  # narrowed, but no change of layout: ATen's narrow + contiguous
+    # the cost model: ATen's copy into channels_last transposes at a share of the DRAM rate, the others stream
+    from kgen.families.base import ATEN_RELAYOUT_SHARE
+
+    def copy_share(st):
+        (w,) = [w for w in fam.work(st, 2, DEFAULT) if w.what == "input copy"]
+        return w.bandwidth_share
+    assert ATEN_RELAYOUT_SHARE < 0.5
+    assert copy_share(wide_in) == ATEN_RELAYOUT_SHARE and copy_share(cl) == copy_share(narrowed) == 1.0
+
+
+def test_atens_cat_of_channels_last_values_costs_their_transposing_copies():
+    """A cat (an ATen stage) reading convolutions' channels_last outputs copies them into its NC[D]HW result by
+    ATen's strided copy: priced at ATEN_RELAYOUT_SHARE of the DRAM rate, so the convolutions write NC[D]HW where
+    the cat is all that reads them (KernelBench level 3's inception module: its cat 2.04 -> 0.51 ms)."""
+    from kgen import cost
+    from kgen.families.base import ATEN_RELAYOUT_SHARE
+
+    ops = [{"conv2d": {"out_channels": 8, "kernel_size": 1, "name": "one", "as": "ya"}},
+           {"conv2d": {"out_channels": 8, "kernel_size": 3, "padding": 1, "name": "three", "from": "x", "as": "yb"}},
+           {"cat": {"dim": 1, "tensors": ["yb"], "from": "ya"}}]
+
+    def cat_work(layout):
+        plan = plan_of([3, 10, 10], ops, plan={"conv_layout": layout, "conv": "aten"})
+        assert [s.family.name for s in plan.stages] == ["conv_aten", "conv_aten", "aten"]
+        return cost.estimate(plan, 2)[-1].work
+    relayouts = [w for w in cat_work("channels_last") if "read channels_last by ATen's cat" in w.what]
+    assert len(relayouts) == 2 and all(w.bandwidth_share == ATEN_RELAYOUT_SHARE for w in relayouts)
+    assert [w.what for w in cat_work("contiguous")] == ["aten"]
+    assert families_of(plan_of([3, 10, 10], ops, plan={"conv": "aten"})) == ["conv_aten", "conv_aten", "aten"]
 
 
 def test_subpixel_phases_are_tiles_read_in_place():

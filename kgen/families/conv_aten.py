@@ -31,7 +31,7 @@ from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import ConvStage
 from ..target import Target
 from ..ops import NORMALIZATIONS
-from .base import DTYPE_BYTES, Candidate, Family, StageRequest, Work, conv_precision, follows, value_bytes
+from .base import ATEN_RELAYOUT_SHARE, DTYPE_BYTES, Candidate, Family, StageRequest, Work, conv_precision, follows, value_bytes
 
 LAYOUTS = ("channels_last", "contiguous")
 # K = input channels x taps and output channels above which cuDNN runs its large tensor-core GEMMs (TF32
@@ -278,8 +278,11 @@ class ConvAten(Family):
         bias = c.bias and not lc.bias_deferred
         read = batch * c.in_channels * math.prod(st.input_extent)
         out = []
-        if self.input_copy(st):
-            out.append(Work("input copy", 0, 2 * value_bytes(st) * read))
+        copy = self.input_copy(st)
+        if copy:
+            relayout = copy == "aten" and st.layout != st.input.layout
+            out.append(Work("input copy", 0, 2 * value_bytes(st) * read,
+                            bandwidth_share=ATEN_RELAYOUT_SHARE if relayout else 1.0))
         if st.phases:
             for ph in st.phases:
                 taps = math.prod(ph.taps)
