@@ -265,3 +265,24 @@ def test_a_second_library_of_the_same_module_name_is_refused(tmp_path, monkeypat
     with pytest.raises(KgenError, match=r"kgen::kgen_twice is already registered .*a[/\\]kgen_twice"):
         runtime.load_library(str(second))
     assert loaded == [str(first.parent / "_build" / "lib.so")] * 2
+
+
+def test_ptxas_report_flags_spills_and_serialized_wgmma():
+    """The parser behind every check here: a kernel is clean without stack, spills or serialized wgmma."""
+    from kgen.build import parse_ptxas
+
+    text = """ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to \
+program dependence on compiler-inserted WG.DP in divergent path in the function '_Z1av'
+ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 200 registers, used 16 barriers
+ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers
+ptxas info    : Compiling entry function '_Z1cv' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers"""
+    a, b, c = parse_ptxas(text)
+    assert (a.name, a.registers, a.serialized_wgmma, a.clean) == ("_Z1av", 200, True, False)
+    assert (b.stack, b.spill_stores, b.clean) == (8, 4, False)
+    assert c.clean and not c.serialized_wgmma
