@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Where a KernelBench problem's time goes under eager PyTorch, torch.compile (inductor) and
+torch.compile(backend="kgen"): per form, the time of a call (CUDA events, mean of 10 after 3 warm-up calls)
+and its kernels and ranges by device time (torch.profiler over 5 calls; kgen's ops launch one by one, so each
+stage's range ``kgen::<module> stage N (family)`` shows beside its kernels; a range's time includes its
+kernels'). Then the backend's partitions. For a GPU machine, KernelBench's folder from ``fetch`` (never copied
+into this project):
+
+    PYTHONPATH=. python3 bench/profile_backend.py --kernelbench KB/KernelBench --level 3 --problems 6,17
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernelbench_backend import INIT_SEED, compiled_copy, load_problem, problem_file, problem_numbers  # noqa: E402
+
+CALLS_TIMED, CALLS_PROFILED, ROWS = 10, 5, 14
+
+
+def profile_form(name: str, fn, xs) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kgen.runtime import launches_one_by_one
+
+    t = time.time()
+    for _ in range(3):
+        fn(*xs)
+    torch.cuda.synchronize()
+    first = time.time() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(CALLS_TIMED):
+        fn(*xs)
+    end.record()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof, launches_one_by_one():
+        for _ in range(CALLS_PROFILED):
+            fn(*xs)
+        torch.cuda.synchronize()
+    rows = sorted((k for k in prof.key_averages() if k.self_device_time_total > 0), key=lambda k: -k.self_device_time_total)
+    print(f"-- {name}: {start.elapsed_time(end) / CALLS_TIMED:.3f} ms a call (the first 3 calls {first:.1f} s)", flush=True)
+    for k in rows[:ROWS]:
+        print(f"   {k.self_device_time_total / CALLS_PROFILED / 1e3:8.3f} ms {k.count // CALLS_PROFILED:4d}x  {k.key[:140]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernelbench", type=Path, required=True, help="KernelBench's KernelBench/ folder (level1..3 inside)")
+    ap.add_argument("--level", type=int, default=3)
+    ap.add_argument("--problems", required=True, help="problem numbers: 6,17 or 1-5")
+    ap.add_argument("--skip-inductor", action="store_true", help="only eager and the backend")
+    ap.add_argument("--grad", action="store_true", help="autograd on (default: under torch.no_grad(), as KernelBench)")
+    args = ap.parse_args()
+
+    import torch
+
+    from kgen import backend
+
+    if not torch.cuda.is_available():
+        sys.exit("profile_backend.py: needs a CUDA GPU")
+    for n in problem_numbers(args.problems):
+        path = problem_file(args.kernelbench, args.level, n)
+        mod = load_problem(path, None)
+        torch.manual_seed(INIT_SEED)
+        model = mod.Model(*mod.get_init_inputs()).cuda().train()  # as KernelBench's evaluator runs it
+        xs = [x.cuda() if isinstance(x, torch.Tensor) else x for x in mod.get_inputs()]
+        forms = {"eager": model}
+        if not args.skip_inductor:
+            forms["inductor"] = compiled_copy(model)
+        before = len(backend.PARTITIONS)
+        forms["kgen"] = compiled_copy(model, backend=backend.kgen_backend)
+        print(f"==== level {args.level} {path.stem}", flush=True)
+        with torch.set_grad_enabled(args.grad):
+            for name, fn in forms.items():
+                profile_form(name, fn, xs)
+        for p in backend.PARTITIONS[before:]:
+            print(f"partition: {p}")
+
+
+if __name__ == "__main__":
+    main()
