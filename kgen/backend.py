@@ -55,7 +55,7 @@ except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dy
 from .build import kgen_cache
 from .compiler import SPEC_FILE
 from .errors import KgenError, one_line
-from .spec import MAX_RANK
+from .spec import MAX_OUTPUTS, MAX_RANK
 from .runtime import op_result
 
 STATS = {"graphs": 0, "partitions": 0, "kgen": 0, "eager": 0}  # counts since the process started
@@ -649,18 +649,39 @@ def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bo
         raise KgenError("the model is on a GPU, but kgen builds for the CPU here (no nvcc, or KGEN_DEVICE=cpu)")
     plan = _partition_model(sub, call, g)
     module_dir = compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose, build=False)
-    _refuse_eager_plans(module_dir)
+    _refuse_eager_plans(module_dir, g)
     return plan, module_dir
 
 
-def _refuse_eager_plans(module_dir: Path) -> None:
+def _replay_applies(g: _Graph) -> bool:
+    """Whether the generated op will replay its kernels as CUDA graphs (kgen.runtime.GraphReplay): on a GPU, in
+    a graph Dynamo compiled with autograd off (it guards on grad mode) or with nothing requiring grad."""
+    tensors = [t for t in g.examples.values() if isinstance(t, torch.Tensor)]
+    return any(t.device.type == "cuda" for t in tensors) and \
+        (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors))
+
+
+def _refuse_eager_plans(module_dir: Path, g: _Graph) -> None:
     """A partition whose every plan is the eager candidate (its ops through ATen, chosen by the cost model or
     the tuning file as the fastest) stays PyTorch's: a generated op would only add a call around the same
-    kernels. Says why, with the choice's reason."""
-    from .plan import EAGER, EAGER_CHOICE, PIPELINE
+    kernels. Says why, with the choice's reason. Unless the op replays them as one CUDA graph and that saves
+    time (many small kernels at a small batch: an RNN's unrolled steps): then the op is that replay."""
+    from .cost import replay_terms
+    from .ir import load_pipeline
+    from .plan import EAGER, EAGER_CHOICE, PIPELINE, choose_plans
+    from .runtime import replay_saving_s
 
     plans = json.loads((module_dir / "plan.json").read_text())["plans"]
     if all(any(c["decision"] == PIPELINE and c["chosen"] == EAGER for c in p["choices"]) for p in plans):
+        if _replay_applies(g):
+            batch = _static(g.batch_seen)
+            plan = choose_plans(load_pipeline(module_dir.parent / SPEC_FILE)).variant_for(batch).plan
+            launches, nbytes = replay_terms(plan, batch)
+            saved = replay_saving_s(launches, nbytes)
+            if saved > 0:
+                _say(f"{module_dir.name}: its ops through ATen, replayed as one CUDA graph ({launches} launches, "
+                     f"{1e3 * saved:.3f} ms of dispatch saved a call)")
+                return
         choice = plans[0]["stages"][0].get("choice", "") if plans[0]["stages"] else ""
         why = choice.removeprefix(EAGER_CHOICE.partition("{reason}")[0]).removesuffix(")")
         raise KgenError(f"its fastest plan is its own ops through ATen ({why})")
@@ -680,7 +701,7 @@ def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Pat
                       "the cost model's plans run")
         elif key not in _LOADED:  # (a module loaded in this process keeps its op until the next process)
             tune_module(module_dir, [g.batch_seen], verbose)
-            _refuse_eager_plans(module_dir)
+            _refuse_eager_plans(module_dir, g)
     if key not in _LOADED:
         _LOADED[key] = import_module_dir(module_dir)
     return KgenPartition(_LOADED[key], plan, isinstance(_outputs(sub), (tuple, list)))
@@ -696,6 +717,34 @@ def _computes(nodes) -> bool:
     inside = set(nodes)
     return (any(not _views(n) and getattr(n.target, "__name__", n.target) not in ("clone", "size") for n in nodes)
             and any(u not in inside for n in nodes for u in n.users))
+
+
+def _values_read_outside(nodes: set) -> int:
+    """How many values of the region ``nodes`` the rest of the graph reads (what its module returns)."""
+    return sum(1 for n in nodes if any(u not in nodes for u in n.users))
+
+
+def _within_output_limit(parts, gm: fx.GraphModule) -> list:
+    """The partitions, each that returns more values than a kgen op may (spec.MAX_OUTPUTS: a loop unrolled by
+    Dynamo, an RNN cell's output kept at each of 256 steps) cut into consecutive pieces in graph order that each
+    return at most that many. A piece of a partition in graph order is a partition too: a path from one of its
+    nodes back into it would pass through a later piece or leave the partition, and the partitioner's are closed."""
+    from torch.fx.passes.infra.partitioner import Partition
+
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for p in parts:
+        if _values_read_outside(set(p.nodes)) <= MAX_OUTPUTS:
+            out.append(p)
+            continue
+        piece: list = []
+        for n in sorted(p.nodes, key=order.get):
+            if piece and _values_read_outside(set(piece) | {n}) > MAX_OUTPUTS:
+                out.append(Partition(nodes=piece))
+                piece = []
+            piece.append(n)
+        out.append(Partition(nodes=piece))
+    return out
 
 
 def _calls(nodes) -> list[str]:
@@ -847,7 +896,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         PARTITIONS.append({"calls": names, "module": None, "reason": why})
         _say(f"{len(names)} call(s) ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}) stay eager: {why}")
     partitioner = CapabilityBasedPartitioner(gm, _Support(g), allows_single_node_partition=True)
-    parts = [p for p in partitioner.propose_partitions() if _computes(p.nodes)]
+    parts = [p for p in _within_output_limit(partitioner.propose_partitions(), gm) if _computes(p.nodes)]
     if not parts:
         return gm.forward
     # each partition's nodes, in graph order, before fusing renames them

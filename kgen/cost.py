@@ -16,9 +16,10 @@ where a spec's tuning file has no entry for the target (``kgen.plan.choose_plans
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .families.base import ATEN_RELAYOUT_SHARE, Work, value_bytes
+from .families.base import ATEN_RELAYOUT_SHARE, DTYPE_BYTES, Work, value_bytes
 from .stage import Stage
 from .target import Target
 
@@ -83,3 +84,16 @@ def relayout_copies(plan, st: Stage, batch: int) -> list[Work]:
 
 def estimate_ms(plan, batch: int) -> float:
     return sum(e.ms for e in estimate(plan, batch))
+
+
+def replay_terms(plan, batch: int) -> tuple[int, int]:
+    """(kernel launches, bytes of the op's arguments) of a call of ``plan`` at ``batch``: what decides whether
+    the module replays its kernels as one CUDA graph (kgen.runtime.replay_pays)."""
+    pipe = plan.original
+    size = DTYPE_BYTES[pipe.dtype]
+    launches = sum(e.launches for e in estimate(plan, batch))
+    values = [math.prod(pipe.inputs[n].concrete(batch)) for n in pipe.input_names] if pipe.inputs else \
+        [math.prod(pipe.input.concrete(batch))]
+    values += [math.prod(t.concrete(batch)) for t in pipe.output_types]
+    values += [math.prod(t.shape) for t in (*pipe.tensor_args(), *pipe.buffer_args())]
+    return launches, size * sum(values)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from . import cost, tunefile
 from .errors import KgenError
-from .families.base import DTYPE_BYTES, typed_ops, value_bytes
+from .families.base import typed_ops, value_bytes
 from .ir import Conv, Pipeline
 from .plan import KGEN, PIPELINE, Plan, candidate_plans, choose_plans, describe_choices, make_plan
 from .stage import ConvStage
@@ -178,14 +178,7 @@ def replay_line(plan: Plan, batch: int, target: Target) -> str:
     recorded (kgen.runtime.replay_pays: the launches' host dispatch against the bytes the replay copies)."""
     from .runtime import replay_pays
 
-    pipe = plan.original
-    size = DTYPE_BYTES[pipe.dtype]
-    launches = sum(e.launches for e in cost.estimate(plan, batch))
-    values = [math.prod(pipe.inputs[n].concrete(batch)) for n in pipe.input_names] if pipe.inputs else \
-        [math.prod(pipe.input.concrete(batch))]
-    values += [math.prod(t.concrete(batch)) for t in pipe.output_types]
-    values += [math.prod(t.shape) for t in (*pipe.tensor_args(), *pipe.buffer_args())]
-    argument_bytes = size * sum(values)
+    launches, argument_bytes = cost.replay_terms(plan, batch)
     pays = replay_pays(launches, argument_bytes, target)
     copied = 2 * argument_bytes  # at most (replay_pays)
     return (f"CUDA-graph replay without autograd (at batch {batch}): {'yes' if pays else 'no'}: {launches} launches' "

@@ -294,18 +294,21 @@ class launches_one_by_one:
         _graphs_off -= 1
 
 
-def replay_pays(launches: int, argument_bytes: int, target=None) -> bool:
-    """Whether replaying a call's kernels as one CUDA graph saves time: the host's dispatch of each
-    launch (the cost model's ``launch_s``) against the replay's own launch and the bytes it moves
-    besides the op's. ``argument_bytes``: the bytes of the op's inputs, outputs, parameters and
+def replay_saving_s(launches: int, argument_bytes: int, target=None) -> float:
+    """Seconds a call saves by replaying its kernels as one CUDA graph (negative: it loses): the host's
+    dispatch of each launch (the cost model's ``launch_s``) against the replay's own launch and the bytes
+    it moves besides the op's. ``argument_bytes``: the bytes of the op's inputs, outputs, parameters and
     running statistics; a replay reads and writes each once at most (the inputs copied in, the
     outputs copied out, weights derived afresh inside the graph)."""
     from .target import current
 
     t = target or current()
-    saved = launches * t.launch_s
-    cost = t.launch_s + REPLAY_COPY_LAUNCHES * t.launch_s + 2 * argument_bytes / t.dram_bytes_per_s
-    return saved > cost
+    return launches * t.launch_s - (t.launch_s + REPLAY_COPY_LAUNCHES * t.launch_s + 2 * argument_bytes / t.dram_bytes_per_s)
+
+
+def replay_pays(launches: int, argument_bytes: int, target=None) -> bool:
+    """Whether replaying a call's kernels as one CUDA graph saves time (``replay_saving_s``)."""
+    return replay_saving_s(launches, argument_bytes, target) > 0
 
 
 REPLAY_COPY_LAUNCHES = 2  # a replay copies its inputs in and its outputs out

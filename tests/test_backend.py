@@ -73,7 +73,7 @@ def partitions_in_kgen(request, monkeypatch):
     from kgen import backend
 
     if request.node.get_closest_marker("eager_fallback") is None:
-        monkeypatch.setattr(backend, "_refuse_eager_plans", lambda module_dir: None)
+        monkeypatch.setattr(backend, "_refuse_eager_plans", lambda module_dir, g: None)
 
 
 @pytest.fixture(autouse=True)
@@ -825,6 +825,24 @@ def test_a_partition_whose_plan_is_eager_stays_pytorchs(cache, monkeypatch):
     assert builds == []
 
 
+@pytest.mark.eager_fallback
+def test_an_eager_plan_that_a_cuda_graph_replay_speeds_up_is_a_kgen_op(cache, monkeypatch):
+    """Where the op replays its kernels as one CUDA graph (on a GPU, autograd off: patched here, on the CPU) and
+    the replay saves more dispatch than it costs (an RNN's small steps), a partition whose fastest plan is its
+    own ops through ATen is still kgen's op: that replay. Where the replay would not run, it stays PyTorch's."""
+    from kgen import backend, cost
+
+    monkeypatch.setattr(cost, "estimate_ms", lambda plan, batch: 0.0 if plan.eager else 1.0)
+    for replays in (False, True):
+        torch._dynamo.reset()
+        monkeypatch.setattr(backend, "_replay_applies", lambda g: replays)
+        torch.manual_seed(0)
+        made = _partitions_of(RNNCell().eval(), torch.randn(6, 7, 6), torch.randn(7, 5))
+        assert len(made) == 1 and bool(made[0]["module"]) == replays, made
+        if not replays:
+            assert made[0]["reason"].startswith("its fastest plan is its own ops through ATen"), made
+
+
 class RNNCell(nn.Module):
     """KernelBench level 3 #34's layout: a sequence-first input x [S, B, E] beside a batch-first state h0 [B, H];
     every computed value, from the steps x[t] on, leads with the batch B (its stack over the steps leads with S)."""
@@ -850,3 +868,17 @@ def test_sequence_first_input_beside_a_batch_first_state_takes_the_states_batch(
     made = _partitions_of(model, torch.randn(3, 7, 6), torch.randn(7, 5))
     assert len(made) == 1 and made[0]["module"], made
     assert made[0]["calls"] == ["cat", "linear", "tanh", "linear"] * 3, made
+
+
+def test_unrolled_steps_that_return_more_values_than_an_op_may_are_cut_into_partitions(cache):
+    """20 steps keep 20 outputs (KernelBench #34 keeps 256), more than a kgen op returns (spec.MAX_OUTPUTS):
+    the steps are cut in graph order into partitions that each return at most that many, all kgen's (the whole
+    stayed eager before, 'forward returns 20 values')."""
+    from kgen.spec import MAX_OUTPUTS
+
+    torch.manual_seed(0)
+    steps = MAX_OUTPUTS + 4
+    made = _partitions_of(RNNCell().eval(), torch.randn(steps, 7, 6), torch.randn(7, 5))
+    assert len(made) == 2 and all(p["module"] for p in made), made
+    calls = [c for p in made for c in p["calls"]]
+    assert sorted(calls) == sorted(["cat", "linear", "tanh", "linear"] * steps)

@@ -276,7 +276,10 @@ def fused_stage_json(stage: Stage) -> dict:
 
 
 def typed_ops(stage: Stage):
-    """(op, input type, output type) of each op of a stage."""
+    """(op, input type, output type) of each op of a stage (the eager stage's ops read named values too: its
+    own ``chain``)."""
+    if hasattr(stage, "chain"):
+        return stage.chain()
     types = [stage.in_type]
     for op in stage.ops:
         types.append(op.infer(types[-1]))
