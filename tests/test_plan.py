@@ -391,6 +391,20 @@ def test_how_the_aten_convolution_gets_its_input():
     assert copy_share(wide_in) == ATEN_RELAYOUT_SHARE and copy_share(cl) == copy_share(narrowed) == 1.0
 
 
+def test_explain_costs_an_eager_plan_whose_ops_read_named_values():
+    """The eager plan is one stage of every op; an op reading a named value (``from:``) takes that value's type
+    (typed_ops reads the eager stage's chain), not the op before it's: kgen explain of such a plan once failed."""
+    from kgen.explain import stage_cost
+    from kgen.plan import EAGER, PIPELINE
+
+    ops = [{"conv2d": {"out_channels": 8, "kernel_size": 1, "name": "one"}},
+           {"conv2d": {"out_channels": 6, "kernel_size": 3, "name": "three", "from": "x"}}]
+    plan = make_plan(pipeline_of(spec_text([5, 4, 4], ops, batch=2)), choices={PIPELINE: EAGER})
+    (st,) = plan.stages
+    flops, _ = stage_cost(plan, st, 2)
+    assert flops == 2 * (2 * 5 * 8 * 16 + 2 * 5 * 9 * 6 * 4)  # batch 2: both convolutions read x [5, 4, 4]
+
+
 def test_atens_cat_of_channels_last_values_costs_their_transposing_copies():
     """A cat (an ATen stage) reading convolutions' channels_last outputs copies them into its NC[D]HW result by
     ATen's strided copy: priced at ATEN_RELAYOUT_SHARE of the DRAM rate, so the convolutions write NC[D]HW where
