@@ -3,7 +3,7 @@
 # that generated/ is committed as rendered, CUDA build, validation (with the
 # no-rewrite baseline), compute-sanitizer memcheck + racecheck + synccheck on
 # kgen's own kernels, then a quick bench. Logs go to $OUT (or ./gpu-out).
-# Usage: bash bench/gpu_check.sh          (GPU tests: bash bench/gpu_tests.sh)
+# Usage: bash bench/gpu_check.sh          (the whole suite on the GPU machine: bash bench/gpu_tests.sh)
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KGEN_TARGET=default
