@@ -825,6 +825,24 @@ def test_a_partition_whose_plan_is_eager_stays_pytorchs(cache, monkeypatch):
     assert builds == []
 
 
+def test_the_op_replays_on_a_gpu_where_the_graph_records_no_autograd():
+    """_replay_applies: CUDA examples (fake ones here) and autograd off, or nothing requiring grad; never on the
+    CPU (the op replays CUDA graphs only)."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kgen import backend
+
+    with FakeTensorMode():
+        x, w = torch.empty(2, 3, device="cuda"), torch.empty(3, 3, device="cuda", requires_grad=True)
+    trained, frozen, cpu = ({"x": x, "w": w}, {"x": x}, {"x": torch.empty(2, 3)})
+    applies = lambda examples: backend._replay_applies(SimpleNamespace(examples=examples))  # noqa: E731
+    assert not applies(trained) and applies(frozen) and not applies(cpu)
+    with torch.no_grad():
+        assert applies(trained) and applies(frozen) and not applies(cpu)
+
+
 @pytest.mark.eager_fallback
 def test_an_eager_plan_that_a_cuda_graph_replay_speeds_up_is_a_kgen_op(cache, monkeypatch):
     """Where the op replays its kernels as one CUDA graph (on a GPU, autograd off: patched here, on the CPU) and
