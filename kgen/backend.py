@@ -5,14 +5,17 @@ Dynamo hands over an FX graph of functional calls (``torch.conv2d(x, w, b, ...)`
 ``operator.add``, ...) whose parameters and buffers are graph inputs. Each node kgen can compute
 is marked (``_Support``: the importer's maps, ``kgen.importer.maps_call``, plus the layers with
 weights below), the marked nodes are grouped into connected partitions (torch.fx's
-CapabilityBasedPartitioner), and each partition becomes a small ``nn.Module`` in the form the
+CapabilityBasedPartitioner; one that returns more values than an op may is cut in graph order,
+``_within_output_limit``), and each partition becomes a small ``nn.Module`` in the form the
 importer reads (``_partition_model``: a layer call becomes the matching ``torch.nn`` layer holding
 the graph's own weight tensors). ``kgen.compiler.compile_module`` imports, checks, renders and
 builds it in kgen's cache (a partition seen before, in this process or another, is found there),
 and the partition runs as the generated op's functional form, given the partition's inputs,
 parameters and running statistics at each call (batch norm's statistics are updated in place, as
 ``F.batch_norm`` does). Every other node runs as PyTorch runs it; a partition kgen cannot import,
-plan or build stays eager, with one line on stderr saying why. Graph breaks are Dynamo's. A value whose
+plan or build stays eager, with one line on stderr saying why, and so does one whose fastest plan is its
+own ops through ATen unless the op's CUDA-graph replay of them pays (``_refuse_eager_plans``). Graph
+breaks are Dynamo's. A value whose
 batch (Dynamo's symbol) is not dim 0, a sequence-first [S, B, E], is taken where the calls on it do not
 mind the batch moved first (``_Support._moved_ok``): the partition's model is written batch-first (its
 permutes renamed, ``_moved_permutation``) and its runner moves the inputs and results (``_Plan.moved_in``).
