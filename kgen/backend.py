@@ -717,9 +717,8 @@ def _computes(nodes) -> bool:
     """Whether a partition computes something (not only views and copies of its inputs) that the rest of the
     graph reads: a partition none of whose values is read is dead code, or in-place calls whose effect is all
     it is for (an optimizer's step), which stay PyTorch's."""
-    inside = set(nodes)
     return (any(not _views(n) and getattr(n.target, "__name__", n.target) not in ("clone", "size") for n in nodes)
-            and any(u not in inside for n in nodes for u in n.users))
+            and _values_read_outside(set(nodes)) > 0)
 
 
 def _values_read_outside(nodes: set) -> int:
