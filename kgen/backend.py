@@ -669,18 +669,18 @@ def _refuse_eager_plans(module_dir: Path, g: _Graph) -> None:
     the tuning file as the fastest) stays PyTorch's: a generated op would only add a call around the same
     kernels. Says why, with the choice's reason. Unless the op replays them as one CUDA graph and that saves
     time (many small kernels at a small batch: an RNN's unrolled steps): then the op is that replay."""
-    from .cost import replay_terms
+    from .cost import argument_bytes
     from .ir import load_pipeline
-    from .plan import EAGER, EAGER_CHOICE, PIPELINE, choose_plans
+    from .plan import EAGER, EAGER_CHOICE, PIPELINE
     from .runtime import replay_saving_s
 
-    plans = json.loads((module_dir / "plan.json").read_text())["plans"]
+    selection = json.loads((module_dir / "plan.json").read_text())
+    plans = selection["plans"]
     if all(any(c["decision"] == PIPELINE and c["chosen"] == EAGER for c in p["choices"]) for p in plans):
-        if _replay_applies(g):
-            batch = _static(g.batch_seen)
-            plan = choose_plans(load_pipeline(module_dir.parent / SPEC_FILE)).variant_for(batch).plan
-            launches, nbytes = replay_terms(plan, batch)
-            saved = replay_saving_s(launches, nbytes)
+        if _replay_applies(g):  # the launches as rendered (at the spec's example batch), not planned again
+            launches = selection["kernel_launches"]
+            pipe = load_pipeline(module_dir.parent / SPEC_FILE)
+            saved = replay_saving_s(launches, argument_bytes(pipe, _static(g.batch_seen)))
             if saved > 0:
                 _say(f"{module_dir.name}: its ops through ATen, replayed as one CUDA graph ({launches} launches, "
                      f"{1e3 * saved:.3f} ms of dispatch saved a call)")

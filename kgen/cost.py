@@ -75,7 +75,8 @@ def relayout_copies(plan, st: Stage, batch: int) -> list[Work]:
     for tensor in read:
         src = plan.writer_of(tensor)
         if src is not None and src.output is not None and not src.output.flat:
-            what = "copied into a plain tensor" if st.family.generates_kernel else f"read channels_last by ATen's {st.ops[0].op_name}"
+            what = ("copied into a plain tensor" if st.family.generates_kernel
+                    else f"read channels_last by ATen's {st.ops[0].op_name}")
             out.append(Work(f"{tensor} {what}", 0,
                             2 * value_bytes(src) * batch * src.out_type.sample_numel,
                             bandwidth_share=ATEN_RELAYOUT_SHARE))
@@ -89,11 +90,14 @@ def estimate_ms(plan, batch: int) -> float:
 def replay_terms(plan, batch: int) -> tuple[int, int]:
     """(kernel launches, bytes of the op's arguments) of a call of ``plan`` at ``batch``: what decides whether
     the module replays its kernels as one CUDA graph (kgen.runtime.replay_pays)."""
-    pipe = plan.original
-    size = DTYPE_BYTES[pipe.dtype]
-    launches = sum(e.launches for e in estimate(plan, batch))
+    return sum(e.launches for e in estimate(plan, batch)), argument_bytes(plan.original, batch)
+
+
+def argument_bytes(pipe, batch: int) -> int:
+    """Bytes of a call's inputs, outputs, parameters and running statistics at ``batch`` (what a CUDA-graph
+    replay copies at most: kgen.runtime.replay_pays)."""
     values = [math.prod(pipe.inputs[n].concrete(batch)) for n in pipe.input_names] if pipe.inputs else \
         [math.prod(pipe.input.concrete(batch))]
     values += [math.prod(t.concrete(batch)) for t in pipe.output_types]
     values += [math.prod(t.shape) for t in (*pipe.tensor_args(), *pipe.buffer_args())]
-    return launches, size * sum(values)
+    return DTYPE_BYTES[pipe.dtype] * sum(values)

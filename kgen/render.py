@@ -164,7 +164,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         op_args_py=[a[2] for a in op_args],
         forward_args=forward_args,  # the functional forward's arguments (flat)
         op_call_args=op_call_args,  # the op's call on them
-        launches=min(sum(e.launches for e in estimate(v.plan, sel.pipeline.example_batch())) for v in sel.variants),
+        launches=kernel_launches(sel),
     )
     files = {}
     for out, tpl in MODULE_FILES.items():
@@ -180,13 +180,20 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
     return Rendered(name, files)
 
 
+def kernel_launches(sel: Selection) -> int:
+    """Kernel launches of a call at the example batch (the fewest of the plans; the cost model's count): what a
+    CUDA-graph replay of the op saves (kgen.runtime.replay_pays)."""
+    return min(sum(e.launches for e in estimate(v.plan, sel.pipeline.example_batch())) for v in sel.variants)
+
+
 def selection_json(sel: Selection, spec_shown: str) -> dict:
-    """plan.json: how the plans were chosen, then each plan with the batches it runs."""
+    """plan.json: how the plans were chosen, the kernel launches of a call, then each plan with the batches it runs."""
     return {
         "name": sel.name,
         "spec": spec_shown,
         "chosen_by": sel.source,
         "notes": sel.notes,
+        "kernel_launches": kernel_launches(sel),
         "plans": [{"batches": [v.lo, v.hi], "mode": v.mode} | ({} if v.dtype == "float32" else {"dtype": v.dtype}) | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
                   for v in sel.variants],
     }
