@@ -21,7 +21,9 @@ mind the batch moved first (``_Support._moved_ok``): the partition's model is wr
 permutes renamed, ``_moved_permutation``) and its runner moves the inputs and results (``_Plan.moved_in``).
 
 The batch (dim 0 of the graph's inputs) is the one run-time size: a generated module takes any
-batch. When Dynamo first hands over a graph with a static batch (its default: every size static
+batch. A partition's batch is the size its values lead with: the graph's, or a multiple of it in dim 0
+where a view folded the batch with another dim (Swin's windows ``[64 * B, 7, 7, C]``; the folding view
+itself stays PyTorch's, ``_Graph.lead``). When Dynamo first hands over a graph with a static batch (its default: every size static
 until one changes), the backend marks dim 0 of the graph's batch inputs dynamic in Dynamo's
 automatic-dynamic state for that frame and has Dynamo trace the frame again (``_ask_dynamic_batch``):
 the graph it compiles, and the guards Dynamo installs, take any batch but 1 (which Dynamo
@@ -152,6 +154,16 @@ def _same_size(a, b) -> bool:
     return a == b
 
 
+def _batch_multiple(size, batch) -> int | None:
+    """``c`` where ``size`` is ``c`` times the batch symbol (c >= 1: Swin's windows ``64 * s`` fold the batch
+    with the windows into dim 0, NetVLAD's ``x.view(-1, D)`` its descriptors), else None."""
+    size, batch = _static(size), _static(batch)
+    if not (isinstance(size, torch.SymInt) and isinstance(batch, torch.SymInt)):
+        return None
+    ratio = size.node.expr / batch.node.expr
+    return int(ratio) if ratio.is_Integer and ratio >= 1 else None
+
+
 def _is_state(n: fx.Node, example) -> bool:
     """A parameter or buffer of the model (Dynamo passes them as graph inputs)."""
     if isinstance(example, nn.Parameter):
@@ -209,7 +221,8 @@ class _Graph:
 
     def batch_dim(self, n) -> int | None:
         """Where the batch is in a tensor of the graph's dtype whose other sizes are static: dim 0, or, where the
-        batch is Dynamo's symbol, the one dim of that size (a sequence-first [S, B, E]); None for anything else."""
+        batch is Dynamo's symbol, the one dim of that size (a sequence-first [S, B, E]) or a dim 0 that is a
+        multiple of it (a batch folded with windows: ``lead``); None for anything else."""
         ex = _example(n)
         if not (isinstance(n, fx.Node) and n not in self.state and isinstance(ex, torch.Tensor) and 1 <= ex.dim() <= MAX_RANK
                 and ex.dtype == self.dtype and self.batch is not None):
@@ -218,16 +231,28 @@ class _Graph:
             return 0 if _same_size(ex.shape[0], self.batch) and \
                 not any(isinstance(s, torch.SymInt) for s in ex.shape[1:]) else None
         dims = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)]
-        return dims[0] if len(dims) == 1 and _same_size(ex.shape[dims[0]], self.batch) else None
+        if len(dims) != 1:
+            return None
+        if _same_size(ex.shape[dims[0]], self.batch):
+            return dims[0]
+        return 0 if dims == [0] and _batch_multiple(ex.shape[0], self.batch) is not None else None
+
+    def lead(self, n):
+        """The batch of a value as its partition's op sees it: the size at ``batch_dim`` (the graph's batch, or
+        a multiple of it in dim 0); None where there is none. A partition's values all lead with one size."""
+        k = self.batch_dim(n)
+        return None if k is None else _example(n).shape[k]
 
     def batch_first(self, n) -> bool:
         """A tensor of the graph's dtype whose dim 0 is the batch and whose other sizes are static."""
         return self.batch_dim(n) == 0
 
-    def is_batch(self, v) -> bool:
-        """A size argument that is the batch: the batch's symbol (dynamic) or a node giving it."""
+    def is_batch(self, v, lead=None) -> bool:
+        """A size argument that is the batch (``lead``, by default the graph's): its symbol (dynamic) or a node
+        giving it."""
+        lead = self.batch if lead is None else lead
         ex = _example(v) if isinstance(v, fx.Node) else None
-        return isinstance(ex, torch.SymInt) and isinstance(self.batch, torch.SymInt) and _same_size(ex, self.batch)
+        return isinstance(ex, torch.SymInt) and isinstance(lead, torch.SymInt) and _same_size(ex, lead)
 
 
 def _permutation(n: fx.Node) -> list | None:
@@ -293,6 +318,9 @@ class _Support:
             return False
         if any(g.batch_dim(a) not in (None, 0) for a in [n, *n.all_input_nodes]) and not self._moved_ok(n):
             return False
+        lead = g.lead(n)
+        if any(g.batch_dim(a) is not None and not _same_size(g.lead(a), lead) for a in n.all_input_nodes):
+            return False  # a view that folds the batch into dim 0 or unfolds it (Swin's windows): PyTorch's, free
         layer = _layer(n)
         if layer is not None:
             kind, args, slots = layer
@@ -334,7 +362,7 @@ class _Support:
             elif isinstance(ex, torch.Tensor):
                 if g.batch_dim(a) is None and not self._parameter_view(a):
                     return False
-            elif not g.is_batch(a):
+            elif not g.is_batch(a, lead):
                 return False
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
         if _in_place_name(name) or n.target in _IN_PLACE_OPERATORS or n.kwargs.get("inplace") is True:
@@ -399,6 +427,7 @@ class _Plan:
     model: nn.Module  # the partition in the importer's form, holding the graph's own weights
     inputs: list  # argument index of each input of the op, in order
     examples: list  # their example shapes (meta tensors, the batch the example's)
+    batch: int = 0  # the example's batch: the op's dim 0 in the call compiled (a multiple of the graph's)
     members: dict = field(default_factory=dict)  # state_dict name -> argument index
     momentum: dict = field(default_factory=dict)  # batch norm module -> its momentum
     training: bool = False
@@ -421,6 +450,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
     batch_node = None
     arg_index = {p: i for i, p in enumerate(places)}
     rests = []  # each tensor input's sizes other than the batch, and its dtype
+    lead = None  # the partition's batch: dim 0 of its op's values (the graph's batch, or a multiple of it)
     for p in places:  # the tensor inputs first (the op's inputs, x first)
         o = outer[p]
         if isinstance(o, fx.Node) and o not in g.state and isinstance(_example(o), torch.Tensor):
@@ -429,14 +459,18 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             ex, k = _example(o), g.batch_dim(o)
             if k is None:
                 raise KgenError(f"{o.name}: an input without the batch (shape {list(ex.shape)})")
+            lead = ex.shape[k] if lead is None else lead
+            if not _same_size(ex.shape[k], lead):
+                raise KgenError(f"{o.name}: an input of batch {ex.shape[k]} beside one of {lead}")
             plan.moved_in.append(k)
             rests.append((tuple(s for d, s in enumerate(ex.shape) if d != k), ex.dtype))
     if not plan.inputs:
         raise KgenError("no tensor input")
     # the same partition compiled again in this process (Dynamo's graph of its own for a batch of 1, a
     # recompile) keeps its first spec, whose module is loaded, not built again for another example batch
-    first = _EXAMPLE_BATCHES.setdefault((str(kgen_cache()), sub.code, tuple(rests)), g.batch_seen)
-    plan.examples = [torch.empty((first,) + rest, dtype=dtype, device="meta") for rest, dtype in rests]
+    seen = (_batch_multiple(lead, g.batch) or 1) * g.batch_seen
+    plan.batch = _EXAMPLE_BATCHES.setdefault((str(kgen_cache()), sub.code, tuple(rests)), seen)
+    plan.examples = [torch.empty((plan.batch,) + rest, dtype=dtype, device="meta") for rest, dtype in rests]
     counts: dict = {}
 
     def fresh(kind: str) -> str:
@@ -464,7 +498,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
                 plan.members[name] = arg_index[v]
                 env[v] = graph.get_attr(name)
                 return env[v]
-            if o is not None and g.is_batch(o):
+            if o is not None and g.is_batch(o, lead):
                 return batch()
             raise KgenError(f"{v.name}: an input the partition cannot take")
         if isinstance(v, (tuple, list)):
@@ -652,7 +686,7 @@ def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bo
         raise KgenError("the model is on a GPU, but kgen builds for the CPU here (no nvcc, or KGEN_DEVICE=cpu)")
     plan = _partition_model(sub, call, g)
     module_dir = compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose, build=False)
-    _refuse_eager_plans(module_dir, g)
+    _refuse_eager_plans(module_dir, g, plan.batch)
     return plan, module_dir
 
 
@@ -664,7 +698,7 @@ def _replay_applies(g: _Graph) -> bool:
         (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors))
 
 
-def _refuse_eager_plans(module_dir: Path, g: _Graph) -> None:
+def _refuse_eager_plans(module_dir: Path, g: _Graph, batch: int) -> None:
     """A partition whose every plan is the eager candidate (its ops through ATen, chosen by the cost model or
     the tuning file as the fastest) stays PyTorch's: a generated op would only add a call around the same
     kernels. Says why, with the choice's reason. Unless the op replays them as one CUDA graph and that saves
@@ -680,7 +714,7 @@ def _refuse_eager_plans(module_dir: Path, g: _Graph) -> None:
         if _replay_applies(g):  # the launches as rendered (at the spec's example batch), not planned again
             launches = selection["kernel_launches"]
             pipe = load_pipeline(module_dir.parent / SPEC_FILE)
-            saved = replay_saving_s(launches, argument_bytes(pipe, _static(g.batch_seen)))
+            saved = replay_saving_s(launches, argument_bytes(pipe, batch))
             if saved > 0:
                 _say(f"{module_dir.name}: its ops through ATen, replayed as one CUDA graph ({launches} launches, "
                      f"{1e3 * saved:.3f} ms of dispatch saved a call)")
@@ -703,8 +737,8 @@ def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Pat
             _say_once("mode max-autotune: nothing to tune on the CPU (kgen tune measures plans on a CUDA GPU); "
                       "the cost model's plans run")
         elif key not in _LOADED:  # (a module loaded in this process keeps its op until the next process)
-            tune_module(module_dir, [g.batch_seen], verbose)
-            _refuse_eager_plans(module_dir, g)
+            tune_module(module_dir, [plan.batch], verbose)
+            _refuse_eager_plans(module_dir, g, plan.batch)
     if key not in _LOADED:
         _LOADED[key] = import_module_dir(module_dir)
     return KgenPartition(_LOADED[key], plan, isinstance(_outputs(sub), (tuple, list)))
@@ -828,8 +862,9 @@ def _dynamic_sizes(g: _Graph) -> list:
             ex = _example(a)
             if a in g.state or not isinstance(ex, torch.Tensor) or ex.dim() == 0:
                 continue
-            rest = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)  # the batch is the batch anywhere
-                    and not (g.batch is not None and _same_size(s, g.batch))]
+            rest = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)  # the batch is the batch anywhere,
+                    and not (g.batch is not None and _same_size(s, g.batch))  # a multiple of it in dim 0
+                    and not (d == 0 and _batch_multiple(s, g.batch) is not None)]
             if rest:
                 shape = ", ".join(str(s) for s in ex.shape)
                 out.append((n, f"{a.name} is [{shape}]: dim {', '.join(map(str, rest))} dynamic"))

@@ -73,7 +73,7 @@ def partitions_in_kgen(request, monkeypatch):
     from kgen import backend
 
     if request.node.get_closest_marker("eager_fallback") is None:
-        monkeypatch.setattr(backend, "_refuse_eager_plans", lambda module_dir, g: None)
+        monkeypatch.setattr(backend, "_refuse_eager_plans", lambda module_dir, g, batch: None)
 
 
 @pytest.fixture(autouse=True)
@@ -902,3 +902,38 @@ def test_unrolled_steps_that_return_more_values_than_an_op_may_are_cut_into_part
     calls = [c for p in made for c in p["calls"]]
     assert sorted(calls) == sorted(["cat", "linear", "tanh", "linear"] * steps)
     assert made[1]["module"] == made[2]["module"] and len({p["module"] for p in made}) == 3, made
+
+
+class Windows(nn.Module):
+    """Swin's window attention in small: a view folds the batch with the windows into dim 0 ([4 * B, 16, C])."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc, self.out = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):  # [B, 8, 8, C]
+        b, h, w, c = x.shape
+        win = x.view(b, 2, 4, 2, 4, c).transpose(2, 3).reshape(-1, 16, c)
+        y = self.out(torch.relu(self.fc(self.ln(win))).softmax(-1)) + win
+        return y.view(b, 2, 2, 4, 4, c).transpose(2, 3).reshape(b, h, w, c)
+
+
+def test_values_whose_dim_0_folds_the_batch_with_windows_are_a_kgen_partition(cache):
+    """The partition's batch is 4 * B (the views that fold and unfold it stay PyTorch's): its spec is made for
+    the seen 4 * 3 and its op takes a new batch without a recompile (all of it stayed eager before: 'dim 0
+    dynamic')."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = Windows().eval()
+    before = len(backend.PARTITIONS)
+    compiled = _compiled(model)
+    with torch.no_grad():
+        for batch in (3, 5):
+            x = torch.randn(batch, 8, 8, 8)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert [p["calls"] for p in made] == [["layer_norm", "linear", "relu", "softmax", "linear", "add"]], made
+    assert made[0]["module"], made
+    spec = yaml.safe_load(Path(made[0]["spec"]).read_text())
+    assert spec["input"]["shape"] == ["N", 16, 8] and spec["input"]["example"] == {"N": 12}, spec["input"]
