@@ -1149,6 +1149,7 @@ class Importer:
         ta, tb = self._tensor(a), self._tensor(b)
         if not ta and not tb:
             return self._unsupported(n)
+        src = None  # what the op reads: the primary operand, or its expansion to the result's shape
         if ta and tb:
             primary, other = (a, b) if self._resolve(b) is not self.chain or self._resolve(a) is self.chain else (b, a)
             # the primary is the operand with the result's shape: the other broadcasts to it
@@ -1170,12 +1171,18 @@ class Importer:
             primary, other = (a, b) if ta else (b, a)
             fields = self._operand(n, other)
             if self._shape(primary) != self.shapes[n]:
-                raise ImportFailed(f"{self._where(n)}: {self._call(n)}: the operand {list(self._shape_of_operand(other))} "
-                                   f"broadcasts the value {list(self._shape(primary))} to {list(self.shapes[n])}; kgen "
-                                   "keeps a value's shape (and its batch first) through elementwise ops")
+                # the operand broadcasts the value (NetVLAD's [B, 1, K] * a [1, D, K] parameter): the value
+                # expanded to the result's shape first, as where both operands broadcast
+                if len(self._shape(primary)) != len(self.shapes[n]) or self._shape(primary)[0] != self.shapes[n][0]:
+                    raise ImportFailed(f"{self._where(n)}: {self._call(n)}: the operand "
+                                       f"{list(self._shape_of_operand(other))} broadcasts the value "
+                                       f"{list(self._shape(primary))} to {list(self.shapes[n])}; kgen broadcasts a "
+                                       "value to the result's shape where both have one rank and one batch")
+                self._emit(n, "expand", {"shape": list(self.shapes[n][1:])}, src=primary)
+                src = n
         if primary is not a and kind in ("sub", "div"):
             fields["reverse"] = True
-        self._emit(n, kind, fields, src=primary)
+        self._emit(n, kind, fields, src=primary if src is None else src)
 
     def _shape_of_operand(self, o):
         return self.shapes.get(o, ()) if isinstance(o, fx.Node) else ()

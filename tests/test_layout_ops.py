@@ -494,3 +494,40 @@ def test_unsupported_uses_name_the_call_and_its_line(tmp_path, call, words):
         import_model(str(src), name="bad", out_dir=tmp_path / "specs")
     line = text.splitlines().index(f"        y = {call}") + 1
     assert f"bad.py:{line}:" in str(e.value) and words in str(e.value), str(e.value)
+
+
+PARAMETER_BROADCASTS_VALUE = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    """NetVLAD's soft assignment in small: a [B, 1, K] value times a [1, D, K] parameter is [B, D, K]."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Parameter(torch.randn(1, 5, 4))
+        self.d = nn.Parameter(torch.randn(5, 1))
+
+    def forward(self, x):
+        s = x.sum(1, keepdim=True)
+        return x - (self.c - s) * 2 + s / self.d
+
+
+def get_inputs():
+    return [torch.randn(3, 5, 4)]
+'''
+
+
+def test_a_parameter_that_broadcasts_a_value_expands_the_value_first(tmp_path):
+    """Each broadcast is the value's expand to the result's shape, then the op with the parameter as operand
+    (in its order: c - s is a reversed sub); the import checks the spec against the model in float64."""
+    from kgen.importer import import_model
+
+    src = tmp_path / "broadcast.py"
+    src.write_text(PARAMETER_BROADCASTS_VALUE)
+    spec = import_model(str(src), name="broadcast", out_dir=tmp_path / "specs")
+    ops = load_pipeline(spec).spec.ops
+    kinds = [o.kind for o in ops]
+    assert kinds.count("expand") == 2, kinds
+    assert [kinds[i + 1] for i, k in enumerate(kinds) if k == "expand"] == ["sub", "div"], kinds
