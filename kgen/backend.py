@@ -3,7 +3,8 @@
 Dynamo hands over an FX graph of functional calls (``torch.conv2d(x, w, b, ...)``,
 ``F.batch_norm(x, running_mean, running_var, w, b, training, momentum, eps)``, ``torch.relu``,
 ``operator.add``, ...) whose parameters and buffers are graph inputs. Each node kgen can compute
-is marked (``_Support``: the importer's maps, ``kgen.importer.maps_call``, plus the layers with
+is marked (after attention written out is rewritten as PyTorch's fused call, ``kgen.attention``;
+``_Support``: the importer's maps, ``kgen.importer.maps_call``, plus the layers with
 weights below), the marked nodes are grouped into connected partitions (torch.fx's
 CapabilityBasedPartitioner; one that returns more values than an op may is cut in graph order,
 ``_within_output_limit``), and each partition becomes a small ``nn.Module`` in the form the
@@ -57,6 +58,7 @@ try:  # the one restart a backend may raise through Dynamo's compile step (torch
 except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dynamic_batch)
     _Restart = None
 
+from .attention import rewrite_attention
 from .build import kgen_cache
 from .compiler import SPEC_FILE
 from .errors import KgenError, one_line
@@ -921,6 +923,12 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     g = _Graph(gm, dict(zip(places, example_inputs)))
     _ask_dynamic_batch(g)
+    rewritten = rewrite_attention(gm, {n: g.examples[n] for n in g.state})
+    if rewritten:
+        if verbose:
+            for line in rewritten:
+                _say(line)
+        g = _Graph(gm, dict(zip(places, example_inputs)))
     STATS["graphs"] += 1
     fullgraph = _one_graph()
     dynamic = _dynamic_sizes(g)

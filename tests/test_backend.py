@@ -937,3 +937,15 @@ def test_values_whose_dim_0_folds_the_batch_with_windows_are_a_kgen_partition(ca
     assert made[0]["module"], made
     spec = yaml.safe_load(Path(made[0]["spec"]).read_text())
     assert spec["input"]["shape"] == ["N", 16, 8] and spec["input"]["example"] == {"N": 12}, spec["input"]
+
+
+@pytest.mark.eager_fallback  # (the projections' tiny partitions stay eager: nothing to build)
+def test_causal_attention_runs_as_pytorchs_fused_call_between_the_partitions(cache, capsys):
+    """MinGPT's written-out attention is F.scaled_dot_product_attention before partitioning (kgen.attention):
+    no partition holds its softmax, the model computes what eager does, and a line says so."""
+    from test_attention import CausalAttention
+
+    torch.manual_seed(0)
+    made = _partitions_of(CausalAttention().eval(), torch.randn(3, 12, 16))
+    assert made and not any("softmax" in p["calls"] or "masked_fill" in p["calls"] for p in made), made
+    assert "as scaled_dot_product_attention" in capsys.readouterr().err
