@@ -507,9 +507,10 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             return type(v)(arg(e) for e in v)
         return v
 
-    for n in sub.graph.nodes:
-        if n.op == "placeholder":
-            continue
+    # in Dynamo's order (a valid one, and the model's own): fusing may order a partition's nodes otherwise (torch
+    # 2.11 puts both of a fire module's convolutions before their ReLUs), and the importer's ops follow the order
+    # they are given, which decides what the plan can fuse (a convolution absorbs the stage right after it)
+    for n in _in_graph_order(sub, g):
         if n.op == "output":
             outs = n.args[0]
             for o in (outs if isinstance(outs, (tuple, list)) else [outs]):
@@ -594,6 +595,20 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
     plan.training = modes.pop() if modes else False
     plan.model = fx.GraphModule(root, graph, class_name="KgenPartition").train(plan.training)
     return plan
+
+
+def _in_graph_order(sub: fx.GraphModule, g: _Graph) -> list:
+    """The partition's nodes but its placeholders, in the order of Dynamo's graph where that order is one the
+    partition's own dependencies allow (it is, unless fusing renamed a node), else in the partition's order."""
+    order = {n.name: i for i, n in enumerate(g.gm.graph.nodes)}
+    body = [n for n in sub.graph.nodes if n.op != "placeholder"]
+    ranked = sorted(body, key=lambda n: (n.op == "output", order.get(n.name, -1)))
+    seen = {n for n in sub.graph.nodes if n.op == "placeholder"}
+    for n in ranked:
+        if any(a not in seen for a in n.all_input_nodes):
+            return body
+        seen.add(n)
+    return ranked
 
 
 def _outputs(sub: fx.GraphModule):

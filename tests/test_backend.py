@@ -949,3 +949,32 @@ def test_causal_attention_runs_as_pytorchs_fused_call_between_the_partitions(cac
     made = _partitions_of(CausalAttention().eval(), torch.randn(3, 12, 16))
     assert made and not any("softmax" in p["calls"] or "masked_fill" in p["calls"] for p in made), made
     assert "as scaled_dot_product_attention" in capsys.readouterr().err
+
+
+class Fire(nn.Module):
+    """SqueezeNet's fire module (KernelBench level 3 #17) in small."""
+
+    def __init__(self):
+        super().__init__()
+        self.squeeze, self.e1, self.e3 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 6, 1), nn.Conv2d(4, 6, 3, padding=1)
+
+    def forward(self, x):
+        x = torch.relu(self.squeeze(x))
+        return torch.cat([torch.relu(self.e1(x)), torch.relu(self.e3(x))], 1)
+
+
+def test_a_partitions_nodes_are_taken_in_dynamos_order():
+    """torch 2.11's fusing put both expand convolutions of a fire module before their ReLUs, and the plan then
+    could not make each ReLU its convolution's epilogue: the partition's model follows the graph's order."""
+    import torch.fx as fx
+    from kgen import backend
+
+    gm = fx.symbolic_trace(Fire())
+    names = [n.name for n in gm.graph.nodes if n.op != "placeholder"]
+    assert names == ["squeeze", "relu", "e1", "relu_1", "e3", "relu_2", "cat", "output"], names
+    by_name = {n.name: n for n in gm.graph.nodes}
+    shuffled, env = fx.Graph(), {}  # the same partition, both convolutions first
+    for name in ["x", "squeeze", "relu", "e1", "e3", "relu_1", "relu_2", "cat", "output"]:
+        env[by_name[name]] = shuffled.node_copy(by_name[name], lambda a: env[a])
+    sub = fx.GraphModule(gm, shuffled)
+    assert [n.name for n in backend._in_graph_order(sub, backend._Graph(gm))] == names
