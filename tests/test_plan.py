@@ -426,6 +426,28 @@ def test_atens_cat_of_channels_last_values_costs_their_transposing_copies():
     assert families_of(plan_of([3, 10, 10], ops, plan={"conv": "aten"})) == ["conv_aten", "conv_aten", "aten"]
 
 
+def test_views_cost_nothing_in_the_eager_plan_and_a_flat_reshape_nothing_in_atens_stage():
+    """The eager stage runs its ops as written: an expand the next call broadcasts, a name (``as``) and a reshape
+    of a contiguous value copy nothing (Mamba2's segment sums: x[..., :, None] - x[..., None, :] priced as three
+    passes once, so a plan writing the expanded value out looked faster than eager's one broadcasting pass). A
+    reshape in an ATen stage of its own is a view where its input is plain contiguous."""
+    from kgen import cost
+    from kgen.ir import Reshape
+    from kgen.plan import EAGER, PIPELINE
+
+    ops = [{"relu": {"as": "y"}}, {"sub": {"scalar": 1.0}}, {"expand": {"shape": [6, 5, 5]}},
+           {"sub": {"tensor": "y", "as": "d"}}, "relu", {"reshape": {"shape": [150]}}]
+    pipe = pipeline_of(spec_text([6, 5, 1], ops, batch=4))
+    eager = make_plan(pipe, choices={PIPELINE: EAGER})
+    works = {w.what: w for w in cost.estimate(eager, 4)[0].work}
+    views = [w for w in works.values() if w.what.endswith("(a view)")]
+    assert len(views) == 4 and all(w.bytes == 0 and w.launches == 0 for w in views), list(works)
+    assert works["ops[3].sub"].bytes == 4 * 4 * (6 * 5 * 1 + 6 * 5 * 5)  # reads the view's own values, writes the result
+    kgen = make_plan(pipe)
+    (reshape,) = [s for s in kgen.stages if s.family.name == "aten" and isinstance(s.ops[0], Reshape)]
+    assert reshape.input.flat and cost.estimate(kgen, 4)[reshape.index].work[0].bytes == 0
+
+
 def test_subpixel_phases_are_tiles_read_in_place():
     op = {"conv_transpose2d": {"out_channels": 3, "kernel_size": 4, "stride": 2, "padding": 1}}
     plan = plan_of([2, 5, 5], [op, {"max_pool2d": {"kernel_size": 2}}, {"sum": {"dim": 1}}], plan=ATEN)

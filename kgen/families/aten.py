@@ -14,10 +14,10 @@ fused stage reads its contiguous output. Templates: ``templates/aten/``.
 from __future__ import annotations
 
 from ..buffer import flat_buffer
-from ..ir import Reduce
+from ..ir import Reduce, Reshape
 from ..spec import DTYPES
 from ..stage import Stage
-from .base import Family, StageRequest
+from .base import Family, StageRequest, Work
 from .eager import layout_headers
 
 
@@ -36,6 +36,13 @@ class Aten(Family):
     def make_stage(self, req: StageRequest) -> Stage:
         t_in, t_out = req.types
         return Stage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
+
+    def work(self, st: Stage, batch: int, target) -> list[Work]:
+        """A reshape of a plain contiguous tensor is a view (the stage's ``contiguous()`` copies nothing): no
+        pass; any other op reads its input and writes its output once."""
+        if isinstance(st.ops[0], Reshape) and st.input.flat:
+            return [Work(f"{st.ops[0].key} (a view)", 0, 0, launches=0)]
+        return super().work(st, batch, target)
 
     def binding_includes(self, st: Stage) -> list[str]:
         return layout_headers(st.ops[0]) if st.ops else []

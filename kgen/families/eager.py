@@ -321,12 +321,27 @@ class Eager(Family):
 
     def work(self, st: EagerStage, batch: int, target: Target) -> list[Work]:
         """Each op reads its input and writes its output; the convolution as in conv_aten,
-        its bias added by ATen in a pass of its own."""
+        its bias added by ATen in a pass of its own. What moves nothing costs nothing: naming a value
+        (``as``), a reshape of a contiguous tensor, an expand the next call broadcasts (the stage makes
+        only its result contiguous)."""
         out, size = [], value_bytes(st)
-        for op, t_in, t_out in st.chain():
+        chain = st.chain()
+        viewed = None  # what the op after an expand reads of its view: the expanded tensor's own values
+        strided = False  # whether the running value is a view that is not contiguous (a reshape of it copies)
+        for i, (op, t_in, t_out) in enumerate(chain):
             n_in, n_out = batch * t_in.sample_numel, batch * t_out.sample_numel
+            if viewed is not None and op.src is None:
+                n_in = viewed
+            viewed = None
             flops = batch * op.flops(t_in, t_out)
-            if isinstance(op, Conv):
+            if isinstance(op, Capture) or isinstance(op, Reshape) and not (strided and op.src is None):
+                out.append(Work(f"{op.key} (a view)", 0, 0, launches=0))
+                continue
+            strided = isinstance(op, (Permute, Slice, Expand))
+            if isinstance(op, Expand) and i + 1 < len(chain):
+                viewed = t_out.sample_numel if op.param is not None else batch * t_in.sample_numel
+                out.append(Work(f"{op.key} (a view)", 0, 0, launches=0))
+            elif isinstance(op, Conv):
                 K = op.in_channels // op.groups * math.prod(op.kernel)
                 read = n_in + math.prod(op.weight_shape())
                 out += conv_work(op.key, flops, read, n_out, op.out_channels // op.groups, K, "contiguous", target,
