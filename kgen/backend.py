@@ -93,10 +93,14 @@ for _r in (1, 2, 3):
 _LINEARS = (F.linear, torch._C._nn.linear)
 _BATCH_NORMS = (F.batch_norm,)
 _LAYER_NORMS = (F.layer_norm,)
+_GROUP_NORMS = (F.group_norm,)
+_INSTANCE_NORMS = (F.instance_norm,)
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
 _BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 _LN_ARGS = ("input", "normalized_shape", "weight", "bias", "eps")
+_GN_ARGS = ("input", "num_groups", "weight", "bias", "eps")
+_IN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
 
 
 def _bound(n: fx.Node, names) -> dict:
@@ -121,7 +125,27 @@ def _layer(n: fx.Node):
         return "batch_norm", _bound(n, _BN_ARGS), ("running_mean", "running_var", "weight", "bias")
     if n.target in _LAYER_NORMS:
         return "layer_norm", _bound(n, _LN_ARGS), ("weight", "bias")
+    if n.target in _GROUP_NORMS:
+        return "group_norm", _bound(n, _GN_ARGS), ("weight", "bias")
+    if n.target in _INSTANCE_NORMS:
+        return "instance_norm", _bound(n, _IN_ARGS), ("weight", "bias")
     return None
+
+
+def _max_min_with_dim(n) -> bool:
+    """``torch.max(x, dim)`` / ``x.min(dim)``: values and indices (the importer takes the values' getitem)."""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+        return False
+    if n.target not in (torch.max, torch.min, "max", "min"):
+        return False
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    return isinstance(dim, int) and isinstance(_example(n), tuple)
+
+
+def _constant_tensor(n) -> bool:
+    """``torch.tensor(c)`` of a number (a 0-d constant the importer reads as a scalar operand)."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.tensor and bool(n.args) and \
+        isinstance(n.args[0], (int, float)) and not isinstance(n.args[0], bool)
 
 
 # ------------------------------------------------------------------ what kgen computes
@@ -316,6 +340,13 @@ class _Support:
         if n.op in ("call_function", "call_method") and self._parameter_view(n):
             # ``self.w.T``: taken with the calls reading it (the importer makes it the op's transposed parameter)
             return bool(n.users) and all(self._supported(u) for u in n.users)
+        if _constant_tensor(n):  # taken with the calls reading it
+            return bool(n.users) and all(self._supported(u) for u in n.users)
+        if _max_min_with_dim(n):  # taken with the getitem of its values
+            k = g.batch_dim(n.args[0])
+            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+            return k == 0 and dim % _example(n.args[0]).dim() != 0 and bool(n.users) and all(
+                u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in n.users)
         if n.op not in ("call_function", "call_method") or g.batch_dim(n) is None:
             return False
         if any(g.batch_dim(a) not in (None, 0) for a in [n, *n.all_input_nodes]) and not self._moved_ok(n):
@@ -340,6 +371,13 @@ class _Support:
             if kind == "layer_norm" and (args.get("weight") is None and args.get("bias") is not None
                                          or not isinstance(args.get("eps", 1e-5), float)):
                 return False
+            if kind == "group_norm" and not (isinstance(args.get("num_groups"), int)
+                                             and isinstance(args.get("eps", 1e-5), float)):
+                return False
+            if kind == "instance_norm" and not (args.get("running_mean") is None and args.get("running_var") is None
+                                                and args.get("use_input_stats", True) is True
+                                                and isinstance(args.get("eps", 1e-5), float)):
+                return False  # running statistics (track_running_stats=True) are not taken
             if kind == "batch_norm":
                 if not isinstance(args.get("training", False), bool) or not isinstance(args.get("eps", 1e-5), float):
                     return False
@@ -361,6 +399,8 @@ class _Support:
             if a in g.state:
                 if not isinstance(g.examples.get(a), nn.Parameter):
                     return False  # a buffer read by an op: the importer takes free parameters only
+            elif _constant_tensor(a) or _max_min_with_dim(a):
+                continue
             elif isinstance(ex, torch.Tensor):
                 if g.batch_dim(a) is None and not self._parameter_view(a):
                     return False
@@ -558,6 +598,18 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
                 m = nn.LayerNorm(shape, eps=a.get("eps", 1e-5), elementwise_affine=a.get("weight") is not None,
                                  bias=a.get("bias") is not None)
             name = fresh("ln")
+        elif kind in ("group_norm", "instance_norm"):
+            channels, rank = _example(n).shape[1], _example(n).dim()
+            if (a.get("weight") is None) != (a.get("bias") is None):
+                raise KgenError(f"{kind.replace('_', ' ')} with a weight but no bias (or a bias but no weight)")
+            affine = a.get("weight") is not None
+            with torch.device("meta"):
+                if kind == "group_norm":
+                    m = nn.GroupNorm(a["num_groups"], channels, eps=a.get("eps", 1e-5), affine=affine)
+                else:
+                    cls = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}[rank]
+                    m = cls(channels, eps=a.get("eps", 1e-5), affine=affine)
+            name = fresh("gn" if kind == "group_norm" else "inorm")
         else:
             channels = _example(n).shape[1]
             rank = _example(n).dim()

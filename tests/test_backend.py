@@ -978,3 +978,28 @@ def test_a_partitions_nodes_are_taken_in_dynamos_order():
         env[by_name[name]] = shuffled.node_copy(by_name[name], lambda a: env[a])
     sub = fx.GraphModule(gm, shuffled)
     assert [n.name for n in backend._in_graph_order(sub, backend._Graph(gm))] == names
+
+
+class NormsAndReductions(nn.Module):
+    """Calls of KernelBench level 2 that once split its partitions: F.group_norm and F.instance_norm with the
+    model's weights, torch.min with a dim (values and indices, the values taken), a torch.tensor constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn, self.inorm = nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.InstanceNorm2d(4, affine=True)
+
+    def forward(self, x):
+        y = self.inorm(self.gn(self.conv(x)))
+        m = torch.min(y, dim=1, keepdim=True)[0]
+        return torch.max(y * m, torch.tensor(0.25))
+
+
+def test_group_and_instance_norm_a_min_over_a_dim_and_a_constant_are_one_partition(cache):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = NormsAndReductions().train()
+        model.gn.weight.uniform_(0.5, 1.5)
+        model.inorm.bias.uniform_(-0.5, 0.5)
+    made = _partitions_of(model, torch.randn(3, 3, 8, 8))
+    assert len(made) == 1 and made[0]["module"], made
+    assert {"group_norm", "instance_norm", "min", "getitem", "tensor", "max"} <= set(made[0]["calls"]), made
