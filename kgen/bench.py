@@ -92,7 +92,10 @@ def _commit() -> str:
     if os.environ.get("KGEN_COMMIT"):
         return os.environ["KGEN_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        # "-dirty" where the tracked files differ from the commit: the numbers are not that commit's alone
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True).returncode == 0
+        return head if clean else f"{head}-dirty"
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

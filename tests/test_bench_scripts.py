@@ -17,3 +17,22 @@ def test_script_answers_help(script):
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("usage:") and len(p.stdout.splitlines()) > 3, p.stdout
+
+
+def test_a_measurements_commit_says_when_the_tree_is_not_the_commits(tmp_path, monkeypatch):
+    """A report names the commit it measured; a working tree that differs from it is marked ``-dirty``."""
+    from kgen.bench import _commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("1")
+    git("add", "a.txt")
+    git("commit", "-qm", "one")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KGEN_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert _commit() == head
+    (tmp_path / "a.txt").write_text("2")
+    assert _commit() == f"{head}-dirty"
