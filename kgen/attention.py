@@ -19,6 +19,8 @@ from __future__ import annotations
 import inspect
 import math
 import operator
+import re
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -39,7 +41,7 @@ def rewrite_attention(gm: fx.GraphModule, state: dict) -> list[str]:
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is F.multi_head_attention_forward:
             if _mha_without_weights(n):
-                done.append(f"{n.name}: multi_head_attention_forward without its unread weights (need_weights=False)")
+                done.append(f"{_where(n)}: multi_head_attention_forward without its unread weights (need_weights=False)")
         elif _is_call(n, _MATMULS, "matmul"):
             line = _fused(gm, n, state)
             if line:
@@ -48,6 +50,12 @@ def rewrite_attention(gm: fx.GraphModule, state: dict) -> list[str]:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _where(n: fx.Node) -> str:
+    """The model's source line of a call (the last frame Dynamo recorded for it: ``file.py:12``), else its name."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', n.meta.get("stack_trace") or "")
+    return f"{Path(frames[-1][0]).name}:{frames[-1][1]}" if frames else n.name
 
 
 def _is_call(n, functions, method: str) -> bool:
@@ -166,7 +174,7 @@ def _fused(gm: fx.GraphModule, out: fx.Node, state: dict) -> str | None:
         if not n.users:
             gm.graph.erase_node(n)
     _erase_unread(gm, mask)
-    return f"{out.name}: softmax(q @ k^T){' with the causal mask' if causal else ''} @ v as scaled_dot_product_attention"
+    return f"{_where(out)}: softmax(q @ k^T){' with the causal mask' if causal else ''} @ v as scaled_dot_product_attention"
 
 
 def _erase_unread(gm: fx.GraphModule, n) -> None:

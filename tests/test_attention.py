@@ -80,6 +80,8 @@ def test_causal_attention_is_the_fused_call_with_is_causal():
     torch.manual_seed(0)
     lines, targets = _rewritten(CausalAttention().eval(), torch.randn(3, 12, 16))
     assert len(lines) == 1 and "causal mask" in lines[0], lines
+    line = next(i for i, t in enumerate(open(__file__).read().splitlines(), 1) if "y = (att @ v)" in t)
+    assert lines[0].startswith(f"test_attention.py:{line}: "), lines  # the model's line that ends the attention
     assert F.scaled_dot_product_attention in targets and F.softmax not in targets and "masked_fill" not in targets
     assert operator.eq not in targets  # the mask's comparison is gone with it
 
