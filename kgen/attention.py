@@ -207,8 +207,8 @@ def _is_causal_mask(mask, state: dict, scores_shape: tuple) -> bool:
 
 
 def _constant_value(n, state: dict, count: list):
-    """The value of ``n`` computed from the model's buffers and constants (None where it needs anything else:
-    an input, a run-time size, more than a few calls)."""
+    """The value of ``n`` computed from the model's buffers and constants (``_UNKNOWN`` where it needs anything
+    else: an input, a run-time size, more than a few calls)."""
     if isinstance(n, (tuple, list)):
         vals = [_constant_value(a, state, count) for a in n]
         return _UNKNOWN if any(v is _UNKNOWN for v in vals) else type(n)(vals)

@@ -132,20 +132,21 @@ def _layer(n: fx.Node):
     return None
 
 
-def _max_min_with_dim(n) -> bool:
-    """``torch.max(x, dim)`` / ``x.min(dim)``: values and indices (the importer takes the values' getitem)."""
-    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
-        return False
-    if n.target not in (torch.max, torch.min, "max", "min"):
-        return False
+def _max_min_dim(n) -> int | None:
+    """The dim of ``torch.max(x, dim)`` / ``x.min(dim)`` (values and indices: the importer takes the values'
+    getitem), else None."""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method") or \
+            n.target not in (torch.max, torch.min, "max", "min") or not isinstance(_example(n), tuple):
+        return None
     dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-    return isinstance(dim, int) and isinstance(_example(n), tuple)
+    return dim if isinstance(dim, int) else None
 
 
 def _constant_tensor(n) -> bool:
-    """``torch.tensor(c)`` of a number (a 0-d constant the importer reads as a scalar operand)."""
-    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.tensor and bool(n.args) and \
-        isinstance(n.args[0], (int, float)) and not isinstance(n.args[0], bool)
+    """``torch.tensor(c)`` of a number but a bool (a 0-d constant the importer reads as a scalar operand)."""
+    from .importer import tensor_literal
+
+    return tensor_literal(n) is not None and not isinstance(n.args[0], bool)
 
 
 # ------------------------------------------------------------------ what kgen computes
@@ -342,10 +343,9 @@ class _Support:
             return bool(n.users) and all(self._supported(u) for u in n.users)
         if _constant_tensor(n):  # taken with the calls reading it
             return bool(n.users) and all(self._supported(u) for u in n.users)
-        if _max_min_with_dim(n):  # taken with the getitem of its values
-            k = g.batch_dim(n.args[0])
-            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-            return k == 0 and dim % _example(n.args[0]).dim() != 0 and bool(n.users) and all(
+        dim = _max_min_dim(n)
+        if dim is not None:  # taken with the getitem of its values
+            return g.batch_dim(n.args[0]) == 0 and dim % _example(n.args[0]).dim() != 0 and bool(n.users) and all(
                 u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in n.users)
         if n.op not in ("call_function", "call_method") or g.batch_dim(n) is None:
             return False
@@ -399,7 +399,7 @@ class _Support:
             if a in g.state:
                 if not isinstance(g.examples.get(a), nn.Parameter):
                     return False  # a buffer read by an op: the importer takes free parameters only
-            elif _constant_tensor(a) or _max_min_with_dim(a):
+            elif _constant_tensor(a) or _max_min_dim(a) is not None:
                 continue
             elif isinstance(ex, torch.Tensor):
                 if g.batch_dim(a) is None and not self._parameter_view(a):

@@ -1208,8 +1208,8 @@ class Importer:
         """The value of ``torch.tensor(c)`` or a constant 0-d tensor attribute."""
         if not isinstance(o, fx.Node):
             return None
-        if o.op == "call_function" and o.target is torch.tensor and o.args and isinstance(o.args[0], (int, float)):
-            return float(o.args[0])
+        if (literal := tensor_literal(o)) is not None:
+            return literal
         if o.op == "get_attr":
             t = _attr(self.gm, o.target)
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dim() == 0:
@@ -1612,6 +1612,14 @@ def viewed_from(o) -> tuple:
         else:
             return None, False
     return o, transpose
+
+
+def tensor_literal(n) -> float | None:
+    """c where ``n`` is ``torch.tensor(c)`` of a number (a 0-d constant a binary op takes as a scalar), else None."""
+    if isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.tensor and n.args and \
+            isinstance(n.args[0], (int, float)):
+        return float(n.args[0])
+    return None
 
 
 def maps_call(n: fx.Node) -> bool:

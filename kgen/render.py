@@ -142,6 +142,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
                     scope=lambda st: stage_scope_name(name, i, n, st))
 
     variants = [variant(i, v) for i, v in enumerate(sel.variants)]
+    launches = kernel_launches(sel)  # the module's KERNEL_LAUNCHES and plan.json's kernel_launches
     ctx = dict(
         name=name,
         dtypes=sel.dtypes,  # the op dispatches on x's dtype to its variants (Variant.dtype)
@@ -164,7 +165,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         op_args_py=[a[2] for a in op_args],
         forward_args=forward_args,  # the functional forward's arguments (flat)
         op_call_args=op_call_args,  # the op's call on them
-        launches=kernel_launches(sel),
+        launches=launches,
     )
     files = {}
     for out, tpl in MODULE_FILES.items():
@@ -173,7 +174,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         except jinja2.TemplateError as e:  # a template bug, not a user error: say where
             where = getattr(e, "filename", None) or tpl
             raise KgenError(f"rendering templates/{tpl} for {name} failed in {where}: {type(e).__name__}: {e}") from None
-    files[f"{name}/plan.json"] = json.dumps(selection_json(sel, spec_shown), indent=1) + "\n"
+    files[f"{name}/plan.json"] = json.dumps(selection_json(sel, spec_shown, launches), indent=1) + "\n"
     for f in SHARED_FILES:
         files[f] = (TEMPLATES / f).read_text()
     files["__init__.py"] = env.get_template("package_init.py.j2").render()
@@ -186,14 +187,15 @@ def kernel_launches(sel: Selection) -> int:
     return min(sum(e.launches for e in estimate(v.plan, sel.pipeline.example_batch())) for v in sel.variants)
 
 
-def selection_json(sel: Selection, spec_shown: str) -> dict:
-    """plan.json: how the plans were chosen, the kernel launches of a call, then each plan with the batches it runs."""
+def selection_json(sel: Selection, spec_shown: str, launches: int) -> dict:
+    """plan.json: how the plans were chosen, the kernel launches of a call (``kernel_launches``, as the module's
+    KERNEL_LAUNCHES), then each plan with the batches it runs."""
     return {
         "name": sel.name,
         "spec": spec_shown,
         "chosen_by": sel.source,
         "notes": sel.notes,
-        "kernel_launches": kernel_launches(sel),
+        "kernel_launches": launches,
         "plans": [{"batches": [v.lo, v.hi], "mode": v.mode} | ({} if v.dtype == "float32" else {"dtype": v.dtype}) | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
                   for v in sel.variants],
     }

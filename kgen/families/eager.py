@@ -334,7 +334,7 @@ class Eager(Family):
                 n_in = viewed
             viewed = None
             flops = batch * op.flops(t_in, t_out)
-            if isinstance(op, Capture) or isinstance(op, Reshape) and not (strided and op.src is None):
+            if isinstance(op, Capture) or (isinstance(op, Reshape) and not (strided and op.src is None)):
                 out.append(Work(f"{op.key} (a view)", 0, 0, launches=0))
                 continue
             strided = isinstance(op, (Permute, Slice, Expand))
