@@ -36,7 +36,8 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
         written = 0
     if stage.absorbed_by is not None:
         read = 0
-    if getattr(stage, "gathered_by", None) is not None:  # statistics gathered by the stage before: its tiles' moments
+    if getattr(stage, "gathered_by", None) is not None or stage.in_place:
+        # statistics gathered by the stage before: its tiles' moments; a cat written in place: the copies it makes
         return flops, sum(w.bytes for w in stage.family.work(stage, batch, plan.target))
     return flops, value_bytes(stage) * (read + written)
 
@@ -151,6 +152,14 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
             out.append(f"      runs inside stage {s.absorbed_by.index}'s kernel (its epilogue)")
         else:
             out += [f"      {line}" for line in s.family.explain_lines(s)]
+        if s.into is not None:
+            c0 = s.into.channel0
+            out.append(f"      writes its output into channels {c0}..{c0 + s.out_type.shape[1] - 1} of stage {s.into.stage}'s "
+                       "(the cat's) output")
+        if s.in_place:
+            copied = len(s.ops[0].tensors) + 1 - len(s.in_place)
+            out.append(f"      operands {', '.join(map(str, s.in_place))} (0: the input) written in place by their stages"
+                       + (f"; copies the other {copied}" if copied else "; copies nothing"))
         out += [f"      {line}" for line in rounding_lines(plan, s)]
         e = estimates.get(id(s))
         model = f"   model {e.ms:.3f} ms ({e.launches} launches)" if e else ""

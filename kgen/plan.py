@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass, field, replace
 from . import families, target as targets, values
 from .buffer import flat_buffer
 from .errors import KgenError
-from .ir import BatchNorm, Capture, Elementwise, Op, Pipeline
+from .ir import BatchNorm, Capture, Cat, Elementwise, Op, Pipeline
 from .lowering import TapSums, lowered
 from .ops import FUSED, OPS
 from .rewrites import Decision, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
-from .stage import ConvStage, Stage
+from .stage import ChannelSlice, ConvStage, Stage
 from .target import Target
 
 # Decision points: the keys of a plan's choices.
@@ -233,6 +233,10 @@ class Plan:
                 d["rounds_after"] = [o.key for o in s.rounded]
             if getattr(s, "gathered_by", None) is not None:
                 d["statistics_gathered_by_stage"] = s.gathered_by.index
+            if s.into is not None:
+                d["writes_into"] = {"stage": s.into.stage, "channel0": s.into.channel0}
+            if s.in_place:
+                d["operands_in_place"] = list(s.in_place)
             d.update(s.family.stage_json(s))
             return d
 
@@ -418,6 +422,7 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
     plan = Plan(rewritten, pipeline, decisions, stages, target, picker.chosen, picker.options, batch)
     plan.value_exprs = values.materialized(plan)
     _absorb_epilogues(plan)
+    _write_cats_in_place(plan)
     return plan
 
 
@@ -503,6 +508,32 @@ def _absorb_epilogues(plan: Plan) -> None:
             passed = f"t{nxt.index}"
             st.output_dropped = nxt is not plan.stages[-1] and passed not in value_tensors and not any(
                 s.source == passed for s in plan.stages)
+
+
+def _write_cats_in_place(plan: Plan) -> None:
+    """Concatenation without a copy: a cat along the channels whose operand is written by a stage of the plan
+    that can write a channel slice (Family.writes_channel_slice), and read by nothing but the cat, has that
+    stage write it into its slice of the cat's output (Stage.into); the cat copies only its other operands.
+    The binding allocates the cat's output before the stages run."""
+    read = Counter(s.source for s in plan.stages)  # how often each binding tensor is read
+    for s in plan.stages:
+        read.update(plan.value_exprs[v] for v in plan.stage_values(s))
+    kept = plan.output_tensors() | {f"t{plan.stages[-1].index}"}
+    for cat in plan.stages:
+        op = cat.ops[0] if len(cat.ops) == 1 else None
+        if not isinstance(op, Cat) or op.dim != 1 or cat.family.name != "aten":
+            continue
+        operands = [cat.source] + [plan.value_exprs[n] for n in op.tensors]
+        types = [cat.in_type, *op.pieces]
+        in_place, channel0 = [], 0
+        for pos, (tensor, t) in enumerate(zip(operands, types)):
+            writer = plan.writer_of(tensor)
+            if (writer is not None and writer.into is None and tensor not in kept and operands.count(tensor) == 1
+                    and read[tensor] == 1 and writer.out_type == t and writer.family.writes_channel_slice(writer)):
+                writer.into = ChannelSlice(cat.index, channel0, cat.out_type)
+                in_place.append(pos)
+            channel0 += t.shape[1]
+        cat.in_place = tuple(in_place)
 
 
 # ---------------------------------------------------------------- the choice

@@ -16,6 +16,21 @@ from .ir import Op, TensorType
 from .lowering import LoweredConv
 
 
+@dataclass(frozen=True)
+class ChannelSlice:
+    """Where a stage writes an output that a cat only concatenates: channels ``channel0`` on of the
+    cat stage ``stage``'s output ``whole`` (an N x C x ... contiguous tensor), so the cat copies nothing."""
+
+    stage: int
+    channel0: int
+    whole: TensorType
+
+    @property
+    def sample_stride(self) -> int:
+        """Elements between two samples of the slice: a sample of the whole."""
+        return self.whole.sample_numel
+
+
 @dataclass
 class Stage:
     index: int
@@ -35,6 +50,14 @@ class Stage:
     dtype: str = "float32"  # what it reads and writes: its plan's dtype (set by kgen.plan.Plan)
     # its ops whose output its math rounds to ``dtype`` (kgen.plan.rounding_points; set by kgen.plan.Plan)
     rounded: tuple = ()
+    into: ChannelSlice | None = None  # a cat's operand: the slice of the cat's output it writes (kgen.plan)
+    in_place: tuple = ()  # a cat: its operands' positions (0: the input) whose stages write them in place
+
+    @property
+    def out_sample(self) -> int:
+        """Elements between two samples of the tensor the stage writes (more than one sample's where the
+        stage writes a channel slice of a cat's output)."""
+        return self.into.sample_stride if self.into else self.out_type.sample_numel
 
     @property
     def kind(self) -> str:

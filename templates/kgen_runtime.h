@@ -282,6 +282,16 @@ inline at::Tensor unaliased(const at::Tensor& out, std::initializer_list<at::Ten
   return out;
 }
 
+// Channels [channel0, channel0 + channels) of `whole`: the output of a cat whose operands' stages write them in
+// place, allocated here (with `sizes`) where it is not given (a stage run on its own, as validation does).
+inline at::Tensor channel_slice(const char* op, const at::Tensor& whole, at::IntArrayRef sizes, int64_t channel0,
+                                int64_t channels, const at::TensorOptions& options) {
+  const at::Tensor w = whole.defined() ? whole : empty(sizes, options);
+  TORCH_CHECK(w.sizes() == sizes && w.is_contiguous(), op, ": the concatenated output must be a contiguous tensor of sizes ",
+              sizes, ", got sizes ", w.sizes(), " and strides ", w.strides());
+  return w.narrow(1, channel0, channels);
+}
+
 inline at::Tensor narrow_spatial(const at::Tensor& x, at::IntArrayRef extent) {
   at::Tensor y = x;
   for (size_t d = 0; d < extent.size(); ++d) {

@@ -93,6 +93,7 @@ KGEN_HD float level0(const Args& a, const In& in, long long n, int c, int d0, in
 
 // The reduction: each output (n, k) combines kReduced values of the last level.
 constexpr Index kKept = 1;  // outputs per sample
+constexpr long long kOutSample = kKept;  // elements between the output's samples
 constexpr Index kReduced = 577600;  // values combined into one output
 
 // Schedule (plan.json: stages[1].schedule).

@@ -325,6 +325,8 @@ __host__ __device__ constexpr int plane_groups(int channels, int slots, int thre
 //   kOutStrideD.., kOutResidueD..           output position o of GEMM position m: o = stride * m + residue
 //                                           (1 and 0, except for a sub-pixel phase of a transposed convolution)
 //   kFullD, kFullH, kFullW                  the output tensor's spatial size (for addressing)
+//   kOutSample                              elements between the output's samples (kCout * kFullD * kFullH * kFullW,
+//                                           more where it is a channel slice of a cat's output)
 //   kWeightTransposed                       the weight is (Cin, Cout, K..) (a transposed convolution's), else (Cout, Cin, K..)
 //   kWKD, kWKH, kWKW                        the weight's kernel size
 //   kWStartD.., kWStepD.., kWFlip           tap j of this convolution is weight tap start + step * j
@@ -533,10 +535,11 @@ __device__ __forceinline__ int out_h(const TileCoord& c, int m) { return P::kOut
 template <class P>
 __device__ __forceinline__ int out_w(const TileCoord& c, int m) { return P::kOutStrideW * (c.ow + row_w<P>(m)) + P::kOutResidueW; }
 
-// Offset of (sample, channel, row m) in an NC[D]HW output tensor.
+// Offset of (sample, channel, row m) in an NC[D]HW output tensor whose samples lie P::kOutSample apart.
 template <class P>
 __device__ __forceinline__ long long out_offset(const TileCoord& c, int channel, int m) {
-  return ((static_cast<long long>(c.n) * P::kCout + channel) * P::kFullD + out_d<P>(c, m)) * P::kFullH * P::kFullW +
+  return static_cast<long long>(c.n) * P::kOutSample +
+         (static_cast<long long>(channel) * P::kFullD + out_d<P>(c, m)) * P::kFullH * P::kFullW +
          static_cast<long long>(out_h<P>(c, m)) * P::kFullW + out_w<P>(c, m);
 }
 

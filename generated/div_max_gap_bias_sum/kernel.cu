@@ -42,6 +42,7 @@ struct Problem {
   static constexpr int kWKD = 3, kWKH = 3, kWKW = 3;
   static constexpr int kWStartD = 0, kWStartH = 0, kWStartW = 0;
   static constexpr int kWStepD = 1, kWStepH = 1, kWStepW = 1;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = false, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
   const bool live = j < a.batch * kKept;
   const long long n = j / kKept;
   const Index k = kept_of_walk(static_cast<Index>(j % kKept));
-  const long long o = n * kKept + k;
+  const long long o = n * kKept + k;  // the output's place among the partials
   float acc = identity();
   if (live) {
     const Index per_split = (kReduced + splits - 1) / splits;
@@ -177,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
   }
   if (lane_r == 0 && live) {
     if (splits == 1) {
-      a.out[o] = finish(a, n, k, acc);
+      a.out[n * kOutSample + k] = finish(a, n, k, acc);
     } else {
       a.partial[o * splits + blockIdx.y] = acc;
     }
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int sp
     if (live && s < splits) acc = combine(acc, a.partial[o * splits + s]);
   }
   for (int m = lanes / 2; m > 0; m /= 2) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, m));
-  if (live && lane == 0) a.out[o] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
+  if (live && lane == 0) a.out[o / kKept * kOutSample + o % kKept] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
 }
 
 // Combines the partials of `splits` slices per output (finalize_kernel): lanes enough that each

@@ -30,7 +30,7 @@ void run_cpu(const Args& a, long long begin, long long end) {
       for (Index r = r0; r < r1; ++r) part = combine(part, element(a, n, k, r));
       acc = acc + part;
     }
-    a.out[o] = finish(a, n, k, static_cast<float>(acc));
+    a.out[n * kOutSample + k] = finish(a, n, k, static_cast<float>(acc));
   }
 }
 

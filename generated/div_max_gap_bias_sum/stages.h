@@ -131,6 +131,7 @@ KGEN_HD float level1(const Args& a, const In& in, long long n, int c, int d0, in
 
 // The reduction: each output (n, k) combines kReduced values of the last level.
 constexpr Index kKept = 1;  // outputs per sample
+constexpr long long kOutSample = kKept;  // elements between the output's samples
 constexpr Index kReduced = 107632;  // values combined into one output
 
 // Schedule (plan.json: stages[1].schedule).

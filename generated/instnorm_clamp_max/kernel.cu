@@ -39,6 +39,7 @@ struct Problem {
   static constexpr int kWKD = 3, kWKH = 3, kWKW = 3;
   static constexpr int kWStartD = 0, kWStartH = 0, kWStartW = 0;
   static constexpr int kWStepD = 1, kWStepH = 1, kWStepW = 1;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = false, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 16, kTW = 32;  // output box of a tile

@@ -39,6 +39,7 @@ struct Phase0 {
   static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
   static constexpr int kWStartD = 4, kWStartH = 4, kWStartW = 4;
   static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = true, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -68,6 +69,7 @@ struct Phase1 {
   static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
   static constexpr int kWStartD = 4, kWStartH = 4, kWStartW = 3;
   static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = true, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -97,6 +99,7 @@ struct Phase2 {
   static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
   static constexpr int kWStartD = 4, kWStartH = 3, kWStartW = 4;
   static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = true, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -126,6 +129,7 @@ struct Phase3 {
   static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
   static constexpr int kWStartD = 4, kWStartH = 3, kWStartW = 3;
   static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = true, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -155,6 +159,7 @@ struct Phase4 {
   static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
   static constexpr int kWStartD = 3, kWStartH = 4, kWStartW = 4;
   static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = true, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -184,6 +189,7 @@ struct Phase5 {
   static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
   static constexpr int kWStartD = 3, kWStartH = 4, kWStartW = 3;
   static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = true, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -213,6 +219,7 @@ struct Phase6 {
   static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
   static constexpr int kWStartD = 3, kWStartH = 3, kWStartW = 4;
   static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = true, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -242,6 +249,7 @@ struct Phase7 {
   static constexpr int kWKD = 5, kWKH = 5, kWKW = 5;
   static constexpr int kWStartD = 3, kWStartH = 3, kWStartW = 3;
   static constexpr int kWStepD = -2, kWStepH = -2, kWStepW = -2;
+  static constexpr long long kOutSample = static_cast<long long>(kCout) * kFullD * kFullH * kFullW;
   static constexpr bool kWeightTransposed = true, kWFlip = false;
   static constexpr bool kChannelsLast = false;
   static constexpr int kTD = 2, kTH = 8, kTW = 16;  // output box of a tile
@@ -334,7 +342,7 @@ struct PhasePoolEpilogue {
   __device__ static void reduce_channels(const Params& a, long long n, int k, const float* values, int stride) {
     float acc = s1::identity();
     for (int c = 0; c < PhasePoolProblem::kCout; ++c) acc = s1::combine(acc, values[c * stride]);
-    a.out[n * s1::kKept + k] = s1::finish(a, n, static_cast<s1::Index>(k), acc);
+    a.out[n * s1::kOutSample + k] = s1::finish(a, n, static_cast<s1::Index>(k), acc);
   }
 };
 
@@ -371,7 +379,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
   const bool live = j < a.batch * kKept;
   const long long n = j / kKept;
   const Index k = kept_of_walk(static_cast<Index>(j % kKept));
-  const long long o = n * kKept + k;
+  const long long o = n * kKept + k;  // the output's place among the partials
   float acc = identity();
   if (live) {
     const Index per_split = (kReduced + splits - 1) / splits;
@@ -418,7 +426,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const Args a, int spli
   }
   if (lane_r == 0 && live) {
     if (splits == 1) {
-      a.out[o] = finish(a, n, k, acc);
+      a.out[n * kOutSample + k] = finish(a, n, k, acc);
     } else {
       a.partial[o * splits + blockIdx.y] = acc;
     }
@@ -445,7 +453,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const Args a, int sp
     if (live && s < splits) acc = combine(acc, a.partial[o * splits + s]);
   }
   for (int m = lanes / 2; m > 0; m /= 2) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, m));
-  if (live && lane == 0) a.out[o] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
+  if (live && lane == 0) a.out[o / kKept * kOutSample + o % kKept] = finish(a, o / kKept, static_cast<Index>(o % kKept), acc);
 }
 
 // Combines the partials of `splits` slices per output (finalize_kernel): lanes enough that each

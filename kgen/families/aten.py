@@ -17,7 +17,7 @@ from ..buffer import flat_buffer
 from ..ir import Reduce, Reshape
 from ..spec import DTYPES
 from ..stage import Stage
-from .base import Family, StageRequest, Work
+from .base import Family, StageRequest, Work, value_bytes
 from .eager import layout_headers
 
 
@@ -42,6 +42,11 @@ class Aten(Family):
         pass; any other op reads its input and writes its output once."""
         if isinstance(st.ops[0], Reshape) and st.input.flat:
             return [Work(f"{st.ops[0].key} (a view)", 0, 0, launches=0)]
+        if st.in_place:  # a cat whose operands' stages wrote some in place: it copies the others into their slices
+            op = st.ops[0]
+            copied = [t for pos, t in enumerate((st.in_type, *op.pieces)) if pos not in st.in_place]
+            return [Work(f"{op.key}: {len(copied)} operand(s) copied into their slices", 0,
+                         2 * value_bytes(st) * batch * sum(t.sample_numel for t in copied), launches=len(copied))]
         return super().work(st, batch, target)
 
     def binding_includes(self, st: Stage) -> list[str]:

@@ -149,6 +149,12 @@ class Family:
         """Whether ``stage`` takes the next stage as its epilogue (a generated convolution may)."""
         return False
 
+    def writes_channel_slice(self, stage: Stage) -> bool:
+        """Whether the kernel that writes ``stage``'s output (its own, or that of the stage absorbing it) can write
+        it into a channel slice of a larger tensor (samples ``Stage.out_sample`` apart): a cat of it then copies
+        nothing."""
+        return False
+
     def gathers_statistics(self, stage: Stage, nxt: Stage) -> bool:
         """Whether ``stage``'s kernel gathers the next stage's statistics (a batch_stats stage) per tile
         while it writes its output, so that the next stage only merges them (a generated convolution may)."""

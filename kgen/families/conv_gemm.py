@@ -1033,6 +1033,11 @@ class ConvGemm(Family):
                 and st.phase_pool is None and st.pool_ring is None and st.store_staged()
                 and math.prod(st.schedule.tile) >= GATHER_MIN_TILE and nxt.input == st.output)
 
+    def writes_channel_slice(self, st: Stage) -> bool:
+        """The convolution's own store (no epilogue, no statistics) addresses samples P::kOutSample apart."""
+        return (st.epilogue is None and st.output.flat and st.moments_for is None and st.fused_norm is None
+                and st.phase_pool is None and st.pool_ring is None)
+
     def absorbs_epilogue(self, st: Stage, nxt: Stage) -> bool:
         """A pool_reduce stage whose pools tile the convolution output in whole windows, or
         a norm stage where the convolution is cheap enough to compute twice; for conv_gemm:phase_pool,

@@ -268,6 +268,11 @@ class PoolReduce(Family):
         positions = math.prod(st.pooled_type.spatial)
         return math.gcd(vector, positions & -positions)
 
+    def writes_channel_slice(self, st: PoolReduceStage) -> bool:
+        """Its kernels (and a convolution's that runs it as its epilogue: conv_gemm's) store output k of sample n at
+        n * kOutSample + k, where the output is a plain NC[D]HW tensor."""
+        return st.output.flat and (st.absorbed_by is None or st.absorbed_by.family.name == "conv_gemm")
+
     def explain_lines(self, st: PoolReduceStage) -> list[str]:
         sc = st.schedule
         if st.output.layout == "channels_last":
