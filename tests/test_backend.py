@@ -819,10 +819,25 @@ def test_a_partition_whose_plan_is_eager_stays_pytorchs(cache, monkeypatch):
     monkeypatch.setattr(cost, "estimate_ms", lambda plan, batch: 0.0 if plan.eager else 1.0)
     builds = []
     monkeypatch.setattr(backend, "_build_together", lambda dirs, failures, verbose: builds.extend(dirs))
-    made = _partitions_of(ConvRelu().eval(), torch.randn(3, 3, 6, 6))
+    graphs = []
+
+    def kept(gm, example_inputs):  # the backend, keeping the calls of the graph it rewrote
+        compiled = backend.kgen_backend(gm, example_inputs)
+        graphs.append([(n.op, str(n.target)) for n in gm.graph.nodes])
+        return compiled
+
+    model, x = ConvRelu().eval(), torch.randn(3, 3, 6, 6)
+    before = len(backend.PARTITIONS)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=kept)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
     assert made and all(p["module"] is None for p in made), made
     assert made[0]["reason"].startswith("its fastest plan is its own ops through ATen (cost model: "), made
     assert builds == []
+    # its calls are back in the graph: no submodule call wraps them
+    assert graphs
+    for nodes in graphs:
+        assert not [n for n in nodes if n[0] == "call_module"] and ("call_function", str(F.conv2d)) in nodes, nodes
 
 
 def test_the_op_replays_on_a_gpu_where_the_graph_records_no_autograd():
