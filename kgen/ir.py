@@ -765,14 +765,20 @@ class Matmul(Op):
 
 @dataclass(frozen=True)
 class Softmax(Op):
-    """softmax / log_softmax over ``dim``."""
+    """softmax / log_softmax over ``dim``; with ``spanned``, over the dims from ``dim`` of those sizes taken as one
+    (what a reshape merging them, the softmax and the reshape back compute: kgen.rewrites.softmax_through_reshape)."""
 
     fn: str = "softmax"
     dim: int = 1
+    spanned: tuple = ()  # sizes of the consecutive dims from ``dim`` it normalizes together (none: ``dim`` alone)
 
     @property
     def op_name(self) -> str:
         return self.fn
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(range(self.dim, self.dim + max(1, len(self.spanned))))
 
     def infer(self, t):
         return t
@@ -781,10 +787,13 @@ class Softmax(Op):
         return 4 * t_in.sample_numel
 
     def run(self, x, tensors):
-        return (torch.softmax if self.fn == "softmax" else torch.log_softmax)(x, self.dim)
+        fn = torch.softmax if self.fn == "softmax" else torch.log_softmax
+        if not self.spanned:
+            return fn(x, self.dim)
+        return fn(x.flatten(self.dim, self.dims[-1]), self.dim).unflatten(self.dim, self.spanned)
 
     def describe(self):
-        return f"{self.fn}(dim={self.dim})"
+        return f"{self.fn}(dim={self.dim})" if not self.spanned else f"{self.fn}(dims={list(self.dims)})"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from .errors import SpecError
 from .ir import (BatchNorm, BatchStats, Capture, Conv, DerivedTensor, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
+                 Softmax,
                  TensorArg, TensorType, infer_types)
 from .lowering import Direct, Folded, LoweredConv, PooledProduct, Subpixel, TapSums, lowered
 from .ops import AMPLIFYING
@@ -47,7 +48,7 @@ TUNABLE = ("avg_pool_folding", "subpixel_conv_transpose", "dead_region", "batch_
 NOT_CHOSEN = "not chosen: the plan computes it without this rewrite (kgen explain: choices)"
 # The rewrites that compute the values eager rounds, rounded where eager rounds them (module docstring);
 # pool_composition only for max pools (a mean of rounded means is not the rounded mean).
-KEEPS_ROUNDING = ("scalar_through_max", "pool_composition", "subpixel_conv_transpose", "dead_region")
+KEEPS_ROUNDING = ("scalar_through_max", "pool_composition", "subpixel_conv_transpose", "dead_region", "softmax_through_reshape")
 
 
 def rounding_amplifier(pipe: Pipeline) -> Op | None:
@@ -169,6 +170,39 @@ def _dedupe(decisions):
             seen.add((d.rewrite, d.site, d.fired))
             out.append(d)
     return out
+
+
+# ------------------------------------------------------------ softmax through reshape
+
+
+def softmax_through_reshape(pipe: Pipeline):
+    """A reshape merging consecutive dims into one, a softmax (or log_softmax) over that dim and the reshape back
+    -> the softmax over those dims taken as one (``Softmax.spanned``). The same values, without the two views
+    between the softmax and the ops around it, which then fuse with it in one stage (KernelBench #38: a bias and a
+    clamp before it, a scale after it: three passes over the tensor and ATen's softmax became one stage)."""
+    ops, decisions, i = [], [], 0
+    while i < len(pipe.ops):
+        a, b, c = (tuple(pipe.ops[i:i + 3]) + (None, None))[:3]
+        if not (isinstance(a, Reshape) and isinstance(b, Softmax) and isinstance(c, Reshape)) or b.spanned \
+                or b.src is not None or c.src is not None:
+            ops.append(a)
+            i += 1
+            continue
+        t = pipe.in_type(i).shape
+        k, m = b.dim, len(t) - len(a.shape)  # the merged dims: k .. k + m - 1 of the input
+        merged = k >= 1 and m >= 1 and (t[0],) + tuple(a.shape) == t[:k] + (math.prod(t[k:k + m]),) + t[k + m:]
+        if not merged or tuple(c.shape) != tuple(t[1:]):
+            decisions.append(Decision("softmax_through_reshape", _site(a, b, c), False,
+                                      f"{a.describe()} does not merge the dims {b.describe()} normalizes, or "
+                                      f"{c.describe()} does not restore them"))
+            ops.append(a)
+            i += 1
+            continue
+        ops.append(replace(b, src=a.src, spanned=tuple(t[k:k + m])))
+        decisions.append(Decision("softmax_through_reshape", _site(a, b, c), True,
+                                  f"{b.describe()} of {a.describe()} is {ops[-1].describe()} of its input"))
+        i += 3
+    return ops, decisions
 
 
 # ------------------------------------------------------------ avg pool folding
@@ -796,6 +830,7 @@ def reduction_algebra(pipe: Pipeline):
 
 # scalar_through_max runs first: max, x/2, max becomes max, max, x/2, which composes.
 REWRITES = (
+    ("softmax_through_reshape", softmax_through_reshape),
     ("scalar_through_max", scalar_through_max),
     ("pool_composition", pool_composition),
     ("batch_stats_pass", batch_stats_pass),

@@ -471,6 +471,11 @@ SOFTMAXES = {
     # #45 / #64: logsumexp of a row of 4100 values without keepdim (a [N] output), then leaky_relu
     "lse_r4100": ([4100], [{"logsumexp": {"dim": 1}}, {"leaky_relu": {"negative_slope": 0.2}}], None, None, 5,
                   ("rows", 512, True), "flat"),
+    # #38 in small: a view merging dims 2-4, the softmax over it and the view back (rewrites.softmax_through_reshape):
+    # a slice of 90 values over three dims, a bias and a clamp before, a scale after, in one stage
+    "sm_spanned": ([4, 3, 5, 6], [{"add": {"param": "b"}}, {"clamp": {"min": 0.0, "max": 1.0}}, {"reshape": {"shape": [4, 90]}},
+                                  {"softmax": {"dim": 2}}, {"reshape": {"shape": [4, 3, 5, 6]}}, {"mul": {"scalar": 2.0}}],
+                   {"b": {"shape": [4, 1, 1, 1]}}, None, 37, ("rows", 32, True), "flat"),
     # a row of 40000: 1024 threads, 40 values each (more than registers hold: read twice)
     "sm_r40000": ([40000], [{"softmax": {"dim": 1}}, {"mul": {"scalar": 3.0}}], None, None, 3, ("rows", 1024, False), "flat"),
     # a strided transposed convolution by ATen as sub-pixel phase tiles (pinned: PINNED_CHOICES), read in place,

@@ -220,6 +220,38 @@ def test_original_pipeline_run_is_eager_torch():
     torch.testing.assert_close(run(p, x, t), y.sum(dim=1), rtol=1e-12, atol=1e-12)
 
 
+# ------------------------------------------------------------------ softmax through reshape
+
+SPANNED_OPS = [{"add": {"param": "b"}}, {"reshape": {"shape": [4, 90]}}, {"softmax": {"dim": 2}},
+               {"reshape": {"shape": [4, 3, 5, 6]}}, {"mul": {"scalar": 2.0}}]
+
+
+@pytest.mark.parametrize("fn", ["softmax", "log_softmax"])
+def test_softmax_through_reshape_takes_the_merged_dims_as_one(fn):
+    """KernelBench #38's form: x.view(b, c, -1), softmax(dim=2), view back -> a softmax over dims 2-4, the ops around
+    it adjacent to it (one stage); the same values, NaN and infinities included. (Merging the channels with the
+    dims after them is the same: softmax over dims 1-2.)"""
+    ops = [dict(o) if o != {"softmax": {"dim": 2}} else {fn: {"dim": 2}} for o in SPANNED_OPS]
+    pipe = build(spec_text([4, 3, 5, 6], ops, params={"b": {"shape": [4, 1, 1, 1]}}))
+    new, ds = rewrite(pipe, "softmax_through_reshape")
+    assert len(fired(ds, "softmax_through_reshape")) == 1
+    assert [o.describe() for o in new.ops][1:] == [f"{fn}(dims=[2, 3, 4])", "mul(2)"]
+    check_equivalent(pipe, new, ties=False)
+
+
+@pytest.mark.parametrize("shape, views, why", [
+    ([4, 6, 5], ([4, 30], 1, [4, 6, 5]), "does not merge"),  # merges two dims, the softmax is over a third
+    ([4, 6, 5], ([4, 30], 2, [4, 5, 6]), "does not restore"),  # reshaped back to another shape
+])
+def test_softmax_through_reshape_needs_the_merge_and_its_inverse(shape, views, why):
+    first, dim, back = views
+    ops = [{"reshape": {"shape": first}}, {"softmax": {"dim": dim}}, {"reshape": {"shape": back}}]
+    pipe = build(spec_text(shape, ops))
+    new, ds = rewrite(pipe, "softmax_through_reshape")
+    assert not fired(ds, "softmax_through_reshape") and list(new.ops) == list(pipe.ops)
+    assert why in not_fired(ds, "softmax_through_reshape")[0].reason
+
+
 # ------------------------------------------------------------------ scalar_through_max
 
 

@@ -185,7 +185,9 @@ def aten_call(op: Op, src: str, ident, buffers=(), value=None) -> str | None:
     if isinstance(op, Dropout):
         return src  # the identity in eval mode (aten_prelude refuses training mode with p > 0)
     if isinstance(op, Softmax):
-        return f"at::{op.fn}({src}, {op.dim})"
+        if not op.spanned:
+            return f"at::{op.fn}({src}, {op.dim})"
+        return f"at::{op.fn}({src}.flatten({op.dim}, {op.dims[-1]}), {op.dim}).unflatten({op.dim}, {braces(op.spanned)})"
     if isinstance(op, LayerNorm):
         names = op.tensor_names()
         return (f"at::layer_norm({src}, {braces(op.normalized_shape)}, {_opt(ident(names[0]) if names else None)}, "

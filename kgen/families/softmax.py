@@ -121,7 +121,7 @@ class SoftmaxStage(Stage):
 
 
 def slice_axis(op: Op) -> tuple[int, ...]:
-    return (op.dim,) if isinstance(op, Softmax) else tuple(op.dims)
+    return tuple(op.dims)  # a softmax's (its dim, or the span of dims it takes as one) or a logsumexp's
 
 
 def is_slice_op(op: Op) -> bool:
