@@ -760,13 +760,19 @@ def _cheapest(cands: list[Plan], target: Target) -> tuple[Plan, str]:
 
     batch = cands[0].original.example_batch()
     estimates = [cost.estimate_ms(p, batch) for p in cands]
-    best = min(range(len(cands)), key=lambda i: estimates[i])  # ties: the earlier (nearer the default)
+    generated = [i for i, p in enumerate(cands) if not p.eager] or list(range(len(cands)))
+    best = min(generated, key=lambda i: estimates[i])  # ties: the earlier (nearer the default)
     plan, ms, tried = _descend(cands[best], estimates[best], target, batch)
+    eager = next((i for i, p in enumerate(cands) if p.eager), None)
+    # the eager candidate where it is as fast (to TIE_DIGITS): a generated op doing the same work adds its call
+    if eager is not None and round(estimates[eager], TIE_DIGITS) <= round(ms, TIE_DIGITS):
+        best, plan, ms, tried = eager, cands[eager], estimates[eager], 0
     more = f", then {tried} plans one choice apart" if plan is not cands[best] else ""
     why = f"cost model: {ms:.3f} ms at batch {batch}, the lowest of {len(cands)} candidate(s){more}"
     return make_plan(plan.original, None, target, plan.choices, batch, reason=why), why
 
 
+TIE_DIGITS = 6  # estimates (ms) equal to this many decimals are a tie
 MAX_DESCENT_PASSES = 4  # passes over a plan's decision points (each pass: every option of every point)
 
 

@@ -720,6 +720,18 @@ def test_the_cost_model_choice_is_no_worse_than_any_one_choice_apart(monkeypatch
                 assert estimate(other, 8) >= ms, (point, option)
 
 
+@pytest.mark.parametrize("generated_ms, chosen", [(2.0, "eager"), (1.999, "kgen"), (2.0000004, "eager")])
+def test_the_eager_candidate_wins_a_tie(monkeypatch, generated_ms, chosen):
+    """Where the cost model finds the best generated plan (after its descent) as fast as the spec's ops through ATen,
+    to TIE_DIGITS decimals, the plan is eager's: a generated op doing the same work only adds its call."""
+    from kgen import cost
+
+    pipe = pipeline_of(spec_text([8, 6, 6], ["exp"], batch=4))
+    monkeypatch.setattr(cost, "estimate_ms", lambda plan, batch: 2.0 if plan.eager else generated_ms)
+    sel = choose_plans(pipe, DEFAULT)
+    assert ("eager" if sel.variants[0].plan.eager else "kgen") == chosen, sel.variants[0].why
+
+
 @pytest.mark.parametrize("spec", ["maxpool_sum", "relu_group_norm", "div_max_gap_bias_sum"])
 def test_a_plan_made_from_remembered_answers_is_the_plan_made_afresh(spec):
     """make_plan remembers, per pipeline, its rewriting front and the families' answers to each stage request
