@@ -1071,8 +1071,8 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
 
 def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
     """Put the calls of the partition that ``call`` runs (a submodule of ``gm``) back in ``gm``'s graph: a partition
-    that stays eager costs no submodule call (a model whose partitions all stay eager ran 5-9% slower than eager
-    with them: KernelBench level 3 #46-49 at batch 2048, H200)."""
+    that stays eager costs no submodule call (KernelBench level 3 #46-49, whose partitions all stay eager, on the
+    H200: 0.90-0.93x eager inside submodule calls, 0.92-0.97x without)."""
     sub = gm.get_submodule(call.target)
     places = [n for n in sub.graph.nodes if n.op == "placeholder"]
     with gm.graph.inserting_before(call):
