@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass, replace
 
 from .errors import SpecError
-from .ir import (BatchNorm, BatchStats, Capture, Conv, DerivedTensor, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool, Reduce, Reshape,
-                 Softmax,
+from .ir import (BatchNorm, BatchStats, Capture, Conv, DerivedTensor, Dropout, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool,
+                 Reduce, Reshape, Softmax,
                  TensorArg, TensorType, infer_types)
 from .lowering import Direct, Folded, LoweredConv, PooledProduct, Subpixel, TapSums, lowered
 from .ops import AMPLIFYING
@@ -48,7 +48,8 @@ TUNABLE = ("avg_pool_folding", "subpixel_conv_transpose", "dead_region", "batch_
 NOT_CHOSEN = "not chosen: the plan computes it without this rewrite (kgen explain: choices)"
 # The rewrites that compute the values eager rounds, rounded where eager rounds them (module docstring);
 # pool_composition only for max pools (a mean of rounded means is not the rounded mean).
-KEEPS_ROUNDING = ("scalar_through_max", "pool_composition", "subpixel_conv_transpose", "dead_region", "softmax_through_reshape")
+KEEPS_ROUNDING = ("scalar_through_max", "pool_composition", "subpixel_conv_transpose", "dead_region", "softmax_through_reshape",
+                  "dropout_of_zero")
 
 
 def rounding_amplifier(pipe: Pipeline) -> Op | None:
@@ -170,6 +171,22 @@ def _dedupe(decisions):
             seen.add((d.rewrite, d.site, d.fired))
             out.append(d)
     return out
+
+
+# ------------------------------------------------------------ dropout of zero
+
+
+def dropout_of_zero(pipe: Pipeline):
+    """A dropout with p = 0 is the identity in both modes: gone, so that what it passes on is the op before it's
+    output (DenseNet's layers end in one: their new features, written by a convolution, then feed the
+    concatenation straight)."""
+    ops, decisions = [], []
+    for op in pipe.ops:
+        if isinstance(op, Dropout) and op.p == 0 and op.src is None and len(pipe.ops) > 1:
+            decisions.append(Decision("dropout_of_zero", op.key, True, "p = 0: the identity in both modes"))
+        else:
+            ops.append(op)
+    return ops, decisions
 
 
 # ------------------------------------------------------------ softmax through reshape
@@ -830,6 +847,7 @@ def reduction_algebra(pipe: Pipeline):
 
 # scalar_through_max runs first: max, x/2, max becomes max, max, x/2, which composes.
 REWRITES = (
+    ("dropout_of_zero", dropout_of_zero),
     ("softmax_through_reshape", softmax_through_reshape),
     ("scalar_through_max", scalar_through_max),
     ("pool_composition", pool_composition),

@@ -57,6 +57,7 @@ MAX_YAML_NODES = 100_000  # nodes once aliases are expanded (a billion-laughs fi
 # Kept in step with kgen.rewrites.REWRITES (a test checks it); listed here so
 # that loading a spec does not import the rewrite machinery.
 REWRITE_NAMES = (
+    "dropout_of_zero",
     "softmax_through_reshape",
     "scalar_through_max",
     "pool_composition",

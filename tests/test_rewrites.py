@@ -220,6 +220,22 @@ def test_original_pipeline_run_is_eager_torch():
     torch.testing.assert_close(run(p, x, t), y.sum(dim=1), rtol=1e-12, atol=1e-12)
 
 
+# ------------------------------------------------------------------ dropout of zero
+
+
+@pytest.mark.parametrize("p, gone", [(0.0, True), (0.2, False)])
+def test_a_dropout_of_zero_is_gone(p, gone):
+    """DenseNet's layers end in nn.Dropout(0.0): the identity in both modes, so the op goes and the convolution's
+    output is the value named after it (a dropout of p > 0 stays: it is random in training mode)."""
+    ops = [{"conv2d": {"out_channels": 4, "kernel_size": 3, "padding": 1}}, {"dropout": {"p": p}},
+           {"relu": {"as": "f"}}, {"mul": {"scalar": 2.0}}]
+    pipe = build(spec_text([3, 6, 6], ops))
+    new, ds = rewrite(pipe, "dropout_of_zero")
+    assert bool(fired(ds, "dropout_of_zero")) == gone
+    assert [o.op_name for o in new.ops][:2] == (["conv2d", "relu"] if gone else ["conv2d", "dropout"])
+    check_equivalent(pipe, new)
+
+
 # ------------------------------------------------------------------ softmax through reshape
 
 SPANNED_OPS = [{"add": {"param": "b"}}, {"reshape": {"shape": [4, 90]}}, {"softmax": {"dim": 2}},
