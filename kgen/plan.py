@@ -585,6 +585,9 @@ class Variant:
     why: str = DEFAULT_REASON  # why this plan for these batches
     mode: str = "any"
     dtype: str = "float32"  # the input dtype it computes (the op dispatches on it first)
+    # the cost model puts the eager candidate (the spec's ops through ATen) at this plan's estimate: the same work,
+    # so the Dynamo backend leaves such a partition to PyTorch (kgen.backend._refuse_eager_plans)
+    eager_as_fast: bool = False
 
     @property
     def batches(self) -> str:
@@ -695,14 +698,14 @@ def _choose_for_dtype(pipeline: Pipeline, target: Target, rewrites: dict | None)
             variants.append(Variant(plan, r.lo, r.hi, why, mode, pipeline.dtype))
         source = f"tuning file {entry.path.name} ({entry.device})"
     else:
-        plan, why = _cheapest(cands, target)
-        variants, source = [Variant(plan, why=why, mode=mode, dtype=pipeline.dtype)], "cost model"
+        plan, why, as_fast = _cheapest(cands, target)
+        variants, source = [Variant(plan, why=why, mode=mode, dtype=pipeline.dtype, eager_as_fast=as_fast)], "cost model"
     if eval_mode:
-        plan, why = training_plan(pipeline, target)
+        plan, why, as_fast = training_plan(pipeline, target)
         if plan.eager and all(v.plan.eager for v in variants):  # the same plan in both modes (equal choices are
             variants = [Variant(plan, why=why, dtype=pipeline.dtype)]  # not: eval mode's are of another pipeline)
         else:
-            variants.insert(0, Variant(plan, why=why, mode="train", dtype=pipeline.dtype))
+            variants.insert(0, Variant(plan, why=why, mode="train", dtype=pipeline.dtype, eager_as_fast=as_fast))
             source += "; training mode: cost model" if entry is not None else ""
     return Selection(pipeline, variants, source, notes, cands, entry, (entry,) if entry is not None else ())
 
@@ -745,34 +748,32 @@ def _and_eager(cands: list[Plan], pipeline: Pipeline, target: Target) -> list[Pl
     return cands
 
 
-def training_plan(pipeline: Pipeline, target: Target) -> tuple[Plan, str]:
+def training_plan(pipeline: Pipeline, target: Target) -> tuple[Plan, str, bool]:
     """Training mode's plan where eval mode has its own: the cost model's among the training
-    candidates, and why."""
+    candidates, why, and whether the eager candidate is as fast (_cheapest)."""
     return _cheapest(training_candidates(pipeline, target), target)
 
 
-def _cheapest(cands: list[Plan], target: Target) -> tuple[Plan, str]:
+def _cheapest(cands: list[Plan], target: Target) -> tuple[Plan, str, bool]:
     """The candidate the cost model estimates fastest at its spec's example batch, then improved one
-    decision at a time (made again with that reason), and why. candidate_plans stops at MAX_CANDIDATES
+    decision at a time (made again with that reason), why, and whether the eager candidate is estimated as fast
+    (Variant.eager_as_fast; a generated plan still wins such a tie). candidate_plans stops at MAX_CANDIDATES
     plans near the default one: a whole model's 16 decision points (MobileNetV2) leave most combinations
     out, so the cheapest of them alone would be the default plan with one or two choices changed."""
     from . import cost
 
     batch = cands[0].original.example_batch()
     estimates = [cost.estimate_ms(p, batch) for p in cands]
-    generated = [i for i, p in enumerate(cands) if not p.eager] or list(range(len(cands)))
-    best = min(generated, key=lambda i: estimates[i])  # ties: the earlier (nearer the default)
+    best = min(range(len(cands)), key=lambda i: estimates[i])  # ties: the earlier (nearer the default)
     plan, ms, tried = _descend(cands[best], estimates[best], target, batch)
-    eager = next((i for i, p in enumerate(cands) if p.eager), None)
-    # the eager candidate where it is as fast (to TIE_DIGITS): a generated op doing the same work adds its call
-    if eager is not None and round(estimates[eager], TIE_DIGITS) <= round(ms, TIE_DIGITS):
-        best, plan, ms, tried = eager, cands[eager], estimates[eager], 0
     more = f", then {tried} plans one choice apart" if plan is not cands[best] else ""
     why = f"cost model: {ms:.3f} ms at batch {batch}, the lowest of {len(cands)} candidate(s){more}"
-    return make_plan(plan.original, None, target, plan.choices, batch, reason=why), why
+    eager = next((e for p, e in zip(cands, estimates) if p.eager), None)
+    as_fast = not plan.eager and eager is not None and round(eager, TIE_DIGITS) <= round(ms, TIE_DIGITS)
+    return make_plan(plan.original, None, target, plan.choices, batch, reason=why), why, as_fast
 
 
-TIE_DIGITS = 6  # estimates (ms) equal to this many decimals are a tie
+TIE_DIGITS = 6  # estimates (ms) equal to this many decimals are a tie (Variant.eager_as_fast)
 MAX_DESCENT_PASSES = 4  # passes over a plan's decision points (each pass: every option of every point)
 
 

@@ -196,7 +196,9 @@ def selection_json(sel: Selection, spec_shown: str, launches: int) -> dict:
         "chosen_by": sel.source,
         "notes": sel.notes,
         "kernel_launches": launches,
-        "plans": [{"batches": [v.lo, v.hi], "mode": v.mode} | ({} if v.dtype == "float32" else {"dtype": v.dtype}) | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
+        "plans": [{"batches": [v.lo, v.hi], "mode": v.mode} | ({} if v.dtype == "float32" else {"dtype": v.dtype})
+                  | ({"eager_as_fast": True} if v.eager_as_fast else {})
+                  | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}
                   for v in sel.variants],
     }
 def constructor_call(args) -> list[str]:

@@ -840,6 +840,18 @@ def test_a_partition_whose_plan_is_eager_stays_pytorchs(cache, monkeypatch):
         assert not [n for n in nodes if n[0] == "call_module"] and ("call_function", str(F.conv2d)) in nodes, nodes
 
 
+@pytest.mark.eager_fallback
+def test_a_partition_whose_plan_ties_its_own_ops_through_aten_stays_pytorchs(cache, monkeypatch):
+    """A partition whose plan the cost model puts at the same time as its own ops through ATen (the same work, as a
+    lone elementwise op's) stays PyTorch's, with the reason."""
+    from kgen import cost
+
+    monkeypatch.setattr(cost, "estimate_ms", lambda plan, batch: 1.0)
+    made = _partitions_of(ConvRelu().eval(), torch.randn(3, 3, 7, 7))  # (a size of its own: a partition of its own)
+    assert made and all(p["module"] is None for p in made), made
+    assert made[0]["reason"].startswith("its own ops through ATen are as fast as its plan (cost model: 1.000 ms"), made
+
+
 def test_the_op_replays_on_a_gpu_where_the_graph_records_no_autograd():
     """_replay_applies: CUDA examples (fake ones here) and autograd off, or nothing requiring grad; never on the
     CPU (the op replays CUDA graphs only)."""

@@ -7,23 +7,15 @@ import pytest
 import torch
 
 from conftest import BUILD_DEVICES, assert_report_passed, pipeline_of, render_specs
+from test_graph import CAT
 from kgen import cost
 from kgen.explain import explain_text
 from kgen.plan import make_plan
 from kgen.stage import ChannelSlice
 from kgen.target import DEFAULT
 
-# two pools of one value, concatenated (each pool's stage writes its slice)
-POOLS = """
-name: cc_pools
-input: {shape: [N, 4, 6, 6], example: {N: 2}}
-ops:
-  - relu: {as: r}
-  - max_pool2d: {kernel_size: 2, as: p}
-  - avg_pool2d: {kernel_size: 2, from: r}
-  - cat: {tensors: [p], dim: 1}
-  - mul: {scalar: 0.5}
-"""
+# two pools of one value, concatenated (test_graph's cat of branches: each pool's stage writes its slice)
+POOLS = CAT.replace("name: g_cat", "name: cc_pools")
 
 # SqueezeNet's fire module: two expand convolutions of one squeezed value, each with its ReLU, concatenated; odd
 # channel counts and positions (the samples of a slice start at no whole vector)
@@ -53,16 +45,8 @@ ops:
 """
 
 # p is also an output of the graph: its stage writes it as a tensor of its own, and the cat copies it
-READ_TWICE = """
-name: cc_read_twice
-input: {shape: [N, 4, 6, 6], example: {N: 2}}
-ops:
-  - relu: {as: r}
-  - max_pool2d: {kernel_size: 2, as: p}
-  - avg_pool2d: {kernel_size: 2, from: r}
-  - cat: {tensors: [p], dim: 1, as: y}
-outputs: [y, p]
-"""
+READ_TWICE = (POOLS.replace("name: cc_pools", "name: cc_read_twice").replace("dim: 1}", "dim: 1, as: y}")
+              .replace("  - mul: {scalar: 0.5}\n", "") + "outputs: [y, p]\n")
 
 
 def _plan(text):

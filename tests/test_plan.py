@@ -720,16 +720,21 @@ def test_the_cost_model_choice_is_no_worse_than_any_one_choice_apart(monkeypatch
                 assert estimate(other, 8) >= ms, (point, option)
 
 
-@pytest.mark.parametrize("generated_ms, chosen", [(2.0, "eager"), (1.999, "kgen"), (2.0000004, "eager")])
-def test_the_eager_candidate_wins_a_tie(monkeypatch, generated_ms, chosen):
-    """Where the cost model finds the best generated plan (after its descent) as fast as the spec's ops through ATen,
-    to TIE_DIGITS decimals, the plan is eager's: a generated op doing the same work only adds its call."""
+@pytest.mark.parametrize("generated_ms, eager, as_fast", [(2.0, False, True), (1.9999996, False, True), (1.999, False, False),
+                                                         (2.0000004, True, False)])
+def test_a_plan_the_eager_candidate_ties_says_so(monkeypatch, generated_ms, eager, as_fast):
+    """Where the cost model puts the spec's ops through ATen at the best generated plan's estimate (to TIE_DIGITS
+    decimals), the generated plan stays the choice and its variant says the eager candidate is as fast
+    (Variant.eager_as_fast; plan.json's "eager_as_fast"), which the Dynamo backend reads."""
     from kgen import cost
+    from kgen.render import selection_json
 
     pipe = pipeline_of(spec_text([8, 6, 6], ["exp"], batch=4))
     monkeypatch.setattr(cost, "estimate_ms", lambda plan, batch: 2.0 if plan.eager else generated_ms)
     sel = choose_plans(pipe, DEFAULT)
-    assert ("eager" if sel.variants[0].plan.eager else "kgen") == chosen, sel.variants[0].why
+    (v,) = sel.variants
+    assert v.plan.eager == eager and v.eager_as_fast == as_fast, v.why
+    assert selection_json(sel, "t.yaml", 1)["plans"][0].get("eager_as_fast", False) == as_fast
 
 
 @pytest.mark.parametrize("spec", ["maxpool_sum", "relu_group_norm", "div_max_gap_bias_sum"])
