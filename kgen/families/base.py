@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from ..buffer import Buffer
-from ..ir import Op, Pipeline, Reduce, TensorType
+from ..ir import Op, Pipeline, TensorType
 from ..ops import AMPLIFYING, OPS
 from ..stage import Stage
 from ..target import H100_NAME, Target
