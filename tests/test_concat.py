@@ -96,6 +96,19 @@ def test_an_input_operand_is_copied_into_its_slice():
     assert copy.launches == 1 and copy.bytes == 2 * 4 * 8 * (4 * 6 * 6)  # x read and written once, float32
 
 
+def test_a_cat_that_copies_reads_every_piece():
+    """The cost model's cat (aten family): a copy reads each piece and writes the whole, once."""
+    plan = _plan("""
+name: cc_twice
+input: {shape: [N, 4, 6, 6], example: {N: 2}}
+ops:
+  - cat: {tensors: [x], dim: 1}
+""")
+    assert _cat(plan).in_place == ()  # (the input: no stage writes it)
+    (work,) = _cat_work(plan)
+    assert work.bytes == 4 * 8 * (4 * 36 + 4 * 36 + 8 * 36)  # x read twice, the cat written (float32)
+
+
 def test_an_operand_read_as_an_output_too_is_copied():
     plan = _plan(READ_TWICE)
     cat = _cat(plan)

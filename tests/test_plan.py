@@ -442,7 +442,8 @@ def test_views_cost_nothing_in_the_eager_plan_and_a_flat_reshape_nothing_in_aten
     works = {w.what: w for w in cost.estimate(eager, 4)[0].work}
     views = [w for w in works.values() if w.what.endswith("(a view)")]
     assert len(views) == 4 and all(w.bytes == 0 and w.launches == 0 for w in views), list(works)
-    assert works["ops[3].sub"].bytes == 4 * 4 * (6 * 5 * 1 + 6 * 5 * 5)  # reads the view's own values, writes the result
+    # reads the view's own values and y, writes the result
+    assert works["ops[3].sub"].bytes == 4 * 4 * (6 * 5 * 1 + 6 * 5 * 1 + 6 * 5 * 5)
     kgen = make_plan(pipe)
     (reshape,) = [s for s in kgen.stages if s.family.name == "aten" and isinstance(s.ops[0], Reshape)]
     assert reshape.input.flat and cost.estimate(kgen, 4)[reshape.index].work[0].bytes == 0
@@ -718,6 +719,29 @@ def test_the_cost_model_choice_is_no_worse_than_any_one_choice_apart(monkeypatch
             if option != chosen.choices[point]:
                 other = make_plan(pipe, None, DEFAULT, {**chosen.choices, point: option}, 8)
                 assert estimate(other, 8) >= ms, (point, option)
+
+
+def test_the_cost_model_prices_the_tensors_an_elementwise_op_reads():
+    """KernelBench level 2 #26's form: the output plus a second input of its size, read by the fused stage and by the
+    eager candidate's add; each estimate moves that input's bytes once more than its own input and output."""
+    from kgen import cost
+
+    pipe = pipeline_of("""
+name: two_inputs
+inputs:
+  x: {shape: [N, 8, 6, 6]}
+  y: {shape: [N, 8, 6, 6]}
+example: {N: 4}
+ops:
+  - add: {tensor: y}
+  - relu
+""")
+    fused = make_plan(pipe, target=DEFAULT)
+    reads = [w for e in cost.estimate(fused, 4) for w in e.work if w.what == "y read"]
+    assert [w.bytes for w in reads] == [4 * 4 * 8 * 6 * 6]
+    eager = make_plan(pipe, target=DEFAULT, choices={"pipeline": "eager"})
+    (add,) = [w for e in cost.estimate(eager, 4) for w in e.work if w.what.endswith("add")]
+    assert add.bytes == 3 * 4 * 4 * 8 * 6 * 6  # x and y read, the sum written
 
 
 @pytest.mark.parametrize("generated_ms, eager, as_fast", [(2.0, False, True), (1.9999996, False, True), (1.999, False, False),

@@ -13,8 +13,10 @@ fused stage reads its contiguous output. Templates: ``templates/aten/``.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..buffer import flat_buffer
-from ..ir import Reduce, Reshape
+from ..ir import Cat, Reduce, Reshape
 from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest, Work, value_bytes
@@ -42,12 +44,15 @@ class Aten(Family):
         pass; any other op reads its input and writes its output once."""
         if isinstance(st.ops[0], Reshape) and st.input.flat:
             return [Work(f"{st.ops[0].key} (a view)", 0, 0, launches=0)]
+        op = st.ops[0]
         if st.in_place:  # a cat whose operands' stages wrote some in place: it copies the others into their slices
-            op = st.ops[0]
             copied = [t for pos, t in enumerate((st.in_type, *op.pieces)) if pos not in st.in_place]
             return [Work(f"{op.key}: {len(copied)} operand(s) copied into their slices", 0,
                          2 * value_bytes(st) * batch * sum(t.sample_numel for t in copied), launches=len(copied))]
-        return super().work(st, batch, target)
+        (one,) = super().work(st, batch, target)
+        if isinstance(op, Cat):  # (its other pieces are read too)
+            return [replace(one, bytes=one.bytes + value_bytes(st) * batch * sum(t.sample_numel for t in op.pieces))]
+        return [one]
 
     def binding_includes(self, st: Stage) -> list[str]:
         return layout_headers(st.ops[0]) if st.ops else []

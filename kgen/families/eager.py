@@ -328,6 +328,10 @@ class Eager(Family):
         only its result contiguous)."""
         out, size = [], value_bytes(st)
         chain = st.chain()
+        values = dict(st.inputs)  # the named values' types, as the chain names them: what an op reads beside its input
+        for op, _, t_out in chain:
+            if isinstance(op, Capture):
+                values[op.name] = t_out
         viewed = None  # what the op after an expand reads of its view: the expanded tensor's own values
         strided = False  # whether the running value is a view that is not contiguous (a reshape of it copies)
         for i, (op, t_in, t_out) in enumerate(chain):
@@ -358,6 +362,9 @@ class Eager(Family):
             elif isinstance(op, (Norm, BatchNorm)):  # a batch norm as training mode runs it (eval mode: one pass less)
                 out.append(Work(op.key, flops, size * (2 * n_in + n_out), launches=NORM_LAUNCHES))
             else:
+                # (the tensors an elementwise op or a cat reads beside its input, once each)
+                n_in += batch * sum(values[n].sample_numel for n in op.value_names() if n in values
+                                    and isinstance(op, (Elementwise, Cat)))
                 out.append(half_product(Work(op.key, flops, size * (n_in + n_out)), st, target)
                            if isinstance(op, (Linear, Matmul)) else Work(op.key, flops, size * (n_in + n_out)))
         return out
