@@ -39,7 +39,8 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     if getattr(stage, "gathered_by", None) is not None or stage.in_place:
         # statistics gathered by the stage before: its tiles' moments; a cat written in place: the copies it makes
         return flops, sum(w.bytes for w in stage.family.work(stage, batch, plan.target))
-    return flops, value_bytes(stage) * (read + written)
+    operands = sum(w.bytes for w in cost.operand_reads(plan, stage, batch))  # the other tensors its ops read
+    return flops, value_bytes(stage) * (read + written) + operands
 
 
 def floor_ms(flops: int, nbytes: int, target: Target, dtype: str = "float32") -> tuple[float, str]:

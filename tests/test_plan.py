@@ -739,6 +739,10 @@ ops:
     fused = make_plan(pipe, target=DEFAULT)
     reads = [w for e in cost.estimate(fused, 4) for w in e.work if w.what == "y read"]
     assert [w.bytes for w in reads] == [4 * 4 * 8 * 6 * 6]
+    from kgen.explain import stage_cost
+
+    (stage,) = [s for s in fused.stages if s.family.name == "pool_reduce"]
+    assert stage_cost(fused, stage, 4)[1] == 3 * 4 * 4 * 8 * 6 * 6  # the floor's bytes too: x and y read, one written
     eager = make_plan(pipe, target=DEFAULT, choices={"pipeline": "eager"})
     (add,) = [w for e in cost.estimate(eager, 4) for w in e.work if w.what.endswith("add")]
     assert add.bytes == 3 * 4 * 4 * 8 * 6 * 6  # x and y read, the sum written
