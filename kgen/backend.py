@@ -770,8 +770,9 @@ def _replay_applies(g: _Graph) -> bool:
 def _refuse_eager_plans(module_dir: Path, g: _Graph, batch: int) -> None:
     """A partition whose every plan is the eager candidate (its ops through ATen, chosen by the cost model or
     the tuning file as the fastest), or estimated no faster than it (Variant.eager_as_fast), stays PyTorch's: a
-    generated op would only add a call around the same work. Says why, with the choice's reason. Unless the op replays them as one CUDA graph and that saves
-    time (many small kernels at a small batch: an RNN's unrolled steps): then the op is that replay."""
+    generated op would only add a call around the same work. Says why, with the choice's reason. Unless the op
+    replays them as one CUDA graph and that saves time (many small kernels at a small batch: an RNN's unrolled
+    steps): then the op is that replay."""
     from .cost import argument_bytes
     from .ir import load_pipeline
     from .plan import EAGER, EAGER_CHOICE, PIPELINE
@@ -790,7 +791,7 @@ def _refuse_eager_plans(module_dir: Path, g: _Graph, batch: int) -> None:
                      f"{1e3 * saved:.3f} ms of dispatch saved a call)")
                 return
         if not all(eager):  # the cost model's estimate of its own ops through ATen equals its plan's
-            why = selection["plans"][eager.index(False)]["stages"][0].get("choice", "").partition(": ")[2]
+            why = plans[eager.index(False)]["stages"][0].get("choice", "").partition(": ")[2]
             raise KgenError(f"its own ops through ATen are as fast as its plan ({why})")
         choice = plans[0]["stages"][0].get("choice", "") if plans[0]["stages"] else ""
         why = choice.removeprefix(EAGER_CHOICE.partition("{reason}")[0]).removesuffix(")")

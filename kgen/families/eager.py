@@ -362,9 +362,8 @@ class Eager(Family):
             elif isinstance(op, (Norm, BatchNorm)):  # a batch norm as training mode runs it (eval mode: one pass less)
                 out.append(Work(op.key, flops, size * (2 * n_in + n_out), launches=NORM_LAUNCHES))
             else:
-                # (the tensors an elementwise op or a cat reads beside its input, once each)
-                n_in += batch * sum(values[n].sample_numel for n in op.value_names() if n in values
-                                    and isinstance(op, (Elementwise, Cat)))
+                if isinstance(op, (Elementwise, Cat)):  # the tensors it reads beside its input, once each
+                    n_in += batch * sum(values[n].sample_numel for n in op.value_names() if n in values)
                 out.append(half_product(Work(op.key, flops, size * (n_in + n_out)), st, target)
                            if isinstance(op, (Linear, Matmul)) else Work(op.key, flops, size * (n_in + n_out)))
         return out
