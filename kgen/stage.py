@@ -93,3 +93,8 @@ class ConvStage(Stage):
     # ATen's convolution as eager calls it, whose call `kgen tune` measured running cuDNN's fp32 kernels with TF32
     # allowed: priced at cuDNN's fp32 rate (conv_aten.conv_work)
     eager_fp32_kernels: bool = False
+    # ATen's channels_last call of a convolution eager runs NC[D]HW with TF32 products: on CUDA its input (in the
+    # generated copy into channels_last) and its weight are rounded to TF32 ties away from zero first, as eager's
+    # NC[D]HW kernels round them, so cuDNN's channels_last kernels (ties to even) find nothing left to round and the
+    # products are eager's (conv_aten.eager_rounding_only)
+    eager_rounding: bool = False

@@ -434,6 +434,16 @@ inline at::Tensor tf32_half_even(const at::Tensor& w) {
   return at::where(at::isfinite(w), rounded, w);
 }
 
+// A float32 tensor rounded to TF32, ties away from zero (kgen::tf32_rounded_away on each value: as eager's cuDNN
+// NC[D]HW forward convolutions round their operands); inf and NaN are kept.
+inline at::Tensor tf32_round_away(const at::Tensor& w) {
+  constexpr int64_t kDropped = 13;
+  const at::Tensor bits = w.contiguous().view(at::kInt);
+  const at::Tensor sum = at::add(bits, at::Scalar(int64_t{1} << (kDropped - 1)));
+  const at::Tensor rounded = at::bitwise_and(sum, at::Scalar(~((int64_t{1} << kDropped) - 1))).view(at::kFloat);
+  return at::where(at::isfinite(w), rounded, w);
+}
+
 // Average pool folded into a convolution's kernel (kgen.lowering.Folded):
 // w'[u] = mean over pool taps t of w[u - t * conv_stride].
 inline at::Tensor fold_avg_pool_weight(const at::Tensor& w, at::IntArrayRef pool_kernel, at::IntArrayRef conv_stride) {

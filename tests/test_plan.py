@@ -342,26 +342,58 @@ def test_aten_convolution_runs_with_tf32_off_where_it_is_not_eagers_call(tmp_pat
         assert f", {precision}, at::MemoryFormat::ChannelsLast)" in call[:call.index(";")], (name, call[:400])
 
 
-def test_a_tf32_convolution_before_a_normalization_is_eagers_own_call():
+def test_a_tf32_convolution_before_a_normalization_rounds_as_eagers_own_call():
     """conv_aten.eager_rounding_only: cuDNN rounds a forward convolution's operands to TF32 ties away from
     zero in NC[D]HW and to even in channels_last, and a normalization scales that up past KernelBench's
     1e-4; so a forward convolution with TF32 products (K = 576) before a group, instance or training-mode
-    batch norm makes eager's own call. An exponential after it, a transposed convolution (ties to even
-    in every form) or a spec's conv_layout leave the layout free."""
+    batch norm makes eager's own call, or a channels_last call whose operands are rounded first as eager's
+    call rounds them (ConvStage.eager_rounding: the input in the generated copy, so only where that copy
+    makes it). An exponential after it or a transposed convolution (ties to even in every form) leave the
+    layout free and round nothing; a spec's conv_layout takes that layout (channels_last: rounded)."""
     large = {"conv2d": {"out_channels": 64, "kernel_size": 3}}
     for norm in ({"group_norm": {"num_groups": 4}}, {"instance_norm": {}}):
-        st = plan_of([64, 20, 20], [large, norm], plan=ATEN).stages[0]
-        assert st.layout == "contiguous" and not st.fp32_products, norm
+        first = plan_of([64, 20, 20], [large, norm], plan=ATEN).stages[0]
+        assert first.layout == "contiguous" and not first.eager_rounding and not first.fp32_products, norm
+        assert first.candidates == ("conv_aten:contiguous", "conv_aten:channels_last"), first.candidates
+        cl = plan_of([64, 20, 20], [large, norm], plan=ATEN,
+                     choices={"implementation @ ops[0].conv2d": "conv_aten:channels_last"}).stages[0]
+        assert cl.layout == "channels_last" and cl.eager_rounding and not cl.fp32_products, norm
+        assert "rounded to TF32 ties away from zero" in cl.family.explain_lines(cl)[0]
+    wide = plan_of([300, 8, 8], [{"conv2d": {"out_channels": 64, "kernel_size": 3}}, {"instance_norm": {}}], plan=ATEN).stages[0]
+    assert wide.candidates == ("conv_aten:contiguous",)  # its copy into channels_last would be ATen's: nothing rounds it
     sel = choose_plans(pipeline_of(spec_text([64, 20, 20], [large, "relu", {"batch_norm": {}}], plan=ATEN)))
     train, evl = sel.variant_for(2, True).plan.stages[0], sel.variant_for(2, False).plan.stages[0]
-    assert train.layout == "contiguous"  # the batch statistics
-    assert evl.layout == "channels_last"  # eval mode: an affine over the running statistics
+    assert train.eager_rounding == (train.layout == "channels_last")  # the batch statistics: rounded as eager's
+    assert evl.layout == "channels_last" and not evl.eager_rounding  # eval mode: an affine over the running statistics
     free = [plan_of([64, 20, 20], [large, "exp", {"sum": {"dim": 1}}], plan=ATEN).stages[0],
             plan_of([64, 20, 20], [{"conv_transpose2d": {"out_channels": 64, "kernel_size": 3}},
-                                   {"group_norm": {"num_groups": 4}}], plan=ATEN).stages[0],
-            plan_of([64, 20, 20], [large, {"group_norm": {"num_groups": 4}}],
-                    plan={"conv": "aten", "conv_layout": "channels_last"}).stages[0]]
-    assert [st.layout for st in free] == ["channels_last"] * 3
+                                   {"group_norm": {"num_groups": 4}}], plan=ATEN).stages[0]]
+    assert [(st.layout, st.eager_rounding) for st in free] == [("channels_last", False)] * 2
+    given = plan_of([64, 20, 20], [large, {"group_norm": {"num_groups": 4}}],
+                    plan={"conv": "aten", "conv_layout": "channels_last"}).stages[0]
+    assert given.layout == "channels_last" and given.eager_rounding
+
+
+def test_the_rounded_channels_last_call_renders_its_rounding_and_validates_on_the_cpu(tmp_path):
+    """ConvStage.eager_rounding in the sources: the generated copy rounds the input, ATen's fallback copy and the
+    kept weight are rounded on CUDA (the CPU's convolution is fp32: nothing is rounded there, so the CPU build
+    validates against float64 as eager's CPU call does)."""
+    from kgen.build import build_module
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
+
+    from conftest import assert_report_passed, write_spec
+
+    ops = [{"conv2d": {"out_channels": 64, "kernel_size": 3}}, {"instance_norm": {}}]
+    spec = write_spec(tmp_path, spec_text([64, 6, 6], ops, name="er", plan={"conv": "aten", "conv_layout": "channels_last"}), "er.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    module = tmp_path / "gen" / "er"
+    binding, kernel = (module / "binding.cpp").read_text(), (module / "kernel.cu").read_text()
+    assert "(w.is_cuda() ? kgen::tf32_round_away(w) : w).contiguous(at::MemoryFormat::ChannelsLast)" in binding
+    assert "(x.is_cuda() ? kgen::tf32_round_away(narrowed) : narrowed)" in binding
+    assert "yn[i] = kgen::tf32_rounded_away(tile[" in kernel
+    build_module(module, "cpu", quiet=True)
+    assert_report_passed(validate(spec, module, "cpu"), "er")
 
 
 def test_how_the_aten_convolution_gets_its_input():

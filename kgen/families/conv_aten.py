@@ -180,7 +180,9 @@ class ConvAten(Family):
         if req.pipeline.conv_layout != "auto":
             return (req.pipeline.conv_layout,)
         if self.eager_rounding_only(req, conv):
-            return ("contiguous",)
+            # eager's own call, or channels_last with the operands rounded as eager's call rounds them (where the
+            # generated copy makes its input: ConvStage.eager_rounding)
+            return ("contiguous", "channels_last") if self._copies_in_kernel(req, conv, "channels_last") else ("contiguous",)
         direct_transposed = conv.transposed
         nxt = req.next_family
         fast = nxt is not None and nxt.reads_channels_last_fast(self._output(req, conv, "channels_last")[0],
@@ -197,6 +199,7 @@ class ConvAten(Family):
         layout = layout or self.layouts(req, conv)[0]
         st = ConvStage(req.index, list(req.ops), t_in, t_out, input=req.input, conv=conv, layout=layout)
         st.fp32_products = self.fp32_products(req, conv, layout)
+        st.eager_rounding = layout == "channels_last" and self.eager_rounding_only(req, conv)
         st.eager_fp32_kernels = (req.dtype == "float32" and self.as_eager(conv, layout)
                                  and dict(req.pipeline.eager_conv_tf32).get(conv.conv.module) is False)
         st.output, phases = self._output(req, conv, layout)
@@ -211,7 +214,8 @@ class ConvAten(Family):
         return _output_of(conv, t_in.spatial, t_out.shape[1:], layout)
 
     def eager_rounding_only(self, req: StageRequest, conv) -> bool:
-        """Whether only eager's own call (NC[D]HW, as written) rounds this convolution's operands as eager
+        """Whether only eager's own call (NC[D]HW, as written), or a channels_last call whose operands are rounded
+        first as that call rounds them (ConvStage.eager_rounding), rounds this convolution's operands as eager
         does: a forward convolution with TF32 products (cuDNN's large GEMMs) that a normalization follows.
         cuDNN rounds the operands to TF32 with ties away from zero in its NC[D]HW forward kernels and to
         even in its channels_last ones (H100: lab tf32_lab/cudnn_rounding.py in docs/performance.md);
@@ -259,6 +263,11 @@ class ConvAten(Family):
         if not st.input.flat:
             return None
         return TapSumKernel.of(st.conv, st.in_type.spatial)
+
+    def _copies_in_kernel(self, req: StageRequest, conv, layout: str) -> bool:
+        """Whether a stage of ``layout`` for ``req`` gets its input through the generated copy (input_copy)."""
+        return (layout == "channels_last" and req.input.layout == "contiguous" and req.input.dense
+                and conv.conv.in_channels <= self.MAX_COPY_CHANNELS)
 
     def input_copy(self, st: ConvStage) -> str | None:
         """How the input reaches the convolution when it must be copied first (narrowed to
@@ -317,12 +326,14 @@ class ConvAten(Family):
                 "aten": "; the input is copied into that layout (or narrowed) first", None: ""}[self.input_copy(st)]
         tf32 = (f"; cuDNN with TF32 off: {st.fp32_products}" if st.fp32_products else
                 "; cuDNN's fp32 kernels although TF32 is allowed (eager's call, as `kgen tune` measured it)"
-                if st.eager_fp32_kernels else "")
+                if st.eager_fp32_kernels else
+                "; on CUDA its input (in the copy) and weight rounded to TF32 ties away from zero first, as eager's "
+                "NC[D]HW call rounds them: its products are eager's" if st.eager_rounding else "")
         return [f"{calls}, output {st.layout}{copy}{tf32}"]
 
     def stage_json(self, st: ConvStage) -> dict:
         d = dict(lowering=st.conv.lowering.name, layout=st.layout, input_extent=list(st.input_extent), input_copy=self.input_copy(st),
-                 fp32_products=st.fp32_products)
+                 fp32_products=st.fp32_products, eager_rounding=st.eager_rounding)
         if st.phases:
             d["phases"] = [asdict(p) for p in st.phases]
         return d
