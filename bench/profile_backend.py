@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernelbench_backend import INIT_SEED, compiled_copy, load_problem, problem_file, problem_numbers  # noqa: E402
 
-CALLS_TIMED, CALLS_PROFILED, ROWS = 10, 5, 14
+CALLS_TIMED, CALLS_PROFILED = 10, 5
 
 
-def profile_form(name: str, fn, xs) -> None:
+def profile_form(name: str, fn, xs, rows_shown: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -44,7 +44,7 @@ def profile_form(name: str, fn, xs) -> None:
         torch.cuda.synchronize()
     rows = sorted((k for k in prof.key_averages() if k.self_device_time_total > 0), key=lambda k: -k.self_device_time_total)
     print(f"-- {name}: {start.elapsed_time(end) / CALLS_TIMED:.3f} ms a call (the first 3 calls {first:.1f} s)", flush=True)
-    for k in rows[:ROWS]:
+    for k in rows[:rows_shown]:
         print(f"   {k.self_device_time_total / CALLS_PROFILED / 1e3:8.3f} ms {k.count // CALLS_PROFILED:4d}x  {k.key[:140]}")
 
 
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--problems", required=True, help="problem numbers: 6,17 or 1-5")
     ap.add_argument("--skip-inductor", action="store_true", help="only eager and the backend")
+    ap.add_argument("--rows", type=int, default=14, help="kernels and ranges shown per form, by device time")
     ap.add_argument("--grad", action="store_true", help="autograd on (default: under torch.no_grad(), as KernelBench)")
     args = ap.parse_args()
 
@@ -77,7 +78,7 @@ def main() -> None:
         print(f"==== level {args.level} {path.stem}", flush=True)
         with torch.set_grad_enabled(args.grad):
             for name, fn in forms.items():
-                profile_form(name, fn, xs)
+                profile_form(name, fn, xs, args.rows)
         for p in backend.PARTITIONS[before:]:
             print(f"partition: {p}")
 
