@@ -8,6 +8,9 @@ eager's call launches and the time of eager's call against (a). On a GPU machine
 
     python3 bench/cudnn_forms.py
 """
+import argparse
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
@@ -67,6 +70,9 @@ def ms(fn) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("cudnn_forms.py: needs a CUDA GPU (it measures cuDNN's calls)")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     bn = lambda y: F.batch_norm(y, None, None, training=True, eps=1e-5)  # noqa: E731
