@@ -64,7 +64,6 @@ KGEN_HD float bits_float(uint32_t u) {
 #endif
 }
 
-// float -> bfloat16 bits, round to nearest even; NaN -> a quiet NaN.
 // x rounded to TF32 (10 mantissa bits), ties away from zero, as cvt.rna.tf32.f32 and eager's cuDNN NC[D]HW
 // forward convolutions round their operands; inf and NaN stay (a carry past the largest float gives inf).
 KGEN_HD float tf32_rounded_away(float x) {
@@ -73,6 +72,7 @@ KGEN_HD float tf32_rounded_away(float x) {
   return bits_float((u + 0x1000u) & ~0x1fffu);
 }
 
+// float -> bfloat16 bits, round to nearest even; NaN -> a quiet NaN.
 KGEN_HD uint16_t bfloat16_bits(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   uint16_t r;
