@@ -182,7 +182,8 @@ class ConvAten(Family):
         if self.eager_rounding_only(req, conv):
             # eager's own call, or channels_last with the operands rounded as eager's call rounds them (where the
             # generated copy makes its input: ConvStage.eager_rounding)
-            return ("contiguous", "channels_last") if self._copies_in_kernel(req, conv, "channels_last") else ("contiguous",)
+            rounded = req.input.dense and self._kernel_copy("channels_last", req.input, conv)
+            return ("contiguous", "channels_last") if rounded else ("contiguous",)
         direct_transposed = conv.transposed
         nxt = req.next_family
         fast = nxt is not None and nxt.reads_channels_last_fast(self._output(req, conv, "channels_last")[0],
@@ -264,10 +265,10 @@ class ConvAten(Family):
             return None
         return TapSumKernel.of(st.conv, st.in_type.spatial)
 
-    def _copies_in_kernel(self, req: StageRequest, conv, layout: str) -> bool:
-        """Whether a stage of ``layout`` for ``req`` gets its input through the generated copy (input_copy)."""
-        return (layout == "channels_last" and req.input.layout == "contiguous" and req.input.dense
-                and conv.conv.in_channels <= self.MAX_COPY_CHANNELS)
+    def _kernel_copy(self, layout: str, given: Buffer, conv) -> bool:
+        """Whether a stage of ``layout`` reading ``given`` gets its input through the generated copy from NC[D]HW
+        into channels_last (input_copy's "kernel")."""
+        return layout == "channels_last" and given.layout == "contiguous" and conv.conv.in_channels <= self.MAX_COPY_CHANNELS
 
     def input_copy(self, st: ConvStage) -> str | None:
         """How the input reaches the convolution when it must be copied first (narrowed to
@@ -277,7 +278,7 @@ class ConvAten(Family):
         is read as it is."""
         if st.layout == st.input.layout and tuple(st.input_extent) == tuple(st.in_type.spatial):
             return None
-        if st.layout == "channels_last" and st.input.layout == "contiguous" and st.conv.conv.in_channels <= self.MAX_COPY_CHANNELS:
+        if self._kernel_copy(st.layout, st.input, st.conv):
             return "kernel"
         return "aten"
 
