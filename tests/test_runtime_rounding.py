@@ -81,35 +81,26 @@ def _values():
                       torch.randn(spread, generator=g) * 10.0 ** torch.randint(-30, 30, (spread,), generator=g)]).view(64, -1)
 
 
-def _same_bits(got, want):
-    return (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
+def _reference_of(values, ties_away: bool = False):
+    return torch.tensor([reference(v, ties_away) for v in values.flatten().tolist()], dtype=torch.float32).view(values.shape)
+
+
+def _assert_same_bits(got, want, values):
+    """``got`` has ``want``'s bits (any NaN for a NaN); else the first values that differ."""
+    assert got.shape == want.shape and got.dtype == torch.float32
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
+    bad = (~same).nonzero()
+    assert same.all(), [(values[tuple(i)].item(), got[tuple(i)].item(), want[tuple(i)].item()) for i in bad[:5]]
 
 
 def test_tf32_round_away_rounds_as_cvt_rna(rounding):
     values = _values()
-    want = torch.tensor([reference(v, ties_away=True) for v in values.flatten().tolist()], dtype=torch.float32).view(64, -1)
+    want = _reference_of(values, ties_away=True)
     assert reference(bits(0x3F801000)[0], ties_away=True) == bits(0x3F802000)[0]  # (the reference's tie goes away)
     for got in (rounding.round_away(values), rounding.round_away_each(values), rounding.round_away(values.t()).t()):
-        assert got.shape == want.shape and got.dtype == torch.float32
-        same = _same_bits(got, want)
-        bad = (~same).nonzero()
-        assert same.all(), [(values[tuple(i)].item(), got[tuple(i)].item(), want[tuple(i)].item()) for i in bad[:5]]
+        _assert_same_bits(got, want, values)
 
 
 def test_tf32_half_even_rounds_as_cvt_rn(rounding):
-    special = bits(
-        0x3F801000, 0x3F803000, 0xBF801000, 0xBF803000,  # ties: to even (down), to even (up), and negative
-        0x3F801001, 0x3F800FFF, 0x3FFFF000, 0x3FFFFFFF,  # above / below a tie; carries into the exponent
-        0x7F7FF000, 0x7F7FFFFF, 0xFF7FFFFF,  # past the largest TF32 value: inf (signed)
-        0x00001000, 0x00003000, 0x807FFFFF, 0x00000001,  # subnormal ties and extremes
-        0x7F800000, 0xFF800000, 0x7FC00000, 0x00000000, 0x80000000)
-    g = torch.Generator().manual_seed(0)
-    spread = 4096 - len(special)  # normal values over many binades
-    values = torch.cat([torch.tensor(special, dtype=torch.float32),
-                        torch.randn(spread, generator=g) * 10.0 ** torch.randint(-30, 30, (spread,), generator=g)])
-    got = rounding.round_even(values.view(64, -1))
-    want = torch.tensor([reference(v) for v in values.tolist()], dtype=torch.float32).view(64, -1)
-    assert got.shape == want.shape and got.dtype == torch.float32
-    same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
-    bad = (~same).nonzero()
-    assert same.all(), [(values.view(64, -1)[tuple(i)].item(), got[tuple(i)].item(), want[tuple(i)].item()) for i in bad[:5]]
+    values = _values()  # ties to even go down from an even kept part, up from an odd one
+    _assert_same_bits(rounding.round_even(values), _reference_of(values), values)
