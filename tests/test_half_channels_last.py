@@ -178,8 +178,8 @@ def test_16_bit_bias_deferred_before_a_norm_or_pool_validates(name, dtype, devic
 
 def test_tf32_layout_rules_are_float32s():
     """A forward convolution with TF32 products before a group norm is eager's own call in float32 where no
-    generated copy can round its input as that call does (eager_rounding_only: cuDNN's TF32 ties); in 16 bits its products are exact in every form, so both
-    layouts are candidates. A small convolution in channels_last gets TF32 off in float32 (fp32_products)
+    generated copy can round its input as that call does (eager_rounding_only: cuDNN's TF32 ties); in 16 bits
+    its products are exact in every form, so both layouts are candidates. A small convolution in channels_last gets TF32 off in float32 (fp32_products)
     and nothing in 16 bits."""
     from kgen.plan import choose_plans
 

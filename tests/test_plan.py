@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT, pipeline_of, spec_text
+from conftest import ROOT, assert_report_passed, pipeline_of, spec_text, write_spec
 from kgen import families
 from kgen.families import conv_aten, layer_norm, norm, pool_reduce, softmax
 from kgen.families.base import Family
@@ -321,7 +321,6 @@ def test_aten_convolution_runs_with_tf32_off_where_it_is_not_eagers_call(tmp_pat
     (cuDNN picked TF32 kernels in channels_last where eager's call ran fp32); eager's own call keeps
     the spec's precision (cuDNN picks what eager gets), and so do a convolution whose values are
     summed, one large enough for cuDNN's tensor-core GEMMs, and a spec at ieee. The binding passes it."""
-    from conftest import write_spec
     from kgen.render import render_spec
 
     conv = {"conv2d": {"out_channels": 64, "kernel_size": 3}}
@@ -381,8 +380,6 @@ def test_the_rounded_channels_last_call_renders_its_rounding_and_validates_on_th
     from kgen.build import build_module
     from kgen.render import render_spec, write_rendered
     from kgen.validate import validate
-
-    from conftest import assert_report_passed, write_spec
 
     ops = [{"conv2d": {"out_channels": 64, "kernel_size": 3}}, {"instance_norm": {}}]
     spec = write_spec(tmp_path, spec_text([64, 6, 6], ops, name="er", plan={"conv": "aten", "conv_layout": "channels_last"}), "er.yaml")
