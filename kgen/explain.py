@@ -123,6 +123,10 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
         calls = ", ".join(f"{m} {'TF32' if tf32 else 'fp32'}" for m, tf32 in sel.pipeline.eager_conv_tf32)
         out.append(f"  eager's cuDNN convolutions, as `kgen tune` measured them on {target.name}: {calls} "
                    "(the generated convolutions' precision follows)")
+    if sel.pipeline.eager_batch_norms:
+        out.append("  training mode: the batch norms run as eager's ATen call and the convolutions before them as eager's "
+                   "cuDNN call, for eager's bits (a norm after the next convolution would amplify a last-bit difference; "
+                   "`intermediates: float32` in the spec takes kgen's own statistics and convolutions)")
     if sel.source == "cost model" and any(isinstance(op, Conv) and len(op.kernel) == 3 for op in pipe.ops):
         # measured on the H100 (docs/performance.md): which 3-d kernel cuDNN picks is not a rate
         out.append(f"  note: the cost model's estimates for cuDNN's 3-d convolutions are rough (off by up to 6x either way "

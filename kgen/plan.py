@@ -736,8 +736,11 @@ def training_candidates(pipeline: Pipeline, target: Target) -> list[Plan]:
 
 
 def _batch_stats(pipeline: Pipeline) -> Pipeline | None:
-    """rewrites.batch_norm_batch_stats unless the spec switches it off (None: not made)."""
-    return batch_norm_batch_stats(pipeline) if pipeline.rewrites.get(TRAIN_REWRITE, True) else None
+    """rewrites.batch_norm_batch_stats unless the spec switches it off or the norms run as eager's calls
+    (Pipeline.eager_batch_norms; None: not made)."""
+    if not pipeline.rewrites.get(TRAIN_REWRITE, True) or pipeline.eager_batch_norms:
+        return None
+    return batch_norm_batch_stats(pipeline)
 
 
 def _and_eager(cands: list[Plan], pipeline: Pipeline, target: Target) -> list[Plan]:

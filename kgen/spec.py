@@ -36,8 +36,10 @@ from .ops import INTERNAL, OPS, spec_op_names
 
 SYMBOL = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 PRECISIONS = ("ieee", "tf32", "tf32x3")
-# `intermediates:` of a 16-bit plan's fused stages: "eager" rounds each op's output to the dtype where eager
-# PyTorch materializes it (kgen.plan.rounding_points); "float32" keeps float32 until the stage's output
+# `intermediates:` "eager" keeps eager PyTorch's bits where a later op would amplify a difference: a 16-bit plan
+# rounds each op's output to the dtype where eager materializes it (kgen.plan.rounding_points), and a float32
+# plan runs a chain of training-mode batch norms as eager does (ir.Pipeline.eager_batch_norms); "float32" keeps
+# float32 until each stage's output and kgen's own batch statistics
 INTERMEDIATES = ("eager", "float32")
 DTYPES = ("float32", "bfloat16", "float16")  # a spec's dtypes: the module dispatches on the input's
 DEFAULT_DTYPES = ("float32",)

@@ -538,3 +538,60 @@ def test_batch_statistics_price_a_cropped_channels_last_input_as_the_copy_it_tak
     cropped = dense_buffer((16, 30, 62), (16, 31, 63), "channels_last")
     assert FAMILY.reads_channels_last_fast(dense) and not FAMILY.reads_channels_last_fast(cropped)
     assert FAMILY.reads_channels_last_fast(dense_buffer((16, 1, 1), (16, 2, 2), "channels_last"))  # one position
+
+
+def _chain(channels: int, out_channels: int) -> list:
+    """ResNet's basic block in small: a convolution between two training-mode batch norms."""
+    return [{"conv2d": {"out_channels": out_channels, "kernel_size": 3, "padding": 1, "name": "conv1"}},
+            {"batch_norm": {"name": "bn1"}}, "relu",
+            {"conv2d": {"out_channels": out_channels, "kernel_size": 3, "padding": 1, "bias": False, "name": "conv2"}},
+            {"batch_norm": {"name": "bn2"}}, "relu"]
+
+
+def test_a_chain_of_training_batch_norms_runs_as_eagers_calls():
+    """Pipeline.eager_batch_norms: where a convolution and another norm follow a training-mode batch norm, training
+    mode's plan runs every batch norm as ATen's call and every convolution before one as eager's cuDNN call (NCHW,
+    as written); eval mode's affine fuses as before; `intermediates: float32` and a chain without a convolution
+    between its norms keep kgen's own statistics."""
+    text = spec_text([3, 12, 12], _chain(3, 8))
+    pipe = pipeline_of(text)
+    assert pipe.eager_batch_norms
+    sel = choose_plans(pipe, DEFAULT)
+    train = sel.variant_for(2, training=True).plan
+    assert not train.eager and not any(isinstance(op, BatchStats) for op in train.pipeline.ops)
+    convs = [st for st in train.stages if st.family.stage_kind == "conv"]
+    assert [(st.family.name, st.layout) for st in convs] == [("conv_aten", "contiguous")] * 2
+    assert [st.family.name for st in train.stages if any(isinstance(op, BatchNorm) for op in st.ops)] == ["aten"] * 2
+    ev = sel.variant_for(2).plan
+    assert not any(isinstance(op, BatchNorm) for op in ev.pipeline.ops)
+    own = pipeline_of(text + "intermediates: float32\n")
+    assert not own.eager_batch_norms
+    assert any(isinstance(op, BatchStats) for op in choose_plans(own, DEFAULT).variant_for(2, training=True).plan.pipeline.ops)
+    for name in ("bn_pool", "bn_two", "bn_gather"):  # one norm, or two with no convolution between them
+        assert not pipeline_of(SPECS[name]).eager_batch_norms, name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_chain_of_training_batch_norms_has_eagers_bits_on_the_gpu(tmp_path):
+    """The chain's module in training mode on CUDA returns eager's float32 result bit for bit (TF32 convolutions
+    as PyTorch allows them), and updates the running statistics as eager does; the float64 validation too."""
+    from kgen.validate import import_module_dir
+
+    rendered = render_specs(tmp_path, {"bn_chain": spec_text([16, 24, 24], _chain(16, 32), name="bn_chain", batch=4)})
+    build_and_validate(rendered, "cuda")
+    mod = import_module_dir(rendered["bn_chain"][1])
+    ours = mod.Model().cuda().train()
+    s = {k: v.clone() for k, v in ours.state_dict().items()}
+    torch.manual_seed(3)
+    x = torch.randn(4, 16, 24, 24, device="cuda")
+    F = torch.nn.functional
+    with torch.no_grad():
+        y = F.relu(F.batch_norm(F.conv2d(x, s["conv1.weight"], s["conv1.bias"], padding=1), s["bn1.running_mean"],
+                                s["bn1.running_var"], s["bn1.weight"], s["bn1.bias"], True, 0.1, 1e-5))
+        eager = F.relu(F.batch_norm(F.conv2d(y, s["conv2.weight"], padding=1), s["bn2.running_mean"],
+                                    s["bn2.running_var"], s["bn2.weight"], s["bn2.bias"], True, 0.1, 1e-5))
+        got = ours(x)
+    assert torch.equal(got, eager), (got - eager).abs().max().item()
+    for k in ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"):
+        assert torch.equal(ours.state_dict()[k], s[k]), k

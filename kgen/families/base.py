@@ -216,6 +216,12 @@ def follows(req: StageRequest, op_names: tuple[str, ...]) -> bool:
     return not req.pipeline.names_after[req.start].isdisjoint(op_names)
 
 
+def before_eager_batch_norm(req: StageRequest) -> bool:
+    """Whether the request's convolution comes before a training-mode batch norm that runs as eager's call
+    (Pipeline.eager_batch_norms): then it runs as eager's own cuDNN call too, whose bits the norm sees."""
+    return req.pipeline.eager_batch_norms and follows(req, ("batch_norm",))
+
+
 def conv_precision(req: StageRequest) -> tuple[bool, str]:
     """Whether the convolution of ``req`` (a spec at precision tf32) needs fp32-level products to be as
     accurate as eager PyTorch, and why. TF32 products where eager's own cuDNN call is TF32: every

@@ -31,7 +31,8 @@ from ..lowering import Direct, Folded, Subpixel, TapSums, lowered
 from ..stage import ConvStage
 from ..target import Target
 from ..ops import NORMALIZATIONS
-from .base import ATEN_RELAYOUT_SHARE, DTYPE_BYTES, Candidate, Family, StageRequest, Work, conv_precision, follows, value_bytes
+from .base import (ATEN_RELAYOUT_SHARE, DTYPE_BYTES, Candidate, Family, StageRequest, Work, before_eager_batch_norm,
+                   conv_precision, follows, value_bytes)
 
 LAYOUTS = ("channels_last", "contiguous")
 # K = input channels x taps and output channels above which cuDNN runs its large tensor-core GEMMs (TF32
@@ -179,6 +180,8 @@ class ConvAten(Family):
             return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions; tap sums are small
         if req.pipeline.conv_layout != "auto":
             return (req.pipeline.conv_layout,)
+        if before_eager_batch_norm(req):
+            return ("contiguous",)  # eager's own call (with TF32 as eager allows it: fp32_products)
         if self.eager_rounding_only(req, conv):
             # eager's own call, or channels_last with the operands rounded as eager's call rounds them (where the
             # generated copy makes its input: ConvStage.eager_rounding)

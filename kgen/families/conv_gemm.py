@@ -74,7 +74,8 @@ from ..spec import DTYPES
 from ..stage import ConvStage, Stage
 from ..target import Target
 from .batch_stats import MOMENT_BYTES
-from .base import DTYPE_BYTES, FLOAT_BYTES, Candidate, Family, StageRequest, Work, conv_precision, later_ops, pow2_floor
+from .base import (DTYPE_BYTES, FLOAT_BYTES, Candidate, Family, StageRequest, Work, before_eager_batch_norm, conv_precision,
+                   later_ops, pow2_floor)
 from .conv_aten import CUDNN_GEMM_COUT, CUDNN_GEMM_K
 
 EPILOGUE_BATCH = 4  # Fused.batch where the epilogue's chain calls libm
@@ -688,6 +689,9 @@ class ConvGemm(Family):
         except KgenError as e:
             return f"no tile fits: {e}"
         forced = req.pipeline.conv_impl == "gemm"
+        if not forced and before_eager_batch_norm(req):
+            return ("a training-mode batch norm after it runs as eager's call, so this convolution does too "
+                    "(its bits are the norm's input: Pipeline.eager_batch_norms)")
         if not forced and not half and req.pipeline.precision == "ieee" and c.in_channels * taps > DIRECT_MAX_K:
             return (f"precision ieee: K = {c.in_channels} channels x {taps} taps is above {DIRECT_MAX_K}, where "
                     "the fp32 direct loop is no faster than ATen's fp32 convolution")
