@@ -372,10 +372,14 @@ inline at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const st
                               bool transposed, at::IntArrayRef output_padding, int64_t groups, Precision precision,
                               at::MemoryFormat format) {
   // Input and weight in the same memory format, or ATen and cuDNN convert
-  // both (and the output) back and forth around the convolution.
-  const at::Tensor xin = x.contiguous(format);
+  // both (and the output) back and forth around the convolution. The CPU runs
+  // eager's contiguous call: ATen's CPU channels_last convolution (oneDNN) is not
+  // eager's (in bfloat16 on AVX512-BF16 CPUs it spreads a NaN to outputs whose
+  // window does not hold it).
+  const at::MemoryFormat run = x.is_cuda() ? format : at::MemoryFormat::Contiguous;
+  const at::Tensor xin = x.contiguous(run);
   auto conv = [&](const at::Tensor& xx, const at::Tensor& ww, const std::optional<at::Tensor>& bb) {
-    return at::convolution(xx, ww.contiguous(format), bb, stride, padding, dilation, transposed, output_padding, groups);
+    return at::convolution(xx, ww.contiguous(run), bb, stride, padding, dilation, transposed, output_padding, groups);
   };
   at::Tensor y;
   if (!xin.is_cuda() || precision == Precision::kIeee || xin.scalar_type() != at::kFloat) {  // (TF32 is float32's only)
@@ -391,7 +395,7 @@ inline at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const st
       at::Tensor lo = at::where(at::isfinite(v), at::sub(v, hi), at::zeros({}, v.options())).contiguous(f);
       return std::make_pair(hi, lo);
     };
-    auto [xh, xl] = split(xin, format);
+    auto [xh, xl] = split(xin, run);
     auto [wh, wl] = split(w, at::MemoryFormat::Contiguous);
     y = conv(xh, wh, b);
     y.add_(conv(xh, wl, std::nullopt)).add_(conv(xl, wh, std::nullopt));
