@@ -33,7 +33,7 @@ compiled in: a new channel count or spatial size fails Dynamo's guards and recom
 Dynamo then makes that size dynamic, the nodes with it stay eager, with one line saying why.
 
 Options (``torch.compile(model, backend="kgen", options={...})``): ``verbose`` (default True:
-progress of each build on stderr), ``precision`` (the specs' ``precision``), ``mode`` (as
+progress of each build on stderr), ``precision`` and ``intermediates`` (the specs' keys), ``mode`` (as
 ``torch.compile``'s ``mode=``, which torch passes to the backend too; one of the two):
 ``"max-autotune"`` tunes each partition's plans with `kgen tune` (on a CUDA GPU; the tuning file
 stays beside the spec in the cache). ``torch.compile(..., fullgraph=True)``: a partition that
@@ -745,7 +745,7 @@ class KgenPartition(nn.Module):
         return tuple(outs) if self._several else outs[0]
 
 
-def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, precision) -> tuple[_Plan, Path]:
+def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, spec_keys: dict) -> tuple[_Plan, Path]:
     """The partition imported, checked and rendered into kgen's cache (or found there), not built."""
     from .build import default_variant
     from .compiler import compile_module
@@ -754,7 +754,7 @@ def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bo
     if "cuda" in devices and default_variant() != "cuda":
         raise KgenError("the model is on a GPU, but kgen builds for the CPU here (no nvcc, or KGEN_DEVICE=cpu)")
     plan = _partition_model(sub, call, g)
-    module_dir = compile_module(plan.model, *plan.examples, name=_NAME, precision=precision, verbose=verbose, build=False)
+    module_dir = compile_module(plan.model, *plan.examples, name=_NAME, verbose=verbose, build=False, **spec_keys)
     _refuse_eager_plans(module_dir, g, plan.batch)
     return plan, module_dir
 
@@ -955,18 +955,18 @@ def _say_once(msg: str) -> None:
 def _options(options: dict | None, mode: str | None) -> dict:
     opts = dict(options or {})
     verbose = bool(opts.pop("verbose", True))
-    precision = opts.pop("precision", None)
+    spec_keys = {k: opts.pop(k) for k in ("precision", "intermediates") if k in opts}
     if "mode" in opts:
         if mode is not None:
             raise KgenError("torch.compile(backend='kgen'): mode given twice (mode= and options['mode'])")
         mode = opts.pop("mode")
     if opts:
         raise KgenError(f"torch.compile(backend='kgen'): unknown options {', '.join(sorted(opts))}; expected verbose, "
-                        "precision, mode")
+                        "precision, intermediates, mode")
     mode = mode or "default"
     if mode not in MODES:
         raise KgenError(f"torch.compile(backend='kgen'): mode={mode!r}; expected one of {', '.join(MODES)}")
-    return dict(verbose=verbose, precision=precision, autotune=mode != "default")
+    return dict(verbose=verbose, spec_keys=spec_keys, autotune=mode != "default")
 
 
 def _root_tx():
@@ -991,7 +991,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 
     opts = _options(options, mode)
-    verbose, precision = opts["verbose"], opts["precision"]
+    verbose, spec_keys = opts["verbose"], opts["spec_keys"]
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     g = _Graph(gm, dict(zip(places, example_inputs)))
     _ask_dynamic_batch(g)
@@ -1046,7 +1046,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         STATS["partitions"] += 1
         sub = fused.get_submodule(target)
         try:
-            rendered.append((target, names, sub, *_render_partition(sub, call, g, verbose, precision)))
+            rendered.append((target, names, sub, *_render_partition(sub, call, g, verbose, spec_keys)))
         except Exception as e:  # noqa: BLE001 - see eager()
             eager(names, e)
     failures: dict = {}  # ... then built together (ninja's jobs of several modules at once) ...

@@ -33,7 +33,7 @@ from .errors import KgenError
 from .fields import IDENT, MAX_NAME
 from .importer import ImportFailed, check_instance, default_name, import_instance, instance_source, spec_text
 from .names import module_name_reason
-from .spec import PRECISIONS
+from .spec import INTERMEDIATES, PRECISIONS
 
 SPEC_FILE = "spec.yaml"
 
@@ -65,7 +65,8 @@ def cache_key(text: str) -> str:
 
 
 def compile(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathLike | None = None,
-            name: str | None = None, precision: str | None = None, verbose: bool = True) -> nn.Module:
+            name: str | None = None, precision: str | None = None, intermediates: str | None = None,
+            verbose: bool = True) -> nn.Module:
     """``model`` as a kgen module: a drop-in ``nn.Module`` computing what ``model`` computes.
 
     ``example_inputs``: tensors of the shapes ``model`` is called with (the batch, their first
@@ -73,8 +74,10 @@ def compile(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathL
     bfloat16 or float16). ``out``: a folder of the project to render into (``"generated"``:
     the spec goes to ``specs/NAME.yaml`` beside it, as with ``kgen import``), else kgen's cache.
     ``name``: the module's name (default: from the class's). ``precision``: the spec's
-    ``precision`` (``ieee``, ``tf32``, ``tf32x3``; default: the spec's). ``verbose``: progress
-    on stderr (a cache hit: one line).
+    ``precision`` (``ieee``, ``tf32``, ``tf32x3``; default: the spec's). ``intermediates``: the spec's
+    ``intermediates`` (``eager``, the default: eager's bits where a later op would amplify a difference;
+    ``float32``: kgen's own, faster where a chain of training-mode batch norms would run as eager's calls).
+    ``verbose``: progress on stderr (a cache hit: one line).
 
     The returned module is the generated ``Model()`` holding the very same Parameter and buffer
     objects as ``model`` (no copies: training either one trains both, and batch norm's running
@@ -85,27 +88,32 @@ def compile(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathL
 
     An unsupported call is one ``ImportFailed`` naming it and its file:line.
     """
-    module_dir = compile_module(model, *example_inputs, out=out, name=name, precision=precision, verbose=verbose)
+    module_dir = compile_module(model, *example_inputs, out=out, name=name, precision=precision,
+                                intermediates=intermediates, verbose=verbose)
     return _drop_in(module_dir, model)
 
 
 def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | os.PathLike | None = None,
-                   name: str | None = None, precision: str | None = None, verbose: bool = True,
-                   build: bool = True) -> Path:
+                   name: str | None = None, precision: str | None = None, intermediates: str | None = None,
+                   verbose: bool = True, build: bool = True) -> Path:
     """``compile`` up to the built module: its folder, rendered and built (or found in the cache), not
     yet loaded. ``build=False``: rendered only (the Dynamo backend, kgen.backend, renders every partition
     of a graph, then builds them together)."""
     start = time.monotonic()
-    if precision is not None and precision not in PRECISIONS:
-        raise KgenError(f"kgen.compile: precision={precision!r}; expected one of {', '.join(PRECISIONS)}")
+    keys = {}  # the spec's top-level keys the caller sets
+    for key, value, allowed in (("precision", precision, PRECISIONS), ("intermediates", intermediates, INTERMEDIATES)):
+        if value is not None and value not in allowed:
+            raise KgenError(f"kgen.compile: {key}={value!r}; expected one of {', '.join(allowed)}")
+        if value is not None:
+            keys[key] = value
     src = instance_source(model, example_inputs)
     base = name or default_name(src.stem)
     if not (IDENT.match(base) and len(base) <= MAX_NAME) or module_name_reason(base):
         raise ImportFailed(f"kgen.compile: name={base!r}: "
                            f"{module_name_reason(base) or 'expected [a-z][a-z0-9_]*, at most 64 characters'}")
     imp, data = import_instance(src, base)
-    if precision is not None:
-        data = {**{k: v for k, v in data.items() if k != "ops"}, "precision": precision, "ops": data["ops"]}
+    if keys:
+        data = {**{k: v for k, v in data.items() if k != "ops"}, **keys, "ops": data["ops"]}
     traced = (f"{src.shown}: traced for inputs {', '.join(str(list(t.shape)) for t in example_inputs)} "
               f"{str(example_inputs[0].dtype).removeprefix('torch.')} ({time.monotonic() - start:.1f} s)")
     if out is not None:

@@ -228,6 +228,21 @@ def test_refusals_are_one_line(env):
         kgen.compile(mod.Net(), torch.randn(2, 3, 12, 12), precision="fp8")
 
 
+def test_intermediates_is_the_specs_key(env):
+    """kgen.compile's ``intermediates`` (the backend's option of that name goes the same way) lands in the spec: Net's
+    chain of training-mode batch norms (a convolution between two) runs as eager's calls by default, with kgen's own
+    statistics under float32; a value the spec does not know is refused before anything is traced."""
+    from kgen.compiler import SPEC_FILE, compile_module
+    from kgen.ir import load_pipeline
+
+    _, mod, _ = env
+    for value, eager in ((None, True), ("float32", False)):
+        module_dir = compile_module(mod.Net(), torch.randn(2, 3, 12, 12), intermediates=value, verbose=False, build=False)
+        assert load_pipeline(module_dir.parent / SPEC_FILE).eager_batch_norms == eager, value
+    with pytest.raises(KgenError, match="intermediates='fp16'; expected one of eager, float32"):
+        kgen.compile(mod.Net(), torch.randn(2, 3, 12, 12), intermediates="fp16")
+
+
 def test_import_kgen_does_not_import_torch():
     code = "import sys, kgen; assert callable(kgen.compile); print(any(m == 'torch' for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
