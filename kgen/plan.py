@@ -334,6 +334,19 @@ def _keeps_16_bit_bias(pipe: Pipeline, i: int) -> bool:
     return any(OPS[o.op_name].role in KEEPS_16_BIT_BIAS_AFTER for o in pipe.ops[i + 1:] if o.op_name in OPS)
 
 
+def eager_call_cuts(pipe: Pipeline) -> set[int]:
+    """Where a chain of training-mode batch norms runs as eager's calls (Pipeline.eager_batch_norms), a softmax
+    before a batch norm is ATen's call too (the softmax family declines it): it stands alone, the ops around it in
+    stages of their own."""
+    if not pipe.eager_batch_norms:
+        return set()
+    return {j for i, op in enumerate(pipe.ops) if op.op_name in EAGER_SOFTMAXES and "batch_norm" in pipe.names_after[i]
+            for j in (i, i + 1)}
+
+
+EAGER_SOFTMAXES = ("softmax", "log_softmax")  # sums in another order than ATen's: eager_call_cuts
+
+
 def group_ops(pipe: Pipeline, cuts: set[int] = frozenset()) -> list[tuple[int, list[Op], list[families.Family]]]:
     """Split the op chain into (first op index, ops, families that accept them); an op
     joins the current group while some family accepts the longer group, and a group
@@ -433,6 +446,7 @@ def _rewriting_front(pipeline: Pipeline, rewrites: dict | None, picker: _Recorde
     rewritten = defer_conv_bias(rewritten, lambda key: picker.pick(rewrite_key(DEFER_BIAS, key), (OFF, ON)) == ON)
     resolved, cuts = values.resolve(rewritten.ops, rewritten.outputs)
     rewritten = rewritten.with_ops(resolved)
+    cuts |= eager_call_cuts(rewritten)
     # a group of nothing but names (after a standalone op, before a cut) names that op's output: no stage
     named_after, kept = {}, []
     for group in group_ops(rewritten, cuts):

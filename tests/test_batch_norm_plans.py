@@ -569,6 +569,14 @@ def test_a_chain_of_training_batch_norms_runs_as_eagers_calls():
     assert any(isinstance(op, BatchStats) for op in choose_plans(own, DEFAULT).variant_for(2, training=True).plan.pipeline.ops)
     for name in ("bn_pool", "bn_two", "bn_gather"):  # one norm, or two with no convolution between them
         assert not pipeline_of(SPECS[name]).eager_batch_norms, name
+    # a softmax between the norms (UNet's blocks) is ATen's call too, in a stage of its own, its name on that stage
+    ops = _chain(3, 8)
+    ops[2] = {"softmax": {"dim": 3, "as": "s"}}
+    train = choose_plans(pipeline_of(spec_text([3, 12, 12], ops)), DEFAULT).variant_for(2, training=True).plan
+    (soft,) = [st for st in train.stages if any(op.op_name == "softmax" for op in st.ops)]
+    assert soft.family.name == "aten" and [op.op_name for op in soft.ops] == ["softmax"]
+    ev = choose_plans(pipeline_of(spec_text([3, 12, 12], ops)), DEFAULT).variant_for(2).plan
+    assert [st.family.name for st in ev.stages if any(op.op_name == "softmax" for op in st.ops)] == ["softmax"]
 
 
 @pytest.mark.cuda

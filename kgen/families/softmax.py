@@ -54,8 +54,8 @@ from ..ir import Elementwise, Op, Reduce, Softmax
 from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
-from .base import (Family, StageRequest, Work, fused_stage_json, group_words, index_type, input_words, pow2_ceil,
-                   split_around)
+from .base import (Family, StageRequest, Work, before_eager_batch_norm, fused_stage_json, group_words, index_type,
+                   input_words, pow2_ceil, split_around)
 
 CUDA_THREADS = 256  # threads per block where part of a warp or a warp takes a row
 WARP = 32
@@ -151,6 +151,12 @@ class SoftmaxFamily(Family):
         """elementwise* (softmax | log_softmax | logsumexp over consecutive dims) elementwise*."""
         core = [op for op in ops if not isinstance(op, Elementwise)]
         return len(core) == 1 and is_slice_op(core[0])
+
+    def unsupported(self, req: StageRequest) -> str | None:
+        if before_eager_batch_norm(req):  # (plan.eager_call_cuts puts it in a stage of its own)
+            return ("a training-mode batch norm after it runs as eager's call, and ATen's softmax gives eager's bits "
+                    "(its sums in eager's order: Pipeline.eager_batch_norms)")
+        return None
 
     def reads_channels_last_fast(self, buf: Buffer, ops=()) -> bool:
         """A softmax over the channels of a channels_last input: a lane's slice is one position's channels, adjacent
