@@ -607,7 +607,7 @@ def subpixel_conv_transpose(pipe: Pipeline, fire=always):
 
     Each phase uses only the kernel taps that reach it, so no multiplications by
     inserted zeros; stride 1 is the single-phase case (a convolution with the
-    flipped kernel; output_padding lengthens the last phases by one). Needs groups 1, no dilation, and
+    flipped kernel). Needs groups 1, no dilation, no output_padding, and
     stride <= kernel (else some phase has no tap at all).
     """
     ops, decisions = list(pipe.ops), []
@@ -622,6 +622,8 @@ def subpixel_conv_transpose(pipe: Pipeline, fire=always):
             why = f"groups={op.groups}"
         elif any(d != 1 for d in op.dilation):
             why = f"dilation {list(op.dilation)}"
+        elif any(op.output_padding):
+            why = f"output_padding {list(op.output_padding)}"
         elif any(s > k for s, k in zip(op.stride, op.kernel)):
             why = f"stride {list(op.stride)} exceeds kernel {list(op.kernel)}: some phases get no tap"
         elif any(o < s for o, s in zip(pipe.types[i + 1].spatial, op.stride)):
