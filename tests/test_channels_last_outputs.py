@@ -106,11 +106,11 @@ def _residual_selection(spec):
 
 @pytest.mark.slow
 def test_cpu_build_matches_the_reference(tmp_path):
-    """Both cases in float32 and float16 (the memory-order walk and the per-channel parameter), and the residual
-    read of a channels_last output (its `.contiguous()` copy), against float64 and eager. (Not bfloat16 on the
-    CPU: there ATen's channels_last bfloat16 convolution of an input holding NaN puts NaN where the NC[D]HW
-    reference has none, whichever layout the stage between writes: clo_2d's NaN case, 21 places.)"""
-    texts = {n: _text(n, "[float32, float16]") for n in CASES}
+    """Both cases in each dtype (the memory-order walk and the per-channel parameter), and the residual read of a
+    channels_last output (its `.contiguous()` copy), against float64 and eager. (bfloat16 since the CPU build runs
+    each ATen convolution as eager's contiguous call: ATen's channels_last bfloat16 convolution on an AVX512-BF16
+    CPU put NaN where the NC[D]HW reference has none, clo_2d's NaN case at 21 places.)"""
+    texts = {n: _text(n, "[float32, bfloat16, float16]") for n in CASES}
     _render_and_validate(tmp_path, texts, "cpu")
     shape, ops = RESIDUAL
     _render_and_validate(tmp_path, {"clo_res": spec_text(shape, ops, name="clo_res", batch=3, plan=CL_ATEN)}, "cpu",
