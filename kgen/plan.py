@@ -340,11 +340,8 @@ def eager_call_cuts(pipe: Pipeline) -> set[int]:
     stages of their own."""
     if not pipe.eager_batch_norms:
         return set()
-    return {j for i, op in enumerate(pipe.ops) if op.op_name in EAGER_SOFTMAXES and "batch_norm" in pipe.names_after[i]
+    return {j for i, op in enumerate(pipe.ops) if op.op_name in families.EAGER_SOFTMAXES and "batch_norm" in pipe.names_after[i]
             for j in (i, i + 1)}
-
-
-EAGER_SOFTMAXES = ("softmax", "log_softmax")  # sums in another order than ATen's: eager_call_cuts
 
 
 def group_ops(pipe: Pipeline, cuts: set[int] = frozenset()) -> list[tuple[int, list[Op], list[families.Family]]]:

@@ -216,9 +216,14 @@ def follows(req: StageRequest, op_names: tuple[str, ...]) -> bool:
     return not req.pipeline.names_after[req.start].isdisjoint(op_names)
 
 
+# ops whose kgen stage sums in another order than ATen's call: before a batch norm run as eager's call they are
+# ATen's too, each in a stage of its own (plan.eager_call_cuts)
+EAGER_SOFTMAXES = ("softmax", "log_softmax")
+
+
 def before_eager_batch_norm(req: StageRequest) -> bool:
-    """Whether the request's convolution comes before a training-mode batch norm that runs as eager's call
-    (Pipeline.eager_batch_norms): then it runs as eager's own cuDNN call too, whose bits the norm sees."""
+    """Whether the request's op (a convolution, a softmax) comes before a training-mode batch norm that runs as
+    eager's call (Pipeline.eager_batch_norms): then it runs as eager's own call too, whose bits the norm sees."""
     return req.pipeline.eager_batch_norms and follows(req, ("batch_norm",))
 
 

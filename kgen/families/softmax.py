@@ -54,7 +54,7 @@ from ..ir import Elementwise, Op, Reduce, Softmax
 from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
-from .base import (Family, StageRequest, Work, before_eager_batch_norm, fused_stage_json, group_words, index_type,
+from .base import (EAGER_SOFTMAXES, Family, StageRequest, Work, before_eager_batch_norm, fused_stage_json, group_words, index_type,
                    input_words, pow2_ceil, split_around)
 
 CUDA_THREADS = 256  # threads per block where part of a warp or a warp takes a row
@@ -153,7 +153,8 @@ class SoftmaxFamily(Family):
         return len(core) == 1 and is_slice_op(core[0])
 
     def unsupported(self, req: StageRequest) -> str | None:
-        if before_eager_batch_norm(req):  # (plan.eager_call_cuts puts it in a stage of its own)
+        core = next(op for op in req.ops if not isinstance(op, Elementwise))
+        if core.op_name in EAGER_SOFTMAXES and before_eager_batch_norm(req):  # (alone: plan.eager_call_cuts)
             return ("a training-mode batch norm after it runs as eager's call, and ATen's softmax gives eager's bits "
                     "(its sums in eager's order: Pipeline.eager_batch_norms)")
         return None
