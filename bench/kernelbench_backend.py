@@ -354,6 +354,7 @@ def main() -> None:
         row["commit"], row["date"] = env["commit"], env["date"]
         every = sorted(kept + rows, key=lambda r: r["number"])
         for path in [args.out / "kernelbench_backend.json"] + ([args.state] if args.state is not None else []):
+            path.parent.mkdir(parents=True, exist_ok=True)  # (a state file in a folder not made yet)
             path.write_text(json.dumps({"environment": env, "rows": every}, indent=1) + "\n")
             path.with_suffix(".md").write_text(markdown(every, env, args))
         torch._dynamo.reset()
