@@ -1,9 +1,10 @@
 """torch.compile(model, backend="kgen") (kgen/backend.py) on the CPU build.
 
-Three small models share their partitions, so the module builds four kgen modules in all (each a
-few seconds; TwoOutputs is the fourth): Net (conv, batch norm, relu, residual add, max pool, flatten, linear: one partition),
-and Split with torch.cumsum (kgen cannot compute it) or a print (a graph break) between the
-conv/bn/relu and the pool/flatten/linear (the same two partitions either way).
+Most tests build a kgen module of their own (each a few seconds). Net (conv, batch norm, relu, residual add, max
+pool, flatten, linear: one partition) and Split with torch.cumsum (kgen cannot compute it) or a print (a graph
+break) between the conv/bn/relu and the pool/flatten/linear (the same two partitions either way) are first called
+at batch 4 wherever a test builds or loads their partitions, in eval or training mode: a partition's plans are made
+for the batch of its first call, so those tests share their partitions' modules (the module cache is this file's).
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_reco
     model = _with_statistics(Net()).eval()
     compiled = _compiled(model)
     before = len(backend.PARTITIONS)
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(4, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
     made = backend.PARTITIONS[before:]
@@ -135,7 +136,7 @@ def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_reco
     assert len(folders) == 1
     # its plans are chosen for the batch of the call compiled (as `kgen import` plans for the file's batch)
     spec = yaml.safe_load((cache / "compiled" / next(iter(folders)) / "spec.yaml").read_text())
-    assert list(spec["input"]["example"].values()) == [2], spec["input"]
+    assert list(spec["input"]["example"].values()) == [4], spec["input"]
     # the partition names its spec, which `kgen explain` reads
     from kgen.explain import explain_text
     from kgen.ir import load_pipeline
@@ -275,7 +276,7 @@ def test_unsupported_call_runs_in_pytorch_and_the_rest_in_kgen(cache):
     torch.manual_seed(2)
     model = _with_statistics(Split("cumsum")).eval()
     before = len(backend.PARTITIONS)
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(4, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
     made = backend.PARTITIONS[before:]
@@ -290,7 +291,7 @@ def test_graph_break(cache, capsys):
     torch.manual_seed(3)
     model = _with_statistics(Split("print")).eval()
     before, graphs = len(backend.PARTITIONS), backend.STATS["graphs"]
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(4, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
     assert "kgen test: a graph break" in capsys.readouterr().out
@@ -446,7 +447,7 @@ def test_max_autotune_on_the_cpu_says_once_that_it_has_nothing_to_tune(cache, ca
     torch.manual_seed(7)
     model = _with_statistics(Split("print")).eval()  # two graphs, a partition each
     kw = {"mode": "max-autotune"} if how == "mode" else {"options": {"mode": "max-autotune"}}
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(4, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend=kgen_backend, **kw)(x), model(x), rtol=1e-4, atol=1e-5)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "max-autotune" in ln]
@@ -473,7 +474,7 @@ def test_backend_resolves_through_the_entry_point(cache, tmp_path):
         assert lookup_backend("kgen") is kgen.backend.kgen_backend
         from test_backend import Net  # its partition is in the cache already when the tests above ran
         model = Net().eval()
-        x = torch.randn(2, 3, 8, 8)
+        x = torch.randn(4, 3, 8, 8)
         with torch.no_grad():
             torch.testing.assert_close(torch.compile(model, backend="kgen", options={"verbose": False})(x), model(x))
         assert kgen.backend.PARTITIONS and kgen.backend.PARTITIONS[-1]["module"], kgen.backend.PARTITIONS
