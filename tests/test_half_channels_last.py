@@ -144,13 +144,13 @@ DEFERRED_BEFORE_NORMS_AND_POOLS = {
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", sorted(DEFERRED_BEFORE_NORMS_AND_POOLS))
-def test_16_bit_bias_deferred_before_a_norm_or_pool_validates(name, dtype, device, tmp_path):
+def test_16_bit_bias_deferred_before_a_norm_or_pool_validates(name, device, tmp_path):
     """A 16-bit convolution's bias deferred into the norm or pool stage after it (cuDNN's channels_last call): on CUDA the
     stage adds it to the rounded output and rounds again, as ATen's CUDA call; on the CPU ATen's call adds it inside
     (as eager's) and the stage's add is compiled out: each build against the float64 reference, eager in the dtype
-    at 1e-2, and stage by stage (the stage's own reference skips the add where the build does)."""
+    at 1e-2, and stage by stage (the stage's own reference skips the add where the build does). One module holds
+    both dtypes' plans (one build); validate checks each dtype's cases."""
     from dataclasses import replace
 
     from conftest import assert_report_passed, write_spec
@@ -162,18 +162,24 @@ def test_16_bit_bias_deferred_before_a_norm_or_pool_validates(name, dtype, devic
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    module = f"{name}_{dtype}_{device}"
+    module = f"{name}_{device}"
     text = spec_text([3, 7, 9], DEFERRED_BEFORE_NORMS_AND_POOLS[name], batch=5, name=module, plan=CL_ATEN)
-    spec = write_spec(tmp_path, text.replace("dtype: float32", f"dtype: {dtype}"), f"{module}.yaml")
-    plan = make_plan(replace(load_pipeline(spec), dtype=dtype), choices={rewrite_key(DEFER_BIAS, "ops[0].conv2d"): ON})
-    conv, norm = plan.stages
-    assert conv.conv.bias_deferred and conv.conv.bias_deferred_on_cuda and norm.ops[0].cuda_only
-    sel = Selection(load_pipeline(spec), [Variant(plan, why="pinned by the test", dtype=dtype)], "pinned by the test", candidates=[plan])
+    spec = write_spec(tmp_path, text.replace("dtype: float32", f"dtype: [{', '.join(HALF)}]"), f"{module}.yaml")
+    pipe = load_pipeline(spec)
+    variants = []
+    for dtype in HALF:
+        plan = make_plan(replace(pipe, dtype=dtype), choices={rewrite_key(DEFER_BIAS, "ops[0].conv2d"): ON})
+        conv, norm = plan.stages
+        assert conv.conv.bias_deferred and conv.conv.bias_deferred_on_cuda and norm.ops[0].cuda_only, dtype
+        variants.append(Variant(plan, why="pinned by the test", dtype=dtype))
+    sel = Selection(pipe, variants, "pinned by the test", candidates=[v.plan for v in variants])
     write_rendered(render_plan(sel, tmp_path / "gen"), tmp_path / "gen")
     source = (tmp_path / "gen" / module / "stages.h").read_text()
     assert "#ifdef __CUDA_ARCH__" in source and "is_cuda() ?" in (tmp_path / "gen" / module / "binding.cpp").read_text()
     build_module(tmp_path / "gen" / module, device, quiet=True)
-    assert_report_passed(validate(spec, tmp_path / "gen" / module, device, selection=sel), module)
+    report = validate(spec, tmp_path / "gen" / module, device, selection=sel)
+    assert {c.dtype for c in report.cases} == set(HALF), {c.dtype for c in report.cases}
+    assert_report_passed(report, module)
 
 
 def test_tf32_layout_rules_are_float32s():
