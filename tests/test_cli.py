@@ -14,17 +14,30 @@ from kgen.cli import main
 
 
 def _kgen(*args):
+    """``python -m kgen`` in a process of its own, in the repository (the entry point end to end)."""
     return subprocess.run([sys.executable, "-m", "kgen", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def _run(*args):
+    """kgen in this process (no interpreter start); stdout, stderr and the exit status."""
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return types.SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
+
+
+@pytest.fixture
+def in_root(monkeypatch):
+    """The working directory is the repository's, as for _kgen."""
+    monkeypatch.chdir(ROOT)
 
 
 @pytest.mark.parametrize("command", ["render", "build", "validate", "bench", "explain", "list", "ptxas", "all", "ops"])
 def test_help(command):
-    proc = _kgen(command, "--help")
+    proc = _run(command, "--help")
     assert proc.returncode == 0 and "Usage: " in proc.stdout and len(proc.stdout.splitlines()) > 5
 
 
 def test_top_level_help_shows_a_session():
-    out = _kgen("--help").stdout
+    out = _run("--help").stdout
     assert "kgen render specs/maxpool_sum.yaml" in out and "from generated import maxpool_sum" in out
 
 
@@ -81,24 +94,24 @@ def json_key(choices: dict) -> str:
     return json.dumps(choices, sort_keys=True)
 
 
-def test_list_shows_the_shipped_specs_fresh():
-    out = _kgen("list").stdout
+def test_list_shows_the_shipped_specs_fresh(in_root):
+    out = _run("list").stdout
     for name in SHIPPED:
         line = next(l for l in out.splitlines() if l.startswith(name + " "))
         assert line.rstrip().endswith("fresh")
 
 
-def test_explain_shows_rewrites_stages_and_floor():
-    out = _kgen("explain", "specs/maxpool_sum.yaml").stdout
+def test_explain_shows_rewrites_stages_and_floor(in_root):
+    out = _run("explain", "specs/maxpool_sum.yaml").stdout
     assert "fired    pool_composition" in out and "fired    subpixel_conv_transpose" in out
     assert "stage 1 pool_reduce" in out and "floor" in out and "without rewrites" in out
     assert "all 8 sub-pixel phases in one kernel" in out and "is its epilogue" in out  # how each stage runs
     assert "CUDA-graph replay without autograd (at batch 16): no: 2 launches' dispatch" in out  # large tensors, 2 kernels
-    off = _kgen("explain", "--no-rewrites", "specs/maxpool_sum.yaml").stdout
+    off = _run("explain", "--no-rewrites", "specs/maxpool_sum.yaml").stdout
     assert "fired" not in off and "switched off" in off
 
 
-def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_path):
+def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_path, in_root):
     # plan.conv: gemm on a transposed convolution: conv_gemm computes it only as sub-pixel phases, so the
     # plan without rewrites has no family; explain says so on that line and still shows the plan
     spec = tmp_path / "ct_gemm.yaml"
@@ -107,7 +120,7 @@ def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_pa
         "ops:\n  - conv_transpose3d: {out_channels: 8, kernel_size: 3, stride: 2, padding: 1}\n"
         "  - sum: {dim: 1}\nplan: {conv: gemm}\n"
     )
-    proc = _kgen("explain", str(spec))
+    proc = _run("explain", str(spec))
     assert proc.returncode == 0, proc.stderr
     line = next(l for l in proc.stdout.splitlines() if l.strip().startswith("without rewrites"))
     assert "no plan" in line and "no family computes it here" in line
@@ -117,7 +130,7 @@ def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_pa
 def test_ops_lists_the_op_table():
     from kgen.ops import MADE_BY_REWRITES, OPS
 
-    out = _kgen("ops").stdout.splitlines()
+    out = _run("ops").stdout.splitlines()
     names = [line.split()[0] for line in out[2:]]
     assert names == [n for n in OPS if n not in MADE_BY_REWRITES] and "batch_stats" in MADE_BY_REWRITES
     clamp = next(line for line in out if line.startswith("clamp "))
@@ -130,12 +143,6 @@ def test_unknown_module_is_a_one_line_error():
     assert proc.returncode == 1
     assert proc.stderr.startswith("kgen: error: no rendered module 'no_such_module'")
     assert "Traceback" not in proc.stderr
-
-
-def _run(*args):
-    """kgen in this process (no interpreter start); stdout, stderr and the exit status."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return types.SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 def test_version():
