@@ -272,6 +272,7 @@ def test_16_bit_intermediates_float32_keep_the_product_in_fp32(tmp_path):
     assert "kgen::linear_gemm::gemm16(" in cu and "round_to" not in cu
 
 
+@pytest.mark.slow  # the 16-bit dtypes (five more CPU builds); test_builds_validate keeps the float32 ones in the CPU set
 @pytest.mark.parametrize("device", BUILD_DEVICES)
 def test_16_bit_builds_validate(rendered16, device):
     """kgen validate in each dtype: the float64 reference with 16-bit tolerances, KernelBench's 1e-2 check against

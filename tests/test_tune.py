@@ -424,6 +424,7 @@ def test_measure_times_the_checked_candidates_and_eager_in_turns(tmp_path, monke
     assert all(0 < v < math.inf for v in t.eager_pytorch_ms.values())
 
 
+@pytest.mark.slow  # the flow in a second dtype (two more CPU builds); the float32 run above stays in the CPU set
 def test_measure_in_bfloat16_converts_the_models_and_inputs(tmp_path):
     """The measuring flow of `kgen tune --dtype bfloat16` on the CPU: the candidates are the bfloat16 plans, each
     module and eager PyTorch run in bfloat16 and pass their check against eager in bfloat16."""
