@@ -17,13 +17,11 @@ rounded inputs and parameters):
   unit at 100: eager's CPU output is further from float64 than kgen's (and than eager CUDA's, which keeps
   them float, as kgen does). There the checks are against float64, and kgen's error must not exceed eager's.
 """
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, assert_report_passed, build_and_validate, pipeline_of, render_specs
+from conftest import assert_report_passed, build_and_validate, pipeline_of, render_specs
 
 DTYPES = (torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -100,9 +98,14 @@ def test_the_other_rewrites_stay_off_in_16_bits():
 def test_explain_shows_the_fused_stages(tmp_path):
     spec = tmp_path / "hb_cbr.yaml"
     spec.write_text(SPECS["hb_cbr"])
-    env = {"PYTHONPATH": str(ROOT)}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kgen", "explain", str(spec), "--dtype", "bfloat16", *a],  # noqa: E731
-                                    capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout
+    from click.testing import CliRunner
+
+    from kgen.cli import main
+
+    def run(*a):  # in this process: no interpreter start
+        result = CliRunner().invoke(main, ["explain", str(spec), "--dtype", "bfloat16", *a])
+        assert result.exit_code == 0, result.stderr
+        return result.stdout
     train, ev = run("--training"), run()
     assert "batch_stats: batch statistics of batch_norm" in train
     assert "pool_reduce: sub(batch_norm.batch_mean per channel) -> mul(batch_norm.batch_scale per channel)" in train

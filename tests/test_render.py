@@ -1,20 +1,26 @@
 """Rendering: deterministic, all-or-nothing, --check, readable output, and small hand-made plans."""
+import contextlib
 import json
 import re
 import shutil
-import subprocess
-import sys
+import types
 from dataclasses import replace
 
 import pytest
+from click.testing import CliRunner
 
 from conftest import (KEPT_WALKS, ROOT, SHIPPED, SPECS, TRANSPOSE_TILES, pipeline_of, render_kept_walk, render_transpose_tile, spec_text,
                       write_spec)
 from kgen.render import render_plan, render_spec, stale_files
 
 
-def _kgen(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "kgen", *args], cwd=cwd, capture_output=True, text=True)
+def _kgen(*args):
+    """kgen's command line in this process (no interpreter start), in the repository: stdout, stderr, exit status."""
+    from kgen.cli import main
+
+    with contextlib.chdir(ROOT):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+    return types.SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=SHIPPED)
