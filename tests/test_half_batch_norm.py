@@ -256,6 +256,7 @@ def test_validates_on_the_cpu(rendered, cpu_modules, name):
     assert any("training mode" in c.case and "running_var" in c.case for c in report.cases)
 
 
+@pytest.mark.slow  # the 16-bit repeat of test_batch_norm_plans' float32 statistics kernels' ptxas check (CPU set)
 def test_statistics_kernels_compile_for_16_bits_without_spills(rendered):
     """The 16-bit batch_stats kernels (nvcc, sm_90a: no GPU needed): both kernels per dtype, 16-bit inputs, no
     stack, no spills."""
