@@ -105,6 +105,25 @@ def fresh_kgen_cache(folder: Path):
             os.environ["KGEN_CACHE"] = old
 
 
+def kgen_cli(*args):
+    """kgen's command line run in this process (no interpreter start: `python -m kgen` imports torch, seconds a
+    call), in the repository's directory: its exit status, stdout and stderr. An exception that escapes the
+    command is in stderr as its traceback, as it would be in a process of its own."""
+    import traceback
+    import types
+
+    from click.testing import CliRunner
+
+    from kgen.cli import main
+
+    with contextlib.chdir(ROOT):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    return types.SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=stderr)
+
+
 def write_spec(dir_path: Path, text: str, name: str = "spec.yaml") -> Path:
     path = Path(dir_path) / name
     path.write_text(text)

@@ -2,15 +2,11 @@
 import subprocess
 import sys
 
-import types
-
 import pytest
 import torch
-from click.testing import CliRunner
 
 import kgen
-from conftest import ROOT, SHIPPED
-from kgen.cli import main
+from conftest import ROOT, SHIPPED, kgen_cli
 
 
 def _kgen(*args):
@@ -18,26 +14,14 @@ def _kgen(*args):
     return subprocess.run([sys.executable, "-m", "kgen", *args], cwd=ROOT, capture_output=True, text=True)
 
 
-def _run(*args):
-    """kgen in this process (no interpreter start); stdout, stderr and the exit status."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return types.SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
-
-
-@pytest.fixture
-def in_root(monkeypatch):
-    """The working directory is the repository's, as for _kgen."""
-    monkeypatch.chdir(ROOT)
-
-
 @pytest.mark.parametrize("command", ["render", "build", "validate", "bench", "explain", "list", "ptxas", "all", "ops"])
 def test_help(command):
-    proc = _run(command, "--help")
+    proc = kgen_cli(command, "--help")
     assert proc.returncode == 0 and "Usage: " in proc.stdout and len(proc.stdout.splitlines()) > 5
 
 
 def test_top_level_help_shows_a_session():
-    out = _run("--help").stdout
+    out = kgen_cli("--help").stdout
     assert "kgen render specs/maxpool_sum.yaml" in out and "from generated import maxpool_sum" in out
 
 
@@ -94,24 +78,24 @@ def json_key(choices: dict) -> str:
     return json.dumps(choices, sort_keys=True)
 
 
-def test_list_shows_the_shipped_specs_fresh(in_root):
-    out = _run("list").stdout
+def test_list_shows_the_shipped_specs_fresh():
+    out = kgen_cli("list").stdout
     for name in SHIPPED:
         line = next(l for l in out.splitlines() if l.startswith(name + " "))
         assert line.rstrip().endswith("fresh")
 
 
-def test_explain_shows_rewrites_stages_and_floor(in_root):
-    out = _run("explain", "specs/maxpool_sum.yaml").stdout
+def test_explain_shows_rewrites_stages_and_floor():
+    out = kgen_cli("explain", "specs/maxpool_sum.yaml").stdout
     assert "fired    pool_composition" in out and "fired    subpixel_conv_transpose" in out
     assert "stage 1 pool_reduce" in out and "floor" in out and "without rewrites" in out
     assert "all 8 sub-pixel phases in one kernel" in out and "is its epilogue" in out  # how each stage runs
     assert "CUDA-graph replay without autograd (at batch 16): no: 2 launches' dispatch" in out  # large tensors, 2 kernels
-    off = _run("explain", "--no-rewrites", "specs/maxpool_sum.yaml").stdout
+    off = kgen_cli("explain", "--no-rewrites", "specs/maxpool_sum.yaml").stdout
     assert "fired" not in off and "switched off" in off
 
 
-def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_path, in_root):
+def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_path):
     # plan.conv: gemm on a transposed convolution: conv_gemm computes it only as sub-pixel phases, so the
     # plan without rewrites has no family; explain says so on that line and still shows the plan
     spec = tmp_path / "ct_gemm.yaml"
@@ -120,7 +104,7 @@ def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_pa
         "ops:\n  - conv_transpose3d: {out_channels: 8, kernel_size: 3, stride: 2, padding: 1}\n"
         "  - sum: {dim: 1}\nplan: {conv: gemm}\n"
     )
-    proc = _run("explain", str(spec))
+    proc = kgen_cli("explain", str(spec))
     assert proc.returncode == 0, proc.stderr
     line = next(l for l in proc.stdout.splitlines() if l.strip().startswith("without rewrites"))
     assert "no plan" in line and "no family computes it here" in line
@@ -130,7 +114,7 @@ def test_explain_forced_gemm_transposed_conv_reports_the_missing_baseline(tmp_pa
 def test_ops_lists_the_op_table():
     from kgen.ops import MADE_BY_REWRITES, OPS
 
-    out = _run("ops").stdout.splitlines()
+    out = kgen_cli("ops").stdout.splitlines()
     names = [line.split()[0] for line in out[2:]]
     assert names == [n for n in OPS if n not in MADE_BY_REWRITES] and "batch_stats" in MADE_BY_REWRITES
     clamp = next(line for line in out if line.startswith("clamp "))
@@ -146,12 +130,12 @@ def test_unknown_module_is_a_one_line_error():
 
 
 def test_version():
-    proc = _run("--version")
+    proc = kgen_cli("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"kgen {kgen.__version__}"
 
 
 def test_environment_variables_are_documented():
-    out = _run("--help").stdout
+    out = kgen_cli("--help").stdout
     for var in ("KGEN_DEVICE", "TORCH_CUDA_ARCH_LIST", "KGEN_POISON_OUTPUTS", "KGEN_MAX_ELEMENTS"):
         assert var in out, var
 
@@ -167,13 +151,13 @@ def _one_line_error(proc, *contains):
 def test_unavailable_device_is_one_line(command, monkeypatch):
     monkeypatch.chdir(ROOT)
     missing = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
-    _one_line_error(_run(command, "--device", missing), f"--device {missing}")
-    _one_line_error(_run(command, "--device", "nonsense"), "--device nonsense")
+    _one_line_error(kgen_cli(command, "--device", missing), f"--device {missing}")
+    _one_line_error(kgen_cli(command, "--device", "nonsense"), "--device nonsense")
 
 
 @pytest.mark.parametrize("batch", ["-5", "0"])
 def test_non_positive_batch_is_one_line(batch):
-    _one_line_error(_run("explain", "--batch", batch, ROOT / "specs/maxpool_sum.yaml"), f"--batch must be a positive integer, got {batch}")
+    _one_line_error(kgen_cli("explain", "--batch", batch, ROOT / "specs/maxpool_sum.yaml"), f"--batch must be a positive integer, got {batch}")
 
 
 @pytest.mark.parametrize("command", ["render", "all"])
@@ -185,5 +169,5 @@ def test_two_specs_with_one_name_are_an_error(tmp_path, command):
     b.write_text(text.replace("kernel_size: 3", "kernel_size: 2"))
     out = tmp_path / "gen"
     args = [command, a, b, "--out", out] + (["--device", "cpu"] if command == "all" else [])
-    _one_line_error(_run(*args), str(a), str(b), "both have name 'instnorm_clamp_max'")
+    _one_line_error(kgen_cli(*args), str(a), str(b), "both have name 'instnorm_clamp_max'")
     assert not out.exists()

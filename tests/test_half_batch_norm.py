@@ -21,7 +21,7 @@ rounded inputs and parameters):
 import pytest
 import torch
 
-from conftest import assert_report_passed, build_and_validate, pipeline_of, render_specs
+from conftest import assert_report_passed, build_and_validate, kgen_cli, pipeline_of, render_specs
 
 DTYPES = (torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -98,14 +98,10 @@ def test_the_other_rewrites_stay_off_in_16_bits():
 def test_explain_shows_the_fused_stages(tmp_path):
     spec = tmp_path / "hb_cbr.yaml"
     spec.write_text(SPECS["hb_cbr"])
-    from click.testing import CliRunner
-
-    from kgen.cli import main
-
-    def run(*a):  # in this process: no interpreter start
-        result = CliRunner().invoke(main, ["explain", str(spec), "--dtype", "bfloat16", *a])
-        assert result.exit_code == 0, result.stderr
-        return result.stdout
+    def run(*a):
+        proc = kgen_cli("explain", spec, "--dtype", "bfloat16", *a)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
     train, ev = run("--training"), run()
     assert "batch_stats: batch statistics of batch_norm" in train
     assert "pool_reduce: sub(batch_norm.batch_mean per channel) -> mul(batch_norm.batch_scale per channel)" in train

@@ -1,26 +1,14 @@
 """Rendering: deterministic, all-or-nothing, --check, readable output, and small hand-made plans."""
-import contextlib
 import json
 import re
 import shutil
-import types
 from dataclasses import replace
 
 import pytest
-from click.testing import CliRunner
 
-from conftest import (KEPT_WALKS, ROOT, SHIPPED, SPECS, TRANSPOSE_TILES, pipeline_of, render_kept_walk, render_transpose_tile, spec_text,
-                      write_spec)
+from conftest import (KEPT_WALKS, ROOT, SHIPPED, SPECS, TRANSPOSE_TILES, kgen_cli, pipeline_of, render_kept_walk, render_transpose_tile,
+                      spec_text, write_spec)
 from kgen.render import render_plan, render_spec, stale_files
-
-
-def _kgen(*args):
-    """kgen's command line in this process (no interpreter start), in the repository: stdout, stderr, exit status."""
-    from kgen.cli import main
-
-    with contextlib.chdir(ROOT):
-        result = CliRunner().invoke(main, [str(a) for a in args])
-    return types.SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=SHIPPED)
@@ -32,7 +20,7 @@ def test_rendering_is_deterministic_and_committed(spec):
 
 
 def test_render_check_passes_on_the_repository():
-    proc = _kgen("render", "--check")
+    proc = kgen_cli("render", "--check")
     assert proc.returncode == 0, proc.stderr
 
 
@@ -40,10 +28,10 @@ def test_render_check_detects_stale_sources(tmp_path):
     spec = tmp_path / "maxpool_sum.yaml"
     shutil.copy(ROOT / "specs" / "maxpool_sum.yaml", spec)
     out = tmp_path / "gen"
-    assert _kgen("render", str(spec), "--out", str(out)).returncode == 0
-    assert _kgen("render", "--check", str(spec), "--out", str(out)).returncode == 0
+    assert kgen_cli("render", str(spec), "--out", str(out)).returncode == 0
+    assert kgen_cli("render", "--check", str(spec), "--out", str(out)).returncode == 0
     spec.write_text(spec.read_text().replace("max_pool3d: {kernel_size: 3}", "max_pool3d: {kernel_size: 2}"))
-    proc = _kgen("render", "--check", str(spec), "--out", str(out))
+    proc = kgen_cli("render", "--check", str(spec), "--out", str(out))
     assert proc.returncode == 1
     assert "stale" in proc.stderr and "maxpool_sum/stages.h" in proc.stderr
 
@@ -54,10 +42,10 @@ def test_render_check_lists_a_stale_shared_header_once(tmp_path):
         specs.append(tmp_path / f"{name}.yaml")
         shutil.copy(ROOT / "specs" / f"{name}.yaml", specs[-1])
     out = tmp_path / "gen"
-    assert _kgen("render", *map(str, specs), "--out", str(out)).returncode == 0
+    assert kgen_cli("render", *map(str, specs), "--out", str(out)).returncode == 0
     header = out / "conv_gemm" / "conv_gemm.cuh"
     header.write_text(header.read_text() + "// edited\n")
-    proc = _kgen("render", "--check", *map(str, specs), "--out", str(out))
+    proc = kgen_cli("render", "--check", *map(str, specs), "--out", str(out))
     assert proc.returncode == 1
     assert "1 generated file(s) are stale" in proc.stderr and proc.stderr.count("conv_gemm/conv_gemm.cuh") == 1
 
@@ -67,7 +55,7 @@ def test_a_bad_spec_writes_nothing(tmp_path):
     shutil.copy(ROOT / "specs" / "maxpool_sum.yaml", good)
     bad = write_spec(tmp_path, "name: bad\ninput: {shape: [N, 3, 8, 8]}\nops: [{max_pool2d: {kernel_size: 0}}]\n", "bad.yaml")
     out = tmp_path / "gen"
-    proc = _kgen("render", str(good), str(bad), "--out", str(out))
+    proc = kgen_cli("render", str(good), str(bad), "--out", str(out))
     assert proc.returncode == 1
     assert "bad.yaml: ops[0].max_pool2d.kernel_size" in proc.stderr
     assert not out.exists()

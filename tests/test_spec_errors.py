@@ -9,13 +9,11 @@ Syntax problems (keys, types, ranges) come from ``kgen.spec.parse_spec``; meanin
 (shapes, broadcasting, reduction dims, module names) from ``kgen.ir.build_pipeline``.
 Every case says which of the two must reject it.
 """
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, kgen_cli
 from kgen.errors import KgenError, SpecError
 from kgen.ir import build_pipeline, load_pipeline
 from kgen.plan import EVAL_REWRITE, TRAIN_REWRITE
@@ -383,13 +381,7 @@ CLI_CASES = [
 
 
 def _render_check(tmp_path, spec_path):
-    return subprocess.run(
-        [sys.executable, "-m", "kgen", "render", "--check", "--out", str(tmp_path / "out"), str(spec_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return kgen_cli("render", "--check", "--out", tmp_path / "out", spec_path)
 
 
 @pytest.mark.parametrize("text, key", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
