@@ -88,6 +88,11 @@ def _check(make_spec):
         return "error"
 
 
+def _seeds(n: int) -> list:
+    """Seeds 0 .. n-1; past the first, more of the same random search: the slow set runs those."""
+    return [pytest.param(seed, marks=[pytest.mark.slow] if seed else []) for seed in range(n)]
+
+
 def _mutated_text(text: str, rng: random.Random) -> str:
     pos = rng.randrange(len(text) + 1)
     action = rng.random()
@@ -102,7 +107,7 @@ def _mutated_text(text: str, rng: random.Random) -> str:
     return text[:pos] + "[" * 40 + "1" + "]" * 40 + text[pos:]
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", _seeds(3))
 def test_mutated_spec_data(seed):
     rng = random.Random(seed)
     outcomes = {"ok": 0, "error": 0}
@@ -118,7 +123,7 @@ def test_mutated_spec_data(seed):
     assert outcomes["error"] > 0 and outcomes["ok"] > 0  # the fuzzer reaches both sides
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", _seeds(2))
 def test_mutated_spec_text(seed):
     rng = random.Random(100 + seed)
     for i in range(150):
