@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kgen.build
-from conftest import ROOT, fresh_kgen_cache, write_spec
+from conftest import ROOT, fresh_kgen_cache, kgen_cli, write_spec
 from kgen.build import build_module, default_variant, install_problem, template_of, write_manifest
 from kgen.errors import KgenError
 from kgen.render import render_spec, write_rendered
@@ -115,9 +115,8 @@ def test_compile_error_names_the_template_and_leaves_nothing_importable(tmp_path
 # ---- safety: verified installs, interrupted builds, unwritable output
 
 
-def _kgen_build(out, name, **kw):
-    return subprocess.run([sys.executable, "-m", "kgen", "build", "--out", str(out), name], cwd=ROOT,
-                          capture_output=True, text=True, **kw)
+def _kgen_build(out, name):
+    return kgen_cli("build", "--out", out, name)
 
 
 def test_manifest_records_and_checks_the_library(tmp_path):
@@ -224,8 +223,7 @@ def test_unwritable_render_output_is_one_line_and_writes_nothing(tmp_path):
     spec = write_spec(tmp_path, TINY.format(tag="ro", k=2), "ro.yaml")
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")
-    proc = subprocess.run([sys.executable, "-m", "kgen", "render", str(spec), "--out", str(blocker / "gen")],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = kgen_cli("render", spec, "--out", blocker / "gen")
     assert proc.returncode == 1 and proc.stderr.startswith("kgen: error: tiny_ro: cannot write ")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
@@ -238,8 +236,7 @@ def test_read_only_generated_directory_is_one_line(tmp_path):
     for d in (out, out / "tiny_readonly"):
         d.chmod(0o555)
     try:
-        rendered = subprocess.run([sys.executable, "-m", "kgen", "render", str(spec.with_name("x.yaml")), "--out", str(out)],
-                                  cwd=ROOT, capture_output=True, text=True)
+        rendered = kgen_cli("render", spec.with_name("x.yaml"), "--out", out)
         proc = _kgen_build(out, "tiny_readonly")
     finally:
         for d in (out, out / "tiny_readonly"):
