@@ -116,8 +116,16 @@ def kgen_cli(*args):
 
     from kgen.cli import main
 
-    with contextlib.chdir(ROOT):
-        result = CliRunner().invoke(main, [str(a) for a in args])
+    here = os.getcwd()
+    os.chdir(ROOT)  # (contextlib.chdir is Python 3.11's; the project takes 3.10)
+    try:
+        try:
+            runner = CliRunner(mix_stderr=False)  # click 8.1 puts stderr in stdout unless told apart
+        except TypeError:
+            runner = CliRunner()  # click 8.2 on: apart always, and no such argument
+        result = runner.invoke(main, [str(a) for a in args])
+    finally:
+        os.chdir(here)
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "".join(traceback.format_exception(*result.exc_info))
