@@ -116,6 +116,7 @@ class _Memo:
     def __init__(self):
         self.fronts: list[tuple[tuple, _Front]] = []  # (the questions asked and their answers, the front)
         self.offers: dict = {}  # stage request -> (families' reasons to decline, candidates offered)
+        self.eager_whole: bool | None = None  # whether the eager family computes the whole pipeline (not asked yet)
 
     def front(self, picker: _Picker) -> _Front | None:
         """The front made with the answers ``picker`` gives (the same questions, asked in turn), recorded in it."""
@@ -153,6 +154,7 @@ class Plan:
     options: dict = field(default_factory=dict)  # decision point -> its options (the first is the default)
     batch: int = 1  # the batch its schedules were made for
     value_exprs: dict = None  # value name -> the binding's tensor holding it (kgen.values.materialized)
+    _stage_values: dict = field(default_factory=dict, repr=False, compare=False)  # id(stage) -> stage_values
 
     def __post_init__(self):
         for st in self.stages:  # every stage reads and writes the plan's dtype (the cost model's bytes)
@@ -178,9 +180,13 @@ class Plan:
         return [a for a in self.pipeline.stage_tensors() if a.name in names]
 
     def stage_values(self, stage: Stage) -> list[str]:
-        """The values a stage reads as tensors (operands not in a register), in definition order."""
-        names = {n for op in stage.ops for n in op.value_names() if not getattr(op, "register", False)}
-        return [n for n in self.pipeline.values if n in names]
+        """The values a stage reads as tensors (operands not in a register), in definition order (kept per stage:
+        the plan's passes and the cost model ask for every stage, hundreds of plans in a search)."""
+        known = self._stage_values.get(id(stage))
+        if known is None:
+            names = {n for op in stage.ops for n in op.value_names() if not getattr(op, "register", False)}
+            known = self._stage_values[id(stage)] = [n for n in self.pipeline.values if n in names] if names else []
+        return known
 
     def output_tensors(self) -> set[str]:
         """The binding's tensors that hold outputs of the graph before its last op (stages must write them)."""
@@ -380,11 +386,13 @@ def make_plan(pipeline: Pipeline, rewrites: dict | None = None, target: Target |
 
 
 def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker: _Picker, batch: int, reason: str) -> Plan:
-    eager = families.EAGER.whole(pipeline)
-    if picker.pick(PIPELINE, (KGEN, EAGER) if eager else (KGEN,)) == EAGER:
+    memo = _memo(pipeline, target, batch, rewrites)
+    if memo.eager_whole is None:
+        memo.eager_whole = families.EAGER.whole(pipeline) is not None
+    if picker.pick(PIPELINE, (KGEN, EAGER) if memo.eager_whole else (KGEN,)) == EAGER:
+        eager = families.EAGER.whole(pipeline)
         eager.choice = EAGER_CHOICE.format(reason=reason)
         return Plan(pipeline, pipeline, [], [eager], target, picker.chosen, picker.options, batch)
-    memo = _memo(pipeline, target, batch, rewrites)
     front = memo.front(picker)
     if front is None:
         front = _rewriting_front(pipeline, rewrites, _Recorder(picker), memo)
