@@ -154,7 +154,7 @@ class Plan:
     options: dict = field(default_factory=dict)  # decision point -> its options (the first is the default)
     batch: int = 1  # the batch its schedules were made for
     value_exprs: dict = None  # value name -> the binding's tensor holding it (kgen.values.materialized)
-    _stage_values: dict = field(default_factory=dict, repr=False, compare=False)  # id(stage) -> stage_values
+    _stage_values: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # id(stage) -> stage_values
 
     def __post_init__(self):
         for st in self.stages:  # every stage reads and writes the plan's dtype (the cost model's bytes)
