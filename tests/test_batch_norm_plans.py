@@ -564,8 +564,12 @@ def test_a_chain_of_training_batch_norms_runs_as_eagers_calls():
     assert [st.family.name for st in train.stages if any(isinstance(op, BatchNorm) for op in st.ops)] == ["aten"] * 2
     ev = sel.variant_for(2).plan
     assert not any(isinstance(op, BatchNorm) for op in ev.pipeline.ops)
+    from kgen.explain import explain_text
+
+    said = "training mode: the batch norms run as eager's ATen call"
+    assert said in explain_text(pipe, training=True)
     own = pipeline_of(text + "intermediates: float32\n")
-    assert not own.eager_batch_norms
+    assert not own.eager_batch_norms and said not in explain_text(own, training=True)
     assert any(isinstance(op, BatchStats) for op in choose_plans(own, DEFAULT).variant_for(2, training=True).plan.pipeline.ops)
     for name in ("bn_pool", "bn_two", "bn_gather"):  # one norm, or two with no convolution between them
         assert not pipeline_of(SPECS[name]).eager_batch_norms, name
