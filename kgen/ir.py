@@ -1363,9 +1363,9 @@ class Pipeline:
         """Whether training mode's batch norms run as eager's ATen call and every convolution before one as eager's
         cuDNN call (NC[D]HW, as written; a softmax before one as ATen's: plan.eager_call_cuts), so that the plan's
         values are eager's bits: a float32 plan (unless the spec's ``intermediates: float32``) where a batch norm
-        over batch statistics is followed by a convolution and then another normalization. kgen's own statistics (in double) differ from cuDNN's batch norm in the
-        last bit; the next convolution's TF32 rounding turns some of those bits into differences of 1e-3 of a
-        value, and the next norm scales them up: ResNet-18 and the basic block (KernelBench level 3, H200) failed
+        over batch statistics is followed by a convolution and then another normalization. kgen's own statistics
+        (in double) differ from cuDNN's batch norm in the last bit; the next convolution's TF32 rounding turns some
+        of those bits into differences of 1e-3 of a value, and the next norm scales them up: ResNet-18 and the basic block (KernelBench level 3, H200) failed
         KernelBench's 1e-4 check against eager 0/5 with kgen's statistics (as far from float64 as eager's) and
         pass 5/5 with eager's calls (docs/performance.md, Precision). A single norm at the end keeps kgen's."""
         if self.dtype != "float32" or self.intermediates == "float32":

@@ -344,10 +344,8 @@ def eager_call_cuts(pipe: Pipeline) -> set[int]:
     """Where a chain of training-mode batch norms runs as eager's calls (Pipeline.eager_batch_norms), a softmax
     before a batch norm is ATen's call too (the softmax family declines it): it stands alone, the ops around it in
     stages of their own."""
-    if not pipe.eager_batch_norms:
-        return set()
-    return {j for i, op in enumerate(pipe.ops) if op.op_name in families.EAGER_SOFTMAXES and "batch_norm" in pipe.names_after[i]
-            for j in (i, i + 1)}
+    return {j for i, op in enumerate(pipe.ops)
+            if op.op_name in families.EAGER_SOFTMAXES and families.before_eager_batch_norm(pipe, i) for j in (i, i + 1)}
 
 
 def group_ops(pipe: Pipeline, cuts: set[int] = frozenset()) -> list[tuple[int, list[Op], list[families.Family]]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import aten, batch_stats, conv_aten, conv_gemm, eager, layer_norm, linear_aten, linear_gemm, norm, pool_reduce, softmax
 from ..ops import OPS
-from .base import EAGER_SOFTMAXES, Family, StageRequest
+from .base import EAGER_SOFTMAXES, Family, StageRequest, before_eager_batch_norm
 
 # Registry order is the order of preference when several families accept the same ops
 # (the default candidate; the tuning file or the cost model chooses among them).
@@ -48,4 +48,5 @@ def by_name(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 
 
-__all__ = ["EAGER", "EAGER_SOFTMAXES", "FAMILIES", "Family", "StageRequest", "by_name", "claimants"]
+__all__ = ["EAGER", "EAGER_SOFTMAXES", "FAMILIES", "Family", "StageRequest", "before_eager_batch_norm", "by_name",
+           "claimants"]

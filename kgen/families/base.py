@@ -221,10 +221,10 @@ def follows(req: StageRequest, op_names: tuple[str, ...]) -> bool:
 EAGER_SOFTMAXES = ("softmax", "log_softmax")
 
 
-def before_eager_batch_norm(req: StageRequest) -> bool:
-    """Whether the request's op (a convolution, a softmax) comes before a training-mode batch norm that runs as
-    eager's call (Pipeline.eager_batch_norms): then it runs as eager's own call too, whose bits the norm sees."""
-    return req.pipeline.eager_batch_norms and follows(req, ("batch_norm",))
+def before_eager_batch_norm(pipe: Pipeline, i: int) -> bool:
+    """Whether op ``i`` (a convolution, a softmax) comes before a training-mode batch norm that runs as eager's call
+    (Pipeline.eager_batch_norms): then it runs as eager's own call too, whose bits the norm sees."""
+    return pipe.eager_batch_norms and "batch_norm" in pipe.names_after[i]
 
 
 def conv_precision(req: StageRequest) -> tuple[bool, str]:

@@ -180,7 +180,7 @@ class ConvAten(Family):
             return ("contiguous",)  # ATen has no channels_last format for 1-d convolutions; tap sums are small
         if req.pipeline.conv_layout != "auto":
             return (req.pipeline.conv_layout,)
-        if before_eager_batch_norm(req):
+        if before_eager_batch_norm(req.pipeline, req.start):
             return ("contiguous",)  # eager's own call (with TF32 as eager allows it: fp32_products)
         if self.eager_rounding_only(req, conv):
             # eager's own call, or channels_last with the operands rounded as eager's call rounds them (where the

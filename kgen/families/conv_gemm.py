@@ -689,7 +689,7 @@ class ConvGemm(Family):
         except KgenError as e:
             return f"no tile fits: {e}"
         forced = req.pipeline.conv_impl == "gemm"
-        if not forced and before_eager_batch_norm(req):
+        if not forced and before_eager_batch_norm(req.pipeline, req.start):
             return ("a training-mode batch norm after it runs as eager's call, so this convolution does too "
                     "(its bits are the norm's input: Pipeline.eager_batch_norms)")
         if not forced and not half and req.pipeline.precision == "ieee" and c.in_channels * taps > DIRECT_MAX_K:

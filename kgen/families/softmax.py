@@ -54,8 +54,8 @@ from ..ir import Elementwise, Op, Reduce, Softmax
 from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
-from .base import (EAGER_SOFTMAXES, Family, StageRequest, Work, before_eager_batch_norm, fused_stage_json, group_words, index_type,
-                   input_words, pow2_ceil, split_around)
+from .base import (EAGER_SOFTMAXES, Family, StageRequest, Work, before_eager_batch_norm, fused_stage_json, group_words,
+                   index_type, input_words, pow2_ceil, split_around)
 
 CUDA_THREADS = 256  # threads per block where part of a warp or a warp takes a row
 WARP = 32
@@ -154,7 +154,8 @@ class SoftmaxFamily(Family):
 
     def unsupported(self, req: StageRequest) -> str | None:
         core = next(op for op in req.ops if not isinstance(op, Elementwise))
-        if core.op_name in EAGER_SOFTMAXES and before_eager_batch_norm(req):  # (alone: plan.eager_call_cuts)
+        # (alone in its stage: plan.eager_call_cuts)
+        if core.op_name in EAGER_SOFTMAXES and before_eager_batch_norm(req.pipeline, req.start):
             return ("a training-mode batch norm after it runs as eager's call, and ATen's softmax gives eager's bits "
                     "(its sums in eager's order: Pipeline.eager_batch_norms)")
         return None
