@@ -228,15 +228,13 @@ def test_tune_measures_eager_convolution_precision():
 def test_tune_precision_only_writes_what_eager_runs(tmp_path):
     """`kgen tune --precision-only` on this GPU: eager's call for a 64 -> 128 k3 convolution runs TF32, and the
     tuning file says so (no candidates measured, nothing built)."""
-    from click.testing import CliRunner
-
+    from conftest import kgen_cli
     from kgen import tunefile
-    from kgen.cli import main
 
     spec = write_spec(tmp_path, spec_text([64, 34, 34], [{"conv2d": {"out_channels": 128, "kernel_size": 3}}, "relu"],
                                           batch=16, name="wide"), "wide.yaml")
-    result = CliRunner().invoke(main, ["tune", "--precision-only", str(spec)])
-    assert result.exit_code == 0, result.output
+    result = kgen_cli("tune", "--precision-only", spec)
+    assert result.returncode == 0, result.stdout + result.stderr
     (e,) = json.loads(tunefile.path_for(spec).read_text())["entries"]
     assert e["device"] == torch.cuda.get_device_name() and e["eager_conv_tf32"] == {"conv": True}
     assert "candidates" not in e and not (tmp_path / "generated").exists()

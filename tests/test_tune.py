@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, assert_report_passed, fake_tuning, pipeline_of, spec_text, write_spec
+from conftest import ROOT, assert_report_passed, fake_tuning, kgen_cli, pipeline_of, spec_text, write_spec
 from kgen import cost, tune, tunefile
 from kgen.errors import KgenError
 from kgen.ir import load_pipeline
@@ -195,18 +195,14 @@ def test_tune_refuses_a_dtype_the_spec_does_not_list(tmp_path):
 
 
 def test_render_prints_the_note_and_a_broken_file_is_one_line(tmp_path):
-    from click.testing import CliRunner
-
-    from kgen.cli import main
-
     spec = write_spec(tmp_path, SMALL, "tuned.yaml")
     t = fake_tuning(spec, [], {4: _is_eager}, tmp_path / "tune")
     tunefile.write_entry(spec, dict(tune.entry(t, 30, DEFAULT.name), device=H100.name))
-    result = CliRunner().invoke(main, ["render", str(spec), "--out", str(tmp_path / "gen")])
-    assert result.exit_code == 0 and f"not on {DEFAULT.name}: ignored" in result.stderr
+    result = kgen_cli("render", spec, "--out", tmp_path / "gen")
+    assert result.returncode == 0 and f"not on {DEFAULT.name}: ignored" in result.stderr
     tunefile.path_for(spec).write_text("{not json")
-    result = CliRunner().invoke(main, ["render", str(spec), "--out", str(tmp_path / "gen")])
-    assert result.exit_code == 1 and result.stderr.startswith("kgen: error: ") and len(result.stderr.splitlines()) == 1
+    result = kgen_cli("render", spec, "--out", tmp_path / "gen")
+    assert result.returncode == 1 and result.stderr.startswith("kgen: error: ") and len(result.stderr.splitlines()) == 1
     assert "not a readable tuning file" in result.stderr
 
 
@@ -254,18 +250,14 @@ def test_precision_only_tuning_keeps_the_cost_model_and_a_full_entry(tmp_path, m
     """`kgen tune --precision-only` stores eager's measured precision alone (no candidates): render's cost model
     still chooses, with no stale-plans note, and takes the precision; on a spec already tuned it replaces the
     measurement and keeps the measured plans."""
-    from click.testing import CliRunner
-
-    from kgen.cli import main
-
     spec = write_spec(tmp_path, spec_text([3, 12, 12], [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, "relu"],
                                           batch=4, name="measured", plan={"conv": "gemm"}), "measured.yaml")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: DEFAULT.name)
     monkeypatch.setattr(tune, "measure_eager_conv_tf32", lambda pipe, b: (("conv", True),))
     assert choose_plans(load_pipeline(spec), DEFAULT).plans[0].stages[0].schedule.mma == "tf32x3"  # untuned: the rules
-    result = CliRunner().invoke(main, ["tune", "--precision-only", str(spec)])
-    assert result.exit_code == 0, result.output
+    result = kgen_cli("tune", "--precision-only", spec)
+    assert result.returncode == 0, result.stdout + result.stderr
     assert "measured" in result.stdout and "TF32" in result.stdout
     (e,) = json.loads(tunefile.path_for(spec).read_text())["entries"]
     assert e["device"] == DEFAULT.name and e["eager_conv_tf32"] == {"conv": True} and "candidates" not in e
@@ -279,8 +271,8 @@ def test_precision_only_tuning_keeps_the_cost_model_and_a_full_entry(tmp_path, m
     (e,) = json.loads(tunefile.path_for(spec).read_text())["entries"]
     assert e["eager_conv_tf32"] == {"conv": True} and e["candidates"] and e["ranges"]
     assert choose_plans(load_pipeline(spec), DEFAULT).source.startswith("tuning file")
-    result = CliRunner().invoke(main, ["tune", "--precision-only", "--batch", "8", str(spec)])
-    assert result.exit_code == 1 and "--batch, --dtype and --max-candidates do not apply" in result.stderr
+    result = kgen_cli("tune", "--precision-only", "--batch", "8", spec)
+    assert result.returncode == 1 and "--batch, --dtype and --max-candidates do not apply" in result.stderr
 
 
 # ------------------------------------------------------------------ the eager candidate and the dispatch
@@ -485,12 +477,8 @@ def test_a_module_that_does_not_build_is_recorded_not_raised(tmp_path):
 def test_tune_without_a_gpu_is_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: kgen tune runs")
-    from click.testing import CliRunner
-
-    from kgen.cli import main
-
-    result = CliRunner().invoke(main, ["tune", str(ROOT / "specs" / "maxpool_sum.yaml")])
-    assert result.exit_code == 1 and result.stderr.strip() == "kgen: error: kgen tune needs a CUDA GPU: it measures the candidates"
+    result = kgen_cli("tune", ROOT / "specs" / "maxpool_sum.yaml")
+    assert result.returncode == 1 and result.stderr.strip() == "kgen: error: kgen tune needs a CUDA GPU: it measures the candidates"
 
 
 def test_explain_shows_the_candidates_estimates_and_choice():
