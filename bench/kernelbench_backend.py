@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+PROCESS_START = time.perf_counter()  # a row's seconds before its first call: imports (torch's), the model
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernelbench_gpu import ROOT, _f, _line  # noqa: E402  (also sets the inductor cache folder)
 
@@ -71,6 +73,7 @@ def kgen_share(fn, inputs, device: str, calls: int = 3) -> float | None:
     """Of ``calls`` calls of ``fn``: the time inside kgen's generated ops (``kgen::...``) over the whole's:
     device time on a GPU, CPU time on the CPU."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from kgen.runtime import launches_one_by_one
@@ -83,14 +86,24 @@ def kgen_share(fn, inputs, device: str, calls: int = 3) -> float | None:
         if cuda:
             torch.cuda.synchronize()
     events = prof.events()
-    if cuda:
-        total = sum(e.self_device_time_total for e in events)
-        kgen = sum(e.device_time_total for e in events if e.name.startswith("kgen::"))
+
+    def outermost_kgen(e) -> bool:  # a kgen op's range, not one of its stages' ranges inside it
+        if not e.name.startswith("kgen::"):
+            return False
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("kgen::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    if cuda:  # the device's own events (kernels, copies) once each; a range's device time is its kernels'
+        total = sum(e.device_time_total for e in events if e.device_type != DeviceType.CPU)
+        kgen = sum(e.device_time_total for e in host if outermost_kgen(e))
     else:
-        top = [e for e in events if e.cpu_parent is None]
-        total = sum(e.cpu_time_total for e in top)
-        kgen = sum(e.cpu_time_total for e in events if e.name.startswith("kgen::")
-                   and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("kgen::")))
+        total = sum(e.cpu_time_total for e in host if e.cpu_parent is None)
+        kgen = sum(e.cpu_time_total for e in host if outermost_kgen(e))
     return kgen / total if total > 0 else None
 
 
@@ -133,6 +146,7 @@ def run_problem(path: Path, args) -> dict:
         torch.manual_seed(seed)  # a model that draws random numbers draws the same ones
         return fn(*xs)
 
+    phase = {"start": time.perf_counter()}  # where a row's seconds go (the process's start, check, timing, share)
     with torch.no_grad():
         xs = inputs_for(INIT_SEED)
         row["batch"] = next((int(x.shape[0]) for x in xs if isinstance(x, torch.Tensor) and x.dim()), None)
@@ -147,6 +161,7 @@ def run_problem(path: Path, args) -> dict:
                 row[f"{name}_error"] = _line(e)
         if args.warm:  # the compiles only, into the caches (a parallel phase before the timed one)
             return row
+        phase["first calls"] = time.perf_counter()
         ok = {n: f for n, f in forms.items() if f"{n}_error" not in row}
         passed = {n: 0 for n in ok if n != "eager"}
         worst = {n: 0.0 for n in passed}
@@ -160,12 +175,18 @@ def run_problem(path: Path, args) -> dict:
                 worst[n] = max(worst[n], float((got - want).abs().max()))
         for n in passed:
             row[f"{n}_check"] = f"{passed[n]}/{args.trials} (max diff {worst[n]:.2g})"
+        phase["check"] = time.perf_counter()
         xs = inputs_for(INIT_SEED)
         timed = time_in_blocks({f"{n}_ms": (lambda f=f: f(*xs)) for n, f in ok.items()}, args.reps, device)
         row.update({k: round(v, 4) for k, v in timed.items()})
+        phase["timing"] = time.perf_counter()
         if "kgen" in ok:
             share = kgen_share(ok["kgen"], xs, device)
             row["kgen_share"] = None if share is None else round(share, 3)
+            phase["share"] = time.perf_counter()
+    marks = list(phase.items())
+    row["phase_s"] = {name: round(t - marks[i][1], 1) for i, (name, t) in enumerate(marks[1:])}
+    row["phase_s"]["process"] = round(phase["start"] - PROCESS_START, 1)
     made = backend.PARTITIONS[before:]
     row["partitions_kgen"] = sum(1 for p in made if p["module"])
     row["eager_reasons"] = sorted({f"{', '.join(p['calls'][:4])}: {p['reason']}" for p in made if not p["module"]})
