@@ -27,15 +27,21 @@ def timeline(name: str, calls: int = 3, host: bool = False) -> None:
     model = import_module_dir(d).Model().cuda()
     x = torch.randn(pipe.input.concrete(pipe.example_batch()), device="cuda")
     with torch.no_grad():
-        for _ in range(5):
-            model(x)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, launches_one_by_one():
-            for i in range(calls):
-                torch.cuda.synchronize()
-                with record_function(f"timeline call {i}"):
-                    model(x)
-                torch.cuda.synchronize()
+        call_timeline(name, lambda: model(x), calls, host)
+
+
+def call_timeline(name: str, fn, calls: int = 3, host: bool = False) -> None:
+    """The timeline of ``calls`` calls of ``fn()``, each with the queue drained before it (as kgen bench and
+    KernelBench time a call), printed under ``name``."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, launches_one_by_one():
+        for i in range(calls):
+            torch.cuda.synchronize()
+            with record_function(f"timeline call {i}"):
+                fn()
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
