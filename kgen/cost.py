@@ -26,9 +26,14 @@ from .stage import Stage
 from .target import Target
 
 
+def dispatch_s(w: Work, target: Target) -> float:
+    """The host's time to issue ``w``: its kernel launches and library calls (what a CUDA-graph replay saves)."""
+    return w.launches * target.launch_s + w.calls * w.call_s
+
+
 def work_s(w: Work, target: Target) -> float:
     rate = w.flop_rate or target.fp32_flops
-    return (w.launches * target.launch_s + w.calls * w.call_s + w.latency_s
+    return (dispatch_s(w, target) + w.latency_s
             + max(w.flops / rate, w.bytes / (target.dram_bytes_per_s * w.bandwidth_share)))
 
 
@@ -100,10 +105,16 @@ def estimate_ms(plan, batch: int) -> float:
     return sum(e.ms for e in estimate(plan, batch))
 
 
-def replay_terms(plan, batch: int) -> tuple[int, int]:
-    """(kernel launches, bytes of the op's arguments) of a call of ``plan`` at ``batch``: what decides whether
-    the module replays its kernels as one CUDA graph (kgen.runtime.replay_pays)."""
-    return sum(e.launches for e in estimate(plan, batch)), argument_bytes(plan.original, batch)
+def plan_dispatch_s(plan, batch: int) -> float:
+    """The host's time to issue a call of ``plan`` at ``batch``: every stage's launches and library calls (a cuDNN
+    convolution's call costs the host tens of microseconds, a generated kernel's launch a few)."""
+    return sum(dispatch_s(w, plan.target) for e in estimate(plan, batch) for w in e.work)
+
+
+def replay_terms(plan, batch: int) -> tuple[float, int]:
+    """(the host's dispatch in seconds, bytes of the op's arguments) of a call of ``plan`` at ``batch``: what
+    decides whether the module replays its kernels as one CUDA graph (kgen.runtime.replay_pays)."""
+    return plan_dispatch_s(plan, batch), argument_bytes(plan.original, batch)
 
 
 def argument_bytes(pipe, batch: int) -> int:

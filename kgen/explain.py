@@ -189,14 +189,17 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
 
 def replay_line(plan: Plan, batch: int, target: Target) -> str:
     """Whether the module replays this plan's kernels as one CUDA graph at ``batch`` where no autograd graph is
-    recorded (kgen.runtime.replay_pays: the launches' host dispatch against the bytes the replay copies)."""
+    recorded (kgen.runtime.replay_pays: the host's dispatch against the bytes the replay copies)."""
     from .runtime import replay_pays
 
-    launches, argument_bytes = cost.replay_terms(plan, batch)
-    pays = replay_pays(launches, argument_bytes, target)
+    dispatch, argument_bytes = cost.replay_terms(plan, batch)
+    work = [w for e in cost.estimate(plan, batch) for w in e.work]
+    launches, calls = sum(w.launches for w in work), sum(w.calls for w in work)
+    pays = replay_pays(dispatch, argument_bytes, target)
     copied = 2 * argument_bytes  # at most (replay_pays)
-    return (f"CUDA-graph replay without autograd (at batch {batch}): {'yes' if pays else 'no'}: {launches} launches' "
-            f"dispatch {1e3 * launches * target.launch_s:.3f} ms against the replay's copies, at most "
+    return (f"CUDA-graph replay without autograd (at batch {batch}): {'yes' if pays else 'no'}: the host's dispatch "
+            f"{1e3 * dispatch:.3f} ms ({launches} launches{f', {calls} library call' + 's' * (calls > 1) if calls else ''}) against the "
+            f"replay's copies, at most "
             f"{copied / 1e6:.1f} MB ({1e3 * copied / target.dram_bytes_per_s:.3f} ms)")
 
 

@@ -29,7 +29,7 @@ import jinja2
 from . import cexpr
 from .errors import KgenError
 from .families.eager import aten_call, aten_prelude
-from .cost import estimate
+from .cost import plan_dispatch_s
 from .ir import dropout_refusal, load_pipeline
 from .plan import Plan, Selection, Variant, choose_plans, stage_op_name, stage_scope_name
 from .spec import NO_DEFAULT, spec_to_data
@@ -142,7 +142,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
                     scope=lambda st: stage_scope_name(name, i, n, st))
 
     variants = [variant(i, v) for i, v in enumerate(sel.variants)]
-    launches = kernel_launches(sel)  # the module's KERNEL_LAUNCHES and plan.json's kernel_launches
+    dispatch_us = host_dispatch_us(sel)  # the module's HOST_DISPATCH_US and plan.json's host_dispatch_us
     ctx = dict(
         name=name,
         dtypes=sel.dtypes,  # the op dispatches on x's dtype to its variants (Variant.dtype)
@@ -165,7 +165,7 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         op_args_py=[a[2] for a in op_args],
         forward_args=forward_args,  # the functional forward's arguments (flat)
         op_call_args=op_call_args,  # the op's call on them
-        launches=launches,
+        dispatch_us=dispatch_us,
     )
     files = {}
     for out, tpl in MODULE_FILES.items():
@@ -174,28 +174,29 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         except jinja2.TemplateError as e:  # a template bug, not a user error: say where
             where = getattr(e, "filename", None) or tpl
             raise KgenError(f"rendering templates/{tpl} for {name} failed in {where}: {type(e).__name__}: {e}") from None
-    files[f"{name}/plan.json"] = json.dumps(selection_json(sel, spec_shown, launches), indent=1) + "\n"
+    files[f"{name}/plan.json"] = json.dumps(selection_json(sel, spec_shown, dispatch_us), indent=1) + "\n"
     for f in SHARED_FILES:
         files[f] = (TEMPLATES / f).read_text()
     files["__init__.py"] = env.get_template("package_init.py.j2").render()
     return Rendered(name, files)
 
 
-def kernel_launches(sel: Selection) -> int:
-    """Kernel launches of a call at the example batch (the fewest of the plans; the cost model's count): what a
-    CUDA-graph replay of the op saves (kgen.runtime.replay_pays)."""
-    return min(sum(e.launches for e in estimate(v.plan, sel.pipeline.example_batch())) for v in sel.variants)
+def host_dispatch_us(sel: Selection) -> float:
+    """The host's time to issue a call at the example batch, in us (the least of the plans'; the cost model's
+    launches and library calls, kgen.cost.plan_dispatch_s): what a CUDA-graph replay of the op saves
+    (kgen.runtime.replay_pays)."""
+    return round(1e6 * min(plan_dispatch_s(v.plan, sel.pipeline.example_batch()) for v in sel.variants), 1)
 
 
-def selection_json(sel: Selection, spec_shown: str, launches: int) -> dict:
-    """plan.json: how the plans were chosen, the kernel launches of a call (``kernel_launches``, as the module's
-    KERNEL_LAUNCHES), then each plan with the batches it runs."""
+def selection_json(sel: Selection, spec_shown: str, dispatch_us: float) -> dict:
+    """plan.json: how the plans were chosen, the host's dispatch of a call (``host_dispatch_us``, as the module's
+    HOST_DISPATCH_US), then each plan with the batches it runs."""
     return {
         "name": sel.name,
         "spec": spec_shown,
         "chosen_by": sel.source,
         "notes": sel.notes,
-        "kernel_launches": launches,
+        "host_dispatch_us": dispatch_us,
         "plans": [{"batches": [v.lo, v.hi], "mode": v.mode} | ({} if v.dtype == "float32" else {"dtype": v.dtype})
                   | ({"eager_as_fast": True} if v.eager_as_fast else {})
                   | {k: x for k, x in v.plan.to_json().items() if k not in ("name", "spec")}

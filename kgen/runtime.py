@@ -294,21 +294,21 @@ class launches_one_by_one:
         _graphs_off -= 1
 
 
-def replay_saving_s(launches: int, argument_bytes: int, target=None) -> float:
+def replay_saving_s(dispatch_s: float, argument_bytes: int, target=None) -> float:
     """Seconds a call saves by replaying its kernels as one CUDA graph (negative: it loses): the host's
-    dispatch of each launch (the cost model's ``launch_s``) against the replay's own launch and the bytes
-    it moves besides the op's. ``argument_bytes``: the bytes of the op's inputs, outputs, parameters and
+    dispatch of the call (``dispatch_s``: the cost model's launches and library calls, kgen.cost.plan_dispatch_s)
+    against the replay's own launch and the bytes it moves besides the op's. ``argument_bytes``: the bytes of the op's inputs, outputs, parameters and
     running statistics; a replay reads and writes each once at most (the inputs copied in, the
     outputs copied out, weights derived afresh inside the graph)."""
     from .target import current
 
     t = target or current()
-    return launches * t.launch_s - (t.launch_s + REPLAY_COPY_LAUNCHES * t.launch_s + 2 * argument_bytes / t.dram_bytes_per_s)
+    return dispatch_s - (t.launch_s + REPLAY_COPY_LAUNCHES * t.launch_s + 2 * argument_bytes / t.dram_bytes_per_s)
 
 
-def replay_pays(launches: int, argument_bytes: int, target=None) -> bool:
+def replay_pays(dispatch_s: float, argument_bytes: int, target=None) -> bool:
     """Whether replaying a call's kernels as one CUDA graph saves time (``replay_saving_s``)."""
-    return replay_saving_s(launches, argument_bytes, target) > 0
+    return replay_saving_s(dispatch_s, argument_bytes, target) > 0
 
 
 REPLAY_COPY_LAUNCHES = 2  # a replay copies its inputs in and its outputs out
@@ -331,12 +331,12 @@ class GraphReplay:
     captured by someone else, under KGEN_CUDA_GRAPHS=0, or in launches_one_by_one().
     """
 
-    def __init__(self, op_name: str, launches: int):
+    def __init__(self, op_name: str, dispatch_s: float):
         from .target import DEFAULT  # (the current device's target would initialize CUDA at import)
 
         self.op_name = op_name
-        self.launches = launches
-        self.never = not replay_pays(launches, 0, DEFAULT)  # too few launches: not even the signature is worth its time
+        self.dispatch_s = dispatch_s  # the host's time to issue a call one launch at a time (the cost model's)
+        self.never = not replay_pays(dispatch_s, 0, DEFAULT)  # too little dispatch: not even the signature is worth its time
         self.graphs: dict = {}  # signature -> (graph, static inputs, static outputs)
         self.direct: set = set()  # signatures that launch one by one (replay does not pay, or capture failed)
         self.seen: set = set()  # signatures called once
@@ -358,7 +358,7 @@ class GraphReplay:
                     out = _call_below_autograd(op, args)
                     if key not in self.direct:
                         _remember(self.seen, key)
-                        if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.launches, _argument_bytes(args, out)):
+                        if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.dispatch_s, _argument_bytes(args, out)):
                             _remember(self.direct, key)
                     return out
                 entry = self._capture(op, args, key)

@@ -156,6 +156,31 @@ def test_supported_model_in_eval_mode_equals_eager_and_a_new_batch_does_not_reco
     assert all(p["module"] == made[0]["module"] for p in backend.PARTITIONS[before:])
 
 
+def test_the_kgen_call_is_issued_before_the_norms_bookkeeping(cache):
+    """Dynamo's graph adds 1 to each batch norm's num_batches_tracked before the norm: the backend's graph calls
+    the kgen partition first (its kernels reach the GPU sooner) and counts the batches after it, as eager does."""
+    from kgen.backend import kgen_backend
+
+    graphs = []
+
+    def keep(gm, examples):
+        out = kgen_backend(gm, examples)
+        graphs.append(out.__self__.graph)
+        return out
+
+    torch.manual_seed(2)
+    model = Net().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=keep)(x), reference(x), rtol=1e-4, atol=1e-5)
+    (graph,) = graphs
+    calls = [n for n in graph.nodes if n.op in ("call_module", "call_method", "call_function")]
+    assert [n.target for n in calls][:2] == ["fused_0", "add_"], [n.target for n in calls]
+    assert int(model.bn.num_batches_tracked) == 1
+    torch.testing.assert_close(model.bn.running_var, reference.bn.running_var, rtol=1e-5, atol=1e-6)
+
+
 def test_supported_model_trains_one_step_as_eager(cache):
     torch.manual_seed(1)
     model = Net().train()

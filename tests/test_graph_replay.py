@@ -16,11 +16,31 @@ BLOCKS = conv_bn_blocks_model(blocks=8, size=6)  # a call of ~16 short kernels
 
 
 def test_replay_pays_where_dispatch_outweighs_the_copies():
-    many, few = 60, 3
+    many, few = 60 * DEFAULT.launch_s, 3 * DEFAULT.launch_s  # the host's dispatch of 60 and of 3 launches
     # argument bytes: each read and written once by a replay at most
     assert replay_pays(many, argument_bytes=5_000_000, target=DEFAULT)  # 240 us of dispatch, ~3 us of copies
     assert not replay_pays(few, argument_bytes=67_000_000, target=DEFAULT)  # a large input copied for 3 launches
     assert not replay_pays(few, argument_bytes=0, target=DEFAULT)  # the replay's own launch and copies cost as much
+
+
+def test_library_calls_count_in_the_dispatch_a_replay_saves():
+    """ResNet's basic block in training mode at KernelBench's size, its convolutions and batch norms eager's calls
+    (Pipeline.eager_batch_norms): its launches alone would not pay for copying the 128 MB output, the host time
+    of its two cuDNN calls (kgen.families.conv_aten.CUDNN_CALL_S) does."""
+    from conftest import pipeline_of, spec_text
+    from kgen.cost import estimate, replay_terms
+    from kgen.families.conv_aten import CUDNN_CALL_S
+    from kgen.plan import choose_plans
+
+    conv = {"out_channels": 64, "kernel_size": 3, "padding": 1, "bias": False}
+    ops = [{"conv2d": conv | {"name": "conv1"}}, {"batch_norm": {"name": "bn1"}}, "relu",
+           {"conv2d": conv | {"name": "conv2"}}, {"batch_norm": {"name": "bn2"}}, "relu"]
+    plan = choose_plans(pipeline_of(spec_text([3, 224, 224], ops, batch=10)), DEFAULT).variant_for(10, training=True).plan
+    dispatch, nbytes = replay_terms(plan, 10)
+    work = [w for e in estimate(plan, 10) for w in e.work]
+    launches = sum(w.launches for w in work)
+    assert sum(w.calls for w in work) == 2 and dispatch == pytest.approx(launches * DEFAULT.launch_s + 2 * CUDNN_CALL_S)
+    assert not replay_pays(launches * DEFAULT.launch_s, nbytes, DEFAULT) and replay_pays(dispatch, nbytes, DEFAULT)
 
 
 def test_explain_says_a_model_of_many_short_kernels_replays(tmp_path):
@@ -41,12 +61,12 @@ def test_cpu_calls_launch_directly_and_keep_no_graph():
         calls.append(torch.is_grad_enabled())
         return x + params[0]
 
-    replay = GraphReplay("kgen::test", launches=100)
+    replay = GraphReplay("kgen::test", dispatch_s=100 * DEFAULT.launch_s)
     x, p = torch.ones(3), [torch.full((3,), 2.0)]
     for _ in range(3):
         assert torch.equal(replay(op, x, p, False, [0.1]), torch.full((3,), 3.0))
     assert len(calls) == 3 and not replay.graphs and not replay.seen
-    assert GraphReplay("kgen::few", launches=3).never  # its own launch and copies cost what 3 launches save
+    assert GraphReplay("kgen::few", dispatch_s=3 * DEFAULT.launch_s).never  # its launch and copies cost as much
 
 
 def test_signature_tells_strides_storage_and_scalars_apart():
@@ -80,7 +100,7 @@ def blocks(tmp_path_factory):
     write_rendered(render_spec(spec, gen), gen)
     build_modules([gen / "replay_blocks"], "cuda")
     mod = import_module_dir(gen / "replay_blocks")
-    assert mod.KERNEL_LAUNCHES >= 8
+    assert mod.HOST_DISPATCH_US >= 8 * 1e6 * DEFAULT.launch_s
     return mod, load_model_file(src)
 
 

@@ -49,8 +49,8 @@ SPEC_DATA = {
 }
 register_autograd("kgen::div_max_gap_bias_sum", SPEC_DATA, PARAMETERS)
 _OP = torch.ops.kgen.div_max_gap_bias_sum.default
-KERNEL_LAUNCHES = 3  # per call, the cost model's count: what a CUDA-graph replay saves
-_REPLAY = GraphReplay("kgen::div_max_gap_bias_sum", KERNEL_LAUNCHES)
+HOST_DISPATCH_US = 12.0  # per call, the cost model's (kernel launches, library calls): what a CUDA-graph replay saves
+_REPLAY = GraphReplay("kgen::div_max_gap_bias_sum", HOST_DISPATCH_US * 1e-6)
 
 
 @torch.library.register_fake("kgen::div_max_gap_bias_sum")

@@ -46,8 +46,8 @@ SPEC_DATA = {
 }
 register_autograd("kgen::maxpool_sum", SPEC_DATA, PARAMETERS)
 _OP = torch.ops.kgen.maxpool_sum.default
-KERNEL_LAUNCHES = 2  # per call, the cost model's count: what a CUDA-graph replay saves
-_REPLAY = GraphReplay("kgen::maxpool_sum", KERNEL_LAUNCHES)
+HOST_DISPATCH_US = 8.0  # per call, the cost model's (kernel launches, library calls): what a CUDA-graph replay saves
+_REPLAY = GraphReplay("kgen::maxpool_sum", HOST_DISPATCH_US * 1e-6)
 
 
 @torch.library.register_fake("kgen::maxpool_sum")

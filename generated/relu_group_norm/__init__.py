@@ -46,8 +46,8 @@ SPEC_DATA = {
 }
 register_autograd("kgen::relu_group_norm", SPEC_DATA, PARAMETERS)
 _OP = torch.ops.kgen.relu_group_norm.default
-KERNEL_LAUNCHES = 5  # per call, the cost model's count: what a CUDA-graph replay saves
-_REPLAY = GraphReplay("kgen::relu_group_norm", KERNEL_LAUNCHES)
+HOST_DISPATCH_US = 50.0  # per call, the cost model's (kernel launches, library calls): what a CUDA-graph replay saves
+_REPLAY = GraphReplay("kgen::relu_group_norm", HOST_DISPATCH_US * 1e-6)
 
 
 @torch.library.register_fake("kgen::relu_group_norm")
