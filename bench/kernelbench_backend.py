@@ -351,9 +351,9 @@ def main() -> None:
         failed = [r["problem"] for r in warmed if r.get("status") == "failed"]
         print(f"compiled {len(args.problems)} problems, {args.jobs} at a time, in {time.time() - t:.0f} s"
               + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
-    kept = []
+    earlier = []  # the state's rows: each replaced by this run's row of its problem, the others kept
     if args.state is not None and args.state.exists():
-        kept = [r for r in json.loads(args.state.read_text())["rows"] if r.get("number") not in args.problems]
+        earlier = json.loads(args.state.read_text())["rows"]
     rows = []
     for n in args.problems:
         if not time_left():
@@ -373,7 +373,8 @@ def main() -> None:
               f"kgen {_f(row.get('kgen_ms'))} ms, check {row.get('kgen_check', '-')}, {row['status']} "
               f"({row['time_s']} s)", flush=True)
         row["commit"], row["date"] = env["commit"], env["date"]
-        every = sorted(kept + rows, key=lambda r: r["number"])
+        done = {r["number"] for r in rows}  # (a problem the budget left out keeps its earlier row)
+        every = sorted([r for r in earlier if r.get("number") not in done] + rows, key=lambda r: r["number"])
         for path in [args.out / "kernelbench_backend.json"] + ([args.state] if args.state is not None else []):
             path.parent.mkdir(parents=True, exist_ok=True)  # (a state file in a folder not made yet)
             path.write_text(json.dumps({"environment": env, "rows": every}, indent=1) + "\n")
