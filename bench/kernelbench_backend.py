@@ -263,17 +263,27 @@ def summary(rows) -> list[str]:
             + (", ".join(slower) if slower else "none") + "."]
 
 
+def _when(rows, env) -> str:
+    """The commit and date of the rows: the run's, or where rows of earlier runs are kept, each row's."""
+    commits = {r.get("commit", env["commit"]) for r in rows}
+    if len(commits) <= 1:
+        return f"commit {env['commit']}, {env['date']}"
+    dates = sorted(r.get("date", env["date"]) for r in rows)
+    return f"commit per row (last column), rows of {dates[0]} to {dates[-1]}"
+
+
 def markdown(rows, env, args) -> str:
     lines = [
         f"# KernelBench level {args.level} under torch.compile(backend=\"kgen\") on {env['device']}",
         "",
-        f"torch {env['torch']} (CUDA {env['cuda']}), commit {env['commit']}, {env['date']}, device {args.device}"
+        f"torch {env['torch']} (CUDA {env['cuda']}), {_when(rows, env)}, device {args.device}"
         + (f", batch {args.batch} (the problems' batch_size replaced)" if args.batch else ", the problems' own sizes") + ". "
         "Training mode as KernelBench runs the models, under torch.no_grad(). KernelBench's check: "
         f"torch.allclose(form, eager, atol=rtol=1e-4) on {args.trials} inputs from get_inputs() (seeds 42...). "
         f"Times: median of {args.reps} calls after warm-up, the three forms in turns (blocks of calls), "
         + ("CUDA events" if args.device.startswith("cuda") else "wall clock") + "; first call = compile. "
-        "kgen share: time inside the generated ops over the call's (torch.profiler).",
+        "kgen share: device time inside the generated ops over the call's (torch.profiler; rows timed before "
+        "28784b2 counted a stage's range beside its op's, 0.67 where kgen ran everything).",
         "",
         *summary(rows),
         "",
