@@ -783,7 +783,7 @@ def _refuse_eager_plans(module_dir: Path, g: _Graph, batch: int) -> None:
     eager = [any(c["decision"] == PIPELINE and c["chosen"] == EAGER for c in p["choices"]) for p in plans]
     if all(e or p.get("eager_as_fast") for e, p in zip(eager, plans)):
         if _replay_applies(g):  # the dispatch as rendered (at the spec's example batch), not planned again
-            dispatch_us = selection["host_dispatch_us"]
+            dispatch_us = max(selection["host_dispatch_us"].values())  # (an eager plan has one mode)
             pipe = load_pipeline(module_dir.parent / SPEC_FILE)
             saved = replay_saving_s(1e-6 * dispatch_us, argument_bytes(pipe, batch))
             if saved > 0:

@@ -181,14 +181,16 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
     return Rendered(name, files)
 
 
-def host_dispatch_us(sel: Selection) -> float:
-    """The host's time to issue a call at the example batch, in us (the least of the plans'; the cost model's
-    launches and library calls, kgen.cost.plan_dispatch_s): what a CUDA-graph replay of the op saves
-    (kgen.runtime.replay_pays)."""
-    return round(1e6 * min(plan_dispatch_s(v.plan, sel.pipeline.example_batch()) for v in sel.variants), 1)
+def host_dispatch_us(sel: Selection) -> dict:
+    """The host's time to issue a call at the example batch, in us, per mode (``any``, or ``train`` and ``eval``
+    where eval mode has a plan of its own; the least of the mode's plans'; the cost model's launches and library
+    calls, kgen.cost.plan_dispatch_s): what a CUDA-graph replay of the op saves (kgen.runtime.replay_pays)."""
+    batch = sel.pipeline.example_batch()
+    return {mode: round(1e6 * min(plan_dispatch_s(v.plan, batch) for v in sel.variants if v.mode == mode), 1)
+            for mode in dict.fromkeys(v.mode for v in sel.variants)}
 
 
-def selection_json(sel: Selection, spec_shown: str, dispatch_us: float) -> dict:
+def selection_json(sel: Selection, spec_shown: str, dispatch_us: dict) -> dict:
     """plan.json: how the plans were chosen, the host's dispatch of a call (``host_dispatch_us``, as the module's
     HOST_DISPATCH_US), then each plan with the batches it runs."""
     return {

@@ -331,12 +331,14 @@ class GraphReplay:
     captured by someone else, under KGEN_CUDA_GRAPHS=0, or in launches_one_by_one().
     """
 
-    def __init__(self, op_name: str, dispatch_s: float):
+    def __init__(self, op_name: str, dispatch_s: dict):
         from .target import DEFAULT  # (the current device's target would initialize CUDA at import)
 
         self.op_name = op_name
-        self.dispatch_s = dispatch_s  # the host's time to issue a call one launch at a time (the cost model's)
-        self.never = not replay_pays(dispatch_s, 0, DEFAULT)  # too little dispatch: not even the signature is worth its time
+        # per mode (``any``, or ``train`` and ``eval``: the plan a call runs), the host's time to issue a call one
+        # launch at a time (the cost model's); a mode with too little is never worth even the signature's time
+        self.dispatch_s = dispatch_s
+        self.never = {mode: not replay_pays(s, 0, DEFAULT) for mode, s in dispatch_s.items()}
         self.graphs: dict = {}  # signature -> (graph, static inputs, static outputs)
         self.direct: set = set()  # signatures that launch one by one (replay does not pay, or capture failed)
         self.seen: set = set()  # signatures called once
@@ -347,8 +349,8 @@ class GraphReplay:
         return (isinstance(x, torch.Tensor) and x.is_cuda and not _graphs_off and os.environ.get(_GRAPHS_ENV, "1") != "0"
                 and not torch.cuda.is_current_stream_capturing())
 
-    def __call__(self, op, *args):
-        if self.never or not self.enabled(args[0]):
+    def __call__(self, op, *args, mode: str = "any"):
+        if self.never[mode] or not self.enabled(args[0]):
             return _call_below_autograd(op, args)
         key = _signature(args)
         with self.lock:
@@ -358,7 +360,7 @@ class GraphReplay:
                     out = _call_below_autograd(op, args)
                     if key not in self.direct:
                         _remember(self.seen, key)
-                        if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.dispatch_s, _argument_bytes(args, out)):
+                        if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.dispatch_s[mode], _argument_bytes(args, out)):
                             _remember(self.direct, key)
                     return out
                 entry = self._capture(op, args, key)

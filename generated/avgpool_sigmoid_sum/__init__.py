@@ -46,8 +46,10 @@ SPEC_DATA = {
 }
 register_autograd("kgen::avgpool_sigmoid_sum", SPEC_DATA, PARAMETERS)
 _OP = torch.ops.kgen.avgpool_sigmoid_sum.default
-HOST_DISPATCH_US = 12.0  # per call, the cost model's (kernel launches, library calls): what a CUDA-graph replay saves
-_REPLAY = GraphReplay("kgen::avgpool_sigmoid_sum", HOST_DISPATCH_US * 1e-6)
+# per call (by mode where eval mode has a plan of its own), the cost model's host time to issue it (kernel
+# launches, library calls): what a CUDA-graph replay saves
+HOST_DISPATCH_US = {'any': 12.0}
+_REPLAY = GraphReplay("kgen::avgpool_sigmoid_sum", {mode: us * 1e-6 for mode, us in HOST_DISPATCH_US.items()})
 
 
 @torch.library.register_fake("kgen::avgpool_sigmoid_sum")

@@ -46,8 +46,10 @@ SPEC_DATA = {
 }
 register_autograd("kgen::maxpool_sum", SPEC_DATA, PARAMETERS)
 _OP = torch.ops.kgen.maxpool_sum.default
-HOST_DISPATCH_US = 8.0  # per call, the cost model's (kernel launches, library calls): what a CUDA-graph replay saves
-_REPLAY = GraphReplay("kgen::maxpool_sum", HOST_DISPATCH_US * 1e-6)
+# per call (by mode where eval mode has a plan of its own), the cost model's host time to issue it (kernel
+# launches, library calls): what a CUDA-graph replay saves
+HOST_DISPATCH_US = {'any': 8.0}
+_REPLAY = GraphReplay("kgen::maxpool_sum", {mode: us * 1e-6 for mode, us in HOST_DISPATCH_US.items()})
 
 
 @torch.library.register_fake("kgen::maxpool_sum")
