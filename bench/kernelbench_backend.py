@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-PROCESS_START = time.perf_counter()  # a row's seconds before its first call: imports (torch's), the model
+PROCESS_START = time.perf_counter()  # since then, a row's seconds before its problem (a child's first: imports)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernelbench_gpu import ROOT, _f, _line  # noqa: E402  (also sets the inductor cache folder)
@@ -147,7 +147,7 @@ def run_problem(path: Path, args) -> dict:
         torch.manual_seed(seed)  # a model that draws random numbers draws the same ones
         return fn(*xs)
 
-    phase = {"start": time.perf_counter()}  # where a row's seconds go (the process's start, check, timing, share)
+    phase = {"start": time.perf_counter()}  # where a row's seconds go (before it, first calls, check, timing, share)
     with torch.no_grad():
         xs = inputs_for(INIT_SEED)
         row["batch"] = next((int(x.shape[0]) for x in xs if isinstance(x, torch.Tensor) and x.dim()), None)
@@ -187,7 +187,7 @@ def run_problem(path: Path, args) -> dict:
             phase["share"] = time.perf_counter()
     marks = list(phase.items())
     row["phase_s"] = {name: round(t - marks[i][1], 1) for i, (name, t) in enumerate(marks[1:])}
-    row["phase_s"]["process"] = round(phase["start"] - PROCESS_START, 1)
+    row["phase_s"]["before"] = round(phase["start"] - PROCESS_START, 1)
     made = backend.PARTITIONS[before:]
     row["partitions_kgen"] = sum(1 for p in made if p["module"])
     row["eager_reasons"] = sorted({f"{', '.join(p['calls'][:4])}: {p['reason']}" for p in made if not p["module"]})
@@ -196,21 +196,97 @@ def run_problem(path: Path, args) -> dict:
     return row
 
 
-def in_child(n: int, args, warm: bool = False) -> dict:
-    """Problem ``n`` run by a process of its own (this script with ``--row``), stopped after ``args.timeout``
-    seconds: a crash (a signal, an abort in a generated op) or a hang is its row. ``warm``: its compiles only."""
+def run_in_child(args) -> None:
+    """A child's problems one after another (one interpreter's start for all: ~10-17 s of a row on the GPU
+    machine), each row a line of ``args.rows`` as soon as it ends; none started after ``args.stop_at``."""
+    import gc
+
+    import torch
+
+    global PROCESS_START
+    with args.rows.open("a") as out:
+        for n in args.problems:
+            if args.stop_at is not None and time.time() > args.stop_at:
+                return
+            t = time.time()
+            try:
+                row = run_problem(problem_file(args.kernelbench, args.level, n), args)
+            except Exception as e:  # noqa: BLE001
+                row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
+            row.update(number=n, time_s=round(time.time() - t, 1))
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            torch._dynamo.reset()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            PROCESS_START = time.perf_counter()  # (the next row's seconds before it: from here)
+
+
+def rows_in_children(args, stop_at: float | None):
+    """The rows of ``args.problems`` timed by child processes (this script with ``--rows``), one child for as
+    many problems as it gets through: a problem that crashes its child (a signal, an abort in a generated op) or
+    runs past ``args.timeout`` seconds is its row, and a new child goes on with the rest. Yields each row as it
+    ends; stops where the budget (``stop_at``) left the rest unstarted."""
     import subprocess
     import tempfile
 
-    argv = [sys.executable, str(Path(__file__).resolve()), "--level", str(args.level), "--problems", str(n),
-            "--kernelbench", str(args.kernelbench), "--device", args.device, "--trials", str(args.trials),
-            "--reps", str(args.reps), "--skip", args.skip, "--out", str(args.out)]
+    pending = list(args.problems)
+    while pending:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.jsonl"
+            out.touch()
+            argv = _child_argv(args, pending) + ["--rows", str(out)]
+            argv += ["--stop-at", str(stop_at)] if stop_at is not None else []
+            child = subprocess.Popen(argv, start_new_session=True)  # its group: it and its builds
+            seen, last = 0, time.time()
+            while True:
+                code = child.poll()
+                lines = out.read_text().splitlines()
+                for line in lines[seen:]:
+                    row = json.loads(line)
+                    pending.remove(row["number"])
+                    yield row
+                    last = time.time()
+                seen = len(lines)
+                if code is not None:
+                    break
+                limit = args.timeout or 3600.0
+                if time.time() - last > limit or (args.deadline is not None and time.time() > args.deadline):
+                    os.killpg(child.pid, signal.SIGKILL)
+                    child.wait()
+                    n = pending.pop(0)
+                    yield {"problem": f"{args.level}/{n}", "status": "failed", "number": n,
+                           "error": f"timed out after {limit:g} s", "time_s": round(time.time() - last, 1)}
+                    break
+                time.sleep(0.5)
+            if code is None or not pending:
+                continue
+            if code == 0:  # the child stopped at the budget: the rest unstarted
+                return
+            n = pending.pop(0)
+            yield {"problem": f"{args.level}/{n}", "status": "failed", "number": n, "error": _ended(code),
+                   "time_s": round(time.time() - last, 1)}
+
+
+def _child_argv(args, problems: list) -> list:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--level", str(args.level),
+            "--problems", ",".join(map(str, problems)), "--kernelbench", str(args.kernelbench), "--device", args.device,
+            "--trials", str(args.trials), "--reps", str(args.reps), "--skip", args.skip, "--out", str(args.out)]
     argv += ["--batch", str(args.batch)] if args.batch is not None else []
-    argv += ["--verbose"] if args.verbose else []
-    argv += ["--warm"] if warm else []
+    return argv + (["--verbose"] if args.verbose else [])
+
+
+def warm_in_child(n: int, args) -> dict:
+    """Problem ``n``'s compiles (its first calls) by a process of its own (this script with ``--warm``), stopped
+    after ``args.timeout`` seconds: a crash or a hang is its row."""
+    import subprocess
+    import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        child = subprocess.Popen(argv + ["--row", str(out)], start_new_session=True)  # its group: it and its builds
+        out = Path(tmp) / "rows.jsonl"
+        child = subprocess.Popen(_child_argv(args, [n]) + ["--warm", "--rows", str(out)],
+                                 start_new_session=True)  # its group: it and its builds
         try:
             limit = args.timeout or 3600.0
             code = child.wait(timeout=limit if args.deadline is None
@@ -219,11 +295,16 @@ def in_child(n: int, args, warm: bool = False) -> dict:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             return {"problem": f"{args.level}/{n}", "status": "failed", "error": f"timed out after {args.timeout:g} s"}
-        if out.exists():
-            return json.loads(out.read_text())
-        why = f"killed by signal {-code}" + (" (SIGKILL: the kernel's out-of-memory killer, most likely)" if code == -9
-                                              else "") if code < 0 else f"exit status {code}"
-        return {"problem": f"{args.level}/{n}", "status": "failed", "error": f"the process ended without a result: {why}"}
+        if out.exists() and out.read_text().strip():
+            return json.loads(out.read_text().splitlines()[0])
+        return {"problem": f"{args.level}/{n}", "status": "failed", "error": _ended(code)}
+
+
+def _ended(code: int) -> str:
+    """Why a child ended without its row, from its exit code."""
+    why = f"killed by signal {-code}" + (" (SIGKILL: the kernel's out-of-memory killer, most likely)" if code == -9
+                                          else "") if code < 0 else f"exit status {code}"
+    return f"the process ended without a result: {why}"
 
 
 def environment(device: str) -> dict:
@@ -319,8 +400,9 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="kgen's progress on stderr")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "kb-backend-out")))
     ap.add_argument("--timeout", type=float, default=None,
-                    help="run each problem in a process of its own, stopped after this many seconds (a crash or a "
-                         "hang is that problem's row; the others go on)")
+                    help="run the problems in child processes, one after another in each (one interpreter's start "
+                         "for many): a problem that crashes its child or runs past this many seconds is its row, and "
+                         "a new child goes on with the rest")
     ap.add_argument("--jobs", type=int, default=1,
                     help="first compile the problems this many at a time, each in a process of its own (their first "
                          "calls fill kgen's and inductor's caches), then check and time them one by one")
@@ -331,15 +413,11 @@ def main() -> None:
                     help="seconds: start no problem (compile or timing) after this long; the rows made so far are "
                          "written")
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # (a child's: compile only)
-    ap.add_argument("--row", type=Path, default=None, help=argparse.SUPPRESS)  # (the child's: one problem's row as JSON)
+    ap.add_argument("--rows", type=Path, default=None, help=argparse.SUPPRESS)  # (a child's: its rows, a line each)
+    ap.add_argument("--stop-at", type=float, default=None, help=argparse.SUPPRESS)  # (a child's: start none after)
     args = ap.parse_args()
-    if args.row is not None:  # a child of --timeout: one problem, its row to the file
-        n = args.problems[0]
-        try:
-            row = run_problem(problem_file(args.kernelbench, args.level, n), args)
-        except Exception as e:  # noqa: BLE001
-            row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
-        args.row.write_text(json.dumps(row))
+    if args.rows is not None:  # a child of --timeout: its problems in turn, each row written as it ends
+        run_in_child(args)
         return
     import torch
 
@@ -359,7 +437,7 @@ def main() -> None:
 
         t = time.time()
         with ThreadPoolExecutor(args.jobs) as pool:
-            warmed = list(pool.map(lambda n: in_child(n, args, warm=True) if time_left() else {}, args.problems))
+            warmed = list(pool.map(lambda n: warm_in_child(n, args) if time_left() else {}, args.problems))
         failed = [r["problem"] for r in warmed if r.get("status") == "failed"]
         print(f"compiled {len(args.problems)} problems, {args.jobs} at a time, in {time.time() - t:.0f} s"
               + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
@@ -367,19 +445,21 @@ def main() -> None:
     if args.state is not None and args.state.exists():
         earlier = json.loads(args.state.read_text())["rows"]
     rows = []
-    for n in args.problems:
-        if not time_left():
-            print(f"the budget of {args.budget:g} s is spent: stopped before problem {n}", flush=True)
-            break
-        t = time.time()
-        if args.timeout is not None:
-            row = in_child(n, args)
-        else:
+
+    def in_process():
+        for n in args.problems:
+            if not time_left():
+                return
+            t = time.time()
             try:
                 row = run_problem(problem_file(args.kernelbench, args.level, n), args)
             except Exception as e:  # noqa: BLE001 - one problem's failure is its row
                 row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
-        row.update(number=n, time_s=round(time.time() - t, 1))
+            yield row | {"number": n, "time_s": round(time.time() - t, 1)}
+            torch._dynamo.reset()
+
+    stop_at = None if args.budget is None else start + args.budget
+    for row in rows_in_children(args, stop_at) if args.timeout is not None else in_process():
         rows.append(row)
         print(f"{row['problem']}: eager {_f(row.get('eager_ms'))} ms, inductor {_f(row.get('inductor_ms'))} ms, "
               f"kgen {_f(row.get('kgen_ms'))} ms, check {row.get('kgen_check', '-')}, {row['status']} "
@@ -391,7 +471,9 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)  # (a state file in a folder not made yet)
             path.write_text(json.dumps({"environment": env, "rows": every}, indent=1) + "\n")
             path.with_suffix(".md").write_text(markdown(every, env, args))
-        torch._dynamo.reset()
+    left = [n for n in args.problems if n not in {r["number"] for r in rows}]
+    if left and args.budget is not None:
+        print(f"the budget of {args.budget:g} s is spent: problems {','.join(map(str, left))} not run", flush=True)
 
 
 if __name__ == "__main__":
