@@ -1441,8 +1441,13 @@ class Pipeline:
         reads (``unused``) are created too. The reference model instantiates
         these; the generated Model prints them.
         """
+        return list(self._members)
+
+    @cached_property
+    def _members(self) -> tuple:
+        """members(), made once (planning asks for them thousands of times on a whole model)."""
         if self.kept_members is not None:
-            return list(self.kept_members)
+            return tuple(self.kept_members)
         seen, out = set(), []
         for op in self.ops:
             m = op.member()
@@ -1457,7 +1462,7 @@ class Pipeline:
         if self.member_order:
             rank = {n: i for i, n in enumerate(self.member_order)}
             out.sort(key=lambda m: rank.get(m.attr, len(rank)))  # stable: the rest keep first-use order
-        return out
+        return tuple(out)
 
     def _param_member(self, name: str) -> Member:
         p = self.params[name]
@@ -1493,8 +1498,12 @@ class Pipeline:
     def stage_tensors(self) -> list[TensorArg]:
         """Every tensor a stage may take like a parameter: parameters, buffers, derived tensors,
         and the tensors a stage makes for the stages after it (batch statistics)."""
+        return list(self._stage_tensors)
+
+    @cached_property
+    def _stage_tensors(self) -> tuple:
         made = [a for op in self.ops if isinstance(op, BatchStats) for a in op.made_tensors()]
-        return self.tensor_args() + self.buffer_args() + [d.arg for d in self.derived] + made
+        return tuple(self.tensor_args() + self.buffer_args() + [d.arg for d in self.derived] + made)
 
     def derived_sources(self) -> list[str]:
         """The tensors the derived tensors are made from, each once."""

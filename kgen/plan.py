@@ -155,11 +155,14 @@ class Plan:
     batch: int = 1  # the batch its schedules were made for
     value_exprs: dict = None  # value name -> the binding's tensor holding it (kgen.values.materialized)
     _stage_values: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # id(stage) -> stage_values
+    _writers: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # "t<index>" -> its stage
 
     def __post_init__(self):
         for st in self.stages:  # every stage reads and writes the plan's dtype (the cost model's bytes)
             st.dtype = self.pipeline.dtype
             st.rounded = rounding_points(self.pipeline, st)
+        # (the stages are numbered before a plan is made; a search asks for writers millions of times)
+        self._writers = {f"t{st.index}": st for st in self.stages}
 
     @property
     def name(self) -> str:
@@ -197,7 +200,7 @@ class Plan:
 
     def writer_of(self, tensor: str) -> Stage | None:
         """The stage whose output is the binding's tensor ``tensor`` (``t<index>``); None for an input."""
-        return next((s for s in self.stages if f"t{s.index}" == tensor), None)
+        return self._writers.get(tensor)
 
     def output_exprs(self) -> list[str]:
         """The binding's C++ tensor of each output of the graph, in order: the last stage's for the

@@ -297,10 +297,16 @@ def typed_ops(stage: Stage):
     own ``chain``)."""
     if hasattr(stage, "chain"):
         return stage.chain()
+    known = stage.typed  # (ops, input type, result)
+    if known is not None and known[1] is stage.in_type and len(known[0]) == len(stage.ops) and \
+            all(a is b for a, b in zip(known[0], stage.ops)):
+        return known[2]
     types = [stage.in_type]
     for op in stage.ops:
         types.append(op.infer(types[-1]))
-    return list(zip(stage.ops, types, types[1:]))
+    out = list(zip(stage.ops, types, types[1:]))
+    stage.typed = (tuple(stage.ops), stage.in_type, out)
+    return out
 
 
 
