@@ -52,9 +52,10 @@ class Stage:
     rounded: tuple = ()
     into: ChannelSlice | None = None  # a cat's operand: the slice of the cat's output it writes (kgen.plan)
     in_place: tuple = ()  # a cat: its operands' positions (0: the input) whose stages write them in place
-    # kgen.families.base.typed_ops's last answer, with the ops and input type it was for (the cost model asks for
-    # every candidate plan; a cat's type check over its pieces made planning a whole DenseNet minutes)
-    typed: tuple | None = field(default=None, repr=False, compare=False)
+    # kgen.families.base.typed_ops's last answer, with the ops and input type it was for: [(ops, type, result)],
+    # one list shared by the stage's shallow copies (each plan of a search copies the stages it offers; the cost
+    # model asks for every one, and a cat's type check over its pieces made planning a whole DenseNet slow)
+    typed: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def out_sample(self) -> int:

@@ -297,7 +297,7 @@ def typed_ops(stage: Stage):
     own ``chain``)."""
     if hasattr(stage, "chain"):
         return stage.chain()
-    known = stage.typed  # (ops, input type, result)
+    known = stage.typed[0] if stage.typed else None  # (ops, input type, result)
     if known is not None and known[1] is stage.in_type and len(known[0]) == len(stage.ops) and \
             all(a is b for a, b in zip(known[0], stage.ops)):
         return known[2]
@@ -305,7 +305,7 @@ def typed_ops(stage: Stage):
     for op in stage.ops:
         types.append(op.infer(types[-1]))
     out = list(zip(stage.ops, types, types[1:]))
-    stage.typed = (tuple(stage.ops), stage.in_type, out)
+    stage.typed[:] = [(tuple(stage.ops), stage.in_type, out)]
     return out
 
 
