@@ -53,6 +53,24 @@ def profile_form(name: str, fn, xs, rows_shown: int) -> None:
         print(f"   {k.self_device_time_total / CALLS_PROFILED / 1e3:8.3f} ms {k.count // CALLS_PROFILED:4d}x  {k.key[:140]}")
 
 
+def replay_ab(fn, xs, rounds: int = 5) -> None:
+    """``fn``'s median ms with the generated ops' CUDA-graph replay on and off, in turns of 10 calls."""
+    import os
+
+    from kgen.bench import time_call
+
+    times = {"on": [], "off": []}
+    for _ in range(rounds):
+        for mode, env in (("on", "1"), ("off", "0")):
+            os.environ["KGEN_CUDA_GRAPHS"] = env
+            for _ in range(3):  # (a replay captures at a signature's second call)
+                fn(*xs)
+            times[mode] += [time_call(lambda: fn(*xs)) for _ in range(10)]
+    os.environ.pop("KGEN_CUDA_GRAPHS")
+    print("-- kgen, the queue drained before each call: replay on "
+          + ", off ".join(f"{statistics.median(t):.3f} ms" for t in times.values()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernelbench", type=Path, required=True, help="KernelBench's KernelBench/ folder (level1..3 inside)")
@@ -65,6 +83,9 @@ def main() -> None:
                     help="also each form's timeline of a call with the queue drained before it (bench/gpu_timeline.py): "
                          "when the host issues each kernel, the GPU's idle gaps")
     ap.add_argument("--host", action="store_true", help="with --timeline: the host's own events too")
+    ap.add_argument("--replay-ab", action="store_true",
+                    help="also the backend's form with its ops' CUDA-graph replay on and off (KGEN_CUDA_GRAPHS, read "
+                         "at each call), in turns, the queue drained before each call and back to back")
     args = ap.parse_args()
 
     import torch
@@ -88,6 +109,8 @@ def main() -> None:
         with torch.set_grad_enabled(args.grad):
             for name, fn in forms.items():
                 profile_form(name, fn, xs, args.rows)
+            if args.replay_ab:
+                replay_ab(forms["kgen"], xs)
             if args.timeline:
                 for name, fn in forms.items():
                     call_timeline(f"{path.stem} {name}", lambda fn=fn: fn(*xs), calls=2, host=args.host)
