@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="with --timeline: the host's own events too")
     ap.add_argument("--replay-ab", action="store_true",
                     help="also the backend's form with its ops' CUDA-graph replay on and off (KGEN_CUDA_GRAPHS, read "
-                         "at each call), in turns, the queue drained before each call and back to back")
+                         "at each call), in turns, the queue drained before each call")
     args = ap.parse_args()
 
     import torch
