@@ -337,12 +337,17 @@ def summary(rows) -> list[str]:
 
     passed = {f: sum(1 for r in timed if passed_all(r.get(f"{f}_check", ""))) for f in ("kgen", "inductor")}
     whole = sum(1 for r in timed if r.get("partitions_kgen") and not r.get("eager_reasons"))
-    slower = [f"{r['number']} ({r['eager_ms'] / r['kgen_ms']:.2f}x)" for r in timed if r["kgen_ms"] > r["eager_ms"]]
+    slower = [f"{r['number']} ({r['eager_ms'] / r['kgen_ms']:.2f}x)" for r in timed
+              if r["kgen_ms"] > r["eager_ms"] and r.get("partitions_kgen")]
+    idle = [f"{r['number']} ({r['eager_ms'] / r['kgen_ms']:.2f}x)" for r in timed
+            if r["kgen_ms"] > r["eager_ms"] and not r.get("partitions_kgen")]
     return [f"**{len(timed)} of {len(rows)} problems timed; geometric mean {geomean('eager_ms'):.2f}x eager, "
             f"{geomean('inductor_ms'):.2f}x inductor. KernelBench's check passed by kgen on {passed['kgen']}, by "
             f"inductor on {passed['inductor']}. {whole} with every partition in kgen, "
             f"{sum(1 for r in timed if not r.get('partitions_kgen'))} with none in kgen.** Slower than eager: "
-            + (", ".join(slower) if slower else "none") + "."]
+            + (", ".join(slower) if slower else "none")
+            + (f"; with no partition in kgen (Dynamo's guards and its graph of PyTorch's calls): {', '.join(idle)}"
+               if idle else "") + "."]
 
 
 def _when(rows, env) -> str:
