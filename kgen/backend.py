@@ -1076,6 +1076,10 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     return fused.forward
 
 
+# in-place updates _issue_first may move after a kgen call: arithmetic (a random fill's draws would move past others')
+_BOOKKEEPING = frozenset({"add_", "sub_", "mul_", "div_", "fill_", "zero_", "copy_"})
+
+
 def _issue_first(gm: fx.GraphModule, call: fx.Node) -> None:
     """Move after the kgen call ``call`` the bookkeeping before it: in-place updates of graph inputs that nothing
     else in the graph reads, whose results nothing uses (a training-mode batch norm's
@@ -1088,7 +1092,7 @@ def _issue_first(gm: fx.GraphModule, call: fx.Node) -> None:
         if n is call:
             break
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        if (n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_")
+        if (n.op in ("call_method", "call_function") and name in _BOOKKEEPING
                 and not n.users and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
                 and list(n.args[0].users) == [n]  # (nothing else in the graph reads what it updates)
                 and all(a.op in ("placeholder", "get_attr") for a in n.all_input_nodes)):
