@@ -75,6 +75,20 @@ def test_cpu_calls_launch_directly_and_keep_no_graph():
     assert GraphReplay("kgen::few", {"any": 3 * DEFAULT.launch_s}).never["any"]  # its launch and copies cost as much
 
 
+def test_each_mode_decides_on_its_own_dispatch():
+    """A module whose eval mode has a plan of its own: each mode's call is weighed on that mode's dispatch."""
+    replay = GraphReplay("kgen::modes", {"train": 100 * DEFAULT.launch_s, "eval": 3 * DEFAULT.launch_s})
+    assert replay.never == {"train": False, "eval": True}
+
+    def op(x, params, buffers, training, factors):
+        return x * (2.0 if training else 3.0)
+
+    x = torch.ones(2)
+    assert torch.equal(replay(op, x, [], [], True, [], mode="train"), torch.full((2,), 2.0))
+    assert torch.equal(replay(op, x, [], [], False, [], mode="eval"), torch.full((2,), 3.0))
+    assert not replay.graphs  # (on the CPU every call launches directly)
+
+
 def test_signature_tells_strides_storage_and_scalars_apart():
     from kgen.runtime import _signature
 
