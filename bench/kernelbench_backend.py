@@ -196,31 +196,36 @@ def run_problem(path: Path, args) -> dict:
     return row
 
 
-def run_in_child(args) -> None:
-    """A child's problems one after another (one interpreter's start for all: ~10-17 s of a row on the GPU
-    machine), each row a line of ``args.rows`` as soon as it ends; none started after ``args.stop_at``."""
+def problem_rows(args, stop_at: float | None):
+    """The rows of ``args.problems`` run in this process one after another; none started after ``stop_at``."""
     import gc
 
     import torch
 
     global PROCESS_START
+    for n in args.problems:
+        if stop_at is not None and time.time() > stop_at:
+            return
+        t = time.time()
+        try:
+            row = run_problem(problem_file(args.kernelbench, args.level, n), args)
+        except Exception as e:  # noqa: BLE001 - one problem's failure is its row
+            row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
+        yield row | {"number": n, "time_s": round(time.time() - t, 1)}
+        torch._dynamo.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        PROCESS_START = time.perf_counter()  # (the next row's seconds before it: from here)
+
+
+def run_in_child(args) -> None:
+    """A child's problems one after another (one interpreter's start for all: ~10-17 s of a row on the GPU
+    machine), each row a line of ``args.rows`` as soon as it ends; none started after ``args.stop_at``."""
     with args.rows.open("a") as out:
-        for n in args.problems:
-            if args.stop_at is not None and time.time() > args.stop_at:
-                return
-            t = time.time()
-            try:
-                row = run_problem(problem_file(args.kernelbench, args.level, n), args)
-            except Exception as e:  # noqa: BLE001
-                row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
-            row.update(number=n, time_s=round(time.time() - t, 1))
+        for row in problem_rows(args, args.stop_at):
             out.write(json.dumps(row) + "\n")
             out.flush()
-            torch._dynamo.reset()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            PROCESS_START = time.perf_counter()  # (the next row's seconds before it: from here)
 
 
 def rows_in_children(args, stop_at: float | None):
@@ -295,8 +300,9 @@ def warm_in_child(n: int, args) -> dict:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             return {"problem": f"{args.level}/{n}", "status": "failed", "error": f"timed out after {args.timeout:g} s"}
-        if out.exists() and out.read_text().strip():
-            return json.loads(out.read_text().splitlines()[0])
+        written = out.read_text().splitlines() if out.exists() else []
+        if written:
+            return json.loads(written[0])
         return {"problem": f"{args.level}/{n}", "status": "failed", "error": _ended(code)}
 
 
@@ -424,8 +430,6 @@ def main() -> None:
     if args.rows is not None:  # a child of --timeout: its problems in turn, each row written as it ends
         run_in_child(args)
         return
-    import torch
-
     if not (args.kernelbench / f"level{args.level}").is_dir():
         sys.exit(f"{args.kernelbench}/level{args.level}: no such folder (KernelBench's; --kernelbench DIR)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -450,21 +454,8 @@ def main() -> None:
     if args.state is not None and args.state.exists():
         earlier = json.loads(args.state.read_text())["rows"]
     rows = []
-
-    def in_process():
-        for n in args.problems:
-            if not time_left():
-                return
-            t = time.time()
-            try:
-                row = run_problem(problem_file(args.kernelbench, args.level, n), args)
-            except Exception as e:  # noqa: BLE001 - one problem's failure is its row
-                row = {"problem": f"{args.level}/{n}", "status": "failed", "error": _line(e)}
-            yield row | {"number": n, "time_s": round(time.time() - t, 1)}
-            torch._dynamo.reset()
-
     stop_at = None if args.budget is None else start + args.budget
-    for row in rows_in_children(args, stop_at) if args.timeout is not None else in_process():
+    for row in rows_in_children(args, stop_at) if args.timeout is not None else problem_rows(args, stop_at):
         rows.append(row)
         print(f"{row['problem']}: eager {_f(row.get('eager_ms'))} ms, inductor {_f(row.get('inductor_ms'))} ms, "
               f"kgen {_f(row.get('kgen_ms'))} ms, check {row.get('kgen_check', '-')}, {row['status']} "
