@@ -197,9 +197,9 @@ def replay_line(plan: Plan, batch: int, target: Target) -> str:
     launches, calls = sum(w.launches for w in work), sum(w.calls for w in work)
     pays = replay_pays(dispatch, argument_bytes, target)
     copied = 2 * argument_bytes  # at most (replay_pays)
+    library = f", {calls} library call{'s' * (calls > 1)}" if calls else ""
     return (f"CUDA-graph replay without autograd (at batch {batch}): {'yes' if pays else 'no'}: the host's dispatch "
-            f"{1e3 * dispatch:.3f} ms ({launches} launches{f', {calls} library call' + 's' * (calls > 1) if calls else ''}) against the "
-            f"replay's copies, at most "
+            f"{1e3 * dispatch:.3f} ms ({launches} launches{library}) against the replay's copies, at most "
             f"{copied / 1e6:.1f} MB ({1e3 * copied / target.dram_bytes_per_s:.3f} ms)")
 
 

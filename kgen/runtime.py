@@ -297,9 +297,9 @@ class launches_one_by_one:
 def replay_saving_s(dispatch_s: float, argument_bytes: int, target=None) -> float:
     """Seconds a call saves by replaying its kernels as one CUDA graph (negative: it loses): the host's
     dispatch of the call (``dispatch_s``: the cost model's launches and library calls, kgen.cost.plan_dispatch_s)
-    against the replay's own launch and the bytes it moves besides the op's. ``argument_bytes``: the bytes of the op's inputs, outputs, parameters and
-    running statistics; a replay reads and writes each once at most (the inputs copied in, the
-    outputs copied out, weights derived afresh inside the graph)."""
+    against the replay's own launch and the bytes it moves besides the op's. ``argument_bytes``: the bytes of the
+    op's inputs, outputs, parameters and running statistics; a replay reads and writes each once at most (the
+    inputs copied in, the outputs copied out, weights derived afresh inside the graph)."""
     from .target import current
 
     t = target or current()
@@ -360,7 +360,8 @@ class GraphReplay:
                     out = _call_below_autograd(op, args)
                     if key not in self.direct:
                         _remember(self.seen, key)
-                        if len(self.graphs) >= MAX_GRAPHS or not replay_pays(self.dispatch_s[mode], _argument_bytes(args, out)):
+                        if len(self.graphs) >= MAX_GRAPHS or \
+                                not replay_pays(self.dispatch_s[mode], _argument_bytes(args, out)):
                             _remember(self.direct, key)
                     return out
                 entry = self._capture(op, args, key)
