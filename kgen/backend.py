@@ -489,7 +489,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
     places = [n for n in sub.graph.nodes if n.op == "placeholder"]
     outer = {p: _original(a, g) for p, a in zip(places, call.args)}
     plan = _Plan(root, [], [])
-    batch_node = None
+    batch_node = device_node = None
     arg_index = {p: i for i, p in enumerate(places)}
     rests = []  # each tensor input's sizes other than the batch, and its dtype
     lead = None  # the partition's batch: dim 0 of its op's values (the graph's batch, or a multiple of it)
@@ -521,6 +521,12 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
 
     def state_tensor(p):
         return g.examples[outer[p]]
+
+    def device():
+        nonlocal device_node
+        if device_node is None:
+            device_node = graph.call_function(getattr, (env[places[plan.inputs[0]]], "device"))
+        return device_node
 
     def batch():
         nonlocal batch_node
@@ -570,6 +576,11 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             args, kwargs = arg(n.args), arg(n.kwargs)
             if n.target in ("view", "reshape", "expand") or n.target is torch.reshape:
                 args = _batch_in_shape(args, n, g, batch)
+            if isinstance(kwargs.get("device"), (torch.device, str)):
+                # a tensor made on the device Dynamo saw (`torch.tensor(0.0, device=x.device)` becomes a constant
+                # cuda:0): made where the partition's input is, as the traced model's own `x.device` does (the
+                # importer runs the partition on the meta device, where a cuda value beside it fails)
+                kwargs = {**kwargs, "device": device()}
             env[n] = graph.create_node(n.op, n.target, args, kwargs, n.name)
             continue
         kind, a, slots = layer

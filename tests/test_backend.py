@@ -22,7 +22,7 @@ import yaml
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import fresh_kgen_cache
+from conftest import DEVICES, fresh_kgen_cache
 from kgen.errors import KgenError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -825,6 +825,28 @@ def test_transpose_that_only_moves_the_batch_stays_a_view_of_pytorch(cache):
     made = _partitions_of(BatchFirstAttention().train(), torch.randn(3, 4, 8))
     assert made and all(p["module"] for p in made), made
     assert not any("transpose" in p["calls"] for p in made) and any("cat" in p["calls"] for p in made), made
+
+
+class MinWithConstant(nn.Module):
+    """KernelBench level 2 #93's clamp: ``torch.min`` with a tensor made in forward on the input's device, which
+    Dynamo's graph holds as a constant device (cuda:0 on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        x = torch.min(self.conv(x) + 0.5, torch.tensor(0.0, device=x.device))
+        return F.gelu(x) * 2.0
+
+
+@pytest.mark.parametrize("device", [pytest.param(d, marks=[pytest.mark.cuda] if d == "cuda" else []) for d in DEVICES])
+def test_a_tensor_made_on_the_inputs_device_is_in_the_partition(cache, device):
+    """The partition is imported on the meta device: the constant is made where its input is, as the model's
+    ``x.device`` (on a GPU its cuda:0 beside meta values failed, and the partition stayed eager)."""
+    torch.manual_seed(0)
+    made = _partitions_of(MinWithConstant().to(device).eval(), torch.randn(2, 3, 8, 8, device=device))
+    assert len(made) == 1 and made[0]["module"] is not None and "min" in made[0]["calls"], made
 
 
 class ConvRelu(nn.Module):
