@@ -43,12 +43,14 @@ def main(root="generated"):
             failed += not r.passed
             print(f"{'ok  ' if r.passed else 'FAIL'} {d.name} {r.case} {r.problem}", flush=True)
         pipe = sel.pipeline
-        state = {n: t.detach() for n, t in model.state_dict().items()}
+        dtype = sel.dtypes[0]  # the whole op in the module's first dtype (check_stages above checks every plan's stages)
+        state = {n: t.detach().to(getattr(torch, dtype)) if t.is_floating_point() else t.detach()
+                 for n, t in model.state_dict().items()}
         for training in (False, True) if pipe.training_dependent else (False,):
-            plan = sel.variant_for(2, training).plan  # the plan the whole op runs at batch 2
-            if not kgen_kernels_only(plan) or (training and plan is sel.variant_for(2).plan):
+            plan = sel.variant_for(2, training, dtype).plan  # the plan the whole op runs at batch 2
+            if not kgen_kernels_only(plan) or (training and plan is sel.variant_for(2, dtype=dtype).plan):
                 continue
-            x = torch.randn(pipe.input.concrete(2))
+            x = torch.randn(pipe.input.concrete(2), dtype=getattr(torch, dtype))
             op = getattr(torch.ops.kgen, d.name)
             with torch.no_grad():
                 ours, ours_stats = op_call(op, pipe, x.cuda(), {}, {n: t.cuda() for n, t in state.items()}, training)
