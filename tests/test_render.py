@@ -283,3 +283,46 @@ def test_the_op_takes_its_parameters_as_a_list(tmp_path):
     assert [a[1] for a in op_arguments(bn)] == ["Tensor x", "Tensor[] params", "Tensor[] buffers", "bool training",
                                                  "float[] factors"]
     assert MAX_INPUTS + 4 <= DISPATCHER_MAX_ARGS == 64
+
+
+TILE_WITH_INPUT = """\
+name: tile_added_input
+inputs:
+  x: {shape: [N, 8, 5, 7, 9], dtype: float32}
+  r: {shape: [N, 32, 5, 7, 9], dtype: float32}
+example: {N: 3}
+ops:
+  - conv3d: {out_channels: 32, kernel_size: 3, padding: 1}
+  - add: {tensor: r}
+  - hardswish
+plan: {conv: aten, conv_layout: channels_last}
+"""
+
+
+def test_a_tile_whose_ops_read_an_input_runs_them_where_it_stores(tmp_path):
+    """The channels_last -> NC[D]HW vector tile runs its ops where a thread holds one channel's consecutive positions
+    when they read a value from memory in the output's layout (KernelBench level 2 #26's added input), at the load
+    where they read parameters only (schedule.transpose_ops_at_store); both compile without spills."""
+    from kgen.build import cuda_home, ptxas_report
+    from kgen.ir import load_pipeline
+    from kgen.plan import choose_plans
+    from kgen.render import render_plan, write_rendered
+
+    spec = tmp_path / "tile_added_input.yaml"
+    spec.write_text(TILE_WITH_INPUT)
+    write_rendered(render_plan(choose_plans(load_pipeline(spec)), tmp_path / "gen"), tmp_path / "gen")
+    (tmp_path / "plain").mkdir()
+    _, plain = render_transpose_tile("tile_c40_3d", tmp_path / "plain")
+    for module_dir, at_store in ((tmp_path / "gen" / "tile_added_input", True), (plain, False)):
+        plan = json.loads((module_dir / "plan.json").read_text())
+        tiles = [st["schedule"] for p in plan["plans"] for st in p["stages"]
+                 if st.get("kind") == "pool_reduce" and st["schedule"]["transpose_vector"]]
+        assert tiles and all(t["transpose_ops_at_store"] == at_store for t in tiles), tiles
+        kernel = (module_dir / "kernel.cu").read_text()
+        body = kernel[kernel.index("transpose_vector_kernel(const Args a)"):]
+        body = body[:body.index("\n}\n")]
+        load, store = body.split("__syncthreads();")
+        assert ("level0_from" in store) == at_store and ("level0_from" in load) != at_store
+        if cuda_home() is not None:
+            spills = [k for k in ptxas_report(module_dir) if k.spill_stores or k.spill_loads or k.stack]
+            assert not spills, spills
