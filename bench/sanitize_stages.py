@@ -44,13 +44,13 @@ def main(root="generated"):
             print(f"{'ok  ' if r.passed else 'FAIL'} {d.name} {r.case} {r.problem}", flush=True)
         pipe = sel.pipeline
         dtype = sel.dtypes[0]  # the whole op in the module's first dtype (check_stages above checks every plan's stages)
-        state = {n: t.detach().to(getattr(torch, dtype)) if t.is_floating_point() else t.detach()
-                 for n, t in model.state_dict().items()}
+        elem = getattr(torch, dtype)
+        state = {n: t.detach().to(elem) if t.is_floating_point() else t.detach() for n, t in model.state_dict().items()}
         for training in (False, True) if pipe.training_dependent else (False,):
             plan = sel.variant_for(2, training, dtype).plan  # the plan the whole op runs at batch 2
             if not kgen_kernels_only(plan) or (training and plan is sel.variant_for(2, dtype=dtype).plan):
                 continue
-            x = torch.randn(pipe.input.concrete(2), dtype=getattr(torch, dtype))
+            x = torch.randn(pipe.input.concrete(2), dtype=elem)
             op = getattr(torch.ops.kgen, d.name)
             with torch.no_grad():
                 ours, ours_stats = op_call(op, pipe, x.cuda(), {}, {n: t.cuda() for n, t in state.items()}, training)

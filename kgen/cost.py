@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 
 from .families.base import ATEN_RELAYOUT_SHARE, DTYPE_BYTES, Work, value_bytes
-from .ir import Elementwise
 from .ops import FUSED
 from .stage import Stage
 from .target import Target
@@ -97,8 +96,8 @@ def operand_reads(plan, st: Stage, batch: int) -> list[Work]:
     values = getattr(plan, "pipeline", None) and plan.pipeline.values
     if not values or st.family.name not in FUSED:
         return []
-    names = dict.fromkeys(op.tensor for op in st.ops if isinstance(op, Elementwise) and op.tensor and not op.register)
-    return [Work(f"{n} read", 0, value_bytes(st) * batch * values[n].sample_numel, launches=0) for n in names if n in values]
+    return [Work(f"{n} read", 0, value_bytes(st) * batch * values[n].sample_numel, launches=0)
+            for n in st.operand_values() if n in values]
 
 
 def estimate_ms(plan, batch: int) -> float:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .buffer import Buffer
-from .ir import Op, TensorType
+from .ir import Elementwise, Op, TensorType
 from .lowering import LoweredConv
 
 
@@ -70,6 +70,12 @@ class Stage:
     @property
     def keys(self) -> list[str]:
         return [o.key for o in self.ops]
+
+    def operand_values(self) -> list[str]:
+        """The values (inputs, named results) its elementwise ops read from memory beside its input: ``tensor:``
+        operands not held in a register, each once, in op order."""
+        return list(dict.fromkeys(op.tensor for op in self.ops
+                                  if isinstance(op, Elementwise) and op.tensor and not op.register))
 
     def tensor_names(self) -> list[str]:
         names = []

@@ -225,8 +225,7 @@ class PoolReduce(Family):
             transpose_positions=(VECTOR_TRANSPOSE_TILE if tv else TRANSPOSE_TILE) // tc if tc else 0,
             transpose_vector=tv,
             transpose_store=self._transpose_store(st, tv),
-            transpose_ops_at_store=bool(tv) and any(isinstance(op, Elementwise) and op.tensor and not op.register
-                                                    for op in st.ops),
+            transpose_ops_at_store=bool(tv) and bool(st.operand_values()),
             kept_walk=tuple(d for d in mem if d in st.kept_dims) if not r_fast and not tc else st.kept_dims,
             map_outputs=max(1, MAP_LOADS_IN_FLIGHT // st.window_loads) if st.reduced_count == 1 else 1,
             map_vector=map_vector,
