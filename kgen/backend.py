@@ -282,10 +282,15 @@ class _Graph:
         return isinstance(ex, torch.SymInt) and isinstance(lead, torch.SymInt) and _same_size(ex, lead)
 
 
+def _name(n: fx.Node) -> str:
+    """A call's name: a method's, or a function's or module's ``__name__``."""
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+
+
 def _permutation(n: fx.Node) -> list | None:
     """The dims of a permute or transpose call (``x.permute(2, 0, 1)``, ``x.transpose(0, 1)``) as a permutation
     of its operand's, else None."""
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    name = _name(n)
     ex = _example(n)
     if n.op not in ("call_method", "call_function") or name not in ("permute", "transpose", "swapaxes", "swapdims") \
             or not isinstance(ex, torch.Tensor) or not n.args:
@@ -314,7 +319,7 @@ def _moved_permutation(dims: list, k_in: int, k_out: int) -> list:
 def _views(n: fx.Node) -> bool:
     """Whether ``n``'s result may share memory with its operand (a view: an in-place call on it would
     change the operand)."""
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    name = _name(n)
     return name in ("view", "reshape", "flatten", "squeeze", "unsqueeze", "permute", "transpose", "t", "expand",
                     "expand_as", "narrow", "getitem", "detach", "contiguous", "swapaxes", "swapdims", "split",
                     "chunk", "unflatten", "view_as", "as_strided", "select", "movedim", "getattr", "alias")
@@ -406,7 +411,7 @@ class _Support:
                     return False
             elif not g.is_batch(a, lead):
                 return False
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        name = _name(n)
         if _in_place_name(name) or n.target in _IN_PLACE_OPERATORS or n.kwargs.get("inplace") is True:
             return self._in_place_ok(n)
         return True
@@ -845,6 +850,38 @@ def _values_read_outside(nodes: set) -> int:
     return sum(1 for n in nodes if any(u not in nodes for u in n.users))
 
 
+def _without_passing_views(parts, gm: fx.GraphModule) -> list:
+    """The partitions, each without its views that only pass a value from outside it to outside it (Mamba2's
+    ``rearrange`` of an input that an einsum reads): PyTorch makes such a view for free, where the generated op would
+    take the operand as one more input and return it. A partition with an in-place call keeps them (a view
+    made outside it would see the update at another point). Closed still: what is taken out reads only values from
+    outside or taken out, and only they or the outside read it."""
+    from torch.fx.passes.infra.partitioner import Partition
+
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for p in parts:
+        nodes = sorted(p.nodes, key=order.get)
+        inside = set(nodes)
+        if any(_name(n).endswith("_") and not _name(n).startswith("_") for n in nodes):
+            out.append(p)
+            continue
+        rooted: set = set()  # views of values from outside (through views)
+        for n in nodes:
+            if _views(n) and all(a not in inside or a in rooted for a in n.all_input_nodes):
+                rooted.add(n)
+        read_outside: set = set()  # ... that only the outside (or others of them) reads
+        for n in reversed(nodes):
+            if n in rooted and all(u not in inside or u in read_outside for u in n.users):
+                read_outside.add(n)
+        passing: set = set()
+        for n in nodes:  # (whose operands are outside or taken out too)
+            if n in read_outside and all(a not in inside or a in passing for a in n.all_input_nodes):
+                passing.add(n)
+        out.append(Partition(nodes=[n for n in nodes if n not in passing]) if passing else p)
+    return out
+
+
 def _within_output_limit(parts, gm: fx.GraphModule) -> list:
     """The partitions, each that returns more values than a kgen op may (spec.MAX_OUTPUTS: a loop unrolled by
     Dynamo, an RNN cell's output kept at each of 256 steps) cut into consecutive pieces in graph order that each
@@ -1024,7 +1061,8 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         PARTITIONS.append({"calls": names, "module": None, "reason": why})
         _say(f"{len(names)} call(s) ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}) stay eager: {why}")
     partitioner = CapabilityBasedPartitioner(gm, _Support(g), allows_single_node_partition=True)
-    parts = [p for p in _within_output_limit(partitioner.propose_partitions(), gm) if _computes(p.nodes)]
+    parts = [p for p in _within_output_limit(_without_passing_views(partitioner.propose_partitions(), gm), gm)
+             if _computes(p.nodes)]
     if not parts:
         return gm.forward
     # each partition's nodes, in graph order, before fusing renames them
@@ -1102,7 +1140,7 @@ def _issue_first(gm: fx.GraphModule, call: fx.Node) -> None:
     for n in list(gm.graph.nodes):  # (a copy: nodes move)
         if n is call:
             break
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        name = _name(n)
         if (n.op in ("call_method", "call_function") and name in _BOOKKEEPING
                 and not n.users and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
                 and list(n.args[0].users) == [n]  # (nothing else in the graph reads what it updates)

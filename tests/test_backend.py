@@ -1078,3 +1078,21 @@ def test_group_and_instance_norm_a_min_over_a_dim_and_a_constant_are_one_partiti
     made = _partitions_of(model, torch.randn(3, 3, 8, 8))
     assert len(made) == 1 and made[0]["module"], made
     assert {"group_norm", "instance_norm", "min", "getitem", "tensor", "max"} <= set(made[0]["calls"]), made
+
+
+class ViewPassedThrough(nn.Module):
+    """Mamba2's shape: a view of the input that only a call kgen lacks reads, beside arithmetic on the input."""
+
+    def forward(self, x):
+        blocks = x.reshape(x.shape[0], 2, -1)
+        return torch.cumsum(blocks, dim=-1), torch.exp(x[:, :, -1:] - x)
+
+
+def test_a_view_that_only_passes_an_input_out_stays_outside_the_partition(cache):
+    """The reshape of ``x`` that only cumsum (not kgen's) reads is PyTorch's view, outside the partition that
+    computes the exp (else the generated op would return it: a copy, or one more output)."""
+    made = [p for p in _partitions_of(ViewPassedThrough(), torch.randn(3, 4, 6)) if p["module"] is not None]
+    assert len(made) == 1, made
+    assert "exp" in made[0]["calls"] and "reshape" not in made[0]["calls"], made
+    spec = yaml.safe_load(Path(made[0]["spec"]).read_text())
+    assert not any("reshape" in op for op in spec["ops"]) and "outputs" not in spec, spec
