@@ -67,6 +67,12 @@ TRANSPOSED_STRIDE1_EFFICIENCY = 0.76
 TRANSPOSED_STRIDED_EFFICIENCY = 0.62
 TRANSPOSED_NCHW_EFFICIENCY = 0.69
 TRANSPOSED_3D_EFFICIENCY = 0.92  # 3-d against 2-d
+# ... but a 3-d stride-1 call as written in channels_last (its data-gradient kernel over every tap) at 0.35 of the 2-d
+# rate: measured without a bias (kgen adds a deferred bias in the next stage) on an H200 (2026-12-04,
+# bench/cudnn_transposed_bias.py, reports/cudnn_transposed_h200.json), the three such calls of level 2 (#13, #61,
+# #77) took 1.8-3.2x the time the terms above give against the 2-d stride-1 calls' 0.48x; #77's (64 -> 128, k5)
+# 5.7 ms where its flipped-kernel forward call takes 4.1, and the model had put it at 3.7 (kgen 0.81x eager).
+TRANSPOSED_3D_STRIDE1_CL_EFFICIENCY = 0.35
 # ... in 16 bits (bfloat16 and float16 together): the same terms fitted on their own, to 312 calls (every form of
 # the 63 level-2 problems' first convolution, each dtype) on an H200 (reports/cudnn_calibration_h200_bf16.json and
 # _f16.json, 2026-12-02; `bench/cudnn_calibrate.py --dtype`, `bench/fit_conv_work.py --dtype`). Refit with the
@@ -378,6 +384,8 @@ def conv_work(what: str, flops: float, read: int, written: int, n: int, k: int, 
             stride1, strided_eff = TRANSPOSED16_STRIDE1_EFFICIENCY, TRANSPOSED16_STRIDED_EFFICIENCY
         else:
             nchw, rank3 = TRANSPOSED_NCHW_EFFICIENCY, TRANSPOSED_3D_EFFICIENCY
+            if not strided and layout != "contiguous":
+                rank3 = TRANSPOSED_3D_STRIDE1_CL_EFFICIENCY
             stride1, strided_eff = TRANSPOSED_STRIDE1_EFFICIENCY, TRANSPOSED_STRIDED_EFFICIENCY
             if kernel is not None:  # TF32 data-gradient kernels run ceil(k / s) taps per residue
                 rate /= math.prod(-(-k // s) * s / k for k, s in zip(kernel, transposed_stride))
