@@ -282,6 +282,37 @@ class _Graph:
         return isinstance(ex, torch.SymInt) and isinstance(lead, torch.SymInt) and _same_size(ex, lead)
 
 
+def _connected_pieces(parts) -> list:
+    """The partitions cut into their connected pieces (nodes joined by the values they pass each other). The
+    partitioner puts independent calls in one partition where no cycle results (Mamba2's ``exp`` of its segment sums
+    beside the ``exp`` of its cumulative sums, computed much later): one op for both would wait for the later one's
+    operands, and so would the earlier one's readers (the host issued Mamba2's first large kernel 0.8 ms into the
+    call where eager issues it at 0.6, 2026-12-04, H200). Each piece is a partition too: a path between two pieces,
+    or out of one and back, would leave the partition and come back into it."""
+    from torch.fx.passes.infra.partitioner import Partition
+
+    out = []
+    for p in parts:
+        nodes = set(p.nodes)
+        piece_of: dict = {}
+        pieces: list = []
+        for n in nodes:
+            if n in piece_of:
+                continue
+            piece, todo = [], [n]
+            piece_of[n] = len(pieces)
+            while todo:
+                m = todo.pop()
+                piece.append(m)
+                for k in (*m.all_input_nodes, *m.users):
+                    if k in nodes and k not in piece_of:
+                        piece_of[k] = len(pieces)
+                        todo.append(k)
+            pieces.append(piece)
+        out += [p] if len(pieces) == 1 else [Partition(nodes=piece) for piece in pieces]
+    return out
+
+
 def _name(n: fx.Node) -> str:
     """A call's name: a method's, or a function's or module's ``__name__``."""
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
@@ -1061,8 +1092,8 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         PARTITIONS.append({"calls": names, "module": None, "reason": why})
         _say(f"{len(names)} call(s) ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}) stay eager: {why}")
     partitioner = CapabilityBasedPartitioner(gm, _Support(g), allows_single_node_partition=True)
-    parts = [p for p in _within_output_limit(_without_passing_views(partitioner.propose_partitions(), gm), gm)
-             if _computes(p.nodes)]
+    proposed = _connected_pieces(_without_passing_views(partitioner.propose_partitions(), gm))
+    parts = [p for p in _within_output_limit(proposed, gm) if _computes(p.nodes)]
     if not parts:
         return gm.forward
     # each partition's nodes, in graph order, before fusing renames them

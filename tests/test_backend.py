@@ -1096,3 +1096,34 @@ def test_a_view_that_only_passes_an_input_out_stays_outside_the_partition(cache)
     assert "exp" in made[0]["calls"] and "reshape" not in made[0]["calls"], made
     spec = yaml.safe_load(Path(made[0]["spec"]).read_text())
     assert not any("reshape" in op for op in spec["ops"]) and "outputs" not in spec, spec
+
+
+class IndependentCalls(nn.Module):
+    """Two exps that share no value: one of the input, one after a call kgen lacks (cumsum)."""
+
+    def forward(self, x):
+        early = torch.cumsum(torch.exp(x), dim=1)
+        return early, torch.exp(torch.cumsum(x, dim=2))
+
+
+def test_independent_calls_are_partitions_of_their_own(cache):
+    """The partitioner would put both exps in one partition (no cycle); one op for both would wait for the second
+    cumsum, and the first exp's reader with it. Each is a partition of its own, and the first runs first."""
+    from kgen import backend
+
+    order = []
+
+    def kept(gm, example_inputs):  # the backend, keeping the order of the calls in the graph it returns
+        compiled = backend.kgen_backend(gm, example_inputs)
+        order.extend(str(n.target) for n in compiled.__self__.graph.nodes if n.op in ("call_module", "call_function"))
+        return compiled
+
+    model, x = IndependentCalls(), torch.randn(3, 4, 5)
+    before = len(backend.PARTITIONS)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=kept)(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert [p["calls"] for p in made] == [["exp"], ["exp"]] and all(p["module"] for p in made), made
+    cumsums = [i for i, t in enumerate(order) if "cumsum" in t]
+    kgen_calls = [i for i, t in enumerate(order) if t.startswith("fused_")]
+    assert len(kgen_calls) == 2 and kgen_calls[0] < cumsums[0], order  # the input's exp before either cumsum
