@@ -818,3 +818,21 @@ def test_a_plan_made_from_remembered_answers_is_the_plan_made_afresh(spec):
         assert json.dumps(made.to_json(), sort_keys=True, default=str) == json.dumps(fresh.to_json(), sort_keys=True, default=str)
     ids = [id(st) for made in remembered + again for st in made.stages]
     assert len(ids) == len(set(ids))
+
+
+def test_a_3d_stride1_transposed_convolution_plans_the_flipped_kernel_call():
+    """KernelBench level 2 #77's convolution (64 -> 128, k5, stride 1, batch 16 at 16x32x32): cuDNN's call as written
+    in channels_last, without its bias, measured 5.7 ms on the H200 where the flipped-kernel forward call takes 4.1
+    (conv_aten.TRANSPOSED_3D_STRIDE1_CL_EFFICIENCY); the default target's plan is the flipped kernel."""
+    pipe = pipeline_of("""
+name: t77
+input:
+  shape: [N, 64, 16, 32, 32]
+  example: {N: 16}
+ops:
+  - conv_transpose3d: {out_channels: 128, kernel_size: 5}
+  - mul: {scalar: 2.0}
+  - relu
+""")
+    plan = choose_plans(pipe, DEFAULT).variants[0].plan
+    assert plan.choices["subpixel_conv_transpose @ ops[0].conv_transpose3d"] == "on", plan.choices
