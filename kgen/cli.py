@@ -341,7 +341,8 @@ def import_(source, name, input_shapes, out_dir):
 @click.option("--no-rewrites", is_flag=True, help="Plan with every rewrite off.")
 @click.option("--batch", type=int, default=None, help="Batch for FLOPs and bytes (default: the spec's example).")
 @click.option("--training", is_flag=True,
-              help="Detail training mode's plan (where a batch norm gives eval mode a plan of its own; default: eval mode's).")
+              help="Detail training mode's plan and list its candidates (where a batch norm gives eval mode a plan of "
+                   "its own; default: eval mode's).")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Detail this dtype's plan (default: the spec's first).")
 @_fail_cleanly
 def explain(spec, no_rewrites, batch, training, dtype):

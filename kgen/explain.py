@@ -9,7 +9,8 @@ from . import cost, tunefile
 from .errors import KgenError
 from .families.base import typed_ops, value_bytes
 from .ir import Conv, Pipeline
-from .plan import KGEN, PIPELINE, Plan, candidate_plans, choose_plans, describe_choices, make_plan
+from .plan import (KGEN, PIPELINE, Plan, candidate_plans, choose_plans, describe_choices, make_plan,
+                   training_candidates)
 from .stage import ConvStage
 from .target import Target
 
@@ -134,7 +135,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
     if len(sel.variants) > 1:
         for i, v in enumerate(sel.variants):
             out.append(f"  plan {i} for {v.runs}: {describe_choices(v.plan.choices)}")
-    out += _candidates(sel, batch, dtype)
+    out += _candidates(sel, batch, dtype, training)
     mode = {"eval": " in eval mode, as bench and tune run it", "train": " in training mode"}.get(variant.mode, "")
     out += ["", "rewrites:" + ("" if len(sel.variants) == 1 else f" (the plan for {sym or 'batch'} = {batch}{mode})")]
     for d in plan.decisions:
@@ -203,15 +204,23 @@ def replay_line(plan: Plan, batch: int, target: Target) -> str:
             f"{copied / 1e6:.1f} MB ({1e3 * copied / target.dram_bytes_per_s:.3f} ms)")
 
 
-def _candidates(sel, batch: int, dtype: str = "float32") -> list[str]:
-    """The candidate plans (of ``dtype``) with the model's estimate and, from the tuning file, the measured time."""
-    cands = [p for p in sel.candidates if p.pipeline.dtype == dtype]
+def _candidates(sel, batch: int, dtype: str = "float32", training: bool = False) -> list[str]:
+    """The candidate plans (of ``dtype``) with the model's estimate and, from the tuning file, the measured time;
+    ``training``: training mode's candidates where it has a plan of its own (the cost model's: not tuned)."""
+    train = sel.variant_for(batch, True, dtype)
+    if training and train.mode == "train":
+        pipe = sel.pipeline if sel.pipeline.dtype == dtype else replace(sel.pipeline, dtype=dtype)
+        cands, chosen_plan, measured = training_candidates(pipe, train.plan.target), train.plan, {}
+        mode, times = "train", "the cost model's: `kgen tune` measures eval mode's plans"
+    else:
+        cands = [p for p in sel.candidates if p.pipeline.dtype == dtype]
+        variant = sel.variant_for(batch, dtype=dtype)  # eval mode's, as the candidates
+        chosen_plan, mode, times = variant.plan, variant.mode, "measured: the tuning file's times on this target"
+        entry = sel.tuning_for(dtype)
+        measured = tunefile.measured(entry) if entry is not None else {}
     if len(cands) < 2:
         return []
-    chosen_plan = sel.variant_for(batch, dtype=dtype).plan  # eval mode's, as the candidates
     chosen = json.dumps(chosen_plan.choices, sort_keys=True)
-    entry = sel.tuning_for(dtype)
-    measured = tunefile.measured(entry) if entry is not None else {}
     rows = []
     if all(json.dumps(p.choices, sort_keys=True) != chosen for p in cands):  # found one choice at a time from them
         cands = [chosen_plan] + cands
@@ -220,9 +229,9 @@ def _candidates(sel, batch: int, dtype: str = "float32") -> list[str]:
         ms = measured.get(key, {}).get(batch)
         rows.append((cost.estimate_ms(p, batch), ms, key == chosen, describe_choices(p.choices)))
     rows.sort(key=lambda r: (r[1] is None, r[1] if r[1] is not None else r[0]))
-    mode = " in eval mode" if sel.variant_for(batch, dtype=dtype).mode == "eval" else ""
-    mode += "" if dtype == "float32" else f" in {dtype}"
-    out = [f"  candidates{mode} at batch {batch} (* = chosen; measured: the tuning file's times on this target):",
+    where = {"eval": " in eval mode", "train": " in training mode"}.get(mode, "")
+    where += "" if dtype == "float32" else f" in {dtype}"
+    out = [f"  candidates{where} at batch {batch} (* = chosen; {times}):",
            f"    {'model ms':>10s} {'measured ms':>12s}  plan"]
     for est, ms, mark, text in rows:
         out.append(f"  {'*' if mark else ' '} {est:10.3f} {'-' if ms is None else f'{ms:.3f}':>12s}  {text}")

@@ -638,3 +638,28 @@ def test_a_chain_of_training_batch_norms_has_eagers_bits_on_the_gpu(tmp_path):
     assert torch.equal(got, eager), (got - eager).abs().max().item()
     for k in ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"):
         assert torch.equal(ours.state_dict()[k], s[k]), k
+
+
+def test_explain_lists_training_modes_candidates():
+    """`kgen explain --training` lists training mode's candidates (batch statistics, the cost model's estimates; `kgen
+    tune` measures eval mode's), the chosen one marked; without it, eval mode's."""
+    from kgen.explain import explain_text
+
+    pipe = pipeline_of("""
+name: bn_transposed
+input:
+  shape: [N, 16, 8, 16, 16]
+  example: {N: 4}
+ops:
+  - conv_transpose3d: {out_channels: 32, kernel_size: 3}
+  - batch_norm
+  - adaptive_avg_pool3d: {output_size: 1}
+""")
+    table = lambda text, mode: text.split(f"candidates in {mode} mode at batch 4")[1].split("\n\n")[0].splitlines()[1:]  # noqa: E731
+    train, ev = explain_text(pipe, training=True), explain_text(pipe)
+    assert "candidates in training mode" not in ev and "candidates in eval mode" in ev
+    header, *rows = table(train, "training")
+    assert "`kgen tune` measures eval mode's plans" in train and "model ms" in header
+    assert len(rows) >= 3 and sum(r.lstrip().startswith("*") for r in rows) == 1, rows
+    assert any("eager (the spec's ops through ATen)" in r for r in rows), rows
+    assert any("subpixel_conv_transpose@ops[0]=on" in r for r in rows) and any("=off" in r for r in rows), rows
