@@ -56,9 +56,29 @@ def _log(msg: str) -> None:
 
 def cuda_home() -> str | None:
     home = cpp_extension.CUDA_HOME or os.environ.get("CUDA_HOME")
-    if home is None and shutil.which("nvcc"):
-        home = str(Path(os.path.realpath(shutil.which("nvcc"))).parent.parent)
+    nvcc = shutil.which("nvcc")
+    if home is None and nvcc:
+        home = str(Path(os.path.realpath(nvcc)).parent.parent)
+        if not (Path(home) / "include" / "cuda_runtime.h").is_file():
+            home = _nvcc_top(nvcc) or home
     return home
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc_top(nvcc: str) -> str | None:
+    """The toolkit an ``nvcc`` on PATH belongs to, as nvcc itself reports it (``TOP``): where that nvcc is a
+    wrapper script (``exec /usr/local/cuda-13.0/bin/nvcc "$@"`` in /usr/local/bin), its own folder's parent has no
+    CUDA headers for the host compiler."""
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (out.stdout + out.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            top = Path(os.path.realpath(line.split("=", 1)[1].strip()))
+            return str(top) if (top / "include" / "cuda_runtime.h").is_file() else None
+    return None
 
 
 def cuda_arch_flags(arch_list: str | None = None) -> list[str]:

@@ -283,3 +283,24 @@ ptxas info    : Used 40 registers"""
     assert (a.name, a.registers, a.serialized_wgmma, a.clean) == ("_Z1av", 200, True, False)
     assert (b.stack, b.spill_stores, b.clean) == (8, 4, False)
     assert c.clean and not c.serialized_wgmma
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_cuda_home_of_an_nvcc_wrapper_script_is_its_toolkit(tmp_path, monkeypatch):
+    """An nvcc on PATH that is a wrapper script (``exec /usr/local/cuda-X/bin/nvcc "$@"``): its folder's parent
+    has no CUDA headers for the host compiler; the toolkit is the one nvcc reports."""
+    from torch.utils import cpp_extension
+
+    from kgen import build
+
+    real = shutil.which("nvcc")
+    wrapper = tmp_path / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    home = build.cuda_home()
+    assert home is not None and (Path(home) / "include" / "cuda_runtime.h").is_file(), home
+    assert not Path(home).is_relative_to(tmp_path)
