@@ -69,7 +69,7 @@ TRANSPOSED_NCHW_EFFICIENCY = 0.69
 TRANSPOSED_3D_EFFICIENCY = 0.92  # 3-d against 2-d
 # ... but a 3-d stride-1 call as written in channels_last (its data-gradient kernel over every tap) at 0.35 of the 2-d
 # rate: measured without a bias (kgen adds a deferred bias in the next stage) on an H200 (2026-12-04,
-# bench/cudnn_transposed_bias.py, reports/cudnn_transposed_h200.json), the three such calls of level 2 (#13, #61,
+# bench/cudnn_bias.py, reports/cudnn_bias_h200.json), the three such calls of level 2 (#13, #61,
 # #77) took 1.8-3.2x the time the terms above give against the 2-d stride-1 calls' 0.48x; #77's (64 -> 128, k5)
 # 5.7 ms where its flipped-kernel forward call takes 4.1, and the model had put it at 3.7 (kgen 0.81x eager).
 TRANSPOSED_3D_STRIDE1_CL_EFFICIENCY = 0.35
