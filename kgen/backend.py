@@ -293,7 +293,7 @@ def _connected_pieces(parts) -> list:
 
     out = []
     for p in parts:
-        nodes = set(p.nodes)
+        nodes = {n: i for i, n in enumerate(p.nodes)}  # (the partition's own order: pieces come in it)
         piece_of: dict = {}
         pieces: list = []
         for n in nodes:
@@ -308,7 +308,7 @@ def _connected_pieces(parts) -> list:
                     if k in nodes and k not in piece_of:
                         piece_of[k] = len(pieces)
                         todo.append(k)
-            pieces.append(piece)
+            pieces.append(sorted(piece, key=nodes.get))
         out += [p] if len(pieces) == 1 else [Partition(nodes=piece) for piece in pieces]
     return out
 
