@@ -5,9 +5,10 @@ Dynamo hands over an FX graph of functional calls (``torch.conv2d(x, w, b, ...)`
 ``operator.add``, ...) whose parameters and buffers are graph inputs. Each node kgen can compute
 is marked (after attention written out is rewritten as PyTorch's fused call, ``kgen.attention``;
 ``_Support``: the importer's maps, ``kgen.importer.maps_call``, plus the layers with
-weights below), the marked nodes are grouped into connected partitions (torch.fx's
-CapabilityBasedPartitioner; one that returns more values than an op may is cut in graph order,
-``_within_output_limit``), and each partition becomes a small ``nn.Module`` in the form the
+weights below), the marked nodes are grouped into partitions (torch.fx's CapabilityBasedPartitioner),
+each without the views that only pass a value through it (``_without_passing_views``), cut into its
+connected pieces (``_connected_pieces``: the partitioner also joins independent calls) and, where it
+returns more values than an op may, in graph order (``_within_output_limit``), and each partition becomes a small ``nn.Module`` in the form the
 importer reads (``_partition_model``: a layer call becomes the matching ``torch.nn`` layer holding
 the graph's own weight tensors). ``kgen.compiler.compile_module`` imports, checks, renders and
 builds it in kgen's cache (a partition seen before, in this process or another, is found there),
