@@ -319,6 +319,13 @@ def _name(n: fx.Node) -> str:
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
 
 
+def _in_place(n: fx.Node) -> bool:
+    """Whether call ``n`` updates its operand: ``relu_``, ``x += y``, ``inplace=True``."""
+    from .importer import _IN_PLACE_OPERATORS, _in_place_name
+
+    return _in_place_name(_name(n)) or n.target in _IN_PLACE_OPERATORS or n.kwargs.get("inplace") is True
+
+
 def _permutation(n: fx.Node) -> list | None:
     """The dims of a permute or transpose call (``x.permute(2, 0, 1)``, ``x.transpose(0, 1)``) as a permutation
     of its operand's, else None."""
@@ -370,7 +377,7 @@ class _Support:
             return False
 
     def _supported(self, n: fx.Node) -> bool:
-        from .importer import _IN_PLACE_OPERATORS, _in_place_name, maps_call
+        from .importer import maps_call
 
         g = self.g
         if any(isinstance(_example(a), torch.Tensor) and _example(a).dim() > MAX_RANK for a in n.all_input_nodes):
@@ -443,8 +450,7 @@ class _Support:
                     return False
             elif not g.is_batch(a, lead):
                 return False
-        name = _name(n)
-        if _in_place_name(name) or n.target in _IN_PLACE_OPERATORS or n.kwargs.get("inplace") is True:
+        if _in_place(n):
             return self._in_place_ok(n)
         return True
 
@@ -895,7 +901,7 @@ def _without_passing_views(parts, gm: fx.GraphModule) -> list:
     for p in parts:
         nodes = sorted(p.nodes, key=order.get)
         inside = set(nodes)
-        if any(_name(n).endswith("_") and not _name(n).startswith("_") for n in nodes):
+        if any(_in_place(n) for n in nodes):
             out.append(p)
             continue
         rooted: set = set()  # views of values from outside (through views)

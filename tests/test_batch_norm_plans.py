@@ -645,16 +645,8 @@ def test_explain_lists_training_modes_candidates():
     tune` measures eval mode's), the chosen one marked; without it, eval mode's."""
     from kgen.explain import explain_text
 
-    pipe = pipeline_of("""
-name: bn_transposed
-input:
-  shape: [N, 16, 8, 16, 16]
-  example: {N: 4}
-ops:
-  - conv_transpose3d: {out_channels: 32, kernel_size: 3}
-  - batch_norm
-  - adaptive_avg_pool3d: {output_size: 1}
-""")
+    ops = [{"conv_transpose3d": {"out_channels": 32, "kernel_size": 3}}, "batch_norm", {"adaptive_avg_pool3d": {"output_size": 1}}]
+    pipe = pipeline_of(spec_text([16, 8, 16, 16], ops, batch=4))
     table = lambda text, mode: text.split(f"candidates in {mode} mode at batch 4")[1].split("\n\n")[0].splitlines()[1:]  # noqa: E731
     train, ev = explain_text(pipe, training=True), explain_text(pipe)
     assert "candidates in training mode" not in ev and "candidates in eval mode" in ev

@@ -824,15 +824,7 @@ def test_a_3d_stride1_transposed_convolution_plans_the_flipped_kernel_call():
     """KernelBench level 2 #77's convolution (64 -> 128, k5, stride 1, batch 16 at 16x32x32): cuDNN's call as written
     in channels_last, without its bias, measured 5.7 ms on the H200 where the flipped-kernel forward call takes 4.1
     (conv_aten.TRANSPOSED_3D_STRIDE1_CL_EFFICIENCY); the default target's plan is the flipped kernel."""
-    pipe = pipeline_of("""
-name: t77
-input:
-  shape: [N, 64, 16, 32, 32]
-  example: {N: 16}
-ops:
-  - conv_transpose3d: {out_channels: 128, kernel_size: 5}
-  - mul: {scalar: 2.0}
-  - relu
-""")
+    pipe = pipeline_of(spec_text([64, 16, 32, 32], [{"conv_transpose3d": {"out_channels": 128, "kernel_size": 5}},
+                                                   {"mul": {"scalar": 2.0}}, "relu"], batch=16))
     plan = choose_plans(pipe, DEFAULT).variants[0].plan
     assert plan.choices["subpixel_conv_transpose @ ops[0].conv_transpose3d"] == "on", plan.choices
