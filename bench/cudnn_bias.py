@@ -1,8 +1,8 @@
 """Each KernelBench level-2 problem's first convolution as cuDNN calls at the problem's sizes, with and without its
 bias (kgen adds a deferred bias in the next stage, where ATen adds it in a pass of its own), NC[D]HW and
 channels_last: a forward convolution as written; a transposed one as written and, at stride 1, as the
-flipped-kernel forward call. Medians of CUDA events, TF32 allowed (PyTorch's default for cuDNN). The rows
-(keys FORM_LAYOUT_BIAS: ``transposed_cl_nobias``, ``flipped_ncdhw_bias``, ``forward_cl_nobias``, ...) are the data
+flipped-kernel forward call. Medians of CUDA events (kgen.bench.time_ms), TF32 allowed (PyTorch's default for
+cuDNN). The rows (keys FORM_LAYOUT_BIAS: ``transposed_cl_nobias``, ``flipped_ncdhw_bias``, ``forward_cl_nobias``, ...) are the data
 for conv_aten's rates of calls without a bias (reports/cudnn_bias_h200.json):
 
     python3 bench/cudnn_bias.py --kernelbench KernelBench/KernelBench --out reports/cudnn_bias_h200.json
@@ -19,22 +19,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from kernelbench_backend import environment, load_problem, problem_file  # noqa: E402
 
+from kgen.bench import time_ms  # noqa: E402
+
+REPS = 15  # timed calls per form (median)
+
 CONVS = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-
-
-def ms(f, reps=15) -> float:
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return round(sorted(ts)[len(ts) // 2], 4)
 
 
 def calls(conv, x) -> dict:
@@ -91,7 +80,7 @@ def main() -> None:
                f"s{list(conv.stride)} p{list(conv.padding)} op{list(getattr(conv, 'output_padding', (0,)))} g{conv.groups}",
                "input": list(x.shape)}
         for name, f in calls(conv, x).items():
-            row[name] = ms(f)
+            row[name] = round(time_ms(f, REPS), 4)
         print(json.dumps(row), flush=True)
         rows.append(row)
         del x, conv, model
