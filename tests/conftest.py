@@ -416,6 +416,13 @@ LAYER_NORMS = {
     "ln_cl_tiles": ([3, 5, 8], [{"conv2d": {"out_channels": 16, "kernel_size": 3, "padding": 1}}, {"add": {"param": "s"}},
                                 {"layer_norm": {"normalized_shape": [8]}}, "gelu"], {"s": {"shape": [16, 1, 1]}}, CL_ATEN, 37,
                     (1, 4), "channels_last"),
+    # rows of 64 over 64 channels (#34's): 2 tiles per block, two threads sum each row (32 values each)
+    "ln_cl_parts": ([8, 4, 64], [{"conv2d": {"out_channels": 64, "kernel_size": 3, "padding": 1}},
+                                 {"layer_norm": {"normalized_shape": [64]}}, "gelu"], None, CL_ATEN, 37, (1, 4), "channels_last"),
+    # rows of 45 over 120 channels: one tile per block, two threads sum each row's 23 and 22 values, stores
+    # value by value
+    "ln_cl_uneven_parts": ([3, 3, 45], [{"conv2d": {"out_channels": 120, "kernel_size": 3, "padding": 1}},
+                                        {"layer_norm": {"normalized_shape": [45]}}], None, CL_ATEN, 5, (1, 4), "channels_last"),
     # rows of 9 over 6 channels: a tile of 54 values read as float2 pairs, the rows (odd) stored value by value
     "ln_cl_pairs": ([3, 7, 9], [{"conv2d": {"out_channels": 6, "kernel_size": 3, "padding": 1}}, {"layer_norm": {"normalized_shape": [9]}}],
                     None, CL_ATEN, 37, (1, 2), "channels_last"),

@@ -45,3 +45,15 @@ def test_a_non_finite_value_makes_its_row_nan(layer_norm_modules):
     assert int(rows.sum()) == 3 and bool(rows[0, 1, 2] and rows[1, 3, 6] and rows[1, 0, 0])
     assert not torch.isnan(y).any(dim=-1).logical_and(~rows).any()  # a row is NaN everywhere or nowhere
     torch.testing.assert_close(y.double()[~torch.isnan(y)], expected[~torch.isnan(expected)], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, tiles, parts", [("ln_cl_parts", 2, 2), ("ln_cl_uneven_parts", 1, 2), ("ln_cl_tiles", 16, 1)])
+def test_the_tiles_form_sums_a_row_over_several_threads_where_the_block_has_them(name, tiles, parts, tmp_path):
+    """The tiles form's block holds as many tiles as its shared memory and threads take; where their rows
+    leave threads over, two or more sum each row (rows of at least 32 values: 16 or more each)."""
+    import json
+
+    _, module_dir = render_layer_norm(name, tmp_path)
+    (st,) = [s for p in json.loads((module_dir / "plan.json").read_text())["plans"] for s in p["stages"] if s["family"] == "layer_norm"]
+    sc = st["schedule"]
+    assert (sc["form"], sc["tiles_per_block"], sc["row_parts"]) == ("tiles", tiles, parts)

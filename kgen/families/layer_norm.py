@@ -65,7 +65,9 @@ CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 # writes the NC[D]HW rows from the tile. Read in place, a row's values lie a channel count apart (a memory sector
 # per value).
 MAX_TILE_ROW = 64  # longest row a thread holds in registers (the tiles form)
-TILE_SMEM_BYTES = 40 * 1024  # shared memory of a block's tiles
+TILE_SMEM_BYTES = 40 * 1024  # shared memory of a block's tiles (their statistics and bases take at most 6 KB more)
+STATIC_SMEM_BYTES = 48 * 1024  # a block's static shared memory at most
+TILE_PART_VALUES = 16  # fewest values of a row one thread sums (the tiles form): fewer leave it barrier-bound
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Schedule:
     index_type: str  # of per-sample indices: int when they fit in 32 bits
     form: str = "rows"  # "rows": thread groups over rows read in place; "tiles": channels_last tiles (MAX_TILE_ROW)
     tiles_per_block: int = 0  # the tiles form: (sample, outer position) tiles a block holds at once
+    row_parts: int = 1  # the tiles form: threads that sum one row's parts for its statistics
 
 
 @dataclass
@@ -149,7 +152,20 @@ def tiles_per_block(st: LayerNormStage) -> int:
     tile_bytes = r * (channels + 1) * 4
     if r > MAX_TILE_ROW or channels > CUDA_THREADS or tile_bytes > TILE_SMEM_BYTES:
         return 0
-    return max(1, min(CUDA_THREADS // channels, TILE_SMEM_BYTES // tile_bytes))
+    # with each tile's rows' statistics (3 floats a row) and bases (2 x 8 bytes), and the parts' sums (3 floats
+    # per thread at most), within a block's static shared memory
+    per_tile = tile_bytes + 12 * channels + 16
+    fits = (STATIC_SMEM_BYTES - 12 * CUDA_THREADS) // per_tile
+    return max(1, min(CUDA_THREADS // channels, TILE_SMEM_BYTES // tile_bytes, fits))
+
+
+def tile_row_parts(st: LayerNormStage, tiles: int) -> int:
+    """Threads per row summing it (the tiles form): the most, a power of two, that the block's threads hold
+    for every row of its tiles, each part at least TILE_PART_VALUES values."""
+    rows, parts = tiles * st.in_type.shape[1], 1
+    while 2 * parts * rows <= CUDA_THREADS and st.row_size // (2 * parts) >= TILE_PART_VALUES:
+        parts *= 2
+    return parts
 
 
 class LayerNormFamily(Family):
@@ -193,7 +209,7 @@ class LayerNormFamily(Family):
         tiles = tiles_per_block(st)
         if tiles:  # a thread per row; values per load of a tile (whole vectors of it; the launch checks alignment)
             form = dict(row_threads=1, vector=next(v for v in widths if (r * st.in_type.shape[1]) % v == 0), rows_in_flight=1,
-                        form="tiles", tiles_per_block=tiles)
+                        form="tiles", tiles_per_block=tiles, row_parts=tile_row_parts(st, tiles))
         else:
             row_threads, vector = row_schedule(r, widths, st.input.flat)
             per_thread = -(-r // (row_threads * vector)) * vector  # values a thread holds of one row
@@ -208,8 +224,9 @@ class LayerNormFamily(Family):
             c = st.in_type.shape[1]
             return [f"{st.rows} rows of {r} values per sample along the last dim of a channels_last buffer: a block reads "
                     f"{sc.tiles_per_block} tile(s) of {r} positions x {c} channels (contiguous there) into shared memory, "
-                    f"a thread normalizes each channel's row (fp32: the mean, then the centered variance), and the block "
-                    f"stores the NC[D]HW rows from the tile, consecutive threads at consecutive positions"]
+                    f"{sc.row_parts} thread(s) per channel's row sum it (fp32: the mean, then the centered variance), and "
+                    f"every thread normalizes and stores the NC[D]HW rows from the tile, consecutive threads at consecutive "
+                    f"positions"]
         per_thread = -(-r // (sc.row_threads * sc.vector)) * sc.vector
         who = group_words(sc.row_threads, sc.cuda_threads, "row", WARP)
         loads = ({4: "float4", 2: "float2", 1: "scalar"}[sc.vector] if st.value_bytes == 4 else
