@@ -104,16 +104,27 @@ def estimate_ms(plan, batch: int) -> float:
     return sum(e.ms for e in estimate(plan, batch))
 
 
-def plan_dispatch_s(plan, batch: int) -> float:
-    """The host's time to issue a call of ``plan`` at ``batch``: every stage's launches and library calls (a cuDNN
-    convolution's call costs the host tens of microseconds, a generated kernel's launch a few)."""
-    return sum(dispatch_s(w, plan.target) for e in estimate(plan, batch) for w in e.work)
+def exposed_dispatch_s(plan, batch: int) -> float:
+    """The host's dispatch of a call of ``plan`` at ``batch`` that the GPU waits for when the call launches its
+    kernels one by one: the host issues each work item (its launches and library calls: a cuDNN convolution's
+    call costs the host tens of microseconds, a generated kernel's launch a few) in plan order while the GPU runs
+    those issued before it, so the dispatch adds to the call only where the host falls behind (the first item's
+    always does). What a CUDA-graph replay of the call can save: many short kernels, not a few long ones."""
+    t = plan.target
+    issued = finished = busy = 0.0
+    for w in (w for e in estimate(plan, batch) for w in e.work):
+        issue = dispatch_s(w, t)
+        run = work_s(w, t) - issue
+        issued += issue
+        finished = max(finished, issued) + run
+        busy += run
+    return finished - busy
 
 
 def replay_terms(plan, batch: int) -> tuple[float, int]:
-    """(the host's dispatch in seconds, bytes of the op's arguments) of a call of ``plan`` at ``batch``: what
-    decides whether the module replays its kernels as one CUDA graph (kgen.runtime.replay_pays)."""
-    return plan_dispatch_s(plan, batch), argument_bytes(plan.original, batch)
+    """(the host's dispatch the GPU waits for, in seconds; bytes of the op's arguments) of a call of ``plan`` at
+    ``batch``: what decides whether the module replays its kernels as one CUDA graph (kgen.runtime.replay_pays)."""
+    return exposed_dispatch_s(plan, batch), argument_bytes(plan.original, batch)
 
 
 def argument_bytes(pipe, batch: int) -> int:

@@ -190,7 +190,7 @@ def explain_text(pipe: Pipeline, rewrites: dict | None = None, batch: int | None
 
 def replay_line(plan: Plan, batch: int, target: Target) -> str:
     """Whether the module replays this plan's kernels as one CUDA graph at ``batch`` where no autograd graph is
-    recorded (kgen.runtime.replay_pays: the host's dispatch against the bytes the replay copies)."""
+    recorded (kgen.runtime.replay_pays: the host's dispatch the GPU waits for against the bytes the replay copies)."""
     from .runtime import replay_pays
 
     dispatch, argument_bytes = cost.replay_terms(plan, batch)
@@ -200,7 +200,8 @@ def replay_line(plan: Plan, batch: int, target: Target) -> str:
     copied = 2 * argument_bytes  # at most (replay_pays)
     library = f", {calls} library call{'s' * (calls > 1)}" if calls else ""
     return (f"CUDA-graph replay without autograd (at batch {batch}): {'yes' if pays else 'no'}: the host's dispatch "
-            f"{1e3 * dispatch:.3f} ms ({launches} launches{library}) against the replay's copies, at most "
+            f"the GPU waits for {1e3 * dispatch:.3f} ms (of {1e3 * sum(cost.dispatch_s(w, target) for w in work):.3f} ms: "
+            f"{launches} launches{library}) against the replay's copies, at most "
             f"{copied / 1e6:.1f} MB ({1e3 * copied / target.dram_bytes_per_s:.3f} ms)")
 
 

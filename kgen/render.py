@@ -29,7 +29,7 @@ import jinja2
 from . import cexpr
 from .errors import KgenError
 from .families.eager import aten_call, aten_prelude
-from .cost import plan_dispatch_s
+from .cost import exposed_dispatch_s
 from .ir import dropout_refusal, load_pipeline
 from .plan import Plan, Selection, Variant, choose_plans, stage_op_name, stage_scope_name
 from .spec import NO_DEFAULT, spec_to_data
@@ -182,11 +182,12 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
 
 
 def host_dispatch_us(sel: Selection) -> dict:
-    """The host's time to issue a call at the example batch, in us, per mode (``any``, or ``train`` and ``eval``
-    where eval mode has a plan of its own; the least of the mode's plans'; the cost model's launches and library
-    calls, kgen.cost.plan_dispatch_s): what a CUDA-graph replay of the op saves (kgen.runtime.replay_pays)."""
+    """The host's dispatch of a call at the example batch that the GPU waits for, in us, per mode (``any``, or
+    ``train`` and ``eval`` where eval mode has a plan of its own; the least of the mode's plans'; the cost model's
+    launches and library calls against its kernels' times, kgen.cost.exposed_dispatch_s): what a CUDA-graph replay
+    of the op saves (kgen.runtime.replay_pays)."""
     batch = sel.pipeline.example_batch()
-    return {mode: round(1e6 * min(plan_dispatch_s(v.plan, batch) for v in sel.variants if v.mode == mode), 1)
+    return {mode: round(1e6 * min(exposed_dispatch_s(v.plan, batch) for v in sel.variants if v.mode == mode), 1)
             for mode in dict.fromkeys(v.mode for v in sel.variants)}
 
 

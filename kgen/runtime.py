@@ -296,8 +296,9 @@ class launches_one_by_one:
 
 def replay_saving_s(dispatch_s: float, argument_bytes: int, target=None) -> float:
     """Seconds a call saves by replaying its kernels as one CUDA graph (negative: it loses): the host's
-    dispatch of the call (``dispatch_s``: the cost model's launches and library calls, kgen.cost.plan_dispatch_s)
-    against the replay's own launch and the bytes it moves besides the op's. ``argument_bytes``: the bytes of the
+    dispatch of the call that the GPU waits for (``dispatch_s``: the cost model's launches and library calls
+    against its kernels' times, kgen.cost.exposed_dispatch_s) against the replay's own launch and the bytes it
+    moves besides the op's. ``argument_bytes``: the bytes of the
     op's inputs, outputs, parameters and running statistics; a replay reads and writes each once at most (the
     inputs copied in, the outputs copied out, weights derived afresh inside the graph)."""
     from .target import current
@@ -335,8 +336,9 @@ class GraphReplay:
         from .target import DEFAULT  # (the current device's target would initialize CUDA at import)
 
         self.op_name = op_name
-        # per mode (``any``, or ``train`` and ``eval``: the plan a call runs), the host's time to issue a call one
-        # launch at a time (the cost model's); a mode with too little is never worth even the signature's time
+        # per mode (``any``, or ``train`` and ``eval``: the plan a call runs), the host's dispatch of a call one
+        # launch at a time that the GPU waits for (the cost model's); a mode with too little is never worth even
+        # the signature's time
         self.dispatch_s = dispatch_s
         self.never = {mode: not replay_pays(s, 0, DEFAULT) for mode, s in dispatch_s.items()}
         self.graphs: dict = {}  # signature -> (graph, static inputs, static outputs)

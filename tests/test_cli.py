@@ -90,7 +90,7 @@ def test_explain_shows_rewrites_stages_and_floor():
     assert "fired    pool_composition" in out and "fired    subpixel_conv_transpose" in out
     assert "stage 1 pool_reduce" in out and "floor" in out and "without rewrites" in out
     assert "all 8 sub-pixel phases in one kernel" in out and "is its epilogue" in out  # how each stage runs
-    assert "CUDA-graph replay without autograd (at batch 16): no: the host's dispatch 0.008 ms (2 launches)" in out  # large tensors, 2 kernels
+    assert "CUDA-graph replay without autograd (at batch 16): no: the host's dispatch the GPU waits for 0.008 ms (of 0.008 ms: 2 launches)" in out  # large tensors, 2 kernels
     off = kgen_cli("explain", "--no-rewrites", "specs/maxpool_sum.yaml").stdout
     assert "fired" not in off and "switched off" in off
 
