@@ -517,6 +517,18 @@ SOFTMAXES = {
     "sm_phases": ([4, 3, 5, 6], [{"conv_transpose3d": {"out_channels": 10, "kernel_size": 4, "stride": 2, "padding": 1}},
                                  {"softmax": {"dim": 1}}, "sigmoid"],
                   None, {"conv": "aten", "conv_layout": "contiguous"}, 37, ("columns", 1, True), "phased"),
+    # #91 in small: a softmax over the 128 channels of a channels_last ATen convolution output, through
+    # shared-memory tiles of 64 positions, 4 threads per slice, float4 loads (8 lanes per position)
+    "sm_cl_tiles": ([8, 6, 10], [{"conv2d": {"out_channels": 128, "kernel_size": 3, "padding": 1}}, {"softmax": {"dim": 1}},
+                                 {"add": {"param": "b"}}, "sigmoid"], {"b": {"shape": [128, 1, 1]}}, CL_ATEN, 37,
+                    ("tiles", 4, True), "channels_last"),
+    # log_softmax over 24 channels: tiles of 256 positions, a thread per slice, 6 lanes per position's vectors
+    "lsm_cl_tiles": ([3, 5, 7], [{"conv2d": {"out_channels": 24, "kernel_size": 3, "padding": 1}}, {"log_softmax": {"dim": 1}}],
+                     None, CL_ATEN, 37, ("tiles", 1, True), "channels_last"),
+    # a 3-d channels_last output, 10 channels (float2 loads, 5 lanes per position), a prologue before the softmax
+    "sm_cl3d_tiles": ([4, 3, 5, 6], [{"conv3d": {"out_channels": 10, "kernel_size": 3, "padding": 1}}, {"mul": {"scalar": 2.0}},
+                                     {"softmax": {"dim": 1}}], None, {"conv": "aten", "conv_layout": "channels_last"}, 37,
+                      ("tiles", 1, True), "channels_last"),
     # a channels_last ATen convolution output, read in place
     "lse_cl": ([3, 6, 7], [{"conv2d": {"out_channels": 12, "kernel_size": 3, "padding": 1}}, {"logsumexp": {"dim": 1, "keepdim": True}}],
                None, CL_ATEN, 37, ("columns", 1, True), "channels_last"),

@@ -85,3 +85,16 @@ def test_a_softmax_over_channels_reads_a_channels_last_input_at_full_speed():
     assert not FAMILY.reads_channels_last_fast(cl(64), [Softmax("softmax", dim=2)])
     assert not FAMILY.reads_channels_last_fast(cl(2 * CHANNELS_LAST_SLICE_CHANNELS), [Softmax("softmax", dim=1)])
     assert not FAMILY.reads_channels_last_fast(cl(64))  # no op known: as the family says
+
+
+@pytest.mark.parametrize("name, positions, lanes", [("sm_cl_tiles", 64, 8), ("lsm_cl_tiles", 256, 6), ("sm_cl3d_tiles", 256, 5)])
+def test_a_softmax_over_channels_last_channels_takes_tiles(name, positions, lanes, tmp_path):
+    """A softmax or log_softmax over the channels of a channels_last input reads them as they lie: a block's
+    positions (as many as 40 KB of shared memory holds, at most 256) through shared memory, loads of whole
+    vectors, each position's vectors loaded by neighbouring lanes together (at most 8, a divisor of its vectors)."""
+    import json
+
+    _, module_dir = render_softmax(name, tmp_path)
+    (st,) = [s for p in json.loads((module_dir / "plan.json").read_text())["plans"] for s in p["stages"] if s["family"] == "softmax"]
+    sc = st["schedule"]
+    assert (sc["tile_positions"], sc["lanes_per_position"], sc["slice_threads"] * sc["tile_positions"]) == (positions, lanes, 256)

@@ -183,6 +183,13 @@ class Family:
 
 FLOAT_BYTES = 4  # a float32 value (shared memory, fp32 statistics; a stage's values: value_bytes)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+VECTOR_WIDTHS = (4, 2, 1)  # float32 values per load of a vector, widest first (float4, float2, float)
+VECTOR_WIDTHS_16 = (8, 4, 2, 1)  # 16-bit values per load: 16-byte vectors too
+
+
+def vector_widths(dtype: str) -> tuple[int, ...]:
+    """Values per vector load or store of ``dtype``, widest (16 bytes) first."""
+    return VECTOR_WIDTHS if dtype == "float32" else VECTOR_WIDTHS_16
 
 
 def value_bytes(stage: Stage) -> int:

@@ -49,14 +49,13 @@ from ..buffer import flat_buffer
 from ..ir import Elementwise, LayerNorm, Norm
 from ..spec import DTYPES
 from ..stage import Stage
-from .base import Family, StageRequest, fused_stage_json, group_words, index_type, input_words, pow2_ceil, split_around
+from .base import (Family, StageRequest, fused_stage_json, group_words, index_type, input_words, pow2_ceil, split_around,
+                   vector_widths)
 
 CUDA_THREADS = 256  # threads per block
 WARP = 32
 WARP_ROW_VALUES = 256  # rows up to this long: a warp (or part of one) per row; longer rows: a block per row
 MAX_ROW_VALUES = 1024  # longest row held in registers (at most 4 values per thread of a block); longer: declined
-VECTOR_WIDTHS = (4, 2, 1)  # floats per load, widest first (float4, float2, float)
-VECTOR_WIDTHS_16 = (8, 4, 2, 1)  # 16-bit values per load: 16-byte vectors too
 BYTES_IN_FLIGHT = 32  # bytes a thread loads before it uses any (several rows when rows are short)
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 # The tiles form: a channels_last input whose rows run along its last spatial dim (a layer norm over W after a
@@ -205,7 +204,7 @@ class LayerNormFamily(Family):
         st.prologue, st.norm, st.post = split_around(req.ops, lambda op: isinstance(op, (LayerNorm, Norm)))
         st.value_bytes = 4 if req.dtype == "float32" else 2
         r = st.row_size
-        widths = VECTOR_WIDTHS if req.dtype == "float32" else VECTOR_WIDTHS_16
+        widths = vector_widths(req.dtype)
         tiles = tiles_per_block(st)
         if tiles:  # a thread per row; values per load of a tile (whole vectors of it; the launch checks alignment)
             form = dict(row_threads=1, vector=next(v for v in widths if (r * st.in_type.shape[1]) % v == 0), rows_in_flight=1,

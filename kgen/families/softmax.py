@@ -19,6 +19,15 @@ j of slice (o, i) lies at (o * L + j) * I + i of a sample. Two forms:
   thread, up to ``MAX_BLOCK_THREADS`` threads) for longer rows; value j is
   thread j % threads' (coalesced).
 
+- tiles (a dense channels_last input, the slice its channels: softmax or
+  log_softmax over the channels of a channels_last convolution output): a
+  block reads ``tile_positions`` consecutive positions' channels (contiguous
+  there) into shared memory, ``slice_threads`` threads per slice gather over
+  their part of its channels (neighbouring threads at neighbouring positions),
+  and every thread writes NC[D]HW rows (one channel, consecutive positions),
+  the op and the ops after it computed as it stores. Read in place, a warp's
+  32 slices lie a channel count apart.
+
 Each thread gathers (max, sum of exp(v - max)) over its values, the max first
 where it holds them in registers (``cached``: at most ``MAX_CACHED_PER_THREAD``
 values a thread, ``MAX_CACHED_PER_BLOCK`` a block), else pushed one by one
@@ -55,7 +64,7 @@ from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
 from .base import (EAGER_SOFTMAXES, Family, StageRequest, Work, before_eager_batch_norm, fused_stage_json, group_words,
-                   index_type, input_words, pow2_ceil, split_around)
+                   index_type, input_words, pow2_ceil, split_around, vector_widths)
 
 CUDA_THREADS = 256  # threads per block where part of a warp or a warp takes a row
 WARP = 32
@@ -71,20 +80,30 @@ MAX_CACHED_PER_BLOCK = 16384  # values a block holds in registers at most (64 KB
 # 32 slices then span 16 KB in fp32, in L1 across its loads; measured at 64: #49 on the H200)
 CHANNELS_LAST_SLICE_CHANNELS = 128
 STREAM_UNROLL = 8  # values a thread loads before it uses any, where it does not hold its slice
+TILE_THREADS = 256  # threads per block of the tiles form
+MAX_TILE_SLICE = 256  # the tiles form takes slices of at most this many channels ...
+TILE_SMEM_BYTES = 40 * 1024  # ... a block's positions x channels in this much shared memory (as float)
+TILE_LANES_PER_POSITION = 8  # a warp's load covers 8 vectors (128 bytes in fp32) of each of 4 positions
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 
 
 @dataclass(frozen=True)
 class Schedule:
-    form: str  # "columns": a thread per slice, neighbours at neighbouring positions; "rows": threads share a slice
+    # "columns": a thread per slice, neighbours at neighbouring positions; "rows": threads share a slice; "tiles":
+    # a channels_last input's positions through shared memory
+    form: str
     cuda_threads: int  # threads per block
     # threads sharing one slice: rows: a power of two up to a warp (neighbouring lanes), or the whole block;
-    # columns: 1 to MAX_COLUMN_SLICE_THREADS lanes of a warp, 32 / slice_threads lanes apart
+    # columns: 1 to MAX_COLUMN_SLICE_THREADS lanes of a warp, 32 / slice_threads lanes apart; tiles: threads
+    # tile_positions apart, each gathering over a part of the slice
     slice_threads: int
     cached: bool  # each thread holds its values of a slice in registers (else a second pass reads them again)
     unroll: int  # values loaded before they are used where they are not held
     cpu_grain: int  # slices per ATen task on the CPU
     index_type: str  # of per-sample indices: int when they fit in 32 bits
+    tile_positions: int = 0  # tiles: positions (slices) a block takes
+    vector: int = 1  # tiles: values per load (the launch checks the input's alignment)
+    lanes_per_position: int = 1  # tiles: neighbouring lanes loading one position's vectors together
 
 
 @dataclass
@@ -132,6 +151,20 @@ def is_slice_op(op: Op) -> bool:
             and op.dims == tuple(range(op.dims[0], op.dims[0] + len(op.dims))))
 
 
+def tile_positions(st: SoftmaxStage) -> int:
+    """The tiles form's positions per block (a power of two, at least a warp's), 0 where it does not apply: a
+    softmax or log_softmax over the channels of a dense channels_last input (not sub-pixel phases), at most
+    MAX_TILE_SLICE channels, a tile in TILE_SMEM_BYTES."""
+    buf = st.input
+    if (st.fn == "logsumexp" or st.axis != (1,) or st.inner == 1 or buf.layout != "channels_last" or not buf.dense
+            or buf.phased or st.length > MAX_TILE_SLICE):
+        return 0
+    positions = TILE_THREADS
+    while positions > WARP and positions * (st.length + 1) * 4 > TILE_SMEM_BYTES:
+        positions //= 2
+    return positions if positions * (st.length + 1) * 4 <= TILE_SMEM_BYTES else 0
+
+
 def per_thread(st: SoftmaxStage) -> int:
     """Values of a slice each thread handles."""
     return -(-st.length // st.schedule.slice_threads)
@@ -173,6 +206,16 @@ class SoftmaxFamily(Family):
         st = SoftmaxStage(req.index, list(req.ops), types[0], types[-1], input=req.input, output=flat_buffer(types[-1]))
         st.prologue, st.op, st.post = split_around(req.ops, lambda op: not isinstance(op, Elementwise))
         length = st.length
+        tiles = tile_positions(st)
+        if tiles:
+            vector = next(v for v in vector_widths(req.dtype) if length % v == 0)
+            vectors = length // vector
+            lanes = max(d for d in range(1, TILE_LANES_PER_POSITION + 1) if vectors % d == 0)
+            st.schedule = Schedule(form="tiles", cuda_threads=TILE_THREADS, slice_threads=TILE_THREADS // tiles,
+                                   cached=True, unroll=STREAM_UNROLL, cpu_grain=max(1, CPU_TASK_VALUES // length),
+                                   index_type=index_type(st), tile_positions=tiles, vector=vector,
+                                   lanes_per_position=lanes)
+            return st
         if st.inner > 1:
             wanted = pow2_ceil(-(-length // COLUMN_VALUES_PER_THREAD))
             form, threads, slice_threads = "columns", COLUMN_THREADS, min(MAX_COLUMN_SLICE_THREADS, wanted)
@@ -207,6 +250,13 @@ class SoftmaxFamily(Family):
     def explain_lines(self, st: SoftmaxStage) -> list[str]:
         sc = st.schedule
         n = per_thread(st)
+        if sc.form == "tiles":
+            result = "exp(v - m) / s" if st.fn == "softmax" else "(v - m) - log(s)"
+            return [f"{st.slices} slice(s) of {st.length} channels per sample from a channels_last buffer: a block reads "
+                    f"{sc.tile_positions} positions' channels (contiguous there) into shared memory, {sc.slice_threads} "
+                    f"thread(s) per slice gather (max m, sum s of exp(v - m)) over its parts (fp32), merged in order",
+                    f"every thread stores NC[D]HW rows from the tile, consecutive threads at consecutive positions: "
+                    f"{result} and the ops after it as it stores"]
         if sc.form == "columns":
             lanes = "a thread" if sc.slice_threads == 1 else f"{sc.slice_threads} lanes {WARP // sc.slice_threads} apart"
             who = (f"{lanes} per slice, its values {st.inner} apart in memory (neighbouring lanes at neighbouring "
