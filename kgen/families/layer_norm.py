@@ -151,10 +151,10 @@ def tiles_per_block(st: LayerNormStage) -> int:
     tile_bytes = r * (channels + 1) * 4
     if r > MAX_TILE_ROW or channels > CUDA_THREADS or tile_bytes > TILE_SMEM_BYTES:
         return 0
-    # with each tile's rows' statistics (3 floats a row), bases and position (4 x 8 bytes at most), the parts'
-    # sums (3 floats per thread at most) and the affine part (2 floats a value), in a block's static shared memory
-    per_tile = tile_bytes + 12 * channels + 32
-    fits = (STATIC_SMEM_BYTES - 12 * CUDA_THREADS - 8 * MAX_TILE_ROW) // per_tile
+    # with each tile's rows' statistics (3 floats a row) and bases (2 x 8 bytes), and the parts' sums (3 floats
+    # per thread at most), within a block's static shared memory
+    per_tile = tile_bytes + 12 * channels + 16
+    fits = (STATIC_SMEM_BYTES - 12 * CUDA_THREADS) // per_tile
     return max(1, min(CUDA_THREADS // channels, TILE_SMEM_BYTES // tile_bytes, fits))
 
 
