@@ -183,6 +183,10 @@ class Family:
 
 FLOAT_BYTES = 4  # a float32 value (shared memory, fp32 statistics; a stage's values: value_bytes)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A block's tiles in shared memory (the layer_norm and softmax tiles forms: values as float), at most: room beside
+# them for their statistics within STATIC_SMEM_BYTES
+TILE_SMEM_BYTES = 40 * 1024
+STATIC_SMEM_BYTES = 48 * 1024  # a block's static shared memory at most
 VECTOR_WIDTHS = (4, 2, 1)  # float32 values per load of a vector, widest first (float4, float2, float)
 VECTOR_WIDTHS_16 = (8, 4, 2, 1)  # 16-bit values per load: 16-byte vectors too
 

@@ -49,8 +49,8 @@ from ..buffer import flat_buffer
 from ..ir import Elementwise, LayerNorm, Norm
 from ..spec import DTYPES
 from ..stage import Stage
-from .base import (Family, StageRequest, fused_stage_json, group_words, index_type, input_words, pow2_ceil, split_around,
-                   vector_widths)
+from .base import (FLOAT_BYTES, STATIC_SMEM_BYTES, TILE_SMEM_BYTES, Family, StageRequest, fused_stage_json, group_words,
+                   index_type, input_words, pow2_ceil, split_around, vector_widths)
 
 CUDA_THREADS = 256  # threads per block
 WARP = 32
@@ -64,8 +64,6 @@ CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 # writes the NC[D]HW rows from the tile. Read in place, a row's values lie a channel count apart (a memory sector
 # per value).
 MAX_TILE_ROW = 64  # longest row a thread holds in registers (the tiles form)
-TILE_SMEM_BYTES = 40 * 1024  # shared memory of a block's tiles (their statistics and bases take at most 6 KB more)
-STATIC_SMEM_BYTES = 48 * 1024  # a block's static shared memory at most
 TILE_PART_VALUES = 16  # fewest values of a row one thread sums (the tiles form): fewer leave it barrier-bound
 
 
@@ -148,13 +146,13 @@ def tiles_per_block(st: LayerNormStage) -> int:
     if st.grouped or st.row_dims != 1 or t.rank < 3 or buf.layout != "channels_last" or not buf.dense:
         return 0
     channels, r = t.shape[1], st.row_size
-    tile_bytes = r * (channels + 1) * 4
+    tile_bytes = r * (channels + 1) * FLOAT_BYTES
     if r > MAX_TILE_ROW or channels > CUDA_THREADS or tile_bytes > TILE_SMEM_BYTES:
         return 0
-    # with each tile's rows' statistics (3 floats a row) and bases (2 x 8 bytes), and the parts' sums (3 floats
-    # per thread at most), within a block's static shared memory
-    per_tile = tile_bytes + 12 * channels + 16
-    fits = (STATIC_SMEM_BYTES - 12 * CUDA_THREADS) // per_tile
+    # with each tile's rows' statistics (3 floats a row), its bases and sample (3 x 8 bytes) and outer position
+    # (4), and the parts' sums (3 floats per thread at most), within a block's static shared memory
+    per_tile = tile_bytes + 3 * FLOAT_BYTES * channels + 3 * 8 + 4
+    fits = (STATIC_SMEM_BYTES - 3 * FLOAT_BYTES * CUDA_THREADS) // per_tile
     return max(1, min(CUDA_THREADS // channels, TILE_SMEM_BYTES // tile_bytes, fits))
 
 

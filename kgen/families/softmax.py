@@ -63,8 +63,8 @@ from ..ir import Elementwise, Op, Reduce, Softmax
 from ..spec import DTYPES
 from ..stage import Stage
 from ..target import Target
-from .base import (EAGER_SOFTMAXES, Family, StageRequest, Work, before_eager_batch_norm, fused_stage_json, group_words,
-                   index_type, input_words, pow2_ceil, split_around, vector_widths)
+from .base import (EAGER_SOFTMAXES, FLOAT_BYTES, TILE_SMEM_BYTES, Family, StageRequest, Work, before_eager_batch_norm,
+                   fused_stage_json, group_words, index_type, input_words, pow2_ceil, split_around, vector_widths)
 
 CUDA_THREADS = 256  # threads per block where part of a warp or a warp takes a row
 WARP = 32
@@ -81,8 +81,7 @@ MAX_CACHED_PER_BLOCK = 16384  # values a block holds in registers at most (64 KB
 CHANNELS_LAST_SLICE_CHANNELS = 128
 STREAM_UNROLL = 8  # values a thread loads before it uses any, where it does not hold its slice
 TILE_THREADS = 256  # threads per block of the tiles form
-MAX_TILE_SLICE = 256  # the tiles form takes slices of at most this many channels ...
-TILE_SMEM_BYTES = 40 * 1024  # ... a block's positions x channels in this much shared memory (as float)
+MAX_TILE_SLICE = 256  # the tiles form takes slices of at most this many channels (a block's in TILE_SMEM_BYTES)
 TILE_LANES_PER_POSITION = 8  # a warp's load covers 8 vectors (128 bytes in fp32) of each of 4 positions
 CPU_TASK_VALUES = 4096  # values of work per ATen task on the CPU
 
@@ -159,10 +158,11 @@ def tile_positions(st: SoftmaxStage) -> int:
     if (st.fn == "logsumexp" or st.axis != (1,) or st.inner == 1 or buf.layout != "channels_last" or not buf.dense
             or buf.phased or st.length > MAX_TILE_SLICE):
         return 0
+    row_bytes = (st.length + 1) * FLOAT_BYTES  # a position's channels and a column of padding
     positions = TILE_THREADS
-    while positions > WARP and positions * (st.length + 1) * 4 > TILE_SMEM_BYTES:
+    while positions > WARP and positions * row_bytes > TILE_SMEM_BYTES:
         positions //= 2
-    return positions if positions * (st.length + 1) * 4 <= TILE_SMEM_BYTES else 0
+    return positions if positions * row_bytes <= TILE_SMEM_BYTES else 0
 
 
 def per_thread(st: SoftmaxStage) -> int:
