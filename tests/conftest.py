@@ -299,9 +299,9 @@ TRANSPOSE_TILES = {
     "tile_pool": ([8, 9, 10, 11], [{"conv3d": {"out_channels": 24, "kernel_size": 3, "padding": 1}},
                                    {"max_pool3d": {"kernel_size": 2}}, "relu"], 16, 0, "float32"),
     "tile_c4_off": ([3, 9, 11], [{"conv2d": {"out_channels": 4, "kernel_size": 3}}, "tanh"], 0, 0, "float32"),
-    # 96 channels: a tile of 64 and a partial one; 80 positions per channel: stores of 8 positions
-    "tile_c96_half": ([16, 12, 10], [{"conv2d": {"out_channels": 96, "kernel_size": 3}}, "gelu",
-                                     {"mul": {"scalar": 0.5}}], 64, 8, "[bfloat16, float16]"),
+    # 80 channels: two tiles of 32 and a partial one; 80 positions per channel: stores of 8 positions
+    "tile_c80_half": ([16, 12, 10], [{"conv2d": {"out_channels": 80, "kernel_size": 3}}, "gelu",
+                                     {"mul": {"scalar": 0.5}}], 32, 8, "[bfloat16, float16]"),
     # one load per position (8 channels), 63 positions per channel: stores one at a time
     "tile_c8_half": ([4, 9, 11], [{"conv2d": {"out_channels": 8, "kernel_size": 3}}, "relu"], 8, 8, "float16"),
     # #100 in small: the 8 sub-pixel phase tiles of a transposed convolution, its bias deferred (PINNED_CHOICES), each position's

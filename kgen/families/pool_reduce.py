@@ -45,8 +45,10 @@ MAX_TRANSPOSE_CHANNELS = 32  # channels of such a tile (its positions: TRANSPOSE
 # The same tile where a thread loads 16 bytes of channels at once (a dense channels_last input, nothing pooled).
 # Value by value, the generic tile ran KernelBench #1's bfloat16 ReLU + bias (128 x 128 x 126 x 126, 1 GB moved)
 # at 0.94 ms, ~1.1 TB/s: index math per value, and 2-byte loads too few in flight (2026-12-02, H200)
+# Of 32 channels x 128 positions: KernelBench #5's tanh over 64 x 513 x 513 planes (4.3 GB moved) ran 1.34 ms in
+# tiles of 64 x 64 and 1.15 in 32 x 128 (2-way bank conflicts in the tile's column stores there; H200 lab, 2026-12-04)
 VECTOR_TRANSPOSE_TILE = 4096
-MAX_VECTOR_TRANSPOSE_CHANNELS = 64
+MAX_VECTOR_TRANSPOSE_CHANNELS = 32
 MIN_TRANSPOSE_CHANNELS = 8  # below this a channels_last input is read as it is
 
 
