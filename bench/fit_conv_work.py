@@ -40,6 +40,9 @@ from kgen.target import current  # noqa: E402
 # CUDNN_FRACTION and NCHW_CONVERSION are left as the H100's fit set them (conv_aten.py says why)
 TENSOR_CORE = ["TRANSPOSED_STRIDE1_EFFICIENCY", "TRANSPOSED_STRIDED_EFFICIENCY", "TRANSPOSED_NCHW_EFFICIENCY",
                "TRANSPOSED_3D_EFFICIENCY"]
+# With --bias-less (bench/cudnn_bias.py's times of the same calls with and without their bias): the bias pass is
+# told apart from the call itself, and the rates the calls with a bias had hidden it in are fitted too
+BIAS_LESS = ["CUDNN_FRACTION", "NCHW_CONVERSION", "BIAS_PASS", "TRANSPOSED_3D_STRIDE1_CL_EFFICIENCY"]
 # A call whose TF32-allowed time is above this fraction of its TF32-off time ran cuDNN's fp32 kernels anyway: it
 # says nothing of the tensor-core rates (the TF32-allowed fit leaves it out)
 FP32_KERNELS_TIME_RATIO = 0.85
@@ -83,6 +86,30 @@ def samples(rows, spec_dirs):
         est = args[p.name].get((r["form"], r["layout"]))
         if est is not None:
             out.append((r, est))
+    return out
+
+
+def with_bias_less(data, bias_rows):
+    """``data`` where bench/cudnn_bias.py timed a row's call (a KernelBench problem's first convolution, as written
+    or flipped, in its layout) with and without its bias: both, each with its own estimate (``bias``); the
+    TF32-off time of the bias-less one scaled as its TF32-allowed time (its kernels' kind stays the row's)."""
+    import re
+
+    by_problem = {r["problem"]: r for r in bias_rows}
+    out = []
+    for r, est in data:
+        m = re.match(r"kb2_(\d+)_", r["spec"])
+        timed = by_problem.get(int(m.group(1))) if m and r.get("dtype", "float32") == "float32" else None
+        kind_ = {"as written": "transposed" if r["conv"].startswith("conv_transpose") else "forward",
+                 "flipped kernel": "flipped"}.get(r["form"])
+        layout = "cl" if r["layout"] == "channels_last" else "ncdhw"
+        with_, without = (timed.get(f"{kind_}_{layout}_bias"), timed.get(f"{kind_}_{layout}_nobias")) if timed and kind_ else (None, None)
+        if with_ is None or without is None:
+            out.append((r, est))
+            continue
+        scale = lambda ms, r=r: dict(r, tf32_allowed_ms=ms, tf32_off_ms=r["tf32_off_ms"] * ms / r["tf32_allowed_ms"])  # noqa: E731
+        out.append((scale(with_), est))
+        out.append((scale(without), [dict(e, bias=False) for e in est]))
     return out
 
 
@@ -138,6 +165,8 @@ def main():
     ap.add_argument("--dtype", action="store_true",
                     help="16-bit calibration files (the positional arguments up to --specs) and the 16-bit terms")
     ap.add_argument("--specs", nargs="+", default=[], help="with --dtype: the spec folders")
+    ap.add_argument("--bias-less", type=Path, default=None,
+                    help="bench/cudnn_bias.py's report: the calls timed without their bias too (fits BIAS_LESS)")
     args = ap.parse_args()
     target = current()
     if args.dtype:
@@ -147,8 +176,12 @@ def main():
         fit(data, target, SIXTEEN_BIT, fp32=False, label="16-bit")
         return
     data = samples(json.load(open(args.calibration))["rows"], args.spec_dirs)
+    names = TENSOR_CORE
+    if args.bias_less:
+        data = with_bias_less(data, json.load(open(args.bias_less))["rows"])
+        names = TENSOR_CORE + BIAS_LESS
     print(f"{len(data)} calls")
-    fit(data, target, TENSOR_CORE, fp32=False)
+    fit(data, target, names, fp32=False)
     fit(data, target, FP32, fp32=True)
 
 

@@ -354,8 +354,6 @@ class Eager(Family):
                                  transposed_stride=op.stride if op.transposed else None, dtype=st.dtype,
                                  channels=op.in_channels // op.groups, bias=bool(op.bias), kernel=op.kernel,
                                  fp32=op.module in st.fp32_kernel_convs)
-                if op.bias and st.dtype == "float32":  # (conv_work prices a 16-bit call's bias pass)
-                    out.append(Work(f"{op.key} bias", n_out, 2 * size * n_out))
             elif isinstance(op, BatchNorm) and st.dtype != "float32" and math.prod(t_in.spatial) == 1:
                 out += [Work(f"{op.key} statistics", 0, size * n_in * BATCH_NORM_ROWS16_STATS_FACTOR, launches=NORM_LAUNCHES - 1),
                         Work(op.key, flops, size * (n_in + n_out))]
