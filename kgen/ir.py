@@ -173,8 +173,8 @@ class DerivedTensor:
 @dataclass(frozen=True)
 class OpResult:
     """How the op kgen::NAME lays out its result (the one home of that layout; ``Pipeline.op_result``):
-    the outputs in the order of the spec's ``outputs:``, then each running statistic's new value
-    (training mode; eval mode returns copies) in the order of ``Pipeline.buffer_args``. One tensor
+    the outputs in the order of the spec's ``outputs:``, then, in training mode, each running statistic's new
+    value in the order of ``Pipeline.buffer_args`` (eval mode returns the outputs alone). One tensor
     alone is returned as a Tensor; more as one list (schema ``Tensor[]``: a C++ std::vector rather
     than a std::tuple, whose boxing templates the compiler instantiates over every element, a
     minute of compile time for DenseNet-201's 210 tensors)."""
@@ -202,7 +202,8 @@ class OpResult:
 
     def split(self, result) -> tuple:
         """(the outputs as the Model returns them: one tensor, or a tuple of several; the running
-        statistics' new values, a list in ``buffers``' order) of the op's ``result``."""
+        statistics' new values, a list in ``buffers``' order: empty in eval mode, where the op returns
+        the outputs alone) of the op's ``result``."""
         if not self.is_list:
             return result, []
         n = self.outputs
