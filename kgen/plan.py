@@ -202,6 +202,16 @@ class Plan:
         """The stage whose output is the binding's tensor ``tensor`` (``t<index>``); None for an input."""
         return self._writers.get(tensor)
 
+    def running_copies(self) -> tuple[int, list[str]] | None:
+        """Where the binding copies the running statistics the batch norms update in training mode (before the
+        first stage that updates one: its index) and which (state_dict names, in the op's buffer order); None
+        where none is updated."""
+        updated = self.pipeline.updated_buffers()
+        if not updated:
+            return None
+        first = next(st.index for st in self.stages if any(n in updated for op in st.ops for n in op.buffer_names()))
+        return first, [b.name for b in self.pipeline.buffer_args() if b.name in updated]
+
     def output_exprs(self) -> list[str]:
         """The binding's C++ tensor of each output of the graph, in order: the last stage's for the
         last op's result; another output is the tensor holding its value (a plain contiguous one)."""

@@ -19,7 +19,9 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/convolution.h>
+#include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/layer_norm.h>
@@ -162,6 +164,18 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options)
     else t.view(at::kInt).fill_(kPoisonBits);
   }
   return t;
+}
+
+// The copies of the running statistics a plan's batch norms update in training mode (the op returns them: it
+// may not change its arguments), made in one launch (a foreach copy; a clone apiece cost a launch each); in eval
+// mode the statistics themselves, which the norms only read and the op does not return.
+inline std::vector<at::Tensor> running_copies(bool training, std::vector<at::Tensor> stats) {
+  if (!training) return stats;
+  std::vector<at::Tensor> copies;
+  copies.reserve(stats.size());
+  for (const at::Tensor& s : stats) copies.push_back(at::empty_like(s));
+  at::_foreach_copy_(copies, stats);
+  return copies;
 }
 
 // A workspace of `count` values of T, allocated as doubles (T a struct of

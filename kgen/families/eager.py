@@ -92,8 +92,7 @@ class EagerStage(Stage):
         return out
 
     def prelude(self, ident) -> list[str]:
-        """C++ statements before the calls: the copies of the running statistics that batch norms
-        update in training mode (the op returns them), the refusal of dropout in training mode."""
+        """C++ statements before the calls: the refusal of dropout in training mode."""
         lines = []
         for op in self.ops:
             lines += [line for line in aten_prelude(op, ident) if line not in lines]
@@ -112,11 +111,9 @@ def _scalar(v) -> str:
 
 
 def aten_prelude(op: Op, ident) -> list[str]:
-    """C++ statements ``aten_call``'s expression of ``op`` needs before it: a batch norm's copies of
-    the running statistics it updates in training mode (the op returns them), dropout's refusal of
-    training mode."""
-    if isinstance(op, (BatchNorm, BatchStats)):
-        return [f"at::Tensor new_{ident(n)} = {ident(n)}.clone();" for n in op.buffer_names()]
+    """C++ statements ``aten_call``'s expression of ``op`` needs before it: dropout's refusal of training
+    mode. (A batch norm's copies of the running statistics it updates, ``new_<buffer>``, the binding makes
+    for all of a plan's norms at once: Plan.running_copies.)"""
     if isinstance(op, Dropout) and op.p > 0:
         return [f'TORCH_CHECK(!training, kOp, ": {dropout_refusal(op.p)}");']
     return []
