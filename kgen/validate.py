@@ -750,7 +750,7 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
                 results.append(replace(_case(
                     f"stage {st.index}{'' if count == 1 else f' of plan {i}'}: {label}",
                     lambda: stage_op(tiles, args, vargs),
-                    lambda: run_with_magnitude(st.ops, x.double(), {n: p.double() for n, p in params.items()},
+                    lambda: run_with_magnitude(st.ops, x.double(), {n: _to64(p) for n, p in params.items()},
                                                {n: v.double() for n, v in {**vals, **source}.items()}),
                     lambda: _run_ops(st.ops, x, params, dt, {**vals, **source}),
                     TOLERANCES[stage_precision(st, device)] if dtype == "float32" else DTYPE_TOLERANCES[dtype],

@@ -216,3 +216,38 @@ def test_a_16_bit_case_passes_against_eager_only_where_kgen_is_as_accurate():
     nan_off[2] = float("nan")
     assert _eager_off_reference(nan_off, off + 0.1, (exact, 1.0), torch.bfloat16) == ""  # a NaN eager has not
     assert _eager_off_reference(near, off, None, torch.bfloat16) == ""  # no reference computed
+
+
+LINEAR_RELU = """
+name: linear_relu
+input: {shape: [N, 48]}
+ops:
+  - linear: {out_features: 40}
+  - relu
+  - mul: {scalar: 0.5}
+"""
+
+
+def test_a_large_weight_stays_float32_in_every_reference(tmp_path, monkeypatch):
+    """A parameter above validate.LARGE elements stays float32 in the float64 references, the end-to-end one's
+    and each stage's (the reference converts it a block of rows at a time: 2_ShallowWideMLP's 8.6 GB of weights
+    validated on a 23 GB machine only so); the module still validates."""
+    import kgen.validate as validate_module
+
+    spec = write_spec(tmp_path, LINEAR_RELU, "linear_relu.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    build_module(tmp_path / "gen" / "linear_relu", quiet=True)
+    monkeypatch.setattr(validate_module, "LARGE", 100)  # the 40 x 48 weight is "large"
+    seen = []
+    real = validate_module.run_with_magnitude
+
+    def recording(ops, x, tensors, *a, **k):
+        seen.append({n: t.dtype for n, t in tensors.items() if n.endswith("weight")})
+        return real(ops, x, tensors, *a, **k)
+
+    monkeypatch.setattr(validate_module, "run_with_magnitude", recording)
+    report = validate(spec, tmp_path / "gen" / "linear_relu", "cpu")
+    assert_report_passed(report)
+    assert any(c.case.startswith("stage") for c in report.cases)  # the stage cases ran too
+    weights = [d for d in seen if d]
+    assert weights and all(dt == torch.float32 for d in weights for dt in d.values()), seen
