@@ -68,3 +68,24 @@ def test_a_measurements_commit_says_when_the_tree_is_not_the_commits(tmp_path, m
     assert _commit() == head
     (tmp_path / "a.txt").write_text("2")
     assert _commit() == f"{head}-dirty"
+
+
+def test_the_backend_sweeps_summary_compares_with_inductor_where_its_output_passes_the_check():
+    """bench/kernelbench_backend.py's summary: geometric means over every timed problem, and against inductor over
+    the problems where inductor's output passes KernelBench's check only (a TF32 call where eager's is fp32-level
+    fails it: its time is not a bar kgen, matching eager, can be held to), naming the least of those."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from kernelbench_backend import summary
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def row(number, eager, inductor, kgen, inductor_check):
+        return {"number": number, "eager_ms": eager, "inductor_ms": inductor, "kgen_ms": kgen, "partitions_kgen": 1,
+                "kgen_check": "5/5 (max diff 0)", "inductor_check": inductor_check}
+
+    rows = [row(1, 4.0, 2.0, 1.0, "5/5 (max diff 0)"), row(2, 4.0, 1.9, 2.0, "5/5 (max diff 1e-05)"),
+            row(3, 4.0, 1.0, 2.0, "0/5 (max diff 0.0004)")]
+    text = summary(rows)[0]
+    assert "KernelBench's check passed by kgen on 3, by inductor on 2" in text
+    assert "Against inductor where it passes the check (2): geometric mean 1.38x, the least 0.95x (2)." in text, text
