@@ -103,10 +103,8 @@ BIAS16_PASS = 2.9
 # float32: the calls' rates above were fitted with their bias, so this pass is counted twice where a bias is kept
 # (level 2's plans are the same at 0 and 1). Fitted with the rates on calls timed with and without their bias
 # (`bench/fit_conv_work.py --bias-less reports/cudnn_bias_h200.json`) it is 1.46, CUDNN_FRACTION 0.84, NCHW_CONVERSION
-# 2.1: rms log error 0.46 -> 0.28 over 308 calls, but in the untuned plans (fp32-level products for small
-# convolutions) those rates move #7 and #25 from conv_gemm (2.04, 1.42 ms measured, at eager's TF32 precision as
-# measured on the GPU) to cuDNN's NC[D]HW calls (2.22, 3.08 ms without the bias alone): to be redone with each
-# problem's measured precision before the rates change (docs/roadmap.md).
+# 2.1: rms log error 0.46 -> 0.28 over 308 calls, but with them #11 and #58 move to calls that measured slower
+# without their bias (docs/roadmap.md): the rates stay until terms per kind of call keep those right.
 BIAS_PASS = 1.0
 # A forward convolution in NCHW: cuDNN's tensor-core kernels are NHWC, so it converts the input and the
 # output (each a read and a write: 2x the bytes; the fit gives 1.86x)
