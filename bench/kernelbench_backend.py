@@ -333,8 +333,8 @@ def summary(rows) -> list[str]:
     if not timed:
         return ["No problem timed."]
 
-    def geomean(key):
-        both = [r for r in timed if r.get(key)]
+    def geomean(key, rows=timed):
+        both = [r for r in rows if r.get(key)]
         return math.exp(sum(math.log(r[key] / r["kgen_ms"]) for r in both) / len(both)) if both else float("nan")
 
     def passed_all(check: str) -> bool:  # "5/5 (max diff ...)"
@@ -353,8 +353,8 @@ def summary(rows) -> list[str]:
     vs_correct = ""
     if correct:
         worst = min(correct, key=lambda r: r["inductor_ms"] / r["kgen_ms"])
-        mean = math.exp(sum(math.log(r["inductor_ms"] / r["kgen_ms"]) for r in correct) / len(correct))
-        vs_correct = (f" Against inductor where it passes the check ({len(correct)}): geometric mean {mean:.2f}x, "
+        vs_correct = (f" Against inductor where it passes the check ({len(correct)}): geometric mean "
+                      f"{geomean('inductor_ms', correct):.2f}x, "
                       f"the least {worst['inductor_ms'] / worst['kgen_ms']:.2f}x ({worst['number']}).")
     return [f"**{len(timed)} of {len(rows)} problems timed; geometric mean {geomean('eager_ms'):.2f}x eager, "
             f"{geomean('inductor_ms'):.2f}x inductor. KernelBench's check passed by kgen on {passed['kgen']}, by "
