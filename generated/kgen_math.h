@@ -292,6 +292,7 @@ KGEN_HD float leaky_relu(float x, float negative_slope) { return x > 0.f ? x : x
 KGEN_HD float elu(float x, float alpha) { return x > 0.f || is_nan(x) ? x : alpha * expm1f(x); }
 KGEN_HD float exp(float x) { return expf(x); }
 KGEN_HD float log(float x) { return logf(x); }
+KGEN_HD float sqrt(float x) { return sqrtf(x); }  // IEEE (nvcc's default -prec-sqrt=true)
 KGEN_HD float abs(float x) { return fabsf(x); }
 KGEN_HD float neg(float x) { return -x; }
 

@@ -42,6 +42,7 @@ would stay eager, or a node kgen would compute but for a dynamic size, is an err
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import operator
@@ -168,17 +169,57 @@ def _example(n):
     return n.meta.get("example_value") if isinstance(n, fx.Node) else None
 
 
+# Batch sizes at which a size written in the batch symbol is evaluated (Dynamo's symbol is at least 2). Dynamo
+# writes Swin's `int(windows.shape[0] / (H * W / 7 / 7))` as TruncToInt(FloatTrueDiv(ToFloat(64*s), 64.0)), which is
+# the batch s but which sympy does not simplify, and the `-1` of a view on it as a quotient that is a constant.
+_PROBES = (2, 3, 5, 7, 16, 97, 1000)
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe(expr) -> tuple | None:
+    """A size expression of one symbol at each of ``_PROBES``, else None."""
+    if len(expr.free_symbols) != 1:
+        return None
+    (symbol,) = expr.free_symbols
+    values = []
+    for v in _PROBES:
+        try:
+            r = expr.xreplace({symbol: v})
+        except (TypeError, ValueError, ZeroDivisionError, ArithmeticError):
+            return None
+        if not (isinstance(r, int) or getattr(r, "is_Integer", False)):  # (a bare symbol gives back the int)
+            return None
+        values.append(int(r))
+    return tuple(values)
+
+
+def _values(size) -> tuple | None:
+    """(symbol, its values at the probes) of a size in one symbol, else None."""
+    if not isinstance(size, torch.SymInt):
+        return None
+    expr = size.node.expr
+    values = _probe(expr)
+    return None if values is None else (next(iter(expr.free_symbols)), values)
+
+
 def _static(size):
-    """A size as an int where it is one: a symbol Dynamo has specialized to a constant is that constant."""
-    if isinstance(size, torch.SymInt) and getattr(size.node.expr, "is_number", False):
-        return int(size.node.expr)
+    """A size as an int where it is one: a symbol Dynamo has specialized to a constant is that constant, and so is
+    an expression of the batch that takes one value at every batch."""
+    if isinstance(size, torch.SymInt):
+        if getattr(size.node.expr, "is_number", False):
+            return int(size.node.expr)
+        seen = _values(size)
+        if seen is not None and len(set(seen[1])) == 1:
+            return seen[1][0]
     return size
 
 
 def _same_size(a, b) -> bool:
     a, b = _static(a), _static(b)
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and str(a.node.expr) == str(b.node.expr)
+        if not (isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt)):
+            return False
+        return str(a.node.expr) == str(b.node.expr) or (_values(a) is not None and _values(a) == _values(b))
     return a == b
 
 
@@ -189,7 +230,13 @@ def _batch_multiple(size, batch) -> int | None:
     if not (isinstance(size, torch.SymInt) and isinstance(batch, torch.SymInt)):
         return None
     ratio = size.node.expr / batch.node.expr
-    return int(ratio) if ratio.is_Integer and ratio >= 1 else None
+    if ratio.is_Integer:
+        return int(ratio) if ratio >= 1 else None
+    a, b = _values(size), _values(batch)
+    if a is None or b is None or a[0] != b[0] or any(v % w for v, w in zip(a[1], b[1])):
+        return None
+    ratios = {v // w for v, w in zip(a[1], b[1])}
+    return ratios.pop() if len(ratios) == 1 and min(ratios) >= 1 else None
 
 
 def _is_state(n: fx.Node, example) -> bool:
@@ -257,13 +304,23 @@ class _Graph:
             return None
         if not isinstance(self.batch, torch.SymInt):  # a static batch: a size equal to it elsewhere may be anything
             return 0 if _same_size(ex.shape[0], self.batch) and \
-                not any(isinstance(s, torch.SymInt) for s in ex.shape[1:]) else None
-        dims = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)]
+                not any(isinstance(_static(s), torch.SymInt) for s in ex.shape[1:]) else None
+        dims = [d for d, s in enumerate(ex.shape) if isinstance(_static(s), torch.SymInt)]
         if len(dims) != 1:
             return None
         if _same_size(ex.shape[dims[0]], self.batch):
             return dims[0]
-        return 0 if dims == [0] and _batch_multiple(ex.shape[0], self.batch) is not None else None
+        # a multiple of the batch: folded with windows in dim 0, or moved (Swin's qkv [3, 64 * B, heads, N, d])
+        return dims[0] if _batch_multiple(ex.shape[dims[0]], self.batch) is not None else None
+
+    def batch_free(self, n) -> bool:
+        """A tensor of the graph's dtype without the batch, every size static: a parameter or buffer, or a value
+        computed from them (Swin's logit scale and position bias); a partition reads it as a parameter given
+        at each call."""
+        ex = _example(n)
+        return isinstance(n, fx.Node) and isinstance(ex, torch.Tensor) and ex.dtype == self.dtype and \
+            1 <= ex.dim() <= MAX_RANK and self.batch_dim(n) is None and \
+            not any(isinstance(_static(s), torch.SymInt) for s in ex.shape)
 
     def lead(self, n):
         """The batch of a value as its partition's op sees it: the size at ``batch_dim`` (the graph's batch, or
@@ -355,6 +412,24 @@ def _moved_permutation(dims: list, k_in: int, k_out: int) -> list:
     return [order_in.index(dims[j]) for j in order_out]
 
 
+def _moved_index(n: fx.Node, g: "_Graph") -> tuple | None:
+    """The index of ``x[i]`` (integers and slices) for ``x`` with its batch moved first, where x's batch is not
+    dim 0 or the result's is not (``qkv[0]`` of ``qkv`` [3, B, heads, N, d] is [B, heads, N, d]); None where the
+    index takes part of the batch."""
+    x, idx = n.args[0], n.args[1]
+    k_in, k_out = g.batch_dim(x), g.batch_dim(n)
+    if k_in is None or k_out is None:
+        return None
+    rank = _example(x).dim()
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if len(items) > rank or any(isinstance(i, bool) or not isinstance(i, (int, slice)) for i in items):
+        return None
+    items += [slice(None)] * (rank - len(items))
+    if items[k_in] != slice(None) or k_out != k_in - sum(isinstance(i, int) for i in items[:k_in]):
+        return None
+    return (slice(None),) + tuple(i for d, i in enumerate(items) if d != k_in)
+
+
 def _views(n: fx.Node) -> bool:
     """Whether ``n``'s result may share memory with its operand (a view: an in-place call on it would
     change the operand)."""
@@ -405,8 +480,9 @@ class _Support:
                 return False
             for s in slots:
                 t = args.get(s)
-                if t is not None and not (isinstance(t, fx.Node) and t in g.state):
-                    return False
+                if t is not None and not (isinstance(t, fx.Node) and t in g.state
+                                          or kind != "batch_norm" and g.batch_free(t)):
+                    return False  # (a batch norm's running statistics are the model's, updated in place)
             for k, v in args.items():
                 if k not in slots and k != "input" and isinstance(v, fx.Node):
                     return False  # a size or a flag computed at run time
@@ -441,12 +517,12 @@ class _Support:
         for a in operands:
             ex = _example(a)
             if a in g.state:
-                if not isinstance(g.examples.get(a), nn.Parameter):
-                    return False  # a buffer read by an op: the importer takes free parameters only
+                if not (isinstance(g.examples.get(a), nn.Parameter) or g.batch_free(a)):
+                    return False  # a buffer of another dtype (an index table)
             elif _constant_tensor(a) or _max_min_dim(a) is not None:
                 continue
             elif isinstance(ex, torch.Tensor):
-                if g.batch_dim(a) is None and not self._parameter_view(a):
+                if g.batch_dim(a) is None and not self._parameter_view(a) and not g.batch_free(a):
                     return False
             elif not g.is_batch(a, lead):
                 return False
@@ -470,6 +546,8 @@ class _Support:
             # PyTorch makes for free, and kgen's op would return its operand (for the batch-first model it is nothing)
             k_in = g.batch_dim(tensors[0]) if len(tensors) == 1 else None
             return k_in is not None and _moved_permutation(dims, k_in, k) != list(range(rank))
+        if n.op == "call_function" and n.target is operator.getitem:  # Swin's q, k, v = qkv[0], qkv[1], qkv[2]
+            return _moved_index(n, g) is not None
         if any(g.batch_dim(a) != k or _example(a).dim() != rank for a in tensors):
             return False
         layer = _layer(n)
@@ -538,7 +616,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
     lead = None  # the partition's batch: dim 0 of its op's values (the graph's batch, or a multiple of it)
     for p in places:  # the tensor inputs first (the op's inputs, x first)
         o = outer[p]
-        if isinstance(o, fx.Node) and o not in g.state and isinstance(_example(o), torch.Tensor):
+        if isinstance(o, fx.Node) and o not in g.state and isinstance(_example(o), torch.Tensor) and not g.batch_free(o):
             env[p] = graph.placeholder("x" if not plan.inputs else f"input{len(plan.inputs)}")
             plan.inputs.append(arg_index[p])
             ex, k = _example(o), g.batch_dim(o)
@@ -548,7 +626,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             if not _same_size(ex.shape[k], lead):
                 raise KgenError(f"{o.name}: an input of batch {ex.shape[k]} beside one of {lead}")
             plan.moved_in.append(k)
-            rests.append((tuple(s for d, s in enumerate(ex.shape) if d != k), ex.dtype))
+            rests.append((tuple(_static(s) for d, s in enumerate(ex.shape) if d != k), ex.dtype))
     if not plan.inputs:
         raise KgenError("no tensor input")
     # the same partition compiled again in this process (Dynamo's graph of its own for a batch of 1, a
@@ -563,7 +641,8 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
         return f"{kind}{counts[kind] - 1}"
 
     def state_tensor(p):
-        return g.examples[outer[p]]
+        o = outer[p]
+        return g.examples[o] if o in g.examples else _stand_in(_example(o))
 
     def device():
         nonlocal device_node
@@ -583,9 +662,10 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             if v in env:
                 return env[v]
             o = outer.get(v)
-            if o is not None and o in g.state:
+            if o is not None and (o in g.state or g.batch_free(o)):
                 name = fresh("p")
-                root.register_parameter(name, state_tensor(v))
+                t = state_tensor(v)
+                root.register_parameter(name, t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False))
                 plan.members[name] = arg_index[v]
                 env[v] = graph.get_attr(name)
                 return env[v]
@@ -614,6 +694,9 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
         if dims is not None and (g.batch_dim(n) != 0 or g.batch_dim(n.args[0]) != 0):
             dims = _moved_permutation(dims, g.batch_dim(n.args[0]), g.batch_dim(n))
             env[n] = graph.call_method("permute", (arg(n.args[0]), *dims))
+            continue
+        if n.op == "call_function" and n.target is operator.getitem and (g.batch_dim(n.args[0]) or g.batch_dim(n)):
+            env[n] = graph.call_function(operator.getitem, (arg(n.args[0]), _moved_index(n, g)))
             continue
         if layer is None:
             args, kwargs = arg(n.args), arg(n.kwargs)
@@ -740,6 +823,15 @@ def _original(a, g: _Graph):
         inner = outs[index] if index is not None and isinstance(outs, (tuple, list)) else outs
         return g.by_name.get(inner.name) if isinstance(inner, fx.Node) else None
     return g.by_name.get(a.name)
+
+
+def _stand_in(example: torch.Tensor) -> torch.Tensor:
+    """A value for a batch-free operand computed in the graph (``Graph.batch_free``) in the partition's model: the
+    op is given the graph's value at each call; this one (random normal, the same at every compile) is what the
+    import check computes with."""
+    gen = torch.Generator().manual_seed(0)
+    shape = tuple(int(_static(s)) for s in example.shape)
+    return torch.randn(shape, generator=gen, dtype=example.dtype).to(example.device)
 
 
 def _batch_in_shape(args, n: fx.Node, g: _Graph, batch):
@@ -1022,9 +1114,9 @@ def _dynamic_sizes(g: _Graph) -> list:
             ex = _example(a)
             if a in g.state or not isinstance(ex, torch.Tensor) or ex.dim() == 0:
                 continue
-            rest = [d for d, s in enumerate(ex.shape) if isinstance(s, torch.SymInt)  # the batch is the batch anywhere,
-                    and not (g.batch is not None and _same_size(s, g.batch))  # a multiple of it in dim 0
-                    and not (d == 0 and _batch_multiple(s, g.batch) is not None)]
+            rest = [d for d, s in enumerate(ex.shape) if isinstance(_static(s), torch.SymInt)  # the batch, or a
+                    and not (g.batch is not None and _same_size(s, g.batch))  # multiple of it, anywhere
+                    and _batch_multiple(s, g.batch) is None]
             if rest:
                 shape = ", ".join(str(s) for s in ex.shape)
                 out.append((n, f"{a.name} is [{shape}]: dim {', '.join(map(str, rest))} dynamic"))

@@ -684,6 +684,9 @@ class Importer:
                 (n.op == "call_method" and _base_name(name) in ("clamp", "clip", "clamp_min", "clamp_max"))):
             self._clamp(n, _base_name(name))
             return
+        if fn is F.normalize and self._tensor(x):
+            self._normalize(n, x)
+            return
         if fn in _REDUCTIONS or (n.op == "call_method" and name in _REDUCTION_METHODS):
             self._reduce(n, n, _REDUCTIONS.get(fn) or _REDUCTION_METHODS[name])
             return
@@ -1126,6 +1129,22 @@ class Importer:
             fields["keepdim"] = True
         self._emit(n, kind, fields, src=x)
 
+    def _normalize(self, n, x) -> None:
+        """F.normalize(x, p=2, dim, eps) as PyTorch computes it: x / max(sqrt(sum(x * x, dim)), eps)."""
+        a = self._args(n)
+        p, dim, eps = a.get("p", 2.0), a.get("dim", 1), a.get("eps", 1e-12)
+        if p != 2 or a.get("out") is not None or not isinstance(dim, int) or not isinstance(eps, (int, float)):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)}: only p=2 over one integer dim is supported")
+        if dim % len(self._shape(x)) == 0:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} normalizes over the batch (dim 0)")
+        name = self._name_of(x)
+        self._emit(n, "mul", {"tensor": name}, src=x)
+        self._emit(n, "sum", {"dim": dim, "keepdim": True}, src=n)
+        self._emit(n, "sqrt", {}, src=n)
+        self._emit(n, "clamp", {"min": float(eps)}, src=n)
+        self._emit(n, "expand", {"shape": list(self.shapes[n][1:])}, src=n)
+        self._emit(n, "div", {"tensor": name, "reverse": True}, src=n)
+
     def _matmul(self, n) -> None:
         a, b = n.args[0], n.args[1]
         if not self._tensor(a):
@@ -1543,12 +1562,14 @@ _UNARY = {
     F.gelu: _gelu, F.silu: _const("silu", _no_fields), F.mish: _const("mish", _no_fields),
     F.hardswish: _const("hardswish", _no_fields), F.hardsigmoid: _const("hardsigmoid", _no_fields),
     torch.exp: _const("exp", _no_fields), torch.log: _const("log", _no_fields), torch.abs: _const("abs", _no_fields),
+    torch.sqrt: _const("sqrt", _no_fields),
     torch.neg: _const("neg", _no_fields), operator.neg: _const("neg", _no_fields),
     F.softplus: _SOFTPLUS, F.hardtanh: _HARDTANH, F.hardtanh_: _HARDTANH, F.relu6: _RELU6,
     F.leaky_relu: _LEAKY_RELU, F.leaky_relu_: _LEAKY_RELU, F.elu: _ELU, F.elu_: _ELU,
 }
 _UNARY_METHODS = {"relu": _UNARY[torch.relu], "sigmoid": _UNARY[torch.sigmoid], "tanh": _UNARY[torch.tanh],
-                  "exp": _UNARY[torch.exp], "log": _UNARY[torch.log], "abs": _UNARY[torch.abs], "neg": _UNARY[torch.neg]}
+                  "exp": _UNARY[torch.exp], "log": _UNARY[torch.log], "abs": _UNARY[torch.abs], "neg": _UNARY[torch.neg],
+                  "sqrt": _UNARY[torch.sqrt]}
 _UNARY_METHODS.update({f"{k}_": v for k, v in list(_UNARY_METHODS.items())})  # x.relu_(): in place
 _UNARY_MODULES = {
     nn.ReLU: lambda m: ("relu", {}), nn.Sigmoid: lambda m: ("sigmoid", {}), nn.Tanh: lambda m: ("tanh", {}),
@@ -1635,7 +1656,7 @@ def maps_call(n: fx.Node) -> bool:
     if fn is getattr:
         return len(n.args) == 2 and n.args[1] in ("T", "mT")
     return fn in _UNARY or fn in _REDUCTIONS or fn in _POOLS or fn in _ADAPTIVE or fn in _ALIAS_FUNCTIONS or \
-        fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn is F.dropout or \
+        fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn in (F.dropout, F.normalize) or \
         fn in (torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze, torch.clamp, torch.clip, torch.clamp_,
                torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, torch.matmul, torch.mm,
                torch.bmm, operator.matmul)

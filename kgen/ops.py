@@ -246,6 +246,7 @@ def _table() -> dict[str, OpDef]:
         _unary("elu", F.elu, "x if x > 0 else alpha * (exp(x) - 1)", {"alpha": 1.0}, example={"alpha": 0.7}, aten="at::elu", libm=True),
         _unary("exp", torch.exp, "exp(x)", relative=True, libm=True),
         _unary("log", torch.log, "log(x); NaN below 0, -inf at 0", relative=True, libm=True),
+        _unary("sqrt", torch.sqrt, "sqrt(x); NaN below 0 (F.normalize's norm)", relative=True, libm=True),
         _unary("abs", torch.abs, "|x|"),
         _unary("neg", torch.neg, "-x"),
         OpDef("sum", "reduce", _REDUCE_FIELDS, REDUCING, "torch.sum(x, dim, keepdim)"),

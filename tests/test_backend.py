@@ -1014,6 +1014,83 @@ def test_values_whose_dim_0_folds_the_batch_with_windows_are_a_kgen_partition(ca
     assert spec["input"]["shape"] == ["N", 16, 8] and spec["input"]["example"] == {"N": 12}, spec["input"]
 
 
+class CosineWindowAttention(nn.Module):
+    """SwinV2's window attention (KernelBench level 3 #30) in small: the windows folded into dim 0 by a size
+    computed from the batch (``int(x.shape[0] * 4 / 4)``), q, k and v indexed out of a permute that moves the
+    batch to dim 1, a bias and a logit scale computed from parameters, a mask buffer, F.normalize."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24, bias=False)
+        self.q_bias, self.v_bias = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+        self.logit_scale = nn.Parameter(torch.randn(2, 1, 1))
+        self.register_buffer("mask", torch.randn(4, 6, 6))
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):  # [B, 4 windows, 6 tokens, C]
+        b = int(x.shape[0] * 4 / 4)  # Dynamo writes it as TruncToInt(FloatTrueDiv(...)): the batch
+        x = x.reshape(-1, 6, 8)
+        windows, n, c = x.shape
+        bias = torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
+        qkv = F.linear(x, self.qkv.weight, bias).reshape(windows, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(self.logit_scale, max=2.0).exp()
+        attn = attn.view(b, 4, 2, n, n) + self.mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, 2, n, n).softmax(-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(windows, n, c)).view(b, 4, n, c)
+
+
+def test_sizes_written_in_the_batch_are_compared_by_their_values():
+    """Dynamo writes ``int(64 * s / 64)`` as TruncToInt(FloatTrueDiv(...)), which sympy leaves as it is: a size is
+    the batch, a multiple of it or a constant by its values at several batches."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._sympy.functions import FloatTrueDiv, FloorDiv, ToFloat, TruncToInt
+    from kgen.backend import _batch_multiple, _same_size, _static
+
+    from torch._dynamo.source import ConstantSource
+
+    env = ShapeEnv()
+    s = env.create_symbol(4, ConstantSource("batch"))
+    size = lambda expr: env.create_symintnode(sympy.sympify(expr), hint=None)  # noqa: E731
+    batch = size(s)
+    folded = TruncToInt(FloatTrueDiv(ToFloat(64 * s), 64.0))
+    assert _same_size(size(folded), batch) and not _same_size(size(folded + 1), batch)
+    assert _static(size(FloorDiv(8 * s, folded))) == 8 and _static(size(FloorDiv(s, 4))) is not None
+    assert isinstance(_static(size(FloorDiv(s, 4))), torch.SymInt)
+    assert _batch_multiple(size(64 * folded), batch) == 64 and _batch_multiple(size(FloorDiv(s, 4)), batch) is None
+    assert _batch_multiple(size(2 * s + 1), batch) is None
+
+
+def test_swin_v2_window_attention_is_kgen_partitions(cache):
+    """Every call of the attention is in a kgen partition but the views that fold and unfold the batch and the
+    computations on parameters alone: q, k and v indexed out of a value whose batch is dim 1 (taken batch first),
+    the bias, logit scale and mask given to the ops at each call (all of it stayed eager before: 'dim 1
+    dynamic'), F.normalize as PyTorch computes it; a new batch and new parameter values without a recompile."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = CosineWindowAttention().eval()
+    before = len(backend.PARTITIONS)
+    compiled = _compiled(model)
+    with torch.no_grad():
+        for batch in (3, 5):
+            x = torch.randn(batch, 4, 6, 8)
+            x[0, 0, 0] = 0  # a token whose q and k are the bias alone
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        model.logit_scale.mul_(-1)
+        model.mask.normal_()
+        model.q_bias.normal_()
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert all(p["module"] for p in made), made
+    calls = [c for p in made for c in p["calls"]]
+    for call in ("linear", "permute", "getitem", "normalize", "matmul", "mul", "add", "softmax"):
+        assert call in calls, (call, made)
+    assert "cat" not in calls and "exp" not in calls and "clamp" not in calls  # (parameters alone: PyTorch's)
+
+
 @pytest.mark.eager_fallback  # (the projections' tiny partitions stay eager: nothing to build)
 def test_causal_attention_runs_as_pytorchs_fused_call_between_the_partitions(cache, capsys):
     """MinGPT's written-out attention is F.scaled_dot_product_attention before partitioning (kgen.attention):
