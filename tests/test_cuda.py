@@ -557,7 +557,8 @@ MAP_STAGES = {
 def test_stages_that_reduce_nothing_validate(name, tmp_path):
     """Against the float64 reference with validate's cases (NaN, inf, ties, large values, both
     modes of the batch norm before them), at batches 1 to 3 and at the example batch (37); the
-    vector form also on an input 4 bytes past a vector boundary (one value at a time then)."""
+    vector form also on an input 4 bytes past a vector boundary where it reads the model's input (one value at a
+    time then)."""
     from conftest import pipeline_of
     from kgen.build import build_module
     from kgen.plan import choose_plans, make_plan
@@ -576,7 +577,10 @@ def test_stages_that_reduce_nothing_validate(name, tmp_path):
     write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
     build_module(tmp_path / "gen" / name, quiet=True)
     assert_report_passed(validate(spec, tmp_path / "gen" / name, "cuda", example_batch=True))
-    if vector > 1:
+    # the stage reads the model's input where no convolution comes first; after one it reads the convolution's
+    # (aligned) output, and cuDNN may take another algorithm for an input 4 bytes past a vector boundary
+    # (map_vectors_two_inputs failed the bitwise comparison once in a full GPU run, 2026-12-04)
+    if vector > 1 and not any(isinstance(op, dict) and "conv2d" in op for op in ops):
         torch.manual_seed(0)
         model = import_module_dir(tmp_path / "gen" / name).Model().cuda()
         x = torch.randn(5, *shape, device="cuda", dtype=getattr(torch, (dtype or ["float32"])[0]))
