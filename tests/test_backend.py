@@ -1091,6 +1091,18 @@ def test_swin_v2_window_attention_is_kgen_partitions(cache):
     assert "cat" not in calls and "exp" not in calls and "clamp" not in calls  # (parameters alone: PyTorch's)
 
 
+def test_swin_v2_window_attention_trains_as_eager(cache):
+    """The gradients reach the parameters the computed operands come from (the biases' cat, the logit scale)."""
+    torch.manual_seed(0)
+    model = CosineWindowAttention().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, 6, 8)
+    _compiled(model)(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item(), msg=name)
+
+
 @pytest.mark.eager_fallback  # (the projections' tiny partitions stay eager: nothing to build)
 def test_causal_attention_runs_as_pytorchs_fused_call_between_the_partitions(cache, capsys):
     """MinGPT's written-out attention is F.scaled_dot_product_attention before partitioning (kgen.attention):
