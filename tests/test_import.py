@@ -92,6 +92,7 @@ class Model(nn.Module):
         x = F.elu(x, alpha=0.5) + F.hardsigmoid(x)
         x = self.ln(x * self.shift)
         x = F.silu(x) / self.scale
+        x = F.normalize(x, dim=1) * 4 + h.abs().sqrt()
         x = F.gelu(x, approximate="tanh") + y
         x = x + torch.bmm(z, y.view(-1, 2, 4)).flatten(1)
         x = torch.log(torch.exp(-torch.abs(x)) + 1.5)
@@ -158,7 +159,7 @@ IMPORTED_KINDS = {  # the ops each model's spec must hold: together every op the
              "hardswish", "max_pool2d", "minimum", "softplus", "relu", "sub", "gelu", "logsumexp", "max", "tanh", "mean"},
     "gemm": {"matmul", "linear", "hardtanh", "sub", "elu", "hardsigmoid", "add", "mul", "layer_norm", "silu", "div",
              "gelu_tanh", "reshape", "abs", "neg", "exp", "log", "maximum", "softmax", "log_softmax", "dropout", "min",
-             "sum", "max"},
+             "sum", "max", "sqrt"},
     "layout": {"conv2d", "relu", "cat", "reshape", "transpose", "adaptive_avg_pool2d", "linear", "sigmoid", "mul", "slice",
                "expand", "pad", "permute", "interpolate", "adaptive_max_pool2d", "add", "neg"},
 }
