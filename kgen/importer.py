@@ -1142,8 +1142,7 @@ class Importer:
         self._emit(n, "sum", {"dim": dim, "keepdim": True}, src=n)
         self._emit(n, "sqrt", {}, src=n)
         self._emit(n, "clamp", {"min": float(eps)}, src=n)
-        self._emit(n, "expand", {"shape": list(self.shapes[n][1:])}, src=n)
-        self._emit(n, "div", {"tensor": name, "reverse": True}, src=n)
+        self._emit(n, "div", {"tensor": self._name_of(n)}, src=x)  # x / the norm, broadcast over dim
 
     def _matmul(self, n) -> None:
         a, b = n.args[0], n.args[1]
