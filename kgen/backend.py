@@ -416,11 +416,17 @@ def _moved_index(n: fx.Node, g: "_Graph") -> tuple | None:
     """The index of ``x[i]`` (integers and slices) for ``x`` with its batch moved first, where x's batch is not
     dim 0 or the result's is not (``qkv[0]`` of ``qkv`` [3, B, heads, N, d] is [B, heads, N, d]); None where the
     index takes part of the batch."""
-    x, idx = n.args[0], n.args[1]
+    x = n.args[0]
     k_in, k_out = g.batch_dim(x), g.batch_dim(n)
     if k_in is None or k_out is None:
         return None
-    rank = _example(x).dim()
+    return _index_batch_first(n.args[1], _example(x).dim(), k_in, k_out)
+
+
+def _index_batch_first(idx, rank: int, k_in: int, k_out: int) -> tuple | None:
+    """``idx`` (integers and slices) of a rank-``rank`` value whose batch is dim ``k_in``, as the index of that value
+    with its batch moved first, where the result's batch is dim ``k_out`` of ``x[idx]``: then
+    ``x.movedim(k_in, 0)[moved] == x[idx].movedim(k_out, 0)``. None where the index does not leave the batch whole."""
     items = list(idx) if isinstance(idx, tuple) else [idx]
     if len(items) > rank or any(isinstance(i, bool) or not isinstance(i, (int, slice)) for i in items):
         return None

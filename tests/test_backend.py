@@ -1063,6 +1063,22 @@ def test_sizes_written_in_the_batch_are_compared_by_their_values():
     assert _batch_multiple(size(2 * s + 1), batch) is None
 
 
+@pytest.mark.parametrize("idx, k_in", [(0, 1), (-1, 2), ((slice(None), 1), 0), ((1, slice(None), 2), 1),
+                                        ((slice(1, 3), slice(None), -2), 1), ((2,), 3), ((0, 1), 2)])
+def test_an_index_of_a_value_whose_batch_is_not_first_is_renamed_batch_first(idx, k_in):
+    """x[idx] of a value whose batch is dim k_in, computed on the value with its batch moved first (the partition's
+    form): the same values, the result's batch first."""
+    from kgen.backend import _index_batch_first
+
+    x = torch.randn(4, 5, 6, 7)
+    result = x[idx]
+    k_out = k_in - sum(isinstance(i, int) for i in (idx if isinstance(idx, tuple) else (idx,))[:k_in])
+    moved = _index_batch_first(idx, x.dim(), k_in, k_out)
+    assert torch.equal(x.movedim(k_in, 0)[moved], result.movedim(k_out, 0))
+    assert _index_batch_first(idx, x.dim(), k_in, k_out + 1) is None  # (where the batch would not be)
+    assert _index_batch_first((slice(None),) * k_in + (1,), x.dim(), k_in, k_in) is None  # an index into the batch
+
+
 def test_swin_v2_window_attention_is_kgen_partitions(cache):
     """Every call of the attention is in a kgen partition but the views that fold and unfold the batch and the
     computations on parameters alone: q, k and v indexed out of a value whose batch is dim 1 (taken batch first),
