@@ -1119,6 +1119,39 @@ def test_swin_v2_window_attention_trains_as_eager(cache):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item(), msg=name)
 
 
+class StandardizedConv(nn.Module):
+    """A convolution whose weight and bias are computed from parameters at each call (weight standardization)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(6, 3, 3, 3)), nn.Parameter(torch.randn(6))
+        self.ln = nn.LayerNorm(6)
+
+    def forward(self, x):
+        w = (self.w - self.w.mean(dim=(1, 2, 3), keepdim=True)) / (self.w.std(dim=(1, 2, 3), keepdim=True) + 1e-5)
+        return self.ln(torch.relu(F.conv2d(x, w, self.b * 2, padding=1)).permute(0, 2, 3, 1))
+
+
+def test_a_layer_whose_weight_is_computed_from_parameters_is_in_the_partition_and_trains(cache):
+    """The computed weight and bias are the op's parameters at each call: the convolution is in the partition,
+    and the gradients that reach the parameters through them are as close to float64's as eager's."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model = StandardizedConv()
+    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    before = len(backend.PARTITIONS)
+    compiled = _compiled(model)
+    x = torch.randn(3, 3, 8, 8)
+    compiled(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    exact(x.double()).square().sum().backward()
+    assert [p["calls"] for p in backend.PARTITIONS[before:]] == [["conv2d", "relu", "permute", "layer_norm"]]
+    for (name, p), q, d in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
+        error, eager_error = ((t.grad.double() - d.grad).abs().max().item() for t in (p, q))
+        assert error <= 2 * eager_error + 1e-6 * d.grad.abs().max().item(), (name, error, eager_error)
+
+
 @pytest.mark.eager_fallback  # (the projections' tiny partitions stay eager: nothing to build)
 def test_causal_attention_runs_as_pytorchs_fused_call_between_the_partitions(cache, capsys):
     """MinGPT's written-out attention is F.scaled_dot_product_attention before partitioning (kgen.attention):
