@@ -318,9 +318,14 @@ class _Graph:
         computed from them (Swin's logit scale and position bias); a partition reads it as a parameter given
         at each call."""
         ex = _example(n)
-        return isinstance(n, fx.Node) and isinstance(ex, torch.Tensor) and ex.dtype == self.dtype and \
-            1 <= ex.dim() <= MAX_RANK and self.batch_dim(n) is None and \
-            not any(isinstance(_static(s), torch.SymInt) for s in ex.shape)
+        if not (isinstance(n, fx.Node) and isinstance(ex, torch.Tensor) and ex.dtype == self.dtype and
+                1 <= ex.dim() <= MAX_RANK and self.batch_dim(n) is None and
+                not any(isinstance(_static(s), torch.SymInt) for s in ex.shape)):
+            return False
+        # a buffer the graph updates (a batch norm's running statistics, `self.count += 1`) is read where the graph
+        # reads it: a partition placed after the update would read the new value
+        return n not in self.state or isinstance(self.examples.get(n), nn.Parameter) or not any(
+            _in_place(u) or _name(u) == "copy_" or (_layer(u) or ("",))[0] == "batch_norm" for u in n.users)
 
     def lead(self, n):
         """The batch of a value as its partition's op sees it: the size at ``batch_dim`` (the graph's batch, or

@@ -1152,6 +1152,37 @@ def test_a_layer_whose_weight_is_computed_from_parameters_is_in_the_partition_an
         assert error <= 2 * eager_error + 1e-6 * d.grad.abs().max().item(), (name, error, eager_error)
 
 
+class CountedScale(nn.Module):
+    """A buffer the forward reads and then updates in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        y = torch.relu(self.fc(x)) * self.scale
+        self.scale.add_(1.0)
+        return y
+
+
+def test_a_buffer_the_graph_updates_is_not_given_to_a_partition(cache):
+    """The op would read the buffer wherever the partition runs; read before its update, it stays PyTorch's."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model, eager = CountedScale(), CountedScale()
+    eager.load_state_dict(model.state_dict())
+    before = len(backend.PARTITIONS)
+    compiled = _compiled(model)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 4)
+            torch.testing.assert_close(compiled(x), eager(x))
+    assert all("mul" not in p["calls"] for p in backend.PARTITIONS[before:]), backend.PARTITIONS[before:]
+    torch.testing.assert_close(model.scale, eager.scale)
+
+
 @pytest.mark.eager_fallback  # (the projections' tiny partitions stay eager: nothing to build)
 def test_causal_attention_runs_as_pytorchs_fused_call_between_the_partitions(cache, capsys):
     """MinGPT's written-out attention is F.scaled_dot_product_attention before partitioning (kgen.attention):
