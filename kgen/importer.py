@@ -372,6 +372,7 @@ class Importer:
     real: nn.Module | None = None  # the model with its values (None when it is too large to build here)
     numel: int = 0  # its parameters' elements
     pending: dict = field(default_factory=dict)  # torch.max/min(x, dim) node -> "max" | "min", until its getitem
+    transposed: set = field(default_factory=set)  # x.transpose(-2, -1) nodes only a matmul reads, as its operand
     splits: dict = field(default_factory=dict)  # torch.split/chunk node -> (its input, dim, piece bounds), until its getitems
     device: str = "meta"  # where the traced model's tensors are
     outputs: list = field(default_factory=list)  # the values forward returns where it returns several (spec `outputs:`)
@@ -947,8 +948,16 @@ class Importer:
 
     def _transpose(self, n, x, a, b) -> None:
         a, b = (self._norm_dim(n, x, d, "moves") for d in (a, b))
+        rank = len(self._shape(x))
         if a == b:
             self._alias(n, x)
+            return
+        users = list(n.users)
+        if {a, b} == {rank - 2, rank - 1} and len(users) == 1 and _is_matmul(users[0]) and \
+                len(users[0].args) == 2 and users[0].args[1] is n and users[0].args[0] is not n:
+            # k.transpose(-2, -1) read by q @ it alone: the product takes k transposed (no copy of it)
+            self._alias(n, x)
+            self.transposed.add(n)
             return
         self._emit(n, "transpose", {"dim0": min(a, b), "dim1": max(a, b)}, src=x)
 
@@ -1155,7 +1164,10 @@ class Importer:
                 raise ImportFailed(f"{self._where(n)}: {self._call(n)} with a {len(shape)}-d parameter (only 2-d)")
             self._emit(n, "matmul", _drop_defaults({"param": param, "transpose": transpose}, {"transpose": False}), src=a)
         elif self._tensor(b):
-            self._emit(n, "matmul", {"tensor": self._name_of(b)}, src=a)
+            fields = {"tensor": self._name_of(b)}
+            if b in self.transposed:
+                fields["transpose"] = True
+            self._emit(n, "matmul", fields, src=a)
         else:
             self._unsupported(n)
 
@@ -1659,6 +1671,11 @@ def maps_call(n: fx.Node) -> bool:
         fn in (torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze, torch.clamp, torch.clip, torch.clamp_,
                torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, torch.matmul, torch.mm,
                torch.bmm, operator.matmul)
+
+
+def _is_matmul(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in (torch.matmul, torch.bmm, operator.matmul)) or \
+        (n.op == "call_method" and n.target in ("matmul", "bmm"))
 
 
 def _binary_kind(n: fx.Node) -> str:

@@ -331,6 +331,40 @@ def get_init_inputs():
 '''
 
 
+ATTENTION_SCORES = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, q, k, v):
+        scores = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        kt = v.transpose(-2, -1)  # read twice: its own value
+        return scores @ v + (kt @ v).sum(dim=-1, keepdim=True) + kt.sum(dim=-2).unsqueeze(-1)
+
+
+def get_inputs():
+    return [torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 5)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_a_transpose_only_a_product_reads_is_the_products_operand_transposed(tmp_path):
+    """``q @ k.transpose(-2, -1)`` multiplies by k transposed (no op copies k^T); a transposed value read by
+    something else keeps its transpose op. The import's float64 check says both compute what the model does."""
+    src = write_model_file(tmp_path, "scores", ATTENTION_SCORES)
+    ops = load_pipeline(import_model(str(src), name="scores", out_dir=tmp_path / "specs")).spec.ops
+    products = [op for op in ops if op.kind == "matmul"]
+    assert [op.args["transpose"] for op in products] == [True, False, False], [op.args for op in products]
+    assert [op.kind for op in ops].count("transpose") == 1
+
+
 def test_unsupported_call_names_the_op_and_its_line(tmp_path):
     src = write_model_file(tmp_path, "bad", UNSUPPORTED)
     out = tmp_path / "specs"
