@@ -172,7 +172,7 @@ def _example(n):
 # Batch sizes at which a size written in the batch symbol is evaluated (Dynamo's symbol is at least 2). Dynamo
 # writes Swin's `int(windows.shape[0] / (H * W / 7 / 7))` as TruncToInt(FloatTrueDiv(ToFloat(64*s), 64.0)), which is
 # the batch s but which sympy does not simplify, and the `-1` of a view on it as a quotient that is a constant.
-_PROBES = (2, 3, 5, 7, 16, 97, 1000)
+_PROBES = (2, 3, 5, 7, 16, 97, 1000, 65537)
 
 
 @functools.lru_cache(maxsize=4096)
