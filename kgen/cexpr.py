@@ -62,13 +62,13 @@ def unravel(var: str, dims: list[tuple[str, int]], tmp: str, ty: str = "Index") 
     if not dims:
         return f"(void)({var});"
     lines = [f"{ty} {tmp} = {var};"]
-    for i, (name, size) in enumerate(reversed(dims)):
+    for i, (name, size) in enumerate(reversed(dims)):  # (a coordinate the ops after it need not read: maybe_unused)
         if size == 1:
-            lines.append(f"const int {name} = 0;")
+            lines.append(f"[[maybe_unused]] const int {name} = 0;")
         elif i == len(dims) - 1:
-            lines.append(f"const int {name} = static_cast<int>({tmp});")
+            lines.append(f"[[maybe_unused]] const int {name} = static_cast<int>({tmp});")
         else:
-            lines.append(f"const int {name} = static_cast<int>({tmp} % {size}); {tmp} /= {size};")
+            lines.append(f"[[maybe_unused]] const int {name} = static_cast<int>({tmp} % {size}); {tmp} /= {size};")
     return "\n".join(lines)
 
 

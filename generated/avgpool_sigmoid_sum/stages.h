@@ -116,9 +116,9 @@ KGEN_HD float combine(float acc, float v) { return acc + v; }
 KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   (void)(k);
   Index tr = r;
-  const int d1 = static_cast<int>(tr % 95); tr /= 95;
-  const int d0 = static_cast<int>(tr % 95); tr /= 95;
-  const int c = static_cast<int>(tr);
+  [[maybe_unused]] const int d1 = static_cast<int>(tr % 95); tr /= 95;
+  [[maybe_unused]] const int d0 = static_cast<int>(tr % 95); tr /= 95;
+  [[maybe_unused]] const int c = static_cast<int>(tr);
   return level0(a, Input{}, n, c, d0, d1);
 }
 
@@ -134,9 +134,9 @@ KGEN_HD float element_input(const Args& a, long long n, Index k, Index r) {
 KGEN_HD float element_from(const Args& a, long long n, Index k, Index r, float x) {
   (void)(k);
   Index tr = r;
-  const int d1 = static_cast<int>(tr % 95); tr /= 95;
-  const int d0 = static_cast<int>(tr % 95); tr /= 95;
-  const int c = static_cast<int>(tr);
+  [[maybe_unused]] const int d1 = static_cast<int>(tr % 95); tr /= 95;
+  [[maybe_unused]] const int d0 = static_cast<int>(tr % 95); tr /= 95;
+  [[maybe_unused]] const int c = static_cast<int>(tr);
   return level0_from(a, n, c, d0, d1, x);
 }
 

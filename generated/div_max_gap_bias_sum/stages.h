@@ -154,10 +154,10 @@ KGEN_HD float combine(float acc, float v) { return acc + v; }
 KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   (void)(k);
   Index tr = r;
-  const int d2 = static_cast<int>(tr % 31); tr /= 31;
-  const int d1 = static_cast<int>(tr % 31); tr /= 31;
-  const int d0 = static_cast<int>(tr % 7); tr /= 7;
-  const int c = static_cast<int>(tr);
+  [[maybe_unused]] const int d2 = static_cast<int>(tr % 31); tr /= 31;
+  [[maybe_unused]] const int d1 = static_cast<int>(tr % 31); tr /= 31;
+  [[maybe_unused]] const int d0 = static_cast<int>(tr % 7); tr /= 7;
+  [[maybe_unused]] const int c = static_cast<int>(tr);
   return level1(a, Input{}, n, c, d0, d1, d2);
 }
 

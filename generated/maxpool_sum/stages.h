@@ -142,11 +142,11 @@ KGEN_HD float combine(float acc, float v) { return acc + v; }
 // Value r of output k (kept dims row-major; reduced dims in input memory order).
 KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   Index tk = k;
-  const int d2 = static_cast<int>(tk % 10); tk /= 10;
-  const int d1 = static_cast<int>(tk % 10); tk /= 10;
-  const int d0 = static_cast<int>(tk);
+  [[maybe_unused]] const int d2 = static_cast<int>(tk % 10); tk /= 10;
+  [[maybe_unused]] const int d1 = static_cast<int>(tk % 10); tk /= 10;
+  [[maybe_unused]] const int d0 = static_cast<int>(tk);
   Index tr = r;
-  const int c = static_cast<int>(tr);
+  [[maybe_unused]] const int c = static_cast<int>(tr);
   return level1(a, Input{}, n, c, d0, d1, d2);
 }
 

@@ -38,9 +38,9 @@ constexpr bool kWholeSteps = kTileValues % kThreads == 0;  // every thread has k
 // Offset in a channel of the input of position s of the extent.
 __device__ __forceinline__ int input_offset(int s) {
   int ts = s;
-  const int d2 = static_cast<int>(ts % 32); ts /= 32;
-  const int d1 = static_cast<int>(ts % 32); ts /= 32;
-  const int d0 = static_cast<int>(ts);
+  [[maybe_unused]] const int d2 = static_cast<int>(ts % 32); ts /= 32;
+  [[maybe_unused]] const int d1 = static_cast<int>(ts % 32); ts /= 32;
+  [[maybe_unused]] const int d0 = static_cast<int>(ts);
   return d0 * 32 * 32 + d1 * 32 + d2;
 }
 
@@ -118,9 +118,9 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Args a, int split
     const float& shift = shifts[c / kGroupChannels];
     lanes[threadIdx.x] = shifted_sums<kRowsInFlight>(shift, begin + threadIdx.x / kChannels, end, kRowsPerStep, [&](Index s) {
       Index ts = s;
-      const int d2 = static_cast<int>(ts % 34); ts /= 34;
-      const int d1 = static_cast<int>(ts % 34); ts /= 34;
-      const int d0 = static_cast<int>(ts);
+      [[maybe_unused]] const int d2 = static_cast<int>(ts % 34); ts /= 34;
+      [[maybe_unused]] const int d1 = static_cast<int>(ts % 34); ts /= 34;
+      [[maybe_unused]] const int d0 = static_cast<int>(ts);
       return pre(a, n, c, d0, d1, d2, input_at(a, n, c, s));
     });
   }

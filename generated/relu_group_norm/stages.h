@@ -83,9 +83,9 @@ KGEN_HD float group_element(const Args& a, long long n, int g, Index e) {
   const int c = g * kGroupChannels + static_cast<int>(e / kSpatial);
   const Index s = e % kSpatial;
   Index ts = s;
-  const int d2 = static_cast<int>(ts % 34); ts /= 34;
-  const int d1 = static_cast<int>(ts % 34); ts /= 34;
-  const int d0 = static_cast<int>(ts);
+  [[maybe_unused]] const int d2 = static_cast<int>(ts % 34); ts /= 34;
+  [[maybe_unused]] const int d1 = static_cast<int>(ts % 34); ts /= 34;
+  [[maybe_unused]] const int d0 = static_cast<int>(ts);
   return pre(a, n, c, d0, d1, d2, input_at(a, n, c, s));
 }
 
@@ -167,9 +167,9 @@ KGEN_HD float apply_at(const Args& a, long long n, int c, int d0, int d1, int d2
 // The same at spatial index s (row-major over the spatial dims).
 KGEN_HD float apply(const Args& a, long long n, int c, Index s, float x, const Stats& stats) {
   Index ts = s;
-  const int d2 = static_cast<int>(ts % 34); ts /= 34;
-  const int d1 = static_cast<int>(ts % 34); ts /= 34;
-  const int d0 = static_cast<int>(ts);
+  [[maybe_unused]] const int d2 = static_cast<int>(ts % 34); ts /= 34;
+  [[maybe_unused]] const int d1 = static_cast<int>(ts % 34); ts /= 34;
+  [[maybe_unused]] const int d0 = static_cast<int>(ts);
   return apply_at(a, n, c, d0, d1, d2, x, stats);
 }
 
