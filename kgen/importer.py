@@ -688,6 +688,14 @@ class Importer:
         if fn is F.normalize and self._tensor(x):
             self._normalize(n, x)
             return
+        if (fn in _POWERS or (n.op == "call_method" and _base_name(name) in ("pow", "square"))) and self._tensor(x):
+            exponent = 2 if _base_name(getattr(fn, "__name__", name)) == "square" else \
+                n.args[1] if len(n.args) > 1 else n.kwargs.get("exponent")  # (operator.pow's are a, b)
+            self._power(n, x, exponent)
+            return
+        if (fn in _NORMS or (n.op == "call_method" and name == "norm")) and self._tensor(x):
+            self._norm2(n, x)
+            return
         if fn in _REDUCTIONS or (n.op == "call_method" and name in _REDUCTION_METHODS):
             self._reduce(n, n, _REDUCTIONS.get(fn) or _REDUCTION_METHODS[name])
             return
@@ -1153,6 +1161,47 @@ class Importer:
         self._emit(n, "clamp", {"min": float(eps)}, src=n)
         self._emit(n, "div", {"tensor": self._name_of(n)}, src=x)  # x / the norm, broadcast over dim
 
+    def _power(self, n, x, exponent) -> None:
+        """x ** e for the exponents ATen computes by products and roots (its pow_tensor_scalar special cases: x * x,
+        x * x * x, sqrt, rsqrt, 1 / x, 1 / (x * x)), as ATen computes them."""
+        if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or \
+                float(exponent) not in (1.0, 2.0, 3.0, 0.5, -0.5, -1.0, -2.0):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} with exponent {exponent!r}: only 1, 2, 3, 0.5, -0.5, "
+                               "-1 and -2 are supported")
+        e = float(exponent)
+        if e == 1.0:
+            self._alias(n, x)
+            return
+        if e in (0.5, -0.5):
+            self._emit(n, "sqrt" if e > 0 else "rsqrt", {}, src=x)
+            return
+        if e == -1.0:
+            self._emit(n, "div", {"scalar": 1.0, "reverse": True}, src=x)
+            return
+        name = self._name_of(x)
+        self._emit(n, "mul", {"tensor": name}, src=x)
+        if e == 3.0:
+            self._emit(n, "mul", {"tensor": name}, src=n)
+        elif e == -2.0:
+            self._emit(n, "div", {"scalar": 1.0, "reverse": True}, src=n)
+
+    def _norm2(self, n, x) -> None:
+        """The 2-norm over given dims (torch.norm, Tensor.norm, torch.linalg.vector_norm): sqrt(sum(x * x))."""
+        a = self._args(n)
+        p = a.get("ord", 2) if "ord" in a or n.target is torch.linalg.vector_norm else a.get("p", "fro")
+        dim, keepdim = a.get("dim"), a.get("keepdim", False)
+        if p not in (2, 2.0, "fro") or a.get("dtype") is not None or a.get("out") is not None:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)}: only the 2-norm is supported")
+        dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (tuple, list)) else None
+        if not dims or not all(isinstance(d, int) for d in dims) or not isinstance(keepdim, bool):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} needs integer dims (over every dim it takes the batch)")
+        if any(d % len(self._shape(x)) == 0 for d in dims):
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} reduces over the batch (dim 0)")
+        self._emit(n, "mul", {"tensor": self._name_of(x)}, src=x)
+        self._emit(n, "sum", _drop_defaults({"dim": dims[0] if len(dims) == 1 else dims, "keepdim": keepdim},
+                                            {"keepdim": False}), src=n)
+        self._emit(n, "sqrt", {}, src=n)
+
     def _matmul(self, n) -> None:
         a, b = n.args[0], n.args[1]
         if not self._tensor(a):
@@ -1488,7 +1537,8 @@ _POSITIONAL = {
     "amax": ("input", "dim", "keepdim"), "amin": ("input", "dim", "keepdim"), "logsumexp": ("input", "dim", "keepdim"),
     "max": ("input", "dim", "keepdim"), "min": ("input", "dim", "keepdim"),
     "clamp": ("input", "min", "max"), "clip": ("input", "min", "max"), "clamp_min": ("input", "min"),
-    "clamp_max": ("input", "max"),
+    "clamp_max": ("input", "max"), "pow": ("input", "exponent"), "square": ("input",), "rsqrt": ("input",),
+    "norm": ("input", "p", "dim", "keepdim", "dtype"), "linalg_vector_norm": ("input", "ord", "dim", "keepdim", "dtype"),
     "gelu": ("input", "approximate"), "softplus": ("input", "beta", "threshold"),
     "hardtanh": ("input", "min_val", "max_val"), "leaky_relu": ("input", "negative_slope"), "elu": ("input", "alpha"),
     **{f"max_pool{r}d": ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
@@ -1573,14 +1623,14 @@ _UNARY = {
     F.gelu: _gelu, F.silu: _const("silu", _no_fields), F.mish: _const("mish", _no_fields),
     F.hardswish: _const("hardswish", _no_fields), F.hardsigmoid: _const("hardsigmoid", _no_fields),
     torch.exp: _const("exp", _no_fields), torch.log: _const("log", _no_fields), torch.abs: _const("abs", _no_fields),
-    torch.sqrt: _const("sqrt", _no_fields),
+    torch.sqrt: _const("sqrt", _no_fields), torch.rsqrt: _const("rsqrt", _no_fields),
     torch.neg: _const("neg", _no_fields), operator.neg: _const("neg", _no_fields),
     F.softplus: _SOFTPLUS, F.hardtanh: _HARDTANH, F.hardtanh_: _HARDTANH, F.relu6: _RELU6,
     F.leaky_relu: _LEAKY_RELU, F.leaky_relu_: _LEAKY_RELU, F.elu: _ELU, F.elu_: _ELU,
 }
 _UNARY_METHODS = {"relu": _UNARY[torch.relu], "sigmoid": _UNARY[torch.sigmoid], "tanh": _UNARY[torch.tanh],
                   "exp": _UNARY[torch.exp], "log": _UNARY[torch.log], "abs": _UNARY[torch.abs], "neg": _UNARY[torch.neg],
-                  "sqrt": _UNARY[torch.sqrt]}
+                  "sqrt": _UNARY[torch.sqrt], "rsqrt": _UNARY[torch.rsqrt]}
 _UNARY_METHODS.update({f"{k}_": v for k, v in list(_UNARY_METHODS.items())})  # x.relu_(): in place
 _UNARY_MODULES = {
     nn.ReLU: lambda m: ("relu", {}), nn.Sigmoid: lambda m: ("sigmoid", {}), nn.Tanh: lambda m: ("tanh", {}),
@@ -1594,6 +1644,8 @@ _UNARY_MODULES = {
     nn.ELU: lambda m: ("elu", _drop_defaults({"alpha": float(m.alpha)}, {"alpha": 1.0})),
     nn.ReLU6: lambda m: ("hardtanh", {"min_val": 0.0, "max_val": 6.0}),
 }
+_POWERS = (torch.pow, operator.pow, torch.square)
+_NORMS = (torch.norm, torch.linalg.vector_norm)
 _REDUCTIONS = {torch.sum: "sum", torch.mean: "mean", torch.amax: "max", torch.amin: "min", torch.logsumexp: "logsumexp"}
 _REDUCTION_METHODS = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min", "logsumexp": "logsumexp"}
 _SPLITS = (torch.split, torch.chunk, "split", "chunk")
@@ -1661,13 +1713,15 @@ def maps_call(n: fx.Node) -> bool:
     if n.op == "call_method":
         return fn in _UNARY_METHODS or fn in _REDUCTION_METHODS or fn in _ALIAS_METHODS or fn in _VIEW_METHODS or \
             fn in _LAYOUT_METHODS or _elementwise_binary(n) or \
-            _base_name(fn) in ("clamp", "clip", "clamp_min", "clamp_max", "softmax", "log_softmax", "matmul", "mm", "bmm")
+            _base_name(fn) in ("clamp", "clip", "clamp_min", "clamp_max", "softmax", "log_softmax", "matmul", "mm", "bmm",
+                               "pow", "square", "norm")
     if n.op != "call_function":
         return False
     if fn is getattr:
         return len(n.args) == 2 and n.args[1] in ("T", "mT")
     return fn in _UNARY or fn in _REDUCTIONS or fn in _POOLS or fn in _ADAPTIVE or fn in _ALIAS_FUNCTIONS or \
-        fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn in (F.dropout, F.normalize) or \
+        fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn in (F.dropout, F.normalize) or fn in _POWERS or \
+        fn in _NORMS or \
         fn in (torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze, torch.clamp, torch.clip, torch.clamp_,
                torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, torch.matmul, torch.mm,
                torch.bmm, operator.matmul)

@@ -247,6 +247,7 @@ def _table() -> dict[str, OpDef]:
         _unary("exp", torch.exp, "exp(x)", relative=True, libm=True),
         _unary("log", torch.log, "log(x); NaN below 0, -inf at 0", relative=True, libm=True),
         _unary("sqrt", torch.sqrt, "sqrt(x); NaN below 0 (F.normalize's norm)", relative=True, libm=True),
+        _unary("rsqrt", torch.rsqrt, "1 / sqrt(x) (RMSNorm); NaN below 0, inf at 0", relative=True, libm=True),
         _unary("abs", torch.abs, "|x|"),
         _unary("neg", torch.neg, "-x"),
         OpDef("sum", "reduce", _REDUCE_FIELDS, REDUCING, "torch.sum(x, dim, keepdim)"),

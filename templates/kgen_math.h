@@ -293,6 +293,14 @@ KGEN_HD float elu(float x, float alpha) { return x > 0.f || is_nan(x) ? x : alph
 KGEN_HD float exp(float x) { return expf(x); }
 KGEN_HD float log(float x) { return logf(x); }
 KGEN_HD float sqrt(float x) { return sqrtf(x); }  // IEEE (nvcc's default -prec-sqrt=true)
+// torch.rsqrt: ATen's CUDA kernel calls rsqrtf (2 ulp), its CPU kernel divides 1 by the square root
+KGEN_HD float rsqrt(float x) {
+#ifdef __CUDA_ARCH__
+  return rsqrtf(x);
+#else
+  return 1.f / sqrtf(x);
+#endif
+}
 KGEN_HD float abs(float x) { return fabsf(x); }
 KGEN_HD float neg(float x) { return -x; }
 

@@ -93,6 +93,7 @@ class Model(nn.Module):
         x = self.ln(x * self.shift)
         x = F.silu(x) / self.scale
         x = F.normalize(x, dim=1) * 4 + h.abs().sqrt()
+        x = x * torch.rsqrt(x.pow(2).mean(dim=1, keepdim=True) + 1e-5) + h / h.norm(dim=1, keepdim=True)
         x = F.gelu(x, approximate="tanh") + y
         x = x + torch.bmm(z, y.view(-1, 2, 4)).flatten(1)
         x = torch.log(torch.exp(-torch.abs(x)) + 1.5)
@@ -159,7 +160,7 @@ IMPORTED_KINDS = {  # the ops each model's spec must hold: together every op the
              "hardswish", "max_pool2d", "minimum", "softplus", "relu", "sub", "gelu", "logsumexp", "max", "tanh", "mean"},
     "gemm": {"matmul", "linear", "hardtanh", "sub", "elu", "hardsigmoid", "add", "mul", "layer_norm", "silu", "div",
              "gelu_tanh", "reshape", "abs", "neg", "exp", "log", "maximum", "softmax", "log_softmax", "dropout", "min",
-             "sum", "max", "sqrt"},
+             "sum", "max", "sqrt", "rsqrt"},
     "layout": {"conv2d", "relu", "cat", "reshape", "transpose", "adaptive_avg_pool2d", "linear", "sigmoid", "mul", "slice",
                "expand", "pad", "permute", "interpolate", "adaptive_max_pool2d", "add", "neg"},
 }
@@ -363,6 +364,43 @@ def test_a_transpose_only_a_product_reads_is_the_products_operand_transposed(tmp
     products = [op for op in ops if op.kind == "matmul"]
     assert [op.args["transpose"] for op in products] == [True, False, False], [op.args for op in products]
     assert [op.kind for op in ops].count("transpose") == 1
+
+
+POWERS = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        y = x ** 2 + torch.pow(x, 3) + x.square() - x.abs().pow(0.5) + (x.abs() + 1) ** -0.5
+        y = y + 1 / (x.abs() + 2) + (x + 3).pow(-1) + torch.pow(x + 3, -2) + x ** 1
+        return y + torch.norm(x, dim=(1, 2)).view(-1, 1, 1) + torch.linalg.vector_norm(x, dim=-1, keepdim=True) \\
+            + x.norm(p=2, dim=1, keepdim=True)
+
+
+def get_inputs():
+    return [torch.randn(3, 4, 5)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_powers_and_norms_are_the_products_and_roots_aten_computes(tmp_path):
+    """x ** e for e in 1, 2, 3, 0.5, -0.5, -1, -2 (ATen's special cases: products, sqrt, rsqrt, reciprocals) and
+    the 2-norms over given dims; the import's float64 check says they compute what the model does; any other
+    exponent is one error naming it."""
+    src = write_model_file(tmp_path, "powers", POWERS)
+    kinds = [op.kind for op in load_pipeline(import_model(str(src), name="powers", out_dir=tmp_path / "specs")).spec.ops]
+    assert "sqrt" in kinds and "rsqrt" in kinds and kinds.count("sum") == 3, kinds
+    src = write_model_file(tmp_path, "cube_root", POWERS.replace("x.abs().pow(0.5)", "x.abs().pow(0.3)"))
+    with pytest.raises(ImportFailed, match="exponent 0.3: only 1, 2, 3, 0.5, -0.5, -1 and -2"):
+        import_model(str(src), name="cube_root", out_dir=tmp_path / "specs")
 
 
 def test_unsupported_call_names_the_op_and_its_line(tmp_path):
