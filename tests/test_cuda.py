@@ -590,3 +590,24 @@ def test_stages_that_reduce_nothing_validate(name, tmp_path):
         assert shifted.data_ptr() % 16 == x.element_size()
         with torch.no_grad():
             torch.testing.assert_close(model(shifted), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_elementwise_op_in_one_module_validates_on_the_gpu(dtype, tmp_path):
+    """Each entry's C function (kgen_math.h's device side: sqrtf, rsqrtf, expf, ...) against its torch function,
+    end to end, with validate's adversarial cases (NaN, inf, 0, values below 0 for sqrt, rsqrt and log)."""
+    from kgen.build import build_module
+    from kgen.ops import elementwise_ops
+    from kgen.render import render_spec, write_rendered
+    from kgen.validate import validate
+
+    entries = elementwise_ops()
+    ops = [{e.name: dict(e.example)} if e.example else e.name for e in entries]
+    ops += [{e.name: {"param": "p"}} for e in entries if e.operand and e.name != "div"]
+    ops += [{"mean": {"dim": [2, 3]}}]
+    text = spec_text([3, 5, 6], ops, params={"p": {"shape": [3, 1, 1]}}, name="all_elementwise")
+    spec = write_spec(tmp_path, text.replace("dtype: float32", f"dtype: {dtype}"))
+    out = tmp_path / "gen"
+    write_rendered(render_spec(spec, out), out)
+    build_module(out / "all_elementwise", quiet=True)
+    assert_report_passed(validate(spec, out / "all_elementwise", "cuda"))
