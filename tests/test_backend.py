@@ -1119,6 +1119,28 @@ def test_swin_v2_window_attention_trains_as_eager(cache):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item(), msg=name)
 
 
+class RMSNormBlock(nn.Module):
+    """LLaMA's RMSNorm before a linear layer, and an L2-normalized projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.fc = nn.Parameter(torch.rand(16) + 0.5), nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        y = self.fc(x)
+        return y / y.norm(dim=-1, keepdim=True)
+
+
+def test_rms_norm_and_an_l2_norm_are_one_partition(cache):
+    from kgen import backend
+
+    torch.manual_seed(0)
+    made = _partitions_of(RMSNormBlock().eval(), torch.randn(3, 5, 16))
+    assert [p["calls"] for p in made] == [["pow", "mean", "add", "rsqrt", "mul", "mul", "linear", "norm", "truediv"]], made
+    assert made[0]["module"], made
+
+
 class StandardizedConv(nn.Module):
     """A convolution whose weight and bias are computed from parameters at each call (weight standardization)."""
 
