@@ -1083,24 +1083,20 @@ def test_swin_v2_window_attention_is_kgen_partitions(cache):
     """Every call of the attention is in a kgen partition but the views that fold and unfold the batch and the
     computations on parameters alone: q, k and v indexed out of a value whose batch is dim 1 (taken batch first),
     the bias, logit scale and mask given to the ops at each call (all of it stayed eager before: 'dim 1
-    dynamic'), F.normalize as PyTorch computes it; a new batch and new parameter values without a recompile."""
-    from kgen import backend
-
+    dynamic'), F.normalize as PyTorch computes it; at a new batch and with new parameter values, eager's values."""
     torch.manual_seed(0)
     model = CosineWindowAttention().eval()
-    before = len(backend.PARTITIONS)
-    compiled = _compiled(model)
+    x = torch.randn(3, 4, 6, 8)
+    x[0, 0, 0] = 0  # a token whose q and k are the bias alone
+    made = _partitions_of(model, x)
+    assert made and all(p["module"] for p in made), made
+    compiled, x = _compiled(model), torch.randn(5, 4, 6, 8)
     with torch.no_grad():
-        for batch in (3, 5):
-            x = torch.randn(batch, 4, 6, 8)
-            x[0, 0, 0] = 0  # a token whose q and k are the bias alone
-            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
         model.logit_scale.mul_(-1)
         model.mask.normal_()
         model.q_bias.normal_()
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
-    made = backend.PARTITIONS[before:]
-    assert all(p["module"] for p in made), made
     calls = [c for p in made for c in p["calls"]]
     for call in ("linear", "permute", "getitem", "normalize", "matmul", "mul", "add", "softmax"):
         assert call in calls, (call, made)
