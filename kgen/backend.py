@@ -20,7 +20,11 @@ own ops through ATen unless the op's CUDA-graph replay of them pays (``_refuse_e
 breaks are Dynamo's. A value whose
 batch (Dynamo's symbol) is not dim 0, a sequence-first [S, B, E], is taken where the calls on it do not
 mind the batch moved first (``_Support._moved_ok``): the partition's model is written batch-first (its
-permutes renamed, ``_moved_permutation``) and its runner moves the inputs and results (``_Plan.moved_in``).
+permutes renamed, ``_moved_permutation``, and its indexing, ``_index_batch_first``: SwinV2's ``qkv[0]`` of a
+``[3, 64 * B, heads, N, d]``) and its runner moves the inputs and results (``_Plan.moved_in``). A tensor without
+the batch that a call reads beside its input (a parameter, a float buffer nothing in the graph updates, or a value
+computed from them alone: SwinV2's logit scale, a ``torch.cat`` of biases, a standardized weight;
+``_Graph.batch_free``) is given to the op at each call as its parameters are.
 
 The batch (dim 0 of the graph's inputs) is the one run-time size: a generated module takes any
 batch. A partition's batch is the size its values lead with: the graph's, or a multiple of it in dim 0
@@ -31,7 +35,9 @@ automatic-dynamic state for that frame and has Dynamo trace the frame again (``_
 the graph it compiles, and the guards Dynamo installs, take any batch but 1 (which Dynamo
 specializes: a graph of its own), so a new batch size does not recompile. Every other size is
 compiled in: a new channel count or spatial size fails Dynamo's guards and recompiles, and where
-Dynamo then makes that size dynamic, the nodes with it stay eager, with one line saying why.
+Dynamo then makes that size dynamic, the nodes with it stay eager, with one line saying why. Sizes are compared
+by their values at several batches (``_probe``): Dynamo writes ``int(64 * B / 64)`` as an expression sympy does not
+reduce to the batch.
 
 Options (``torch.compile(model, backend="kgen", options={...})``): ``verbose`` (default True:
 progress of each build on stderr), ``precision`` and ``intermediates`` (the specs' keys), ``mode`` (as
