@@ -541,11 +541,12 @@ class Importer:
     def _shape(self, n) -> tuple:
         return self.shapes[self._resolve(n)]
 
-    def _name_of(self, n: fx.Node) -> str:
-        """The spec name of value ``n``, naming it (``as:`` on the op that made it) if it has none."""
+    def _name_of(self, n: fx.Node, part: str | None = None) -> str:
+        """The spec name of value ``n``, naming it (``as:`` on the op that made it) if it has none; ``part``: what
+        the value is on the way to ``n`` (an op of several computing n: its operand, its norm)."""
         v = self.values[self._resolve(n)]
         if v.name is None:
-            v.name = self._fresh(self._assigned_name(v.node) or v.node.name)
+            v.name = self._fresh(f"{v.node.name}_{part}" if part else self._assigned_name(v.node) or v.node.name)
             v.op[next(iter(v.op))]["as"] = v.name
             self.taken.add(v.name)
         return v.name
@@ -684,6 +685,9 @@ class Importer:
         if (fn in (torch.clamp, torch.clip, torch.clamp_, torch.clip_) or
                 (n.op == "call_method" and _base_name(name) in ("clamp", "clip", "clamp_min", "clamp_max"))):
             self._clamp(n, _base_name(name))
+            return
+        if fn is torch.einsum:
+            self._einsum(n)
             return
         if fn is F.normalize and self._tensor(x):
             self._normalize(n, x)
@@ -1159,7 +1163,58 @@ class Importer:
         self._emit(n, "sum", {"dim": dim, "keepdim": True}, src=n)
         self._emit(n, "sqrt", {}, src=n)
         self._emit(n, "clamp", {"min": float(eps)}, src=n)
-        self._emit(n, "div", {"tensor": self._name_of(n)}, src=x)  # x / the norm, broadcast over dim
+        self._emit(n, "div", {"tensor": self._name_of(n, "norm")}, src=x)  # x / the norm, broadcast over dim
+
+    def _einsum(self, n) -> None:
+        """torch.einsum of two values, the batch the first index of both and of the result, as one batched product:
+        each operand permuted and reshaped to [batch dims, kept, contracted] (the second taken transposed where that
+        is its order: ``bhqd,bhkd->bhqk`` is q @ k^T), the product reshaped and permuted to the result's order."""
+        eq, operands = n.args[0], list(n.args[1:])
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = list(operands[0])
+        where = f"{self._where(n)}: torch.einsum({eq!r})"
+        if not isinstance(eq, str) or len(operands) != 2 or not all(self._tensor(o) for o in operands):
+            raise ImportFailed(f"{where}: only an einsum of two values of the forward is supported")
+        eq = eq.replace(" ", "")
+        if "..." in eq or "->" not in eq:
+            raise ImportFailed(f"{where}: give the result's indices ('->'), without '...'")
+        lhs, out = eq.split("->")
+        (a, sa), (b, sb) = zip(operands, lhs.split(",")) if lhs.count(",") == 1 else ((None, ""), (None, ""))
+        if a is None or len(sa) != len(self._shape(a)) or len(sb) != len(self._shape(b)) or \
+                any(len(set(t)) != len(t) for t in (sa, sb, out)) or not set(out) <= set(sa) | set(sb):
+            raise ImportFailed(f"{where}: the indices do not fit the operands (or repeat within one)")
+        if (set(sa) ^ set(sb)) - set(out):
+            raise ImportFailed(f"{where}: an index of one operand alone is summed; only indices of both are")
+        if not sa[0] == sb[0] == out[0]:
+            raise ImportFailed(f"{where}: the batch must be the first index of both operands and of the result")
+        size = {k: v for t, x in ((sa, a), (sb, b)) for k, v in zip(t, self._shape(x))}
+        batch = [k for k in out if k in sa and k in sb]
+        left, right = [k for k in out if k not in sb], [k for k in out if k not in sa]
+        summed = [k for k in sa if k in sb and k not in out]
+
+        def arranged(x, subs, order, groups) -> bool:
+            """Emit x permuted to ``order`` and reshaped to [batch dims, *groups' sizes]; whether anything was."""
+            perm, src = [subs.index(k) for k in order], x
+            if perm != list(range(len(perm))):
+                self._emit(n, "permute", {"dims": perm}, src=src)
+                src = n
+            shape = [size[k] for k in batch[1:]] + [math.prod(size[k] for k in g) for g in groups]
+            if shape != [size[k] for k in order[1:]]:
+                self._emit(n, "reshape", {"shape": shape}, src=src)
+            return src is n or shape != [size[k] for k in order[1:]]
+
+        transpose = [k for k in sb if k not in batch] == right + summed and right + summed != summed + right
+        order_b = batch + (right + summed if transpose else summed + right)
+        b_name = self._name_of(n, "operand") if arranged(b, sb, order_b, [right, summed] if transpose else
+                                                          [summed, right]) else self._name_of(b)
+        a_src = n if arranged(a, sa, batch + left + summed, [left, summed]) else a
+        self._emit(n, "matmul", _drop_defaults({"tensor": b_name, "transpose": transpose}, {"transpose": False}),
+                   src=a_src)
+        kept = batch + left + right
+        if [math.prod(size[k] for k in left), math.prod(size[k] for k in right)] != [size[k] for k in left + right]:
+            self._emit(n, "reshape", {"shape": [size[k] for k in kept[1:]]}, src=n)
+        if kept != list(out):
+            self._emit(n, "permute", {"dims": [kept.index(k) for k in out]}, src=n)
 
     def _power(self, n, x, exponent) -> None:
         """x ** e for the exponents ATen computes by products and roots (its pow_tensor_scalar special cases: x * x,
@@ -1720,7 +1775,8 @@ def maps_call(n: fx.Node) -> bool:
     if fn is getattr:
         return len(n.args) == 2 and n.args[1] in ("T", "mT")
     return fn in _UNARY or fn in _REDUCTIONS or fn in _POOLS or fn in _ADAPTIVE or fn in _ALIAS_FUNCTIONS or \
-        fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn in (F.dropout, F.normalize) or fn in _POWERS or \
+        fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn in (F.dropout, F.normalize, torch.einsum) or \
+        fn in _POWERS or \
         fn in _NORMS or \
         fn in (torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze, torch.clamp, torch.clip, torch.clamp_,
                torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, torch.matmul, torch.mm,

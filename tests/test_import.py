@@ -403,6 +403,45 @@ def test_powers_and_norms_are_the_products_and_roots_aten_computes(tmp_path):
         import_model(str(src), name="cube_root", out_dir=tmp_path / "specs")
 
 
+EINSUMS = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, q, k, v):
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k).softmax(-1)
+        o = torch.einsum("bhqk,bhkd->bqhd", s, v)
+        w = torch.einsum("bqhd,bkhd->bhqk", o, v.transpose(1, 2))
+        g = torch.einsum("bqhd,bqhe->bde", o, o)
+        return o.flatten(1) + w.flatten(1).sum(-1, keepdim=True) + g.flatten(1).sum(-1, keepdim=True)
+
+
+def get_inputs():
+    return [torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_an_einsum_of_two_values_is_one_batched_product(tmp_path):
+    """Attention's einsums (q k^T as the product's transposed operand, the result's dims permuted, two summed
+    indices reshaped into one) import as one product each with the permutes and reshapes around it; the import's
+    float64 check says they compute what the model does. An einsum the batch does not lead is one error."""
+    src = write_model_file(tmp_path, "einsums", EINSUMS)
+    ops = load_pipeline(import_model(str(src), name="einsums", out_dir=tmp_path / "specs")).spec.ops
+    products = [op for op in ops if op.kind == "matmul"]
+    assert len(products) == 4 and products[0].args["transpose"], [op.args for op in products]
+    bad = EINSUMS.replace('"bhqd,bhkd->bhqk", q, k).softmax(-1)', '"bhqd,bhkd->hbqk", q, k).transpose(0, 1)')
+    with pytest.raises(ImportFailed, match="the batch must be the first index"):
+        import_model(str(write_model_file(tmp_path, "bad_einsum", bad)), name="bad_einsum", out_dir=tmp_path / "specs")
+
+
 def test_unsupported_call_names_the_op_and_its_line(tmp_path):
     src = write_model_file(tmp_path, "bad", UNSUPPORTED)
     out = tmp_path / "specs"
