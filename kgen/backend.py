@@ -314,9 +314,8 @@ class _Graph:
         dims = [d for d, s in enumerate(ex.shape) if isinstance(_static(s), torch.SymInt)]
         if len(dims) != 1:
             return None
-        if _same_size(ex.shape[dims[0]], self.batch):
-            return dims[0]
-        # a multiple of the batch: folded with windows in dim 0, or moved (Swin's qkv [3, 64 * B, heads, N, d])
+        # the batch itself (a multiple of 1: a sequence-first [S, B, E]) or a multiple of it, folded with windows
+        # in dim 0 or moved (Swin's qkv [3, 64 * B, heads, N, d])
         return dims[0] if _batch_multiple(ex.shape[dims[0]], self.batch) is not None else None
 
     def batch_free(self, n) -> bool:
@@ -1131,9 +1130,8 @@ def _dynamic_sizes(g: _Graph) -> list:
             ex = _example(a)
             if a in g.state or not isinstance(ex, torch.Tensor) or ex.dim() == 0:
                 continue
-            rest = [d for d, s in enumerate(ex.shape) if isinstance(_static(s), torch.SymInt)  # the batch, or a
-                    and not (g.batch is not None and _same_size(s, g.batch))  # multiple of it, anywhere
-                    and _batch_multiple(s, g.batch) is None]
+            rest = [d for d, s in enumerate(ex.shape) if isinstance(_static(s), torch.SymInt)
+                    and _batch_multiple(s, g.batch) is None]  # (the batch is a multiple of 1, anywhere)
             if rest:
                 shape = ", ".join(str(s) for s in ex.shape)
                 out.append((n, f"{a.name} is [{shape}]: dim {', '.join(map(str, rest))} dynamic"))

@@ -1158,10 +1158,7 @@ class Importer:
             raise ImportFailed(f"{self._where(n)}: {self._call(n)}: only p=2 over one integer dim is supported")
         if dim % len(self._shape(x)) == 0:
             raise ImportFailed(f"{self._where(n)}: {self._call(n)} normalizes over the batch (dim 0)")
-        name = self._name_of(x)
-        self._emit(n, "mul", {"tensor": name}, src=x)
-        self._emit(n, "sum", {"dim": dim, "keepdim": True}, src=n)
-        self._emit(n, "sqrt", {}, src=n)
+        self._two_norm(n, x, [dim], True)
         self._emit(n, "clamp", {"min": float(eps)}, src=n)
         self._emit(n, "div", {"tensor": self._name_of(n, "norm")}, src=x)  # x / the norm, broadcast over dim
 
@@ -1199,9 +1196,10 @@ class Importer:
                 self._emit(n, "permute", {"dims": perm}, src=src)
                 src = n
             shape = [size[k] for k in batch[1:]] + [math.prod(size[k] for k in g) for g in groups]
-            if shape != [size[k] for k in order[1:]]:
+            reshaped = shape != [size[k] for k in order[1:]]
+            if reshaped:
                 self._emit(n, "reshape", {"shape": shape}, src=src)
-            return src is n or shape != [size[k] for k in order[1:]]
+            return src is n or reshaped
 
         transpose = [k for k in sb if k not in batch] == right + summed and right + summed != summed + right
         order_b = batch + (right + summed if transpose else summed + right)
@@ -1252,6 +1250,11 @@ class Importer:
             raise ImportFailed(f"{self._where(n)}: {self._call(n)} needs integer dims (over every dim it takes the batch)")
         if any(d % len(self._shape(x)) == 0 for d in dims):
             raise ImportFailed(f"{self._where(n)}: {self._call(n)} reduces over the batch (dim 0)")
+        self._two_norm(n, x, dims, keepdim)
+
+    def _two_norm(self, n, x, dims: list, keepdim: bool) -> None:
+        """Emit sqrt(sum(x * x, dims)) as ``n``'s value: the 2-norm as ATen's norm kernels compute it (F.normalize's
+        denominator, torch.norm)."""
         self._emit(n, "mul", {"tensor": self._name_of(x)}, src=x)
         self._emit(n, "sum", _drop_defaults({"dim": dims[0] if len(dims) == 1 else dims, "keepdim": keepdim},
                                             {"keepdim": False}), src=n)
