@@ -270,6 +270,7 @@ class _Graph:
     dtype: torch.dtype | None = None
     by_name: dict = field(default_factory=dict)  # node name -> node (fusing copies the graph's nodes)
     parts: dict = field(default_factory=dict)  # fused_i -> partition i's graph (before a generated op replaces it)
+    from_inputs: set = field(default_factory=set)  # names of the nodes computed from an input (not from state alone)
 
     def __post_init__(self):
         self.by_name = {n.name: n for n in self.gm.graph.nodes}
@@ -282,6 +283,10 @@ class _Graph:
                 self.state.add(n)
             elif isinstance(_example(n), torch.Tensor) and _example(n).dim() >= 1:
                 inputs.append((n, ex))
+        for n in self.gm.graph.nodes:
+            if (n.op == "placeholder" and n not in self.state) or any(a.name in self.from_inputs
+                                                                      for a in n.all_input_nodes):
+                self.from_inputs.add(n.name)
         if inputs:
             n, ex = self._batch_input(inputs)
             self.batch, self.dtype = _static(_example(n).shape[0]), _example(n).dtype
@@ -323,8 +328,8 @@ class _Graph:
         computed from them (Swin's logit scale and position bias); a partition reads it as a parameter given
         at each call."""
         ex = _example(n)
-        if not (isinstance(n, fx.Node) and isinstance(ex, torch.Tensor) and ex.dtype == self.dtype and
-                1 <= ex.dim() <= MAX_RANK and self.batch_dim(n) is None and
+        if not (isinstance(n, fx.Node) and n.name not in self.from_inputs and isinstance(ex, torch.Tensor) and
+                ex.dtype == self.dtype and 1 <= ex.dim() <= MAX_RANK and self.batch_dim(n) is None and
                 not any(isinstance(_static(s), torch.SymInt) for s in ex.shape)):
             return False
         # a buffer the graph updates (a batch norm's running statistics, `self.count += 1`) is read where the graph
@@ -1087,7 +1092,13 @@ def _ask_dynamic_batch(g: _Graph) -> None:
         from torch._dynamo.pgo import (CodeId, FrameStateSizeEntry, auto_dynamic, auto_unset, get_code_state,
                                        process_automatic_dynamic)
 
-        state = get_code_state()[CodeId.make(root.f_code, root.closure)].automatic_dynamic if root else None
+        if root is None:
+            return
+        try:
+            code_id = CodeId.make(root.f_code, root.closure)
+        except TypeError:  # (torch < 2.12 keys a frame by its code alone)
+            code_id = CodeId.make(root.f_code)
+        state = get_code_state()[code_id].automatic_dynamic
     except (ImportError, AttributeError, TypeError):
         return
     if state is None:

@@ -425,6 +425,25 @@ def test_dynamic_false_keeps_the_batch_static(cache):
     assert backend.STATS["graphs"] == graphs + 2  # a graph per batch, each from the same module
     assert backend.PARTITIONS[-1]["module"] == backend.PARTITIONS[-2]["module"] is not None
 
+def test_a_value_computed_from_the_input_is_never_taken_as_a_parameter(cache):
+    """With the batch static, the attention's output [S, B, E] of a batch-first encoder layer has no batch dim
+    kgen can name; it was taken for a value computed from parameters alone (given to the op as a parameter) and
+    its transpose back failed the import. It is the partition's input now, and the partition starts after it."""
+    from kgen import backend
+    from kgen.backend import kgen_backend
+
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    compiled = torch.compile(model, backend=kgen_backend, dynamic=False)  # (training mode: no fused fast path)
+    before = len(backend.PARTITIONS)
+    x = torch.randn(4, 3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    made = backend.PARTITIONS[before:]
+    assert [p["module"] is not None for p in made] == [True], made
+    assert made[0]["calls"][-2:] == ["add", "layer_norm"], made
+
+
 
 def test_fullgraph_refuses_a_partition_that_would_stay_eager(cache, monkeypatch):
     from kgen import compiler

@@ -605,9 +605,10 @@ def test_every_elementwise_op_in_one_module_validates_on_the_gpu(dtype, tmp_path
     ops = [{e.name: dict(e.example)} if e.example else e.name for e in entries]
     ops += [{e.name: {"param": "p"}} for e in entries if e.operand and e.name != "div"]
     ops += [{"mean": {"dim": [2, 3]}}]
-    text = spec_text([3, 5, 6], ops, params={"p": {"shape": [3, 1, 1]}}, name="all_elementwise")
+    name = f"all_elementwise_{dtype}"  # (one module per name and process)
+    text = spec_text([3, 5, 6], ops, params={"p": {"shape": [3, 1, 1]}}, name=name)
     spec = write_spec(tmp_path, text.replace("dtype: float32", f"dtype: {dtype}"))
     out = tmp_path / "gen"
     write_rendered(render_spec(spec, out), out)
-    build_module(out / "all_elementwise", quiet=True)
-    assert_report_passed(validate(spec, out / "all_elementwise", "cuda"))
+    build_module(out / name, quiet=True)
+    assert_report_passed(validate(spec, out / name, "cuda"))
