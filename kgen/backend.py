@@ -1220,7 +1220,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     proposed = _connected_pieces(_without_passing_views(partitioner.propose_partitions(), gm))
     parts = [p for p in _within_output_limit(proposed, gm) if _computes(p.nodes)]
     if not parts:
-        return gm.forward
+        return _replayed(gm, g, places)
     # each partition's nodes, in graph order, before fusing renames them
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     described = [_calls(sorted(p.nodes, key=order.get)) for p in parts]
@@ -1278,7 +1278,94 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         else:
             _issue_first(fused, call)
     fused.recompile()
-    return fused.forward
+    return _replayed(fused, g, places)
+
+
+def _replayed(gm: fx.GraphModule, g: _Graph, places: list):
+    """The graph's forward, its constants computed once (``_fold_constants``), replayed as one CUDA graph per
+    call signature where that measures faster (``kgen.runtime.MeasuredGraphReplay``; not where the graph writes
+    into an input other than the model's parameters and buffers, which a replay's copy of it would take)."""
+    from .runtime import MeasuredGraphReplay
+
+    if _fold_constants(gm):
+        gm.recompile()
+    state = {n.name for n in g.state}
+    for n in gm.graph.nodes:
+        if _writes(n) and n.args and isinstance(n.args[0], fx.Node):
+            base = _view_base(n.args[0])
+            if base.op == "placeholder" and base.name not in state:
+                return gm.forward
+    return MeasuredGraphReplay(gm.forward, [i for i, n in enumerate(places) if n in g.state],
+                               name=f"graph {STATS['graphs']}")
+
+
+_WRITES = frozenset({"copy_", "setitem", "index_put_", "scatter_", "masked_fill_", "fill_", "zero_"})
+# calls that make a tensor of their arguments alone, the same every call (not random, not uninitialized)
+_CONSTRUCTORS = frozenset({"tensor", "as_tensor", "scalar_tensor", "full", "zeros", "ones", "arange", "linspace",
+                           "logspace", "eye"})
+_RANDOM = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "normal", "bernoulli",
+                     "dropout", "multinomial", "randperm", "poisson", "empty", "empty_like", "empty_strided"})
+
+
+def _writes(n: fx.Node) -> bool:
+    """Whether call ``n`` writes into its first operand."""
+    return n.op in ("call_function", "call_method") and (
+        _in_place(n) or _name(n) in _WRITES or n.target is operator.setitem)
+
+
+def _view_base(n):
+    """The value ``n`` views (through views of views), or ``n``."""
+    while isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and _views(n) and n.args:
+        n = n.args[0]
+    return n
+
+
+def _fold_constants(gm: fx.GraphModule) -> int:
+    """Compute once the tensors the graph makes from constants alone, and read them as the graph's attributes:
+    SwinV2's ``torch.log(torch.tensor(1. / 0.01, device=x.device))`` is a copy from host memory at every call,
+    which no CUDA graph can capture. Not a value that anything writes into, or views where the view is not
+    folded too (a write through it). Returns the number of values folded."""
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    excluded: set = set()
+    while True:
+        const: set = set()
+        for n in calls:
+            if n in excluded or _name(n) in _RANDOM or _writes(n):
+                continue
+            inputs = n.all_input_nodes
+            if (not inputs and n.op == "call_function" and _name(n) in _CONSTRUCTORS) or \
+                    (inputs and all(a in const for a in inputs)):
+                const.add(n)
+        bad = {n for n in const if any((_writes(u) and u.args and u.args[0] is n) or (_views(u) and u not in const)
+                                       for u in n.users)}
+        if not bad:
+            break
+        excluded |= bad
+    frontier = [n for n in calls if n in const and any(u not in const for u in n.users)]
+    if not frontier:
+        return 0
+    env: dict = {}
+    try:
+        for n in calls:
+            if n not in const:
+                continue
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:], **kwargs)
+    except Exception:  # noqa: BLE001 - a value that cannot be computed here stays a call
+        return 0
+    folded = 0
+    for n in frontier:
+        if not isinstance(env[n], torch.Tensor):
+            continue
+        name = f"_kgen_constant_{folded}"
+        gm.register_buffer(name, env[n], persistent=False)
+        with gm.graph.inserting_before(n):
+            n.replace_all_uses_with(gm.graph.get_attr(name))
+        folded += 1
+    for n in reversed(calls):
+        if n in const and not n.users:
+            gm.graph.erase_node(n)
+    return folded
 
 
 # in-place updates _issue_first may move after a kgen call: arithmetic (a random fill's draws would move past others')

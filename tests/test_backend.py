@@ -1333,3 +1333,60 @@ def test_independent_calls_are_partitions_of_their_own(cache):
     cumsums = [i for i, t in enumerate(order) if "cumsum" in t]
     kgen_calls = [i for i, t in enumerate(order) if t.startswith("fused_")]
     assert len(kgen_calls) == 2 and kgen_calls[0] < cumsums[0], order  # the input's exp before either cumsum
+
+
+class ConstantsAndWrites(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        top = torch.log(torch.tensor(1. / 0.01, device=x.device))  # (SwinV2's logit scale limit)
+        h = torch.zeros(3)
+        h[0] = 2.0  # written: made at each call
+        return torch.clamp(self.scale, max=top).exp() * x + h
+
+
+def _returned_by_the_backend(model, x):
+    """What kgen_backend returns for ``model``'s one graph, and the graph module it was given, after a call."""
+    from kgen.backend import kgen_backend
+
+    seen = []
+
+    def spy(gm, example_inputs):
+        fn = kgen_backend(gm, example_inputs)
+        seen.append((fn, gm))
+        return fn
+
+    compiled = torch.compile(model, backend=spy)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x.clone()), model(x.clone()))
+    return seen[-1]
+
+
+def test_constants_are_computed_once_and_a_value_written_into_is_not(cache):
+    """``torch.log(torch.tensor(...))`` becomes an attribute of the graph (a host copy at every call, and no CUDA
+    graph captures one); the ``torch.zeros`` that the graph then writes into stays a call (folded, the write
+    would change it for the next call)."""
+    from kgen.runtime import MeasuredGraphReplay
+
+    fn, gm = _returned_by_the_backend(ConstantsAndWrites(), torch.randn(4, 3))
+    code = gm.code
+    assert "torch.tensor(" not in code and "torch.log(" not in code and "_kgen_constant_0" in code, code
+    assert "torch.zeros(3)" in code, code
+    assert isinstance(fn, MeasuredGraphReplay)
+
+
+class WritesItsInput(nn.Module):
+    def forward(self, x):
+        x.mul_(2.0)
+        return torch.relu(x) + 1.0
+
+
+def test_a_graph_that_writes_into_its_input_is_not_replayed(cache):
+    """A replay copies the input into the graph's own: the write would land there, not in the caller's tensor."""
+    from kgen.runtime import MeasuredGraphReplay
+
+    fn, _ = _returned_by_the_backend(WritesItsInput(), torch.randn(4, 3).abs())
+    assert not isinstance(fn, MeasuredGraphReplay) and callable(fn)
