@@ -974,7 +974,8 @@ def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Pat
 
     key = str(module_dir)
     if autotune:
-        if default_variant() != "cuda" or not torch.cuda.is_available():
+        on_gpu = any(isinstance(e, torch.Tensor) and e.device.type == "cuda" for e in g.examples.values())
+        if default_variant() != "cuda" or not torch.cuda.is_available() or not on_gpu:
             _say_once("mode max-autotune: nothing to tune on the CPU (kgen tune measures plans on a CUDA GPU); "
                       "the cost model's plans run")
         elif key not in _LOADED:  # (a module loaded in this process keeps its op until the next process)
