@@ -131,7 +131,7 @@ def run_problem(path: Path, args) -> dict:
     mod = load_problem(path, args.batch)
     torch.manual_seed(INIT_SEED)
     model = mod.Model(*mod.get_init_inputs()).to(device).train()
-    before = len(backend.PARTITIONS)
+    before, graphs_before = len(backend.PARTITIONS), len(backend.GRAPHS)
     forms = {"eager": model}
     if "inductor" not in args.skip:
         forms["inductor"] = compiled_copy(model)
@@ -191,6 +191,8 @@ def run_problem(path: Path, args) -> dict:
     made = backend.PARTITIONS[before:]
     row["partitions_kgen"] = sum(1 for p in made if p["module"])
     row["eager_reasons"] = sorted({f"{', '.join(p['calls'][:4])}: {p['reason']}" for p in made if not p["module"]})
+    chosen = [c for g in backend.GRAPHS[graphs_before:] if g["measured"] for c in g["measured"].chosen()]
+    row["forms_run"] = ", ".join(f"{c} x{chosen.count(c)}" for c in dict.fromkeys(chosen))
     if any(k.endswith("_error") for k in row):
         row["status"] = "failed"
     return row
@@ -384,15 +386,19 @@ def markdown(rows, env, args) -> str:
         f"torch.allclose(form, eager, atol=rtol=1e-4) on {args.trials} inputs from get_inputs() (seeds 42...). "
         f"Times: median of {args.reps} calls after warm-up, the three forms in turns (blocks of calls), "
         + ("CUDA events" if args.device.startswith("cuda") else "wall clock") + "; first call = compile. "
-        "kgen share: device time inside the generated ops over the call's (torch.profiler; rows timed before "
+        "Form run: which form of each graph the backend measured fastest and runs (kgen's partitions with the "
+        "calls left to PyTorch, or the graph as PyTorch computes it; each directly or replayed as one CUDA graph; "
+        "rows timed before ca99707 ran kgen's form directly). "
+        "kgen share (of kgen's form): device time inside the generated ops over the call's (torch.profiler; rows timed before "
         "28784b2 counted a stage's range beside its op's, 0.67 where kgen ran everything, rows of 28784b2 to "
         "72b5dc4 the ranges' annotations beside the kernels, 0.5).",
         "",
         *summary(rows),
         "",
         "| problem | batch | eager ms | inductor ms | kgen ms | vs eager | vs inductor | inductor check | kgen check | "
-        "kgen share | partitions in kgen | first call s (inductor / kgen) | left eager / errors | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "kgen share | partitions in kgen | form run (per graph) | first call s (inductor / kgen) | left eager / errors | "
+        "commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         e, i, k = r.get("eager_ms"), r.get("inductor_ms"), r.get("kgen_ms")
@@ -401,7 +407,7 @@ def markdown(rows, env, args) -> str:
         lines.append(
             f"| {r['problem']} | {r.get('batch', '')} | {_f(e)} | {_f(i)} | {_f(k)} | {f'{e / k:.2f}x' if e and k else '-'} | "
             f"{f'{i / k:.2f}x' if i and k else '-'} | {r.get('inductor_check', '-')} | {r.get('kgen_check', '-')} | "
-            f"{'-' if share is None else f'{share:.0%}'} | {r.get('partitions_kgen', '')} | "
+            f"{'-' if share is None else f'{share:.0%}'} | {r.get('partitions_kgen', '')} | {r.get('forms_run', '')} | "
             f"{r.get('inductor_first_s', '-')} / {r.get('kgen_first_s', '-')} | {notes.replace('|', '/')[:400]} | {r.get('commit', '')} |")
     return "\n".join(lines) + "\n"
 

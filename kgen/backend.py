@@ -48,6 +48,7 @@ would stay eager, or a node kgen would compute but for a dynamic size, is an err
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -74,6 +75,8 @@ from .spec import MAX_OUTPUTS, MAX_RANK
 from .runtime import op_result
 
 STATS = {"graphs": 0, "partitions": 0, "kgen": 0, "eager": 0}  # counts since the process started
+# per graph compiled: why it cannot be replayed as a CUDA graph (None: it can) and, on a GPU, its forms measured
+GRAPHS: list = []
 PARTITIONS: list = []  # per partition since the process started: its calls, and its module or why it stays eager
 _LOADED: dict = {}  # module folder -> the imported generated module
 _EXAMPLE_BATCHES: dict = {}  # (cache, a partition's code, its inputs' other sizes) -> the batch its spec was made for
@@ -1200,6 +1203,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     g = _Graph(gm, dict(zip(places, example_inputs)))
     _ask_dynamic_batch(g)
+    original = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # (PyTorch's form, measured against kgen's on a GPU)
     rewritten = rewrite_attention(gm, {n: g.examples[n] for n in g.state})
     if rewritten:
         if verbose:
@@ -1221,7 +1225,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     proposed = _connected_pieces(_without_passing_views(partitioner.propose_partitions(), gm))
     parts = [p for p in _within_output_limit(proposed, gm) if _computes(p.nodes)]
     if not parts:
-        return _replayed(gm, g, places)
+        return _measured(gm if rewritten else original, original, g, places)
     # each partition's nodes, in graph order, before fusing renames them
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     described = [_calls(sorted(p.nodes, key=order.get)) for p in parts]
@@ -1279,25 +1283,50 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         else:
             _issue_first(fused, call)
     fused.recompile()
-    return _replayed(fused, g, places)
+    return _measured(fused, original, g, places)
 
 
-def _replayed(gm: fx.GraphModule, g: _Graph, places: list):
-    """The graph's forward, its constants computed once (``_fold_constants``), replayed as one CUDA graph per
-    call signature where that measures faster (``kgen.runtime.MeasuredGraphReplay``; not where the graph writes
-    into an input other than the model's parameters and buffers, which a replay's copy of it would take)."""
-    from .runtime import MeasuredGraphReplay
+def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: list):
+    """The graph's forward on a GPU: kgen's (``gm``) and PyTorch's (``original``, the graph as Dynamo gave it), each
+    called directly and replayed as one CUDA graph, the fastest measured per call signature
+    (``kgen.runtime.MeasuredGraph``); their constants computed once (``_fold_constants``). On the CPU, kgen's."""
+    from .runtime import MeasuredGraph
 
-    if _fold_constants(gm):
-        gm.recompile()
+    for m in dict.fromkeys([gm, original]):
+        if _fold_constants(m):
+            m.recompile()
+    why = _not_replayable(original, g)
+    GRAPHS.append({"graph": STATS["graphs"], "replay": why, "measured": None})
+    if not any(isinstance(e, torch.Tensor) and e.device.type == "cuda" for e in g.examples.values()):
+        return gm.forward
+    forms = {"kgen": gm.forward, "eager": original.forward} if gm is not original else {"eager": gm.forward}
+    measured = MeasuredGraph(forms, [i for i, n in enumerate(places) if n in g.state], replayable=why is None,
+                             name=f"graph {STATS['graphs']}")
+    GRAPHS[-1]["measured"] = measured
+    return measured
+
+
+# calls that wait for the GPU (no CUDA graph captures them)
+_SYNCS = frozenset({"item", "tolist", "numpy", "nonzero", "unique", "masked_select", "equal", "allclose",
+                    "_local_scalar_dense", "cpu"})
+
+
+def _not_replayable(gm: fx.GraphModule, g: _Graph) -> str | None:
+    """Why the graph cannot be replayed as a CUDA graph, or None: it writes into an input other than the model's
+    parameters and buffers (a replay's copy of it would take the write), waits for the GPU, or makes a value on
+    the CPU (a copy from host memory)."""
     state = {n.name for n in g.state}
     for n in gm.graph.nodes:
         if _writes(n) and n.args and isinstance(n.args[0], fx.Node):
             base = _view_base(n.args[0])
             if base.op == "placeholder" and base.name not in state:
-                return gm.forward
-    return MeasuredGraphReplay(gm.forward, [i for i, n in enumerate(places) if n in g.state],
-                               name=f"graph {STATS['graphs']}")
+                return f"it writes into its input {base.name} ({_name(n)})"
+        if n.op in ("call_function", "call_method") and _name(n) in _SYNCS:
+            return f"{_name(n)} waits for the GPU"
+        ex = g.examples.get(n) if n.op == "placeholder" else n.meta.get("example_value")
+        if isinstance(ex, torch.Tensor) and ex.device.type != "cuda":
+            return f"{n.name} is on the {ex.device.type}"
+    return None
 
 
 _WRITES = frozenset({"copy_", "setitem", "index_put_", "scatter_", "masked_fill_", "fill_", "zero_"})

@@ -450,45 +450,48 @@ def _map_tensors(out, fn):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA-graph replay of a whole compiled graph (the backend's: kgen's ops and the calls left to PyTorch)
+# A whole compiled graph (the backend's): the fastest of its forms, measured
 
-REPLAY_TRIALS = 3  # calls timed each way, with the queue drained before each, before a replay is kept or dropped
-REPLAY_KEPT_BELOW = 0.97  # a replay is kept where its median call takes at most this share of the direct one's
+REPLAY_TRIALS = 3  # calls of each form timed, with the queue drained before each, before the fastest is kept
 
 
 class _Trial:
-    """One call signature's state: direct calls timed, then the graph captured and its replays timed."""
+    """One call signature's measurement: each form's times, the captured graphs, the form chosen."""
 
     def __init__(self):
-        self.direct_ms: list = []
-        self.replay_ms: list = []
-        self.entry = None  # (graph, static inputs, static outputs) once captured
-        self.decided: str | None = None  # "replay" or "direct"
+        self.warm: set = set()  # forms called once (cuDNN and cuBLAS choose and allocate outside any capture)
+        self.ms: dict = {}  # (form, replayed) -> milliseconds of its timed calls
+        self.entries: dict = {}  # form -> (graph, static inputs, static outputs) once captured
+        self.chosen: tuple | None = None  # (form, replayed)
 
 
-class MeasuredGraphReplay:
-    """``fn`` (a graph Dynamo compiled) replayed as one CUDA graph per call signature where that measures faster:
-    a graph of many small calls (a transformer at batch 10) spends more of its time on the host, issuing each
-    call, than the GPU spends computing, and a replay issues them all at once (what torch.compile's
-    ``mode="reduce-overhead"`` does for inductor's graphs).
+class MeasuredGraph:
+    """A graph Dynamo compiled, run in the fastest of its forms, measured per call signature: ``forms`` (name ->
+    callable of the graph's arguments: kgen's partitions with the calls left to PyTorch, and the graph as PyTorch
+    computes it all), each called directly and, where ``replayable``, replayed as one CUDA graph. A graph of many
+    small calls (a transformer at batch 10) spends more time on the host, issuing each call, than the GPU spends
+    computing, and a replay issues them all at once (what torch.compile's ``mode="reduce-overhead"`` does for
+    inductor's graphs); a partition whose kernels lose to PyTorch's in place (the cost model's error) loses the
+    measurement, and PyTorch's form runs.
 
-    ``state``: the argument indices of the model's parameters and buffers, read in place (a replay sees an
-    optimizer's in-place step and updates running statistics where they lie; a signature includes where they
-    lie, so a module moved or reloaded is captured afresh); the other tensors are copied into the graph's own
-    inputs, and each call returns copies of the graph's outputs. Per signature (the inputs' shapes, strides and
-    dtypes, the scalars, the stream): the first call runs directly (cuDNN and cuBLAS choose and allocate outside
-    any capture), the next ``REPLAY_TRIALS`` run directly and are timed, then the graph is captured and
-    ``REPLAY_TRIALS`` replays are timed: the replay is kept where it is faster (``REPLAY_KEPT_BELOW``), else
-    dropped. The caller checks that the graph writes none of its other inputs (a copy would take the write).
-    Not used while autograd records (an input that requires grad, with grad mode on), while a CUDA graph is being
-    captured by someone else, under KGEN_CUDA_GRAPHS=0 or in launches_one_by_one()."""
+    ``state``: the argument indices of the model's parameters and buffers, read in place by a replay (it sees an
+    optimizer's in-place step and updates running statistics where they lie; a signature includes where they lie,
+    so a module moved or reloaded is measured and captured afresh); a replay copies the other tensors into the
+    graph's own inputs and returns copies of its outputs. Per signature (the inputs' shapes, strides and dtypes,
+    the scalars, the stream) each form is called once untimed, then ``REPLAY_TRIALS`` times timed (its replay
+    captured first), and the fastest median is kept (the other graphs' memory goes back). ``replayable`` is the
+    caller's: a graph that writes into an input (a copy would take the write) or syncs with the host (a failed
+    capture leaves the CUDA generator unusable) is not. Only measured on CUDA tensors, without autograd recording
+    (an input that requires grad, with grad mode on: the first form runs), outside a capture by someone else, and
+    not under KGEN_CUDA_GRAPHS=0 or in launches_one_by_one() (the first form runs directly)."""
 
-    def __init__(self, fn, state, name: str = "graph"):
-        self.fn, self.state, self.name = fn, frozenset(state), name
+    def __init__(self, forms: dict, state, replayable: bool, name: str = "graph"):
+        self.forms, self.state, self.replayable, self.name = dict(forms), frozenset(state), replayable, name
+        self.first = next(iter(self.forms.values()))
         self.trials: dict = {}
         self.lock = threading.Lock()
 
-    def _enabled(self, tensors) -> bool:
+    def _measured(self, tensors) -> bool:
         return (bool(tensors) and all(t.is_cuda for t in tensors) and not _graphs_off
                 and os.environ.get(_GRAPHS_ENV, "1") != "0" and not torch.cuda.is_current_stream_capturing()
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
@@ -502,42 +505,61 @@ class MeasuredGraphReplay:
                 key.append(a if isinstance(a, (int, float, bool, str, type(None))) else id(a))
         return tuple(key)
 
+    def chosen(self) -> list:
+        """The form chosen for each signature measured so far: "kgen", "eager replayed", ..."""
+        return [f"{t.chosen[0]}{' replayed' if t.chosen[1] else ''}" for t in self.trials.values() if t.chosen]
+
     def __call__(self, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not self._enabled(tensors):
-            return self.fn(*args)
+        if not self._measured(tensors):
+            return self.first(*args)
         key = self._signature(args, tensors)
         with self.lock:
             trial = self.trials.get(key)
             if trial is None:
                 if len(self.trials) >= MAX_SEEN:
                     self.trials.clear()
-                self.trials[key] = _Trial()
-                return self.fn(*args)  # (warm-up: outside any capture)
-            if trial.decided == "direct":
-                return self.fn(*args)
-            if trial.decided == "replay":
-                return self._replay(trial.entry, args)
-            if len(trial.direct_ms) < REPLAY_TRIALS:
-                out, ms = _timed(lambda: self.fn(*args))
-                trial.direct_ms.append(ms)
-                return out
-            if trial.entry is None:
-                trial.entry = self._capture(args)
-                if trial.entry is None:
-                    trial.decided = "direct"
-                    return self.fn(*args)
-            out, ms = _timed(lambda: self._replay(trial.entry, args))
-            trial.replay_ms.append(ms)
-            if len(trial.replay_ms) >= REPLAY_TRIALS:
-                keep = sorted(trial.replay_ms)[REPLAY_TRIALS // 2] <= \
-                    REPLAY_KEPT_BELOW * sorted(trial.direct_ms)[REPLAY_TRIALS // 2]
-                trial.decided = "replay" if keep else "direct"
-                if not keep:
-                    trial.entry = None  # (its memory back)
-            return out
+                trial = self.trials[key] = _Trial()
+            if trial.chosen is not None:
+                return self._run(trial, trial.chosen, args)
+            for form in self.forms:
+                for replayed in ((False, True) if self.replayable else (False,)):
+                    times = trial.ms.setdefault((form, replayed), [])
+                    if times is None or len(times) >= REPLAY_TRIALS:
+                        continue
+                    if form not in trial.warm:
+                        trial.warm.add(form)
+                        return self.forms[form](*args)
+                    if replayed and form not in trial.entries:
+                        entry = self._capture(self.forms[form], args)
+                        if entry is None:
+                            trial.ms[(form, replayed)] = None  # (not capturable: never chosen)
+                            return self.forms[form](*args)
+                        trial.entries[form] = entry
+                    out, ms = _timed(lambda: self._run(trial, (form, replayed), args))
+                    times.append(ms)
+                    return out
+            self._choose(trial)  # (every form measured)
+            return self._run(trial, trial.chosen, args)
 
-    def _capture(self, args):
+    @staticmethod
+    def _choose(trial: _Trial) -> None:
+        medians = {k: sorted(t)[len(t) // 2] for k, t in trial.ms.items() if t}
+        trial.chosen = min(medians, key=medians.get)
+        trial.entries = {f: e for f, e in trial.entries.items() if trial.chosen == (f, True)}
+
+    def _run(self, trial: _Trial, how: tuple, args):
+        form, replayed = how
+        if not replayed:
+            return self.forms[form](*args)
+        graph, static_args, static_out = trial.entries[form]
+        for i, (s, a) in enumerate(zip(static_args, args)):
+            if isinstance(a, torch.Tensor) and i not in self.state:
+                s.copy_(a)
+        graph.replay()
+        return _map_tensors(static_out, torch.Tensor.clone)
+
+    def _capture(self, fn, args):
         static_args = []
         with torch.inference_mode(False):  # normal tensors: later calls outside inference mode copy into them
             for i, a in enumerate(args):
@@ -551,20 +573,12 @@ class MeasuredGraphReplay:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                static_out = self.fn(*static_args)
-        except RuntimeError as e:  # a call that cannot be captured (a host sync, a copy from pageable memory)
+                static_out = fn(*static_args)
+        except RuntimeError as e:  # (a call the caller did not foresee)
             warnings.warn(f"kgen: {self.name} is not replayed as a CUDA graph, its capture failed: "
                           f"{str(e).splitlines()[0]}", stacklevel=3)
             return None
         return graph, static_args, static_out
-
-    def _replay(self, entry, args):
-        graph, static_args, static_out = entry
-        for i, (s, a) in enumerate(zip(static_args, args)):
-            if isinstance(a, torch.Tensor) and i not in self.state:
-                s.copy_(a)
-        graph.replay()
-        return _map_tensors(static_out, torch.Tensor.clone)
 
 
 def _timed(fn):

@@ -221,7 +221,7 @@ def test_cuda_replay_captured_in_inference_mode_serves_no_grad_calls(blocks):
     assert len(mod._REPLAY.graphs) == 1
 
 
-# ---- a whole compiled graph replayed (kgen.runtime.MeasuredGraphReplay: the backend's graphs)
+# ---- a whole compiled graph measured in its forms (kgen.runtime.MeasuredGraph: the backend's graphs)
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
@@ -234,71 +234,65 @@ def _many_small_calls(x, w, buf):
     return x + buf, x.shape[0]
 
 
-def _reference(x, w, buf):
-    return _many_small_calls(x.clone(), w, buf)
+def _fewer_calls(x, w, buf):
+    """The same, computed another way (kgen's form of the graph beside PyTorch's)."""
+    buf.mul_(0.5).add_(x.mean())
+    for _ in range(20):
+        x = torch.tanh(torch.tanh(x * w + 0.1) * w + 0.1)
+    return x + buf, x.shape[0]
 
 
-def test_whole_graph_replay_calls_directly_on_the_cpu():
-    from kgen.runtime import MeasuredGraphReplay
+def test_a_measured_graph_calls_its_first_form_on_the_cpu():
+    from kgen.runtime import MeasuredGraph
 
-    replay = MeasuredGraphReplay(_many_small_calls, state=[1, 2])
+    calls = []
+    measured = MeasuredGraph({"kgen": lambda *a: calls.append(1) or _fewer_calls(*a), "eager": _many_small_calls},
+                             state=[1, 2], replayable=True)
     w, buf, ref_buf = torch.randn(8), torch.zeros(8), torch.zeros(8)
     for _ in range(8):
         x = torch.randn(4, 8)
-        out, n = replay(x, w, buf)
-        ref, _ = _reference(x, w, ref_buf)
-        torch.testing.assert_close(out, ref)
+        out, n = measured(x, w, buf)
+        torch.testing.assert_close(out, _many_small_calls(x, w, ref_buf)[0])
         assert n == 4
-    assert not replay.trials
+    assert len(calls) == 8 and not measured.trials
 
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("keep", [True, False])
-def test_cuda_whole_graph_replay_equals_direct_calls_kept_or_dropped(keep, monkeypatch):
-    """Forced either way (the choice itself is a timing): each call's result and the buffer updated in place equal
-    direct calls', through the warm-up, the timed calls, the capture and after; the parameter is read where it lies
-    (an in-place change is seen); a new batch is a signature of its own."""
-    from kgen import runtime
+@pytest.mark.parametrize("replayable", [True, False])
+def test_cuda_measured_graph_equals_each_form_through_the_measurement(replayable):
+    """Each call's result and the buffer updated in place equal the direct computation's, through the warm-ups,
+    the timed calls, the captures and after the choice (whichever it is: a timing); the parameter is read where
+    it lies (an in-place change is seen); a new batch is a signature measured on its own."""
+    from kgen.runtime import REPLAY_TRIALS, MeasuredGraph
 
-    monkeypatch.setattr(runtime, "REPLAY_KEPT_BELOW", 1e9 if keep else 0.0)
-    replay = runtime.MeasuredGraphReplay(_many_small_calls, state=[1, 2])
+    measured = MeasuredGraph({"kgen": _fewer_calls, "eager": _many_small_calls}, state=[1, 2], replayable=replayable)
     w, buf = torch.randn(8, device="cuda"), torch.zeros(8, device="cuda")
     ref_buf = buf.clone()
-    for i in range(12):
-        if i == 9:
+    steps = 2 + 2 * REPLAY_TRIALS * (2 if replayable else 1)  # warm-ups, then each form's timed calls
+    for i in range(steps + 4):
+        if i == steps + 1:
             w.mul_(-1.0)
-        x = torch.randn(3 if i < 10 else 5, 8, device="cuda")
-        out, n = replay(x, w, buf)
-        ref, _ = _reference(x, w, ref_buf)
-        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(buf, ref_buf, rtol=1e-6, atol=1e-6)
+        x = torch.randn(3 if i < steps + 3 else 5, 8, device="cuda")
+        out, n = measured(x, w, buf)
+        ref, _ = _many_small_calls(x, w, ref_buf)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(buf, ref_buf, rtol=1e-5, atol=1e-5)
         assert n == x.shape[0]
-    decided = [t.decided for t in replay.trials.values()]
-    assert decided == ["replay" if keep else "direct", None], decided  # batch 3 decided, batch 5 still warming
-    assert (list(replay.trials.values())[0].entry is not None) == keep  # a dropped graph's memory goes back
+    chosen = measured.chosen()
+    assert len(chosen) == 1 and len(measured.trials) == 2, chosen  # batch 3 chosen, batch 5 still measured
+    assert chosen[0] in (["kgen", "eager", "kgen replayed", "eager replayed"] if replayable else ["kgen", "eager"])
+    trial = next(iter(measured.trials.values()))
+    assert len(trial.entries) == (1 if chosen[0].endswith("replayed") else 0)  # the other graphs' memory back
 
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_whole_graph_replay_of_a_graph_that_syncs_calls_directly(monkeypatch):
-    from kgen import runtime
-
-    monkeypatch.setattr(runtime, "REPLAY_KEPT_BELOW", 1e9)
-    replay = runtime.MeasuredGraphReplay(lambda x: x * x.sum().item(), state=[])
-    with pytest.warns(UserWarning, match="capture failed"):
-        for _ in range(6):
-            x = torch.randn(4, device="cuda")
-            torch.testing.assert_close(replay(x), x * x.sum().item())
-    assert [t.decided for t in replay.trials.values()] == ["direct"]
-
-
-@pytest.mark.cuda
-@needs_cuda
-def test_cuda_backend_replays_a_model_as_eager_computes_it():
-    """A small transformer layer in training mode (dropout 0) under the backend at batch 2: many short calls, the
-    case a replay is for; its results over calls with new inputs, and a batch norm's running statistics, equal
-    eager's whichever way the measurement decides."""
+def test_cuda_backend_runs_a_model_as_eager_computes_it():
+    """A small transformer layer in training mode (dropout 0) and a batch norm under the backend at batch 2: many
+    short calls, the case a replay is for; its results over calls with new inputs, and the batch norm's running
+    statistics, equal eager's whichever form the measurement chooses."""
+    from kgen import backend
     from kgen.backend import kgen_backend
 
     torch.manual_seed(0)
@@ -306,9 +300,12 @@ def test_cuda_backend_replays_a_model_as_eager_computes_it():
         torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True),
         torch.nn.Flatten(0, 1), torch.nn.BatchNorm1d(32)).cuda()
     ours = torch.compile(__import__("copy").deepcopy(model), backend=kgen_backend)
+    before = len(backend.GRAPHS)
     with torch.no_grad():
-        for _ in range(10):
+        for _ in range(20):
             x = torch.randn(2, 5, 32, device="cuda")
             torch.testing.assert_close(ours(x), model(x), rtol=1e-4, atol=1e-4)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    graphs = backend.GRAPHS[before:]
+    assert graphs and all(g["replay"] is None and g["measured"].chosen() for g in graphs), graphs
