@@ -463,6 +463,7 @@ class _Trial:
         self.ms: dict = {}  # (form, replayed) -> milliseconds of its timed calls
         self.entries: dict = {}  # form -> (graph, static inputs, static outputs) once captured
         self.chosen: tuple | None = None  # (form, replayed)
+        self.state: list = []  # where the model's parameters and buffers lay when it was measured
 
 
 class MeasuredGraph:
@@ -475,11 +476,12 @@ class MeasuredGraph:
     measurement, and PyTorch's form runs.
 
     ``state``: the argument indices of the model's parameters and buffers, read in place by a replay (it sees an
-    optimizer's in-place step and updates running statistics where they lie; a signature includes where they lie,
-    so a module moved or reloaded is measured and captured afresh); a replay copies the other tensors into the
+    optimizer's in-place step and updates running statistics where they lie); a replay copies the other tensors into the
     graph's own inputs and returns copies of its outputs. Per signature (the inputs' shapes, strides and dtypes,
-    the scalars, the stream) each form is called once untimed, then ``REPLAY_TRIALS`` times timed (its replay
-    captured first), and the fastest median is kept (the other graphs' memory goes back). ``replayable`` is the
+    the scalars) each form is called once untimed, then ``REPLAY_TRIALS`` times timed (its replay
+    captured first), and the fastest median is kept (the other graphs' memory goes back). The signature is the
+    inputs' alone (a call of a graph of 100 parameters is keyed in microseconds); where the model's state lies is
+    compared where a graph was captured, and a model moved or reloaded is measured afresh. ``replayable`` is the
     caller's: a graph that writes into an input (a copy would take the write) or syncs with the host (a failed
     capture leaves the CUDA generator unusable) is not. Only measured on CUDA tensors, without autograd recording
     (an input that requires grad, with grad mode on: the first form runs), outside a capture by someone else, and
@@ -488,38 +490,44 @@ class MeasuredGraph:
     def __init__(self, forms: dict, state, replayable: bool, name: str = "graph"):
         self.forms, self.state, self.replayable, self.name = dict(forms), frozenset(state), replayable, name
         self.first = next(iter(self.forms.values()))
+        self.inputs: list | None = None
         self.trials: dict = {}
         self.lock = threading.Lock()
 
-    def _measured(self, tensors) -> bool:
-        return (bool(tensors) and all(t.is_cuda for t in tensors) and not _graphs_off
+    def _measured(self, args) -> bool:
+        tensors = [args[i] for i in self.inputs if isinstance(args[i], torch.Tensor)]
+        return (bool(tensors) and tensors[0].is_cuda and not _graphs_off
                 and os.environ.get(_GRAPHS_ENV, "1") != "0" and not torch.cuda.is_current_stream_capturing()
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+                and not (torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor))))
 
-    def _signature(self, args, tensors) -> tuple:
-        key = [torch.cuda.current_stream(tensors[0].device).cuda_stream]
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                key.append((tuple(a.shape), a.stride(), a.dtype, a.device) + ((a.data_ptr(),) if i in self.state else ()))
-            else:
-                key.append(a if isinstance(a, (int, float, bool, str, type(None))) else id(a))
-        return tuple(key)
+    def _signature(self, args) -> tuple:
+        """The inputs' shapes, strides and dtypes and the scalars (cheap: a graph of 100 parameters is called in
+        microseconds); where the state lies is checked only before a replay (``_state_moved``)."""
+        return tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                     for a in (args[i] for i in self.inputs))
+
+    def _where_state_lies(self, args) -> list:
+        return [args[i].data_ptr() for i in sorted(self.state)]
 
     def chosen(self) -> list:
         """The form chosen for each signature measured so far: "kgen", "eager replayed", ..."""
         return [f"{t.chosen[0]}{' replayed' if t.chosen[1] else ''}" for t in self.trials.values() if t.chosen]
 
     def __call__(self, *args):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not self._measured(tensors):
+        if self.inputs is None:  # (the graph's arguments that are not the model's state: its inputs and sizes)
+            self.inputs = [i for i in range(len(args)) if i not in self.state]
+        if not self._measured(args):
             return self.first(*args)
-        key = self._signature(args, tensors)
+        key = self._signature(args)
         with self.lock:
             trial = self.trials.get(key)
+            if trial is not None and trial.entries and trial.state != self._where_state_lies(args):
+                trial = None  # the model moved or reloaded: its graphs read the old tensors
             if trial is None:
                 if len(self.trials) >= MAX_SEEN:
                     self.trials.clear()
                 trial = self.trials[key] = _Trial()
+                trial.state = self._where_state_lies(args)
             if trial.chosen is not None:
                 return self._run(trial, trial.chosen, args)
             for form in self.forms:

@@ -257,6 +257,38 @@ def test_a_measured_graph_calls_its_first_form_on_the_cpu():
     assert len(calls) == 8 and not measured.trials
 
 
+def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypatch):
+    """The measurement's steps, on the CPU with the GPU's part stood in for (a graph that cannot be replayed: each
+    form called once untimed, then timed REPLAY_TRIALS times); a form that takes longer is not chosen, and each
+    call's result is right throughout; a new batch is measured on its own."""
+    import time
+
+    from kgen import runtime
+
+    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runs = []
+
+    def slow(*a):
+        runs.append("slow")
+        time.sleep(0.01)
+        return _many_small_calls(*a)
+
+    def fast(*a):
+        runs.append("fast")
+        return _fewer_calls(*a)
+
+    measured = runtime.MeasuredGraph({"kgen": slow, "eager": fast}, state=[1, 2], replayable=False)
+    w, buf, ref_buf = torch.randn(8), torch.zeros(8), torch.zeros(8)
+    steps = 2 * (1 + runtime.REPLAY_TRIALS)
+    for i in range(steps + 3):
+        x = torch.randn(3 if i < steps + 2 else 5, 8)
+        torch.testing.assert_close(measured(x, w, buf)[0], _many_small_calls(x, w, ref_buf)[0], rtol=1e-5, atol=1e-5)
+    assert runs[:steps] == ["slow"] * (steps // 2) + ["fast"] * (steps // 2)
+    assert runs[steps:] == ["fast", "fast", "slow"]  # chosen; then batch 5's first call (the first form, warming)
+    assert measured.chosen() == ["eager"] and len(measured.trials) == 2
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("replayable", [True, False])
@@ -306,6 +338,6 @@ def test_cuda_backend_runs_a_model_as_eager_computes_it():
             x = torch.randn(2, 5, 32, device="cuda")
             torch.testing.assert_close(ours(x), model(x), rtol=1e-4, atol=1e-4)
     for k, v in model.state_dict().items():
-        torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(ours._orig_mod.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
     graphs = backend.GRAPHS[before:]
     assert graphs and all(g["replay"] is None and g["measured"].chosen() for g in graphs), graphs
