@@ -479,7 +479,8 @@ class MeasuredGraph:
     optimizer's in-place step and updates running statistics where they lie); a replay copies the other tensors into the
     graph's own inputs and returns copies of its outputs. Per signature (the inputs' shapes, strides and dtypes,
     the scalars) each form is called once untimed, then ``REPLAY_TRIALS`` times timed (its replay
-    captured first), and the fastest median is kept (the other graphs' memory goes back). The signature is the
+    captured first), and the fastest median is kept (the other graphs' memory goes back; graphs are kept for
+    MAX_GRAPHS signatures at most, later ones choose among the direct forms). The signature is the
     inputs' alone (a call of a graph of 100 parameters is keyed in microseconds); where the model's state lies is
     compared where a graph was captured, and a model moved or reloaded is measured afresh. ``replayable`` is the
     caller's: a graph that writes into an input (a copy would take the write) or syncs with the host (a failed
@@ -502,7 +503,7 @@ class MeasuredGraph:
 
     def _signature(self, args) -> tuple:
         """The inputs' shapes, strides and dtypes and the scalars (cheap: a graph of 100 parameters is called in
-        microseconds); where the state lies is checked only before a replay (``_state_moved``)."""
+        microseconds); where the state lies is compared only where a graph was captured."""
         return tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
                      for a in (args[i] for i in self.inputs))
 
@@ -539,6 +540,9 @@ class MeasuredGraph:
                         trial.warm.add(form)
                         return self.forms[form](*args)
                     if replayed and form not in trial.entries:
+                        if sum(1 for t in self.trials.values() if t.entries and t is not trial) >= MAX_GRAPHS:
+                            trial.ms[(form, replayed)] = None  # (graphs kept for MAX_GRAPHS signatures already)
+                            continue
                         entry = self._capture(self.forms[form], args)
                         if entry is None:
                             trial.ms[(form, replayed)] = None  # (not capturable: never chosen)
@@ -561,9 +565,9 @@ class MeasuredGraph:
         if not replayed:
             return self.forms[form](*args)
         graph, static_args, static_out = trial.entries[form]
-        for i, (s, a) in enumerate(zip(static_args, args)):
-            if isinstance(a, torch.Tensor) and i not in self.state:
-                s.copy_(a)
+        for i in self.inputs:
+            if isinstance(args[i], torch.Tensor):
+                static_args[i].copy_(args[i])
         graph.replay()
         return _map_tensors(static_out, torch.Tensor.clone)
 
