@@ -453,6 +453,7 @@ def _map_tensors(out, fn):
 # A whole compiled graph (the backend's): the fastest of its forms, measured
 
 REPLAY_TRIALS = 3  # calls of each form timed, with the queue drained before each, before the fastest is kept
+CHOICE_MARGIN = 0.02  # a form measured later is chosen where its median is this much faster than the best before
 
 
 class _Trial:
@@ -479,7 +480,7 @@ class MeasuredGraph:
     optimizer's in-place step and updates running statistics where they lie); a replay copies the other tensors into the
     graph's own inputs and returns copies of its outputs. Per signature (the inputs' shapes, strides and dtypes,
     the scalars) each form is called once untimed, then ``REPLAY_TRIALS`` times timed (its replay
-    captured first), and the fastest median is kept (the other graphs' memory goes back; graphs are kept for
+    captured first), and the fastest median is kept (``CHOICE_MARGIN``; the other graphs' memory goes back; graphs are kept for
     MAX_GRAPHS signatures at most, later ones choose among the direct forms). The signature is the
     inputs' alone (a call of a graph of 100 parameters is keyed in microseconds); where the model's state lies is
     compared where a graph was captured, and a model moved or reloaded is measured afresh. ``replayable`` is the
@@ -556,8 +557,15 @@ class MeasuredGraph:
 
     @staticmethod
     def _choose(trial: _Trial) -> None:
+        # in the order measured (kgen's form first, direct before replayed): a later form is chosen where it is
+        # faster by more than CHOICE_MARGIN, so three timed calls' noise does not trade kgen's direct calls for
+        # a replay's copies or for PyTorch's form
         medians = {k: sorted(t)[len(t) // 2] for k, t in trial.ms.items() if t}
-        trial.chosen = min(medians, key=medians.get)
+        best = next(iter(medians))
+        for k, ms in medians.items():
+            if ms < (1.0 - CHOICE_MARGIN) * medians[best]:
+                best = k
+        trial.chosen = best
         trial.entries = {f: e for f, e in trial.entries.items() if trial.chosen == (f, True)}
 
     def _run(self, trial: _Trial, how: tuple, args):

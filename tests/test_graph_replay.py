@@ -289,6 +289,24 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypat
     assert measured.chosen() == ["eager"] and len(measured.trials) == 2
 
 
+def test_a_form_measured_later_must_be_faster_by_the_margin():
+    """Three timed calls are noisy: kgen's direct calls stay chosen unless another form is CHOICE_MARGIN faster."""
+    from kgen.runtime import CHOICE_MARGIN, MeasuredGraph, _Trial
+
+    def chosen(replayed_ms, eager_ms):
+        trial = _Trial()
+        trial.ms = {("kgen", False): [1.0, 1.1, 0.9], ("kgen", True): [replayed_ms] * 3, ("eager", False): [eager_ms] * 3,
+                    ("eager", True): None}
+        MeasuredGraph._choose(trial)
+        return trial.chosen
+
+    near = 1.0 - CHOICE_MARGIN / 2
+    assert chosen(near, near) == ("kgen", False)
+    assert chosen(0.9, near) == ("kgen", True)
+    assert chosen(0.9, 0.9 * near) == ("kgen", True)  # (not faster than the replay by the margin)
+    assert chosen(near, 0.8) == ("eager", False)
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("replayable", [True, False])
