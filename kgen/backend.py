@@ -1225,7 +1225,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     proposed = _connected_pieces(_without_passing_views(partitioner.propose_partitions(), gm))
     parts = [p for p in _within_output_limit(proposed, gm) if _computes(p.nodes)]
     if not parts:
-        return _measured(gm if rewritten else original, original, g, places)
+        return _measured(gm if rewritten else original, original, g, places, verbose)
     # each partition's nodes, in graph order, before fusing renames them
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     described = [_calls(sorted(p.nodes, key=order.get)) for p in parts]
@@ -1283,10 +1283,10 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         else:
             _issue_first(fused, call)
     fused.recompile()
-    return _measured(fused, original, g, places)
+    return _measured(fused, original, g, places, verbose)
 
 
-def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: list):
+def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: list, verbose: bool):
     """The graph's forward on a GPU: kgen's (``gm``) and PyTorch's (``original``, the graph as Dynamo gave it), each
     called directly and replayed as one CUDA graph, the fastest measured per call signature
     (``kgen.runtime.MeasuredGraph``); their constants computed once (``_fold_constants``). On the CPU, kgen's."""
@@ -1301,7 +1301,7 @@ def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: l
         return gm.forward
     forms = {"kgen": gm.forward, "eager": original.forward} if gm is not original else {"eager": gm.forward}
     measured = MeasuredGraph(forms, [i for i, n in enumerate(places) if n in g.state], replayable=why is None,
-                             name=f"graph {STATS['graphs']}")
+                             name=f"graph {STATS['graphs']}", on_choice=_say if verbose else None)
     GRAPHS[-1]["measured"] = measured
     return measured
 

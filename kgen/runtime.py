@@ -489,8 +489,9 @@ class MeasuredGraph:
     (an input that requires grad, with grad mode on: the first form runs), outside a capture by someone else, and
     not under KGEN_CUDA_GRAPHS=0 or in launches_one_by_one() (the first form runs directly)."""
 
-    def __init__(self, forms: dict, state, replayable: bool, name: str = "graph"):
+    def __init__(self, forms: dict, state, replayable: bool, name: str = "graph", on_choice=None):
         self.forms, self.state, self.replayable, self.name = dict(forms), frozenset(state), replayable, name
+        self.on_choice = on_choice  # called with a line saying what was chosen, for each signature
         self.first = next(iter(self.forms.values()))
         self.inputs: list | None = None
         self.trials: dict = {}
@@ -553,7 +554,20 @@ class MeasuredGraph:
                     times.append(ms)
                     return out
             self._choose(trial)  # (every form measured)
+            if self.on_choice is not None:
+                self.on_choice(self._choice_text(trial, args))
             return self._run(trial, trial.chosen, args)
+
+    def _choice_text(self, trial: _Trial, args) -> str:
+        def form(k):
+            return f"{k[0]}{' replayed' if k[1] else ''}"
+
+        shapes = ", ".join("x".join(map(str, args[i].shape)) for i in self.inputs if isinstance(args[i], torch.Tensor))
+        times = ", ".join(f"{form(k)} {sorted(t)[len(t) // 2]:.3f}" if t else f"{form(k)} -"
+                          for k, t in trial.ms.items())
+        kind, replayed = trial.chosen
+        return (f"{self.name} ({shapes}) runs {kind}'s form{' replayed as one CUDA graph' if replayed else ''} "
+                f"(median ms of {REPLAY_TRIALS} calls: {times})")
 
     @staticmethod
     def _choose(trial: _Trial) -> None:

@@ -278,7 +278,9 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypat
         runs.append("fast")
         return _fewer_calls(*a)
 
-    measured = runtime.MeasuredGraph({"kgen": slow, "eager": fast}, state=[1, 2], replayable=False)
+    said = []
+    measured = runtime.MeasuredGraph({"kgen": slow, "eager": fast}, state=[1, 2], replayable=False, name="graph 7",
+                                     on_choice=said.append)
     w, buf, ref_buf = torch.randn(8), torch.zeros(8), torch.zeros(8)
     steps = 2 * (1 + runtime.REPLAY_TRIALS)
     for i in range(steps + 3):
@@ -287,6 +289,7 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypat
     assert runs[:steps] == ["slow"] * (steps // 2) + ["fast"] * (steps // 2)
     assert runs[steps:] == ["fast", "fast", "slow"]  # chosen; then batch 5's first call (the first form, warming)
     assert measured.chosen() == ["eager"] and len(measured.trials) == 2
+    assert len(said) == 1 and said[0].startswith("graph 7 (3x8) runs eager's form (median ms of 3 calls: kgen 1"), said
 
 
 def test_a_form_measured_later_must_be_faster_by_the_margin():
