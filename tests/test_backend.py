@@ -1384,6 +1384,21 @@ def test_constants_are_computed_once_and_a_value_written_into_is_not(cache):
     assert backend.GRAPHS[-1]["replay"] == "h is on the cpu", backend.GRAPHS[-1]  # (a CUDA graph would not take it)
 
 
+class WritesThroughAView(nn.Module):
+    def forward(self, x):
+        c = torch.ones(3)
+        c.view(3, 1).mul_(2.0)  # written through a view: made at each call
+        d = torch.arange(3.0) * 2.0  # read only: computed once
+        return x * c + d
+
+
+def test_a_constant_written_through_a_view_is_made_at_each_call(cache):
+    _, gm = _returned_by_the_backend(WritesThroughAView(), torch.randn(4, 3))
+    code = gm.code
+    assert "torch.ones(3)" in code and "mul_" in code, code
+    assert "torch.arange" not in code and "_kgen_constant_0" in code, code
+
+
 class WritesItsInput(nn.Module):
     def forward(self, x):
         x.mul_(2.0)
