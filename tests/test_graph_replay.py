@@ -292,6 +292,72 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypat
     assert len(said) == 1 and said[0].startswith("graph 7 (3x8) runs eager's form (median ms of 3 calls: kgen 1"), said
 
 
+class _FakeGraph:
+    """A CUDA graph on the CPU: the capture runs the function once on the static inputs; a replay runs it again on
+    them and writes its results into the captured outputs' memory, as a replay overwrites them."""
+
+    def __init__(self):
+        self.fn = None
+
+    def replay(self):
+        fresh = self.fn()
+        for old, new in zip(self.out if isinstance(self.out, (tuple, list)) else [self.out],
+                            fresh if isinstance(fresh, (tuple, list)) else [fresh]):
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+
+
+def test_a_measured_graph_replays_with_its_inputs_copied_and_its_state_in_place(monkeypatch):
+    """The replay's bookkeeping on the CPU (a stand-in graph, forced to be chosen): each call's input reaches the
+    graph's own copy, the buffer is updated where it lies, the returned outputs are copies (a later replay does not
+    change them), and a parameter moved elsewhere is measured and captured afresh."""
+    from kgen import runtime
+
+    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(runtime, "CHOICE_MARGIN", -1e9)  # (each form measured later is chosen: the last, replayed)
+    captures = []
+
+    class Capture:  # (a capture computes nothing: the buffer's update inside it is undone)
+        def __init__(self, graph, **kw):
+            self.graph = graph
+
+        def __enter__(self):
+            captures.append(self.graph)
+            self.before = buf.clone()
+
+        def __exit__(self, *exc):
+            buf.copy_(self.before)
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    real_capture = runtime.MeasuredGraph._capture
+
+    def capture(self, fn, args):
+        graph, static_args, static_out = real_capture(self, fn, args)
+        graph.fn, graph.out = (lambda: fn(*static_args)), static_out
+        return graph, static_args, static_out
+
+    monkeypatch.setattr(runtime.MeasuredGraph, "_capture", capture)
+    measured = runtime.MeasuredGraph({"kgen": _fewer_calls, "eager": _many_small_calls}, state=[1, 2], replayable=True)
+    w, buf = torch.randn(8), torch.zeros(8)
+    ref_buf = buf.clone()
+    kept = []
+    steps = 2 + 4 * runtime.REPLAY_TRIALS
+    for i in range(steps + 3):
+        if i == steps + 2:
+            w = w.clone()  # the parameter moved: measured again
+        x = torch.randn(3, 8)
+        out, _ = measured(x, w, buf)
+        torch.testing.assert_close(out, _many_small_calls(x, w, ref_buf)[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(buf, ref_buf, rtol=1e-6, atol=1e-6)
+        kept.append((out, out.clone()))
+    assert measured.chosen() == [] and len(captures) == 2  # (kgen's and PyTorch's replays, then measured afresh)
+    for out, copy in kept:
+        assert torch.equal(out, copy)  # later replays left the returned outputs alone
+
+
 def test_a_form_measured_later_must_be_faster_by_the_margin():
     """Three timed calls are noisy: kgen's direct calls stay chosen unless another form is CHOICE_MARGIN faster."""
     from kgen.runtime import CHOICE_MARGIN, MeasuredGraph, _Trial
