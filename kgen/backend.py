@@ -1354,7 +1354,8 @@ def _fold_constants(gm: fx.GraphModule) -> int:
     """Compute once the tensors the graph makes from constants alone, and read them as the graph's attributes:
     SwinV2's ``torch.log(torch.tensor(1. / 0.01, device=x.device))`` is a copy from host memory at every call,
     which no CUDA graph can capture. Not a value that anything writes into, or views where the view is not
-    folded too (a write through it). Returns the number of values folded."""
+    folded too (a write through it), or that the graph returns (the caller may write into it). Returns the number
+    of values folded."""
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     excluded: set = set()
     while True:
@@ -1367,7 +1368,7 @@ def _fold_constants(gm: fx.GraphModule) -> int:
                     (inputs and all(a in const for a in inputs)):
                 const.add(n)
         bad = {n for n in const if any((_writes(u) and u.args and u.args[0] is n) or (_views(u) and u not in const)
-                                       for u in n.users)}
+                                       or u.op == "output" for u in n.users)}  # (a caller may write a result)
         if not bad:
             break
         excluded |= bad

@@ -1389,13 +1389,13 @@ class WritesThroughAView(nn.Module):
         c = torch.ones(3)
         c.view(3, 1).mul_(2.0)  # written through a view: made at each call
         d = torch.arange(3.0) * 2.0  # read only: computed once
-        return x * c + d
+        return x * c + d, torch.full((2,), 5.0)  # returned: the caller may write into it, made at each call
 
 
 def test_a_constant_written_through_a_view_is_made_at_each_call(cache):
     _, gm = _returned_by_the_backend(WritesThroughAView(), torch.randn(4, 3))
     code = gm.code
-    assert "torch.ones(3)" in code and "mul_" in code, code
+    assert "torch.ones(3)" in code and "mul_" in code and "torch.full(" in code, code
     assert "torch.arange" not in code and "_kgen_constant_0" in code, code
 
 
