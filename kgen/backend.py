@@ -1316,6 +1316,7 @@ def _not_replayable(gm: fx.GraphModule, g: _Graph) -> str | None:
     parameters and buffers (a replay's copy of it would take the write), waits for the GPU, or makes a value on
     the CPU (a copy from host memory)."""
     state = {n.name for n in g.state}
+    examples = {p.name: e for p, e in g.examples.items()}  # (by name: ``gm`` may be a copy of the graph g read)
     for n in gm.graph.nodes:
         if _writes(n) and n.args and isinstance(n.args[0], fx.Node):
             base = _view_base(n.args[0])
@@ -1323,7 +1324,8 @@ def _not_replayable(gm: fx.GraphModule, g: _Graph) -> str | None:
                 return f"it writes into its input {base.name} ({_name(n)})"
         if n.op in ("call_function", "call_method") and _name(n) in _SYNCS:
             return f"{_name(n)} waits for the GPU"
-        ex = g.examples.get(n) if n.op == "placeholder" else n.meta.get("example_value")
+    for n in gm.graph.nodes:
+        ex = examples.get(n.name) if n.op == "placeholder" else n.meta.get("example_value")
         if isinstance(ex, torch.Tensor) and ex.device.type != "cuda":
             return f"{n.name} is on the {ex.device.type}"
     return None

@@ -1381,7 +1381,7 @@ def test_constants_are_computed_once_and_a_value_written_into_is_not(cache):
     code = gm.code
     assert "torch.tensor(" not in code and "torch.log(" not in code and "_kgen_constant_0" in code, code
     assert "torch.zeros(3)" in code, code
-    assert backend.GRAPHS[-1]["replay"] == "h is on the cpu", backend.GRAPHS[-1]  # (a CUDA graph would not take it)
+    assert backend.GRAPHS[-1]["replay"] == "l_x_ is on the cpu", backend.GRAPHS[-1]  # (a CUDA graph takes none)
 
 
 class WritesThroughAView(nn.Module):
