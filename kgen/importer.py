@@ -883,6 +883,9 @@ class Importer:
             self._permute(n, x, list(range(len(self._shape(x))))[::-1])
         elif fn is operator.getitem:
             self._index(n, x, args[1])
+        elif method and name == "unfold":
+            self._unfold(n, x, kw.get("dimension", args[1] if len(args) > 1 else None),
+                         kw.get("size", args[2] if len(args) > 2 else None), kw.get("step", args[3] if len(args) > 3 else None))
         elif (method and name == "narrow") or fn is torch.narrow:
             dim = kw.get("dim", args[1] if len(args) > 1 else None)
             start = kw.get("start", args[2] if len(args) > 2 else None)
@@ -957,6 +960,27 @@ class Importer:
             self._emit(n, "transpose", {"dim0": moved[0], "dim1": moved[1]}, src=x)
         else:
             self._emit(n, "permute", {"dims": dims}, src=x)
+
+    def _unfold(self, n, x, dim, size, step) -> None:
+        """``x.unfold(dim, size, size)``: windows side by side (ViT's patches) are a view: the dim split into
+        (windows, size) and the window's positions moved last, after a slice where the last window would not
+        fill. Overlapping or spaced windows (step != size) gather; refused."""
+        dim = self._norm_dim(n, x, dim, "unfolds")
+        if not isinstance(size, int) or not isinstance(step, int) or size < 1 or step != size:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} with size {size!r} and step {step!r}: only windows "
+                               "side by side (step == size) are supported")
+        shape = list(self._shape(x))
+        windows = shape[dim] // size
+        if windows < 1:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)}: a window of {size} in a dim of {shape[dim]}")
+        src = x
+        if windows * size != shape[dim]:
+            self._emit(n, "slice", {"dim": dim, "start": 0, "end": windows * size}, src=x)
+            src = n
+        rank = len(shape)
+        self._emit(n, "reshape", {"shape": shape[1:dim] + [windows, size] + shape[dim + 1:]}, src=src)
+        if dim + 1 < rank:  # (the window's dim is last already where the unfolded dim was)
+            self._emit(n, "permute", {"dims": list(range(dim + 1)) + list(range(dim + 2, rank + 1)) + [dim + 1]}, src=n)
 
     def _transpose(self, n, x, a, b) -> None:
         a, b = (self._norm_dim(n, x, d, "moves") for d in (a, b))
@@ -1735,7 +1759,7 @@ def _elementwise_binary(n: fx.Node) -> bool:
 _LAYOUT_FUNCTIONS = (torch.cat, torch.concat, torch.concatenate, torch.stack, torch.permute, torch.transpose,
                      torch.swapaxes, torch.swapdims, torch.t, torch.narrow, F.pad, F.interpolate, F.upsample,
                      operator.getitem)
-_LAYOUT_METHODS = ("permute", "transpose", "swapaxes", "swapdims", "t", "narrow", "expand", "expand_as")
+_LAYOUT_METHODS = ("permute", "transpose", "swapaxes", "swapdims", "t", "narrow", "expand", "expand_as", "unfold")
 
 
 def viewed_from(o) -> tuple:

@@ -1412,3 +1412,20 @@ def test_a_graph_that_writes_into_its_input_is_not_replayed(cache):
     fn, _ = _returned_by_the_backend(WritesItsInput(), torch.randn(4, 3).abs())
     assert backend.GRAPHS[-1]["replay"] == "it writes into its input l_x_ (mul_)", backend.GRAPHS[-1]
     assert callable(fn) and backend.GRAPHS[-1]["measured"] is None  # (on the CPU kgen's form runs, unmeasured)
+
+
+class SequencePatches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3 * 4, 6)
+
+    def forward(self, x):  # [B, 3, 16]: 4 patches of 4 positions
+        patches = x.unfold(2, 4, 4).transpose(1, 2).flatten(2)  # [B, 4, 12]
+        return torch.relu(self.embed(patches))
+
+
+def test_unfolded_patches_are_in_the_partition(cache):
+    torch.manual_seed(0)
+    made = _partitions_of(SequencePatches().eval(), torch.randn(2, 3, 16))
+    assert len(made) == 1 and made[0]["module"] is not None and "unfold" in made[0]["calls"], made
+

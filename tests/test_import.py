@@ -403,6 +403,43 @@ def test_powers_and_norms_are_the_products_and_roots_aten_computes(tmp_path):
         import_model(str(src), name="cube_root", out_dir=tmp_path / "specs")
 
 
+PATCHES = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3 * 4 * 4, 8)
+
+    def forward(self, img):
+        p = 4
+        x = img.unfold(2, p, p).unfold(3, p, p).reshape(img.shape[0], -1, p * p * img.shape[1])
+        y = img[:, :, :, :9].unfold(3, 4, 4)  # the last window would not fill: sliced first
+        return self.embed(x).sum(-1) + y.flatten(1)[:, :4].sum(-1, keepdim=True)
+
+
+def get_inputs():
+    return [torch.randn(2, 3, 8, 12)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_unfold_into_windows_side_by_side_is_a_view(tmp_path):
+    """ViT's patches (``img.unfold(2, p, p).unfold(3, p, p)``, KernelBench level 3 #28) are reshapes and permutes
+    (the import's float64 check says they compute what the model does); overlapping windows are refused by name."""
+    src = write_model_file(tmp_path, "patches", PATCHES)
+    kinds = [op.kind for op in load_pipeline(import_model(str(src), name="patches", out_dir=tmp_path / "specs")).spec.ops]
+    assert kinds.count("permute") == 2 and "slice" in kinds and "linear" in kinds, kinds
+    src = write_model_file(tmp_path, "overlapping", PATCHES.replace("unfold(3, 4, 4)", "unfold(3, 4, 2)"))
+    with pytest.raises(ImportFailed, match=r"with size 4 and step 2: only windows side by side \(step == size\)"):
+        import_model(str(src), name="overlapping", out_dir=tmp_path / "specs")
+
+
 EINSUMS = '''
 import torch
 import torch.nn as nn
