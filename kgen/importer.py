@@ -323,6 +323,10 @@ class _StackTracer(fx.Tracer):
     module: torch's own recording (``record_stack_traces``) imports torch._dynamo on first use, 1.5-3 s
     on a CPU machine, most of a cached ``kgen.compile`` in a new process."""
 
+    # a buffer is a node (get_attr), as a parameter is: MinGPT's ``self.bias[:, :, :T, :T]`` slices its mask by a
+    # size of the input, which a real tensor cannot take from a traced value
+    proxy_buffer_attributes = True
+
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
         stack = traceback.extract_stack()
@@ -1366,11 +1370,16 @@ class Importer:
                            "or a value of the forward")
 
     def _constant(self, o) -> float | None:
-        """The value of ``torch.tensor(c)`` or a constant 0-d tensor attribute."""
+        """The value of ``torch.tensor(c)``, a constant 0-d tensor attribute, or a number computed from sizes other
+        than the batch (MinGPT's ``1.0 / math.sqrt(k.size(-1))``: the same at two batches)."""
         if not isinstance(o, fx.Node):
             return None
         if (literal := tensor_literal(o)) is not None:
             return literal
+        here, there = self.shapes.get(o), self.shapes2.get(o)
+        if isinstance(here, _Other) and here == there and isinstance(here.value, (int, float)) and \
+                not isinstance(here.value, bool):
+            return float(here.value)
         if o.op == "get_attr":
             t = _attr(self.gm, o.target)
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dim() == 0:
@@ -1604,6 +1613,13 @@ class Importer:
     def _unsupported(self, n: fx.Node) -> None:
         code = self._source_line(n)
         shown = f" (in `{one_line(code, 80)}`)" if code else ""
+        buffers = [a for a in n.all_input_nodes if a.op == "get_attr" and isinstance(_attr(self.gm, a.target), torch.Tensor)
+                   and not isinstance(_attr(self.gm, a.target), nn.Parameter)]
+        if buffers:  # (MinGPT's causal mask, sliced to the sequence)
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} reads the buffer self.{buffers[0].target}{shown}: "
+                               "kgen imports a buffer only as a batch norm's running statistics; "
+                               "torch.compile(model, backend=\"kgen\") computes such a model (PyTorch computes what kgen "
+                               "does not)")
         raise ImportFailed(f"{self._where(n)}: {self._call(n)} is not supported{shown}; `kgen ops` lists what is")
 
 

@@ -440,6 +440,44 @@ def test_unfold_into_windows_side_by_side_is_a_view(tmp_path):
         import_model(str(src), name="overlapping", out_dir=tmp_path / "specs")
 
 
+SCALED = '''
+import math
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):  # [B, T, 8]
+        y = self.proj(x) * (1.0 / math.sqrt(x.size(-1)))
+        return y  # MASKED
+
+
+def get_inputs():
+    return [torch.randn(2, 5, 8)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_a_number_computed_from_sizes_is_a_scalar_and_a_sliced_buffer_is_named(tmp_path):
+    """MinGPT's ``1.0 / math.sqrt(k.size(-1))`` (a size other than the batch) is a scalar operand; its causal mask
+    buffer sliced to the sequence (``self.bias[:, :, :T, :T]``) is refused naming the buffer and the backend."""
+    src = write_model_file(tmp_path, "scaled", SCALED)
+    ops = load_pipeline(import_model(str(src), name="scaled", out_dir=tmp_path / "specs")).spec.ops
+    assert [op.kind for op in ops] == ["linear", "mul"] and ops[1].args["scalar"] == pytest.approx(8 ** -0.5), ops
+    masked = SCALED.replace("  # MASKED", ".masked_fill(self.mask[:x.size(1)] == 0, 0.0)").replace(
+        "nn.Linear(8, 8)", "nn.Linear(8, 8)\n        self.register_buffer('mask', torch.tril(torch.ones(6, 8)))")
+    src = write_model_file(tmp_path, "masked", masked)
+    with pytest.raises(ImportFailed, match=r"reads the buffer self.mask .*torch.compile\(model, backend=\"kgen\"\)"):
+        import_model(str(src), name="masked", out_dir=tmp_path / "specs")
+
+
 EINSUMS = '''
 import torch
 import torch.nn as nn
