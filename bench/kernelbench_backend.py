@@ -191,7 +191,8 @@ def run_problem(path: Path, args) -> dict:
     made = backend.PARTITIONS[before:]
     row["partitions_kgen"] = sum(1 for p in made if p["module"])
     row["eager_reasons"] = sorted({f"{', '.join(p['calls'][:4])}: {p['reason']}" for p in made if not p["module"]})
-    chosen = [c for g in backend.GRAPHS[graphs_before:] if g["measured"] for c in g["measured"].chosen()]
+    measured = [g["measured"]() for g in backend.GRAPHS[graphs_before:] if g["measured"]]
+    chosen = [c for m in measured if m is not None for c in m.chosen()]
     row["forms_run"] = ", ".join(f"{c} x{chosen.count(c)}" for c in dict.fromkeys(chosen))
     if any(k.endswith("_error") for k in row):
         row["status"] = "failed"

@@ -54,6 +54,7 @@ import inspect
 import json
 import operator
 import sys
+import weakref
 from pathlib import Path
 from dataclasses import dataclass, field
 
@@ -75,7 +76,8 @@ from .spec import MAX_OUTPUTS, MAX_RANK
 from .runtime import op_result
 
 STATS = {"graphs": 0, "partitions": 0, "kgen": 0, "eager": 0}  # counts since the process started
-# per graph compiled: why it cannot be replayed as a CUDA graph (None: it can) and, on a GPU, its forms measured
+# per graph compiled: why it cannot be replayed as a CUDA graph (None: it can) and, on a GPU, a weak reference to its
+# forms measured (kgen.runtime.MeasuredGraph: ``.chosen()``)
 GRAPHS: list = []
 PARTITIONS: list = []  # per partition since the process started: its calls, and its module or why it stays eager
 _LOADED: dict = {}  # module folder -> the imported generated module
@@ -1302,7 +1304,7 @@ def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: l
     forms = {"kgen": gm.forward, "eager": original.forward} if gm is not original else {"eager": gm.forward}
     measured = MeasuredGraph(forms, [i for i, n in enumerate(places) if n in g.state], replayable=why is None,
                              name=f"graph {STATS['graphs']}", on_choice=_say if verbose else None)
-    GRAPHS[-1]["measured"] = measured
+    GRAPHS[-1]["measured"] = weakref.ref(measured)  # (the list keeps no compiled graph, or its GPU memory, alive)
     return measured
 
 

@@ -427,4 +427,4 @@ def test_cuda_backend_runs_a_model_as_eager_computes_it():
     for k, v in model.state_dict().items():
         torch.testing.assert_close(ours._orig_mod.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
     graphs = backend.GRAPHS[before:]
-    assert graphs and all(g["replay"] is None and g["measured"].chosen() for g in graphs), graphs
+    assert graphs and all(g["replay"] is None and g["measured"]().chosen() for g in graphs), graphs
