@@ -103,7 +103,7 @@ def main() -> None:
         forms = {"eager": model}
         if not args.skip_inductor:
             forms["inductor"] = compiled_copy(model)
-        before = len(backend.PARTITIONS)
+        before, graphs_before = len(backend.PARTITIONS), len(backend.GRAPHS)
         forms["kgen"] = compiled_copy(model, backend=backend.kgen_backend)
         print(f"==== level {args.level} {path.stem}", flush=True)
         with torch.set_grad_enabled(args.grad):
@@ -116,6 +116,10 @@ def main() -> None:
                     call_timeline(f"{path.stem} {name}", lambda fn=fn: fn(*xs), calls=2, host=args.host)
         for p in backend.PARTITIONS[before:]:
             print(f"partition: {p}")
+        for g in backend.GRAPHS[graphs_before:]:  # the form each graph runs (kgen's profile above is kgen's form)
+            measured = g["measured"]() if g["measured"] else None
+            print(f"graph {g['graph']}: runs {', '.join(measured.chosen()) if measured else 'kgen'}; "
+                  f"{'replayable' if g['replay'] is None else 'not replayed: ' + g['replay']}")
 
 
 if __name__ == "__main__":
