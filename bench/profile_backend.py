@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where a KernelBench problem's time goes under eager PyTorch, torch.compile (inductor) and
-torch.compile(backend="kgen"): per form, the time of a call (CUDA events, mean of 10 after 3 warm-up calls)
+torch.compile(backend="kgen"): per form, the time of a call (CUDA events, mean of 10 after WARMUP_CALLS calls)
 and its kernels and ranges by device time (torch.profiler over 5 calls; kgen's ops launch one by one, so each
 stage's range ``kgen::<module> stage N (family)`` shows beside its kernels; a range's time includes its
 kernels'). Then the backend's partitions. For a GPU machine, KernelBench's folder from ``fetch`` (never copied
@@ -21,6 +21,7 @@ from gpu_timeline import call_timeline  # noqa: E402
 from kernelbench_backend import INIT_SEED, compiled_copy, load_problem, problem_file, problem_numbers  # noqa: E402
 
 CALLS_TIMED, CALLS_PROFILED = 10, 5
+WARMUP_CALLS = 20  # (the backend measures each graph's forms in its first calls: 2 + 4 x 3 of them)
 
 
 def profile_form(name: str, fn, xs, rows_shown: int) -> None:
@@ -31,7 +32,7 @@ def profile_form(name: str, fn, xs, rows_shown: int) -> None:
     from kgen.runtime import launches_one_by_one
 
     t = time.time()
-    for _ in range(3):
+    for _ in range(WARMUP_CALLS):
         fn(*xs)
     torch.cuda.synchronize()
     first = time.time() - t
@@ -48,7 +49,7 @@ def profile_form(name: str, fn, xs, rows_shown: int) -> None:
     rows = sorted((k for k in prof.key_averages() if k.self_device_time_total > 0), key=lambda k: -k.self_device_time_total)
     drained = statistics.median(time_call(lambda: fn(*xs)) for _ in range(CALLS_TIMED))
     print(f"-- {name}: {start.elapsed_time(end) / CALLS_TIMED:.3f} ms a call back to back, {drained:.3f} ms with the "
-          f"queue drained before it (as KernelBench times it; the first 3 calls {first:.1f} s)", flush=True)
+          f"queue drained before it (as KernelBench times it; the first {WARMUP_CALLS} calls {first:.1f} s)", flush=True)
     for k in rows[:rows_shown]:
         print(f"   {k.self_device_time_total / CALLS_PROFILED / 1e3:8.3f} ms {k.count // CALLS_PROFILED:4d}x  {k.key[:140]}")
 
