@@ -391,6 +391,13 @@ def get_init_inputs():
 '''
 
 
+def _refused(tmp_path, name: str, text: str, match: str) -> None:
+    """The model file ``text`` is refused by `kgen import` with a message matching ``match``."""
+    src = write_model_file(tmp_path, name, text)
+    with pytest.raises(ImportFailed, match=match):
+        import_model(str(src), name=name, out_dir=tmp_path / "specs")
+
+
 def test_powers_and_norms_are_the_products_and_roots_aten_computes(tmp_path):
     """x ** e for e in 1, 2, 3, 0.5, -0.5, -1, -2 (ATen's special cases: products, sqrt, rsqrt, reciprocals) and
     the 2-norms over given dims; the import's float64 check says they compute what the model does; any other
@@ -398,9 +405,8 @@ def test_powers_and_norms_are_the_products_and_roots_aten_computes(tmp_path):
     src = write_model_file(tmp_path, "powers", POWERS)
     kinds = [op.kind for op in load_pipeline(import_model(str(src), name="powers", out_dir=tmp_path / "specs")).spec.ops]
     assert "sqrt" in kinds and "rsqrt" in kinds and kinds.count("sum") == 3, kinds
-    src = write_model_file(tmp_path, "cube_root", POWERS.replace("x.abs().pow(0.5)", "x.abs().pow(0.3)"))
-    with pytest.raises(ImportFailed, match="exponent 0.3: only 1, 2, 3, 0.5, -0.5, -1 and -2"):
-        import_model(str(src), name="cube_root", out_dir=tmp_path / "specs")
+    _refused(tmp_path, "cube_root", POWERS.replace("x.abs().pow(0.5)", "x.abs().pow(0.3)"),
+             "exponent 0.3: only 1, 2, 3, 0.5, -0.5, -1 and -2")
 
 
 PATCHES = '''
@@ -435,9 +441,8 @@ def test_unfold_into_windows_side_by_side_is_a_view(tmp_path):
     src = write_model_file(tmp_path, "patches", PATCHES)
     kinds = [op.kind for op in load_pipeline(import_model(str(src), name="patches", out_dir=tmp_path / "specs")).spec.ops]
     assert kinds.count("permute") == 2 and "slice" in kinds and "linear" in kinds, kinds
-    src = write_model_file(tmp_path, "overlapping", PATCHES.replace("unfold(3, 4, 4)", "unfold(3, 4, 2)"))
-    with pytest.raises(ImportFailed, match=r"with size 4 and step 2: only windows side by side \(step == size\)"):
-        import_model(str(src), name="overlapping", out_dir=tmp_path / "specs")
+    _refused(tmp_path, "overlapping", PATCHES.replace("unfold(3, 4, 4)", "unfold(3, 4, 2)"),
+             r"with size 4 and step 2: only windows side by side \(step == size\)")
 
 
 SCALED = '''
@@ -473,9 +478,7 @@ def test_a_number_computed_from_sizes_is_a_scalar_and_a_sliced_buffer_is_named(t
     assert [op.kind for op in ops] == ["linear", "mul"] and ops[1].args["scalar"] == pytest.approx(8 ** -0.5), ops
     masked = SCALED.replace("  # MASKED", ".masked_fill(self.mask[:x.size(1)] == 0, 0.0)").replace(
         "nn.Linear(8, 8)", "nn.Linear(8, 8)\n        self.register_buffer('mask', torch.tril(torch.ones(6, 8)))")
-    src = write_model_file(tmp_path, "masked", masked)
-    with pytest.raises(ImportFailed, match=r"reads the buffer self.mask .*torch.compile\(model, backend=\"kgen\"\)"):
-        import_model(str(src), name="masked", out_dir=tmp_path / "specs")
+    _refused(tmp_path, "masked", masked, r"reads the buffer self.mask .*torch.compile\(model, backend=\"kgen\"\)")
 
 
 EINSUMS = '''
