@@ -26,6 +26,11 @@ the batch that a call reads beside its input (a parameter, a float buffer nothin
 computed from them alone: SwinV2's logit scale, a ``torch.cat`` of biases, a standardized weight;
 ``_Graph.batch_free``) is given to the op at each call as its parameters are.
 
+On a GPU the graph runs the fastest of its forms, measured in its first calls per input signature
+(``_measured``, kgen.runtime.MeasuredGraph): kgen's (the generated ops and the calls left to PyTorch) or the
+graph as Dynamo gave it, each called directly or replayed as one CUDA graph where the graph allows one
+(``_not_replayable``); values made from constants alone are computed once (``_fold_constants``).
+
 The batch (dim 0 of the graph's inputs) is the one run-time size: a generated module takes any
 batch. A partition's batch is the size its values lead with: the graph's, or a multiple of it in dim 0
 where a view folded the batch with another dim (Swin's windows ``[64 * B, 7, 7, C]``; the folding view
@@ -1343,8 +1348,7 @@ _RANDOM = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "ran
 
 def _writes(n: fx.Node) -> bool:
     """Whether call ``n`` writes into its first operand."""
-    return n.op in ("call_function", "call_method") and (
-        _in_place(n) or _name(n) in _WRITES or n.target is operator.setitem)
+    return n.op in ("call_function", "call_method") and (_in_place(n) or _name(n) in _WRITES)
 
 
 def _view_base(n):
