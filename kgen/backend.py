@@ -315,6 +315,11 @@ class _Graph:
         counts = [leading(n) for n, _ in inputs]
         return inputs[counts.index(max(counts))]
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the graph's inputs lie on a CUDA GPU (a model on the CPU of a GPU machine runs on the CPU)."""
+        return any(isinstance(e, torch.Tensor) and e.device.type == "cuda" for e in self.examples.values())
+
     def batch_dim(self, n) -> int | None:
         """Where the batch is in a tensor of the graph's dtype whose other sizes are static: dim 0, or, where the
         batch is Dynamo's symbol, the one dim of that size (a sequence-first [S, B, E]) or a dim 0 that is a
@@ -984,8 +989,7 @@ def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Pat
 
     key = str(module_dir)
     if autotune:
-        on_gpu = any(isinstance(e, torch.Tensor) and e.device.type == "cuda" for e in g.examples.values())
-        if default_variant() != "cuda" or not torch.cuda.is_available() or not on_gpu:
+        if default_variant() != "cuda" or not torch.cuda.is_available() or not g.on_gpu:
             _say_once("mode max-autotune: nothing to tune on the CPU (kgen tune measures plans on a CUDA GPU); "
                       "the cost model's plans run")
         elif key not in _LOADED:  # (a module loaded in this process keeps its op until the next process)
@@ -1304,7 +1308,7 @@ def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: l
             m.recompile()
     why = _not_replayable(original, g)
     GRAPHS.append({"graph": STATS["graphs"], "replay": why, "measured": None})
-    if not any(isinstance(e, torch.Tensor) and e.device.type == "cuda" for e in g.examples.values()):
+    if not g.on_gpu:
         return gm.forward
     forms = {"kgen": gm.forward, "eager": original.forward} if gm is not original else {"eager": gm.forward}
     measured = MeasuredGraph(forms, [i for i, n in enumerate(places) if n in g.state], replayable=why is None,

@@ -714,7 +714,7 @@ class Importer:
                 raise ImportFailed(f"{self._where(n)}: {self._call(n)} needs an integer dim")
             self._emit(n, "log_softmax" if "log" in name else "softmax", {"dim": dim}, src=x)
             return
-        if fn in (torch.matmul, torch.mm, torch.bmm, operator.matmul) or (n.op == "call_method" and name in ("matmul", "mm", "bmm")):
+        if _is_matmul(n):
             self._matmul(n)
             return
         if fn in _POOLS:
@@ -1821,14 +1821,15 @@ def maps_call(n: fx.Node) -> bool:
         fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn in (F.dropout, F.normalize, torch.einsum) or \
         fn in _POWERS or \
         fn in _NORMS or \
+        _is_matmul(n) or \
         fn in (torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze, torch.clamp, torch.clip, torch.clamp_,
-               torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, torch.matmul, torch.mm,
-               torch.bmm, operator.matmul)
+               torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax)
 
 
 def _is_matmul(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target in (torch.matmul, torch.bmm, operator.matmul)) or \
-        (n.op == "call_method" and n.target in ("matmul", "bmm"))
+    """A product: torch.matmul, mm, bmm, ``@`` or their methods."""
+    return (n.op == "call_function" and n.target in (torch.matmul, torch.mm, torch.bmm, operator.matmul)) or \
+        (n.op == "call_method" and n.target in ("matmul", "mm", "bmm"))
 
 
 def _binary_kind(n: fx.Node) -> str:

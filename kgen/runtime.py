@@ -348,8 +348,7 @@ class GraphReplay:
 
     @staticmethod
     def enabled(x) -> bool:
-        return (isinstance(x, torch.Tensor) and x.is_cuda and not _graphs_off and os.environ.get(_GRAPHS_ENV, "1") != "0"
-                and not torch.cuda.is_current_stream_capturing())
+        return isinstance(x, torch.Tensor) and x.is_cuda and _replays_allowed()
 
     def __call__(self, op, *args, mode: str = "any"):
         if self.never[mode] or not self.enabled(args[0]):
@@ -376,25 +375,44 @@ class GraphReplay:
             return _map_tensors(static_out, torch.Tensor.clone)
 
     def _capture(self, op, args, key):
-        inputs = _inputs(args)
-        with torch.inference_mode(False):  # normal tensors: later calls outside inference mode copy into them
-            static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in inputs]
-        for s, a in zip(static_in, inputs):
-            s.copy_(a)
-        it = iter(static_in)
-        static_args = tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run CUDA meanwhile
-                static_out = _call_below_autograd(op, static_args)
-        except RuntimeError as e:  # an op that cannot be captured (a host sync): launch one by one
+        captured = _captured(lambda static_args: _call_below_autograd(op, tuple(static_args)), args,
+                             lambda i: True, self.op_name)
+        if captured is None:  # an op that cannot be captured (a host sync): launch one by one
             _remember(self.direct, key)
-            warnings.warn(f"{self.op_name}: not replayed as a CUDA graph, its capture failed: {str(e).splitlines()[0]}",
-                          stacklevel=3)
             return None
-        entry = (graph, static_in, static_out)
+        graph, static_args, static_out = captured
+        entry = (graph, _inputs(static_args), static_out)
         self.graphs[key] = entry
         return entry
+
+
+def _replays_allowed() -> bool:
+    """CUDA-graph replay is on: not KGEN_CUDA_GRAPHS=0, not in launches_one_by_one(), not inside a capture of
+    someone else's."""
+    return not _graphs_off and os.environ.get(_GRAPHS_ENV, "1") != "0" and not torch.cuda.is_current_stream_capturing()
+
+
+def _captured(run, args, copied, what: str):
+    """``run(static_args)`` captured as one CUDA graph, ``static_args`` being ``args`` with each tensor ``args[i]``
+    that ``copied(i)`` names copied into the graph's own (the others read where they lie): (graph, static args,
+    static outputs), or None, with a warning, where the capture fails."""
+    static_args = []
+    with torch.inference_mode(False):  # normal tensors: later calls outside inference mode copy into them
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and copied(i):
+                static = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                static.copy_(a)
+                a = static
+            static_args.append(a)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run CUDA meanwhile
+            static_out = run(static_args)
+    except RuntimeError as e:
+        warnings.warn(f"{what}: not replayed as a CUDA graph, its capture failed: {str(e).splitlines()[0]}",
+                      stacklevel=4)
+        return None
+    return graph, static_args, static_out
 
 
 def _remember(signatures: set, key) -> None:
@@ -499,8 +517,7 @@ class MeasuredGraph:
 
     def _measured(self, args) -> bool:
         tensors = [args[i] for i in self.inputs if isinstance(args[i], torch.Tensor)]
-        return (bool(tensors) and tensors[0].is_cuda and not _graphs_off
-                and os.environ.get(_GRAPHS_ENV, "1") != "0" and not torch.cuda.is_current_stream_capturing()
+        return (bool(tensors) and tensors[0].is_cuda and _replays_allowed()
                 and not (torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor))))
 
     def _signature(self, args) -> tuple:
@@ -594,25 +611,7 @@ class MeasuredGraph:
         return _map_tensors(static_out, torch.Tensor.clone)
 
     def _capture(self, fn, args):
-        static_args = []
-        with torch.inference_mode(False):  # normal tensors: later calls outside inference mode copy into them
-            for i, a in enumerate(args):
-                if isinstance(a, torch.Tensor) and i not in self.state:
-                    s = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                    s.copy_(a)
-                    static_args.append(s)
-                else:
-                    static_args.append(a)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                static_out = fn(*static_args)
-        except RuntimeError as e:  # (a call the caller did not foresee)
-            warnings.warn(f"kgen: {self.name} is not replayed as a CUDA graph, its capture failed: "
-                          f"{str(e).splitlines()[0]}", stacklevel=3)
-            return None
-        return graph, static_args, static_out
+        return _captured(lambda static_args: fn(*static_args), args, lambda i: i not in self.state, f"kgen: {self.name}")
 
 
 def _timed(fn):
