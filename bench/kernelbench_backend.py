@@ -136,6 +136,8 @@ def run_problem(path: Path, args) -> dict:
     forms = {"eager": model}
     if "inductor" not in args.skip:
         forms["inductor"] = compiled_copy(model)
+    if "dynamo" not in args.skip:  # Dynamo's graphs run as PyTorch runs them: what Dynamo alone costs a call
+        forms["dynamo"] = compiled_copy(model, backend="eager")
     # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
     kgen_backend = "kgen" if "kgen" in torch._dynamo.list_backends() else backend.kgen_backend
     forms["kgen"] = compiled_copy(model, backend=kgen_backend, options={"verbose": args.verbose})
@@ -198,6 +200,7 @@ def run_problem(path: Path, args) -> dict:
     measured = [g["measured"]() for g in backend.GRAPHS[graphs_before:] if g["measured"]]
     chosen = [c for m in measured if m is not None for c in m.chosen()]
     row["forms_run"] = ", ".join(f"{c} x{chosen.count(c)}" for c in dict.fromkeys(chosen))
+    row["forms_measured"] = [text for m in measured if m is not None for text in m.choices()]
     if any(k.endswith("_error") for k in row):
         row["status"] = "failed"
     return row
@@ -389,9 +392,10 @@ def markdown(rows, env, args) -> str:
         + (f", batch {args.batch} (the problems' batch_size replaced)" if args.batch else ", the problems' own sizes") + ". "
         "Training mode as KernelBench runs the models, under torch.no_grad(). KernelBench's check: "
         f"torch.allclose(form, eager, atol=rtol=1e-4) on {args.trials} inputs from get_inputs() (seeds 42...). "
-        f"Times: median of {args.reps} calls after warm-up, the three forms in turns (blocks of calls), "
+        f"Times: median of {args.reps} calls after warm-up, the forms in turns (blocks of calls), "
         + ("CUDA events" if args.device.startswith("cuda") else "wall clock") + "; first call = compile. "
-        "Form run: which form of each graph the backend measured fastest and runs (kgen's partitions with the "
+        "Dynamo alone: torch.compile(backend=\"eager\"), Dynamo's graphs run as PyTorch runs them (its guards' and "
+        "graph breaks' cost; '-' in rows timed before this column). Form run: which form of each graph the backend measured fastest and runs (kgen's partitions with the "
         "calls left to PyTorch, or the graph as PyTorch computes it; each directly or replayed as one CUDA graph; "
         "rows timed before ca99707 ran kgen's form directly). "
         "kgen share (of kgen's form): device time inside the generated ops over the call's (torch.profiler; rows timed before "
@@ -400,17 +404,17 @@ def markdown(rows, env, args) -> str:
         "",
         *summary(rows),
         "",
-        "| problem | batch | eager ms | inductor ms | kgen ms | vs eager | vs inductor | inductor check | kgen check | "
+        "| problem | batch | eager ms | inductor ms | Dynamo alone ms | kgen ms | vs eager | vs inductor | inductor check | kgen check | "
         "kgen share | partitions in kgen | form run (per graph) | first call s (inductor / kgen) | left eager / errors | "
         "commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         e, i, k = r.get("eager_ms"), r.get("inductor_ms"), r.get("kgen_ms")
         notes = "; ".join([*(r[x] for x in r if x.endswith("_error")), *r.get("eager_reasons", [])])
         share = r.get("kgen_share")
         lines.append(
-            f"| {r['problem']} | {r.get('batch', '')} | {_f(e)} | {_f(i)} | {_f(k)} | {f'{e / k:.2f}x' if e and k else '-'} | "
+            f"| {r['problem']} | {r.get('batch', '')} | {_f(e)} | {_f(i)} | {_f(r.get('dynamo_ms'))} | {_f(k)} | {f'{e / k:.2f}x' if e and k else '-'} | "
             f"{f'{i / k:.2f}x' if i and k else '-'} | {r.get('inductor_check', '-')} | {r.get('kgen_check', '-')} | "
             f"{'-' if share is None else f'{share:.0%}'} | {r.get('partitions_kgen', '')} | {r.get('forms_run', '')} | "
             f"{r.get('inductor_first_s', '-')} / {r.get('kgen_first_s', '-')} | {notes.replace('|', '/')[:400]} | {r.get('commit', '')} |")
@@ -427,7 +431,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="replace the problems' batch_size (small runs)")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--skip", default="", help="forms not to run: inductor")
+    ap.add_argument("--skip", default="", help="forms not to run: inductor, dynamo (torch.compile(backend=\"eager\"), Dynamo's cost alone)")
     ap.add_argument("--verbose", action="store_true", help="kgen's progress on stderr")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "kb-backend-out")))
     ap.add_argument("--timeout", type=float, default=None,
@@ -478,6 +482,7 @@ def main() -> None:
     for row in rows_in_children(args, stop_at) if args.timeout is not None else problem_rows(args, stop_at):
         rows.append(row)
         print(f"{row['problem']}: eager {_f(row.get('eager_ms'))} ms, inductor {_f(row.get('inductor_ms'))} ms, "
+              f"Dynamo alone {_f(row.get('dynamo_ms'))} ms, "
               f"kgen {_f(row.get('kgen_ms'))} ms, check {row.get('kgen_check', '-')}, {row['status']} "
               f"({row['time_s']} s)", flush=True)
         row["commit"], row["date"] = env["commit"], env["date"]

@@ -482,6 +482,7 @@ class _Trial:
         self.ms: dict = {}  # (form, replayed) -> milliseconds of its timed calls
         self.entries: dict = {}  # form -> (graph, static inputs, static outputs) once captured
         self.chosen: tuple | None = None  # (form, replayed)
+        self.text = ""  # the choice and the times it was made on, in words
         self.state: list = []  # where the model's parameters and buffers lay when it was measured
 
 
@@ -533,6 +534,10 @@ class MeasuredGraph:
         """The form chosen for each signature measured so far: "kgen", "eager replayed", ..."""
         return [f"{t.chosen[0]}{' replayed' if t.chosen[1] else ''}" for t in self.trials.values() if t.chosen]
 
+    def choices(self) -> list:
+        """Each measured signature's choice with the times it was made on, in words."""
+        return [t.text for t in self.trials.values() if t.chosen]
+
     def __call__(self, *args):
         if self.inputs is None:  # (the graph's arguments that are not the model's state: its inputs and sizes)
             self.inputs = [i for i in range(len(args)) if i not in self.state]
@@ -550,30 +555,38 @@ class MeasuredGraph:
                 trial.state = self._where_state_lies(args)
             if trial.chosen is not None:
                 return self._run(trial, trial.chosen, args)
+            for form, replayed, round_ in self._turns():
+                times = trial.ms.setdefault((form, replayed), [])
+                if times is None or len(times) > round_:
+                    continue
+                if form not in trial.warm:
+                    trial.warm.add(form)
+                    return self.forms[form](*args)
+                if replayed and form not in trial.entries:
+                    if sum(1 for t in self.trials.values() if t.entries and t is not trial) >= MAX_GRAPHS:
+                        trial.ms[(form, replayed)] = None  # (graphs kept for MAX_GRAPHS signatures already)
+                        continue
+                    entry = self._capture(self.forms[form], args)
+                    if entry is None:
+                        trial.ms[(form, replayed)] = None  # (not capturable: never chosen)
+                        return self.forms[form](*args)
+                    trial.entries[form] = entry
+                out, ms = _timed(lambda: self._run(trial, (form, replayed), args))
+                times.append(ms)
+                return out
+            self._choose(trial)  # (every form measured)
+            trial.text = self._choice_text(trial, args)
+            if self.on_choice is not None:
+                self.on_choice(trial.text)
+            return self._run(trial, trial.chosen, args)
+
+    def _turns(self):
+        """(form, replayed, round) in the order of the timed calls: the forms in turns, one timed call each a round,
+        so that a drift of the clocks over the first calls weighs on every form alike."""
+        for round_ in range(REPLAY_TRIALS):
             for form in self.forms:
                 for replayed in ((False, True) if self.replayable else (False,)):
-                    times = trial.ms.setdefault((form, replayed), [])
-                    if times is None or len(times) >= REPLAY_TRIALS:
-                        continue
-                    if form not in trial.warm:
-                        trial.warm.add(form)
-                        return self.forms[form](*args)
-                    if replayed and form not in trial.entries:
-                        if sum(1 for t in self.trials.values() if t.entries and t is not trial) >= MAX_GRAPHS:
-                            trial.ms[(form, replayed)] = None  # (graphs kept for MAX_GRAPHS signatures already)
-                            continue
-                        entry = self._capture(self.forms[form], args)
-                        if entry is None:
-                            trial.ms[(form, replayed)] = None  # (not capturable: never chosen)
-                            return self.forms[form](*args)
-                        trial.entries[form] = entry
-                    out, ms = _timed(lambda: self._run(trial, (form, replayed), args))
-                    times.append(ms)
-                    return out
-            self._choose(trial)  # (every form measured)
-            if self.on_choice is not None:
-                self.on_choice(self._choice_text(trial, args))
-            return self._run(trial, trial.chosen, args)
+                    yield form, replayed, round_
 
     def _choice_text(self, trial: _Trial, args) -> str:
         def form(k):

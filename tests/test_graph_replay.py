@@ -259,7 +259,7 @@ def test_a_measured_graph_calls_its_first_form_on_the_cpu():
 
 def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypatch):
     """The measurement's steps, on the CPU with the GPU's part stood in for (a graph that cannot be replayed: each
-    form called once untimed, then timed REPLAY_TRIALS times); a form that takes longer is not chosen, and each
+    form called once untimed, then timed REPLAY_TRIALS times, the forms in turns); a form that takes longer is not chosen, and each
     call's result is right throughout; a new batch is measured on its own."""
     import time
 
@@ -286,7 +286,8 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypat
     for i in range(steps + 3):
         x = torch.randn(3 if i < steps + 2 else 5, 8)
         torch.testing.assert_close(measured(x, w, buf)[0], _many_small_calls(x, w, ref_buf)[0], rtol=1e-5, atol=1e-5)
-    assert runs[:steps] == ["slow"] * (steps // 2) + ["fast"] * (steps // 2)
+    # each form's untimed call before its first timed one, then the forms in turns, a timed call each
+    assert runs[:steps] == ["slow", "slow", "fast", "fast"] + ["slow", "fast"] * (runtime.REPLAY_TRIALS - 1)
     assert runs[steps:] == ["fast", "fast", "slow"]  # chosen; then batch 5's first call (the first form, warming)
     assert measured.chosen() == ["eager"] and len(measured.trials) == 2
     assert len(said) == 1 and said[0].startswith("graph 7 (3x8) runs eager's form (median ms of 3 calls: kgen 1"), said
