@@ -1429,3 +1429,58 @@ def test_unfolded_patches_are_in_the_partition(cache):
     made = _partitions_of(SequencePatches().eval(), torch.randn(2, 3, 16))
     assert len(made) == 1 and made[0]["module"] is not None and "unfold" in made[0]["calls"], made
 
+
+
+class ComputesWhatItDoesNotReturn(nn.Module):
+    def forward(self, x, w):
+        unused = torch.einsum("bij,jk->bik", x, w).exp()  # (Mamba2's block output where the state alone is returned)
+        torch.rand_like(x)  # unused, but a later draw depends on it
+        y = x * 2.0
+        y.masked_fill_(x > 1.0, 0.0)  # its result unused, its write not
+        return y + torch.rand_like(x)
+
+
+def _code_given_to_the_backend(model, *xs) -> str:
+    """The graph's code once kgen_backend has compiled it, after a call equal to eager's (the same random draws)."""
+    from kgen.backend import kgen_backend
+
+    seen = []
+
+    def spy(gm, example_inputs):
+        fn = kgen_backend(gm, example_inputs)
+        seen.append(gm.code)
+        return fn
+
+    compiled = torch.compile(model, backend=spy)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        got = compiled(*xs)
+        torch.manual_seed(3)
+        torch.testing.assert_close(got, model(*xs))
+    return seen[-1]
+
+
+def test_calls_whose_results_nothing_uses_are_dropped_but_not_writes_or_draws(cache):
+    """Dynamo keeps a call whose result nothing uses; the backend drops it before partitioning (neither form computes
+    it), except a write into an operand or a random draw (the later draws would change)."""
+    code = _code_given_to_the_backend(ComputesWhatItDoesNotReturn(), torch.randn(2, 4, 3), torch.randn(3, 5))
+    assert "einsum" not in code and "exp" not in code, code
+    assert code.count("torch.rand_like(") == 2 and ".masked_fill_(" in code, code
+
+
+class WriteBetweenReads(nn.Module):
+    def forward(self, x):
+        y = torch.sigmoid(x) * 2.0
+        y.masked_fill_(x > 1.0, 0.0)  # read after: stays eager
+        return torch.tanh(y) + 1.0
+
+
+def test_a_partition_is_cut_at_a_write_outside_it_into_a_value_it_reads(cache):
+    """A partition runs where its last call stood: one of the calls before the eager write and the calls after it
+    would have read y unwritten (the write moved after it, waiting for y)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8) * 2
+    code = _code_given_to_the_backend(WriteBetweenReads(), x)
+    lines = code.splitlines()
+    write = next(i for i, line in enumerate(lines) if ".masked_fill_(" in line)
+    assert any("fused_0" in line for line in lines[:write]) and any("fused_1" in line for line in lines[write:]), code
