@@ -318,6 +318,59 @@ class _InitRecorder(TorchFunctionMode):
 # ------------------------------------------------------------------ the importer
 
 
+def split_einsums(gm: fx.GraphModule) -> int:
+    """Each einsum of three or more operands as einsums of two, left to right (as torch.einsum contracts them
+    without opt_einsum): each step keeps the indices a later operand or the result has and sums the others, its
+    result ordered as the product gives it (batch dims, the first's, the second's). Mamba2's
+    ``bclhn,bhcl,bclhp->bchpn`` becomes ``bclhn,bhcl->bclhn`` (a product, nothing summed) then
+    ``bclhn,bclhp->bchpn``. Returns the number of einsums split."""
+    split = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.einsum or n.kwargs or not n.args:
+            continue
+        eq, operands = n.args[0], list(n.args[1:])
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = list(operands[0])
+        if not isinstance(eq, str) or len(operands) < 3 or "..." in eq or "->" not in eq:
+            continue
+        lhs, out = eq.replace(" ", "").split("->")
+        subs = lhs.split(",")
+        if len(subs) != len(operands):
+            continue
+        value, have = operands[0], subs[0]
+
+        def call(fn, args, kwargs=None):
+            made = gm.graph.call_function(fn, args, kwargs)
+            made.meta = dict(n.meta)  # (the source line, for errors)
+            return made
+
+        with gm.graph.inserting_before(n):
+            for i in range(1, len(operands)):
+                other, operand = subs[i], operands[i]
+                later = set(out).union(*subs[i + 1:])
+                for subs_of, which in ((have, 0), (other, 1)):  # an index of one operand alone, summed first
+                    alone = [d for d, k in enumerate(subs_of) if k not in (other if which == 0 else have) + "".join(later)]
+                    if alone:
+                        summed = call(torch.sum, ([value, operand][which], alone))
+                        kept = "".join(k for d, k in enumerate(subs_of) if d not in alone)
+                        value, have = (summed, kept) if which == 0 else (value, have)
+                        operand, other = (summed, kept) if which == 1 else (operand, other)
+                if i == len(operands) - 1:
+                    result = out
+                else:
+                    both = [k for k in have if k in other and k in later]
+                    result = "".join(both + [k for k in have if k not in other and k in later]
+                                     + [k for k in other if k not in have and k in later])
+                value = call(torch.einsum, (f"{have},{other}->{result}", value, operand))
+                have = result
+        n.replace_all_uses_with(value)
+        gm.graph.erase_node(n)
+        split += 1
+    if split:
+        gm.recompile()
+    return split
+
+
 class _StackTracer(fx.Tracer):
     """torch.fx's tracer, each node's stack trace (from forward on) recorded with Python's traceback
     module: torch's own recording (``record_stack_traces``) imports torch._dynamo on first use, 1.5-3 s
@@ -493,6 +546,7 @@ class Importer:
             raise ImportFailed(f"{self._where_exc(e)}: torch.fx cannot trace forward: {type(e).__name__}: "
                                f"{one_line(e, 200)}") from None
         self.gm = fx.GraphModule(self.model, graph)
+        split_einsums(self.gm)
         # an in-place call whose result is not used (`x.relu_()` as a statement) still changes x
         self.gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or self._in_place(n) is not None)
 
@@ -1213,6 +1267,9 @@ class Importer:
         if not sa[0] == sb[0] == out[0]:
             raise ImportFailed(f"{where}: the batch must be the first index of both operands and of the result")
         size = {k: v for t, x in ((sa, a), (sb, b)) for k, v in zip(t, self._shape(x))}
+        if not set(sa) & set(sb) - set(out):  # nothing summed: a product of values, one broadcast to the other
+            self._einsum_product(n, where, (a, sa), (b, sb), out, size)
+            return
         batch = [k for k in out if k in sa and k in sb]
         left, right = [k for k in out if k not in sb], [k for k in out if k not in sa]
         summed = [k for k in sa if k in sb and k not in out]
@@ -1241,6 +1298,26 @@ class Importer:
             self._emit(n, "reshape", {"shape": [size[k] for k in kept[1:]]}, src=n)
         if kept != list(out):
             self._emit(n, "permute", {"dims": [kept.index(k) for k in out]}, src=n)
+
+    def _einsum_product(self, n, where: str, first, second, out: str, size: dict) -> None:
+        """An einsum that sums no index (``bclhn,bhcl->bclhn``): the operand holding every index of the result
+        times the other, permuted to its order and given size-1 dims where it lacks an index, then permuted to
+        the result's order."""
+        (a, sa), (b, sb) = (first, second) if set(first[1]) == set(out) else (second, first)
+        if set(sa) != set(out):
+            raise ImportFailed(f"{where}: an outer product (neither operand holds every index of the result)")
+        src = b
+        dims = [sb.index(k) for k in sa if k in sb]
+        if dims != list(range(len(sb))):
+            self._emit(n, "permute", {"dims": dims}, src=src)
+            src = n
+        if len(sb) < len(sa):
+            self._emit(n, "reshape", {"shape": [size[k] if k in sb else 1 for k in sa[1:]]}, src=src)
+            src = n
+        operand = self._name_of(n, "operand") if src is n else self._name_of(b)
+        self._emit(n, "mul", {"tensor": operand}, src=a)
+        if sa != out:
+            self._emit(n, "permute", {"dims": [sa.index(k) for k in out]}, src=n)
 
     def _power(self, n, x, exponent) -> None:
         """x ** e for the exponents ATen computes by products and roots (its pow_tensor_scalar special cases: x * x,

@@ -520,6 +520,40 @@ def test_an_einsum_of_two_values_is_one_batched_product(tmp_path):
         import_model(str(write_model_file(tmp_path, "bad_einsum", bad)), name="bad_einsum", out_dir=tmp_path / "specs")
 
 
+CHAINED_EINSUMS = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, b, decay, x_blocks):  # Mamba2's intra-chunk states, and a three-way product summed over two indices
+        states = torch.einsum("bclhn,bhcl,bclhp->bchpn", b, decay, x_blocks)
+        mixed = torch.einsum("bclhn,bhcl,bclhp->bhp", b, decay.exp(), x_blocks)
+        return states.flatten(1) + mixed.flatten(1).sum(-1, keepdim=True)
+
+
+def get_inputs():
+    return [torch.randn(2, 3, 4, 2, 5), torch.randn(2, 2, 3, 4), torch.randn(2, 3, 4, 2, 6)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_an_einsum_of_three_values_is_split_into_products_of_two(tmp_path):
+    """torch.einsum of three operands imports as two einsums of two, left to right: the first sums nothing (a
+    product with the second operand broadcast over the index it lacks), the second is one batched product; the
+    import's float64 check says they compute what the model does."""
+    src = write_model_file(tmp_path, "chained", CHAINED_EINSUMS)
+    ops = load_pipeline(import_model(str(src), name="chained", out_dir=tmp_path / "specs")).spec.ops
+    kinds = [op.kind for op in ops]
+    assert kinds.count("matmul") == 2 and kinds.count("mul") >= 2, kinds
+
+
 def test_unsupported_call_names_the_op_and_its_line(tmp_path):
     src = write_model_file(tmp_path, "bad", UNSUPPORTED)
     out = tmp_path / "specs"
