@@ -366,6 +366,11 @@ def summary(rows) -> list[str]:
         vs_correct = (f" Against inductor where it passes the check ({len(correct)}): geometric mean "
                       f"{geomean('inductor_ms', correct):.2f}x, "
                       f"the least {worst['inductor_ms'] / worst['kgen_ms']:.2f}x ({worst['number']}).")
+    alone = [r for r in timed if r.get("dynamo_ms")]
+    if alone:  # what the backend adds to Dynamo's own cost (its form measured, its partitions' ops)
+        behind = [f"{r['number']} ({r['dynamo_ms'] / r['kgen_ms']:.2f}x)" for r in alone if r["kgen_ms"] > r["dynamo_ms"]]
+        vs_correct += (f" Against Dynamo alone ({len(alone)} rows with it): geometric mean {geomean('dynamo_ms', alone):.2f}x;"
+                       f" slower on {', '.join(behind) if behind else 'none'}.")
     return [f"**{len(timed)} of {len(rows)} problems timed; geometric mean {geomean('eager_ms'):.2f}x eager, "
             f"{geomean('inductor_ms'):.2f}x inductor. KernelBench's check passed by kgen on {passed['kgen']}, by "
             f"inductor on {passed['inductor']}. {whole} with every partition in kgen, "
