@@ -21,7 +21,7 @@ from gpu_timeline import call_timeline  # noqa: E402
 from kernelbench_backend import INIT_SEED, compiled_copy, load_problem, problem_file, problem_numbers  # noqa: E402
 
 CALLS_TIMED, CALLS_PROFILED = 10, 5
-WARMUP_CALLS = 20  # (the backend measures each graph's forms in its first calls: 2 + 4 x 3 of them)
+WARMUP_CALLS = 40  # (the backend measures its partitions' forms, then each graph's, in their first calls: ~25)
 
 
 def profile_form(name: str, fn, xs, rows_shown: int) -> None:

@@ -936,9 +936,13 @@ def _batch_in_shape(args, n: fx.Node, g: _Graph, batch):
 class KgenPartition(nn.Module):
     """One partition run by its generated op: the call's arguments (the partition's inputs as the
     partitioned graph passes them) go to the op's functional form; its running statistics come back
-    updated and are copied into the graph's buffers, as ``F.batch_norm`` updates them in place."""
+    updated and are copied into the graph's buffers, as ``F.batch_norm`` updates them in place.
 
-    def __init__(self, module, plan: _Plan, several: bool):
+    Given ``pytorch_form`` (the partition's calls as PyTorch computes them), on a GPU the faster of the two runs,
+    measured per call signature in the first calls (kgen.runtime.MeasuredGraph, not replayed: the graph is): the
+    cost model's error on one partition costs that partition, not its graph's other partitions."""
+
+    def __init__(self, module, plan: _Plan, several: bool, pytorch_form: nn.Module | None = None, on_choice=None):
         super().__init__()
         self.kgen_sources = Path(module.__file__).parent  # the module's folder, named as its op kgen::NAME
         self.module_name = self.kgen_sources.name
@@ -959,8 +963,22 @@ class KgenPartition(nn.Module):
         self._result = op_result(f"kgen::{self.module_name}")  # how the op lays out its outputs and statistics
         self._moved_in = list(plan.moved_in) if any(plan.moved_in) else None
         self._moved_out = list(plan.moved_out) if any(plan.moved_out) else None
+        self.measured = None
+        if pytorch_form is not None:
+            from .runtime import MeasuredGraph
+
+            self.pytorch_form = pytorch_form
+            self.measured = MeasuredGraph({"kgen": self._run, "eager": pytorch_form}, self._params + self._buffers,
+                                          replayable=False, name=f"partition {self.module_name}", on_choice=on_choice)
+
+    def settled(self) -> bool:
+        """Whether the latest call's signature has its form chosen (or nothing is measured)."""
+        return self.measured is None or self.measured.is_settled()
 
     def forward(self, *args):
+        return self._run(*args) if self.measured is None else self.measured(*args)
+
+    def _run(self, *args):
         buffers = [args[i] for i in self._buffers]
         inputs = [args[i] for i in self._inputs]
         if self._moved_in:  # sequence-first values: the op takes the batch first
@@ -1030,7 +1048,8 @@ def _refuse_eager_plans(module_dir: Path, g: _Graph, batch: int) -> None:
 
 def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Path, verbose: bool,
                     autotune: bool = False) -> KgenPartition:
-    """The built partition (tuned first, for max-autotune) loaded as its runner."""
+    """The built partition (tuned first, for max-autotune) loaded as its runner, measured against ``sub`` (its
+    calls as PyTorch computes them) on a GPU."""
     from .build import default_variant
     from .compiler import tune_module
     from .validate import import_module_dir
@@ -1045,7 +1064,12 @@ def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Pat
             _refuse_eager_plans(module_dir, g, plan.batch)
     if key not in _LOADED:
         _LOADED[key] = import_module_dir(module_dir)
-    return KgenPartition(_LOADED[key], plan, isinstance(_outputs(sub), (tuple, list)))
+    def said(text: str) -> None:  # (a partition that keeps kgen's op says nothing: the usual case)
+        if verbose and "runs eager's form" in text:
+            _say(text)
+
+    return KgenPartition(_LOADED[key], plan, isinstance(_outputs(sub), (tuple, list)), pytorch_form=sub,
+                         on_choice=said)
 
 
 # ------------------------------------------------------------------ the backend
@@ -1332,7 +1356,8 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
             continue
         STATS["kgen"] += 1
         spec = module_dir.parent / SPEC_FILE
-        PARTITIONS.append({"calls": names, "module": runner.module_name, "reason": None, "spec": str(spec)})
+        PARTITIONS.append({"calls": names, "module": runner.module_name, "reason": None, "spec": str(spec),
+                           "runner": weakref.ref(runner)})  # (its measured choice; no GPU memory kept alive)
         if verbose:
             _say(f"partition ({_calls_text(names)}) runs as kgen::{runner.module_name}; `kgen explain {spec}` "
                  "shows its plan")
@@ -1361,8 +1386,10 @@ def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: l
     if not g.on_gpu:
         return gm.forward
     forms = {"kgen": gm.forward, "eager": original.forward} if gm is not original else {"eager": gm.forward}
+    partitions = [m for m in gm.modules() if isinstance(m, KgenPartition)]
     measured = MeasuredGraph(forms, [i for i, n in enumerate(places) if n in g.state], replayable=why is None,
-                             name=f"graph {STATS['graphs']}", on_choice=_say if verbose else None)
+                             name=f"graph {STATS['graphs']}", on_choice=_say if verbose else None,
+                             settled={"kgen": lambda: all(p.settled() for p in partitions)})  # (its partitions' choices)
     GRAPHS[-1]["measured"] = weakref.ref(measured)  # (the list keeps no compiled graph, or its GPU memory, alive)
     return measured
 

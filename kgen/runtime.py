@@ -472,6 +472,7 @@ def _map_tensors(out, fn):
 
 REPLAY_TRIALS = 3  # calls of each form timed, with the queue drained before each, before the fastest is kept
 CHOICE_MARGIN = 0.02  # a form measured later is chosen where its median is this much faster than the best before
+SETTLING_CALLS = 16  # untimed calls of a form whose inner measurements (its partitions') are not done, at most
 
 
 class _Trial:
@@ -483,6 +484,7 @@ class _Trial:
         self.entries: dict = {}  # form -> (graph, static inputs, static outputs) once captured
         self.chosen: tuple | None = None  # (form, replayed)
         self.text = ""  # the choice and the times it was made on, in words
+        self.settling: dict = {}  # form -> its untimed calls
         self.state: list = []  # where the model's parameters and buffers lay when it was measured
 
 
@@ -508,12 +510,16 @@ class MeasuredGraph:
     (an input that requires grad, with grad mode on: the first form runs), outside a capture by someone else, and
     not under KGEN_CUDA_GRAPHS=0 or in launches_one_by_one() (the first form runs directly)."""
 
-    def __init__(self, forms: dict, state, replayable: bool, name: str = "graph", on_choice=None):
+    def __init__(self, forms: dict, state, replayable: bool, name: str = "graph", on_choice=None, settled=None):
         self.forms, self.state, self.replayable, self.name = dict(forms), frozenset(state), replayable, name
         self.on_choice = on_choice  # called with a line saying what was chosen, for each signature
+        # form -> whether the measurements inside it are done (a graph's partitions measure their own forms in
+        # its first calls): until then the form is called untimed, at most SETTLING_CALLS times
+        self.settled = dict(settled or {})
         self.first = next(iter(self.forms.values()))
         self.inputs: list | None = None
         self.trials: dict = {}
+        self.last: _Trial | None = None  # the trial of the latest measured call
         self.lock = threading.Lock()
 
     def _measured(self, args) -> bool:
@@ -538,10 +544,19 @@ class MeasuredGraph:
         """Each measured signature's choice with the times it was made on, in words."""
         return [t.text for t in self.trials.values() if t.chosen]
 
+    def is_settled(self) -> bool:
+        """Whether the latest measured call's signature has its form chosen (the measurement is over)."""
+        return self.last is None or self.last.chosen is not None
+
     def __call__(self, *args):
         if self.inputs is None:  # (the graph's arguments that are not the model's state: its inputs and sizes)
             self.inputs = [i for i in range(len(args)) if i not in self.state]
         if not self._measured(args):
+            if self.trials and torch.cuda.is_current_stream_capturing():
+                # inside the capture of an enclosing graph (a partition's, in its graph's replay): the form chosen
+                trial = self.trials.get(self._signature(args))
+                if trial is not None and trial.chosen is not None:
+                    return self.forms[trial.chosen[0]](*args)
             return self.first(*args)
         key = self._signature(args)
         with self.lock:
@@ -553,14 +568,17 @@ class MeasuredGraph:
                     self.trials.clear()
                 trial = self.trials[key] = _Trial()
                 trial.state = self._where_state_lies(args)
+            self.last = trial
             if trial.chosen is not None:
                 return self._run(trial, trial.chosen, args)
             for form, replayed, round_ in self._turns():
                 times = trial.ms.setdefault((form, replayed), [])
                 if times is None or len(times) > round_:
                     continue
-                if form not in trial.warm:
+                if form not in trial.warm or (not self.settled.get(form, _always)()
+                                              and trial.settling.get(form, 0) < SETTLING_CALLS):
                     trial.warm.add(form)
+                    trial.settling[form] = trial.settling.get(form, 0) + 1
                     return self.forms[form](*args)
                 if replayed and form not in trial.entries:
                     if sum(1 for t in self.trials.values() if t.entries and t is not trial) >= MAX_GRAPHS:
@@ -625,6 +643,10 @@ class MeasuredGraph:
 
     def _capture(self, fn, args):
         return _captured(lambda static_args: fn(*static_args), args, lambda i: i not in self.state, f"kgen: {self.name}")
+
+
+def _always() -> bool:
+    return True
 
 
 def _timed(fn):

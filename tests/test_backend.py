@@ -1484,3 +1484,36 @@ def test_a_partition_is_cut_at_a_write_outside_it_into_a_value_it_reads(cache):
     lines = code.splitlines()
     write = next(i for i, line in enumerate(lines) if ".masked_fill_(" in line)
     assert any("fused_0" in line for line in lines[:write]) and any("fused_1" in line for line in lines[write:]), code
+
+
+def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypatch):
+    """Each partition measures its op against its calls as PyTorch computes them (on the CPU with the GPU's part stood
+    in for, the op slowed down): PyTorch's calls are chosen, and every call's result and running statistics are
+    eager's throughout, the measurement's calls included."""
+    import time
+
+    from kgen import backend, runtime
+
+    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    run = backend.KgenPartition._run
+    monkeypatch.setattr(backend.KgenPartition, "_run", lambda self, *a: time.sleep(0.02) or run(self, *a))
+    seen = []
+
+    def spy(gm, example_inputs):
+        seen.append(gm)
+        return backend.kgen_backend(gm, example_inputs)
+
+    torch.manual_seed(0)
+    model = Net().train()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=spy)
+    with torch.no_grad():
+        for _ in range(2 + 2 * runtime.REPLAY_TRIALS + 2):
+            x = torch.randn(2, 3, 8, 8)
+            torch.testing.assert_close(compiled(x), twin(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.bn.running_mean, twin.bn.running_mean, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(model.bn.running_var, twin.bn.running_var, rtol=1e-4, atol=1e-6)
+    parts = [m for gm in seen for m in gm.modules() if isinstance(m, backend.KgenPartition)]
+    assert parts and all(p.measured.chosen() == ["eager"] and p.settled() for p in parts), \
+        [p.measured.choices() for p in parts]

@@ -293,6 +293,40 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypat
     assert len(said) == 1 and said[0].startswith("graph 7 (3x8) runs eager's form (median ms of 3 calls: kgen 1"), said
 
 
+def test_a_measured_graph_waits_for_the_measurements_inside_a_form(monkeypatch):
+    """A form whose inner measurements are not done (a graph's partitions measuring their own forms) is called
+    untimed until they are, at most SETTLING_CALLS times, before its timed calls."""
+    from kgen import runtime
+
+    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runs = []
+
+    def kgen(*a):
+        runs.append("kgen")
+        return _fewer_calls(*a)
+
+    def eager(*a):
+        runs.append("eager")
+        return _many_small_calls(*a)
+
+    inner_done_after = 5  # calls of kgen's form
+    measured = runtime.MeasuredGraph({"kgen": kgen, "eager": eager}, state=[1, 2], replayable=False,
+                                     settled={"kgen": lambda: runs.count("kgen") >= inner_done_after})
+    w, buf, ref_buf = torch.randn(8), torch.zeros(8), torch.zeros(8)
+    for _ in range(inner_done_after + 2 + 2 * runtime.REPLAY_TRIALS):  # (the last call chooses)
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(measured(x, w, buf)[0], _many_small_calls(x, w, ref_buf)[0], rtol=1e-5, atol=1e-5)
+    trial = measured.last
+    assert trial.settling["kgen"] == inner_done_after and trial.settling["eager"] == 1, trial.settling
+    assert measured.is_settled() and measured.chosen()
+    never = runtime.MeasuredGraph({"kgen": kgen, "eager": eager}, state=[1, 2], replayable=False,
+                                  settled={"kgen": lambda: False})
+    for _ in range(runtime.SETTLING_CALLS + 2):
+        never(torch.randn(3, 8), w, buf)
+    assert never.last.settling["kgen"] == runtime.SETTLING_CALLS and len(never.last.ms[("kgen", False)]) == 1
+
+
 class _FakeGraph:
     """A CUDA graph on the CPU: the capture runs the function once on the static inputs; a replay runs it again on
     them and writes its results into the captured outputs' memory, as a replay overwrites them."""
