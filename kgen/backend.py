@@ -402,27 +402,37 @@ def _connected_pieces(parts) -> list:
 
 
 def _split_at_writes(parts, gm: fx.GraphModule) -> list:
-    """The partitions cut where a call outside them writes into a value they read or make. A partition runs where
-    its last node stood: a read of the value before the write would see it, and the write, waiting for a value the
-    partition makes, would move after the partition's later reads (``y = x * 2`` and ``y + r`` in kgen around an
-    eager ``y.masked_fill_(m, 0)``: the sum read y unwritten). Cut in graph order at each such write, the pieces are
-    partitions too (as _within_output_limit's)."""
+    """The partitions cut where a call outside them writes into a value they read or make, or waits for them. A
+    partition runs where its last node stood, and the calls that wait for its values move after it: a read of
+    the value before the write would see it, and the write, waiting for a value the partition makes, would move
+    after the partition's later reads (``y = x * 2`` and ``y + r`` in kgen around an eager ``y.masked_fill_(m, 0)``:
+    the sum read y unwritten) or past an eager read of its own (its mask made by the partition). Cut in graph
+    order at each such write, the pieces are partitions too (as _within_output_limit's)."""
     from torch.fx.passes.infra.partitioner import Partition
 
     inside = set().union(*(p.nodes for p in parts)) if parts else set()
     writes = [n for n in gm.graph.nodes if n not in inside and _writes(n) and n.args and isinstance(n.args[0], fx.Node)]
     if not writes:
         return parts
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    all_nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(all_nodes)}
     out = []
     for p in parts:
         nodes = sorted(p.nodes, key=order.get)
+        inside = set(nodes)
         cuts = []
         for w in writes:
             if not order[nodes[0]] < order[w] < order[nodes[-1]]:
                 continue
             aliases = _aliases(_view_base(w.args[0]))
-            if any(n in aliases or any(a in aliases for a in n.all_input_nodes) for n in nodes):
+            touches = lambda n: n in aliases or any(a in aliases for a in n.all_input_nodes)  # noqa: E731
+            # the calls before the write that wait for the partition (they move after it): the write itself, or a
+            # read of the value written, among them would move past the write's other side
+            waiting = set(inside)
+            for m in all_nodes[order[nodes[0]]:order[w] + 1]:
+                if m not in inside and any(a in waiting for a in m.all_input_nodes):
+                    waiting.add(m)
+            if any(touches(n) for n in nodes) or w in waiting or any(touches(m) for m in waiting - inside):
                 cuts.append(order[w])
         if not cuts:
             out.append(p)

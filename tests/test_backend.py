@@ -1475,6 +1475,15 @@ class WriteBetweenReads(nn.Module):
         return torch.tanh(y) + 1.0
 
 
+class WriteWaitingForThePartition(nn.Module):
+    def forward(self, x):
+        a = torch.sigmoid(x) * 2.0
+        y = torch.cumsum(x, 1)  # eager
+        y.masked_fill_(a > 1.0, 0.0)  # its mask from the partition's first calls
+        r = torch.cumsum(y, 1)  # eager, reads y written
+        return torch.tanh(a) + 1.0 + r
+
+
 def test_a_partition_is_cut_at_a_write_outside_it_into_a_value_it_reads(cache):
     """A partition runs where its last call stood: one of the calls before the eager write and the calls after it
     would have read y unwritten (the write moved after it, waiting for y)."""
@@ -1484,6 +1493,8 @@ def test_a_partition_is_cut_at_a_write_outside_it_into_a_value_it_reads(cache):
     lines = code.splitlines()
     write = next(i for i, line in enumerate(lines) if ".masked_fill_(" in line)
     assert any("fused_0" in line for line in lines[:write]) and any("fused_1" in line for line in lines[write:]), code
+    # a write that waits for the partition's first calls would move after its last, past an eager read
+    _code_given_to_the_backend(WriteWaitingForThePartition(), x)
 
 
 def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypatch):
