@@ -794,7 +794,10 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             continue
         if layer is None:
             args, kwargs = arg(n.args), arg(n.kwargs)
-            if n.target in ("view", "reshape", "expand") or n.target is torch.reshape:
+            viewed = n.args[0] if n.args else None
+            viewed = outer.get(viewed) or g.by_name.get(getattr(viewed, "name", None), viewed)
+            if n.target == "expand" or (n.target in ("view", "reshape") or n.target is torch.reshape) and \
+                    g.batch_dim(viewed) is not None:  # (a parameter's view keeps its sizes, one equal to the batch)
                 args = _batch_in_shape(args, n, g, batch)
             if isinstance(kwargs.get("device"), (torch.device, str)):
                 # a tensor made on the device Dynamo saw (`torch.tensor(0.0, device=x.device)` becomes a constant

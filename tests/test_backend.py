@@ -1535,3 +1535,27 @@ def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypat
         torch.compile(Net().train(), backend=spy)(torch.randn(2, 3, 8, 8))
     parts = [m for gm in seen for m in gm.modules() if isinstance(m, backend.KgenPartition)]
     assert len(parts) == 1 and parts[0].measured is None and parts[0].settled()
+
+
+class ParameterViewOfTheBatchSize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 12))
+
+    def forward(self, x):  # the weight of 2 outputs, read through a view (of its own shape)
+        return torch.relu(x @ self.w.view(2, 12).t())
+
+
+def test_a_parameters_view_keeps_a_size_equal_to_the_batch(cache):
+    """In a graph specialized to batch 2, ``self.w.view(2, 12)`` keeps its 2: only a view of a value with the batch
+    takes the partition's batch (the view failed at the importer's second batch, and the partition stayed eager)."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model, x = ParameterViewOfTheBatchSize(), torch.randn(2, 12)
+    before = len(backend.PARTITIONS)
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend.kgen_backend, dynamic=False)(x)
+        torch.testing.assert_close(got, model(x))
+    made = backend.PARTITIONS[before:]
+    assert len(made) == 1 and made[0]["module"] is not None and "view" in made[0]["calls"], made
