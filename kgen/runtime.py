@@ -405,14 +405,31 @@ def _captured(run, args, copied, what: str):
                 a = static
             static_args.append(a)
     graph = torch.cuda.CUDAGraph()
+    generator = _generator_of(static_args)
+    stream = torch.cuda.current_stream() if generator is not None else None
+    spare = generator.clone_state() if generator is not None else None
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run CUDA meanwhile
             static_out = run(static_args)
     except RuntimeError as e:
+        # a capture that fails at its end leaves the capture's stream current and the CUDA generator in its capture
+        # (the next random draw fails: "Offset increment outside graph capture"): both put back
+        if generator is not None:
+            torch.cuda.set_stream(stream)
+            generator.graphsafe_set_state(spare)
         warnings.warn(f"{what}: not replayed as a CUDA graph, its capture failed: {str(e).splitlines()[0]}",
                       stacklevel=4)
         return None
     return graph, static_args, static_out
+
+
+def _generator_of(args):
+    """The default CUDA generator of the device of the first CUDA tensor of ``args`` (None without one, or where
+    torch cannot swap a generator's state)."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    if device is None or not hasattr(torch.Generator, "graphsafe_set_state"):
+        return None
+    return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
 
 
 def _remember(signatures: set, key) -> None:

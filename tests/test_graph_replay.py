@@ -226,6 +226,27 @@ def test_cuda_replay_captured_in_inference_mode_serves_no_grad_calls(blocks):
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
+@needs_cuda
+def test_a_failed_capture_leaves_the_stream_and_the_random_generator_usable():
+    """A capture that fails (a call that waits for the GPU) is no replay, and leaves behind neither the capture's
+    stream as the current one nor the CUDA generator in its capture: random draws go on as before."""
+    from kgen import runtime
+
+    x = torch.randn(4, device="cuda")
+    stream = torch.cuda.current_stream()
+
+    def waits(args):
+        return args[0] * float(args[0].sum().item())
+
+    with pytest.warns(UserWarning, match="its capture failed"):
+        assert runtime._captured(waits, [x], lambda i: True, "a test") is None
+    assert torch.cuda.current_stream() == stream
+    torch.manual_seed(5)
+    drawn = torch.randn(3, device="cuda")  # (failed before: "Offset increment outside graph capture")
+    torch.manual_seed(5)
+    torch.testing.assert_close(torch.randn(3, device="cuda"), drawn)
+
+
 def _many_small_calls(x, w, buf):
     """A host-bound graph: many tiny kernels, a parameter ``w`` read and a buffer ``buf`` updated in place."""
     buf.mul_(0.5).add_(x.mean())
