@@ -523,9 +523,9 @@ class MeasuredGraph:
     inputs' alone (a call of a graph of 100 parameters is keyed in microseconds); where the model's state lies is
     compared where a graph was captured, and a model moved or reloaded is measured afresh. ``replayable`` is the
     caller's: a graph that writes into an input (a copy would take the write) or syncs with the host (a failed
-    capture leaves the CUDA generator unusable) is not. Only measured on CUDA tensors, without autograd recording
-    (an input that requires grad, with grad mode on: the first form runs), outside a capture by someone else, and
-    not under KGEN_CUDA_GRAPHS=0 or in launches_one_by_one() (the first form runs directly)."""
+    capture leaves the CUDA generator unusable) is not. Only measured on CUDA tensors, without autograd recording,
+    outside a capture by someone else, and not under KGEN_CUDA_GRAPHS=0 or in launches_one_by_one(); there the
+    direct form chosen for the inputs runs, or where none is, the first form."""
 
     def __init__(self, forms: dict, state, replayable: bool, name: str = "graph", on_choice=None, settled=None):
         self.forms, self.state, self.replayable, self.name = dict(forms), frozenset(state), replayable, name
@@ -568,17 +568,16 @@ class MeasuredGraph:
     def __call__(self, *args):
         if self.inputs is None:  # (the graph's arguments that are not the model's state: its inputs and sizes)
             self.inputs = [i for i in range(len(args)) if i not in self.state]
+        key = None
+        if self.trials:  # a direct form chosen for these inputs runs first of all, the cheapest path (under autograd
+            key = self._signature(args)  # too, and inside the capture of an enclosing graph: a partition's)
+            trial = self.trials.get(key)
+            if trial is not None and trial.chosen is not None and not trial.chosen[1]:
+                return self.forms[trial.chosen[0]](*args)
         if not self._measured(args):
-            if self.trials and torch.cuda.is_current_stream_capturing():
-                # inside the capture of an enclosing graph (a partition's, in its graph's replay): the form chosen
-                trial = self.trials.get(self._signature(args))
-                if trial is not None and trial.chosen is not None:
-                    return self.forms[trial.chosen[0]](*args)
             return self.first(*args)
-        key = self._signature(args)
-        trial = self.trials.get(key)
-        if trial is not None and trial.chosen is not None and not trial.chosen[1]:
-            return self.forms[trial.chosen[0]](*args)  # (a direct form chosen: nothing captured to check)
+        if key is None:
+            key = self._signature(args)
         with self.lock:
             trial = self.trials.get(key)
             if trial is not None and trial.entries and trial.state != self._where_state_lies(args):
