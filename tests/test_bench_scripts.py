@@ -89,3 +89,7 @@ def test_the_backend_sweeps_summary_compares_with_inductor_where_its_output_pass
     text = summary(rows)[0]
     assert "KernelBench's check passed by kgen on 3, by inductor on 2" in text
     assert "Against inductor where it passes the check (2): geometric mean 1.38x, the least 0.95x (2)." in text, text
+    assert "Dynamo alone" not in text  # (rows timed before that column)
+    rows[0]["dynamo_ms"], rows[1]["dynamo_ms"] = 1.1, 1.9  # kgen 1.0 and 2.0: faster on 1, slower on 2
+    text = summary(rows)[0]
+    assert text.endswith("Against Dynamo alone (2 rows with it): geometric mean 1.02x; slower on 2 (0.95x)."), text
