@@ -139,6 +139,8 @@ def run_problem(path: Path, args) -> dict:
         forms["inductor"] = compiled_copy(model)
     if "dynamo" not in args.skip:  # Dynamo's graphs run as PyTorch runs them: what Dynamo alone costs a call
         forms["dynamo"] = compiled_copy(model, backend="eager")
+    if args.reduce_overhead:  # inductor's graphs replayed as CUDA graphs, as kgen's measured forms may be
+        forms["inductor_cg"] = compiled_copy(model, mode="reduce-overhead")
     # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
     kgen_backend = "kgen" if "kgen" in torch._dynamo.list_backends() else backend.kgen_backend
     forms["kgen"] = compiled_copy(model, backend=kgen_backend, options={"verbose": args.verbose})
@@ -299,6 +301,7 @@ def _child_argv(args, problems: list) -> list:
             "--problems", ",".join(map(str, problems)), "--kernelbench", str(args.kernelbench), "--device", args.device,
             "--trials", str(args.trials), "--reps", str(args.reps), "--skip", args.skip, "--out", str(args.out)]
     argv += ["--batch", str(args.batch)] if args.batch is not None else []
+    argv += ["--reduce-overhead"] if args.reduce_overhead else []
     return argv + (["--verbose"] if args.verbose else [])
 
 
@@ -376,6 +379,10 @@ def summary(rows) -> list[str]:
         vs_correct = (f" Against inductor where it passes the check ({len(correct)}): geometric mean "
                       f"{geomean('inductor_ms', correct):.2f}x, "
                       f"the least {worst['inductor_ms'] / worst['kgen_ms']:.2f}x ({worst['number']}).")
+    graphs = [r for r in timed if r.get("inductor_cg_ms")]
+    if graphs:
+        vs_correct += (f" Against inductor's CUDA graphs (mode=\"reduce-overhead\", {len(graphs)} rows): geometric mean "
+                       f"{geomean('inductor_cg_ms', graphs):.2f}x.")
     alone = [r for r in timed if r.get("dynamo_ms")]
     if alone:  # what the backend adds to Dynamo's own cost (its form measured, its partitions' ops)
         behind = [f"{r['number']} ({r['dynamo_ms'] / r['kgen_ms']:.2f}x)" for r in alone if r["kgen_ms"] > r["dynamo_ms"]]
@@ -409,6 +416,7 @@ def markdown(rows, env, args) -> str:
         f"torch.allclose(form, eager, atol=rtol=1e-4) on {args.trials} inputs from get_inputs() (seeds 42...). "
         f"Times: median of {args.reps} calls after warm-up, the forms in turns (blocks of calls), "
         + ("CUDA events" if args.device.startswith("cuda") else "wall clock") + "; first call = compile. "
+        "Inductor CUDA graphs: torch.compile(mode=\"reduce-overhead\") (with --reduce-overhead; '-' where not run). "
         "Dynamo alone: torch.compile(backend=\"eager\"), Dynamo's graphs run as PyTorch runs them (its guards' and "
         "graph breaks' cost; '-' in rows timed before this column). Form run: which form of each graph the backend measured fastest and runs (kgen's partitions with the "
         "calls left to PyTorch, or the graph as PyTorch computes it; each directly or replayed as one CUDA graph; "
@@ -419,10 +427,10 @@ def markdown(rows, env, args) -> str:
         "",
         *summary(rows),
         "",
-        "| problem | batch | eager ms | inductor ms | Dynamo alone ms | kgen ms | vs eager | vs inductor | inductor check | kgen check | "
+        "| problem | batch | eager ms | inductor ms | inductor CUDA graphs ms | Dynamo alone ms | kgen ms | vs eager | vs inductor | inductor check | kgen check | "
         "kgen share | partitions in kgen | form run (per graph) | first call s (inductor / kgen) | left eager / errors | "
         "commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         e, i, k = r.get("eager_ms"), r.get("inductor_ms"), r.get("kgen_ms")
@@ -431,7 +439,7 @@ def markdown(rows, env, args) -> str:
         n_slower = r.get("partitions_as_pytorch")
         slower = f" ({n_slower} measured slower: PyTorch's calls)" if n_slower else ""
         lines.append(
-            f"| {r['problem']} | {r.get('batch', '')} | {_f(e)} | {_f(i)} | {_f(r.get('dynamo_ms'))} | {_f(k)} | {f'{e / k:.2f}x' if e and k else '-'} | "
+            f"| {r['problem']} | {r.get('batch', '')} | {_f(e)} | {_f(i)} | {_f(r.get('inductor_cg_ms'))} | {_f(r.get('dynamo_ms'))} | {_f(k)} | {f'{e / k:.2f}x' if e and k else '-'} | "
             f"{f'{i / k:.2f}x' if i and k else '-'} | {r.get('inductor_check', '-')} | {r.get('kgen_check', '-')} | "
             f"{'-' if share is None else f'{share:.0%}'} | {r.get('partitions_kgen', '')}{slower} | {r.get('forms_run', '')} | "
             f"{r.get('inductor_first_s', '-')} / {r.get('kgen_first_s', '-')} | {notes.replace('|', '/')[:400]} | {r.get('commit', '')} |")
@@ -449,6 +457,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--skip", default="", help="forms not to run: inductor, dynamo (torch.compile(backend=\"eager\"), Dynamo's cost alone)")
+    ap.add_argument("--reduce-overhead", action="store_true",
+                    help="also torch.compile(mode=\"reduce-overhead\") (inductor replayed as CUDA graphs)")
     ap.add_argument("--verbose", action="store_true", help="kgen's progress on stderr")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "kb-backend-out")))
     ap.add_argument("--timeout", type=float, default=None,
@@ -500,6 +510,7 @@ def main() -> None:
         rows.append(row)
         print(f"{row['problem']}: eager {_f(row.get('eager_ms'))} ms, inductor {_f(row.get('inductor_ms'))} ms, "
               f"Dynamo alone {_f(row.get('dynamo_ms'))} ms, "
+              + (f"inductor CUDA graphs {_f(row.get('inductor_cg_ms'))} ms, " if args.reduce_overhead else "") +
               f"kgen {_f(row.get('kgen_ms'))} ms, check {row.get('kgen_check', '-')}, {row['status']} "
               f"({row['time_s']} s)", flush=True)
         row["commit"], row["date"] = env["commit"], env["date"]
