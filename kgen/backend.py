@@ -410,8 +410,8 @@ def _split_at_writes(parts, gm: fx.GraphModule) -> list:
     order at each such write, the pieces are partitions too (as _within_output_limit's)."""
     from torch.fx.passes.infra.partitioner import Partition
 
-    inside = set().union(*(p.nodes for p in parts)) if parts else set()
-    writes = [n for n in gm.graph.nodes if n not in inside and _writes(n) and n.args and isinstance(n.args[0], fx.Node)]
+    taken = set().union(*(p.nodes for p in parts)) if parts else set()
+    writes = [n for n in gm.graph.nodes if n not in taken and _writes(n) and n.args and isinstance(n.args[0], fx.Node)]
     if not writes:
         return parts
     all_nodes = list(gm.graph.nodes)
@@ -425,7 +425,10 @@ def _split_at_writes(parts, gm: fx.GraphModule) -> list:
             if not order[nodes[0]] < order[w] < order[nodes[-1]]:
                 continue
             aliases = _aliases(_view_base(w.args[0]))
-            touches = lambda n: n in aliases or any(a in aliases for a in n.all_input_nodes)  # noqa: E731
+
+            def touches(n) -> bool:  # reads or is the value written
+                return n in aliases or any(a in aliases for a in n.all_input_nodes)
+
             # the calls before the write that wait for the partition (they move after it): the write itself, or a
             # read of the value written, among them would move past the write's other side
             waiting = set(inside)
