@@ -496,12 +496,13 @@ class _Trial:
     """One call signature's measurement: each form's times, the captured graphs, the form chosen."""
 
     def __init__(self):
-        self.warm: set = set()  # forms called once (cuDNN and cuBLAS choose and allocate outside any capture)
         self.ms: dict = {}  # (form, replayed) -> milliseconds of its timed calls
         self.entries: dict = {}  # form -> (graph, static inputs, static outputs) once captured
         self.chosen: tuple | None = None  # (form, replayed)
         self.text = ""  # the choice and the times it was made on, in words
-        self.settling: dict = {}  # form -> its untimed calls
+        # form -> its untimed calls: the first (cuDNN and cuBLAS choose and allocate outside any capture), then any
+        # while the measurements inside it are not done
+        self.settling: dict = {}
         self.state: list = []  # where the model's parameters and buffers lay when it was measured
 
 
@@ -555,7 +556,7 @@ class MeasuredGraph:
 
     def chosen(self) -> list:
         """The form chosen for each signature measured so far: "kgen", "eager replayed", ..."""
-        return [f"{t.chosen[0]}{' replayed' if t.chosen[1] else ''}" for t in self.trials.values() if t.chosen]
+        return [_form_name(t.chosen) for t in self.trials.values() if t.chosen]
 
     def choices(self) -> list:
         """Each measured signature's choice with the times it was made on, in words."""
@@ -594,10 +595,9 @@ class MeasuredGraph:
                 times = trial.ms.setdefault((form, replayed), [])
                 if times is None or len(times) > round_:
                     continue
-                if form not in trial.warm or (not self.settled.get(form, _always)()
-                                              and trial.settling.get(form, 0) < SETTLING_CALLS):
-                    trial.warm.add(form)
-                    trial.settling[form] = trial.settling.get(form, 0) + 1
+                untimed, settled = trial.settling.get(form, 0), self.settled.get(form)
+                if not untimed or (settled is not None and not settled() and untimed < SETTLING_CALLS):
+                    trial.settling[form] = untimed + 1
                     return self.forms[form](*args)
                 if replayed and form not in trial.entries:
                     if sum(1 for t in self.trials.values() if t.entries and t is not trial) >= MAX_GRAPHS:
@@ -626,11 +626,8 @@ class MeasuredGraph:
                     yield form, replayed, round_
 
     def _choice_text(self, trial: _Trial, args) -> str:
-        def form(k):
-            return f"{k[0]}{' replayed' if k[1] else ''}"
-
         shapes = ", ".join("x".join(map(str, args[i].shape)) for i in self.inputs if isinstance(args[i], torch.Tensor))
-        times = ", ".join(f"{form(k)} {sorted(t)[len(t) // 2]:.3f}" if t else f"{form(k)} -"
+        times = ", ".join(f"{_form_name(k)} {_median(t):.3f}" if t else f"{_form_name(k)} -"
                           for k, t in trial.ms.items())
         kind, replayed = trial.chosen
         return (f"{self.name} ({shapes}) runs {kind}'s form{' replayed as one CUDA graph' if replayed else ''} "
@@ -641,7 +638,7 @@ class MeasuredGraph:
         # in the order measured (kgen's form first, direct before replayed): a later form is chosen where it is
         # faster by more than CHOICE_MARGIN, so three timed calls' noise does not trade kgen's direct calls for
         # a replay's copies or for PyTorch's form
-        medians = {k: sorted(t)[len(t) // 2] for k, t in trial.ms.items() if t}
+        medians = {k: _median(t) for k, t in trial.ms.items() if t}
         best = next(iter(medians))
         for k, ms in medians.items():
             if ms < (1.0 - CHOICE_MARGIN) * medians[best]:
@@ -664,8 +661,13 @@ class MeasuredGraph:
         return _captured(lambda static_args: fn(*static_args), args, lambda i: i not in self.state, f"kgen: {self.name}")
 
 
-def _always() -> bool:
-    return True
+def _form_name(how: tuple) -> str:
+    """``(form, replayed)`` in words: "kgen", "eager replayed", ..."""
+    return f"{how[0]}{' replayed' if how[1] else ''}"
+
+
+def _median(times: list) -> float:
+    return sorted(times)[len(times) // 2]
 
 
 def _timed(fn):
