@@ -1449,22 +1449,22 @@ _RANDOM = frozenset({"rand", "randn", "randint", "rand_like", "randn_like", "ran
 _EFFECTS = frozenset({"record_stream", "backward", "register_hook", "retain_grad", "__setitem__"})
 
 
-def _drop_dead_code(gm: fx.GraphModule) -> int:
-    """Remove the calls whose results nothing uses: Dynamo keeps them (Mamba2's model computes a block output it
-    never returns, 5 of its 6.5 ms). Not a call that writes into an operand, draws random numbers (the later draws
-    would change), waits for the GPU, writes to ``out=``, has an effect of its own (``torch.fx``'s impure calls:
-    grad mode, asserts) or calls a module. Returns the number of calls removed."""
-    removed = 0
-    for n in reversed(list(gm.graph.nodes)):
-        if n.users or n.op not in ("call_function", "call_method") or _writes(n) or "out" in n.kwargs:
-            continue
-        name = _name(n)
-        if name in _RANDOM or name in _SYNCS or name in _EFFECTS or name.endswith("_") or \
-                (n.op == "call_function" and n.is_impure()):
-            continue
-        gm.graph.erase_node(n)
-        removed += 1
-    return removed
+def _drop_dead_code(gm: fx.GraphModule) -> bool:
+    """Remove the calls whose results nothing uses (``torch.fx``'s dead-code pass, with kgen's test of an effect):
+    Dynamo keeps them (Mamba2's model computes a block output it never returns, 5 of its 6.5 ms). Whether any
+    was removed."""
+    return gm.graph.eliminate_dead_code(is_impure_node=_has_effect)
+
+
+def _has_effect(n: fx.Node) -> bool:
+    """Whether node ``n`` matters beyond its result: anything but a call (an input, the output, a module), a call
+    that writes into an operand or to ``out=``, draws random numbers (the later draws would change), waits for the
+    GPU, or is one of fx's impure calls (grad mode, asserts)."""
+    if n.op not in ("call_function", "call_method"):
+        return True
+    name = _name(n)
+    return (_writes(n) or "out" in n.kwargs or name in _RANDOM or name in _SYNCS or name in _EFFECTS
+            or name.endswith("_") or (n.op == "call_function" and n.is_impure()))
 
 
 def _writes(n: fx.Node) -> bool:
