@@ -328,9 +328,7 @@ def split_einsums(gm: fx.GraphModule) -> int:
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not torch.einsum or n.kwargs or not n.args:
             continue
-        eq, operands = n.args[0], list(n.args[1:])
-        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-            operands = list(operands[0])
+        eq, operands = _einsum_operands(n)
         if not isinstance(eq, str) or len(operands) < 3 or "..." in eq or "->" not in eq:
             continue
         lhs, out = eq.replace(" ", "").split("->")
@@ -339,22 +337,23 @@ def split_einsums(gm: fx.GraphModule) -> int:
             continue
         value, have = operands[0], subs[0]
 
-        def call(fn, args, kwargs=None):
-            made = gm.graph.call_function(fn, args, kwargs)
+        def call(fn, args):
+            made = gm.graph.call_function(fn, args)
             made.meta = dict(n.meta)  # (the source line, for errors)
             return made
 
+        def alone_summed(v, indices: str, beside: str, later: set):
+            """``v`` (of ``indices``) with the indices neither ``beside`` nor ``later`` has summed first."""
+            alone = [d for d, k in enumerate(indices) if k not in beside and k not in later]
+            if not alone:
+                return v, indices
+            return call(torch.sum, (v, alone)), "".join(k for d, k in enumerate(indices) if d not in alone)
+
         with gm.graph.inserting_before(n):
             for i in range(1, len(operands)):
-                other, operand = subs[i], operands[i]
                 later = set(out).union(*subs[i + 1:])
-                for subs_of, which in ((have, 0), (other, 1)):  # an index of one operand alone, summed first
-                    alone = [d for d, k in enumerate(subs_of) if k not in (other if which == 0 else have) + "".join(later)]
-                    if alone:
-                        summed = call(torch.sum, ([value, operand][which], alone))
-                        kept = "".join(k for d, k in enumerate(subs_of) if d not in alone)
-                        value, have = (summed, kept) if which == 0 else (value, have)
-                        operand, other = (summed, kept) if which == 1 else (operand, other)
+                value, have = alone_summed(value, have, subs[i], later)
+                operand, other = alone_summed(operands[i], subs[i], have, later)
                 if i == len(operands) - 1:
                     result = out
                 else:
@@ -369,6 +368,14 @@ def split_einsums(gm: fx.GraphModule) -> int:
     if split:
         gm.recompile()
     return split
+
+
+def _einsum_operands(n: fx.Node) -> tuple:
+    """torch.einsum's equation and operands, given one by one or as one list."""
+    eq, operands = n.args[0], list(n.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    return eq, operands
 
 
 class _StackTracer(fx.Tracer):
@@ -1248,9 +1255,7 @@ class Importer:
         """torch.einsum of two values, the batch the first index of both and of the result, as one batched product:
         each operand permuted and reshaped to [batch dims, kept, contracted] (the second taken transposed where that
         is its order: ``bhqd,bhkd->bhqk`` is q @ k^T), the product reshaped and permuted to the result's order."""
-        eq, operands = n.args[0], list(n.args[1:])
-        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-            operands = list(operands[0])
+        eq, operands = _einsum_operands(n)
         where = f"{self._where(n)}: torch.einsum({eq!r})"
         if not isinstance(eq, str) or len(operands) != 2 or not all(self._tensor(o) for o in operands):
             raise ImportFailed(f"{where}: only an einsum of two values of the forward is supported")
