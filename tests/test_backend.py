@@ -1353,8 +1353,10 @@ class ConstantsAndWrites(nn.Module):
         return torch.clamp(self.scale, max=top).exp() * x + h
 
 
-def _returned_by_the_backend(model, x):
-    """What kgen_backend returns for ``model``'s one graph, and the graph module it was given, after a call."""
+def _returned_by_the_backend(model, *xs):
+    """What kgen_backend returns for ``model``'s one graph, and the graph module it was given, after two calls equal
+    to eager's (on copies of the inputs, each after the same seed: a model that writes into its input or draws
+    random numbers)."""
     from kgen.backend import kgen_backend
 
     seen = []
@@ -1367,7 +1369,10 @@ def _returned_by_the_backend(model, x):
     compiled = torch.compile(model, backend=spy)
     with torch.no_grad():
         for _ in range(2):
-            torch.testing.assert_close(compiled(x.clone()), model(x.clone()))
+            torch.manual_seed(3)
+            got = compiled(*(x.clone() for x in xs))
+            torch.manual_seed(3)
+            torch.testing.assert_close(got, model(*(x.clone() for x in xs)))
     return seen[-1]
 
 
@@ -1440,30 +1445,10 @@ class ComputesWhatItDoesNotReturn(nn.Module):
         return y + torch.rand_like(x)
 
 
-def _code_given_to_the_backend(model, *xs) -> str:
-    """The graph's code once kgen_backend has compiled it, after a call equal to eager's (the same random draws)."""
-    from kgen.backend import kgen_backend
-
-    seen = []
-
-    def spy(gm, example_inputs):
-        fn = kgen_backend(gm, example_inputs)
-        seen.append(gm.code)
-        return fn
-
-    compiled = torch.compile(model, backend=spy)
-    with torch.no_grad():
-        torch.manual_seed(3)
-        got = compiled(*xs)
-        torch.manual_seed(3)
-        torch.testing.assert_close(got, model(*xs))
-    return seen[-1]
-
-
 def test_calls_whose_results_nothing_uses_are_dropped_but_not_writes_or_draws(cache):
     """Dynamo keeps a call whose result nothing uses; the backend drops it before partitioning (neither form computes
     it), except a write into an operand or a random draw (the later draws would change)."""
-    code = _code_given_to_the_backend(ComputesWhatItDoesNotReturn(), torch.randn(2, 4, 3), torch.randn(3, 5))
+    code = _returned_by_the_backend(ComputesWhatItDoesNotReturn(), torch.randn(2, 4, 3), torch.randn(3, 5))[1].code
     assert "einsum" not in code and "exp" not in code, code
     assert code.count("torch.rand_like(") == 2 and ".masked_fill_(" in code, code
 
@@ -1489,12 +1474,12 @@ def test_a_partition_is_cut_at_a_write_outside_it_into_a_value_it_reads(cache):
     would have read y unwritten (the write moved after it, waiting for y)."""
     torch.manual_seed(0)
     x = torch.randn(4, 8) * 2
-    code = _code_given_to_the_backend(WriteBetweenReads(), x)
+    code = _returned_by_the_backend(WriteBetweenReads(), x)[1].code
     lines = code.splitlines()
     write = next(i for i, line in enumerate(lines) if ".masked_fill_(" in line)
     assert any("fused_0" in line for line in lines[:write]) and any("fused_1" in line for line in lines[write:]), code
     # a write that waits for the partition's first calls would move after its last, past an eager read
-    _code_given_to_the_backend(WriteWaitingForThePartition(), x)
+    _returned_by_the_backend(WriteWaitingForThePartition(), x)
 
 
 def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypatch):
