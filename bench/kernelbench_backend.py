@@ -134,6 +134,10 @@ def run_problem(path: Path, args) -> dict:
     torch.manual_seed(INIT_SEED)
     model = mod.Model(*mod.get_init_inputs()).to(device).train()
     before, graphs_before = len(backend.PARTITIONS), len(backend.GRAPHS)
+
+    def measured_graphs() -> list:  # this problem's graphs measured in their forms (kgen.runtime.MeasuredGraph)
+        return [m for m in (g["measured"]() for g in backend.GRAPHS[graphs_before:] if g["measured"]) if m is not None]
+
     forms = {"eager": model}
     if "inductor" not in args.skip:
         forms["inductor"] = compiled_copy(model)
@@ -189,8 +193,7 @@ def run_problem(path: Path, args) -> dict:
                 f(*xs)
         if "kgen" in ok:  # ... and where its partitions measured theirs first, a few more
             for _ in range(MEASURING_CALLS):
-                graphs = [m for m in (g["measured"]() for g in backend.GRAPHS[graphs_before:] if g["measured"]) if m]
-                if all(m.is_settled() for m in graphs):
+                if all(m.is_settled() for m in measured_graphs()):
                     break
                 ok["kgen"](*xs)
         timed = time_in_blocks({f"{n}_ms": (lambda f=f: f(*xs)) for n, f in ok.items()}, args.reps, device)
@@ -206,10 +209,10 @@ def run_problem(path: Path, args) -> dict:
     made = backend.PARTITIONS[before:]
     row["partitions_kgen"] = sum(1 for p in made if p["module"])
     row["eager_reasons"] = sorted({f"{', '.join(p['calls'][:4])}: {p['reason']}" for p in made if not p["module"]})
-    measured = [g["measured"]() for g in backend.GRAPHS[graphs_before:] if g["measured"]]
-    chosen = [c for m in measured if m is not None for c in m.chosen()]
+    measured = measured_graphs()
+    chosen = [c for m in measured for c in m.chosen()]
     row["forms_run"] = ", ".join(f"{c} x{chosen.count(c)}" for c in dict.fromkeys(chosen))
-    row["forms_measured"] = [text for m in measured if m is not None for text in m.choices()]
+    row["forms_measured"] = [text for m in measured for text in m.choices()]
     runners = [r for r in (p["runner"]() for p in made if p.get("runner")) if r is not None and r.measured]
     row["partitions_as_pytorch"] = sum(1 for r in runners if "eager" in r.measured.chosen())
     row["forms_measured"] += [text for r in runners for text in r.measured.choices() if "runs eager's form" in text]
