@@ -1482,7 +1482,7 @@ def test_a_partition_is_cut_at_a_write_outside_it_into_a_value_it_reads(cache):
     _returned_by_the_backend(WriteWaitingForThePartition(), x)
 
 
-def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypatch):
+def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypatch, measured_on_the_cpu):
     """Each partition of a graph of several measures its op against its calls as PyTorch computes them (on the CPU
     with the GPU's part stood in for, the op slowed down): PyTorch's calls are chosen, and every call's result and
     running statistics are eager's throughout, the measurement's calls included. A graph of one partition leaves
@@ -1491,8 +1491,6 @@ def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypat
 
     from kgen import backend, runtime
 
-    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     run = backend.KgenPartition._run
     monkeypatch.setattr(backend.KgenPartition, "_run", lambda self, *a: time.sleep(0.1) or run(self, *a))
     seen = []

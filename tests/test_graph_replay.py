@@ -278,7 +278,7 @@ def test_a_measured_graph_calls_its_first_form_on_the_cpu():
     assert len(calls) == 8 and not measured.trials
 
 
-def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypatch):
+def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(measured_on_the_cpu):
     """The measurement's steps, on the CPU with the GPU's part stood in for (a graph that cannot be replayed: each
     form called once untimed, then timed REPLAY_TRIALS times, the forms in turns); a form that takes longer is not chosen, and each
     call's result is right throughout; a new batch is measured on its own."""
@@ -286,8 +286,6 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypat
 
     from kgen import runtime
 
-    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     runs = []
 
     def slow(*a):
@@ -314,13 +312,11 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(monkeypat
     assert len(said) == 1 and said[0].startswith("graph 7 (3x8) runs eager's form (median ms of 3 calls: kgen 1"), said
 
 
-def test_a_measured_graph_waits_for_the_measurements_inside_a_form(monkeypatch):
+def test_a_measured_graph_waits_for_the_measurements_inside_a_form(measured_on_the_cpu):
     """A form whose inner measurements are not done (a graph's partitions measuring their own forms) is called
     untimed until they are, at most SETTLING_CALLS times, before its timed calls."""
     from kgen import runtime
 
-    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     runs = []
 
     def kgen(*a):
@@ -363,14 +359,12 @@ class _FakeGraph:
                 old.copy_(new)
 
 
-def test_a_measured_graph_replays_with_its_inputs_copied_and_its_state_in_place(monkeypatch):
+def test_a_measured_graph_replays_with_its_inputs_copied_and_its_state_in_place(monkeypatch, measured_on_the_cpu):
     """The replay's bookkeeping on the CPU (a stand-in graph, forced to be chosen): each call's input reaches the
     graph's own copy, the buffer is updated where it lies, the returned outputs are copies (a later replay does not
     change them), and a parameter moved elsewhere is measured and captured afresh."""
     from kgen import runtime
 
-    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(runtime, "CHOICE_MARGIN", -1e9)  # (each form measured later is chosen: the last, replayed)
     captures = []
 
