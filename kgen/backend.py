@@ -24,7 +24,9 @@ permutes renamed, ``_moved_permutation``, and its indexing, ``_index_batch_first
 ``[3, 64 * B, heads, N, d]``) and its runner moves the inputs and results (``_Plan.moved_in``). A tensor without
 the batch that a call reads beside its input (a parameter, a float buffer nothing in the graph updates, or a value
 computed from them alone: SwinV2's logit scale, a ``torch.cat`` of biases, a standardized weight;
-``_Graph.batch_free``) is given to the op at each call as its parameters are.
+``_Graph.batch_free``) is given to the op at each call as its parameters are; a parameter whose dim 0 is the batch
+(Mamba2's, made with the batch size, in a graph Dynamo specialized to it) is one more input of the op
+(``_Graph._batch_carrying_state``).
 
 On a GPU the graph runs the fastest of its forms, measured in its first calls per input signature
 (``_measured``, kgen.runtime.MeasuredGraph): kgen's (the generated ops and the calls left to PyTorch) or the
@@ -255,6 +257,41 @@ def _batch_multiple(size, batch) -> int | None:
     return ratios.pop() if len(ratios) == 1 and min(ratios) >= 1 else None
 
 
+def _runs_on_meta(gm: fx.GraphModule, examples: dict, grown: set, batch: int) -> bool:
+    """Whether ``gm``, a graph Dynamo specialized to ``batch``, runs on the meta device (no computation) with the
+    placeholders ``grown`` one larger in dim 0, as the backend would run its partitions: a view's or expand's
+    leading size equal to the batch follows the batch (``_batch_in_shape``); a tensor made on a device is made on
+    the meta device."""
+    class OnMeta(fx.Interpreter):
+        def run_node(self, n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": "meta"}
+            if n.target in ("view", "reshape", "expand") or n.target is torch.reshape:
+                shape = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+                if shape and shape[0] == batch and (n.target == "expand" or args[0].shape[0] == batch + 1):
+                    args = (args[0], (batch + 1, *shape[1:]))
+            return getattr(self, n.op)(n.target, args, kwargs)
+
+    args = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        ex = _example(n)
+        if isinstance(ex, torch.Tensor):
+            shape = [int(_static(s)) for s in ex.shape]
+            if n in grown:
+                shape[0] += 1
+            args.append(torch.empty(shape, dtype=ex.dtype, device="meta"))
+        else:
+            args.append(examples.get(n, ex))
+    try:
+        OnMeta(gm).run(*args)
+    except Exception:  # noqa: BLE001 - any failure is the answer
+        return False
+    return True
+
+
 def _is_state(n: fx.Node, example) -> bool:
     """A parameter or buffer of the model (Dynamo passes them as graph inputs)."""
     if isinstance(example, nn.Parameter):
@@ -281,6 +318,8 @@ class _Graph:
     by_name: dict = field(default_factory=dict)  # node name -> node (fusing copies the graph's nodes)
     parts: dict = field(default_factory=dict)  # fused_i -> partition i's graph (before a generated op replaces it)
     from_inputs: set = field(default_factory=set)  # names of the nodes computed from an input (not from state alone)
+    # every parameter and buffer: ``state`` less those that carry the batch, which partitions take as inputs
+    model_state: set = field(default_factory=set)
 
     def __post_init__(self):
         self.by_name = {n.name: n for n in self.gm.graph.nodes}
@@ -293,14 +332,33 @@ class _Graph:
                 self.state.add(n)
             elif isinstance(_example(n), torch.Tensor) and _example(n).dim() >= 1:
                 inputs.append((n, ex))
-        for n in self.gm.graph.nodes:
-            if (n.op == "placeholder" and n not in self.state) or any(a.name in self.from_inputs
-                                                                      for a in n.all_input_nodes):
-                self.from_inputs.add(n.name)
+        self.model_state = set(self.state)
         if inputs:
             n, ex = self._batch_input(inputs)
             self.batch, self.dtype = _static(_example(n).shape[0]), _example(n).dtype
             self.batch_seen = _size_seen(self.batch, ex)
+            self.state -= self._batch_carrying_state([n for n, _ in inputs])
+        for n in self.gm.graph.nodes:
+            if (n.op == "placeholder" and n not in self.state) or any(a.name in self.from_inputs
+                                                                      for a in n.all_input_nodes):
+                self.from_inputs.add(n.name)
+
+    def _batch_carrying_state(self, inputs: list) -> set:
+        """The parameters and buffers whose dim 0 is the batch (Mamba2's ``nn.Parameter(torch.randn(batch_size, L,
+        H))``, read beside its input as one more input): where the batch is static (Dynamo specialized it: such a
+        model runs at that batch alone) and the graph, run on the meta device with its inputs one batch larger, fails
+        unless those grow too. A weight whose dim 0 only equals the batch (16 channels at batch 16) grows nothing."""
+        def leads(n) -> bool:
+            ex = _example(n)
+            return isinstance(ex, torch.Tensor) and ex.dim() >= 1 and _static(ex.shape[0]) == self.batch
+        if not isinstance(self.batch, int):
+            return set()
+        grown = {n for n in inputs if leads(n)}
+        candidates = {n for n in self.state if leads(n)}
+        if not candidates or not grown or _runs_on_meta(self.gm, self.examples, grown, self.batch) \
+                or not _runs_on_meta(self.gm, self.examples, grown | candidates, self.batch):
+            return set()
+        return candidates
 
     def _batch_input(self, inputs: list) -> tuple:
         """The input whose dim 0 is the batch: the first input's, unless the graph's values lead with another
@@ -1209,7 +1267,7 @@ def _ask_dynamic_batch(g: _Graph) -> None:
     inputs = []
     for n in g.gm.graph.nodes:
         ex = _example(n)
-        if n.op == "placeholder" and n not in g.state and isinstance(ex, torch.Tensor) and ex.dim() >= 1 \
+        if n.op == "placeholder" and n not in g.model_state and isinstance(ex, torch.Tensor) and ex.dim() >= 1 \
                 and _same_size(ex.shape[0], g.batch):
             name = _source_name(n)
             if name is None:
@@ -1405,7 +1463,7 @@ def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: l
         return gm.forward
     forms = {"kgen": gm.forward, "eager": original.forward} if gm is not original else {"eager": gm.forward}
     partitions = [m for m in gm.modules() if isinstance(m, KgenPartition)]
-    measured = MeasuredGraph(forms, [i for i, n in enumerate(places) if n in g.state], replayable=why is None,
+    measured = MeasuredGraph(forms, [i for i, n in enumerate(places) if n in g.model_state], replayable=why is None,
                              name=f"graph {STATS['graphs']}", on_choice=_say if verbose else None,
                              settled={"kgen": lambda: all(p.settled() for p in partitions)})  # (its partitions' choices)
     GRAPHS[-1]["measured"] = weakref.ref(measured)  # (the list keeps no compiled graph, or its GPU memory, alive)
@@ -1421,7 +1479,7 @@ def _not_replayable(gm: fx.GraphModule, g: _Graph) -> str | None:
     """Why the graph cannot be replayed as a CUDA graph, or None: it writes into an input other than the model's
     parameters and buffers (a replay's copy of it would take the write), waits for the GPU, or makes a value on
     the CPU (a copy from host memory)."""
-    state = {n.name for n in g.state}
+    state = {n.name for n in g.model_state}
     examples = {p.name: e for p, e in g.examples.items()}  # (by name: ``gm`` may be a copy of the graph g read)
     for n in gm.graph.nodes:
         if _writes(n) and n.args and isinstance(n.args[0], fx.Node):

@@ -1542,3 +1542,45 @@ def test_a_parameters_view_keeps_a_size_equal_to_the_batch(cache):
         torch.testing.assert_close(got, model(x))
     made = backend.PARTITIONS[before:]
     assert len(made) == 1 and made[0]["module"] is not None and "view" in made[0]["calls"], made
+
+
+class ParameterOfTheBatch(nn.Module):
+    """Mamba2's layout: parameters made with the batch size (``torch.randn(batch_size, L, H)``), read beside the
+    input as though they were inputs; the model runs at that batch alone."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(batch, 6, 3))
+        self.bias = nn.Parameter(torch.randn(batch, 1, 1))  # (dim 0 the batch's size, broadcast over the channels)
+
+    def forward(self, x):  # x [B, 6, 3, 5]
+        decay = torch.exp(torch.cumsum(self.a, dim=-1))
+        y = torch.einsum("blh,blhp->bhp", decay, x)
+        return torch.relu(y) + y * self.bias
+
+
+class BiasOfTheBatchSize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(4, 1, 1))  # per channel, at batch 4 as many as the batch
+
+    def forward(self, x):
+        return torch.relu(x + self.bias) * 2
+
+
+def test_parameters_that_carry_the_batch_are_the_partitions_inputs(cache):
+    """Mamba2's parameters lead with the batch size: a partition that took them as parameters failed at the
+    importer's second batch and stayed eager. Taken as inputs, the partition is kgen's; a parameter whose dim 0
+    merely equals the batch (4 channels at batch 4) stays a parameter."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    for model, x, inputs in ((ParameterOfTheBatch(4), torch.randn(4, 6, 3, 5), 3),
+                             (BiasOfTheBatchSize(), torch.randn(4, 4, 3, 3), 1)):
+        before = len(backend.PARTITIONS)
+        compiled = torch.compile(model, backend=backend.kgen_backend, dynamic=False)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+        made = [p for p in backend.PARTITIONS[before:] if p["module"] is not None]
+        assert len(made) == 1, backend.PARTITIONS[before:]
+        assert len(made[0]["runner"]()._inputs) == inputs, made
