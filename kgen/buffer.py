@@ -5,6 +5,7 @@ is known at run time.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .ir import TensorType
@@ -22,8 +23,13 @@ class Tile:
 
     @property
     def memory_order(self) -> list[int]:
-        """Dims (0 = C, 1.. = spatial) from outermost to innermost."""
-        return sorted(range(len(self.dims)), key=lambda d: -self.strides[d])
+        """Dims (0 = C, 1.. = spatial) from outermost to innermost; a broadcast dim (stride 0) outermost."""
+        return sorted(range(len(self.dims)), key=lambda d: -self.strides[d] if self.strides[d] else -math.inf)
+
+    @property
+    def stored(self) -> int:
+        """Elements of a sample that lie in memory: a broadcast dim (stride 0) holds one."""
+        return math.prod(n for n, s in zip(self.dims, self.strides) if s)
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,9 @@ class Buffer:
     """A stage's input: the logical shape, and the tile(s) holding it."""
 
     logical: tuple[int, ...]  # (C, *S)
-    layout: str  # contiguous | channels_last
+    # contiguous | channels_last | strided: a view of another stage's plain tensor read in place (a permute's
+    # strides, an expand's zeros; ``view_buffer``), which only families that read any strides take
+    layout: str
     tiles: tuple[Tile, ...]
     phase_stride: tuple[int, ...] = ()  # sub-pixel: one tile per phase
 
@@ -43,7 +51,7 @@ class Buffer:
     def dense(self) -> bool:
         """One tile holding exactly the logical tensor (in any layout)."""
         t = self.tiles[0]
-        return not self.phased and t.dims == self.logical and not any(t.offset)
+        return not self.phased and t.dims == self.logical and not any(t.offset) and self.layout != "strided"
 
     @property
     def flat(self) -> bool:
@@ -86,3 +94,25 @@ def flat_buffer(t: TensorType) -> Buffer:
     """A plain contiguous tensor of type ``t``."""
     shape = tuple(t.shape[1:])
     return dense_buffer(shape, shape, "contiguous")
+
+
+def view_buffer(src: Buffer, view_strides: tuple[int, ...], logical: tuple[int, ...]) -> Buffer:
+    """The plain tensor ``src`` seen through a view of logical shape ``logical`` whose dim d steps
+    ``view_strides[d]`` elements of it (0: broadcast): channels_last where the strides are that layout's,
+    else strided."""
+    _, sample = strides_of(src.logical, "contiguous")
+    strides = tuple(view_strides)
+    layout = "channels_last" if len(logical) > 1 and strides == strides_of(logical, "channels_last")[0] else "strided"
+    return Buffer(tuple(logical), layout, (Tile(tuple(logical), strides, sample, (0,) * (len(logical) - 1)),))
+
+
+def permuted_buffer(src: Buffer, dims: tuple[int, ...]) -> Buffer:
+    """``src`` (a plain tensor) permuted by ``dims`` (over N, C, *S; the batch stays first), read in place."""
+    strides, _ = strides_of(src.logical, "contiguous")
+    return view_buffer(src, tuple(strides[d - 1] for d in dims[1:]), tuple(src.logical[d - 1] for d in dims[1:]))
+
+
+def expanded_buffer(src: Buffer, shape: tuple[int, ...]) -> Buffer:
+    """``src`` (a plain tensor) expanded to (C, *S) = ``shape`` (its dims of size 1 repeated), read in place."""
+    strides, _ = strides_of(src.logical, "contiguous")
+    return view_buffer(src, tuple(0 if n != m else s for s, n, m in zip(strides, shape, src.logical)), tuple(shape))

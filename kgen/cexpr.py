@@ -170,7 +170,7 @@ def tile_address(buf: Buffer, t: int, coords: list[str]) -> str:
     for d, (name, stride) in enumerate(zip(coords, tile.strides)):
         off = tile.offset[d - 1] if d > 0 else 0
         pos = f"({name} + {off})" if off else name
-        if tile.dims[d] > 1 and pos != "0":
+        if tile.dims[d] > 1 and stride and pos != "0":  # (stride 0: a broadcast dim)
             terms.append(pos if stride == 1 else f"{pos} * {stride}")
     return " + ".join(terms)
 

@@ -24,12 +24,15 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     nothing from memory (it works on the tile); statistics gathered by the stage before read its
     tiles' moments."""
     flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(stage)) * batch
+    if not stage.family.generates_kernel and not any(w.bytes or w.launches
+                                                      for w in stage.family.work(stage, batch, plan.target)):
+        return flops, 0  # a view (a reshape, a permute the next stage reads in place): nothing moves
     if isinstance(stage, ConvStage):
         conv = stage.conv.conv
         read = batch * conv.in_channels * math.prod(stage.input_extent) + math.prod(conv.weight_shape())
         written = batch * sum(math.prod(t.dims) for t in stage.output.tiles)
     else:
-        read = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
+        read = batch * sum(t.stored for t in stage.input.tiles)
         written = batch * stage.out_type.sample_numel if stage.family.writes_output else 0
     if isinstance(stage, ConvStage) and stage.epilogue is not None:  # set only with the epilogue's absorbed_by
         written = 0

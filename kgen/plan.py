@@ -443,6 +443,8 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
         if declined:
             st.choice += f" ({'; '.join(declined)})"
         st.names = named_after.get(gi, [])
+        if not st.names and gi + 1 < len(groups) and chosen[gi + 1].reads_views and groups[gi + 1][1][0].src is None:
+            st.output = st.family.view_output(st) or st.output  # (read by the next stage alone)
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)

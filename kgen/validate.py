@@ -374,6 +374,17 @@ def stage_cases(t: TensorType, device) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def broadcast_as_read(buf: Buffer, x: torch.Tensor) -> torch.Tensor:
+    """``x`` repeating its first values along the dims ``buf`` broadcasts (an expand read in place: stride 0),
+    the only logical tensors such a buffer holds; ``x`` itself for any other buffer."""
+    if buf.layout != "strided":
+        return x
+    for d, s in enumerate(buf.tiles[0].strides):
+        if s == 0:
+            x = x.narrow(d + 1, 0, 1).expand_as(x)
+    return x.contiguous()
+
+
 def pack_buffer(buf: Buffer, x: torch.Tensor) -> list[torch.Tensor]:
     """The physical tile(s) a stage reads, holding the logical tensor ``x``.
 
@@ -385,6 +396,11 @@ def pack_buffer(buf: Buffer, x: torch.Tensor) -> list[torch.Tensor]:
     for tile in buf.tiles:
         t = torch.empty_strided((n,) + tile.dims, (tile.sample_stride,) + tile.strides, device=x.device, dtype=x.dtype)
         t.fill_(math.nan)
+        if buf.layout == "strided":  # a view read in place: its broadcast dims (stride 0) hold x's first values
+            one = tuple(slice(0, 1) if s == 0 else slice(None) for s in tile.strides)
+            t[(slice(None),) + one] = x[(slice(None),) + one]
+            tiles.append(t)
+            continue
         src, dst = [slice(None), slice(None)], [slice(None), slice(None)]
         for d in range(len(tile.dims) - 1):
             L = buf.logical[d + 1]
@@ -741,7 +757,7 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
             # values that are the stage's input itself: named inside it, or the value it starts from
             inside = {op.name for op in st.ops if isinstance(op, Capture)} | ({st.ops[0].src} if st.ops and st.ops[0].src else set())
             for label, x in stage_cases(st.in_type, ref_device):
-                x = x.to(dt)
+                x = broadcast_as_read(st.input, x.to(dt))
                 vals = {n: x if n in inside else _randn(plan.pipeline.values[n].concrete(x.shape[0]), 40 + k, ref_device).to(dt)
                         for k, n in enumerate(names)}
                 source = {st.ops[0].src: x} if st.ops and st.ops[0].src else {}  # the value the stage reads

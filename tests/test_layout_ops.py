@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_report_passed, fake_tuning, pipeline_of, spec_text, write_spec
+from conftest import BUILD_DEVICES, assert_report_passed, build_and_validate, fake_tuning, pipeline_of, render_specs, spec_text, write_spec
 from kgen.errors import SpecError
 from kgen.ir import AdaptivePool, Cat, Reduce, load_pipeline
 from kgen.plan import EAGER, PIPELINE, candidate_plans, make_plan
@@ -533,3 +533,54 @@ def test_a_parameter_that_broadcasts_a_value_expands_the_value_first(tmp_path):
     kinds = [o.kind for o in ops]
     assert kinds.count("expand") == 2, kinds
     assert [kinds[i + 1] for i, k in enumerate(kinds) if k == "expand"] == ["sub", "div"], kinds
+
+
+VIEWS_SPEC = """
+name: views
+input:
+  shape: [N, 6, 8]
+  dtype: float32
+  example: {N: 3}
+params:
+  w: {shape: [1, 8, 6], init: randn}
+ops:
+  - transpose: {dim0: 1, dim1: 2}  # read as a channels_last [8, 6]
+  - relu: {as: r}
+  - sum: {dim: 1, keepdim: true}
+  - expand: {shape: [8, 6]}  # read with stride 0 over the 8
+  - mul: {param: w}
+  - add: {tensor: r}
+  - reshape: {shape: [2, 4, 6]}
+  - permute: {dims: [0, 3, 1, 2]}  # channels_last again: the last dim moved first
+  - tanh
+  - permute: {dims: [0, 2, 1, 3]}  # any strides, into a reduction
+  - sum: {dim: 2}
+  - transpose: {dim0: 1, dim1: 2, as: tv}  # read in place by the next stage, and as a plain tensor by a later one
+  - sigmoid: {as: sg}
+  - tanh: {from: tv}
+  - add: {tensor: sg}
+"""
+
+
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_permutes_and_expands_are_views_the_next_stage_reads_in_place(tmp_path, device):
+    """A permute or an expand of a plain tensor before a stage that reads any strides (pool_reduce) is ATen's view,
+    not a copy: its stage launches nothing and the next stage's input buffer is the view (channels_last where the
+    permute moves the last dim first, else strided; an expand's broadcast dims of stride 0). A view read later as a
+    plain tensor (``from: tv``) is made contiguous there. Validated against float64, stage by stage too (the
+    broadcast buffer's stage cases repeat their values along the broadcast dims), also with a non-contiguous input."""
+    from kgen import cost
+
+    plan = make_plan(pipeline_of(VIEWS_SPEC), target=DEFAULT)
+    views = [st for st in plan.stages if st.family.name == "aten" and st.ops[0].op_name != "reshape"]
+    assert [st.output.layout for st in views] == ["channels_last", "strided", "channels_last", "strided",
+                                                  "channels_last"]
+    readers = [plan.stages[st.index + 1].input for st in views]
+    assert readers[1].tiles[0].strides == (0, 1) and readers[1].tiles[0].stored == 6
+    assert readers[3].tiles[0].strides == (4, 8, 1)  # tanh's [N, 6, 2, 4] seen as [N, 2, 6, 4]
+    assert all(e.launches == 0 for e in cost.estimate(plan, 3) if e.stage in views)
+    rendered = render_specs(tmp_path, {"views": VIEWS_SPEC})
+    binding = (rendered["views"][1] / "binding.cpp").read_text()
+    assert binding.count("// a view: the next stage reads it in place") == 5
+    assert "t0_source = x.contiguous()" in binding and "stage12({t10.contiguous()}" in binding
+    build_and_validate(rendered, device)

@@ -9,14 +9,16 @@ transpose, slice, pad, expand, interpolate, adaptive pools to sizes other than 1
 consecutive (the softmax family's axis); and the other candidate of a stage of
 a layer_norm, softmax, log_softmax or logsumexp alone.
 Each is PyTorch's own computation, so its numerics are PyTorch's. The next
-fused stage reads its contiguous output. Templates: ``templates/aten/``.
+fused stage reads its contiguous output, or, for a permute or an expand that a
+family reading views comes after (``Family.reads_views``), the view itself in
+place: the stage copies nothing. Templates: ``templates/aten/``.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..buffer import flat_buffer
-from ..ir import Cat, Reduce, Reshape
+from ..buffer import Buffer, expanded_buffer, flat_buffer, permuted_buffer
+from ..ir import Cat, Expand, Permute, Reduce, Reshape
 from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest, Work, value_bytes
@@ -39,10 +41,22 @@ class Aten(Family):
         t_in, t_out = req.types
         return Stage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
 
+    def view_output(self, st: Stage) -> Buffer | None:
+        """A permute or an expand of a plain tensor, as the view ATen makes of it (nothing copied)."""
+        op = st.ops[0] if len(st.ops) == 1 else None
+        if not st.input.flat or st.in_type.rank < 3:
+            return None
+        if isinstance(op, Permute):
+            return permuted_buffer(st.input, op.dims)
+        if isinstance(op, Expand) and op.param is None:
+            return expanded_buffer(st.input, tuple(st.out_type.shape[1:]))
+        return None
+
     def work(self, st: Stage, batch: int, target) -> list[Work]:
-        """A reshape of a plain contiguous tensor is a view (the stage's ``contiguous()`` copies nothing): no
-        pass; any other op reads its input and writes its output once."""
-        if isinstance(st.ops[0], Reshape) and st.input.flat:
+        """A reshape of a plain contiguous tensor is a view (the stage's ``contiguous()`` copies nothing), and so
+        is a permute or expand the next stage reads in place (``view_output``): no pass; any other op reads its
+        input and writes its output once."""
+        if isinstance(st.ops[0], Reshape) and st.input.flat or not st.output.flat:
             return [Work(f"{st.ops[0].key} (a view)", 0, 0, launches=0)]
         op = st.ops[0]
         if st.in_place:  # a cat whose operands' stages wrote some in place: it copies the others into their slices

@@ -88,6 +88,9 @@ class Family:
     stage_kind: ClassVar[str]  # what its stages compute ("conv"): peers share it
     generates_kernel: ClassVar[bool]  # renders kernels; its stage is also the op kgen::NAME_stageK
     reads_channels_last: ClassVar[bool] = False  # reads a channels_last input as fast as a contiguous one
+    # reads a view of the previous stage's plain tensor in place, any strides (buffer.view_buffer: a permute, an
+    # expand), so that the view's stage copies nothing
+    reads_views: ClassVar[bool] = False
     writes_output: ClassVar[bool] = True  # False: its output is its input (a stage that only reads, batch_stats)
     pieces: ClassVar[tuple[str, ...]]  # generated files it contributes to, from templates/<name>/<piece>.j2
     cuda_includes: ClassVar[tuple[str, ...]] = ()  # headers (under the output root) its kernel.cu piece needs
@@ -133,7 +136,7 @@ class Family:
     def read_bytes(self, stage: Stage, batch: int) -> float:
         """Bytes one pass over the stage's input costs: a channels_last input read by a
         family that walks it in contiguous order wastes part of each memory sector."""
-        elements = batch * sum(math.prod(t.dims) for t in stage.input.tiles)
+        elements = batch * sum(t.stored for t in stage.input.tiles)
         buf = stage.input
         wasted = buf.layout == "channels_last" and not self.reads_channels_last_fast(buf, stage.ops)
         return value_bytes(stage) * elements * (STRIDED_READ_FACTOR if wasted else 1)
@@ -144,6 +147,11 @@ class Family:
         the stage's ops (or the ops from its first on, where the stage is not made yet). By default
         the family's ``reads_channels_last``; a family's kernels may depend on the sizes."""
         return self.reads_channels_last
+
+    def view_output(self, stage: Stage):
+        """Where the stage only views its plain input (a permute, an expand) and the next stage reads views in
+        place (``reads_views``): the view's buffer, which the stage hands on without a copy; else None."""
+        return None
 
     def absorbs_epilogue(self, stage: Stage, nxt: Stage) -> bool:
         """Whether ``stage`` takes the next stage as its epilogue (a generated convolution may)."""
