@@ -501,8 +501,8 @@ def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch:
     for i in range(len(stages) - 1, -1, -1):
         st = stages[i]
         nxt = stages[i + 1] if i + 1 < len(stages) else None
-        if nxt is not None and nxt.family.generates_kernel:
-            continue  # generated kernels read any buffer in place
+        if nxt is not None and (nxt.family.generates_kernel or nxt.family.reads_views):
+            continue  # generated kernels read any buffer in place, and a family that reads views its view
         if st.output.flat or (nxt is not None and st.output.dense):
             continue
         family = families.claimants([])[0]  # a stage of no ops: a copy

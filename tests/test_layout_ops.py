@@ -562,6 +562,19 @@ ops:
 """
 
 
+VIEW_MATMUL_SPEC = """
+name: view_matmul
+inputs:
+  x: {shape: [N, 5, 4]}
+  y: {shape: [N, 5, 6]}
+example: {N: 3}
+ops:
+  - transpose: {dim0: 1, dim1: 2}  # given to ATen's matmul as the view, as eager's `x.transpose(1, 2) @ y`
+  - matmul: {tensor: y}
+  - relu
+"""
+
+
 @pytest.mark.parametrize("device", BUILD_DEVICES)
 def test_permutes_and_expands_are_views_the_next_stage_reads_in_place(tmp_path, device):
     """A permute or an expand of a plain tensor before a stage that reads any strides (pool_reduce) is ATen's view,
@@ -579,8 +592,12 @@ def test_permutes_and_expands_are_views_the_next_stage_reads_in_place(tmp_path, 
     assert readers[1].tiles[0].strides == (0, 1) and readers[1].tiles[0].stored == 6
     assert readers[3].tiles[0].strides == (4, 8, 1)  # tanh's [N, 6, 2, 4] seen as [N, 2, 6, 4]
     assert all(e.launches == 0 for e in cost.estimate(plan, 3) if e.stage in views)
-    rendered = render_specs(tmp_path, {"views": VIEWS_SPEC})
+    product = make_plan(pipeline_of(VIEW_MATMUL_SPEC), target=DEFAULT)  # (and no copy stage between)
+    assert [st.kind for st in product.stages] == ["aten", "linear", "pool_reduce"]
+    assert not product.stages[0].output.flat
+    rendered = render_specs(tmp_path, {"views": VIEWS_SPEC, "view_matmul": VIEW_MATMUL_SPEC})
     binding = (rendered["views"][1] / "binding.cpp").read_text()
     assert binding.count("// a view: the next stage reads it in place") == 5
     assert "t0_source = x.contiguous()" in binding and "stage12({t10.contiguous()}" in binding
+    assert "kgen::matmul(t0, y)" in (rendered["view_matmul"][1] / "binding.cpp").read_text()
     build_and_validate(rendered, device)
