@@ -24,8 +24,8 @@ def stage_cost(plan: Plan, stage, batch: int) -> tuple[int, int]:
     nothing from memory (it works on the tile); statistics gathered by the stage before read its
     tiles' moments."""
     flops = sum(op.flops(t_in, t_out) for op, t_in, t_out in typed_ops(stage)) * batch
-    if not stage.family.generates_kernel and not any(w.bytes or w.launches
-                                                      for w in stage.family.work(stage, batch, plan.target)):
+    if plan is not None and not stage.family.generates_kernel and not any(
+            w.bytes or w.launches for w in stage.family.work(stage, batch, plan.target)):
         return flops, 0  # a view (a reshape, a permute the next stage reads in place): nothing moves
     if isinstance(stage, ConvStage):
         conv = stage.conv.conv
