@@ -171,7 +171,8 @@ class PoolReduce(Family):
         flat = self.make_stage(req)
         out = [Candidate(self.name, flat)]
         if (req.next_family is not None and req.input.layout == "channels_last" and req.input.dense
-                and len(flat.levels) == 1 and flat.reduce is None and not flat.epilogue and flat.in_type.rank >= 3):
+                and len(flat.levels) == 1 and flat.reduce is None and not flat.epilogue and flat.in_type.rank >= 4):
+            # (ATen's channels_last formats are of 4 and 5 dims: a [N, C, L] view read as channels_last is not one)
             out.append(Candidate(f"{self.name}:channels_last", self.make_stage(req, output_layout="channels_last")))
         return out
 
