@@ -443,8 +443,11 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
         if declined:
             st.choice += f" ({'; '.join(declined)})"
         st.names = named_after.get(gi, [])
-        if not st.names and gi + 1 < len(groups) and chosen[gi + 1].reads_views and groups[gi + 1][1][0].src is None:
-            st.output = st.family.view_output(st) or st.output  # (read by the next stage alone)
+        # a permute or expand hands on its view where whichever family computes the next stage reads views (a later
+        # stage that reads the view's value as a plain tensor makes it contiguous)
+        if not st.names and gi + 1 < len(groups) and groups[gi + 1][1][0].src is None \
+                and all(f.reads_views for f in groups[gi + 1][2]):
+            st.output = st.family.view_output(st) or st.output
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)
@@ -501,10 +504,10 @@ def _add_copy_stages(stages: list[Stage], pipe: Pipeline, target: Target, batch:
     for i in range(len(stages) - 1, -1, -1):
         st = stages[i]
         nxt = stages[i + 1] if i + 1 < len(stages) else None
-        if nxt is not None and (nxt.family.generates_kernel or nxt.family.reads_views):
-            continue  # generated kernels read any buffer in place, and a family that reads views its view
-        if st.output.flat or (nxt is not None and st.output.dense):
-            continue
+        if nxt is not None and nxt.family.generates_kernel:
+            continue  # generated kernels read any buffer in place
+        if st.output.flat or (nxt is not None and (st.output.dense or st.output.layout == "strided")):
+            continue  # (a view is made only for a next stage that reads views: Family.reads_views)
         family = families.claimants([])[0]  # a stage of no ops: a copy
         t = st.out_type
         req = families.StageRequest(i + 1, [], (t,), st.output, nxt.family if nxt else None, pipe, target, batch, len(pipe.ops))

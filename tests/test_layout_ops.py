@@ -601,3 +601,17 @@ def test_permutes_and_expands_are_views_the_next_stage_reads_in_place(tmp_path, 
     assert "t0_source = x.contiguous()" in binding and "stage12({t10.contiguous()}" in binding
     assert "kgen::matmul(t0, y)" in (rendered["view_matmul"][1] / "binding.cpp").read_text()
     build_and_validate(rendered, device)
+
+
+def test_only_views_skip_the_copy_before_a_family_that_reads_views():
+    """The aten family reads a permute's view, not a sub-pixel convolution's phase tiles: those are still copied
+    into a plain tensor before its ATen call."""
+    from kgen.plan import candidate_plans
+
+    text = spec_text([4, 6, 6], [{"conv_transpose2d": {"out_channels": 4, "kernel_size": 4, "stride": 2, "padding": 1}},
+                                 {"pad": {"pad": [1, 1, 1, 1]}}, "relu"], plan={"conv": "aten"})
+    phased = [p for p in candidate_plans(pipeline_of(text), DEFAULT) if p.stages[0].output.phased]
+    assert phased
+    for plan in phased:
+        assert [s.kind for s in plan.stages] == ["conv", "pool_reduce", "aten", "pool_reduce"]
+        assert not plan.stages[1].ops  # the copy into a plain tensor
