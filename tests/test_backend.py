@@ -1584,3 +1584,20 @@ def test_parameters_that_carry_the_batch_are_the_partitions_inputs(cache):
         made = [p for p in backend.PARTITIONS[before:] if p["module"] is not None]
         assert len(made) == 1, backend.PARTITIONS[before:]
         assert len(made[0]["runner"]()._inputs) == inputs, made
+
+
+def test_parameters_that_carry_the_batch_train_as_eager(cache):
+    """Given to the partition's op as inputs, Mamba2-style parameters still get their gradients: a training step's
+    loss and gradients equal eager's."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    model, x = ParameterOfTheBatch(4), torch.randn(4, 6, 3, 5)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, backend=backend.kgen_backend, dynamic=False)
+    before = len(backend.PARTITIONS)
+    for m in (model, compiled):
+        (m(x) ** 2).sum().backward()
+    assert [p["module"] is not None for p in backend.PARTITIONS[before:]] == [True]
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
