@@ -443,11 +443,8 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
         if declined:
             st.choice += f" ({'; '.join(declined)})"
         st.names = named_after.get(gi, [])
-        # a permute or expand hands on its view where whichever family computes the next stage reads views (a later
-        # stage that reads the view's value as a plain tensor makes it contiguous)
-        if not st.names and gi + 1 < len(groups) and groups[gi + 1][1][0].src is None \
-                and all(f.reads_views for f in groups[gi + 1][2]):
-            st.output = st.family.view_output(st) or st.output
+        if _views_read_in_place(groups, gi, st.names, rewritten.outputs):
+            st.output = st.family.view_output(st) or st.output  # a permute's or expand's view, not a copy
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)
@@ -478,6 +475,28 @@ def _rewriting_front(pipeline: Pipeline, rewrites: dict | None, picker: _Recorde
     front = _Front(rewritten, decisions, kept, named_after)
     memo.fronts.append((tuple(picker.asked), front))
     return front
+
+
+def _views_read_in_place(groups: list, gi: int, names: list, outputs) -> bool:
+    """Whether every reader of group ``gi``'s result (named ``names`` after it, or by the next group's first op)
+    reads a view of it as it is, whichever family computes it: the next group, continuing from it, through
+    families that read views; an op reading it as an operand through families that read view operands (ATen's
+    calls). Not where an op starts from it (``from:``) or the graph returns it: each would copy it."""
+    if gi + 1 >= len(groups):
+        return False
+    _, nxt, cands = groups[gi + 1]
+    read = set(names)
+    if nxt[0].src is None:
+        read |= {nxt[0].name} if isinstance(nxt[0], Capture) else set()
+        if not all(f.reads_views for f in cands):
+            return False
+    if read & set(outputs):
+        return False
+    for _, gops, cands in groups[gi + 1:]:
+        for op in gops:
+            if op.src in read or read & set(op.value_names()) and not all(f.reads_view_operands for f in cands):
+                return False
+    return True
 
 
 def _offers(req: families.StageRequest, cands: list[families.Family]) -> tuple[list[str], list]:

@@ -555,7 +555,7 @@ ops:
   - tanh
   - permute: {dims: [0, 2, 1, 3]}  # any strides, into a reduction
   - sum: {dim: 2}
-  - transpose: {dim0: 1, dim1: 2, as: tv}  # read in place by the next stage, and as a plain tensor by a later one
+  - transpose: {dim0: 1, dim1: 2, as: tv}  # read in place by the next stage, and later as a plain tensor: copied
   - sigmoid: {as: sg}
   - tanh: {from: tv}
   - add: {tensor: sg}
@@ -572,6 +572,9 @@ ops:
   - transpose: {dim0: 1, dim1: 2}  # given to ATen's matmul as the view, as eager's `x.transpose(1, 2) @ y`
   - matmul: {tensor: y}
   - relu
+  - transpose: {dim0: 1, dim1: 2, as: t}  # named, read only as the product's operand below: a view too
+  - sigmoid: {from: y}
+  - matmul: {tensor: t}
 """
 
 
@@ -579,27 +582,28 @@ ops:
 def test_permutes_and_expands_are_views_the_next_stage_reads_in_place(tmp_path, device):
     """A permute or an expand of a plain tensor before a stage that reads any strides (pool_reduce) is ATen's view,
     not a copy: its stage launches nothing and the next stage's input buffer is the view (channels_last where the
-    permute moves the last dim first, else strided; an expand's broadcast dims of stride 0). A view read later as a
-    plain tensor (``from: tv``) is made contiguous there. Validated against float64, stage by stage too (the
+    permute moves the last dim first, else strided; an expand's broadcast dims of stride 0). A view that something
+    reads as a plain tensor (``from: tv``) is a copy; one read only as a product's operand is a view. Validated against float64, stage by stage too (the
     broadcast buffer's stage cases repeat their values along the broadcast dims), also with a non-contiguous input."""
     from kgen import cost
 
     plan = make_plan(pipeline_of(VIEWS_SPEC), target=DEFAULT)
     views = [st for st in plan.stages if st.family.name == "aten" and st.ops[0].op_name != "reshape"]
     assert [st.output.layout for st in views] == ["channels_last", "strided", "channels_last", "strided",
-                                                  "channels_last"]
+                                                  "contiguous"]
     readers = [plan.stages[st.index + 1].input for st in views]
     assert readers[1].tiles[0].strides == (0, 1) and readers[1].tiles[0].stored == 6
     assert readers[3].tiles[0].strides == (4, 8, 1)  # tanh's [N, 6, 2, 4] seen as [N, 2, 6, 4]
-    assert all(e.launches == 0 for e in cost.estimate(plan, 3) if e.stage in views)
+    assert all(e.launches == 0 for e in cost.estimate(plan, 3) if e.stage in views[:4])
     product = make_plan(pipeline_of(VIEW_MATMUL_SPEC), target=DEFAULT)  # (and no copy stage between)
-    assert [st.kind for st in product.stages] == ["aten", "linear", "pool_reduce"]
-    assert not product.stages[0].output.flat
+    assert [st.kind for st in product.stages] == ["aten", "linear", "pool_reduce", "aten", "pool_reduce", "linear"]
+    assert not product.stages[0].output.flat and not product.stages[3].output.flat
     rendered = render_specs(tmp_path, {"views": VIEWS_SPEC, "view_matmul": VIEW_MATMUL_SPEC})
     binding = (rendered["views"][1] / "binding.cpp").read_text()
-    assert binding.count("// a view: the next stage reads it in place") == 5
-    assert "t0_source = x.contiguous()" in binding and "stage12({t10.contiguous()}" in binding
-    assert "kgen::matmul(t0, y)" in (rendered["view_matmul"][1] / "binding.cpp").read_text()
+    assert binding.count("// a view: its readers read it in place") == 4
+    assert "t0_source = x.contiguous()" in binding and "t10 = t9.permute({0, 2, 1}).contiguous();" in binding
+    product_binding = (rendered["view_matmul"][1] / "binding.cpp").read_text()
+    assert "kgen::matmul(t0, y)" in product_binding and "kgen::matmul(t4, t3)" in product_binding
     build_and_validate(rendered, device)
 
 

@@ -34,6 +34,7 @@ class Aten(Family):
                "adaptive pools; softmax and logsumexp alone)")
     dtypes = DTYPES  # ATen's function computes each
     reads_views = True  # ATen's functions take any strides (a cat of a permuted value copies it once, into the cat)
+    reads_view_operands = True
 
     def fits(self, ops):  # not a global pool: a reduction the fused families compute
         return len(ops) == 1 and not (isinstance(ops[0], Reduce) and ops[0].origin)

@@ -91,6 +91,7 @@ class Family:
     # reads a view of the previous stage's plain tensor in place, any strides (buffer.view_buffer: a permute, an
     # expand), so that the view's stage copies nothing
     reads_views: ClassVar[bool] = False
+    reads_view_operands: ClassVar[bool] = False  # and a view given as a value operand (a matmul's, a cat's)
     writes_output: ClassVar[bool] = True  # False: its output is its input (a stage that only reads, batch_stats)
     pieces: ClassVar[tuple[str, ...]]  # generated files it contributes to, from templates/<name>/<piece>.j2
     cuda_includes: ClassVar[tuple[str, ...]] = ()  # headers (under the output root) its kernel.cu piece needs

@@ -32,6 +32,7 @@ class LinearAten(Family):
     # at::matmul takes a permuted or expanded operand as it is (cuBLAS's transposed forms; eager's `x.transpose(1, 2)
     # @ y` passes the view too)
     reads_views = True
+    reads_view_operands = True
 
     def fits(self, ops):
         return len(ops) == 1 and isinstance(ops[0], (Linear, Matmul, PooledProduct))
