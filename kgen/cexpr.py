@@ -110,13 +110,26 @@ def register(name: str) -> str:
     return f"val_{name}"
 
 
+def view_index(buf: Buffer, shape: tuple[int, ...], act: TensorType, coords: list[str]) -> str:
+    """Offset of a value of (C, *S) ``shape`` held in the view ``buf`` (one tile, any strides), broadcast to ``act``
+    as a parameter is, at ``coords``: its dims of size 1 are not stepped."""
+    tile = buf.tiles[0]
+    lead = act.rank - 1 - len(shape)
+    terms = [f"n * {tile.sample_stride}LL"]
+    for d, (size, stride) in enumerate(zip(shape, tile.strides)):
+        if size != 1 and stride:
+            terms.append(coords[lead + d] if stride == 1 else f"{coords[lead + d]} * {stride}")
+    return " + ".join(terms)
+
+
 def elementwise(op: Elementwise, act: TensorType, coords: list[str], tensors: dict[str, TensorArg],
-                values: dict[str, TensorType] | None = None) -> str:
+                values: dict[str, TensorType] | None = None, views: dict | None = None) -> str:
     """C statement applying ``op`` to the float ``v`` through its kgen_math.h function;
     ``coords`` index act's dims 1.., ``tensors`` are the plan's parameters by name,
     ``values`` the pipeline's values (inputs, named results) by name. A named result
     (``as``) is kept in a local; a value operand is read from it or from its tensor
-    (batch ``n``, broadcast like a parameter)."""
+    (batch ``n``, broadcast like a parameter), through its strides where it is a view
+    read in place (``views``: Plan.view_values)."""
     if isinstance(op, Capture):
         return f"const float {register(op.name)} = v; (void){register(op.name)};"
     entry = OPS[op.fn]
@@ -127,8 +140,11 @@ def elementwise(op: Elementwise, act: TensorType, coords: list[str], tensors: di
                 args.append(register(op.tensor))
             else:
                 vt = values[op.tensor]
-                index = param_index(tuple(vt.shape[1:]), act, coords)
-                args.append(f"a.{op.tensor}[n * {vt.sample_numel}LL + {index}]")
+                if views and op.tensor in views:
+                    args.append(f"a.{op.tensor}[{view_index(views[op.tensor], tuple(vt.shape[1:]), act, coords)}]")
+                else:
+                    index = param_index(tuple(vt.shape[1:]), act, coords)
+                    args.append(f"a.{op.tensor}[n * {vt.sample_numel}LL + {index}]")
         elif op.param is None:
             args.append(cfloat(op.scalar))
         elif op.param_sum_dims:  # reduction algebra: the parameter summed (it varies only there)

@@ -202,6 +202,16 @@ class Plan:
         """The stage whose output is the binding's tensor ``tensor`` (``t<index>``); None for an input."""
         return self._writers.get(tensor)
 
+    def view_values(self) -> dict:
+        """The named values that are views read in place (a permute's or expand's, ``_views_read_in_place``):
+        name -> the buffer a stage reading it as an operand addresses it through."""
+        out = {}
+        for name, tensor in (self.value_exprs or {}).items():
+            writer = self.writer_of(tensor)
+            if writer is not None and not writer.output.flat and writer.family.view_output(writer) is not None:
+                out[name] = writer.output
+        return out
+
     def running_copies(self) -> tuple[int, list[str]] | None:
         """Where the binding copies the running statistics the batch norms update in training mode (before the
         first stage that updates one: its index) and which (state_dict names, in the op's buffer order); None

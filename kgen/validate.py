@@ -756,13 +756,16 @@ def check_stages(sel: Selection, name: str, model, device: str, reference_device
             names = plan.stage_values(st)
             # values that are the stage's input itself: named inside it, or the value it starts from
             inside = {op.name for op in st.ops if isinstance(op, Capture)} | ({st.ops[0].src} if st.ops and st.ops[0].src else set())
+            views = plan.view_values()  # values read in place through their strides: given so
             for label, x in stage_cases(st.in_type, ref_device):
                 x = broadcast_as_read(st.input, x.to(dt))
                 vals = {n: x if n in inside else _randn(plan.pipeline.values[n].concrete(x.shape[0]), 40 + k, ref_device).to(dt)
                         for k, n in enumerate(names)}
+                vals = {n: broadcast_as_read(views[n], v) if n in views else v for n, v in vals.items()}
                 source = {st.ops[0].src: x} if st.ops and st.ops[0].src else {}  # the value the stage reads
-                tiles = [t.to(device) for t in pack_buffer(st.input, x)]
-                vargs = [vals[n].to(device) for n in names]
+                # packed where they are read: a copy to another device would make a broadcast tile (stride 0) contiguous
+                tiles = pack_buffer(st.input, x.to(device))
+                vargs = [pack_buffer(views[n], vals[n].to(device))[0] if n in views else vals[n].to(device) for n in names]
                 results.append(replace(_case(
                     f"stage {st.index}{'' if count == 1 else f' of plan {i}'}: {label}",
                     lambda: stage_op(tiles, args, vargs),

@@ -2,7 +2,8 @@
 
 Each pipeline permutes and expands its values (ranks 3 to 5, sizes of 1 too) and hands each view to a
 stage that reads it in place (an elementwise op, maybe with a broadcast parameter, or a reduction):
-buffer.view_buffer's strides and broadcast zeros, the plan's view stages and the binding's views,
+buffer.view_buffer's strides and broadcast zeros, the plan's view stages and the binding's views, a view
+read again later as a later stage's operand (cexpr.view_index) or as a plain tensor (a copy),
 checked against the float64 reference end to end and stage by stage. A failure names the seed and
 the spec, so it reproduces with ``random_view_spec(SEED + i, i)``.
 """
@@ -60,11 +61,19 @@ def random_view_spec(seed: int, index: int) -> str:
                 else:
                     ops.append({"sum": {"dim": [1], "keepdim": True}})
                     continue
-                if rng.random() < 0.2:  # named: read in place by the next stage, and as a plain tensor later
+                roll = rng.random()
+                if roll < 0.2:  # named: read in place by the next stage, and as a plain tensor later (a copy)
                     name = f"v{k}"
                     ops[-1][next(iter(ops[-1]))]["as"] = name
                     _consumer(rng, ops, params, _shape(ops, shape))
                     ops.append({"tanh": {"from": name}})
+                elif roll < 0.45:  # named: read in place, then as a later stage's operand through its strides
+                    name, viewed = f"v{k}", _shape(ops, shape)
+                    ops[-1][next(iter(ops[-1]))]["as"] = name
+                    ops.append(rng.choice(UNARY))
+                    ops.append({"sum": {"dim": [rng.randint(1, len(viewed))], "keepdim": True}})
+                    ops.append({"expand": {"shape": viewed}})
+                    ops.append({rng.choice(("add", "mul", "sub")): {"tensor": name}})
                 _consumer(rng, ops, params, _shape(ops, shape))
             text = spec_text(shape, ops, params=params, name=f"views_{index}")
             pipeline_of(text)
@@ -96,6 +105,8 @@ def test_the_draws_read_views_in_place():
             if st.family.name == "aten" and not st.output.flat]
     assert ("permute", "channels_last") in read and ("permute", "strided") in read and ("expand", "strided") in read, read
     assert any("from" in str(text) for text in SPECS)  # a view read again later, as a plain tensor
+    # a view read by a later stage as an operand, through its strides
+    assert any(set(p.view_values()) & set(p.stage_values(st)) for p in plans for st in p.kernel_stages())
 
 
 @pytest.mark.parametrize("i", range(COUNT))

@@ -146,7 +146,8 @@ class PoolReduce(Family):
     stage_kind = "pool_reduce"
     generates_kernel = True
     reads_channels_last = True  # measured on the H100: docs/performance.md
-    reads_views = True  # its loads address any tile strides (common.j2 load_fn)
+    reads_views = True  # its loads address any tile strides (common.j2 load_fn) ...
+    reads_view_operands = True  # ... and so do its value operands' (cexpr.view_index)
     pieces = ("stage.h", "kernel.cu", "kernel_cpu.cpp", "binding.cpp")
     summary = "elementwise -> window pools -> reduction -> elementwise, one pass"
 
