@@ -154,9 +154,8 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
         plan_summary=plan_summary(sel),
         binding_includes=sorted({h for v in sel.variants for st in v.plan.stages for h in st.family.binding_includes(st)}),
         ident=lambda n: tensors[n].ident,
-        # (given the plan: its value operands that are views read through their strides)
-        ew=lambda op, act, coords, plan=None: cexpr.elementwise(op, act, coords, tensors, values,
-                                                              plan.view_values() if plan is not None else None),
+        # (the plan: its value operands that are views are read through their strides, as its binding passes them)
+        ew=lambda op, act, coords, plan: cexpr.elementwise(op, act, coords, tensors, values, plan.view_values()),
         summed=lambda ops: cexpr.summed_params(ops, tensors),
         host_summed=lambda ops: [i for i, _, host in cexpr.summed_params(ops, tensors) if host],
         spec_data=spec_data_literal(first),
