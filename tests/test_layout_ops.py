@@ -595,6 +595,9 @@ def test_permutes_and_expands_are_views_the_next_stage_reads_in_place(tmp_path, 
     assert readers[1].tiles[0].strides == (0, 1) and readers[1].tiles[0].stored == 6
     assert readers[3].tiles[0].strides == (4, 8, 1)  # tanh's [N, 6, 2, 4] seen as [N, 2, 6, 4]
     assert all(e.launches == 0 for e in cost.estimate(plan, 3) if e.stage in views[:4])
+    from kgen.explain import explain_text
+
+    assert explain_text(pipeline_of(VIEWS_SPEC)).count("nothing copied, its readers read it in place") == 4
     product = make_plan(pipeline_of(VIEW_MATMUL_SPEC), target=DEFAULT)  # (and no copy stage between)
     assert [st.kind for st in product.stages] == ["aten", "linear", "pool_reduce", "aten", "pool_reduce", "linear"]
     assert not product.stages[0].output.flat and not product.stages[3].output.flat

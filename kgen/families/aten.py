@@ -70,6 +70,13 @@ class Aten(Family):
             return [replace(one, bytes=one.bytes + value_bytes(st) * batch * sum(t.sample_numel for t in op.pieces))]
         return [one]
 
+    def explain_lines(self, st: Stage) -> list[str]:
+        if st.output.flat:
+            return []
+        t = st.output.tiles[0]
+        return [f"ATen's view of its input ({st.output.layout}, strides {', '.join(map(str, t.strides))} over "
+                f"[{', '.join(map(str, t.dims))}]): nothing copied, its readers read it in place"]
+
     def binding_includes(self, st: Stage) -> list[str]:
         return layout_headers(st.ops[0]) if st.ops else []
 
