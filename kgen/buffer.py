@@ -54,6 +54,13 @@ class Buffer:
         return not self.phased and t.dims == self.logical and not any(t.offset) and self.layout != "strided"
 
     @property
+    def addressable(self) -> bool:
+        """One tile holding exactly the logical tensor at any strides (a plain tensor, a channels_last one, a view
+        of one): what ATen's view of it is, and what a view of that view reads."""
+        t = self.tiles[0]
+        return not self.phased and len(self.tiles) == 1 and t.dims == self.logical and not any(t.offset)
+
+    @property
     def flat(self) -> bool:
         """A plain contiguous (C, *S) tensor: element e of a sample lies at e."""
         return self.dense and self.layout == "contiguous"
@@ -97,22 +104,31 @@ def flat_buffer(t: TensorType) -> Buffer:
 
 
 def view_buffer(src: Buffer, view_strides: tuple[int, ...], logical: tuple[int, ...]) -> Buffer:
-    """The plain tensor ``src`` seen through a view of logical shape ``logical`` whose dim d steps
-    ``view_strides[d]`` elements of it (0: broadcast): channels_last where the strides are that layout's,
-    else strided."""
-    _, sample = strides_of(src.logical, "contiguous")
+    """The tensor ``src`` (one tile holding it, at any strides: ``Buffer.addressable``) seen through a view of
+    logical shape ``logical`` whose dim d steps ``view_strides[d]`` elements of it (0: broadcast): channels_last where
+    the strides and the sample's are that layout's, else strided."""
+    sample = src.tiles[0].sample_stride
     strides = tuple(view_strides)
-    layout = "channels_last" if len(logical) > 1 and strides == strides_of(logical, "channels_last")[0] else "strided"
+    layout = "channels_last" if len(logical) > 1 and (strides, sample) == strides_of(logical, "channels_last") else "strided"
     return Buffer(tuple(logical), layout, (Tile(tuple(logical), strides, sample, (0,) * (len(logical) - 1)),))
 
 
 def permuted_buffer(src: Buffer, dims: tuple[int, ...]) -> Buffer:
-    """``src`` (a plain tensor) permuted by ``dims`` (over N, C, *S; the batch stays first), read in place."""
-    strides, _ = strides_of(src.logical, "contiguous")
+    """``src`` permuted by ``dims`` (over N, C, *S; the batch stays first), read in place."""
+    strides = src.tiles[0].strides
     return view_buffer(src, tuple(strides[d - 1] for d in dims[1:]), tuple(src.logical[d - 1] for d in dims[1:]))
 
 
+def sliced_buffer(src: Buffer, dim: int, start: int, end: int, step: int) -> Buffer:
+    """``src`` sliced along ``dim`` (of N, C, *S), read in place: ATen's view keeps the source's strides (the dim's
+    times ``step``) and starts ``start`` values in (its data pointer)."""
+    logical, view = list(src.logical), list(src.tiles[0].strides)
+    logical[dim - 1] = len(range(start, end, step))
+    view[dim - 1] *= step
+    return view_buffer(src, tuple(view), tuple(logical))
+
+
 def expanded_buffer(src: Buffer, shape: tuple[int, ...]) -> Buffer:
-    """``src`` (a plain tensor) expanded to (C, *S) = ``shape`` (its dims of size 1 repeated), read in place."""
-    strides, _ = strides_of(src.logical, "contiguous")
-    return view_buffer(src, tuple(0 if n != m else s for s, n, m in zip(strides, shape, src.logical)), tuple(shape))
+    """``src`` expanded to (C, *S) = ``shape`` (its dims of size 1 repeated: stride 0), read in place."""
+    return view_buffer(src, tuple(0 if n != m else s for s, n, m in zip(src.tiles[0].strides, shape, src.logical)),
+                       tuple(shape))

@@ -1,7 +1,7 @@
 """Seeded random pipelines of views read in place, through render, the CPU build and validation.
 
-Each pipeline permutes and expands its values (ranks 3 to 5, sizes of 1 too) and hands each view to a
-stage that reads it in place (an elementwise op, maybe with a broadcast parameter, or a reduction):
+Each pipeline permutes, slices and expands its values (ranks 3 to 5, sizes of 1 too) and hands each view,
+or a view of it (their strides composed), to a stage that reads it in place (an elementwise op, maybe with a broadcast parameter, or a reduction):
 buffer.view_buffer's strides and broadcast zeros, the plan's view stages and the binding's views, a view
 read again later as a later stage's operand (cexpr.view_index) or as a plain tensor (a copy),
 checked against the float64 reference end to end and stage by stage. A failure names the seed and
@@ -14,7 +14,7 @@ import pytest
 from conftest import build_drawn_specs, pipeline_of, spec_text, validate_drawn_spec
 from kgen.errors import KgenError
 
-SEED = 7310
+SEED = 7306
 COUNT = 4  # modules; each CPU build costs seconds
 UNARY = ("relu", "tanh", "sigmoid", "neg", "abs", "gelu")
 
@@ -38,6 +38,29 @@ def _consumer(rng, ops, params, shape) -> None:
         ops.append(rng.choice(UNARY))
 
 
+def _view(rng, ops, shape) -> None:
+    """A permute, a slice (maybe with a step) or an expand of the dims of size 1 (made by a sum first where none
+    is) of the pipeline's result."""
+    now = _shape(ops, shape)
+    if rng.random() < 0.4:
+        if 1 not in now:
+            ops.append({"sum": {"dim": [rng.randint(1, len(now))], "keepdim": True}})
+            now = _shape(ops, shape)
+        ops.append({"expand": {"shape": [rng.randint(2, 5) if n == 1 else -1 for n in now]}})
+    elif (rng.random() < 0.3 or len(now) == 1) and max(now) > 1:
+        d = rng.choice([d for d, n in enumerate(now) if n > 1])
+        start = rng.randint(0, now[d] - 2)
+        ops.append({"slice": {"dim": d + 1, "start": start, "end": rng.randint(start + 1, now[d]),
+                              "step": rng.choice((1, 1, 2))}})
+    elif len(now) > 1:
+        order = list(range(1, len(now) + 1))
+        while order == sorted(order):
+            rng.shuffle(order)
+        ops.append({"permute": {"dims": [0] + order}})
+    else:
+        ops.append({"expand": {"shape": [rng.randint(2, 5)]}})
+
+
 def random_view_spec(seed: int, index: int) -> str:
     rng = random.Random(seed)
     while True:
@@ -47,20 +70,9 @@ def random_view_spec(seed: int, index: int) -> str:
         ops, params = [rng.choice(UNARY)], {}
         try:
             for k in range(rng.randint(3, 5)):
-                now = _shape(ops, shape)
-                if rng.random() < 0.4:  # an expand of the dims of size 1 (one made by a sum first where none is)
-                    if 1 not in now:
-                        ops.append({"sum": {"dim": [rng.randint(1, len(now))], "keepdim": True}})
-                        now = _shape(ops, shape)
-                    ops.append({"expand": {"shape": [rng.randint(2, 5) if n == 1 else -1 for n in now]}})
-                elif len(now) > 1:
-                    order = list(range(1, len(now) + 1))
-                    while order == sorted(order):
-                        rng.shuffle(order)
-                    ops.append({"permute": {"dims": [0] + order}})
-                else:
-                    ops.append({"sum": {"dim": [1], "keepdim": True}})
-                    continue
+                _view(rng, ops, shape)
+                if rng.random() < 0.3:  # a view of the view (its strides composed)
+                    _view(rng, ops, shape)
                 roll = rng.random()
                 if roll < 0.2:  # named: read in place by the next stage, and as a plain tensor later (a copy)
                     name = f"v{k}"
@@ -104,6 +116,8 @@ def test_the_draws_read_views_in_place():
     read = [(st.ops[0].op_name, st.output.layout) for p in plans for st in p.stages
             if st.family.name == "aten" and not st.output.flat]
     assert ("permute", "channels_last") in read and ("permute", "strided") in read and ("expand", "strided") in read, read
+    assert ("slice", "strided") in read, read
+    assert any(st.family.name == "aten" and not st.output.flat and not st.input.flat for p in plans for st in p.stages)
     assert any("from" in str(text) for text in SPECS)  # a view read again later, as a plain tensor
     # a view read by a later stage as an operand, through its strides
     assert any(set(p.view_values()) & set(p.stage_values(st)) for p in plans for st in p.kernel_stages())

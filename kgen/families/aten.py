@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..buffer import Buffer, expanded_buffer, flat_buffer, permuted_buffer
-from ..ir import Cat, Expand, Permute, Reduce, Reshape
+from ..buffer import Buffer, expanded_buffer, flat_buffer, permuted_buffer, sliced_buffer
+from ..ir import Cat, Expand, Permute, Reduce, Reshape, Slice
 from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest, Work, value_bytes
@@ -44,14 +44,17 @@ class Aten(Family):
         return Stage(req.index, list(req.ops), t_in, t_out, input=req.input, output=flat_buffer(t_out))
 
     def view_output(self, st: Stage) -> Buffer | None:
-        """A permute or an expand of a plain tensor, as the view ATen makes of it (nothing copied)."""
+        """A permute, expand or slice of a tensor one tile holds (a plain tensor, or a view of one), as the view
+        ATen makes of it (nothing copied)."""
         op = st.ops[0] if len(st.ops) == 1 else None
-        if not st.input.flat or st.in_type.rank < 3:
+        if not st.input.addressable or st.in_type.rank < 3:
             return None
         if isinstance(op, Permute):
             return permuted_buffer(st.input, op.dims)
         if isinstance(op, Expand) and op.param is None:
             return expanded_buffer(st.input, tuple(st.out_type.shape[1:]))
+        if isinstance(op, Slice):
+            return sliced_buffer(st.input, op.dim, op.start, op.end, op.step)
         return None
 
     def work(self, st: Stage, batch: int, target) -> list[Work]:
