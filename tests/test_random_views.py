@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from conftest import build_drawn_specs, pipeline_of, spec_text, validate_drawn_spec
+from conftest import HAS_CUDA, build_and_validate, build_drawn_specs, pipeline_of, render_specs, spec_text, validate_drawn_spec
 from kgen.errors import KgenError
 
 SEED = 7306
@@ -126,3 +126,10 @@ def test_the_draws_read_views_in_place():
 @pytest.mark.parametrize("i", range(COUNT))
 def test_random_views_validate_on_the_cpu_build(i, view_modules):
     validate_drawn_spec(*view_modules, "views", i, _where)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_random_views_validate_on_the_gpu(tmp_path):
+    """The same pipelines built for CUDA: the kernels' strided loads, channels_last tiles and view operands."""
+    build_and_validate(render_specs(tmp_path, {f"views_{i}": text for i, text in enumerate(SPECS)}), "cuda")
