@@ -203,8 +203,8 @@ class Plan:
         return self._writers.get(tensor)
 
     def view_values(self) -> dict:
-        """The named values that are views read in place (a permute's or expand's, ``_views_read_in_place``):
-        name -> the buffer a stage reading it as an operand addresses it through."""
+        """The named values that are views read in place (a permute's, slice's or expand's,
+        ``_views_read_in_place``): name -> the buffer a stage reading it as an operand addresses it through."""
         out = {}
         for name, tensor in (self.value_exprs or {}).items():
             writer = self.writer_of(tensor)
@@ -454,7 +454,7 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
             st.choice += f" ({'; '.join(declined)})"
         st.names = named_after.get(gi, [])
         if _views_read_in_place(groups, gi, st.names, rewritten.outputs):
-            st.output = st.family.view_output(st) or st.output  # a permute's or expand's view, not a copy
+            st.output = st.family.view_output(st) or st.output  # a permute's, slice's or expand's view, not a copy
         buf = st.output
         stages.append(st)
     _add_copy_stages(stages, rewritten, target, batch)
@@ -491,7 +491,8 @@ def _views_read_in_place(groups: list, gi: int, names: list, outputs) -> bool:
     """Whether every reader of group ``gi``'s result (named ``names`` after it, or by the next group's first op)
     reads a view of it as it is, whichever family computes it: the next group, continuing from it, through
     families that read views; an op reading it as an operand through families that read view operands (ATen's
-    calls). Not where an op starts from it (``from:``) or the graph returns it: each would copy it."""
+    matmul and cat, pool_reduce through its strides). Not where an op starts from it (``from:``) or the graph
+    returns it: each would copy it."""
     if gi + 1 >= len(groups):
         return False
     _, nxt, cands = groups[gi + 1]
