@@ -1037,6 +1037,12 @@ class KgenPartition(nn.Module):
         self._result = op_result(f"kgen::{self.module_name}")  # how the op lays out its outputs and statistics
         self._moved_in = list(plan.moved_in) if any(plan.moved_in) else None
         self._moved_out = list(plan.moved_out) if any(plan.moved_out) else None
+        # the common call (nothing moved, no statistics to copy back, one tensor out) on a short path: the op's
+        # arguments gathered in one step, and no nn.Module.__call__ (a Linear + ReLU + scale partition's call on the
+        # 2-core CPU machine: 7.9 -> 6.3 us, of which the generated op 5.4; 2026-12-05)
+        order = self._inputs + self._params + self._buffers
+        self._gather = operator.itemgetter(*order) if len(order) > 1 else (lambda args, i=order[0]: (args[i],))
+        self._plain = not (self._moved_in or self._moved_out or self._update or self._result.is_list or several)
         self.measured = None
         if pytorch_form is not None:
             from .runtime import MeasuredGraph
@@ -1049,10 +1055,16 @@ class KgenPartition(nn.Module):
         """Whether the latest call's signature has its form chosen (or nothing is measured)."""
         return self.measured is None or self.measured.is_settled()
 
-    def forward(self, *args):
+    # (called directly, not through nn.Module.__call__: the partitioned graph calls it on every call, and no hook
+    # is ever registered on it)
+    def __call__(self, *args):
         return self._run(*args) if self.measured is None else self.measured(*args)
 
+    forward = __call__
+
     def _run(self, *args):
+        if self._plain:
+            return self._forward(*self._gather(args), *self._extra)
         buffers = [args[i] for i in self._buffers]
         inputs = [args[i] for i in self._inputs]
         if self._moved_in:  # sequence-first values: the op takes the batch first
