@@ -9,9 +9,10 @@ transpose, slice, pad, expand, interpolate, adaptive pools to sizes other than 1
 consecutive (the softmax family's axis); and the other candidate of a stage of
 a layer_norm, softmax, log_softmax or logsumexp alone.
 Each is PyTorch's own computation, so its numerics are PyTorch's. The next
-fused stage reads its contiguous output, or, for a permute or an expand that a
-family reading views comes after (``Family.reads_views``), the view itself in
-place: the stage copies nothing. Templates: ``templates/aten/``.
+fused stage reads its contiguous output; a permute, slice or expand whose every
+reader reads views (``Family.reads_views``, ``plan._views_read_in_place``) hands
+on ATen's view instead, read in place: the stage copies nothing. Templates:
+``templates/aten/``.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class Aten(Family):
 
     def work(self, st: Stage, batch: int, target) -> list[Work]:
         """A reshape of a plain contiguous tensor is a view (the stage's ``contiguous()`` copies nothing), and so
-        is a permute or expand the next stage reads in place (``view_output``): no pass; any other op reads its
+        is a permute, slice or expand its readers read in place (``view_output``): no pass; any other op reads its
         input and writes its output once."""
         if isinstance(st.ops[0], Reshape) and st.input.flat or not st.output.flat:
             return [Work(f"{st.ops[0].key} (a view)", 0, 0, launches=0)]
