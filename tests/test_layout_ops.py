@@ -601,11 +601,14 @@ def test_permutes_and_expands_are_views_the_next_stage_reads_in_place(tmp_path, 
     product = make_plan(pipeline_of(VIEW_MATMUL_SPEC), target=DEFAULT)  # (and no copy stage between)
     assert [st.kind for st in product.stages] == ["aten", "linear", "pool_reduce", "aten", "pool_reduce", "linear"]
     assert not product.stages[0].output.flat and not product.stages[3].output.flat
-    rendered = render_specs(tmp_path, {"views": VIEWS_SPEC, "view_matmul": VIEW_MATMUL_SPEC})
-    binding = (rendered["views"][1] / "binding.cpp").read_text()
+    # (a module name per device: one process loads each name once)
+    rendered = render_specs(tmp_path, {f"views_{device}": VIEWS_SPEC.replace("name: views", f"name: views_{device}"),
+                                       f"view_matmul_{device}": VIEW_MATMUL_SPEC.replace("name: view_matmul",
+                                                                                          f"name: view_matmul_{device}")})
+    binding = (rendered[f"views_{device}"][1] / "binding.cpp").read_text()
     assert binding.count("// a view: its readers read it in place") == 4
     assert "t0_source = x.contiguous()" in binding and "t10 = t9.permute({0, 2, 1}).contiguous();" in binding
-    product_binding = (rendered["view_matmul"][1] / "binding.cpp").read_text()
+    product_binding = (rendered[f"view_matmul_{device}"][1] / "binding.cpp").read_text()
     assert "kgen::matmul(t0, y)" in product_binding and "kgen::matmul(t4, t3)" in product_binding
     build_and_validate(rendered, device)
 

@@ -132,4 +132,6 @@ def test_random_views_validate_on_the_cpu_build(i, view_modules):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_random_views_validate_on_the_gpu(tmp_path):
     """The same pipelines built for CUDA: the kernels' strided loads, channels_last tiles and view operands."""
-    build_and_validate(render_specs(tmp_path, {f"views_{i}": text for i, text in enumerate(SPECS)}), "cuda")
+    # (named apart from the CPU build's modules: one process loads each name once)
+    texts = {f"views_gpu_{i}": text.replace(f"name: views_{i}", f"name: views_gpu_{i}") for i, text in enumerate(SPECS)}
+    build_and_validate(render_specs(tmp_path, texts), "cuda")
