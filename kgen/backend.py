@@ -268,7 +268,7 @@ def _runs_on_meta(gm: fx.GraphModule, examples: dict, grown: set, batch: int) ->
             if "device" in kwargs:
                 kwargs = {**kwargs, "device": "meta"}
             if n.target in ("view", "reshape", "expand") or n.target is torch.reshape:
-                shape = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+                shape = _size_args(args)
                 if shape and shape[0] == batch and (n.target == "expand" or args[0].shape[0] == batch + 1):
                     args = (args[0], (batch + 1, *shape[1:]))
             return getattr(self, n.op)(n.target, args, kwargs)
@@ -997,11 +997,17 @@ def _batch_in_shape(args, n: fx.Node, g: _Graph, batch):
     batch is the input's dim 0, whatever it is."""
     if g.batch is None or isinstance(g.batch, torch.SymInt) or len(args) < 2:
         return args
-    shape = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
+    shape = _size_args(args)
     if shape and shape[0] == g.batch and not isinstance(shape[0], fx.Node):
         shape[0] = batch()
         return (args[0], tuple(shape))
     return args
+
+
+def _size_args(args) -> list:
+    """The sizes of ``x.view(...)``, ``x.reshape(...)``, ``x.expand(...)`` or ``torch.reshape(x, ...)`` from its
+    arguments: given one by one or as one tuple."""
+    return list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else list(args[1:])
 
 
 # ------------------------------------------------------------------ a partition at run time

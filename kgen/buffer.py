@@ -37,8 +37,8 @@ class Buffer:
     """A stage's input: the logical shape, and the tile(s) holding it."""
 
     logical: tuple[int, ...]  # (C, *S)
-    # contiguous | channels_last | strided: a view of another stage's plain tensor read in place (a permute's
-    # strides, an expand's zeros; ``view_buffer``), which only families that read any strides take
+    # contiguous | channels_last | strided: a view of another stage's tensor read in place (a permute's strides, a
+    # slice's, an expand's zeros; ``view_buffer``), which only families that read any strides take
     layout: str
     tiles: tuple[Tile, ...]
     phase_stride: tuple[int, ...] = ()  # sub-pixel: one tile per phase
@@ -49,9 +49,8 @@ class Buffer:
 
     @property
     def dense(self) -> bool:
-        """One tile holding exactly the logical tensor (in any layout)."""
-        t = self.tiles[0]
-        return not self.phased and t.dims == self.logical and not any(t.offset) and self.layout != "strided"
+        """One tile holding exactly the logical tensor in its layout's own strides (contiguous or channels_last)."""
+        return self.addressable and self.layout != "strided"
 
     @property
     def addressable(self) -> bool:

@@ -80,7 +80,7 @@ def relayout_copies(plan, st: Stage, batch: int) -> list[Work]:
     out = []
     for tensor in read:
         src = plan.writer_of(tensor)
-        if src is not None and src.output is not None and not src.output.flat and src.family.view_output(src) is None:
+        if src is not None and src.output is not None and not src.output.flat and not src.hands_on_view:
             # (a view is made only where every reader reads it in place: plan._views_read_in_place)
             what = ("copied into a plain tensor" if st.family.generates_kernel
                     else f"read channels_last by ATen's {st.ops[0].op_name}")

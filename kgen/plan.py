@@ -156,6 +156,7 @@ class Plan:
     value_exprs: dict = None  # value name -> the binding's tensor holding it (kgen.values.materialized)
     _stage_values: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # id(stage) -> stage_values
     _writers: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # "t<index>" -> its stage
+    _view_values: dict | None = field(default=None, init=False, repr=False, compare=False)  # view_values, once known
 
     def __post_init__(self):
         for st in self.stages:  # every stage reads and writes the plan's dtype (the cost model's bytes)
@@ -205,12 +206,13 @@ class Plan:
     def view_values(self) -> dict:
         """The named values that are views read in place (a permute's, slice's or expand's,
         ``_views_read_in_place``): name -> the buffer a stage reading it as an operand addresses it through."""
-        out = {}
-        for name, tensor in (self.value_exprs or {}).items():
-            writer = self.writer_of(tensor)
-            if writer is not None and not writer.output.flat and writer.family.view_output(writer) is not None:
-                out[name] = writer.output
-        return out
+        if self._view_values is None:
+            if self.value_exprs is None:  # (not yet materialized: kgen.values)
+                return {}
+            writers = {name: self.writer_of(tensor) for name, tensor in self.value_exprs.items()}
+            # (asked by every elementwise op the templates render: computed once)
+            self._view_values = {name: w.output for name, w in writers.items() if w is not None and w.hands_on_view}
+        return self._view_values
 
     def running_copies(self) -> tuple[int, list[str]] | None:
         """Where the binding copies the running statistics the batch norms update in training mode (before the

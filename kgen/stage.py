@@ -64,6 +64,12 @@ class Stage:
         return self.into.sample_stride if self.into else self.out_type.sample_numel
 
     @property
+    def hands_on_view(self) -> bool:
+        """Whether its output is a view of its input its readers read in place (a permute's, slice's or expand's:
+        ``Family.view_output``, chosen by ``plan._views_read_in_place``), not a tensor it wrote."""
+        return self.output is not None and not self.output.flat and self.family.view_output(self) is not None
+
+    @property
     def kind(self) -> str:
         return self.family.stage_kind
 

@@ -88,7 +88,7 @@ class Family:
     stage_kind: ClassVar[str]  # what its stages compute ("conv"): peers share it
     generates_kernel: ClassVar[bool]  # renders kernels; its stage is also the op kgen::NAME_stageK
     reads_channels_last: ClassVar[bool] = False  # reads a channels_last input as fast as a contiguous one
-    # reads a view of the previous stage's plain tensor in place, any strides (buffer.view_buffer: a permute, an
+    # reads a view of the previous stage's tensor in place, any strides (buffer.view_buffer: a permute, a slice, an
     # expand), so that the view's stage copies nothing
     reads_views: ClassVar[bool] = False
     reads_view_operands: ClassVar[bool] = False  # and a view given as a value operand (a matmul's, a cat's)
@@ -150,8 +150,8 @@ class Family:
         return self.reads_channels_last
 
     def view_output(self, stage: Stage):
-        """Where the stage only views its plain input (a permute, an expand) and the next stage reads views in
-        place (``reads_views``): the view's buffer, which the stage hands on without a copy; else None."""
+        """Where the stage only views its input (a permute, a slice, an expand): the view's buffer, which the stage
+        hands on without a copy where every reader reads views (``plan._views_read_in_place``); else None."""
         return None
 
     def absorbs_epilogue(self, stage: Stage, nxt: Stage) -> bool:

@@ -2,8 +2,9 @@
 batched operand) run by ATen, i.e. cuBLAS on the GPU, in full fp32 as PyTorch's default
 (``torch.backends.cuda.matmul.allow_tf32 = False``) computes it, whatever the process
 has set. A product whose outputs are only summed in windows (lowering.PooledProduct) runs with its
-weight's window sums, derived once per parameter version. It reads a permute's or an expand's view of
-the previous stage's output as it is; the next fused stage reads its contiguous output. Templates: ``templates/linear_aten/``.
+weight's window sums, derived once per parameter version. It takes a permute's, slice's or expand's view
+as it is (its input or its operand); the next fused stage reads its contiguous output. Templates:
+``templates/linear_aten/``.
 """
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ class LinearAten(Family):
     pieces = ("binding.cpp",)
     summary = "ATen/cuBLAS matrix product (nn.Linear, matmul) in full fp32"
     dtypes = DTYPES  # cuBLAS computes each (16-bit: as eager's call)
-    # at::matmul takes a permuted or expanded operand as it is (cuBLAS's transposed forms; eager's `x.transpose(1, 2)
-    # @ y` passes the view too)
+    # at::matmul takes a view as it is (cuBLAS's transposed forms; eager's `x.transpose(1, 2) @ y` passes the view too)
     reads_views = True
     reads_view_operands = True
 
