@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 # One inductor cache for the check workers and the timing process (before torch is imported).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / "build" / "inductor_cache"))
 PENDING = "not reached (time box)"
+FINISHED = ("ok", "render failed", "build failed", "validation failed", "timing failed")
 
 
 def number_of(spec: Path) -> int:
@@ -145,18 +146,18 @@ def build_all(specs, rows, args, deadline):
     from kgen.render import render_spec, write_rendered
 
     args.gen.mkdir(parents=True, exist_ok=True)
+    # Every module not yet finished is (re)built, also those a previous call checked: on a fresh machine their
+    # builds are gone; on a warm one ninja finds them up to date at once. A finished row (timed, or failed for good)
+    # needs nothing more.
+    specs = [s for s in specs if rows[s.stem]["status"] not in FINISHED]
     if args.precision:
         from kgen.tune import run_precision
 
         t = time.time()
-        run_precision([s for s in specs if rows[s.stem]["status"] not in ("render failed", "build failed")])
+        run_precision(specs)
         print(f"eager's convolution precision measured in {time.time() - t:.0f} s", flush=True)
-    # Every module is (re)built, also those a previous call checked: on a fresh machine
-    # their builds are gone; on a warm one ninja finds them up to date at once.
     todo = []
     for s in specs:
-        if rows[s.stem]["status"] in ("render failed", "build failed"):
-            continue
         try:
             write_rendered(render_spec(s, args.gen), args.gen)
             todo.append(s.stem)
