@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass, replace
 
 from .errors import SpecError
-from .ir import (BatchNorm, BatchStats, Capture, Conv, DerivedTensor, Dropout, Elementwise, Linear, Matmul, Norm, Op, Pipeline, Pool,
-                 Reduce, Reshape, Softmax,
+from .ir import (BatchNorm, BatchStats, Capture, Conv, DerivedTensor, Dropout, Elementwise, Linear, Matmul, Norm, Op, Permute, Pipeline, Pool,
+                 Reduce, Reshape, Slice, Expand, Softmax,
                  TensorArg, TensorType, infer_types)
 from .lowering import Direct, Folded, LoweredConv, PooledProduct, Subpixel, TapSums, lowered
 from .ops import AMPLIFYING
@@ -49,6 +49,7 @@ NOT_CHOSEN = "not chosen: the plan computes it without this rewrite (kgen explai
 # The rewrites that compute the values eager rounds, rounded where eager rounds them (module docstring);
 # pool_composition only for max pools (a mean of rounded means is not the rounded mean).
 KEEPS_ROUNDING = ("scalar_through_max", "pool_composition", "subpixel_conv_transpose", "dead_region", "softmax_through_reshape",
+                  "commute_operand_chain", "permute_before_elementwise",
                   "dropout_of_zero")
 
 
@@ -219,6 +220,142 @@ def softmax_through_reshape(pipe: Pipeline):
         decisions.append(Decision("softmax_through_reshape", _site(a, b, c), True,
                                   f"{b.describe()} of {a.describe()} is {ops[-1].describe()} of its input"))
         i += 3
+    return ops, decisions
+
+
+# ------------------------------------------------------------ elementwise chains across permutes
+
+
+def _value_readers(ops, name: str) -> set[int]:
+    """The ops that read value ``name``: by name (``from:``, ``tensor:``), and the op right after its capture
+    where that op continues from it (no ``from:``)."""
+    out = {j for j, op in enumerate(ops) if op.src == name or name in op.value_names()}
+    out |= {c + 1 for c, op in enumerate(ops) if isinstance(op, Capture) and op.name == name
+            and c + 1 < len(ops) and ops[c + 1].src is None}
+    return out
+
+
+def _chain_before(ops, end: int) -> int | None:
+    """The first index of the elementwise chain ending at ``end`` (inclusive): back over elementwise ops and
+    captures that continue from the op before them, to the one that starts from a value (``from:``) or follows an
+    op of another kind; None where ``end`` is no elementwise op."""
+    if end < 0 or not isinstance(ops[end], Elementwise):
+        return None
+    a = end
+    while a > 0 and ops[a].src is None and isinstance(ops[a - 1], Elementwise):
+        a -= 1
+    return a
+
+
+def commute_operand_chain(pipe: Pipeline):
+    """``f(x, t)`` (``from: x``, ``tensor: t``) where t is named by the op just before it, only f reads it, and t
+    has f's result's shape (x broadcasts to it) -> ``f(t, x)`` continuing from t (``reverse`` toggled, x the
+    operand): the ops that computed t and f in one stage, t never written. Mamba2's ``C B^T * exp(segsum)``
+    multiplied the matmul's output by the exponential's, which was written and read back (1.07 GB at the H200's
+    batch). Exact: the same operation on the same values."""
+    ops, decisions = list(pipe.ops), []
+    k = 0
+    while k < len(ops):
+        op = ops[k]
+        if not (isinstance(op, Elementwise) and not isinstance(op, Capture) and op.tensor and op.src
+                and k >= 2 and isinstance(ops[k - 1], Capture) and ops[k - 1].name == op.tensor):
+            k += 1
+            continue
+        t, x = op.tensor, op.src
+        why = None
+        if x == t:
+            why = f"{t} is both of its operands"
+        elif not isinstance(ops[k - 2], (Elementwise, Permute)) or isinstance(ops[k - 2], Capture):
+            why = f"{t} is computed by {ops[k - 2].describe()}, a stage of its own either way"
+        elif _value_readers(ops, t) != {k} or t in pipe.outputs:
+            why = f"{t} is read by other ops too (or returned)"
+        elif pipe.values[t] != (result := infer_types(pipe.input, ops, pipe.path, pipe.inputs or None)[0][k + 1]):
+            why = f"{t} {pipe.values[t]} broadcasts to the result {result}"
+        if why:
+            decisions.append(Decision("commute_operand_chain", op.key, False, why))
+            k += 1
+            continue
+        ops[k - 1:k + 1] = [replace(op, src=None, tensor=x, reverse=not op.reverse)]
+        decisions.append(Decision("commute_operand_chain", op.key, True,
+                                  f"{op.describe()} continues from {t}, which only it reads; {x} is the operand"))
+    return ops, decisions
+
+
+def _fresh(name: str, taken: set) -> str:
+    out, i = name, 1
+    while out in taken:
+        out, i = f"{name}_{i}", i + 1
+    taken.add(out)
+    return out
+
+
+VIEWS = (Permute, Slice, Expand, Reshape)  # ops ATen may compute as a view of their input (kgen.plan)
+
+
+def permute_before_elementwise(pipe: Pipeline):
+    """A permute between an elementwise chain and the elementwise op that continues from it -> the permute first,
+    of the chain's source, and the chain after it (each tensor operand permuted the same way, as a view): the
+    chain and the op after the permute in one stage reading the permuted source in place, where the chain's
+    result was written, then read through the permute. Elementwise ops commute with a permutation of their
+    coordinates, so the values are the same (Mamba2: ``exp`` of the segment sums before the transpose its product
+    reads; a product before the transpose the sum after it reads, 1.07 GB each at the H200's batch)."""
+    ops, decisions = list(pipe.ops), []
+    taken = set(pipe.values) | {n for op in ops for n in op.value_names()}
+    j = 0
+    while j < len(ops):
+        p = ops[j]
+        nxt = ops[j + 1] if j + 1 < len(ops) else None
+        if not (isinstance(p, Permute) and isinstance(nxt, Elementwise) and not isinstance(nxt, Capture)
+                and nxt.src is None):
+            j += 1
+            continue
+        if p.src is None:  # the chain ends right before it
+            c, end = None, j - 1
+        else:  # it starts from a value the chain's last capture names
+            c = next((i for i in range(j) if isinstance(ops[i], Capture) and ops[i].name == p.src), None)
+            end = c - 1 if c is not None else -1
+        a = _chain_before(ops, end)
+        why = None
+        if a is None or all(isinstance(o, Capture) for o in ops[a:end + 1]):
+            why = "no elementwise chain computes its input"
+        elif c is not None and (_value_readers(ops, p.src) != {j} or p.src in pipe.outputs):
+            why = f"{p.src} is read by other ops too (or returned)"
+        elif c is not None and ops[a].src is None:
+            why = "its chain continues from an unnamed result elsewhere"
+        elif any(o.param is not None or o.register for o in ops[a:end + 1]):
+            why = "an op of the chain reads a parameter, laid out for the unpermuted dims"
+        elif any(isinstance(o, Capture) and (o.name in pipe.outputs or not _value_readers(ops, o.name) <= set(range(a, end + 1)))
+                 for o in ops[a:end + 1]):
+            why = "a value named inside the chain is read after it"
+        if why:
+            decisions.append(Decision("permute_before_elementwise", p.key, False, why))
+            j += 1
+            continue
+        chain, made, permuted = list(ops[a:end + 1]), [], {}
+        inside = {o.name for o in chain if isinstance(o, Capture)}  # computed permuted by the moved chain itself
+        for o in chain:
+            if not isinstance(o, Capture) and o.tensor and o.tensor not in inside | set(permuted):
+                permuted[o.tensor] = _fresh(f"{o.tensor}_permuted", taken)
+                made += [replace(p, src=o.tensor), Capture(key=f"{p.key}.operand", name=permuted[o.tensor])]
+        source = chain[0].src
+        if source is None and made and a and isinstance(ops[a - 1], VIEWS):
+            decisions.append(Decision("permute_before_elementwise", p.key, False,
+                                      f"its chain continues from {ops[a - 1].describe()}, a view its operands' "
+                                      "permutes would make a copy of"))
+            j += 1
+            continue
+        if source is None and made:  # the chain continues from the op before it: named there, a tensor already
+            source = pipe.input_names[0] if a == 0 else _fresh("permute_source", taken)
+            made[:0] = [Capture(key=f"{p.key}.source", name=source)] if a else []
+        moved = [replace(o, src=None, tensor=permuted.get(o.tensor, o.tensor)) if not isinstance(o, Capture) else o
+                 for o in chain]
+        moved[0] = replace(moved[0], src=None)
+        between = ops[c + 1:j] if c is not None else []
+        ops[a:j + 1] = between + made + [replace(p, src=source)] + moved
+        decisions.append(Decision("permute_before_elementwise", p.key, True,
+                                  f"{p.describe()} before {', '.join(o.describe() for o in chain if not isinstance(o, Capture))}, "
+                                  f"which then fuse with {nxt.describe()}"))
+        j = a + len(between) + len(made) + 1 + len(moved)
     return ops, decisions
 
 
@@ -849,6 +986,8 @@ def reduction_algebra(pipe: Pipeline):
 REWRITES = (
     ("dropout_of_zero", dropout_of_zero),
     ("softmax_through_reshape", softmax_through_reshape),
+    ("commute_operand_chain", commute_operand_chain),
+    ("permute_before_elementwise", permute_before_elementwise),
     ("scalar_through_max", scalar_through_max),
     ("pool_composition", pool_composition),
     ("batch_stats_pass", batch_stats_pass),

@@ -61,6 +61,8 @@ MAX_YAML_NODES = 100_000  # nodes once aliases are expanded (a billion-laughs fi
 REWRITE_NAMES = (
     "dropout_of_zero",
     "softmax_through_reshape",
+    "commute_operand_chain",
+    "permute_before_elementwise",
     "scalar_through_max",
     "pool_composition",
     "batch_stats_pass",

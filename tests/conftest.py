@@ -685,3 +685,30 @@ POOL16 = {
                                                           {"max_pool3d": {"kernel_size": 2}}, {"sum": {"dim": [1, 2, 3, 4]}}]),
                    "conv_gemm:pool_ring", False),
 }
+
+
+# Mamba2's two sites (KernelBench level 3, 48): the exponential of one value, transposed, multiplies a matmul's
+# result (p); a chain after a matmul (its named value read inside the chain, an operand of the same rank) then a
+# transpose and a sum with a third value (q)
+PERMUTE_CHAIN_SPEC = """
+name: permute_chain
+inputs:
+  x: {shape: [N, 3, 4, 5]}
+  s: {shape: [N, 4, 3, 5]}
+  y: {shape: [N, 3, 5, 5]}
+  w: {shape: [N, 3, 4, 1]}
+  z: {shape: [N, 4, 3, 5]}
+example: {N: 2}
+ops:
+  - exp: {from: s, as: e}
+  - matmul: {from: x, tensor: y, as: m}
+  - transpose: {dim0: 1, dim1: 2, from: e, as: et}
+  - div: {tensor: et, from: m, as: p}
+  - matmul: {from: x, tensor: y}
+  - relu: {as: r}
+  - mul: {tensor: w}
+  - sub: {tensor: r}
+  - transpose: {dim0: 1, dim1: 2}
+  - add: {tensor: z, as: q}
+outputs: [p, q]
+"""

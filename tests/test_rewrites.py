@@ -23,6 +23,8 @@ from kgen.reference import ReferenceModel
 from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
 from kgen.spec import REWRITE_NAMES, parse_spec
 
+from conftest import PERMUTE_CHAIN_SPEC
+
 ROOT = Path(__file__).resolve().parent.parent
 F64 = torch.float64
 
@@ -237,6 +239,95 @@ def test_a_dropout_of_zero_is_gone(p, gone):
 
 
 # ------------------------------------------------------------------ softmax through reshape
+
+def run_inputs(pipe, inputs):
+    with torch.no_grad():
+        names = pipe.input_names
+        return pipe.run(inputs[names[0]], {}, {n: inputs[n] for n in names[1:]})
+
+
+def test_a_permute_moves_before_the_elementwise_chain_it_splits():
+    """m / transpose(exp(s)): the quotient continues from the exponential (``reverse``: m stays the numerator), and
+    the transpose moves before the exponential, which reads s through it; the chain after the second matmul moves
+    after the transpose (w permuted as a view, r computed inside it), and fuses with the sum. The same values in
+    float64, NaN and infinities in any input included, and the plan's elementwise ops in two stages (were four)."""
+    from kgen.plan import make_plan
+    from kgen.target import DEFAULT
+
+    pipe = build(PERMUTE_CHAIN_SPEC)
+    names = ("commute_operand_chain", "permute_before_elementwise")
+    new, ds = rewrite(pipe, *names)
+    assert [d.site for d in fired(ds, "commute_operand_chain")] == ["ops[3].div"]
+    assert [d.site for d in fired(ds, "permute_before_elementwise")] == ["ops[2].transpose", "ops[8].transpose"]
+    assert [o.describe() for o in new.ops] == [
+        "matmul(x, y)", "as m", "transpose(1, 2)", "exp", "div(m, x)", "as p",
+        "matmul(x, y)", "as permute_source", "transpose(1, 2)", "as w_permuted", "transpose(1, 2)",
+        "relu", "as r", "mul(x, w_permuted)", "sub(x, r)", "add(x, z)", "as q"]
+    g = torch.Generator().manual_seed(5)
+    inputs = {n: torch.randn(t.concrete(3), dtype=F64, generator=g) for n, t in pipe.inputs.items()}
+    want = run_inputs(pipe, inputs)
+    for a, b in zip(run_inputs(new, inputs), want):
+        assert_same(a, b)
+    for n in inputs:
+        for value in (math.nan, math.inf, -math.inf):
+            bad = dict(inputs, **{n: inject(inputs[n], value, 4, 0)})
+            want = run_inputs(pipe, bad)
+            assert value == value or any(torch.isnan(w).any() for w in want), n  # (a NaN reaches an output)
+            for a, b in zip(run_inputs(new, bad), want):
+                assert_same(a, b)
+    before = make_plan(pipe, target=DEFAULT, rewrites={n: n not in names for n in REWRITE_NAMES})
+    after = make_plan(pipe, target=DEFAULT)
+    assert [st.kind for st in before.stages].count("pool_reduce") == 4
+    assert [st.kind for st in after.stages].count("pool_reduce") == 2
+
+
+@pytest.mark.parametrize("ops, why", [
+    # the chain reads a parameter, laid out for the unpermuted dims
+    ([{"relu": {"from": "x"}}, {"add": {"param": "b"}}, {"transpose": {"dim0": 1, "dim1": 2}}, {"add": {"tensor": "y"}}],
+     "reads a parameter"),
+    # the chain's result is read again after the transpose
+    ([{"relu": {"from": "x", "as": "r"}}, {"transpose": {"dim0": 1, "dim1": 2, "from": "r"}}, {"add": {"tensor": "y"}},
+      {"add": {"from": "r", "tensor": "u"}}], "read by other ops"),
+    # a view before the chain, whose operands' permutes would need it named
+    ([{"transpose": {"dim0": 1, "dim1": 2, "from": "y"}}, "relu", {"mul": {"tensor": "u"}},
+      {"transpose": {"dim0": 1, "dim1": 2}}, {"add": {"tensor": "y"}}], "a view"),
+])
+def test_a_permute_stays_where_moving_it_would_change_the_values_or_copy(ops, why):
+    text = f"""
+name: t
+inputs:
+  x: {{shape: [N, 3, 4]}}
+  y: {{shape: [N, 4, 3]}}
+  u: {{shape: [N, 3, 4]}}
+example: {{N: 2}}
+params:
+  b: {{shape: [4], init: randn{"" if "reads a parameter" == why else ", unused: true"}}}
+ops: {ops!r}
+"""
+    pipe = build(text.replace("'", '"'))
+    new, ds = rewrite(pipe, "permute_before_elementwise")
+    assert not fired(ds, "permute_before_elementwise") and list(new.ops) == list(pipe.ops)
+    assert why in not_fired(ds, "permute_before_elementwise")[-1].reason
+
+
+def test_an_operand_that_broadcasts_stays_the_operand():
+    """f(x, t) with t smaller than the result: t cannot be what the op continues from."""
+    text = """
+name: t
+inputs:
+  x: {shape: [N, 3, 4]}
+  s: {shape: [N, 1, 4]}
+example: {N: 2}
+ops:
+  - relu: {from: x, as: rx}
+  - exp: {from: s, as: e}
+  - mul: {tensor: e, from: rx}
+"""
+    pipe = build(text)
+    new, ds = rewrite(pipe, "commute_operand_chain")
+    assert not fired(ds, "commute_operand_chain") and list(new.ops) == list(pipe.ops)
+    assert "broadcasts to the result" in not_fired(ds, "commute_operand_chain")[0].reason
+
 
 SPANNED_OPS = [{"add": {"param": "b"}}, {"reshape": {"shape": [4, 90]}}, {"softmax": {"dim": 2}},
                {"reshape": {"shape": [4, 3, 5, 6]}}, {"mul": {"scalar": 2.0}}]

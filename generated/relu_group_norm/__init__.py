@@ -41,7 +41,7 @@ SPEC_DATA = {
         {'group_norm': {'num_groups': 8, 'eps': 1e-05, 'affine': True, 'name': None}},
     ],
     'precision': 'tf32',
-    'rewrites': {'dropout_of_zero': True, 'softmax_through_reshape': True, 'scalar_through_max': True, 'pool_composition': True, 'batch_stats_pass': True, 'affine_through_pooling': True, 'sum_before_conv': True, 'pool_into_linear': True, 'avg_pool_folding': True, 'subpixel_conv_transpose': True, 'dead_region': True, 'reduction_algebra': True, 'batch_norm_eval_affine': True, 'batch_norm_batch_stats': True},
+    'rewrites': {'dropout_of_zero': True, 'softmax_through_reshape': True, 'commute_operand_chain': True, 'permute_before_elementwise': True, 'scalar_through_max': True, 'pool_composition': True, 'batch_stats_pass': True, 'affine_through_pooling': True, 'sum_before_conv': True, 'pool_into_linear': True, 'avg_pool_folding': True, 'subpixel_conv_transpose': True, 'dead_region': True, 'reduction_algebra': True, 'batch_norm_eval_affine': True, 'batch_norm_batch_stats': True},
     'plan': {'conv_layout': 'auto', 'conv': 'auto'},
 }
 register_autograd("kgen::relu_group_norm", SPEC_DATA, PARAMETERS)
