@@ -226,6 +226,9 @@ def softmax_through_reshape(pipe: Pipeline):
 # ------------------------------------------------------------ elementwise chains across permutes
 
 
+VIEWS = (Permute, Slice, Expand, Reshape)  # ops ATen may compute as a view of their input (kgen.plan)
+
+
 def _value_readers(ops, name: str) -> set[int]:
     """The ops that read value ``name``: by name (``from:``, ``tensor:``), and the op right after its capture
     where that op continues from it (no ``from:``)."""
@@ -247,35 +250,71 @@ def _chain_before(ops, end: int) -> int | None:
     return a
 
 
+def _elementwise_result(ops, i: int) -> bool:
+    """Whether ops[i] is an elementwise op, or a permute of an elementwise op's result (which
+    permute_before_elementwise moves the permute before): a chain continuing from it fuses with it."""
+    op = ops[i]
+    if isinstance(op, Permute):
+        if op.src is None:
+            return i > 0 and _elementwise_result(ops, i - 1)
+        c = next((j for j in range(i) if isinstance(ops[j], Capture) and ops[j].name == op.src), None)
+        return c is not None and c > 0 and _elementwise_result(ops, c - 1)
+    return isinstance(op, Elementwise) and not isinstance(op, Capture)
+
+
 def commute_operand_chain(pipe: Pipeline):
-    """``f(x, t)`` (``from: x``, ``tensor: t``) where t is named by the op just before it, only f reads it, and t
-    has f's result's shape (x broadcasts to it) -> ``f(t, x)`` continuing from t (``reverse`` toggled, x the
-    operand): the ops that computed t and f in one stage, t never written. Mamba2's ``C B^T * exp(segsum)``
-    multiplied the matmul's output by the exponential's, which was written and read back (1.07 GB at the H200's
-    batch). Exact: the same operation on the same values."""
+    """``f(x, t)`` (``tensor: t``) where only f reads t, t has f's result's shape (x broadcasts to it) and the op
+    computing t is elementwise (or a permute) -> ``f(t, x)`` continuing from t (``reverse`` toggled, x the
+    operand): the ops computing t and f in one stage, t never written. Where t was computed earlier, its chain (the
+    ops from the last one that starts from a value) moves to just before f, and x, where f continued from the op
+    before it, is named there: only where that op is no elementwise one (its result is a tensor either way). Mamba2's
+    ``C B^T * exp(segsum)`` wrote the exponential and read it back (1.07 GB at the H200's batch); NetVLAD's
+    ``(x^T a)^T - a_sum * clusters`` wrote the broadcast product (134 MB). Exact: the same operations on the same
+    values."""
     ops, decisions = list(pipe.ops), []
+    taken = set(pipe.values) | {n for op in ops for n in op.value_names()}
+    commuted = set()  # (an op commuted once is not turned back)
     k = 0
     while k < len(ops):
         op = ops[k]
-        if not (isinstance(op, Elementwise) and not isinstance(op, Capture) and op.tensor and op.src
-                and k >= 2 and isinstance(ops[k - 1], Capture) and ops[k - 1].name == op.tensor):
+        c = next((i for i in range(k) if isinstance(ops[i], Capture) and ops[i].name == op.tensor), None) \
+            if isinstance(op, Elementwise) and not isinstance(op, Capture) and op.tensor and op.key not in commuted else None
+        if c is None or c == 0:
             k += 1
             continue
         t, x = op.tensor, op.src
+        a = max((i for i in range(c) if ops[i].src is not None), default=0)  # t's chain: ops[a:c]
+        types = infer_types(pipe.input, ops, pipe.path, pipe.inputs)[0]
         why = None
         if x == t:
             why = f"{t} is both of its operands"
-        elif not isinstance(ops[k - 2], (Elementwise, Permute)) or isinstance(ops[k - 2], Capture):
-            why = f"{t} is computed by {ops[k - 2].describe()}, a stage of its own either way"
+        elif not _elementwise_result(ops, c - 1):
+            why = f"{t} is computed by {ops[c - 1].describe()}, a stage of its own either way"
         elif _value_readers(ops, t) != {k} or t in pipe.outputs:
             why = f"{t} is read by other ops too (or returned)"
-        elif pipe.values[t] != (result := infer_types(pipe.input, ops, pipe.path, pipe.inputs or None)[0][k + 1]):
-            why = f"{t} {pipe.values[t]} broadcasts to the result {result}"
+        elif (tt := types[c + 1]) != (result := types[k + 1]):
+            why = f"{t} {tt} broadcasts to the result {result}"
+        elif c < k - 1 and not all(isinstance(o, (Elementwise, Reduce) + VIEWS) for o in ops[a:c]):
+            why = f"the chain computing {t} has ops other than elementwise ones, views and reductions: it stays in place"
+        elif c < k - 1 and x is None and isinstance(ops[k - 1], Elementwise):
+            why = f"{op.describe()} continues an elementwise chain: x would be written where it is a register"
+        elif c < k - 1 and any(isinstance(o, Capture) and (o.name in pipe.outputs or not _value_readers(ops, o.name) <= set(range(a, c)))
+                               for o in ops[a:c]):
+            why = f"a value named in the chain computing {t} is read before {op.describe()}"
         if why:
             decisions.append(Decision("commute_operand_chain", op.key, False, why))
             k += 1
             continue
-        ops[k - 1:k + 1] = [replace(op, src=None, tensor=x, reverse=not op.reverse)]
+        if x is None:  # f continued from the op before it, whose result is a tensor: named for f's operand
+            x = _fresh(f"{op.fn}_operand", taken)
+            named = [Capture(key=f"{op.key}.operand", name=x)]
+        else:
+            named = []
+        chain = list(ops[a:c])
+        if chain[0].src is None:  # the first op of all: it reads the input
+            chain[0] = replace(chain[0], src=pipe.input_names[0])
+        ops[a:k + 1] = ops[c + 1:k] + named + chain + [replace(op, src=None, tensor=x, reverse=not op.reverse)]
+        commuted.add(op.key)
         decisions.append(Decision("commute_operand_chain", op.key, True,
                                   f"{op.describe()} continues from {t}, which only it reads; {x} is the operand"))
     return ops, decisions
@@ -287,9 +326,6 @@ def _fresh(name: str, taken: set) -> str:
         out, i = f"{name}_{i}", i + 1
     taken.add(out)
     return out
-
-
-VIEWS = (Permute, Slice, Expand, Reshape)  # ops ATen may compute as a view of their input (kgen.plan)
 
 
 def permute_before_elementwise(pipe: Pipeline):

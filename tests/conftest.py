@@ -712,3 +712,25 @@ ops:
   - add: {tensor: z, as: q}
 outputs: [p, q]
 """
+
+
+# NetVLAD's (KernelBench level 3, 46): a broadcast product computed first, read by a sub after a matmul and its
+# transpose (kgen.rewrites.commute_operand_chain moves its chain to the sub)
+NETVLAD_SPEC = """
+name: netvlad
+inputs:
+  x: {shape: [N, 6, 4]}
+  y: {shape: [N, 6, 5]}
+example: {N: 2}
+params:
+  c: {shape: [1, 5, 4], init: randn}
+ops:
+  - sum: {dim: 1, keepdim: true}
+  - expand: {shape: [5, 4]}
+  - mul: {param: c, as: m}
+  - transpose: {dim0: 1, dim1: 2, from: x}
+  - matmul: {tensor: y}
+  - transpose: {dim0: 1, dim1: 2}
+  - sub: {tensor: m}
+  - relu
+"""

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (BUILD_DEVICES, PERMUTE_CHAIN_SPEC, assert_report_passed, build_and_validate, fake_tuning, pipeline_of,
+from conftest import (BUILD_DEVICES, NETVLAD_SPEC, PERMUTE_CHAIN_SPEC, assert_report_passed, build_and_validate, fake_tuning, pipeline_of,
                       render_specs, spec_text, write_spec)
 from kgen.errors import SpecError
 from kgen.ir import AdaptivePool, Cat, Reduce, load_pipeline
@@ -618,12 +618,14 @@ def test_permutes_and_expands_are_views_the_next_stage_reads_in_place(tmp_path, 
 def test_elementwise_chains_moved_past_a_permute_build_and_validate(tmp_path, device):
     """Mamba2's sites (tests/conftest.py PERMUTE_CHAIN_SPEC; kgen.rewrites.permute_before_elementwise): the
     exponential reads its input through the transpose, the chain after the second matmul reads the matmul's output
-    and its operand ``w`` through views; validated against float64 (both outputs), also at batches 1 to 3."""
+    and its operand ``w`` through views; NetVLAD's (NETVLAD_SPEC, commute_operand_chain): the sub reads the
+    transposed product as a named view. Validated against float64 (every output), also at batches 1 to 3."""
     plan = make_plan(pipeline_of(PERMUTE_CHAIN_SPEC), target=DEFAULT)
     assert [st.kind for st in plan.stages] == ["linear", "aten", "pool_reduce", "linear", "aten", "aten", "pool_reduce"]
     assert all(st.output.layout == "strided" for st in plan.stages if st.kind == "aten")
-    name = f"permute_chain_{device}"
-    build_and_validate(render_specs(tmp_path, {name: PERMUTE_CHAIN_SPEC.replace("name: permute_chain", f"name: {name}")}), device)
+    texts = {f"permute_chain_{device}": PERMUTE_CHAIN_SPEC.replace("name: permute_chain", f"name: permute_chain_{device}"),
+             f"netvlad_{device}": NETVLAD_SPEC.replace("name: netvlad", f"name: netvlad_{device}")}
+    build_and_validate(render_specs(tmp_path, texts), device)
 
 
 def test_only_views_skip_the_copy_before_a_family_that_reads_views():

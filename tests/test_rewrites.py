@@ -23,7 +23,7 @@ from kgen.reference import ReferenceModel
 from kgen.rewrites import DEAD_REGION_MIN_FRACTION, REWRITES, apply_rewrites, batch_norm_batch_stats, batch_norm_eval_affine
 from kgen.spec import REWRITE_NAMES, parse_spec
 
-from conftest import PERMUTE_CHAIN_SPEC
+from conftest import NETVLAD_SPEC, PERMUTE_CHAIN_SPEC
 
 ROOT = Path(__file__).resolve().parent.parent
 F64 = torch.float64
@@ -308,6 +308,51 @@ ops: {ops!r}
     new, ds = rewrite(pipe, "permute_before_elementwise")
     assert not fired(ds, "permute_before_elementwise") and list(new.ops) == list(pipe.ops)
     assert why in not_fired(ds, "permute_before_elementwise")[-1].reason
+
+
+def test_an_operand_chain_computed_earlier_moves_to_the_op_reading_it():
+    """NetVLAD's ``(x^T y)^T - sum(x) * c``: the broadcast product's chain (from the input's sum on) moves to just
+    before the sub, which continues from it with the transposed product named as its operand (reverse: the operand
+    minus the chain's value): the product and the sub in one stage, the [N, 5, 4] product never written. The same
+    values in float64, NaN and infinities included; the plan moves fewer bytes."""
+    from kgen.cost import estimate
+    from kgen.plan import make_plan
+    from kgen.target import DEFAULT
+
+    pipe = build(NETVLAD_SPEC)
+    new, ds = rewrite(pipe, "commute_operand_chain")
+    assert [d.site for d in fired(ds, "commute_operand_chain")] == ["ops[6].sub"]
+    assert [o.describe() for o in new.ops] == [
+        "transpose(1, 2)", "matmul(x, y)", "transpose(1, 2)", "as sub_operand", "sum(dims=[1], keepdim)",
+        "x.expand([N, 5, 4])", "mul(c)", "sub(sub_operand, x)", "relu"]
+    assert new.ops[4].src == "x"  # (the chain's first op read the input implicitly)
+    g = torch.Generator().manual_seed(3)
+    inputs = {n: torch.randn(t.concrete(3), dtype=F64, generator=g) for n, t in pipe.inputs.items()}
+    t = tensors(pipe)
+    for n in inputs:
+        for value in (None, math.nan, math.inf, -math.inf):
+            bad = inputs if value is None else dict(inputs, **{n: inject(inputs[n], value, 3, 1)})
+            with torch.no_grad():
+                want = pipe.run(bad["x"], t, {"y": bad["y"]})
+                assert_same(new.run(bad["x"], t, {"y": bad["y"]}), want)
+    bytes_of = lambda plan: sum(e.bytes for e in estimate(plan, 64))  # noqa: E731
+    before = make_plan(pipe, target=DEFAULT, rewrites={n: n != "commute_operand_chain" for n in REWRITE_NAMES})
+    assert bytes_of(make_plan(pipe, target=DEFAULT)) < bytes_of(before)
+
+
+@pytest.mark.parametrize("edit, why", [
+    # sub continues an elementwise chain (relu): its input is a register, which an operand would write
+    (lambda t: t.replace("  - sub: {tensor: m}", "  - relu\n  - sub: {tensor: m}"), "continues an elementwise chain"),
+    # the chain computing m names a value read between it and the sub
+    (lambda t: t.replace("  - expand: {shape: [5, 4]}", "  - expand: {shape: [5, 4], as: e}")
+     .replace("  - transpose: {dim0: 1, dim1: 2, from: x}", "  - relu: {from: e, as: er}\n  - transpose: {dim0: 1, dim1: 2, from: x}"),
+     "is read before"),
+])
+def test_an_operand_chain_stays_where_moving_it_would_cost_or_break(edit, why):
+    pipe = build(edit(NETVLAD_SPEC))
+    new, ds = rewrite(pipe, "commute_operand_chain")
+    assert not fired(ds, "commute_operand_chain") and list(new.ops) == list(pipe.ops)
+    assert why in not_fired(ds, "commute_operand_chain")[0].reason
 
 
 def test_an_operand_that_broadcasts_stays_the_operand():
