@@ -135,3 +135,41 @@ def test_random_views_validate_on_the_gpu(tmp_path):
     # (named apart from the CPU build's modules: one process loads each name once)
     texts = {f"views_gpu_{i}": text.replace(f"name: views_{i}", f"name: views_gpu_{i}") for i, text in enumerate(SPECS)}
     build_and_validate(render_specs(tmp_path, texts), "cuda")
+
+
+REWRITE_DRAWS = 120  # pipelines drawn for the rewrites below (float64 runs, no build: ~10 s)
+
+
+def test_elementwise_chains_moved_around_permutes_compute_the_same_values():
+    """The rewrites that move elementwise chains around views (kgen.rewrites: permute_before_elementwise,
+    commute_operand_chain) on drawn pipelines: where they fire, the rewritten pipeline's values are the original's
+    in float64, NaN included, and the plan builds. The draws must make them fire."""
+    import math
+
+    import torch
+
+    from kgen.plan import make_plan
+    from kgen.reference import ReferenceModel
+    from kgen.rewrites import apply_rewrites
+    from kgen.spec import REWRITE_NAMES
+    from kgen.target import DEFAULT
+
+    names = ("commute_operand_chain", "permute_before_elementwise")
+    fired = 0
+    for i in range(REWRITE_DRAWS):
+        text = random_view_spec(SEED + 1000 + i, i)
+        pipe = pipeline_of(text)
+        new, decisions = apply_rewrites(pipe, {n: n in names for n in REWRITE_NAMES})
+        if not any(d.fired for d in decisions if d.rewrite in names):
+            continue
+        fired += 1
+        torch.manual_seed(i)
+        params = {k: v.detach() for k, v in ReferenceModel(pipe).double().named_parameters()}
+        x = torch.randn(pipe.input.concrete(3), dtype=torch.float64)
+        x.view(-1)[::7] = math.nan
+        with torch.no_grad():
+            want, got = pipe.run(x, params), new.run(x, params)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), f"seed {SEED + 1000 + i}:\n{text}"
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, equal_nan=True, msg=f"seed {SEED + 1000 + i}:\n{text}")
+        make_plan(pipe, target=DEFAULT)
+    assert fired >= 10, fired
