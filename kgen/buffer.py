@@ -53,6 +53,21 @@ class Buffer:
         return self.addressable and self.layout != "strided"
 
     @property
+    def batched_matrices(self) -> bool:
+        """Whether cuBLAS's batched product takes this view as it is: its last two dims one matrix in either order
+        (one of them of stride 1), the dims before them (with the batch) one batch stride. at::matmul copies any
+        other view into a plain tensor first (its reshape of the batch dims, or bmm's own copy)."""
+        t = self.tiles[0]
+        dims, strides = (None,) + t.dims, (t.sample_stride,) + t.strides
+        if len(dims) < 3 or not self.addressable:
+            return len(dims) < 3
+        (m, k), (sm, sk) = dims[-2:], strides[-2:]
+        if not ((sk == 1 or k == 1) and sm >= k or (sm == 1 or m == 1) and sk >= m):
+            return False
+        batch = [(n, st) for n, st in zip(dims[:-2], strides[:-2]) if n != 1]
+        return all(a == b * (n or 1) for (_, a), (n, b) in zip(batch, batch[1:]))
+
+    @property
     def addressable(self) -> bool:
         """One tile holding exactly the logical tensor at any strides (a plain tensor, a channels_last one, a view
         of one): what ATen's view of it is, and what a view of that view reads."""

@@ -628,6 +628,31 @@ def test_elementwise_chains_moved_past_a_permute_build_and_validate(tmp_path, de
     build_and_validate(render_specs(tmp_path, texts), device)
 
 
+def test_views_a_batched_product_cannot_take_are_priced_as_atens_copies():
+    """A view handed to ATen's matmul is read in place only where cuBLAS's batched product takes it as it is (a
+    transpose of the matrix dims; Buffer.batched_matrices); a permute that interleaves the batch dims is copied by
+    at::matmul first, and the cost model prices that copy (Mamba2's einsums: 2.07 ms of copies on the H200)."""
+    from kgen import cost
+
+    product = make_plan(pipeline_of(VIEW_MATMUL_SPEC), target=DEFAULT)  # transposes of [N, 5, 4]: cuBLAS's forms
+    assert not any("copied by ATen's matmul" in w.what for e in cost.estimate(product, 8) for w in e.work)
+    interleaved = """
+name: interleaved
+inputs:
+  x: {shape: [N, 3, 4, 5, 6]}
+  y: {shape: [N, 4, 3, 6, 2]}
+example: {N: 2}
+ops:
+  - permute: {dims: [0, 2, 1, 3, 4]}  # [N, 4, 3, 5, 6]: the batch dims N, 4, 3 of no one stride
+  - matmul: {tensor: y}
+"""
+    plan = make_plan(pipeline_of(interleaved), target=DEFAULT)
+    assert not plan.stages[0].output.batched_matrices and plan.stages[0].output.layout == "strided"
+    copies = [w for e in cost.estimate(plan, 8) for w in e.work if "copied by ATen's matmul" in w.what]
+    assert [w.what for w in copies] == ["its input copied by ATen's matmul"]
+    assert copies[0].bytes == 2 * 4 * 8 * 3 * 4 * 5 * 6  # read and written once, float32
+
+
 def test_only_views_skip_the_copy_before_a_family_that_reads_views():
     """The aten family reads a permute's view, not a sub-pixel convolution's phase tiles: those are still copied
     into a plain tensor before its ATen call."""
