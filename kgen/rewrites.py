@@ -286,7 +286,7 @@ def commute_operand_chain(pipe: Pipeline):
         a = max((i for i in range(c) if ops[i].src is not None), default=0)  # t's chain: ops[a:c]
         types = infer_types(pipe.input, ops, pipe.path, pipe.inputs)[0]
         why = None
-        if x == t:
+        if x == t or (x is None and c == k - 1):  # (with no `from:`, f continues from the capture: t itself)
             why = f"{t} is both of its operands"
         elif not _elementwise_result(ops, c - 1):
             why = f"{t} is computed by {ops[c - 1].describe()}, a stage of its own either way"
