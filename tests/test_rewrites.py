@@ -1609,3 +1609,68 @@ def test_batch_norm_eval_affine_needs_running_statistics():
     assert batch_norm_eval_affine(p) is None
     q = build(spec_text([4, 5, 5], [{"relu": {}}]))
     assert batch_norm_eval_affine(q) is None
+
+
+def _drawn_chain_spec(rng) -> str:
+    """A pipeline over [N, 3, 4, 4] of elementwise ops, names and their reuse as operands (``x + x`` right after a
+    name too), restarts from earlier names, sums broadcast back and transposes: the sites the operand and permute
+    rewrites look for, and their near misses."""
+    ops, names = [], []
+    for k in range(rng.randint(4, 9)):
+        roll = rng.random()
+        if roll < 0.12:  # NetVLAD's form: a chain computed aside, read once after a view of the value before it
+            ops.append({"neg": {"as": f"before{k}"}})
+            ops.append({rng.choice(("exp", "tanh", "relu")): {"from": rng.choice(("x", "y")), "as": f"aside{k}"}})
+            if rng.random() < 0.5:
+                ops.append({"mul": {"scalar": 0.5}})
+                ops[-2] = {next(iter(ops[-2])): {"from": next(iter(ops[-2].values()))["from"]}}
+                ops[-1]["mul"]["as"] = f"aside{k}"
+            ops.append({"transpose": {"dim0": 2, "dim1": 3, "from": f"before{k}"}})
+            ops.append({rng.choice(("add", "mul", "sub", "div")): {"tensor": f"aside{k}"}})
+            continue
+        if roll < 0.3 and names:
+            ops.append({rng.choice(("add", "mul", "sub", "div", "maximum")): {"tensor": rng.choice(names)}})
+        elif roll < 0.35 and names:
+            ops.append({rng.choice(("relu", "exp", "tanh", "neg")): {"from": rng.choice(names + ["x", "y"])}})
+        elif roll < 0.45:
+            ops.append({"transpose": {"dim0": 2, "dim1": 3}})
+        elif roll < 0.52:
+            ops.append({"sum": {"dim": rng.choice(([2], [3], [2, 3])), "keepdim": True}})
+            ops.append({"expand": {"shape": [3, 4, 4]}})
+        elif roll < 0.6:
+            ops.append({rng.choice(("add", "mul")): {"tensor": "y"}})
+        else:
+            ops.append(rng.choice(("relu", "tanh", "sigmoid", "neg", {"mul": {"scalar": 1.5}}, {"add": {"scalar": -0.5}})))
+        if rng.random() < 0.4:
+            name = f"v{k}"
+            ops[-1] = {ops[-1]: {}} if isinstance(ops[-1], str) else ops[-1]
+            next(iter(ops[-1].values()))["as"] = name
+            names.append(name)
+    return yaml.safe_dump({"name": "drawn", "inputs": {"x": {"shape": ["N", 3, 4, 4]}, "y": {"shape": ["N", 3, 4, 4]}},
+                           "example": {"N": 2}, "ops": ops}, sort_keys=False)
+
+
+def test_drawn_chains_compute_the_same_values_after_the_operand_and_permute_rewrites():
+    """Seeded draws of named values reused as operands around transposes and broadcast sums: wherever
+    commute_operand_chain or permute_before_elementwise fires, the rewritten pipeline computes the original's
+    values in float64 (a rewrite that read the wrong value, as x + x once did, fails here). The draws must fire
+    each rewrite."""
+    names = ("commute_operand_chain", "permute_before_elementwise")
+    rng, counts = random.Random(4242), dict.fromkeys(names, 0)
+    for i in range(300):
+        text = _drawn_chain_spec(rng)
+        try:
+            pipe = build(text)
+        except Exception:  # noqa: BLE001 - a draw that does not fit (a name read before it is made, ...)
+            continue
+        new, ds = rewrite(pipe, *names)
+        if not any(d.fired for d in ds):
+            continue
+        for n in names:
+            counts[n] += bool(fired(ds, n))
+        g = torch.Generator().manual_seed(i)
+        x, y = (torch.randn(2, 3, 4, 4, dtype=F64, generator=g) for _ in range(2))
+        with torch.no_grad():
+            want, got = pipe.run(x, {}, {"y": y}), new.run(x, {}, {"y": y})
+        assert_same(got, want), text
+    assert all(c >= 5 for c in counts.values()), counts
