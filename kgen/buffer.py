@@ -58,14 +58,16 @@ class Buffer:
         (one of them of stride 1), the dims before them (with the batch) one batch stride. at::matmul copies any
         other view into a plain tensor first (its reshape of the batch dims, or bmm's own copy)."""
         t = self.tiles[0]
-        dims, strides = (None,) + t.dims, (t.sample_stride,) + t.strides
-        if len(dims) < 3 or not self.addressable:
-            return len(dims) < 3
-        (m, k), (sm, sk) = dims[-2:], strides[-2:]
+        if len(t.dims) < 2:  # [N, K]: one matrix
+            return True
+        if not self.addressable:
+            return False
+        (m, k), (sm, sk) = t.dims[-2:], t.strides[-2:]
         if not ((sk == 1 or k == 1) and sm >= k or (sm == 1 or m == 1) and sk >= m):
             return False
-        batch = [(n, st) for n, st in zip(dims[:-2], strides[:-2]) if n != 1]
-        return all(a == b * (n or 1) for (_, a), (n, b) in zip(batch, batch[1:]))
+        # the batch dims (the batch's own first) collapse into one stride: each one's stride the next one's times its size
+        batch = [(t.sample_stride, None)] + [(st, n) for n, st in zip(t.dims[:-2], t.strides[:-2]) if n != 1]
+        return all(outer == inner * n for (outer, _), (inner, n) in zip(batch, batch[1:]))
 
     @property
     def addressable(self) -> bool:

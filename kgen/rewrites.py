@@ -238,6 +238,11 @@ def _value_readers(ops, name: str) -> set[int]:
     return out
 
 
+def _capture_of(ops, name: str, before: int) -> int | None:
+    """The index of the capture (``as:``) naming value ``name`` among ops[:before]; None for an input."""
+    return next((i for i in range(before) if isinstance(ops[i], Capture) and ops[i].name == name), None)
+
+
 def _chain_before(ops, end: int) -> int | None:
     """The first index of the elementwise chain ending at ``end`` (inclusive): back over elementwise ops and
     captures that continue from the op before them, to the one that starts from a value (``from:``) or follows an
@@ -257,7 +262,7 @@ def _elementwise_result(ops, i: int) -> bool:
     if isinstance(op, Permute):
         if op.src is None:
             return i > 0 and _elementwise_result(ops, i - 1)
-        c = next((j for j in range(i) if isinstance(ops[j], Capture) and ops[j].name == op.src), None)
+        c = _capture_of(ops, op.src, i)
         return c is not None and c > 0 and _elementwise_result(ops, c - 1)
     return isinstance(op, Elementwise) and not isinstance(op, Capture)
 
@@ -272,19 +277,19 @@ def commute_operand_chain(pipe: Pipeline):
     ``(x^T a)^T - a_sum * clusters`` wrote the broadcast product (134 MB). Exact: the same operations on the same
     values."""
     ops, decisions = list(pipe.ops), []
-    taken = set(pipe.values) | {n for op in ops for n in op.value_names()}
+    taken = set(pipe.values)
+    types = pipe.types  # (inferred again after each rewrite here)
     commuted = set()  # (an op commuted once is not turned back)
     k = 0
     while k < len(ops):
         op = ops[k]
-        c = next((i for i in range(k) if isinstance(ops[i], Capture) and ops[i].name == op.tensor), None) \
+        c = _capture_of(ops, op.tensor, k) \
             if isinstance(op, Elementwise) and not isinstance(op, Capture) and op.tensor and op.key not in commuted else None
         if c is None or c == 0:
             k += 1
             continue
         t, x = op.tensor, op.src
         a = max((i for i in range(c) if ops[i].src is not None), default=0)  # t's chain: ops[a:c]
-        types = infer_types(pipe.input, ops, pipe.path, pipe.inputs)[0]
         why = None
         if x == t or (x is None and c == k - 1):  # (with no `from:`, f continues from the capture: t itself)
             why = f"{t} is both of its operands"
@@ -314,6 +319,7 @@ def commute_operand_chain(pipe: Pipeline):
         if chain[0].src is None:  # the first op of all: it reads the input
             chain[0] = replace(chain[0], src=pipe.input_names[0])
         ops[a:k + 1] = ops[c + 1:k] + named + chain + [replace(op, src=None, tensor=x, reverse=not op.reverse)]
+        types = infer_types(pipe.input, ops, pipe.path, pipe.inputs)[0]
         commuted.add(op.key)
         decisions.append(Decision("commute_operand_chain", op.key, True,
                                   f"{op.describe()} continues from {t}, which only it reads; {x} is the operand"))
@@ -336,7 +342,7 @@ def permute_before_elementwise(pipe: Pipeline):
     coordinates, so the values are the same (Mamba2: ``exp`` of the segment sums before the transpose its product
     reads; a product before the transpose the sum after it reads, 1.07 GB each at the H200's batch)."""
     ops, decisions = list(pipe.ops), []
-    taken = set(pipe.values) | {n for op in ops for n in op.value_names()}
+    taken = set(pipe.values)
     j = 0
     while j < len(ops):
         p = ops[j]
@@ -348,7 +354,7 @@ def permute_before_elementwise(pipe: Pipeline):
         if p.src is None:  # the chain ends right before it
             c, end = None, j - 1
         else:  # it starts from a value the chain's last capture names
-            c = next((i for i in range(j) if isinstance(ops[i], Capture) and ops[i].name == p.src), None)
+            c = _capture_of(ops, p.src, j)
             end = c - 1 if c is not None else -1
         a = _chain_before(ops, end)
         why = None

@@ -238,12 +238,27 @@ def test_a_dropout_of_zero_is_gone(p, gone):
     check_equivalent(pipe, new)
 
 
-# ------------------------------------------------------------------ softmax through reshape
+# ------------------------------------------------------------------ elementwise chains around permutes
 
-def run_inputs(pipe, inputs):
+def run_inputs(pipe, inputs, params=None):
+    """The pipeline's outputs (a tuple) on ``inputs`` by name."""
     with torch.no_grad():
         names = pipe.input_names
-        return pipe.run(inputs[names[0]], {}, {n: inputs[n] for n in names[1:]})
+        out = pipe.run(inputs[names[0]], params or {}, {n: inputs[n] for n in names[1:]})
+    return out if isinstance(out, tuple) else (out,)
+
+
+def check_equivalent_inputs(orig, new, params=None, seed=0):
+    """``new`` against ``orig`` on normal inputs, then with NaN, +inf or -inf in each input in turn (a NaN must
+    reach an output)."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = {n: torch.randn(t.concrete(3), dtype=F64, generator=g) for n, t in orig.inputs.items()}
+    for n, value in [(None, None)] + [(n, v) for n in inputs for v in (math.nan, math.inf, -math.inf)]:
+        case = inputs if n is None else dict(inputs, **{n: inject(inputs[n], value, 4, seed)})
+        want = run_inputs(orig, case, params)
+        assert value == value or any(torch.isnan(w).any() for w in want), n
+        for a, b in zip(run_inputs(new, case, params), want):
+            assert_same(a, b)
 
 
 def test_a_permute_moves_before_the_elementwise_chain_it_splits():
@@ -263,18 +278,7 @@ def test_a_permute_moves_before_the_elementwise_chain_it_splits():
         "matmul(x, y)", "as m", "transpose(1, 2)", "exp", "div(m, x)", "as p",
         "matmul(x, y)", "as permute_source", "transpose(1, 2)", "as w_permuted", "transpose(1, 2)",
         "relu", "as r", "mul(x, w_permuted)", "sub(x, r)", "add(x, z)", "as q"]
-    g = torch.Generator().manual_seed(5)
-    inputs = {n: torch.randn(t.concrete(3), dtype=F64, generator=g) for n, t in pipe.inputs.items()}
-    want = run_inputs(pipe, inputs)
-    for a, b in zip(run_inputs(new, inputs), want):
-        assert_same(a, b)
-    for n in inputs:
-        for value in (math.nan, math.inf, -math.inf):
-            bad = dict(inputs, **{n: inject(inputs[n], value, 4, 0)})
-            want = run_inputs(pipe, bad)
-            assert value == value or any(torch.isnan(w).any() for w in want), n  # (a NaN reaches an output)
-            for a, b in zip(run_inputs(new, bad), want):
-                assert_same(a, b)
+    check_equivalent_inputs(pipe, new, seed=5)
     before = make_plan(pipe, target=DEFAULT, rewrites={n: n not in names for n in REWRITE_NAMES})
     after = make_plan(pipe, target=DEFAULT)
     assert [st.kind for st in before.stages].count("pool_reduce") == 4
@@ -326,15 +330,7 @@ def test_an_operand_chain_computed_earlier_moves_to_the_op_reading_it():
         "transpose(1, 2)", "matmul(x, y)", "transpose(1, 2)", "as sub_operand", "sum(dims=[1], keepdim)",
         "x.expand([N, 5, 4])", "mul(c)", "sub(sub_operand, x)", "relu"]
     assert new.ops[4].src == "x"  # (the chain's first op read the input implicitly)
-    g = torch.Generator().manual_seed(3)
-    inputs = {n: torch.randn(t.concrete(3), dtype=F64, generator=g) for n, t in pipe.inputs.items()}
-    t = tensors(pipe)
-    for n in inputs:
-        for value in (None, math.nan, math.inf, -math.inf):
-            bad = inputs if value is None else dict(inputs, **{n: inject(inputs[n], value, 3, 1)})
-            with torch.no_grad():
-                want = pipe.run(bad["x"], t, {"y": bad["y"]})
-                assert_same(new.run(bad["x"], t, {"y": bad["y"]}), want)
+    check_equivalent_inputs(pipe, new, tensors(pipe), seed=3)
     bytes_of = lambda plan: sum(e.bytes for e in estimate(plan, 64))  # noqa: E731
     before = make_plan(pipe, target=DEFAULT, rewrites={n: n != "commute_operand_chain" for n in REWRITE_NAMES})
     assert bytes_of(make_plan(pipe, target=DEFAULT)) < bytes_of(before)
@@ -377,6 +373,8 @@ ops:
     assert not fired(ds, "commute_operand_chain") and list(new.ops) == list(pipe.ops)
     assert "broadcasts to the result" in not_fired(ds, "commute_operand_chain")[0].reason
 
+
+# ------------------------------------------------------------------ softmax through reshape
 
 SPANNED_OPS = [{"add": {"param": "b"}}, {"reshape": {"shape": [4, 90]}}, {"softmax": {"dim": 2}},
                {"reshape": {"shape": [4, 3, 5, 6]}}, {"mul": {"scalar": 2.0}}]
