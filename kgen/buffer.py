@@ -88,6 +88,21 @@ class Buffer:
         return all(t.dims[0] == self.logical[0] and t.strides[0] == 1 and t.sample_stride % vector == 0
                    and all(s % vector == 0 for s in t.strides[1:]) for t in self.tiles)
 
+    def element_vectors(self, vector: int) -> bool:
+        """Whether logical elements e..e + ``vector`` - 1 of a sample (row-major, e a multiple of ``vector``) lie
+        adjacent in memory, aligned to the vector wherever the tile pointer is: one tile holding exactly the
+        logical tensor (any strides: a plain tensor or a view of one), whose innermost dims form a contiguous run a
+        multiple of ``vector`` long, and whose other strides and sample stride are multiples of ``vector``."""
+        if not self.addressable:
+            return False
+        t = self.tiles[0]
+        dims = [(n, s) for n, s in zip(t.dims, t.strides) if n != 1]  # a dim of size 1 is never stepped
+        run, d = 1, len(dims)
+        while d and dims[d - 1][1] == run:  # the contiguous run of innermost dims
+            d -= 1
+            run *= dims[d][0]
+        return run % vector == 0 and t.sample_stride % vector == 0 and all(s % vector == 0 for _, s in dims[:d])
+
     @property
     def innermost(self) -> int:
         order = [d for d in self.tiles[0].memory_order if self.logical[d] > 1]

@@ -714,6 +714,29 @@ outputs: [p, q]
 """
 
 
+# Elementwise stages over views whose innermost values stay adjacent (pool_reduce's vector map kernel reads them
+# 16 bytes at a time: buffer.element_vectors): a permute of outer dims, a slice of rows (its first row 48 bytes in
+# for float32, aligned to the vector; 24 for bfloat16, so the value-by-value kernel at run time), a slice of each
+# row's values (one value in: aligned to no vector; its row stride of 12 leaves no whole bfloat16 vectors at all)
+VIEW_VECTORS_SPEC = """
+name: view_vectors
+inputs:
+  x: {shape: [N, 3, 4, 8], dtype: [float32, bfloat16]}
+  y: {shape: [N, 4, 3, 8], dtype: [float32, bfloat16]}
+  z: {shape: [N, 3, 6, 12], dtype: [float32, bfloat16]}
+example: {N: 2}
+ops:
+  - permute: {dims: [0, 2, 1, 3]}
+  - exp: {}
+  - mul: {tensor: y, as: p}
+  - slice: {dim: 2, start: 1, end: 5, from: z}
+  - sigmoid: {as: rows}
+  - slice: {dim: 3, start: 1, end: 9, from: z}
+  - neg: {as: shifted}
+outputs: [p, rows, shifted]
+"""
+
+
 # NetVLAD's (KernelBench level 3, 46): a broadcast product computed first, read by a sub after a matmul and its
 # transpose (kgen.rewrites.commute_operand_chain moves its chain to the sub)
 NETVLAD_SPEC = """

@@ -6,12 +6,13 @@ named values as tensors), CPU build and validation of kgen's plan and of the eag
 (KernelBench-style modules: a fire module, a channel shuffle, an inception module)."""
 import math
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (BUILD_DEVICES, NETVLAD_SPEC, PERMUTE_CHAIN_SPEC, assert_report_passed, build_and_validate, fake_tuning, pipeline_of,
+from conftest import (BUILD_DEVICES, NETVLAD_SPEC, PERMUTE_CHAIN_SPEC, VIEW_VECTORS_SPEC, assert_report_passed, build_and_validate, fake_tuning, pipeline_of,
                       render_specs, spec_text, write_spec)
 from kgen.errors import SpecError
 from kgen.ir import AdaptivePool, Cat, Reduce, load_pipeline
@@ -626,6 +627,22 @@ def test_elementwise_chains_moved_past_a_permute_build_and_validate(tmp_path, de
     texts = {f"permute_chain_{device}": PERMUTE_CHAIN_SPEC.replace("name: permute_chain", f"name: permute_chain_{device}"),
              f"netvlad_{device}": NETVLAD_SPEC.replace("name: netvlad", f"name: netvlad_{device}")}
     build_and_validate(render_specs(tmp_path, texts), device)
+
+
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_elementwise_stages_over_views_with_adjacent_rows_move_whole_vectors(tmp_path, device):
+    """An elementwise stage whose input is a view keeping runs of 16 bytes adjacent (a permute of outer dims, a
+    slice of rows) loads and stores whole vectors (pool_reduce's map_vector); a view that splits them (a slice of each
+    row's values in bfloat16) goes value by value. Validated against float64 in both dtypes, where the run-time
+    alignment check sends some of them to the value-by-value kernel (tests/conftest.py VIEW_VECTORS_SPEC)."""
+    vectors = {}
+    for dtype in ("float32", "bfloat16"):
+        plan = make_plan(replace(pipeline_of(VIEW_VECTORS_SPEC), dtype=dtype), target=DEFAULT)
+        vectors[dtype] = [st.schedule.map_vector for st in plan.stages if st.kind == "pool_reduce"]
+        assert all(st.input.layout == "strided" for st in plan.stages if st.kind == "pool_reduce")
+    assert vectors == {"float32": [4, 4, 4], "bfloat16": [8, 8, 1]}
+    name = f"view_vectors_{device}"
+    build_and_validate(render_specs(tmp_path, {name: VIEW_VECTORS_SPEC.replace("name: view_vectors", f"name: {name}")}), device)
 
 
 def test_views_a_batched_product_cannot_take_are_priced_as_atens_copies():

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import (CL_ATEN, CONV16, POOL16, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, TRANSPOSE_TILES, render_kept_walk,
+from conftest import (CL_ATEN, CONV16, POOL16, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NORM_LAYOUTS, ROOT, SHIPPED, SOFTMAXES, TRANSPOSE_TILES, VIEW_VECTORS_SPEC, render_kept_walk,
                       render_layer_norm, render_norm_layout, render_softmax, render_transpose_tile, spec_text, write_spec)
 from kgen.build import cuda_home, demangle, ptxas_report
 
@@ -100,6 +100,20 @@ def test_kept_walks_compile_without_spills(name, tmp_path):
     _, module_dir = render_kept_walk(name, tmp_path)
     kernels = ptxas_report(module_dir, "9.0a")
     assert any("reduce_kernel" in demangle(k.name) for k in kernels)
+    assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
+
+
+def test_vector_maps_over_views_compile_without_spills(tmp_path):
+    """pool_reduce's vector map kernel over views whose rows stay adjacent (conftest.VIEW_VECTORS_SPEC), in float32
+    and bfloat16, and its value-by-value fallback compile clean: a vector kernel for each stage that takes vectors
+    (3 in float32, 2 in bfloat16)."""
+    from kgen.render import render_spec, write_rendered
+
+    spec = write_spec(tmp_path, VIEW_VECTORS_SPEC, "view_vectors.yaml")
+    write_rendered(render_spec(spec, tmp_path / "gen"), tmp_path / "gen")
+    kernels = ptxas_report(tmp_path / "gen" / "view_vectors", "9.0a")
+    names = [demangle(k.name) for k in kernels]
+    assert sum("map_vector_kernel" in n for n in names) == 5 and sum("map_kernel" in n for n in names) == 6, names
     assert all(k.clean for k in kernels), [demangle(k.name) for k in kernels if not k.clean]
 
 

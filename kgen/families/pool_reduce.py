@@ -240,12 +240,14 @@ class PoolReduce(Family):
 
     @staticmethod
     def _map_vector(st: PoolReduceStage, transpose_channels: int, value_bytes: int) -> int:
-        """Outputs per vector access in map_kernel: where nothing is reduced or pooled and output k of a
-        sample is the input's element k (a plain contiguous input), consecutive outputs are consecutive
-        values of both; the samples stay aligned to the vector where it divides their size."""
+        """Outputs per vector access in map_kernel: where nothing is reduced or pooled, output k of a sample is
+        the input's logical element k, and the output is row-major: consecutive outputs are consecutive values of
+        the output and, in runs of whole vectors, of the input (a plain contiguous tensor, or a view whose last
+        dims stay contiguous: a permute of outer dims, a slice of rows); the samples stay aligned to the vector
+        where it divides their size."""
         vector = MAP_VECTOR_BYTES // value_bytes
         if (st.reduced_count != 1 or st.reduce is not None or len(st.levels) != 1 or transpose_channels
-                or not st.input.flat or st.kept_count % vector):
+                or st.output.layout == "channels_last" or st.kept_count % vector or not st.input.element_vectors(vector)):
             return 1
         return vector
 
@@ -298,7 +300,8 @@ class PoolReduce(Family):
         if sc.map_vector > 1:
             lanes = ("; each warp's vectors exchanged through shared memory, lane l computing values l, l + 32, ... "
                      "(a per-channel parameter's loads coalesced)") if sc.map_lane_order else ""
-            return [f"elementwise over a plain contiguous input: {sc.map_vector} consecutive values per {MAP_VECTOR_BYTES}-byte "
+            what = "a plain contiguous input" if st.input.flat else "a view whose innermost values stay adjacent"
+            return [f"elementwise over {what}: {sc.map_vector} consecutive values per {MAP_VECTOR_BYTES}-byte "
                     f"load and store (one at a time where a pointer is not aligned at run time){lanes}"]
         return []
 
