@@ -267,6 +267,8 @@ KGEN_HD float div(float x, float y) { return x / y; }
 // torch.minimum / torch.maximum (torch.min/max with a tensor): NaN on either side wins.
 KGEN_HD float minimum(float x, float y) { return min_nan(x, y); }
 KGEN_HD float maximum(float x, float y) { return max_nan(x, y); }
+// x.masked_fill(mask != 0, value): the mask a value of x's type, nonzero where x is filled (a NaN mask fills too)
+KGEN_HD float masked_fill(float x, float value, float mask) { return mask != 0.f ? value : x; }
 
 // Activations, each as PyTorch computes it in float (aten/src/ATen/native/cpu and
 // cuda kernels), so NaN and +-inf come out where PyTorch's float64 puts them:

@@ -1381,7 +1381,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
     g = _Graph(gm, dict(zip(places, example_inputs)))
     _ask_dynamic_batch(g)
     original = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # (PyTorch's form, measured against kgen's on a GPU)
-    rewritten = rewrite_attention(gm, {n: g.examples[n] for n in g.state})
+    rewritten = rewrite_attention(gm, {n: g.examples[n] for n in g.state}) + _float_masks(gm, g)
     if rewritten:
         if verbose:
             for line in rewritten:
@@ -1553,6 +1553,37 @@ def _view_base(n):
     while isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and _views(n) and n.args:
         n = n.args[0]
     return n
+
+
+def _float_masks(gm: fx.GraphModule, g: _Graph) -> list[str]:
+    """``x.masked_fill(mask, value)`` with a number for value and a boolean mask made without the graph's inputs
+    (Mamba2's ``~torch.tril(torch.ones(T, T, dtype=torch.bool))``, a mask compared from a buffer) ->
+    ``masked_fill_nonzero(x, mask.to(x.dtype), value)`` (kgen.ops): kgen's operands are tensors of x's dtype, and
+    the conversion is computed once where the mask is a constant (``_fold_constants``), else where PyTorch computes
+    the mask. One line per call rewritten."""
+    from .ops import masked_fill_nonzero
+
+    lines = []
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_method" and n.target == "masked_fill" or n.op == "call_function" and n.target is torch.masked_fill):
+            continue
+        args = _bound(n, ("input", "mask", "value"))
+        x, mask, value = args.get("input"), args.get("mask"), args.get("value")
+        ex, em = _example(x), _example(mask)
+        if not (isinstance(ex, torch.Tensor) and ex.dtype == g.dtype and g.batch_dim(x) is not None and isinstance(em, torch.Tensor)
+                and em.dtype == torch.bool and mask.name not in g.from_inputs and em.dim() <= ex.dim()
+                and isinstance(value, (int, float)) and not isinstance(value, bool)):
+            continue
+        with gm.graph.inserting_before(n):
+            converted = gm.graph.call_method("to", (mask, ex.dtype))
+            converted.meta["example_value"] = em.to(ex.dtype)
+            fill = gm.graph.call_function(masked_fill_nonzero, (x, converted, float(value)))
+            fill.meta.update(n.meta)
+        n.replace_all_uses_with(fill)
+        gm.graph.erase_node(n)
+        lines.append(f"{n.name}: masked_fill with a mask made without the inputs, as masked_fill_nonzero of the mask "
+                     f"in {str(ex.dtype).removeprefix('torch.')}")
+    return lines
 
 
 def _fold_constants(gm: fx.GraphModule) -> int:

@@ -107,6 +107,13 @@ def number(v, key, path):
     return v
 
 
+def fill_value(v, key, path):
+    """A value a tensor is filled with: a number finite in float32, or an infinity (a mask's -inf); not NaN."""
+    if isinstance(v, float) and math.isinf(v):
+        return v
+    return number(v, key, path)
+
+
 def ident(v, key, path, reserved=reserved_reason):
     """A parameter or submodule name (``reserved``: the rule for the module's own name)."""
     if not isinstance(v, str) or not IDENT.match(v):

@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import KgenError, one_line
 from .fields import IDENT, MAX_NAME, MAX_PATH, PATH
 from .names import module_name_reason, path_reason, reserved_reason
+from .ops import masked_fill_nonzero
 from .spec import DTYPES, MAX_RANK
 
 MAX_CHECKED_PARAMS = 2**26  # parameter elements up to which the equivalence check runs in float64 (else float32)
@@ -386,6 +387,10 @@ class _StackTracer(fx.Tracer):
     # a buffer is a node (get_attr), as a parameter is: MinGPT's ``self.bias[:, :, :T, :T]`` slices its mask by a
     # size of the input, which a real tensor cannot take from a traced value
     proxy_buffer_attributes = True
+
+    def __init__(self):
+        # kgen's own calls in a graph the Dynamo backend rewrote are calls, not traced into
+        super().__init__(autowrap_functions=(masked_fill_nonzero,))
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
@@ -741,6 +746,9 @@ class Importer:
             return
         if _elementwise_binary(n):
             self._binary(n)
+            return
+        if fn is masked_fill_nonzero:
+            self._masked_fill(n)
             return
         unary = _UNARY.get(fn) if n.op == "call_function" else _UNARY_METHODS.get(name)
         if unary is not None and self._tensor(x):
@@ -1431,6 +1439,17 @@ class Importer:
             fields["reverse"] = True
         self._emit(n, kind, fields, src=primary if src is None else src)
 
+    def _masked_fill(self, n) -> None:
+        """``masked_fill_nonzero(x, mask, value)`` (kgen.ops; the Dynamo backend writes a constant boolean mask so):
+        the mask a value or a parameter broadcast to x."""
+        x, mask, value = n.args
+        if not self._tensor(x) or self._shape(x) != self.shapes[n]:
+            return self._unsupported(n)
+        fields = {"tensor": self._name_of(mask)} if self._tensor(mask) else self._operand(n, mask)
+        if "scalar" in fields:
+            return self._unsupported(n)
+        self._emit(n, "masked_fill", {**fields, "value": float(value)}, src=x)
+
     def _shape_of_operand(self, o):
         return self.shapes.get(o, ()) if isinstance(o, fx.Node) else ()
 
@@ -1899,7 +1918,7 @@ def maps_call(n: fx.Node) -> bool:
         return False
     if fn is getattr:
         return len(n.args) == 2 and n.args[1] in ("T", "mT")
-    return fn in _UNARY or fn in _REDUCTIONS or fn in _POOLS or fn in _ADAPTIVE or fn in _ALIAS_FUNCTIONS or \
+    return fn is masked_fill_nonzero or fn in _UNARY or fn in _REDUCTIONS or fn in _POOLS or fn in _ADAPTIVE or fn in _ALIAS_FUNCTIONS or \
         fn in _LAYOUT_FUNCTIONS or _elementwise_binary(n) or fn in (F.dropout, F.normalize, torch.einsum) or \
         fn in _POWERS or \
         fn in _NORMS or \

@@ -536,12 +536,15 @@ class Elementwise(Op):
             if not isinstance(other, torch.Tensor):
                 other = torch.full_like(x, other)
             return self.entry.torch_fn(other, x)
-        return self.entry.torch_fn(x, other)
+        return self.entry.torch_fn(x, other, *self.consts)
 
     def describe(self):
+        consts = "".join(f", {c:g}" for c in self.consts) if self.entry.operand else ""  # (masked_fill's value)
         if self.tensor is not None or self.reverse:
             other = self.tensor if self.tensor is not None else (f"{self.scalar:g}" if self.param is None else self.param)
-            return f"{self.fn}({other}, x)" if self.reverse else f"{self.fn}(x, {other})"
+            return f"{self.fn}({other}, x)" if self.reverse else f"{self.fn}(x, {other}{consts})"
+        if consts:
+            return f"{self.fn}(x, {self.param}{consts})"
         if self.consts:
             return f"{self.fn}({', '.join(str(c) for c in self.consts)})"
         if not self.entry.operand:

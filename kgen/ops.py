@@ -76,6 +76,11 @@ class ElementwiseOp(OpDef):
     relative: bool = False  # |f'(x)| grows with |f(x)| (exp): validation scales the output by the input's size
     libm: bool = False  # calls a libm function (expf, tanhf, erff, ...): a long chain of dependent instructions
 
+    @property
+    def reversible(self) -> bool:
+        """Whether ``reverse`` (the operand on the left, f(operand, x)) applies: a binary op without constants."""
+        return self.operand and not self.consts
+
 
 def _conv_fields(rank: int, transposed: bool) -> dict:
     out = {
@@ -116,6 +121,21 @@ def _check_operand(args, key, path):
         f.fail(path, key, "give exactly one of 'scalar', 'param' or 'tensor'")
     if args["view"] is not None and args["param"] is None:
         f.fail(path, f"{key}.view", "a view applies to a 'param' only")
+
+
+def _check_masked_fill(args, key, path):
+    if (args["param"] is None) == (args["tensor"] is None):
+        f.fail(path, key, "give exactly one of 'param' or 'tensor' (the mask: nonzero where filled)")
+    if args["view"] is not None and args["param"] is None:
+        f.fail(path, f"{key}.view", "a view applies to a 'param' only")
+    if args["reverse"]:
+        f.fail(path, f"{key}.reverse", "masked_fill takes no reversed operand")
+
+
+def masked_fill_nonzero(x, mask, value):
+    """``x.masked_fill(mask != 0, value)``: kgen's masks are tensors of x's dtype, nonzero where x is filled (the
+    Dynamo backend turns a constant boolean mask into one: kgen.backend._float_masks)."""
+    return x.masked_fill(torch.as_tensor(mask, device=x.device) != 0, value)
 
 
 def _check_div(args, key, path):
@@ -231,6 +251,12 @@ def _table() -> dict[str, OpDef]:
                 {"scalar": 0.25}, aten="at::minimum"),
         _binary("maximum", _maximum, "kgen::maximum", "torch.maximum(x, operand) (torch.max with a tensor); NaN wins",
                 {"scalar": -0.25}, aten="at::maximum"),
+        ElementwiseOp("masked_fill", "elementwise", {**{k: _OPERAND_FIELDS[k] for k in ("param", "tensor", "view", "reverse")},
+                                                     "value": (f.fill_value, REQUIRED)}, FUSED,
+                      "x.masked_fill(mask != 0, value): value where the mask (a parameter or a value, broadcast to x) "
+                      "is nonzero, else x (a NaN too)", _check_masked_fill, torch_fn=masked_fill_nonzero,
+                      c_fn="kgen::masked_fill", operand=True, consts=(("value", 0.0),), aten="at::masked_fill",
+                      example={"tensor": "x", "value": -1.5}),
         _unary("gelu", F.gelu, "F.gelu(x) (the erf form)", slope=1.13, aten="at::gelu", libm=True),
         _unary("gelu_tanh", _gelu_tanh, "F.gelu(x, approximate='tanh')", slope=1.13, aten="at::gelu", libm=True),
         _unary("silu", F.silu, "x * sigmoid(x) (SiLU, Swish)", slope=1.1, aten="at::silu", libm=True),

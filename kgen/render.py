@@ -251,10 +251,22 @@ def spec_data_literal(plan: Plan) -> str:
     lines = ["{"]
     for key, value in data.items():
         if key == "ops":  # one op a line
-            lines += [f"    {key!r}: ["] + [f"        {op!r}," for op in value] + ["    ],"]
+            lines += [f"    {key!r}: ["] + [f"        {_literal(op)}," for op in value] + ["    ],"]
         else:
-            lines.append(f"    {key!r}: {value!r},")
+            lines.append(f"    {key!r}: {_literal(value)},")
     return "\n".join(lines + ["}"])
+
+
+def _literal(v) -> str:
+    """``repr(v)`` of checked data, but an infinity (a mask's fill value) as ``float('inf')``, which Python reads."""
+    if isinstance(v, float) and math.isinf(v):
+        return "float('inf')" if v > 0 else "-float('inf')"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k!r}: {_literal(e)}" for k, e in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        inner = ", ".join(_literal(e) for e in v)
+        return f"[{inner}]" if isinstance(v, list) else f"({inner}{',' if len(v) == 1 else ''})"
+    return repr(v)
 
 
 def plan_summary(sel: Selection) -> str:

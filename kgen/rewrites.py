@@ -293,6 +293,8 @@ def commute_operand_chain(pipe: Pipeline):
         why = None
         if x == t or (x is None and c == k - 1):  # (with no `from:`, f continues from the capture: t itself)
             why = f"{t} is both of its operands"
+        elif not op.entry.reversible:
+            why = f"{op.fn} takes no reversed operand"
         elif not _elementwise_result(ops, c - 1):
             why = f"{t} is computed by {ops[c - 1].describe()}, a stage of its own either way"
         elif _value_readers(ops, t) != {k} or t in pipe.outputs:
@@ -334,6 +336,15 @@ def _fresh(name: str, taken: set) -> str:
     return out
 
 
+def _param_stays(pipe: Pipeline, e: Elementwise, p: Permute) -> bool:
+    """Whether ``e``'s parameter broadcasts along every dim the permute ``p`` moves (Mamba2's [T, T] mask over the
+    last two dims, a permute of the dims before them): the op reads it alike before and after the permute."""
+    if e.param_sum_dims:
+        return False
+    aligned = _aligned_param_shape(pipe, e, len(p.dims))
+    return all(aligned[d] == 1 for d, k in enumerate(p.dims) if d != k)
+
+
 def permute_before_elementwise(pipe: Pipeline):
     """A permute between an elementwise chain and the elementwise op that continues from it -> the permute first,
     of the chain's source, and the chain after it (each tensor operand permuted the same way, as a view): the
@@ -362,10 +373,10 @@ def permute_before_elementwise(pipe: Pipeline):
             why = "no elementwise chain computes its input"
         elif c is not None and (_value_readers(ops, p.src) != {j} or p.src in pipe.outputs):
             why = f"{p.src} is read by other ops too (or returned)"
-        elif c is not None and ops[a].src is None:
+        elif c is not None and ops[a].src is None and not (a and isinstance(ops[a - 1], VIEWS) and ops[a - 1].src):
             why = "its chain continues from an unnamed result elsewhere"
-        elif any(o.param is not None or o.register for o in ops[a:end + 1]):
-            why = "an op of the chain reads a parameter, laid out for the unpermuted dims"
+        elif any(o.register or o.param is not None and not _param_stays(pipe, o, p) for o in ops[a:end + 1]):
+            why = "an op of the chain reads a parameter along dims the permute moves"
         elif any(isinstance(o, Capture) and (o.name in pipe.outputs or not _value_readers(ops, o.name) <= set(range(a, end + 1)))
                  for o in ops[a:end + 1]):
             why = "a value named inside the chain is read after it"
@@ -373,6 +384,9 @@ def permute_before_elementwise(pipe: Pipeline):
             decisions.append(Decision("permute_before_elementwise", p.key, False, why))
             j += 1
             continue
+        # a chain continuing from a view of a named value (Mamba2's expand of the cumulative sums): the view moves
+        # with it, to just before the permute, which then continues from it (a view of a view, read in place)
+        view = a - 1 if ops[a].src is None and a and isinstance(ops[a - 1], VIEWS) and ops[a - 1].src else None
         chain, made, permuted = list(ops[a:end + 1]), [], {}
         inside = {o.name for o in chain if isinstance(o, Capture)}  # computed permuted by the moved chain itself
         for o in chain:
@@ -380,6 +394,18 @@ def permute_before_elementwise(pipe: Pipeline):
                 permuted[o.tensor] = _fresh(f"{o.tensor}_permuted", taken)
                 made += [replace(p, src=o.tensor), Capture(key=f"{p.key}.operand", name=permuted[o.tensor])]
         source = chain[0].src
+        between = ops[c + 1:j] if c is not None else []
+        moved = [replace(o, src=None, tensor=permuted.get(o.tensor, o.tensor)) if not isinstance(o, Capture) else o
+                 for o in chain]
+        moved[0] = replace(moved[0], src=None)
+        if view is not None:
+            ops[view:j + 1] = between + made + [ops[view], replace(p, src=None)] + moved
+            decisions.append(Decision("permute_before_elementwise", p.key, True,
+                                      f"{p.describe()} of {ops[view + len(between) + len(made)].describe()} before "
+                                      f"{', '.join(o.describe() for o in chain if not isinstance(o, Capture))}, which "
+                                      f"then fuse with {nxt.describe()}"))
+            j = view + len(between) + len(made) + 2 + len(moved)
+            continue
         if source is None and made and a and isinstance(ops[a - 1], VIEWS):
             decisions.append(Decision("permute_before_elementwise", p.key, False,
                                       f"its chain continues from {ops[a - 1].describe()}, a view its operands' "
@@ -389,10 +415,6 @@ def permute_before_elementwise(pipe: Pipeline):
         if source is None and made:  # the chain continues from the op before it: named there, a tensor already
             source = pipe.input_names[0] if a == 0 else _fresh("permute_source", taken)
             made[:0] = [Capture(key=f"{p.key}.source", name=source)] if a else []
-        moved = [replace(o, src=None, tensor=permuted.get(o.tensor, o.tensor)) if not isinstance(o, Capture) else o
-                 for o in chain]
-        moved[0] = replace(moved[0], src=None)
-        between = ops[c + 1:j] if c is not None else []
         ops[a:j + 1] = between + made + [replace(p, src=source)] + moved
         decisions.append(Decision("permute_before_elementwise", p.key, True,
                                   f"{p.describe()} before {', '.join(o.describe() for o in chain if not isinstance(o, Capture))}, "

@@ -256,6 +256,12 @@ def spec_text(shape, ops, params=None, rewrites=None, batch=2, name="t", plan=No
     return yaml.safe_dump(raw, sort_keys=False)
 
 
+def with_param(entry) -> dict:
+    """An operand op of the op table (kgen.ops) as a spec op whose operand is the parameter ``p``, its other fields
+    (constants: masked_fill's value) from the entry's example."""
+    return {entry.name: {**{k: v for k, v in entry.example.items() if k not in ("scalar", "tensor")}, "param": "p"}}
+
+
 def pipeline_of(text: str, path: str = "t.yaml"):
     from kgen.ir import build_pipeline
     from kgen.spec import parse_spec

@@ -1601,3 +1601,38 @@ def test_parameters_that_carry_the_batch_train_as_eager(cache):
     assert [p["module"] is not None for p in backend.PARTITIONS[before:]] == [True]
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+class SegmentSums(nn.Module):
+    """Mamba2's segment sums in small (KernelBench level 3, 48): a cumulative sum (PyTorch's), the differences of
+    its values by broadcasting, masked above the diagonal by a mask made from constants alone, and the exponential
+    transposed into a product."""
+
+    def forward(self, a, c):
+        T = a.size(-1)
+        cs = torch.cumsum(a, dim=-1)
+        seg = cs[..., :, None] - cs[..., None, :]
+        mask = torch.tril(torch.ones(T, T, device=a.device, dtype=torch.bool), diagonal=0)
+        return torch.exp(seg.masked_fill(~mask, -torch.inf)).transpose(1, 2) * c
+
+
+class InputMask(nn.Module):
+    def forward(self, x):
+        return torch.relu(x.masked_fill(x > 1.0, 0.5)) * 2.0
+
+
+def test_a_mask_made_from_constants_is_an_operand_of_the_partition(cache):
+    """A masked_fill whose mask is computed without the inputs joins the partition (kgen.backend._float_masks: the
+    mask as a float tensor, computed once): one kgen partition computes the differences, the fill, the exponential
+    and the product, with eager's values (-inf filled, its exponential 0). A mask computed from the input stays
+    PyTorch's call."""
+    from kgen import backend
+
+    torch.manual_seed(0)
+    made = _partitions_of(SegmentSums(), torch.randn(4, 3, 2, 8), torch.randn(4, 2, 3, 8, 8))
+    assert [p["module"] is not None for p in made] == [True], made
+    assert {"sub", "masked_fill_nonzero", "exp", "mul"} <= set(made[0]["calls"]), made
+    spec = Path(made[0]["spec"]).read_text()
+    assert "masked_fill: {param: " in spec and "value: -.inf" in spec, spec
+    made = _partitions_of(InputMask(), torch.randn(4, 6) * 2)
+    assert not any("masked_fill" in c for p in made for c in p["calls"] if p["module"]), made

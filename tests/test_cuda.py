@@ -8,7 +8,7 @@ import torch
 from conftest import (CL_ATEN, HAS_CUDA, INPUT_COPIES, KEPT_WALKS, LAYER_NORMS, NON_FINITE_SOFTMAX_SHAPES, NORM_LAYOUTS, ROOT,
                       SHIPPED, SOFTMAXES, TRANSPOSE_TILES, assert_report_passed, build_cases, check_non_finite_softmax, render_kept_walk,
                       render_layer_norm, render_non_finite_softmax, render_norm_layout, render_softmax, render_transpose_tile,
-                      pinned_selection, spec_text, write_spec)
+                      pinned_selection, spec_text, with_param, write_spec)
 from kgen.ir import load_pipeline
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -603,7 +603,7 @@ def test_every_elementwise_op_in_one_module_validates_on_the_gpu(dtype, tmp_path
 
     entries = elementwise_ops()
     ops = [{e.name: dict(e.example)} if e.example else e.name for e in entries]
-    ops += [{e.name: {"param": "p"}} for e in entries if e.operand and e.name != "div"]
+    ops += [with_param(e) for e in entries if e.operand and e.name != "div"]
     ops += [{"mean": {"dim": [2, 3]}}]
     name = f"all_elementwise_{dtype}"  # (one module per name and process)
     text = spec_text([3, 5, 6], ops, params={"p": {"shape": [3, 1, 1]}}, name=name)

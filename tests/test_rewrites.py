@@ -285,15 +285,69 @@ def test_a_permute_moves_before_the_elementwise_chain_it_splits():
     assert [st.kind for st in after.stages].count("pool_reduce") == 2
 
 
+def test_a_permute_moves_with_the_view_its_chain_continues_from_and_a_mask_it_leaves_in_place():
+    """Mamba2's segment sums, ``exp(masked_fill(c[..., :, None] - d, mask))`` transposed before the product
+    reads it: the chain continues from an expand of a named value, which moves with it to just before the permute
+    (a view of a view), and its [T, T] mask lies along dims the permute leaves, so it is read as it is. One stage
+    then computes it all; the same values in float64 (a mask of zeros and ones), NaN and infinities included. A
+    transpose of a named value before the chain moves so too."""
+    from kgen.plan import make_plan
+    from kgen.target import DEFAULT
+
+    pipe = build("""
+name: segsum
+inputs:
+  c: {shape: [N, 3, 2, 5, 1]}
+  d: {shape: [N, 3, 2, 1, 5]}
+  y: {shape: [N, 2, 3, 5, 5]}
+example: {N: 2}
+params:
+  m: {shape: [5, 5], init: randn}
+ops:
+  - expand: {shape: [3, 2, 5, 5], from: c}
+  - sub: {tensor: d}
+  - masked_fill: {param: m, value: -.inf}
+  - exp
+  - permute: {dims: [0, 2, 1, 3, 4]}
+  - mul: {tensor: y}
+""")
+    new, ds = rewrite(pipe, "permute_before_elementwise")
+    assert [d.site for d in fired(ds, "permute_before_elementwise")] == ["ops[4].permute"]
+    assert [o.describe() for o in new.ops] == [
+        "permute([0, 2, 1, 3, 4])", "as d_permuted", "x.expand([N, 3, 2, 5, 5])", "permute([0, 2, 1, 3, 4])",
+        "sub(x, d_permuted)", "masked_fill(x, m, -inf)", "exp", "mul(x, y)"]
+    mask = {"m": torch.tril(torch.ones(5, 5, dtype=F64)) - torch.eye(5, dtype=F64)}  # zeros on and above the diagonal
+    check_equivalent_inputs(pipe, new, params=mask, seed=3)
+    plan = make_plan(pipe, target=DEFAULT)
+    assert [st.kind for st in plan.stages if st.kind != "aten"] == ["pool_reduce"]
+    views = build("""
+name: t
+inputs:
+  y: {shape: [N, 4, 3]}
+  u: {shape: [N, 3, 4]}
+example: {N: 2}
+ops:
+  - transpose: {dim0: 1, dim1: 2, from: y}
+  - relu
+  - mul: {tensor: u}
+  - transpose: {dim0: 1, dim1: 2}
+  - add: {tensor: y}
+""")
+    new, ds = rewrite(views, "permute_before_elementwise")
+    assert [o.describe() for o in new.ops] == [
+        "transpose(1, 2)", "as u_permuted", "transpose(1, 2)", "transpose(1, 2)", "relu", "mul(x, u_permuted)", "add(x, y)"]
+    check_equivalent_inputs(views, new, seed=4)
+
+
 @pytest.mark.parametrize("ops, why", [
-    # the chain reads a parameter, laid out for the unpermuted dims
+    # the chain reads a parameter along the dims the permute moves
     ([{"relu": {"from": "x"}}, {"add": {"param": "b"}}, {"transpose": {"dim0": 1, "dim1": 2}}, {"add": {"tensor": "y"}}],
      "reads a parameter"),
     # the chain's result is read again after the transpose
     ([{"relu": {"from": "x", "as": "r"}}, {"transpose": {"dim0": 1, "dim1": 2, "from": "r"}}, {"add": {"tensor": "y"}},
       {"add": {"from": "r", "tensor": "u"}}], "read by other ops"),
-    # a view before the chain, whose operands' permutes would need it named
-    ([{"transpose": {"dim0": 1, "dim1": 2, "from": "y"}}, "relu", {"mul": {"tensor": "u"}},
+    # a view of an unnamed result before the chain, whose operands' permutes would need it named
+    ([{"sum": {"from": "x", "dim": 1, "keepdim": True}}, {"expand": {"shape": [3, 4]}}, "relu", {"mul": {"tensor": "u"}},
       {"transpose": {"dim0": 1, "dim1": 2}}, {"add": {"tensor": "y"}}], "a view"),
 ])
 def test_a_permute_stays_where_moving_it_would_change_the_values_or_copy(ops, why):

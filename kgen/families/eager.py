@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..cexpr import braces
+from ..cexpr import braces, cfloat
 from ..buffer import flat_buffer
 from ..ir import (AdaptivePool, BatchNorm, BatchStats, Capture, Cat, Conv, Dropout, Elementwise, Expand, Interpolate, LayerNorm, Linear,
                   Matmul, Norm, Op, Pad, Permute, Pipeline, Pool, Reduce, Reshape, Slice, Softmax, TensorType, dropout_refusal)
@@ -244,6 +244,8 @@ def _call(op: Op, t: TensorType, ident, buffers: list, value) -> str:
             other = f"at::scalar_tensor({float(op.scalar)!r}, Y.options())"
         else:
             other = f"at::Scalar({float(op.scalar)!r})"
+        if op.fn == "masked_fill":  # the mask nonzero where filled; the value may be an infinity
+            return f"{fn}(Y, at::ne({other}, 0), at::Scalar({cfloat(op.consts[0])}))"
         return f"{fn}({other}, Y)" if op.reverse else f"{fn}(Y, {other})"
     if op.fn == "gelu_tanh":
         return f'{fn}(Y, "tanh")'
@@ -287,6 +289,7 @@ def _headers(op: Op) -> list[str]:
     if isinstance(op, Norm):
         return [f"ATen/ops/{op.kind}.h"]
     scalar = ["ATen/ops/scalar_tensor.h"] if op.fn in ("minimum", "maximum") else []  # a scalar operand as a 0-d tensor
+    scalar += ["ATen/ops/ne.h"] if op.fn == "masked_fill" else []  # its mask as booleans
     return [f"ATen/ops/{aten_function(OPS[op.fn]).removeprefix('at::')}.h"] + scalar
 
 
