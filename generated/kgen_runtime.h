@@ -15,6 +15,7 @@
 #include <ATen/record_function.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/batch_norm.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/bitwise_and.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/div.h>
@@ -356,9 +357,69 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return at::linear(x, w, b).contiguous();
 }
 
+namespace detail {
+
+// Whether `t` is what cuBLAS's strided batched product reads as it is (kgen.buffer.batched_matrix, its twin): its
+// last two dims one matrix in either order (one of stride 1, the other at least its size), the dims before them
+// one batch stride (each one's stride the next one's times its size; dims of size 1 left out).
+inline bool batched_matrix(at::IntArrayRef sizes, at::IntArrayRef strides) {
+  const int64_t r = static_cast<int64_t>(sizes.size());
+  const int64_t m = sizes[r - 2], k = sizes[r - 1], sm = strides[r - 2], sk = strides[r - 1];
+  if (!(((sk == 1 || k == 1) && sm >= std::max<int64_t>(k, 1)) || ((sm == 1 || m == 1) && sk >= std::max<int64_t>(m, 1)))) return false;
+  int64_t inner = -1;  // the innermost batch dim's index, once one of size > 1 is seen
+  for (int64_t d = r - 3; d >= 0; --d) {
+    if (sizes[d] == 1) continue;
+    if (inner >= 0 && strides[d] != strides[inner] * sizes[inner]) return false;
+    inner = d;
+  }
+  return true;
+}
+
+inline bool batched_matrix_without(std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t dim) {
+  sizes.erase(sizes.begin() + dim);
+  strides.erase(strides.begin() + dim);
+  return batched_matrix(sizes, strides);
+}
+
+// The batch dim (not dim 0, the batch itself) of at most kMaxProductSlices indices whose slices of x, w and their
+// contiguous product cuBLAS reads as they are, where at::matmul would copy x or w first (kgen.buffer.product_slice_dim,
+// its twin); -1 where there is none or no copy to save.
+constexpr int64_t kMaxProductSlices = 16;
+inline int64_t product_slice_dim(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t r = x.dim();
+  if (r < 4 || w.dim() != r || x.sizes().slice(0, r - 2) != w.sizes().slice(0, r - 2) || x.size(r - 1) != w.size(r - 2)) return -1;
+  if (batched_matrix(x.sizes(), x.strides()) && batched_matrix(w.sizes(), w.strides())) return -1;
+  std::vector<int64_t> out_sizes = x.sizes().vec(), out_strides(r);
+  out_sizes.back() = w.size(r - 1);
+  for (int64_t d = r - 1, step = 1; d >= 0; step *= out_sizes[d], --d) out_strides[d] = step;  // contiguous
+  int64_t best = -1;
+  for (int64_t d = 1; d < r - 2; ++d) {
+    const int64_t n = x.size(d);
+    if (n == 1 || n > kMaxProductSlices || (best >= 0 && n >= x.size(best))) continue;
+    if (batched_matrix_without(x.sizes().vec(), x.strides().vec(), d) && batched_matrix_without(w.sizes().vec(), w.strides().vec(), d)
+        && batched_matrix_without(out_sizes, out_strides, d)) best = d;
+  }
+  return best;
+}
+
+}  // namespace detail
+
+// torch.matmul in full fp32. Where x or w is a view whose batch dims cuBLAS cannot step as one stride (a permute
+// interleaving them: Mamba2's einsums) and one batch dim's slices it can, one at::bmm per index of that dim on the
+// views themselves instead of at::matmul's copies of them (priced so by kgen.cost.product_view_copies).
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w) {
   MatmulFp32Guard fp32;
-  return at::matmul(x, w).contiguous();
+  const int64_t d = detail::product_slice_dim(x, w);
+  if (d < 0) return at::matmul(x, w).contiguous();
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = w.size(-1);
+  at::Tensor y = at::empty(sizes, x.options());
+  const auto as_batch = [](const at::Tensor& t) { return t.view({-1, t.size(-2), t.size(-1)}); };
+  for (int64_t i = 0; i < x.size(d); ++i) {
+    at::Tensor out = as_batch(y.select(d, i));  // (a view of y: bmm writes it in place)
+    at::bmm_out(out, as_batch(x.select(d, i)), as_batch(w.select(d, i)));
+  }
+  return y;
 }
 
 // x with the low 13 mantissa bits cleared: exactly representable in TF32.

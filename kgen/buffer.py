@@ -54,20 +54,16 @@ class Buffer:
 
     @property
     def batched_matrices(self) -> bool:
-        """Whether cuBLAS's batched product takes this view as it is: its last two dims one matrix in either order
-        (one of them of stride 1), the dims before them (with the batch) one batch stride. at::matmul copies any
+        """Whether cuBLAS's batched product takes this view as it is (``batched_matrix``). at::matmul copies any
         other view into a plain tensor first (its reshape of the batch dims, or bmm's own copy)."""
-        t = self.tiles[0]
-        if len(t.dims) < 2:  # [N, K]: one matrix
+        if len(self.logical) < 2:  # [N, K]: one matrix
             return True
-        if not self.addressable:
-            return False
-        (m, k), (sm, sk) = t.dims[-2:], t.strides[-2:]
-        if not ((sk == 1 or k == 1) and sm >= k or (sm == 1 or m == 1) and sk >= m):
-            return False
-        # the batch dims (the batch's own first) collapse into one stride: each one's stride the next one's times its size
-        batch = [(t.sample_stride, None)] + [(st, n) for n, st in zip(t.dims[:-2], t.strides[:-2]) if n != 1]
-        return all(outer == inner * n for (outer, _), (inner, n) in zip(batch, batch[1:]))
+        return self.addressable and batched_matrix(self.sizes_and_strides(2))
+
+    def sizes_and_strides(self, batch: int) -> list[tuple[int, int]]:
+        """(size, stride) of each dim of the tensor at ``batch``, the batch's first (one tile: ``addressable``)."""
+        t = self.tiles[0]
+        return [(batch, t.sample_stride)] + list(zip(t.dims, t.strides))
 
     @property
     def addressable(self) -> bool:
@@ -107,6 +103,44 @@ class Buffer:
     def innermost(self) -> int:
         order = [d for d in self.tiles[0].memory_order if self.logical[d] > 1]
         return order[-1] if order else len(self.logical) - 1
+
+
+def batched_matrix(dims: list[tuple[int, int]]) -> bool:
+    """Whether a tensor of these (size, stride) per dim is what cuBLAS's strided batched product reads as it is:
+    its last two dims one matrix in either order (one of stride 1, the other at least its size), the dims before
+    them one batch stride (each one's stride the next one's times its size; dims of size 1 left out). The C++ twin:
+    kgen_runtime.h detail::batched_matrix."""
+    (m, sm), (k, sk) = dims[-2:]
+    if not ((sk == 1 or k == 1) and sm >= max(k, 1) or (sm == 1 or m == 1) and sk >= max(m, 1)):
+        return False
+    batch = [(n, s) for n, s in dims[:-2] if n != 1]
+    return all(outer == inner * n for (_, outer), (n, inner) in zip(batch, batch[1:]))
+
+
+MAX_PRODUCT_SLICES = 16  # kgen_runtime.h detail::kMaxProductSlices
+
+
+def product_slice_dim(x: list[tuple[int, int]], w: list[tuple[int, int]]) -> int | None:
+    """The batch dim (not the batch itself) of at most MAX_PRODUCT_SLICES indices whose slices of x, w (each as
+    (size, stride) per dim) and their contiguous product cuBLAS reads as they are, where at::matmul would copy x or w
+    first: kgen::matmul then runs one bmm per index on the views (Mamba2's einsums, whose permutes interleave the
+    batch dims). The fewest slices; None where there is no such dim or no copy to save. The C++ twin:
+    kgen_runtime.h detail::product_slice_dim."""
+    r = len(x)
+    if r < 4 or len(w) != r or [n for n, _ in x[:-2]] != [n for n, _ in w[:-2]] or x[-1][0] != w[-2][0]:
+        return None
+    if batched_matrix(x) and batched_matrix(w):
+        return None
+    sizes = [n for n, _ in x[:-1]] + [w[-1][0]]
+    out = list(zip(sizes, [math.prod(sizes[d + 1:]) for d in range(r)]))
+    best = None
+    for d in range(1, r - 2):
+        n = x[d][0]
+        if n == 1 or n > MAX_PRODUCT_SLICES or (best is not None and n >= x[best][0]):
+            continue
+        if all(batched_matrix(t[:d] + t[d + 1:]) for t in (x, w, out)):
+            best = d
+    return best
 
 
 def strides_of(dims: tuple[int, ...], layout: str) -> tuple[tuple[int, ...], int]:

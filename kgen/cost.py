@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .buffer import flat_buffer, product_slice_dim
 from .families.base import ATEN_RELAYOUT_SHARE, DTYPE_BYTES, Work, value_bytes
+from .ir import Matmul
 from .ops import FUSED
 from .stage import Stage
 from .target import Target
@@ -99,8 +101,17 @@ def product_view_copies(plan, st: Stage, batch: int) -> list[Work]:
     candidate prices its permutes (kgen.families.eager): the same copy kernel, the last dim kept."""
     if st.family.name != "linear_aten":
         return []
-    views = [("its input", st.input)] if not st.input.flat else []
     given = plan.view_values()
+    product = next((op for op in st.ops if isinstance(op, Matmul) and op.tensor), None)
+    if product is not None and st.input.addressable:  # a batched product of two values: sliced where that saves copies
+        w = (given.get(product.tensor) or flat_buffer(plan.pipeline.values[product.tensor])).sizes_and_strides(batch)
+        if product.transpose:
+            w[-2:] = w[-1:-3:-1]
+        d = product_slice_dim(st.input.sizes_and_strides(batch), w)
+        if d is not None:  # kgen::matmul's bmm per index of dim d on the views
+            n = st.input.tiles[0].dims[d - 1]
+            return [Work(f"{product.tensor} multiplied in {n} slices of dim {d} (no copies)", 0, 0, launches=n - 1)]
+    views = [("its input", st.input)] if not st.input.flat else []
     views += [(n, given[n]) for n in plan.stage_values(st) if n in given]
     return [Work(f"{what} copied by ATen's matmul", 0, 2 * value_bytes(st) * batch * math.prod(buf.logical))
             for what, buf in views if not buf.batched_matrices]

@@ -645,29 +645,72 @@ def test_elementwise_stages_over_views_with_adjacent_rows_move_whole_vectors(tmp
     build_and_validate(render_specs(tmp_path, {name: VIEW_VECTORS_SPEC.replace("name: view_vectors", f"name: {name}")}), device)
 
 
-def test_views_a_batched_product_cannot_take_are_priced_as_atens_copies():
+INTERLEAVED_SPEC = """
+name: interleaved
+inputs:
+  x: {shape: [N, 3, 5, K, 6]}
+  y: {shape: [N, 3, K, 6, 2]}
+example: {N: 2}
+ops:
+  - permute: {dims: [0, 1, 3, 2, 4]}  # [N, 3, K, 5, 6]: the batch dims N, 3, K of no one stride
+  - matmul: {tensor: y}
+"""
+
+
+@pytest.mark.parametrize("device", BUILD_DEVICES)
+def test_views_a_batched_product_cannot_take_are_sliced_or_priced_as_atens_copies(tmp_path, device):
     """A view handed to ATen's matmul is read in place only where cuBLAS's batched product takes it as it is (a
-    transpose of the matrix dims; Buffer.batched_matrices); a permute that interleaves the batch dims is copied by
-    at::matmul first, and the cost model prices that copy (Mamba2's einsums: 2.07 ms of copies on the H200)."""
+    transpose of the matrix dims; Buffer.batched_matrices). A permute that interleaves the batch dims would be
+    copied by at::matmul first (Mamba2's einsums: 2.07 ms of copies on the H200); where leaving out one batch dim
+    of at most 16 indices makes the views batched matrices, kgen::matmul runs one bmm per index on the views
+    (buffer.product_slice_dim), priced as launches; else the cost model prices the copy. Both validated against
+    float64."""
     from kgen import cost
 
     product = make_plan(pipeline_of(VIEW_MATMUL_SPEC), target=DEFAULT)  # transposes of [N, 5, 4]: cuBLAS's forms
     assert not any("copied by ATen's matmul" in w.what for e in cost.estimate(product, 8) for w in e.work)
-    interleaved = """
-name: interleaved
-inputs:
-  x: {shape: [N, 3, 4, 5, 6]}
-  y: {shape: [N, 4, 3, 6, 2]}
-example: {N: 2}
-ops:
-  - permute: {dims: [0, 2, 1, 3, 4]}  # [N, 4, 3, 5, 6]: the batch dims N, 4, 3 of no one stride
-  - matmul: {tensor: y}
-"""
-    plan = make_plan(pipeline_of(interleaved), target=DEFAULT)
-    assert not plan.stages[0].output.batched_matrices and plan.stages[0].output.layout == "strided"
-    copies = [w for e in cost.estimate(plan, 8) for w in e.work if "copied by ATen's matmul" in w.what]
-    assert [w.what for w in copies] == ["its input copied by ATen's matmul"]
-    assert copies[0].bytes == 2 * 4 * 8 * 3 * 4 * 5 * 6  # read and written once, float32
+    texts = {}
+    for k, sliced in ((4, True), (20, False)):  # K slices of dim 2, the innermost batch dim (at most 16)
+        name = f"interleaved_{k}_{device}"
+        texts[name] = texts_k = INTERLEAVED_SPEC.replace("K", str(k)).replace("name: interleaved", f"name: {name}")
+        plan = make_plan(pipeline_of(texts_k), target=DEFAULT)
+        assert not plan.stages[0].output.batched_matrices and plan.stages[0].output.layout == "strided"
+        work = [w for e in cost.estimate(plan, 8) for w in e.work if "ATen's matmul" in w.what or "slices" in w.what]
+        if sliced:
+            assert [(w.what, w.bytes, w.launches) for w in work] == [("y multiplied in 4 slices of dim 2 (no copies)", 0, 3)]
+        else:
+            assert [w.what for w in work] == ["its input copied by ATen's matmul"]
+            assert work[0].bytes == 2 * 4 * 8 * 3 * k * 5 * 6  # read and written once, float32
+    build_and_validate(render_specs(tmp_path, texts), device)
+
+
+def test_product_slices_are_found_as_the_runtime_finds_them():
+    """buffer.product_slice_dim (the cost model's) against kgen_runtime.h's twin's rule on drawn permutes of both
+    operands: wherever it names a dim, bmm of each index's slices (views, no copy: torch.Tensor.view) computes
+    torch.matmul; where at::matmul copies nothing, it names none."""
+    import itertools
+
+    from kgen.buffer import batched_matrix, product_slice_dim
+
+    g = torch.Generator().manual_seed(1)
+    found = 0
+    for px, pw in itertools.product(itertools.permutations(range(1, 4)), repeat=2):
+        x = torch.randn(2, 3, 4, 5, 6, generator=g, dtype=torch.float64).permute(0, *px, 4)
+        x = x[..., :5, :] if x.shape[-2] != 5 else x
+        w = torch.randn(2, *x.shape[1:-2], 6, 7, generator=g, dtype=torch.float64)
+        w = w.permute(0, *[1 + i for i in pw[:2]], 3, 4) if x.shape[1] == x.shape[2] else w
+        dims = lambda t: list(zip(t.shape, t.stride()))  # noqa: E731
+        d = product_slice_dim(dims(x), dims(w))
+        if batched_matrix(dims(x)) and batched_matrix(dims(w)):
+            assert d is None
+        if d is None:
+            continue
+        found += 1
+        y = torch.empty(*x.shape[:-1], w.shape[-1], dtype=torch.float64)
+        for i in range(x.shape[d]):
+            torch.bmm(*(t.select(d, i).view(-1, *t.shape[-2:]) for t in (x, w)), out=y.select(d, i).view(-1, *y.shape[-2:]))
+        torch.testing.assert_close(y, torch.matmul(x, w))
+    assert found
 
 
 def test_only_views_skip_the_copy_before_a_family_that_reads_views():
