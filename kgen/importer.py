@@ -747,9 +747,11 @@ class Importer:
         if _elementwise_binary(n):
             self._binary(n)
             return
-        if fn is masked_fill_nonzero:
+        if fn is masked_fill_nonzero or _base_name(name) == "masked_fill" and n.op == "call_method" or fn is torch.masked_fill:
             self._masked_fill(n)
             return
+        if _nonzero_of(n) is not None and n.users and all(_fill_mask(u) is n for u in n.users):
+            return  # ``t != 0`` as a masked_fill's mask: the masked_fill reads t
         unary = _UNARY.get(fn) if n.op == "call_function" else _UNARY_METHODS.get(name)
         if unary is not None and self._tensor(x):
             kind, fields = unary(self._args(n))
@@ -1440,10 +1442,14 @@ class Importer:
         self._emit(n, kind, fields, src=primary if src is None else src)
 
     def _masked_fill(self, n) -> None:
-        """``masked_fill_nonzero(x, mask, value)`` (kgen.ops; the Dynamo backend writes a constant boolean mask so):
-        the mask a value or a parameter broadcast to x."""
-        x, mask, value = n.args
-        if not self._tensor(x) or self._shape(x) != self.shapes[n]:
+        """``x.masked_fill(t != 0, value)`` (or ``t.bool()``, or ``masked_fill_nonzero(x, t, value)`` of kgen.ops,
+        as the Dynamo backend writes a constant boolean mask): t a value or a parameter broadcast to x."""
+        x, mask, value = (list(n.args) + [n.kwargs.get(k) for k in ("mask", "value")[len(n.args) - 1:]])[:3]
+        if n.target is not masked_fill_nonzero:
+            mask = _nonzero_of(mask)
+        in_place = n.op == "call_method" and n.target == "masked_fill_"
+        if (mask is None or not self._tensor(x) or self._shape(x) != self.shapes[n] or in_place
+                or not isinstance(value, (int, float)) or isinstance(value, bool)):
             return self._unsupported(n)
         fields = {"tensor": self._name_of(mask)} if self._tensor(mask) else self._operand(n, mask)
         if "scalar" in fields:
@@ -1902,6 +1908,25 @@ def tensor_literal(n) -> float | None:
     if isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.tensor and n.args and \
             isinstance(n.args[0], (int, float)):
         return float(n.args[0])
+    return None
+
+
+def _nonzero_of(m):
+    """t where ``m`` is ``t != 0``, ``t.ne(0)`` or ``t.bool()`` of a node t (a masked_fill's mask as kgen reads it:
+    t nonzero where filled), else None."""
+    if not isinstance(m, fx.Node) or m.op not in ("call_function", "call_method"):
+        return None
+    if m.target in (operator.ne, torch.ne, "ne") and len(m.args) == 2 and isinstance(m.args[0], fx.Node) and m.args[1] == 0:
+        return m.args[0]
+    if m.target == "bool" and len(m.args) == 1 and isinstance(m.args[0], fx.Node):
+        return m.args[0]
+    return None
+
+
+def _fill_mask(n: fx.Node):
+    """The mask node of a masked_fill call ``n`` (as written: before ``_nonzero_of``), else None."""
+    if n.op == "call_method" and n.target == "masked_fill" or n.op == "call_function" and n.target is torch.masked_fill:
+        return n.args[1] if len(n.args) > 1 else n.kwargs.get("mask")
     return None
 
 

@@ -80,6 +80,7 @@ class Model(nn.Module):
         self.offset = nn.Parameter(torch.tensor(0.25))
         self.unused = nn.Parameter(torch.zeros(3))
         self.shift = nn.Parameter(torch.ones(out_features))
+        self.keep = nn.Parameter(torch.randn(out_features))
         self.ln = nn.LayerNorm(out_features)
         self.drop = nn.Dropout(p)
         self.scale = scale
@@ -102,7 +103,7 @@ class Model(nn.Module):
         x = self.drop(x)
         x = x.unsqueeze(1).squeeze(1)
         x = torch.amin(x, dim=1, keepdim=True) - x.sum(dim=1, keepdim=True) + torch.amax(x, dim=1, keepdim=True)
-        return x
+        return x + h.masked_fill(self.keep != 0, -1.0).mean(dim=1, keepdim=True)
 
 
 def get_inputs():
@@ -160,7 +161,7 @@ IMPORTED_KINDS = {  # the ops each model's spec must hold: together every op the
              "hardswish", "max_pool2d", "minimum", "softplus", "relu", "sub", "gelu", "logsumexp", "max", "tanh", "mean"},
     "gemm": {"matmul", "linear", "hardtanh", "sub", "elu", "hardsigmoid", "add", "mul", "layer_norm", "silu", "div",
              "gelu_tanh", "reshape", "abs", "neg", "exp", "log", "maximum", "softmax", "log_softmax", "dropout", "min",
-             "sum", "max", "sqrt", "rsqrt"},
+             "sum", "max", "sqrt", "rsqrt", "masked_fill"},
     "layout": {"conv2d", "relu", "cat", "reshape", "transpose", "adaptive_avg_pool2d", "linear", "sigmoid", "mul", "slice",
                "expand", "pad", "permute", "interpolate", "adaptive_max_pool2d", "add", "neg"},
 }
@@ -213,7 +214,7 @@ def test_spec_records_constructor_inputs_and_values(imported):
     args = {a.name: (a.value, a.default) for a in spec.spec.constructor}
     assert args["in_features"][0] == 6 and args["scale"] == (0.5, 0.5) and args["p"] == (0.3, 0.3)
     assert spec.params["unused"].unused and spec.params["offset"].shape == () and spec.params["offset"].init == 0.25
-    assert spec.member_order == ("weight", "linear", "offset", "unused", "shift", "ln")
+    assert spec.member_order == ("weight", "linear", "offset", "unused", "shift", "keep", "ln")
     text = imported["conv"][0].read_text()
     assert re.search(r"conv2d: \{.*as: skip", text), text  # the source's own name for the value
 

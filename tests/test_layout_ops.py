@@ -483,6 +483,7 @@ BAD_IMPORTS = [
     ("F.pad(x, (1, 1, 1, 1), mode='reflect')", "mode='reflect' is not supported"),
     ("F.interpolate(x, scale_factor=2, mode='bicubic')", "mode='bicubic' is not supported"),
     ("F.adaptive_max_pool2d(x, 2, return_indices=True)[0]", "return_indices"),
+    ("x.masked_fill(x > 0, 1.0)", "masked_fill"),  # a mask other than t != 0
 ]
 
 
@@ -498,6 +499,27 @@ def test_unsupported_uses_name_the_call_and_its_line(tmp_path, call, words):
         import_model(str(src), name="bad", out_dir=tmp_path / "specs")
     line = text.splitlines().index(f"        y = {call}") + 1
     assert f"bad.py:{line}:" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_masked_fill_of_a_value_mask_imports(tmp_path):
+    """``x.masked_fill(m != 0, v)`` and ``x.masked_fill(m.bool(), v)`` with m a value: the mask's comparison is read
+    by the masked_fill (kgen's mask is nonzero where filled), not a call of its own; the module computes what the
+    model does (the import's own check against the model) with zeros and other numbers in m."""
+    from kgen.importer import import_model
+
+    src = tmp_path / "fill.py"
+    src.write_text(INDEXING.split("    def forward")[0] + """    def forward(self, x, m):
+        return torch.relu(x).masked_fill(m != 0, -1.5).masked_fill(m.bool(), 2.0) * 2
+
+
+def get_inputs():
+    m = torch.rand(3, 6, 4, 6)
+    m[m < 0.5] = 0.0
+    return [torch.rand(3, 6, 4, 6), m]
+""")
+    spec = import_model(str(src), name="fill", out_dir=tmp_path / "specs")
+    text = spec.read_text()
+    assert text.count("masked_fill: {tensor: m") == 2 and " ne" not in text and "bool" not in text, text
 
 
 PARAMETER_BROADCASTS_VALUE = '''
