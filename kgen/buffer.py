@@ -99,6 +99,13 @@ class Buffer:
             run *= dims[d][0]
         return run % vector == 0 and t.sample_stride % vector == 0 and all(s % vector == 0 for _, s in dims[:d])
 
+    def repeats_vectors(self, vector: int) -> bool:
+        """Whether logical elements e..e + ``vector`` - 1 of a sample (row-major, e a multiple of ``vector``) are one
+        value of memory: one tile holding exactly the logical tensor whose last dim is a broadcast (stride 0, an
+        expand's) a multiple of ``vector`` long."""
+        t = self.tiles[0]
+        return self.addressable and t.strides[-1] == 0 and t.dims[-1] % vector == 0
+
     @property
     def innermost(self) -> int:
         order = [d for d in self.tiles[0].memory_order if self.logical[d] > 1]

@@ -723,13 +723,15 @@ outputs: [p, q]
 # Elementwise stages over views whose innermost values stay adjacent (pool_reduce's vector map kernel reads them
 # 16 bytes at a time: buffer.element_vectors): a permute of outer dims, a slice of rows (its first row 48 bytes in
 # for float32, aligned to the vector; 24 for bfloat16, so the value-by-value kernel at run time), a slice of each
-# row's values (one value in: aligned to no vector; its row stride of 12 leaves no whole bfloat16 vectors at all)
+# row's values (one value in: aligned to no vector; its row stride of 12 leaves no whole bfloat16 vectors at all),
+# an expand along the last dim (each vector one value repeated: one load, the store a vector)
 VIEW_VECTORS_SPEC = """
 name: view_vectors
 inputs:
   x: {shape: [N, 3, 4, 8], dtype: [float32, bfloat16]}
   y: {shape: [N, 4, 3, 8], dtype: [float32, bfloat16]}
   z: {shape: [N, 3, 6, 12], dtype: [float32, bfloat16]}
+  w: {shape: [N, 3, 4, 1], dtype: [float32, bfloat16]}
 example: {N: 2}
 ops:
   - permute: {dims: [0, 2, 1, 3]}
@@ -739,7 +741,9 @@ ops:
   - sigmoid: {as: rows}
   - slice: {dim: 3, start: 1, end: 9, from: z}
   - neg: {as: shifted}
-outputs: [p, rows, shifted]
+  - expand: {shape: [3, 4, 8], from: w}
+  - mul: {tensor: x, as: spread}
+outputs: [p, rows, shifted, spread]
 """
 
 

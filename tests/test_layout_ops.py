@@ -656,13 +656,16 @@ def test_elementwise_stages_over_views_with_adjacent_rows_move_whole_vectors(tmp
     """An elementwise stage whose input is a view keeping runs of 16 bytes adjacent (a permute of outer dims, a
     slice of rows) loads and stores whole vectors (pool_reduce's map_vector); a view that splits them (a slice of each
     row's values in bfloat16) goes value by value. Validated against float64 in both dtypes, where the run-time
-    alignment check sends some of them to the value-by-value kernel (tests/conftest.py VIEW_VECTORS_SPEC)."""
+    alignment check sends some of them to the value-by-value kernel; an expand along the last dim stores whole
+    vectors of one value loaded once (tests/conftest.py VIEW_VECTORS_SPEC)."""
     vectors = {}
     for dtype in ("float32", "bfloat16"):
         plan = make_plan(replace(pipeline_of(VIEW_VECTORS_SPEC), dtype=dtype), target=DEFAULT)
-        vectors[dtype] = [st.schedule.map_vector for st in plan.stages if st.kind == "pool_reduce"]
-        assert all(st.input.layout == "strided" for st in plan.stages if st.kind == "pool_reduce")
-    assert vectors == {"float32": [4, 4, 4], "bfloat16": [8, 8, 1]}
+        stages = [st for st in plan.stages if st.kind == "pool_reduce"]
+        vectors[dtype] = [(st.schedule.map_vector, st.schedule.map_repeated) for st in stages]
+        assert all(st.input.layout == "strided" for st in stages)
+    assert vectors == {"float32": [(4, False), (4, False), (4, False), (4, True)],
+                       "bfloat16": [(8, False), (8, False), (1, False), (8, True)]}
     name = f"view_vectors_{device}"
     build_and_validate(render_specs(tmp_path, {name: VIEW_VECTORS_SPEC.replace("name: view_vectors", f"name: {name}")}), device)
 

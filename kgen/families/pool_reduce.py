@@ -87,6 +87,9 @@ class Schedule:
     # consecutive outputs a map_kernel thread loads and stores as one vector (1: one at a time); the kernel
     # falls back to one at a time where a pointer is not aligned to the vector at run time
     map_vector: int = 1
+    # the vector's input values are one value repeated (an expand along the last dim: Buffer.repeats_vectors), one
+    # load each
+    map_repeated: bool = False
     # the vector map kernel hands each warp's vectors through shared memory so that lane l computes values l,
     # l + 32, ...: consecutive lanes read consecutive channels' parameters (where a channel holds fewer values
     # than a vector, a warp's loads of a parameter from the vectors' order span 8 cache lines: #41's normalize
@@ -234,6 +237,7 @@ class PoolReduce(Family):
             kept_walk=tuple(d for d in mem if d in st.kept_dims) if not r_fast and not tc else st.kept_dims,
             map_outputs=max(1, MAP_LOADS_IN_FLIGHT // st.window_loads) if st.reduced_count == 1 else 1,
             map_vector=map_vector,
+            map_repeated=map_vector > 1 and not st.input.element_vectors(map_vector),
             map_lane_order=map_vector > 1 and any(op.tensor_names() for op in st.ops) and math.prod(st.in_type.spatial) < map_vector,
         )
         return st
@@ -243,11 +247,12 @@ class PoolReduce(Family):
         """Outputs per vector access in map_kernel: where nothing is reduced or pooled, output k of a sample is
         the input's logical element k, and the output is row-major: consecutive outputs are consecutive values of
         the output and, in runs of whole vectors, of the input (a plain contiguous tensor, or a view whose last
-        dims stay contiguous: a permute of outer dims, a slice of rows); the samples stay aligned to the vector
-        where it divides their size."""
+        dims stay contiguous: a permute of outer dims, a slice of rows), or one value of the input repeated (an
+        expand along the last dim); the samples stay aligned to the vector where it divides their size."""
         vector = MAP_VECTOR_BYTES // value_bytes
         if (st.reduced_count != 1 or st.reduce is not None or len(st.levels) != 1 or transpose_channels
-                or st.output.layout == "channels_last" or st.kept_count % vector or not st.input.element_vectors(vector)):
+                or st.output.layout == "channels_last" or st.kept_count % vector
+                or not (st.input.element_vectors(vector) or st.input.repeats_vectors(vector))):
             return 1
         return vector
 
@@ -300,6 +305,9 @@ class PoolReduce(Family):
         if sc.map_vector > 1:
             lanes = ("; each warp's vectors exchanged through shared memory, lane l computing values l, l + 32, ... "
                      "(a per-channel parameter's loads coalesced)") if sc.map_lane_order else ""
+            if sc.map_repeated:
+                return [f"elementwise over a view that repeats each value along its last dim: one load per {sc.map_vector} "
+                        f"outputs, {MAP_VECTOR_BYTES}-byte stores (one at a time where a pointer is not aligned at run time)"]
             what = "a plain contiguous input" if st.input.flat else "a view whose innermost values stay adjacent"
             return [f"elementwise over {what}: {sc.map_vector} consecutive values per {MAP_VECTOR_BYTES}-byte "
                     f"load and store (one at a time where a pointer is not aligned at run time){lanes}"]
