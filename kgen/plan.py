@@ -105,6 +105,9 @@ class _Front:
     decisions: list
     groups: list  # (start, ops, families that claim them), groups of names only merged away
     named_after: dict  # group index -> the names the dropped groups after it gave its output
+    # group index -> whether its result's readers all read a view of it (_views_read_in_place: the front's alone,
+    # and a search asks it of every group of every plan it makes)
+    read_in_place: dict = field(default_factory=dict)
 
 
 class _Memo:
@@ -455,7 +458,9 @@ def _make_plan(pipeline: Pipeline, rewrites: dict | None, target: Target, picker
         if declined:
             st.choice += f" ({'; '.join(declined)})"
         st.names = named_after.get(gi, [])
-        if _views_read_in_place(groups, gi, st.names, rewritten.outputs):
+        if gi not in front.read_in_place:
+            front.read_in_place[gi] = _views_read_in_place(groups, gi, st.names, rewritten.outputs)
+        if front.read_in_place[gi]:
             st.output = st.family.view_output(st) or st.output  # a permute's, slice's or expand's view, not a copy
         buf = st.output
         stages.append(st)
