@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from .ir import TensorType
 
@@ -47,7 +48,7 @@ class Buffer:
     def phased(self) -> bool:
         return bool(self.phase_stride)
 
-    @property
+    @cached_property
     def dense(self) -> bool:
         """One tile holding exactly the logical tensor in its layout's own strides (contiguous or channels_last)."""
         return self.addressable and self.layout != "strided"
@@ -65,14 +66,14 @@ class Buffer:
         t = self.tiles[0]
         return [(batch, t.sample_stride)] + list(zip(t.dims, t.strides))
 
-    @property
+    @cached_property  # (asked ~10^6 times by a whole model's plan search)
     def addressable(self) -> bool:
         """One tile holding exactly the logical tensor at any strides (a plain tensor, a channels_last one, a view
         of one): what ATen's view of it is, and what a view of that view reads."""
         t = self.tiles[0]
         return not self.phased and len(self.tiles) == 1 and t.dims == self.logical and not any(t.offset)
 
-    @property
+    @cached_property
     def flat(self) -> bool:
         """A plain contiguous (C, *S) tensor: element e of a sample lies at e."""
         return self.dense and self.layout == "contiguous"
