@@ -1636,3 +1636,33 @@ def test_a_mask_made_from_constants_is_an_operand_of_the_partition(cache):
     assert "masked_fill: {param: " in spec and "value: -.inf" in spec, spec
     made = _partitions_of(InputMask(), torch.randn(4, 6) * 2)
     assert not any("masked_fill" in c for p in made for c in p["calls"] if p["module"]), made
+
+
+class BufferMask(nn.Module):
+    """ReLUSelfAttention's mask in small (KernelBench level 3, 50): scores masked where a causal buffer sliced to the
+    run-time length is 0, then a ReLU instead of a softmax (no fused attention call takes it)."""
+
+    def __init__(self, most=8):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(most, most)).view(1, 1, most, most))
+
+    def forward(self, x):
+        T = x.size(-2)
+        att = (x @ x.transpose(-2, -1)) * 0.5
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        return torch.relu(att) @ x
+
+
+def test_a_mask_read_from_a_buffer_follows_the_buffer(cache):
+    """A mask compared from a buffer is a partition operand computed where PyTorch computes it, each call (not
+    folded: the buffer may change): after the buffer changes, the compiled model still computes what eager does."""
+    torch.manual_seed(1)
+    model = BufferMask()
+    x = torch.randn(3, 2, 6, 4)
+    made = _partitions_of(model, x)
+    assert any(p["module"] and "masked_fill_nonzero" in p["calls"] for p in made), made
+    compiled = _compiled(model)
+    with torch.no_grad():
+        compiled(x)
+        model.bias.copy_(torch.ones_like(model.bias).triu())  # another mask, the same buffer
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
