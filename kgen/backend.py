@@ -1561,11 +1561,12 @@ def _float_masks(gm: fx.GraphModule, g: _Graph) -> list[str]:
     ``masked_fill_nonzero(x, mask.to(x.dtype), value)`` (kgen.ops): kgen's operands are tensors of x's dtype, and
     the conversion is computed once where the mask is a constant (``_fold_constants``), else where PyTorch computes
     the mask. One line per call rewritten."""
+    from .importer import fill_mask
     from .ops import masked_fill_nonzero
 
     lines = []
     for n in list(gm.graph.nodes):
-        if not (n.op == "call_method" and n.target == "masked_fill" or n.op == "call_function" and n.target is torch.masked_fill):
+        if fill_mask(n) is None:
             continue
         args = _bound(n, ("input", "mask", "value"))
         x, mask, value = args.get("input"), args.get("mask"), args.get("value")

@@ -747,10 +747,10 @@ class Importer:
         if _elementwise_binary(n):
             self._binary(n)
             return
-        if fn is masked_fill_nonzero or _base_name(name) == "masked_fill" and n.op == "call_method" or fn is torch.masked_fill:
+        if fn is masked_fill_nonzero or fill_mask(n) is not None or n.op == "call_method" and name == "masked_fill_":
             self._masked_fill(n)
             return
-        if _nonzero_of(n) is not None and n.users and all(_fill_mask(u) is n for u in n.users):
+        if _nonzero_of(n) is not None and n.users and all(fill_mask(u) is n for u in n.users):
             return  # ``t != 0`` as a masked_fill's mask: the masked_fill reads t
         unary = _UNARY.get(fn) if n.op == "call_function" else _UNARY_METHODS.get(name)
         if unary is not None and self._tensor(x):
@@ -1923,8 +1923,9 @@ def _nonzero_of(m):
     return None
 
 
-def _fill_mask(n: fx.Node):
-    """The mask node of a masked_fill call ``n`` (as written: before ``_nonzero_of``), else None."""
+def fill_mask(n: fx.Node):
+    """The mask node of a masked_fill call ``n`` (``x.masked_fill(mask, v)``, ``torch.masked_fill``; as written, before
+    ``_nonzero_of``), else None."""
     if n.op == "call_method" and n.target == "masked_fill" or n.op == "call_function" and n.target is torch.masked_fill:
         return n.args[1] if len(n.args) > 1 else n.kwargs.get("mask")
     return None
