@@ -264,6 +264,10 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
         elif op.fn in ("minimum", "maximum"):
             other = menv[op.tensor] if op.tensor else (abs(op.scalar) if op.param is None else op.aligned_param(menv[op.param], v.dim()))
             m = torch.maximum(m, torch.as_tensor(other, dtype=m.dtype, device=m.device))
+        elif op.fn == "masked_fill":  # a filled value is exact: its size there (0 for an infinity), x's elsewhere
+            mask = menv[op.tensor] if op.tensor else op.aligned_param(menv[op.param], v.dim())
+            fill = abs(op.consts[0]) if math.isfinite(op.consts[0]) else 0.0
+            m = torch.where(mask != 0, torch.full_like(m, fill), m)
         elif op.fn == "div" and op.reverse:  # operand / x: the quotient's size times x's relative error
             m = out.abs() * (1 + m / v.abs())
         else:  # add/sub/mul/div: the same op on the magnitudes, sub as add

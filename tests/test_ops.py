@@ -171,3 +171,19 @@ def test_masked_fill_fills_where_its_mask_is_nonzero(tmp_path):
 def test_masked_fill_spec_errors_name_the_key(fields, words):
     with pytest.raises(SpecError, match=re.escape(words)):
         parse_spec(spec_text([3, 4, 5], [{"masked_fill": fields}]), "t.yaml")
+
+
+def test_masked_fill_magnitudes_bound_the_values():
+    """validate.run_with_magnitude (the size rounding errors scale with) through masked_fill: the fill value's size
+    where filled (0 for an infinity, which is compared as a non-finite value), x's elsewhere; finite and at least
+    |value| wherever the value is finite (a magnitude of -inf fed into exp made the tolerance NaN)."""
+    from kgen.validate import run_with_magnitude
+
+    pipe = pipeline_of(MASKED_FILL_SPEC.replace("NAME", "mfill"))
+    g = torch.Generator().manual_seed(5)
+    x, t = (torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    t.view(-1)[::3] = 0.0
+    mask = (torch.rand(4, 5, generator=g) < 0.5).double()
+    v, m = run_with_magnitude(pipe.ops, x, {"m": mask}, inputs={"t": t})
+    assert torch.isfinite(m).all() and (m >= v.abs()).all()
+    assert (m[t != 0] == 2.5).all() and (m[t == 0] >= 0).all()
