@@ -126,25 +126,29 @@ def batched_matrix(dims: list[tuple[int, int]]) -> bool:
 
 
 MAX_PRODUCT_SLICES = 16  # kgen_runtime.h detail::kMaxProductSlices
+# bytes at::matmul must copy per extra launch of the slices before slicing pays: about what an H200 copies in a
+# launch's time (Target.launch_s at its DRAM rate); kgen_runtime.h detail::kSliceBytes
+SLICE_BYTES = 1 << 23
 
 
-def product_slice_dim(x: list[tuple[int, int]], w: list[tuple[int, int]]) -> int | None:
+def product_slice_dim(x: list[tuple[int, int]], w: list[tuple[int, int]], value_bytes: int) -> int | None:
     """The batch dim (not the batch itself) of at most MAX_PRODUCT_SLICES indices whose slices of x, w (each as
     (size, stride) per dim) and their contiguous product cuBLAS reads as they are, where at::matmul would copy x or w
-    first: kgen::matmul then runs one bmm per index on the views (Mamba2's einsums, whose permutes interleave the
-    batch dims). The fewest slices; None where there is no such dim or no copy to save. The C++ twin:
-    kgen_runtime.h detail::product_slice_dim."""
+    first and the copies outweigh the extra launches: kgen::matmul then runs one bmm per index on the views (Mamba2's
+    einsums, whose permutes interleave the batch dims, at its batch of 2048). The fewest slices; None where there is
+    no such dim or nothing to save. The C++ twin: kgen_runtime.h detail::product_slice_dim."""
     r = len(x)
     if r < 4 or len(w) != r or [n for n, _ in x[:-2]] != [n for n, _ in w[:-2]] or x[-1][0] != w[-2][0]:
         return None
-    if batched_matrix(x) and batched_matrix(w):
+    copied = sum(value_bytes * math.prod(n for n, _ in t) for t in (x, w) if not batched_matrix(t))
+    if not copied:
         return None
     sizes = [n for n, _ in x[:-1]] + [w[-1][0]]
     out = list(zip(sizes, [math.prod(sizes[d + 1:]) for d in range(r)]))
     best = None
     for d in range(1, r - 2):
         n = x[d][0]
-        if n == 1 or n > MAX_PRODUCT_SLICES or (best is not None and n >= x[best][0]):
+        if n == 1 or n > MAX_PRODUCT_SLICES or (best is not None and n >= x[best][0]) or copied < (n - 1) * SLICE_BYTES:
             continue
         if all(batched_matrix(t[:d] + t[d + 1:]) for t in (x, w, out)):
             best = d

@@ -107,7 +107,7 @@ def product_view_copies(plan, st: Stage, batch: int) -> list[Work]:
         w = (given.get(product.tensor) or flat_buffer(plan.pipeline.values[product.tensor])).sizes_and_strides(batch)
         if product.transpose:
             w[-2:] = w[-1:-3:-1]
-        d = product_slice_dim(st.input.sizes_and_strides(batch), w)
+        d = product_slice_dim(st.input.sizes_and_strides(batch), w, value_bytes(st))
         if d is not None:  # kgen::matmul's bmm per index of dim d on the views
             n = st.input.tiles[0].dims[d - 1]
             return [Work(f"{product.tensor} multiplied in {n} slices of dim {d} (no copies)", 0, 0, launches=n - 1)]

@@ -382,20 +382,24 @@ inline bool batched_matrix_without(std::vector<int64_t> sizes, std::vector<int64
 }
 
 // The batch dim (not dim 0, the batch itself) of at most kMaxProductSlices indices whose slices of x, w and their
-// contiguous product cuBLAS reads as they are, where at::matmul would copy x or w first (kgen.buffer.product_slice_dim,
-// its twin); -1 where there is none or no copy to save.
+// contiguous product cuBLAS reads as they are, where at::matmul would copy x or w first and the copies outweigh
+// the slices' extra launches (kSliceBytes a launch: about what an H200 copies in a launch's time); -1 where there is
+// none or nothing to save. The cost model's twin: kgen.buffer.product_slice_dim.
 constexpr int64_t kMaxProductSlices = 16;
+constexpr int64_t kSliceBytes = int64_t{1} << 23;
 inline int64_t product_slice_dim(const at::Tensor& x, const at::Tensor& w) {
   const int64_t r = x.dim();
   if (r < 4 || w.dim() != r || x.sizes().slice(0, r - 2) != w.sizes().slice(0, r - 2) || x.size(r - 1) != w.size(r - 2)) return -1;
-  if (batched_matrix(x.sizes(), x.strides()) && batched_matrix(w.sizes(), w.strides())) return -1;
+  const bool x_batched = batched_matrix(x.sizes(), x.strides()), w_batched = batched_matrix(w.sizes(), w.strides());
+  if (x_batched && w_batched) return -1;
+  const int64_t copied = (x_batched ? 0 : x.numel() * x.element_size()) + (w_batched ? 0 : w.numel() * w.element_size());
   std::vector<int64_t> out_sizes = x.sizes().vec(), out_strides(r);
   out_sizes.back() = w.size(r - 1);
   for (int64_t d = r - 1, step = 1; d >= 0; step *= out_sizes[d], --d) out_strides[d] = step;  // contiguous
   int64_t best = -1;
   for (int64_t d = 1; d < r - 2; ++d) {
     const int64_t n = x.size(d);
-    if (n == 1 || n > kMaxProductSlices || (best >= 0 && n >= x.size(best))) continue;
+    if (n == 1 || n > kMaxProductSlices || (best >= 0 && n >= x.size(best)) || copied < (n - 1) * kSliceBytes) continue;
     if (batched_matrix_without(x.sizes().vec(), x.strides().vec(), d) && batched_matrix_without(w.sizes().vec(), w.strides().vec(), d)
         && batched_matrix_without(out_sizes, out_strides, d)) best = d;
   }

@@ -673,13 +673,17 @@ def test_elementwise_stages_over_views_with_adjacent_rows_move_whole_vectors(tmp
 INTERLEAVED_SPEC = """
 name: interleaved
 inputs:
-  x: {shape: [N, 3, 5, K, 6]}
-  y: {shape: [N, 3, K, 6, 2]}
+  x: {shape: [N, 3, M, K, D]}
+  y: {shape: [N, 3, K, D, 2]}
 example: {N: 2}
 ops:
-  - permute: {dims: [0, 1, 3, 2, 4]}  # [N, 3, K, 5, 6]: the batch dims N, 3, K of no one stride
+  - permute: {dims: [0, 1, 3, 2, 4]}  # [N, 3, K, M, D]: the batch dims N, 3, K of no one stride
   - matmul: {tensor: y}
 """
+
+
+def _interleaved(name, m, k, d):
+    return INTERLEAVED_SPEC.replace("M", str(m)).replace("K", str(k)).replace("D", str(d)).replace("name: interleaved", f"name: {name}")
 
 
 @pytest.mark.parametrize("device", BUILD_DEVICES)
@@ -687,26 +691,37 @@ def test_views_a_batched_product_cannot_take_are_sliced_or_priced_as_atens_copie
     """A view handed to ATen's matmul is read in place only where cuBLAS's batched product takes it as it is (a
     transpose of the matrix dims; Buffer.batched_matrices). A permute that interleaves the batch dims would be
     copied by at::matmul first (Mamba2's einsums: 2.07 ms of copies on the H200); where leaving out one batch dim
-    of at most 16 indices makes the views batched matrices, kgen::matmul runs one bmm per index on the views
-    (buffer.product_slice_dim), priced as launches; else the cost model prices the copy. Both validated against
-    float64."""
+    of at most 16 indices makes the views batched matrices and the copies outweigh the extra launches (8 MiB a
+    launch), kgen::matmul runs one bmm per index on the views (buffer.product_slice_dim), priced as launches; else
+    the cost model prices the copy. Both forms built and checked against float64 (the large one at batch 1, where
+    it slices: a 31 MB copy saved for 3 launches)."""
     from kgen import cost
+    from kgen.validate import import_module_dir
 
     product = make_plan(pipeline_of(VIEW_MATMUL_SPEC), target=DEFAULT)  # transposes of [N, 5, 4]: cuBLAS's forms
     assert not any("copied by ATen's matmul" in w.what for e in cost.estimate(product, 8) for w in e.work)
+    cases = {"small": (5, 4, 6, False), "large": (640, 4, 1024, True), "many": (5, 20, 6, False)}  # M, K, D, sliced
     texts = {}
-    for k, sliced in ((4, True), (20, False)):  # K slices of dim 2, the innermost batch dim (at most 16)
-        name = f"interleaved_{k}_{device}"
-        texts[name] = texts_k = INTERLEAVED_SPEC.replace("K", str(k)).replace("name: interleaved", f"name: {name}")
-        plan = make_plan(pipeline_of(texts_k), target=DEFAULT)
+    for what, (m, k, d, sliced) in cases.items():
+        texts[what] = _interleaved(f"interleaved_{what}_{device}", m, k, d)
+        plan = make_plan(pipeline_of(texts[what]), target=DEFAULT)
         assert not plan.stages[0].output.batched_matrices and plan.stages[0].output.layout == "strided"
         work = [w for e in cost.estimate(plan, 8) for w in e.work if "ATen's matmul" in w.what or "slices" in w.what]
-        if sliced:
-            assert [(w.what, w.bytes, w.launches) for w in work] == [("y multiplied in 4 slices of dim 2 (no copies)", 0, 3)]
+        if sliced:  # K slices of dim 2, the innermost batch dim
+            assert [(w.what, w.bytes, w.launches) for w in work] == [(f"y multiplied in {k} slices of dim 2 (no copies)", 0, k - 1)]
         else:
-            assert [w.what for w in work] == ["its input copied by ATen's matmul"]
-            assert work[0].bytes == 2 * 4 * 8 * 3 * k * 5 * 6  # read and written once, float32
-    build_and_validate(render_specs(tmp_path, texts), device)
+            assert [(w.what, w.bytes) for w in work] == [("its input copied by ATen's matmul", 2 * 4 * 8 * 3 * m * k * d)]
+    rendered = render_specs(tmp_path, {f"interleaved_{w}_{device}": texts[w] for w in ("small", "large")})
+    build_and_validate({n: v for n, v in rendered.items() if "small" in n}, device)
+    from kgen.build import build_modules
+
+    build_modules([d for n, (_, d) in rendered.items() if "large" in n], device)
+    model = import_module_dir(rendered[f"interleaved_large_{device}"][1]).Model()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(1, 3, 640, 4, 1024, generator=g, dtype=torch.float64), torch.randn(1, 3, 4, 1024, 2, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        got = model(x.float().to(device), y.float().to(device)).double().cpu()
+    torch.testing.assert_close(got, torch.matmul(x.permute(0, 1, 3, 2, 4), y), rtol=1e-5, atol=1e-4)
 
 
 def test_product_slices_are_found_as_the_runtime_finds_them():
@@ -715,7 +730,7 @@ def test_product_slices_are_found_as_the_runtime_finds_them():
     torch.matmul; where at::matmul copies nothing, it names none."""
     import itertools
 
-    from kgen.buffer import batched_matrix, product_slice_dim
+    from kgen.buffer import MAX_PRODUCT_SLICES, SLICE_BYTES, batched_matrix, product_slice_dim
 
     g = torch.Generator().manual_seed(1)
     found = 0
@@ -725,7 +740,7 @@ def test_product_slices_are_found_as_the_runtime_finds_them():
         w = torch.randn(2, *x.shape[1:-2], 6, 7, generator=g, dtype=torch.float64)
         w = w.permute(0, *[1 + i for i in pw[:2]], 3, 4) if x.shape[1] == x.shape[2] else w
         dims = lambda t: list(zip(t.shape, t.stride()))  # noqa: E731
-        d = product_slice_dim(dims(x), dims(w))
+        d = product_slice_dim(dims(x), dims(w), SLICE_BYTES * MAX_PRODUCT_SLICES)  # (any copy large enough: the dims alone)
         if batched_matrix(dims(x)) and batched_matrix(dims(w)):
             assert d is None
         if d is None:
