@@ -7,6 +7,7 @@ read again later as a later stage's operand (cexpr.view_index) or as a plain ten
 checked against the float64 reference end to end and stage by stage. A failure names the seed and
 the spec, so it reproduces with ``random_view_spec(SEED + i, i)``.
 """
+import math
 import random
 
 import pytest
@@ -24,16 +25,19 @@ def _shape(ops, shape) -> list[int]:
     return list(pipeline_of(spec_text(shape, ops)).output.shape[1:])
 
 
-def _consumer(rng, ops, params, shape) -> None:
+def _consumer(rng, ops, params, shape, masks: bool = False) -> None:
     """An op that reads the view before it in place: elementwise (maybe with a parameter broadcast along
-    some dims) or a reduction over some dims."""
+    some dims: with ``masks``, a masked_fill's mask too) or a reduction over some dims."""
     if rng.random() < 0.35 and len(shape) > 1:
         dims = sorted(rng.sample(range(1, len(shape) + 1), rng.randint(1, len(shape) - 1)))
         ops.append({rng.choice(("sum", "mean", "max")): {"dim": dims, "keepdim": rng.random() < 0.6}})
     elif rng.random() < 0.5:
         name = f"p{len(params)}"
         params[name] = {"shape": [n if rng.random() < 0.5 else 1 for n in shape], "init": "randn"}
-        ops.append({rng.choice(("add", "mul", "sub")): {"param": name}})
+        if masks and rng.random() < 0.5:
+            ops.append({"masked_fill": {"param": name, "value": rng.choice((-math.inf, 2.5))}})
+        else:
+            ops.append({rng.choice(("add", "mul", "sub")): {"param": name}})
     else:
         ops.append(rng.choice(UNARY))
 
@@ -61,7 +65,9 @@ def _view(rng, ops, shape) -> None:
         ops.append({"expand": {"shape": [rng.randint(2, 5)]}})
 
 
-def random_view_spec(seed: int, index: int) -> str:
+def random_view_spec(seed: int, index: int, rich: bool = False) -> str:
+    """A drawn pipeline of views and the ops reading them. ``rich``: masked_fill among the consumers, and views of
+    named values that start elementwise chains (what permute_before_elementwise moves with a chain)."""
     rng = random.Random(seed)
     while True:
         shape = [rng.choice((1, 2, 3, 4, 5, 6)) for _ in range(rng.randint(2, 4))]
@@ -86,7 +92,12 @@ def random_view_spec(seed: int, index: int) -> str:
                     ops.append({"sum": {"dim": [rng.randint(1, len(viewed))], "keepdim": True}})
                     ops.append({"expand": {"shape": viewed}})
                     ops.append({rng.choice(("add", "mul", "sub")): {"tensor": name}})
-                _consumer(rng, ops, params, _shape(ops, shape))
+                elif rich and roll < 0.7:  # a named value, then a view of it that starts a chain
+                    name = f"src{k}"
+                    ops.append({rng.choice(UNARY): {"as": name}})
+                    _view(rng, ops, shape)
+                    ops[-1][next(iter(ops[-1]))]["from"] = name
+                _consumer(rng, ops, params, _shape(ops, shape), masks=rich)
             text = spec_text(shape, ops, params=params, name=f"views_{index}")
             pipeline_of(text)
         except KgenError:
@@ -142,8 +153,9 @@ REWRITE_DRAWS = 120  # pipelines drawn for the rewrites below (float64 runs, no 
 
 def test_elementwise_chains_moved_around_permutes_compute_the_same_values():
     """The rewrites that move elementwise chains around views (kgen.rewrites: permute_before_elementwise,
-    commute_operand_chain) on drawn pipelines: where they fire, the rewritten pipeline's values are the original's
-    in float64, NaN included, and the plan builds. The draws must make them fire."""
+    commute_operand_chain) on drawn pipelines with masked_fill among their ops (masks of zeros and ones) and views
+    of named values starting chains: where they fire, the rewritten pipeline's values are the original's in float64,
+    NaN included, and the plan builds. The draws must make them fire, over masks and over such views too."""
     import math
 
     import torch
@@ -155,16 +167,20 @@ def test_elementwise_chains_moved_around_permutes_compute_the_same_values():
     from kgen.target import DEFAULT
 
     names = ("commute_operand_chain", "permute_before_elementwise")
-    fired = 0
+    fired, masks, viewed_chains = 0, 0, 0
     for i in range(REWRITE_DRAWS):
-        text = random_view_spec(SEED + 1000 + i, i)
+        text = random_view_spec(SEED + 1000 + i, i, rich=True)
         pipe = pipeline_of(text)
         new, decisions = apply_rewrites(pipe, {n: n in names for n in REWRITE_NAMES})
         if not any(d.fired for d in decisions if d.rewrite in names):
             continue
         fired += 1
+        filled = {o.param for o in pipe.ops if getattr(o, "fn", "") == "masked_fill"}
+        masks += bool(filled)
+        viewed_chains += any(d.fired and " of " in d.reason for d in decisions if d.rewrite == "permute_before_elementwise")
         torch.manual_seed(i)
         params = {k: v.detach() for k, v in ReferenceModel(pipe).double().named_parameters()}
+        params.update({k: (torch.rand_like(v) < 0.5).double() for k, v in params.items() if k in filled})  # zeros and ones
         x = torch.randn(pipe.input.concrete(3), dtype=torch.float64)
         x.view(-1)[::7] = math.nan
         with torch.no_grad():
@@ -172,4 +188,4 @@ def test_elementwise_chains_moved_around_permutes_compute_the_same_values():
         assert torch.equal(torch.isnan(got), torch.isnan(want)), f"seed {SEED + 1000 + i}:\n{text}"
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, equal_nan=True, msg=f"seed {SEED + 1000 + i}:\n{text}")
         make_plan(pipe, target=DEFAULT)
-    assert fired >= 10, fired
+    assert fired >= 10 and masks >= 2 and viewed_chains >= 2, (fired, masks, viewed_chains)
