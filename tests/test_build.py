@@ -63,7 +63,10 @@ def test_cpu_builds_read_a_precompiled_runtime_header(tmp_path, monkeypatch):
         pch = kgen.build.precompiled_header_dir(a, kgen.build.toolchain("cpu", [str(a.parent), str(a)]))
         assert pch.parent == cache / "pch" and (pch / "kgen_runtime.h.gch").exists()
         for r in built:
-            assert (r.library.parent / "build.ninja").read_text().count(f"cflags = -I{pch} ") == 1
+            ninja = (r.library.parent / "build.ninja").read_text()
+            assert ninja.count(f"cflags = -I{pch} ") == 1
+            # the host's side at -O1 (its compile halved), the CPU kernels at -O3 (kgen.build.CPU_OPT)
+            assert "src = binding.cpp\n  opt = -O1" in ninja and "src = kernel_cpu.cpp\n  opt = -O3" in ninja
         header = a.parent / "kgen_runtime.h"
         header.write_text(header.read_text() + "\n// changed\n")
         other = kgen.build.precompiled_header_dir(a, kgen.build.toolchain("cpu", [str(a.parent), str(a)]))
