@@ -398,28 +398,24 @@ def permute_before_elementwise(pipe: Pipeline):
         moved = [replace(o, src=None, tensor=permuted.get(o.tensor, o.tensor)) if not isinstance(o, Capture) else o
                  for o in chain]
         moved[0] = replace(moved[0], src=None)
-        if view is not None:
-            ops[view:j + 1] = between + made + [ops[view], replace(p, src=None)] + moved
-            decisions.append(Decision("permute_before_elementwise", p.key, True,
-                                      f"{p.describe()} of {ops[view + len(between) + len(made)].describe()} before "
-                                      f"{', '.join(o.describe() for o in chain if not isinstance(o, Capture))}, which "
-                                      f"then fuse with {nxt.describe()}"))
-            j = view + len(between) + len(made) + 2 + len(moved)
-            continue
-        if source is None and made and a and isinstance(ops[a - 1], VIEWS):
-            decisions.append(Decision("permute_before_elementwise", p.key, False,
-                                      f"its chain continues from {ops[a - 1].describe()}, a view its operands' "
-                                      "permutes would make a copy of"))
-            j += 1
-            continue
-        if source is None and made:  # the chain continues from the op before it: named there, a tensor already
-            source = pipe.input_names[0] if a == 0 else _fresh("permute_source", taken)
-            made[:0] = [Capture(key=f"{p.key}.source", name=source)] if a else []
-        ops[a:j + 1] = between + made + [replace(p, src=source)] + moved
+        if view is not None:  # the permute continues from the view, moved with the chain
+            start, head, what = view, [ops[view], replace(p, src=None)], f"{p.describe()} of {ops[view].describe()}"
+        else:
+            if source is None and made and a and isinstance(ops[a - 1], VIEWS):
+                decisions.append(Decision("permute_before_elementwise", p.key, False,
+                                          f"its chain continues from {ops[a - 1].describe()}, a view its operands' "
+                                          "permutes would make a copy of"))
+                j += 1
+                continue
+            if source is None and made:  # the chain continues from the op before it: named there, a tensor already
+                source = pipe.input_names[0] if a == 0 else _fresh("permute_source", taken)
+                made[:0] = [Capture(key=f"{p.key}.source", name=source)] if a else []
+            start, head, what = a, [replace(p, src=source)], p.describe()
+        ops[start:j + 1] = between + made + head + moved
         decisions.append(Decision("permute_before_elementwise", p.key, True,
-                                  f"{p.describe()} before {', '.join(o.describe() for o in chain if not isinstance(o, Capture))}, "
+                                  f"{what} before {', '.join(o.describe() for o in chain if not isinstance(o, Capture))}, "
                                   f"which then fuse with {nxt.describe()}"))
-        j = a + len(between) + len(made) + 1 + len(moved)
+        j = start + len(between) + len(made) + len(head) + len(moved)
     return ops, decisions
 
 

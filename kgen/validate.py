@@ -38,7 +38,7 @@ import torch
 
 from .errors import KgenError
 from .buffer import Buffer
-from .ir import (AdaptivePool, BatchNorm, Capture, Cat, Dropout, Env, Expand, Interpolate, LayerNorm, Linear, Matmul, Norm, Pad,
+from .ir import (AdaptivePool, BatchNorm, Capture, Cat, Dropout, Elementwise, Env, Expand, Interpolate, LayerNorm, Linear, Matmul, Norm, Pad,
                  Permute, Pipeline, Pool, Reduce, Reshape, Slice, Softmax, TensorType, blocked_linear, load_pipeline, run_ops)
 from .lowering import lowered
 from .ops import OPS
@@ -262,12 +262,10 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
         elif not OPS[op.fn].operand:  # a unary function: the input's rounding times its largest slope
             m = torch.where(torch.isfinite(v), out.abs() + OPS[op.fn].slope * m, out.abs())
         elif op.fn in ("minimum", "maximum"):
-            other = menv[op.tensor] if op.tensor else (abs(op.scalar) if op.param is None else op.aligned_param(menv[op.param], v.dim()))
-            m = torch.maximum(m, torch.as_tensor(other, dtype=m.dtype, device=m.device))
+            m = torch.maximum(m, torch.as_tensor(_operand_magnitude(op, menv, v.dim()), dtype=m.dtype, device=m.device))
         elif op.fn == "masked_fill":  # a filled value is exact: its size there (0 for an infinity), x's elsewhere
-            mask = menv[op.tensor] if op.tensor else op.aligned_param(menv[op.param], v.dim())
             fill = abs(op.consts[0]) if math.isfinite(op.consts[0]) else 0.0
-            m = torch.where(mask != 0, torch.full_like(m, fill), m)
+            m = torch.where(_operand_magnitude(op, menv, v.dim()) != 0, torch.full_like(m, fill), m)
         elif op.fn == "div" and op.reverse:  # operand / x: the quotient's size times x's relative error
             m = out.abs() * (1 + m / v.abs())
         else:  # add/sub/mul/div: the same op on the magnitudes, sub as add
@@ -277,6 +275,13 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
     if outputs:
         return tuple(env[n] for n in outputs), tuple(menv[n] for n in outputs)
     return v, m
+
+
+def _operand_magnitude(op: Elementwise, menv, rank: int):
+    """|operand| of a binary op as it reads it: a value's, a parameter's broadcast to ``rank`` dims, or the scalar's."""
+    if op.tensor:
+        return menv[op.tensor]
+    return abs(op.scalar) if op.param is None else op.aligned_param(menv[op.param], rank)
 
 
 class _Magnitudes(dict):

@@ -696,6 +696,7 @@ def test_views_a_batched_product_cannot_take_are_sliced_or_priced_as_atens_copie
     the cost model prices the copy. Both forms built and checked against float64 (the large one at batch 1, where
     it slices: a 31 MB copy saved for 3 launches)."""
     from kgen import cost
+    from kgen.build import build_modules
     from kgen.validate import import_module_dir
 
     product = make_plan(pipeline_of(VIEW_MATMUL_SPEC), target=DEFAULT)  # transposes of [N, 5, 4]: cuBLAS's forms
@@ -713,8 +714,6 @@ def test_views_a_batched_product_cannot_take_are_sliced_or_priced_as_atens_copie
             assert [(w.what, w.bytes) for w in work] == [("its input copied by ATen's matmul", 2 * 4 * 8 * 3 * m * k * d)]
     rendered = render_specs(tmp_path, {f"interleaved_{w}_{device}": texts[w] for w in ("small", "large")})
     build_and_validate({n: v for n, v in rendered.items() if "small" in n}, device)
-    from kgen.build import build_modules
-
     build_modules([d for n, (_, d) in rendered.items() if "large" in n], device)
     model = import_module_dir(rendered[f"interleaved_large_{device}"][1]).Model()
     g = torch.Generator().manual_seed(2)

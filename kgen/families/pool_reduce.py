@@ -237,7 +237,7 @@ class PoolReduce(Family):
             kept_walk=tuple(d for d in mem if d in st.kept_dims) if not r_fast and not tc else st.kept_dims,
             map_outputs=max(1, MAP_LOADS_IN_FLIGHT // st.window_loads) if st.reduced_count == 1 else 1,
             map_vector=map_vector,
-            map_repeated=map_vector > 1 and not st.input.element_vectors(map_vector),
+            map_repeated=map_vector > 1 and st.input.repeats_vectors(map_vector),
             map_lane_order=map_vector > 1 and any(op.tensor_names() for op in st.ops) and math.prod(st.in_type.spatial) < map_vector,
         )
         return st
