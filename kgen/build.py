@@ -40,10 +40,10 @@ import torch
 from torch.utils import cpp_extension
 
 from .errors import KgenError
-from .render import SHARED_FILES, TEMPLATE_MARK
+from .render import SHARED_FILES, SPLIT_FILES, TEMPLATE_MARK, part_files
 
 BUILD_FORMAT = 1  # bump when the build recipe changes in a way the flags do not show
-CPU_SOURCES = ("binding.cpp", "kernel_cpu.cpp")
+CPU_SOURCES = ("binding.cpp", "kernel_cpu.cpp")  # each a file, or its parts (kgen.render.SPLIT_FILES)
 CUDA_SOURCES = ("kernel.cu",)
 HEADERS = ("stages.h",)
 MANIFEST = "manifest.json"  # beside the installed library: its size and sha256
@@ -160,9 +160,19 @@ def toolchain(variant: str, include_dirs: list[str]) -> Toolchain:
     return Toolchain(variant, cxx, nvcc, cflags, cuda_flags, ldflags)
 
 
+def compiled_sources(module_dir: Path, variant: str) -> list[tuple[str, Path]]:
+    """(source, file) of each file the build compiles: ``source`` names the rendered file it is (a part of), which
+    sets its flags (``binding.cpp``, ``kernel_cpu.cpp``, ``kernel.cu``)."""
+    out = []
+    for src in CPU_SOURCES + (CUDA_SOURCES if variant == "cuda" else ()):
+        parts = part_files(module_dir, src) if src in SPLIT_FILES else []
+        out += [(src, f) for f in parts or [module_dir / src]]
+    return out
+
+
 def module_sources(module_dir: Path, variant: str) -> list[Path]:
-    names = CPU_SOURCES + HEADERS + (CUDA_SOURCES if variant == "cuda" else ())
-    files = [module_dir / n for n in names] + [module_dir.parent / n for n in SHARED_FILES]
+    files = ([f for _, f in compiled_sources(module_dir, variant)] + [module_dir / n for n in HEADERS]
+             + [module_dir.parent / n for n in SHARED_FILES])
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise KgenError(f"{module_dir.name}: missing rendered sources {', '.join(missing)}; run `kgen render` first")
@@ -263,10 +273,6 @@ def _ninja_file(module_dir: Path, tc: Toolchain, lib_name: str, pch_dir: Path | 
         "  description = link $out",
     ]
     objs = []
-    for src in CPU_SOURCES:
-        obj = src.replace(".cpp", ".o")
-        lines += [f"build {obj}: cxx {module_dir / src}", f"  src = {src}", f"  opt = {CPU_OPT[src]}"]
-        objs.append(obj)
     if tc.variant == "cuda":
         lines += [
             f"nvcc = {tc.nvcc}",
@@ -275,10 +281,14 @@ def _ninja_file(module_dir: Path, tc: Toolchain, lib_name: str, pch_dir: Path | 
             "  command = $nvcc $cuda_flags -c $in -o $out",
             "  description = nvcc $src",
         ]
-        for src in CUDA_SOURCES:
-            obj = src.replace(".cu", ".cuda.o")
-            lines += [f"build {obj}: nvcc {module_dir / src}", f"  src = {src}"]
-            objs.append(obj)
+    for src, f in compiled_sources(module_dir, tc.variant):
+        if f.suffix == ".cu":
+            obj = f.name.replace(".cu", ".cuda.o")
+            lines += [f"build {obj}: nvcc {f}", f"  src = {f.name}"]
+        else:
+            obj = f.name.replace(".cpp", ".o")
+            lines += [f"build {obj}: cxx {f}", f"  src = {f.name}", f"  opt = {CPU_OPT[src]}"]
+        objs.append(obj)
     lines.append(f"build {lib_name}: link {' '.join(objs)}")
     lines.append(f"default {lib_name}")
     return "\n".join(lines) + "\n"
@@ -604,19 +614,22 @@ def ensure_built(module_dir: Path) -> Path:
 
 
 def ptxas_report(module_dir: Path, arch: str = "9.0a") -> list[PtxasKernel]:
-    """Compile kernel.cu alone (no torch needed) and return ptxas' per-kernel report."""
+    """Compile kernel.cu (each of its parts) alone (no torch needed) and return ptxas' per-kernel report."""
     module_dir = Path(module_dir).resolve()
     home = cuda_home()
     if home is None:
         raise KgenError("nvcc not found: set CUDA_HOME or put nvcc on PATH")
     out_dir = module_dir / "_build" / "ptxas"
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        str(Path(home) / "bin" / "nvcc"), "-O3", "-std=c++17", "-Xptxas", "-v", *cuda_arch_flags(arch),
-        f"-I{module_dir.parent}", f"-I{module_dir}", "-c", str(module_dir / "kernel.cu"), "-o", str(out_dir / "kernel.o"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+    kernels = []
+    for src in part_files(module_dir, "kernel.cu") or [module_dir / "kernel.cu"]:
+        cmd = [
+            str(Path(home) / "bin" / "nvcc"), "-O3", "-std=c++17", "-Xptxas", "-v", *cuda_arch_flags(arch),
+            f"-I{module_dir.parent}", f"-I{module_dir}", "-c", str(src), "-o", str(out_dir / f"{src.stem}.o"),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         output = proc.stdout + proc.stderr
-        raise KgenError(f"nvcc failed on {module_dir / 'kernel.cu'}:\n{explain_compile_errors(output) or output[-2000:]}")
-    return parse_ptxas(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise KgenError(f"nvcc failed on {src}:\n{explain_compile_errors(output) or output[-2000:]}")
+        kernels += parse_ptxas(output)
+    return kernels

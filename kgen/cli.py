@@ -176,7 +176,9 @@ def render(specs, check, out):
 
     Each module gets stages.h (the math), kernel.cu (CUDA schedule),
     kernel_cpu.cpp (C++ schedule), binding.cpp (the torch op), __init__.py and
-    plan.json. With --check nothing is written and stale files are listed.
+    plan.json; past 4000 lines the three sources come in parts (kernel_2.cu,
+    ...) that the build compiles in parallel. With --check nothing is written
+    and stale files are listed.
     """
     from .render import stale_files, write_rendered
 

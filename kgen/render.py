@@ -4,7 +4,9 @@
 both backends), ``kernel.cu`` (CUDA schedules), ``kernel_cpu.cpp`` (C++
 schedules), ``binding.cpp`` (the torch op), ``__init__.py`` and ``plan.json``;
 ``generated/`` itself gets the shared headers and the package ``__init__.py``,
-so the output root is an importable package wherever it lies.
+so the output root is an importable package wherever it lies. A whole model's
+kernel.cu, kernel_cpu.cpp and binding.cpp come in parts (``kernel_2.cu``, ...:
+SPLIT_FILES) that compile in parallel.
 
 The shared templates know no family: for each generated file they include,
 stage by stage, the piece of the stage's family (``templates/<family>/``).
@@ -33,6 +35,7 @@ from .cost import exposed_dispatch_s
 from .ir import dropout_refusal, load_pipeline
 from .plan import Plan, Selection, Variant, choose_plans, stage_op_name, stage_scope_name
 from .spec import NO_DEFAULT, spec_to_data
+from .stage import Stage
 
 # The templates ship inside the package: kgen/templates links to the
 # repository's templates/ folder, and wheels carry copies (pyproject.toml).
@@ -54,6 +57,133 @@ MODULE_FILES = {  # output file -> shared template; a family's piece of it: temp
 # Marks where each template's output starts in a generated file, so a compiler
 # error can be traced back to its template (kgen.build reads these).
 TEMPLATE_MARK = "kgen-template:"
+# The kernel sources of a whole model run to tens of thousands of lines (DenseNet-201's kernel.cu: 40k), which one
+# compiler process takes half a minute or more for. Past PART_LINES lines such a file is rendered as parts of
+# consecutive stages of about equal length (kernel.cu, kernel_2.cu, ...; at most MAX_PARTS), which ninja compiles in
+# parallel; each part includes stages.h, where every stage's launch is declared, so no part needs another's code.
+SPLIT_FILES = ("kernel.cu", "kernel_cpu.cpp", "binding.cpp")
+PART_LINES = 4000
+MAX_PARTS = 16
+
+
+@dataclass(frozen=True)
+class Part:
+    """Part ``number`` of a file split into the runs of stages ``split`` ((plan index, stage index) sets, one per
+    part); WHOLE, the file unsplit, holds every stage."""
+    number: int
+    split: tuple | None  # None: WHOLE
+
+    @property
+    def count(self) -> int:
+        return 1 if self.split is None else len(self.split)
+
+    @property
+    def stages(self) -> frozenset | None:
+        return None if self.split is None else self.split[self.number - 1]
+
+    def has(self, plan: int, stage: int) -> bool:
+        return self.split is None or (plan, stage) in self.stages
+
+    def has_plan(self, plan: int) -> bool:
+        return self.split is None or any(p == plan for p, _ in self.stages)
+
+    def stage_indices(self, plan: int) -> list[int]:
+        """The indices of plan ``plan``'s stages in this part."""
+        return sorted(s for p, s in self.stages or () if p == plan)
+
+    def numbers_of(self, plan: int) -> list[int]:
+        """The parts holding stages of plan ``plan``, in order."""
+        return [1] if self.split is None else [k for k, ss in enumerate(self.split, 1) if any(p == plan for p, _ in ss)]
+
+    def describe(self) -> str:
+        """``stages 12-40 of plan 0, stages 0-7 of plan 1``."""
+        plans: dict = {}
+        for p, s in sorted(self.stages or ()):
+            plans.setdefault(p, []).append(s)
+        return ", ".join(f"stages {min(ss)}-{max(ss)} of plan {p}" if len(ss) > 1 else f"stage {ss[0]} of plan {p}"
+                         for p, ss in plans.items())
+
+
+WHOLE = Part(1, None)
+
+
+def part_file(out: str, number: int) -> str:
+    """The name of part ``number`` of the split file ``out``: ``kernel.cu``, ``kernel_2.cu``, ..."""
+    stem, dot, suffix = out.partition(".")
+    return out if number == 1 else f"{stem}_{number}{dot}{suffix}"
+
+
+def part_number(out: str, name: str) -> int | None:
+    """The part of ``out`` the file ``name`` is (1 for ``out`` itself), or None."""
+    if name == out:
+        return 1
+    stem, _, suffix = out.partition(".")
+    m = re.fullmatch(rf"{re.escape(stem)}_(\d+)\.{re.escape(suffix)}", name)
+    return int(m[1]) if m and int(m[1]) >= 2 else None
+
+
+def part_files(module_dir: Path, out: str) -> list[Path]:
+    """The rendered parts of ``out`` in ``module_dir``, in order (render removes parts a new render lacks)."""
+    found = [(part_number(out, f.name), f) for f in Path(module_dir).iterdir()] if Path(module_dir).is_dir() else []
+    return [f for n, f in sorted((n, f) for n, f in found if n is not None)]
+
+
+_STAGE_MARK = re.compile(r"^// ==== (plan|stage) (\d+)", re.M)
+
+
+def stage_lines(text: str) -> list[tuple[tuple[int, int], int]]:
+    """((plan, stage), lines) of each stage's piece in a rendered kernel file, in file order (from the
+    ``// ==== plan`` and ``// ==== stage`` lines the shared templates write before each)."""
+    out, plan, last = [], 0, None
+    for m in _STAGE_MARK.finditer(text):
+        line = text.count("\n", 0, m.start())
+        if last is not None:
+            out.append((last[0], line - last[1]))
+            last = None
+        if m[1] == "plan":
+            plan = int(m[2])
+        else:
+            last = ((plan, int(m[2])), line)
+    if last is not None:
+        out.append((last[0], text.count("\n") - last[1]))
+    return out
+
+
+def split_stages(weights: list[tuple[tuple[int, int], int]], count: int, joined: frozenset = frozenset()) -> list[frozenset]:
+    """``count`` runs of consecutive stages of about equal weight, none empty: a run ends where the next stage
+    would take it farther past its share of the total than it is short of it. A stage in ``joined`` stays in the
+    run of the stage before it."""
+    units: list[list] = []  # [keys, weight]
+    for key, w in weights:
+        if units and key in joined:
+            units[-1][0].append(key)
+            units[-1][1] += w
+        else:
+            units.append([[key], w])
+    count = max(1, min(count, len(units)))
+    total, parts, acc, current = sum(w for _, w in units), [], 0, []
+    for i, (keys, w) in enumerate(units):
+        share = total * (len(parts) + 1) / count
+        more = count - 1 - len(parts)  # parts still to start
+        if current and more and (acc + w - share > share - acc or len(units) - i == more):
+            parts.append(frozenset(current))
+            current = []
+        current += keys
+        acc += w
+    parts.append(frozenset(current))
+    return parts
+
+
+def runs_with_previous(st) -> bool:
+    """Whether the stage before ``st`` runs it as its kernel's epilogue or gathers its statistics (ConvStage's
+    epilogue and moments_for): forward calls the two as one, so a split keeps them in one part."""
+    return st.absorbed_by is not None or getattr(st, "gathered_by", None) is not None
+
+
+def forward_defines(st) -> bool:
+    """Whether forward's calls define ``t<index>`` for ``st``: not for a stage that runs another as its epilogue
+    (the epilogue's is defined), nor for a cat written in place (allocated before the stages)."""
+    return not st.in_place and not isinstance(getattr(st, "epilogue", None), Stage)  # (pool_reduce's is its ops)
 
 
 def _environment() -> jinja2.Environment:
@@ -71,7 +201,7 @@ def _environment() -> jinja2.Environment:
     env.filters["member"] = member_expr  # a checked member path (kgen.fields.member_path)
     env.globals.update(cexpr.FUNCTIONS, TEMPLATE_MARK=TEMPLATE_MARK, prod=math.prod, dropout_refusal=dropout_refusal,
                        fail=_fail, NO_DEFAULT=NO_DEFAULT, constructor_call=constructor_call, aten_call=aten_call,
-                       aten_prelude=aten_prelude)
+                       aten_prelude=aten_prelude, forward_defines=forward_defines)
     return env
 
 
@@ -171,7 +301,20 @@ def render_plan(plan: Plan | Selection, out_root: Path, spec_shown: str | None =
     files = {}
     for out, tpl in MODULE_FILES.items():
         try:
-            files[f"{name}/{out}"] = env.get_template(tpl).render(**ctx, template_name=f"templates/{tpl}")
+            template = env.get_template(tpl)
+            text = template.render(**ctx, part=WHOLE, template_name=f"templates/{tpl}")
+            count = min(MAX_PARTS, -(-text.count("\n") // PART_LINES)) if out in SPLIT_FILES else 1
+            if count <= 1:
+                files[f"{name}/{out}"] = text
+                continue
+            # binding.cpp: its cost is forward's few lines per stage more than the host blocks' (one stage, one unit)
+            weights = ([((v["index"], st.index), 1) for v in variants for st in v["plan"].stages] if out == "binding.cpp"
+                       else stage_lines(text))
+            joined = frozenset((v["index"], st.index) for v in variants for st in v["plan"].stages if runs_with_previous(st))
+            split = tuple(split_stages(weights, count, joined))
+            for number in range(1, len(split) + 1):
+                files[f"{name}/{part_file(out, number)}"] = template.render(**ctx, part=Part(number, split),
+                                                                            template_name=f"templates/{tpl}")
         except jinja2.TemplateError as e:  # a template bug, not a user error: say where
             where = getattr(e, "filename", None) or tpl
             raise KgenError(f"rendering templates/{tpl} for {name} failed in {where}: {type(e).__name__}: {e}") from None
@@ -306,8 +449,19 @@ def _same_text(path: Path, content: str) -> bool:
         return False
 
 
+def obsolete_parts(rendered: Rendered, out_root: Path) -> list[str]:
+    """Parts of split files (kernel_2.cu, ...) on disk that the rendering no longer has (paths relative to out_root):
+    a build would compile every part it finds."""
+    out_root, old = Path(out_root), []
+    for module in sorted({rel.split("/", 1)[0] for rel in rendered.files if "/" in rel}):
+        for out in SPLIT_FILES:
+            old += [f"{module}/{f.name}" for f in part_files(out_root / module, out) if f"{module}/{f.name}" not in rendered.files]
+    return old
+
+
 def write_rendered(rendered: Rendered, out_root: Path) -> list[str]:
-    """Write the files that changed; returns their paths (relative to out_root).
+    """Write the files that changed and remove parts the rendering no longer has; returns their paths (relative
+    to out_root).
 
     Every changed file is first written beside its target, then all are renamed
     into place; a file system error (a read-only directory) is one KgenError line
@@ -326,15 +480,19 @@ def write_rendered(rendered: Rendered, out_root: Path) -> list[str]:
             tmp.write_text(content)
         for tmp, path, _ in staged:
             os.replace(tmp, path)
+        removed = obsolete_parts(rendered, out_root)
+        for rel in removed:
+            (out_root / rel).unlink()
     except OSError as e:
         for tmp, _, _ in staged:
             with contextlib.suppress(OSError):
                 tmp.unlink()
         raise KgenError(f"{rendered.name}: cannot write {e.filename or out_root}: {e.strerror or e}") from None
-    return [rel for _, _, rel in staged]
+    return [rel for _, _, rel in staged] + removed
 
 
 def stale_files(rendered: Rendered, out_root: Path) -> list[str]:
-    """Files whose content on disk differs from what rendering gives now."""
+    """Files whose content on disk differs from what rendering gives now, and parts it no longer has."""
     out_root = Path(out_root)
-    return [rel for rel, content in rendered.files.items() if not (out_root / rel).exists() or (out_root / rel).read_text() != content]
+    return ([rel for rel, content in rendered.files.items() if not (out_root / rel).exists() or (out_root / rel).read_text() != content]
+            + obsolete_parts(rendered, out_root))
