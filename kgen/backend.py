@@ -76,7 +76,7 @@ except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dy
     _Restart = None
 
 from .attention import rewrite_attention
-from .build import kgen_cache
+from .cache import kgen_cache
 from .compiler import SPEC_FILE
 from .errors import KgenError, one_line
 from .spec import MAX_OUTPUTS, MAX_RANK

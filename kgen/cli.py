@@ -159,8 +159,10 @@ def main():
                                 (kgen validate sets it, to catch unwritten elements)
       KGEN_CUDA_GRAPHS=0        launch a module's kernels one by one, never as a replayed
                                 CUDA graph (the default where no autograd graph is recorded)
-      KGEN_CACHE=DIR            where a CPU build keeps the precompiled kgen_runtime.h
-                                (default ~/.cache/kgen); KGEN_PCH=0 builds without it
+      KGEN_CACHE=DIR            kgen's cache (default ~/.cache/kgen): what kgen.compile and
+                                the backend compile, and the CPU build's precompiled
+                                kgen_runtime.h (KGEN_PCH=0 builds without it); `kgen cache`
+                                shows and clears it
       CUDA_HOME, CXX            the CUDA toolkit and the C++ compiler to build with
     """
 
@@ -402,6 +404,47 @@ def list_(out):
         stages = " | ".join(" + ".join(s.kind for s in plan.stages) for plan in sel.plans)
         rows.append([pipe.name, str(pipe.input), str(pipe.output), stages, sel.source, state])
     click.echo(format_table(["name", "input", "output", "stages (per batch range)", "chosen by", "generated/"], rows))
+
+
+@main.command()
+@click.option("--older-than", "days", type=click.FloatRange(min=0), metavar="DAYS",
+              help="Remove the entries that no compile or build has used for DAYS days.")
+@click.option("--clear", is_flag=True, help="Remove every entry.")
+@_fail_cleanly
+def cache(days, clear):
+    """Show kgen's cache ($KGEN_CACHE, default ~/.cache/kgen): the models and
+    partitions compiled by kgen.compile and torch.compile(backend="kgen")
+    (compiled/, one per model and kgen version), and the CPU build's
+    precompiled headers (pch/, ~290 MB each; all but the two last used are
+    removed when a new one is made). With --older-than or --clear, remove
+    entries: what is removed is compiled again when next needed.
+
+    \b
+    kgen cache                  # where it is, what it holds
+    kgen cache --older-than 30  # what was not used in a month
+    """
+    import time
+
+    from .cache import entries, human, kgen_cache, remove, remove_stray_locks
+
+    root = kgen_cache()
+    found = entries(root)
+    if clear or days is not None:
+        cutoff = time.time() - (days or 0) * 86400
+        gone = [e for e in found if clear or e.used < cutoff]
+        for e in gone:
+            remove(e)
+        if clear:
+            remove_stray_locks(root, min_age=0)
+        click.echo(f"kgen cache {root}: removed {len(gone)} of {len(found)} entries ({human(sum(e.size for e in gone))})")
+        found = entries(root)
+    rows = []
+    for kind in ("compiled", "pch"):
+        mine = [e for e in found if e.kind == kind]
+        last = time.strftime("%Y-%m-%d %H:%M", time.localtime(mine[-1].used)) if mine else "-"
+        rows.append([kind, len(mine), human(sum(e.size for e in mine)), last])
+    click.echo(f"kgen cache: {root}")
+    click.echo(format_table(["kind", "entries", "size", "last used"], rows))
 
 
 @main.command()

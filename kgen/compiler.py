@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .build import build_module, default_variant, kgen_cache
+from .build import build_module, default_variant
+from .cache import kgen_cache, mark_used
 from .errors import KgenError
 from .fields import IDENT, MAX_NAME
 from .importer import ImportFailed, check_instance, default_name, import_instance, instance_source, spec_text
@@ -126,6 +127,7 @@ def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | o
         folder = kgen_cache() / "compiled" / f"{base}-{key}"
         module_dir = folder / module_name
         if (folder / SPEC_FILE).is_file() and (module_dir / "__init__.py").is_file():
+            mark_used(folder)  # (`kgen cache --older-than` removes the folders no compile found for a while)
             if not build:
                 return module_dir
             built = build_module(module_dir, quiet=True)  # found by its content hash (built again if it is gone)

@@ -96,7 +96,7 @@ def write_model_file(dir_path: Path, name: str, text: str) -> Path:
 def fresh_kgen_cache(folder: Path):
     """KGEN_CACHE set to ``folder/cache`` (made here) while the block runs; its precompiled header is kgen's usual
     cache's, so that it is not made again."""
-    from kgen.build import kgen_cache
+    from kgen.cache import kgen_cache
 
     cache = folder / "cache"
     cache.mkdir()

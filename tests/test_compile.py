@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,7 @@ def test_second_process_loads_from_the_cache(compiled, env):
     root, _, cache = env
     folder = compiled[2].kgen_sources
     before = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+    os.utime(folder.parent, (0, 0))  # its last use: long ago
     script = root / "second.py"
     script.write_text(SECOND.format(dir=str(root)))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
@@ -182,6 +184,7 @@ def test_second_process_loads_from_the_cache(compiled, env):
     assert len([l for l in proc.stderr.splitlines() if l.startswith("kgen:")]) == 1, proc.stderr
     after = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
     assert after == before  # nothing rendered, built or touched
+    assert time.time() - folder.parent.stat().st_mtime < 600  # but the hit recorded as its use (kgen cache --older-than)
     assert [d.name for d in (cache / "compiled").iterdir()] == [folder.parent.name]
     seconds = float(proc.stdout.split("SECONDS")[1])
     print(f"\nkgen.compile in a second process (cache hit): {seconds:.3f} s")
