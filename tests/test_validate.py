@@ -251,3 +251,49 @@ def test_a_large_weight_stays_float32_in_every_reference(tmp_path, monkeypatch):
     assert any(c.case.startswith("stage") for c in report.cases)  # the stage cases ran too
     weights = [d for d in seen if d]
     assert weights and all(dt == torch.float32 for d in weights for dt in d.values()), seen
+
+
+def test_eager_spread_counts_the_largest_of_eagers_errors():
+    """compare: kgen's error may reach twice the largest error of eager's results on this input and on inputs
+    within float32's rounding of it (``spread``), not only eager's on this one."""
+    ref = torch.linspace(1, 2, 64, dtype=torch.float64)
+    eager = (ref + 1e-3).float()  # eager's error here: 1e-3
+    out = (ref + 3e-3).float()
+    assert not compare("c", out, ref, TOLERANCES["ieee"], eager).passed
+    far = (ref - 2e-3).float()  # eager on an input one unit in the last place away: 2e-3
+    assert compare("c", out, ref, TOLERANCES["ieee"], eager, spread=(far,)).passed
+    assert not compare("c", (ref + 5e-3).float(), ref, TOLERANCES["ieee"], eager, spread=(far,)).passed
+    nan = far.clone()
+    nan[0] = math.nan  # another kind of result somewhere: not counted
+    assert not compare("c", out, ref, TOLERANCES["ieee"], eager, spread=(nan,)).passed
+
+
+def test_eager_spread_moves_each_value_by_at_most_one_unit_from_the_starting_statistics():
+    from kgen.validate import SPREAD_DRAWS, _eager_spread
+
+    text = """
+name: spread_bn
+input: {shape: [N, 3, 4, 4], example: {N: 2}}
+ops:
+  - conv2d: {out_channels: 4, kernel_size: 3, padding: 1, name: conv}
+  - batch_norm: {name: bn}
+"""
+    pipe = build_pipeline(parse_spec(text, "spread_bn.yaml"))
+    torch.manual_seed(0)
+    from kgen.reference import ReferenceModel
+
+    reference = ReferenceModel(pipe)
+    state = reference.state_dict()
+    before = {k: v.clone() for k, v in state.items()}
+    x = torch.randn(2, 3, 4, 4)
+    runs = _eager_spread(pipe, state, {k for k, _ in reference.named_buffers()}, x, {}, True)
+    assert len(runs) == SPREAD_DRAWS + 1  # and x channels_last
+    assert all(torch.equal(state[k], v) for k, v in before.items())  # the case's statistics untouched
+    for y, st in runs:
+        assert y.shape == (2, 4, 4, 4)
+        assert not torch.equal(st["bn.running_mean"], before["bn.running_mean"])  # updated once, from the start
+    with torch.no_grad():
+        ref = torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x, state["conv.weight"], state["conv.bias"], padding=1),
+                                             before["bn.running_mean"].clone(), before["bn.running_var"].clone(), None, None, True)
+    for y, _ in runs:  # every one near eager's on x: the inputs moved by at most a unit in the last place
+        torch.testing.assert_close(y.detach(), ref, rtol=1e-5, atol=1e-5)
