@@ -162,6 +162,18 @@ def _max_min_dim(n) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
+def _split_dim(n) -> int | None:
+    """The dim of ``torch.split`` / ``torch.chunk`` (and the methods): pieces the importer takes as slices, each
+    where a getitem reads it; else None."""
+    from .importer import _SPLITS
+
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method") or \
+            n.target not in _SPLITS or not isinstance(_example(n), (tuple, list)):
+        return None
+    dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
+    return dim if isinstance(dim, int) else None
+
+
 def _constant_tensor(n) -> bool:
     """``torch.tensor(c)`` of a number but a bool (a 0-d constant the importer reads as a scalar operand)."""
     from .importer import tensor_literal
@@ -621,6 +633,10 @@ class _Support:
         if dim is not None:  # taken with the getitem of its values
             return g.batch_dim(n.args[0]) == 0 and dim % _example(n.args[0]).dim() != 0 and bool(n.users) and all(
                 u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in n.users)
+        dim = _split_dim(n)
+        if dim is not None:  # taken with the getitems of its pieces (ShuffleNetV2's x.chunk(2, dim=1))
+            return g.batch_dim(n.args[0]) == 0 and dim % _example(n.args[0]).dim() != 0 and bool(n.users) and all(
+                u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in n.users)
         if n.op not in ("call_function", "call_method") or g.batch_dim(n) is None:
             return False
         if any(g.batch_dim(a) not in (None, 0) for a in [n, *n.all_input_nodes]) and not self._moved_ok(n):
@@ -674,7 +690,7 @@ class _Support:
             if a in g.state:
                 if not (isinstance(g.examples.get(a), nn.Parameter) or g.batch_free(a)):
                     return False  # a buffer of another dtype (an index table)
-            elif _constant_tensor(a) or _max_min_dim(a) is not None:
+            elif _constant_tensor(a) or _max_min_dim(a) is not None or _split_dim(a) is not None:
                 continue
             elif isinstance(ex, torch.Tensor):
                 if g.batch_dim(a) is None and not self._parameter_view(a) and not g.batch_free(a):

@@ -625,6 +625,34 @@ def test_dense_layers_cat_of_many_inputs_are_kgen_partitions(cache):
     assert len(made) == 9 and all(p["module"] is not None for p in made), made
 
 
+class ShuffleUnit(nn.Module):
+    """ShuffleNetV2's unit (torchvision): half the channels through a branch, the other half as they are, then the
+    channel shuffle (views and a transpose); its pieces from x.chunk (or torch.split into two sizes)."""
+
+    def __init__(self, split: bool = False):
+        super().__init__()
+        self.split = split
+        self.conv = nn.Conv2d(8, 8, 1)
+        self.branch = nn.Sequential(nn.Conv2d(3 if split else 4, 5 if split else 4, 1), nn.BatchNorm2d(5 if split else 4),
+                                    nn.ReLU())
+
+    def forward(self, x):
+        x = self.conv(x)
+        x1, x2 = torch.split(x, [5, 3], dim=1) if self.split else x.chunk(2, dim=1)
+        out = torch.cat((x1, self.branch(x2)), dim=1)
+        n, c, h, w = out.size()
+        return out.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_chunk_and_split_pieces_are_in_the_partition(cache, split):
+    """torch.chunk / torch.split and the getitems of their pieces are kgen's (slices): one partition, not one on
+    each side of the split (ShuffleNetV2 was 14 partitions, one per unit)."""
+    torch.manual_seed(0)
+    (one,) = _partitions_of(_with_statistics(ShuffleUnit(split)).eval(), torch.randn(2, 8, 5, 5))
+    assert one["module"] is not None and ("split" if split else "chunk") in one["calls"], one
+
+
 class ZeroDropout(nn.Module):
     """DenseNet's layer: a convolution, nn.Dropout(0.0) (x itself, also in training mode), a ReLU, then a
     convolution."""
