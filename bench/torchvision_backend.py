@@ -67,7 +67,7 @@ try:
     res["partitions"] = len(parts)
     res["in_kgen"] = sum(1 for p in parts if p.get("module"))
     res["calls_in_kgen"] = sum(len(p["calls"]) for p in parts if p.get("module"))
-    res["left_eager"] = sorted({(p.get("reason") or "")[:200] for p in parts if not p.get("module")})
+    res["left_eager"] = [(p.get("reason") or "")[:200] for p in parts if not p.get("module")]
 except Exception as e:
     res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     res["traceback"] = traceback.format_exc()[-2000:]
@@ -87,7 +87,9 @@ def markdown(rows: list, env: dict, args) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        err = r.get("error") or "; ".join(r.get("left_eager", []))
+        reasons = dict.fromkeys(why.split(" (")[0] for why in r.get("left_eager", []))  # without the estimates
+        left = r.get("partitions", 0) - r.get("in_kgen", 0)
+        err = r.get("error") or (f"{left} partition(s): " + "; ".join(reasons) if left else "")
         lines.append(f"| {r['model']} | {r.get('first_s', '-')} | {r['max_diff_rel']:.1e} |" if "max_diff_rel" in r
                      else f"| {r['model']} | {r.get('first_s', '-')} | - |")
         lines[-1] += (f" {r.get('partitions', '-')} ({r.get('in_kgen', '-')}) | {r.get('calls_in_kgen', '-')} | "
@@ -104,7 +106,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=0, help="timed calls per form on a GPU (0: none)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per model")
     ap.add_argument("--out", type=Path, required=True, help="folder for torchvision_backend.json and .md")
+    ap.add_argument("--markdown-only", action="store_true", help="write the .md again from the folder's .json")
     args = ap.parse_args()
+    if args.markdown_only:
+        data = json.loads((args.out / "torchvision_backend.json").read_text())
+        (args.out / "torchvision_backend.md").write_text(markdown(data["rows"], data["environment"], args))
+        return
 
     import torch
 
