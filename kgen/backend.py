@@ -1086,7 +1086,10 @@ class KgenPartition(nn.Module):
 
     def _run(self, *args):
         if self._plain:
-            return self._forward(*self._gather(args), *self._extra)
+            out = self._forward(*self._gather(args), *self._extra)
+            if not torch.is_grad_enabled():
+                return out
+            return tuple(_owned(o) for o in out) if self._several else _owned(out)
         buffers = [args[i] for i in self._buffers]
         inputs = [args[i] for i in self._inputs]
         if self._moved_in:  # sequence-first values: the op takes the batch first
@@ -1098,7 +1101,16 @@ class KgenPartition(nn.Module):
         outs = list(out) if self._result.several else [out]
         if self._moved_out:  # ... and its results go back where the graph has their batch
             outs = [o.movedim(0, k) if k else o for o, k in zip(outs, self._moved_out)]
+        if torch.is_grad_enabled():
+            outs = [_owned(o) for o in outs]
         return tuple(outs) if self._several else outs[0]
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A partition's result that autograd records as a view of the op's own tensors (its last call a flatten:
+    EfficientNet's pooled features), copied: autograd refuses an in-place call on such a view (the graph's
+    ``F.dropout(..., inplace=True)`` after it) where the op returns several tensors."""
+    return t.clone() if t.requires_grad and t._is_view() else t
 
 
 def _render_partition(sub: fx.GraphModule, call: fx.Node, g: _Graph, verbose: bool, spec_keys: dict) -> tuple[_Plan, Path]:

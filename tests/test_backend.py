@@ -653,6 +653,38 @@ def test_chunk_and_split_pieces_are_in_the_partition(cache, split):
     assert one["module"] is not None and ("split" if split else "chunk") in one["calls"], one
 
 
+class PooledHead(nn.Module):
+    """A CNN's classifier head as torchvision's EfficientNet writes it: pooled features flattened (a view), an
+    in-place dropout (random in training mode: PyTorch's, after the partition), then the linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.drop, self.fc = nn.Dropout(0.2, inplace=True), nn.Linear(6, 4)
+
+    def forward(self, x):
+        x = torch.flatten(F.adaptive_avg_pool2d(torch.relu(self.bn(self.conv(x))), 1), 1)
+        return self.fc(self.drop(x))
+
+
+def test_an_in_place_call_on_a_partitions_flattened_result_trains_as_eager(cache):
+    """A training step where the partition's result is a view (the flatten at its end) that the graph then
+    modifies in place: autograd refused that on the op's view; the loss and the gradients are eager's."""
+    torch.manual_seed(0)
+    model = PooledHead().train()
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(4, 3, 5, 5), torch.randint(0, 4, (4,))
+    losses = []
+    for m in (_compiled(model), reference):
+        torch.manual_seed(1)  # the same dropout mask
+        loss = F.cross_entropy(m(x), target)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1])
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
 class ZeroDropout(nn.Module):
     """DenseNet's layer: a convolution, nn.Dropout(0.0) (x itself, also in training mode), a ReLU, then a
     convolution."""
