@@ -6,12 +6,12 @@ it do kgen's partitions take, and is its output eager's.
 
 Each model runs in a child process of its own (a fresh Dynamo and kgen; KGEN_CACHE as set): built with its
 torchvision defaults (random weights, seed 0), the input a normal [batch, 3, 224, 224] (299 for inception_v3), in
-eval mode under torch.no_grad() unless --training (a linear layer initialized to zeros, ViT's head, drawn normal
+eval mode under torch.no_grad() unless --training, or one training step with --step (a linear layer initialized to zeros, ViT's head, drawn normal
 instead: else the output is zeros whatever comes before it). Per model: the first call's seconds (trace, import, plan, render,
 build), the output's largest difference from eager's over eager's largest value, the partitions the backend made
 and how many are kgen modules, the calls they hold, the reasons of those left to PyTorch; with --reps on a GPU,
 median ms of eager and of the compiled model (CUDA events, the two in turns). Writes torchvision_backend.json and
-.md under --out.
+.md under --out (torchvision_backend_step.* with --step).
 """
 import argparse
 import json
@@ -28,7 +28,9 @@ MODELS = ("resnet18", "resnet50", "mobilenet_v2", "mobilenet_v3_small", "squeeze
 CHILD = r"""
 import json, sys, time, traceback
 import torch, torchvision
-name, batch, device, training, reps = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", int(sys.argv[5])
+import copy
+name, batch, device, training, reps, step = (sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", int(sys.argv[5]),
+                                             sys.argv[6] == "1")
 torch.manual_seed(0)
 kw = {"aux_logits": False, "init_weights": True} if name in ("inception_v3", "googlenet") else {}
 model = getattr(torchvision.models, name)(**kw).to(device).train(training)
@@ -43,7 +45,25 @@ def sync():
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
-try:
+def training_step():  # cross entropy on random labels, backward, against eager's (the same dropout masks)
+    reference = copy.deepcopy(model)
+    target = torch.randint(0, 1000, (batch,), device=device)
+    compiled = torch.compile(model, backend="kgen")
+    losses = []
+    for m in (compiled, reference):
+        torch.manual_seed(1)
+        sync(); t = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(m(x), target)
+        loss.backward(); sync()
+        res.setdefault("first_s", round(time.perf_counter() - t, 1))
+        losses.append(float(loss))
+    res["loss_diff"] = abs(losses[0] - losses[1])
+    scale = max(float(q.grad.abs().max()) for q in reference.parameters() if q.grad is not None)
+    res["max_diff_rel"] = max(float((p.grad - q.grad).abs().max()) / scale
+                              for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None)
+
+
+def inference():
     compiled = torch.compile(model, backend="kgen")
     with torch.no_grad():
         sync(); t = time.perf_counter(); y = compiled(x); sync()
@@ -62,6 +82,14 @@ try:
                     times[form].append(a.elapsed_time(b))
         for form, ts in times.items():
             res[f"{form}_ms"] = round(sorted(ts)[len(ts) // 2], 3)
+
+
+try:
+    training_step() if step else inference()
+except Exception as e:
+    res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    res["traceback"] = traceback.format_exc()[-2000:]
+try:
     import kgen.backend as backend
     parts = backend.PARTITIONS
     res["partitions"] = len(parts)
@@ -79,10 +107,14 @@ def markdown(rows: list, env: dict, args) -> str:
     lines = [
         "# torchvision's models under torch.compile(backend=\"kgen\")", "",
         f"commit {env['commit']}, {env['date']}, torch {env['torch']}, torchvision {env['torchvision']}, device "
-        f"{args.device}, batch {args.batch}, {'training' if args.training else 'eval'} mode "
-        f"(`bench/torchvision_backend.py`). Random weights (seed 0), a normal input; max diff: the output's largest "
-        "difference from eager's over eager's largest value. First call: trace, import, plan, render and build "
-        "(a cold KGEN_CACHE unless said).", "",
+        f"{args.device}, batch {args.batch}, "
+        + ("one training step (cross entropy on random labels, backward)" if args.step else
+           f"{'training' if args.training else 'eval'} mode")
+        + f" (`bench/torchvision_backend.py{' --step' if args.step else ''}`). Random weights (seed 0), a normal input; max diff: "
+        + ("the gradients' largest difference from eager's over the largest gradient. First call: the step's trace, "
+           "import, plan, render, build and backward" if args.step else
+           "the output's largest difference from eager's over eager's largest value. First call: trace, import, "
+           "plan, render and build") + " (a cold KGEN_CACHE unless said).", "",
         "| model | first call s | max diff | partitions (in kgen) | calls in kgen | eager ms | kgen ms | left to PyTorch / error |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -103,21 +135,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--training", action="store_true")
+    ap.add_argument("--step", action="store_true",
+                    help="a training step (training mode, backward) instead: the gradients against eager's")
     ap.add_argument("--reps", type=int, default=0, help="timed calls per form on a GPU (0: none)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per model")
     ap.add_argument("--out", type=Path, required=True, help="folder for torchvision_backend.json and .md")
     ap.add_argument("--markdown-only", action="store_true", help="write the .md again from the folder's .json")
     args = ap.parse_args()
+    stem = "torchvision_backend_step" if args.step else "torchvision_backend"
     if args.markdown_only:
-        data = json.loads((args.out / "torchvision_backend.json").read_text())
-        (args.out / "torchvision_backend.md").write_text(markdown(data["rows"], data["environment"], args))
+        data = json.loads((args.out / f"{stem}.json").read_text())
+        (args.out / f"{stem}.md").write_text(markdown(data["rows"], data["environment"], args))
         return
 
     import torch
 
     rows = []
     for name in args.models.split(","):
-        cmd = [sys.executable, "-c", CHILD, name, str(args.batch), args.device, "1" if args.training else "0", str(args.reps)]
+        cmd = [sys.executable, "-c", CHILD, name, str(args.batch), args.device, "1" if args.training or args.step else "0",
+               str(args.reps), "1" if args.step else "0"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=os.environ.copy())
             line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -135,8 +171,8 @@ def main() -> None:
     env = {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "torchvision": tv}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "torchvision_backend.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
-    (args.out / "torchvision_backend.md").write_text(markdown(rows, env, args))
+    (args.out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(rows, env, args))
 
 
 if __name__ == "__main__":
