@@ -348,6 +348,9 @@ class _Graph:
         if inputs:
             n, ex = self._batch_input(inputs)
             self.batch, self.dtype = _static(_example(n).shape[0]), _example(n).dtype
+            if not self.dtype.is_floating_point:  # token ids [B, S]: the values kgen computes are the parameters' dtype
+                self.dtype = next((e.dtype for s in self.state if isinstance(e := _example(s), torch.Tensor)
+                                   and e.is_floating_point()), self.dtype)
             self.batch_seen = _size_seen(self.batch, ex)
             self.state -= self._batch_carrying_state([n for n, _ in inputs])
         for n in self.gm.graph.nodes:

@@ -685,6 +685,27 @@ def test_an_in_place_call_on_a_partitions_flattened_result_trains_as_eager(cache
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
+class TokenModel(nn.Module):
+    """A language model's shape: token ids [B, S] (int64) in, an embedding (PyTorch's), then float layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(50, 16), nn.LayerNorm(16)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, ids):
+        h = self.norm(self.emb(ids))
+        return h + self.down(F.gelu(self.up(h)))
+
+
+def test_a_model_of_token_ids_has_its_float_layers_in_a_partition(cache):
+    """The graph's only input is integer (token ids): the batch is its dim 0, the values kgen computes the
+    parameters' dtype (BERT, GPT-2 and Llama made no partition at all before)."""
+    torch.manual_seed(0)
+    made = _partitions_of(TokenModel().eval(), torch.randint(0, 50, (2, 7)))
+    assert len(made) == 1 and made[0]["module"] is not None and "layer_norm" in made[0]["calls"], made
+
+
 class ZeroDropout(nn.Module):
     """DenseNet's layer: a convolution, nn.Dropout(0.0) (x itself, also in training mode), a ReLU, then a
     convolution."""
