@@ -622,7 +622,7 @@ def ptxas_report(module_dir: Path, arch: str = "9.0a") -> list[PtxasKernel]:
     out_dir = module_dir / "_build" / "ptxas"
     out_dir.mkdir(parents=True, exist_ok=True)
     kernels = []
-    for src in part_files(module_dir, "kernel.cu") or [module_dir / "kernel.cu"]:
+    for src in (f for s, f in compiled_sources(module_dir, "cuda") if s in CUDA_SOURCES):
         cmd = [
             str(Path(home) / "bin" / "nvcc"), "-O3", "-std=c++17", "-Xptxas", "-v", *cuda_arch_flags(arch),
             f"-I{module_dir.parent}", f"-I{module_dir}", "-c", str(src), "-o", str(out_dir / f"{src.stem}.o"),

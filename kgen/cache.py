@@ -84,11 +84,10 @@ def remove(entry: Entry) -> None:
     except OSError:
         return
     shutil.rmtree(gone, ignore_errors=True)
-    for lock in (entry.path.parent / f"{entry.path.name}.lock",):
-        try:
-            lock.unlink()
-        except OSError:
-            pass
+    try:
+        (entry.path.parent / f"{entry.path.name}.lock").unlink()
+    except OSError:
+        pass
 
 
 def remove_stray_locks(root: Path | None = None, now: float | None = None, min_age: float = RECENT_S) -> None:
