@@ -20,9 +20,9 @@ def main() -> None:
     ap.add_argument("--training", action="store_true", help="training mode, as KernelBench's evaluator runs models")
     args = ap.parse_args()
 
-    import torch
-
     start = time.perf_counter()
+    import torch
+    from kgen.backend import kgen_backend
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = importlib.util.spec_from_file_location("problem", args.file)
     problem = importlib.util.module_from_spec(spec)
@@ -30,7 +30,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = problem.Model(*problem.get_init_inputs()).to(device).train(args.training)
     inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in problem.get_inputs()]
-    compiled = torch.compile(model, backend="kgen")
+    # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
+    compiled = torch.compile(model, backend="kgen" if "kgen" in torch._dynamo.list_backends() else kgen_backend)
 
     def timed(fn):
         if device == "cuda":
