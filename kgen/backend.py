@@ -162,6 +162,15 @@ def _max_min_dim(n) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
+def _without_empty_pieces(n: fx.Node) -> tuple:
+    """n's args, for a torch.cat its 1-d empty pieces left out as torch.cat skips them (a key-value cache's first
+    `torch.tensor([])`): a partition does not take them for parameters of shape [0]."""
+    if n.target is not torch.cat or not n.args or not isinstance(n.args[0], (tuple, list)):
+        return n.args
+    pieces = [p for p in n.args[0] if not (isinstance(_example(p), torch.Tensor) and _example(p).shape == (0,))]
+    return (pieces, *n.args[1:])
+
+
 def _split_dim(n) -> int | None:
     """The dim of ``torch.split`` / ``torch.chunk`` (and the methods): pieces the importer takes as slices, each
     where a getitem reads it; else None."""
@@ -873,7 +882,7 @@ def _partition_model(sub: fx.GraphModule, call: fx.Node, g: _Graph) -> _Plan:
             env[n] = graph.call_function(operator.getitem, (arg(n.args[0]), _moved_index(n, g)))
             continue
         if layer is None:
-            args, kwargs = arg(n.args), arg(n.kwargs)
+            args, kwargs = arg(_without_empty_pieces(n)), arg(n.kwargs)
             viewed = n.args[0] if n.args else None
             viewed = outer.get(viewed) or g.by_name.get(getattr(viewed, "name", None), viewed)
             if n.target == "expand" or (n.target in ("view", "reshape") or n.target is torch.reshape) and \

@@ -706,6 +706,27 @@ def test_a_model_of_token_ids_has_its_float_layers_in_a_partition(cache):
     assert len(made) == 1 and made[0]["module"] is not None and "layer_norm" in made[0]["calls"], made
 
 
+class FirstCacheStep(nn.Module):
+    """A key-value cache's first step (transformers' DynamicCache): the keys so far are `torch.tensor([])`, and
+    torch.cat skips that 1-d empty piece beside the new keys [B, heads, S, d]."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Linear(16, 16)
+
+    def forward(self, x):
+        k = self.k(x).view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+        keys = torch.cat([torch.tensor([], dtype=k.dtype, device=k.device), k], dim=-2)
+        return torch.relu(keys) * 2
+
+
+def test_a_caches_empty_first_piece_is_left_out_of_the_cat(cache):
+    """The empty piece is no input of the partition (a parameter of shape [0] refused the whole partition)."""
+    torch.manual_seed(0)
+    (made,) = _partitions_of(FirstCacheStep().eval(), torch.randn(2, 5, 16))
+    assert made["module"] is not None and "cat" in made["calls"], made
+
+
 class ZeroDropout(nn.Module):
     """DenseNet's layer: a convolution, nn.Dropout(0.0) (x itself, also in training mode), a ReLU, then a
     convolution."""
