@@ -18,6 +18,8 @@ def main() -> None:
     ap.add_argument("file", help="a KernelBench problem file (Model, get_inputs, get_init_inputs)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     ap.add_argument("--training", action="store_true", help="training mode, as KernelBench's evaluator runs models")
+    ap.add_argument("--backend", default="kgen",
+                    help="torch.compile's backend (default kgen; eager: Dynamo's own share of the first call)")
     args = ap.parse_args()
 
     start = time.perf_counter()
@@ -31,7 +33,10 @@ def main() -> None:
     model = problem.Model(*problem.get_init_inputs()).to(device).train(args.training)
     inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in problem.get_inputs()]
     # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
-    compiled = torch.compile(model, backend="kgen" if "kgen" in torch._dynamo.list_backends() else kgen_backend)
+    backend = args.backend
+    if backend == "kgen" and "kgen" not in torch._dynamo.list_backends():
+        backend = kgen_backend
+    compiled = torch.compile(model, backend=backend)
 
     def timed(fn):
         if device == "cuda":

@@ -26,17 +26,18 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from .build import build_module, default_variant
 from .cache import kgen_cache, mark_used
 from .errors import KgenError
 from .fields import IDENT, MAX_NAME
-from .importer import ImportFailed, check_instance, default_name, import_instance, instance_source, spec_text
+from .importer import ImportFailed, check_instance, default_name, import_instance, init_of, instance_source, spec_text
 from .names import module_name_reason
 from .spec import INTERMEDIATES, PRECISIONS
 
 SPEC_FILE = "spec.yaml"
+TRACED_DIR = "traced"  # <folder>/traced/<key>: the graphs (by _traced_key) compiled into the folder
 
 
 def _say(verbose: bool, msg: str) -> None:
@@ -112,30 +113,29 @@ def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | o
     if not (IDENT.match(base) and len(base) <= MAX_NAME) or module_name_reason(base):
         raise ImportFailed(f"kgen.compile: name={base!r}: "
                            f"{module_name_reason(base) or 'expected [a-z][a-z0-9_]*, at most 64 characters'}")
+    traced = _traced_key(model, example_inputs, base, keys) if out is None else None
+    if traced is not None and (found := _found_traced(traced)) is not None:
+        return _from_cache(found, _module_name(base, found.name.rpartition("-")[2]), build, verbose, start)
     imp, data = import_instance(src, base)
     if keys:
         data = {**{k: v for k, v in data.items() if k != "ops"}, **keys, "ops": data["ops"]}
-    traced = (f"{src.shown}: traced for inputs {', '.join(str(list(t.shape)) for t in example_inputs)} "
+    shown = (f"{src.shown}: traced for inputs {', '.join(str(list(t.shape)) for t in example_inputs)} "
               f"{str(example_inputs[0].dtype).removeprefix('torch.')} ({time.monotonic() - start:.1f} s)")
     if out is not None:
-        _say(verbose, f"{traced}; rendering into {out}")
+        _say(verbose, f"{shown}; rendering into {out}")
         module_dir = _render_into_project(Path(out), imp, data, verbose, start)
     else:
         # the description names the file as seen from here: the key leaves it out
         key = cache_key(spec_text({k: v for k, v in data.items() if k != "description"}))
-        module_name = f"{base[:MAX_NAME - 9].rstrip('_')}_{key[:8]}"
+        module_name = _module_name(base, key)
         folder = kgen_cache() / "compiled" / f"{base}-{key}"
         module_dir = folder / module_name
         if (folder / SPEC_FILE).is_file() and (module_dir / "__init__.py").is_file():
-            mark_used(folder)  # (`kgen cache --older-than` removes the folders no compile found for a while)
-            if not build:
-                return module_dir
-            built = build_module(module_dir, quiet=True)  # found by its content hash (built again if it is gone)
-            _say(verbose, f"{module_name}: {'built' if built.built else 'loaded'} from the cache {folder} "
-                          f"in {time.monotonic() - start:.2f} s")
-            return module_dir
-        _say(verbose, f"{traced}; compiling it into {folder}")
+            _remember_traced(folder, traced)
+            return _from_cache(folder, module_name, build, verbose, start)
+        _say(verbose, f"{shown}; compiling it into {folder}")
         _render_into_cache(folder, module_name, imp, {**data, "name": module_name}, verbose, start)
+        _remember_traced(folder, traced)
     if not build:
         return module_dir
     result = build_module(module_dir, quiet=not verbose)
@@ -143,6 +143,62 @@ def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | o
         _say(verbose, f"{module_dir.name}: its build was there already ({result.library.parent})")
     _say(verbose, f"{module_dir.name} ready in {time.monotonic() - start:.1f} s; sources in {module_dir}")
     return module_dir
+
+
+def _module_name(base: str, key: str) -> str:
+    return f"{base[:MAX_NAME - 9].rstrip('_')}_{key[:8]}"
+
+
+def _from_cache(folder: Path, module_name: str, build: bool, verbose: bool, start: float) -> Path:
+    """The module of a compiled folder the cache holds, built (found by its content hash, built again if gone)."""
+    mark_used(folder)  # (`kgen cache --older-than` removes the folders no compile found for a while)
+    module_dir = folder / module_name
+    if not build:
+        return module_dir
+    built = build_module(module_dir, quiet=True)
+    _say(verbose, f"{module_name}: {'built' if built.built else 'loaded'} from the cache {folder} "
+                  f"in {time.monotonic() - start:.2f} s")
+    return module_dir
+
+
+def _traced_key(model: nn.Module, example_inputs, base: str, keys: dict) -> str | None:
+    """For a torch.fx GraphModule (the Dynamo backend's partitions), a key of all the importer reads from it: its
+    code, its submodules' settings and mode, its tensors' names, shapes, dtypes and how they were made (the spec's
+    `init`), the inputs', the spec keys set, and what the spec key hashes besides the spec (kgen's code, the
+    target, torch's version). A later compile of an equal graph finds its folder by it without tracing the graph
+    again (the importer's trace and shape evaluation: ResNet-18's 69 calls in 0.4 s). None for other models: their
+    forward is Python code that may read anything."""
+    if not isinstance(model, fx.GraphModule):
+        return None
+    parts = [model.code, base, repr(sorted(keys.items())), cache_key("")]
+    parts += [f"{name} {type(m).__qualname__}({m.extra_repr()}) {m.training}" for name, m in model.named_modules()]
+    parts += [f"{name} {list(t.shape)} {t.dtype} {t.requires_grad} {init_of(t)}" for name, t in model.named_parameters()]
+    parts += [f"{name} {list(t.shape)} {t.dtype}" for name, t in model.named_buffers()]
+    parts += [f"{list(t.shape)} {t.dtype} {t.device.type}" for t in example_inputs]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _found_traced(traced: str) -> Path | None:
+    """The compiled folder that a graph of key ``traced`` was compiled into (``<folder>/traced/<key>``, written
+    when it was), if it is whole."""
+    for mark in (kgen_cache() / "compiled").glob(f"*/{TRACED_DIR}/{traced}"):
+        folder = mark.parent.parent
+        key = folder.name.rpartition("-")[2]
+        if not folder.name.startswith("tmp-") and (folder / SPEC_FILE).is_file() and \
+                (folder / _module_name(folder.name.rpartition("-")[0], key) / "__init__.py").is_file():
+            return folder
+    return None
+
+
+def _remember_traced(folder: Path, traced: str | None) -> None:
+    """Mark ``folder`` as the one a graph of key ``traced`` compiles into (a cache on a read-only disk: not)."""
+    if traced is None:
+        return
+    try:
+        (folder / TRACED_DIR).mkdir(exist_ok=True)
+        (folder / TRACED_DIR / traced).touch()
+    except OSError:
+        pass
 
 
 def tune_module(module_dir: Path, batches: list[int], verbose: bool = True) -> bool:

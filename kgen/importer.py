@@ -1564,7 +1564,7 @@ class Importer:
     def _spec(self) -> dict:
         self._unused_members()
         for name, spec in self.params.items():
-            spec["init"] = _init_of(self.real.get_parameter(name)) if self.real is not None else "randn"
+            spec["init"] = init_of(self.real.get_parameter(name)) if self.real is not None else "randn"
         inputs = [v for v in self.values.values() if v.op is None]
         batch = "N"
         shapes = {v.name: [batch] + list(self.shapes[v.node][1:]) for v in inputs}
@@ -2008,7 +2008,7 @@ def _plain_value(v):
     return _NOT_PLAIN
 
 
-def _init_of(p: torch.Tensor) -> str | float:
+def init_of(p: torch.Tensor) -> str | float:
     """How a free parameter was made, as far as its values tell: ones, zeros, a constant
     (torch.tensor(c), or several equal elements), or (anything else) randn; the seed check
     in ``import_model`` confirms it. One element that is not 0 or 1 is randn(1, ...)."""

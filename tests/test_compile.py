@@ -283,3 +283,34 @@ def test_compile_measures_eager_precision_on_the_gpu_it_renders_for(env, monkeyp
     monkeypatch.setattr(compiler, "_plan_and_render", lambda *a: None)
     monkeypatch.setattr(compiler, "build_module", lambda *a, **k: None)
     assert compiler.tune_module(module_dir, [3], verbose=False) and ran  # not "tuned already"
+
+
+def test_a_graph_compiled_before_is_found_without_tracing_it_again(env, monkeypatch):
+    """A torch.fx GraphModule (the Dynamo backend's partitions) compiled once is found by a key of what the importer
+    reads from it, without the importer's trace. A graph that differs in a submodule's setting, its mode, a
+    parameter's values or the example's shape is traced again (the stride and the shape compile into another
+    folder; the mode and a module's weights are run-time values of the same spec), and then found too."""
+    from kgen import compiler
+
+    _, mod, _ = env
+    torch.manual_seed(0)
+    graph = torch.fx.symbolic_trace(mod.Net()).eval()
+    x = torch.randn(2, 3, 12, 12)
+    first = compiler.compile_module(graph, x, name="traced_net", verbose=False, build=False)
+    traced = []
+    real_import = compiler.import_instance
+    monkeypatch.setattr(compiler, "import_instance", lambda *a: traced.append(a) or real_import(*a))
+    assert compiler.compile_module(graph, x, name="traced_net", verbose=False, build=False) == first and not traced
+    strided = copy.deepcopy(graph)
+    strided.get_submodule("features.0").stride = (2, 2)
+    constant_bias = copy.deepcopy(graph)
+    with torch.no_grad():
+        constant_bias.get_submodule("head.1").bias.fill_(1.0)
+    cases = [(strided, x, False), (copy.deepcopy(graph).train(), x, True), (constant_bias, x, True),
+             (graph, torch.randn(2, 3, 10, 10), False)]
+    for other, example, same in cases:
+        traced.clear()
+        module_dir = compiler.compile_module(other, example, name="traced_net", verbose=False, build=False)
+        assert len(traced) == 1 and (module_dir == first) == same
+        assert compiler.compile_module(other, example, name="traced_net", verbose=False, build=False) == module_dir
+        assert len(traced) == 1
