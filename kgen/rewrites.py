@@ -53,16 +53,37 @@ KEEPS_ROUNDING = ("scalar_through_max", "pool_composition", "subpixel_conv_trans
                   "dropout_of_zero")
 
 
+# Where training mode's batch norms run as eager's calls for eager's bits (Pipeline.eager_batch_norms), the rewrites
+# that keep every value's bits: the same operations on the same values (a max commutes with a positive scale and
+# with itself; dropout of zero is x). The others change a value's last bit (a folded weight, a mean of means, a
+# sum in another order) or a convolution's call (sub-pixel phases, a cropped input: another cuDNN kernel), which
+# the next TF32 convolution and norm amplify: DenseNet's transition folded its pool into the convolution and
+# failed KernelBench's 1e-4 check against eager.
+KEEPS_BITS = ("scalar_through_max", "pool_composition", "softmax_through_reshape", "commute_operand_chain",
+              "permute_before_elementwise", "dropout_of_zero")
+
+
 def rounding_amplifier(pipe: Pipeline) -> Op | None:
-    """The first op of a 16-bit plan that amplifies eager's roundings between ops (module docstring), where
-    the rewrites outside KEEPS_ROUNDING do not run; None where they may (float32, float32 intermediates,
-    or no such op)."""
+    """The first op whose input must hold eager's values: in a 16-bit plan the first that amplifies eager's
+    roundings between ops (module docstring), in a float32 plan whose batch norms run as eager's calls the first
+    batch norm; then the rewrites outside KEEPS_ROUNDING (KEEPS_BITS) do not run. None where they may (float32
+    intermediates, or no such op)."""
+    if pipe.eager_batch_norms:
+        return next(op for op in pipe.ops if isinstance(op, BatchNorm))
     if not pipe.rounds_between_ops:
         return None
     return next((op for op in pipe.ops if op.op_name in AMPLIFYING), None)
 
 
+def keeps_eager_values(pipe: Pipeline, rewrite: str) -> bool:
+    """Whether ``rewrite`` leaves the values that rounding_amplifier's op needs as eager computes them."""
+    return rewrite in (KEEPS_BITS if pipe.eager_batch_norms else KEEPS_ROUNDING)
+
+
 def _skips_rounding(pipe: Pipeline, amp: Op) -> str:
+    if pipe.eager_batch_norms:
+        return (f"training mode's batch norms run as eager's calls, on eager's bits, and it would change the bits "
+                f"{amp.key} and the norms after it see (spec `intermediates: float32` allows it)")
     return (f"in {pipe.dtype} it would skip roundings to the dtype that eager does between ops, which "
             f"{amp.key} ({amp.op_name}) amplifies (spec `intermediates: float32` allows it)")
 
@@ -1137,7 +1158,7 @@ def apply_rewrites(pipe: Pipeline, enabled: dict | None = None, fire=always) -> 
         if not enabled.get(name, True):
             decisions.append(Decision(name, "*", False, f"switched off in the spec (rewrites.{name}: false)"))
             continue
-        amp = rounding_amplifier(pipe) if name not in KEEPS_ROUNDING else None
+        amp = rounding_amplifier(pipe) if not keeps_eager_values(pipe, name) else None
         if amp is not None:
             decisions.append(Decision(name, "*", False, _skips_rounding(pipe, amp)))
             continue
