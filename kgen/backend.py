@@ -56,10 +56,12 @@ would stay eager, or a node kgen would compute but for a dynamic size, is an err
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import json
 import operator
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -76,7 +78,7 @@ except ImportError:  # then a new batch recompiles once, as Dynamo does (_ask_dy
     _Restart = None
 
 from .attention import rewrite_attention
-from .cache import kgen_cache
+from .cache import DYNAMIC_BATCH_FILE, kgen_cache
 from .compiler import SPEC_FILE
 from .errors import KgenError, one_line
 from .spec import MAX_OUTPUTS, MAX_RANK
@@ -1348,6 +1350,7 @@ def _ask_dynamic_batch(g: _Graph) -> None:
         size = [auto_unset] * rank
         size[0] = auto_dynamic
         process_automatic_dynamic(root, name, FrameStateSizeEntry.make_size(tuple(size)))
+    _remember_dynamic_batch(code_id, inputs)
     # The trace with a symbolic batch takes other steps (``B, T, C = x.size()`` is no longer constants):
     # what Dynamo's speculation log remembers of this trace would not match it ("SpeculationLog diverged").
     # Forgotten, a graph break it recorded is found again (and asked of this backend, which asks nothing twice).
@@ -1355,6 +1358,64 @@ def _ask_dynamic_batch(g: _Graph) -> None:
     if log is not None and hasattr(log, "clear"):
         log.clear()
     raise _DynamicBatch(restart_reason=f"kgen: the batch of {', '.join(n for n, _ in inputs)} is the run-time size")
+
+
+DYNAMIC_BATCH_KEEP = 1000  # frames remembered, the latest asked
+
+
+def _remember_dynamic_batch(code_id, inputs: list) -> None:
+    """Record in kgen's cache that the frame ``code_id`` (Dynamo's pgo.CodeId: its file's content hash, line and
+    name) has its batch inputs ``inputs`` ((name, rank)) dynamic, for ``_seed_dynamic_batches`` in later processes.
+    A cache that cannot be written is skipped (the next process asks again)."""
+    path = kgen_cache() / DYNAMIC_BATCH_FILE
+    frames = _read_dynamic_batches(path)
+    key = f"{code_id.file_hash}:{code_id.firstlineno}:{code_id.name}:{getattr(code_id, 'closure_hash', None)}"
+    frames.pop(key, None)
+    frames[key] = {"code": dataclasses.asdict(code_id), "inputs": dict(inputs)}
+    text = json.dumps(dict(list(frames.items())[-DYNAMIC_BATCH_KEEP:]), indent=0)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _read_dynamic_batches(path) -> dict:
+    try:
+        frames = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return frames if isinstance(frames, dict) else {}
+
+
+def _seed_dynamic_batches() -> None:
+    """Dynamo traces a frame with its sizes static first; the backend then asks for the batch as a symbol and
+    Dynamo traces it again (``_ask_dynamic_batch``), the slower of the two traces (DenseNet-201 on the CPU: 3.7 s
+    static, then 5.6 s symbolic). The frames asked in earlier processes start with the batch dynamic in Dynamo's
+    automatic-dynamic state (as Dynamo's own profile would under ``torch.compiler.config.job_id``), so Dynamo traces
+    them once. Run when kgen.backend is imported: by ``torch.compile(backend="kgen")``'s lookup, before the
+    first trace. A frame whose file changed has another content hash, and matches nothing."""
+    try:
+        from torch._dynamo.pgo import CodeId, FrameStateSizeEntry, auto_dynamic, auto_unset, get_code_state
+
+        fields = {f.name for f in dataclasses.fields(CodeId)}
+        state = get_code_state()
+    except (ImportError, AttributeError, TypeError):
+        return
+    for frame in _read_dynamic_batches(kgen_cache() / DYNAMIC_BATCH_FILE).values():
+        try:
+            code = frame["code"]
+            if set(code) != fields:  # another torch's CodeId
+                continue
+            seen = state[CodeId(**code)].automatic_dynamic
+            for name, rank in frame["inputs"].items():
+                size = [auto_unset] * int(rank)
+                size[0] = auto_dynamic
+                seen.setdefault(name, FrameStateSizeEntry.make_size(tuple(size)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
 
 
 def _dynamic_sizes(g: _Graph) -> list:
@@ -1743,3 +1804,6 @@ def _build_together(module_dirs: list, failures: dict, verbose: bool) -> None:
             build_modules(list(dict.fromkeys(module_dirs)), failures=failures, quiet=not verbose)
         except Exception:  # noqa: BLE001 - see above
             pass
+
+
+_seed_dynamic_batches()

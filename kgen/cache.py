@@ -9,6 +9,9 @@
   MB each; kgen.build.precompiled_header_dir). A new one is made when the header changes (a new kgen version),
   and then all but the PCH_KEEP most recently used that no build used in the last RECENT_S seconds are removed.
 
+and one file, ``dynamic_batch.json``: the Python frames whose batch the Dynamo backend asked to be a symbol, which
+later processes start with the batch dynamic (kgen.backend: Dynamo then traces them once, not twice).
+
 A use of an entry sets its modification time (``mark_used``), which is what "last used" means here.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 PCH_KEEP = 2  # precompiled headers kept besides the ones in use (a machine switching between two kgen versions)
 RECENT_S = 3600  # a precompiled header used this recently may be in a build right now: never removed
 KINDS = ("compiled", "pch")
+DYNAMIC_BATCH_FILE = "dynamic_batch.json"  # the frames whose batch the Dynamo backend asked dynamic (kgen.backend)
 
 
 def kgen_cache() -> Path:

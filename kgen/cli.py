@@ -425,7 +425,7 @@ def cache(days, clear):
     """
     import time
 
-    from .cache import entries, human, kgen_cache, remove, remove_stray_locks
+    from .cache import DYNAMIC_BATCH_FILE, entries, human, kgen_cache, remove, remove_stray_locks
 
     root = kgen_cache()
     found = entries(root)
@@ -436,6 +436,7 @@ def cache(days, clear):
             remove(e)
         if clear:
             remove_stray_locks(root, min_age=0)
+            (root / DYNAMIC_BATCH_FILE).unlink(missing_ok=True)
         click.echo(f"kgen cache {root}: removed {len(gone)} of {len(found)} entries ({human(sum(e.size for e in gone))})")
         found = entries(root)
     rows = []

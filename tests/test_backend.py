@@ -535,6 +535,41 @@ def test_backend_resolves_through_the_entry_point(cache, tmp_path):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
+def test_a_second_process_traces_a_frame_once_with_the_batch_dynamic(cache, tmp_path):
+    """The first process's backend asks Dynamo for the batch as a symbol (Dynamo traces the frame twice, static
+    then symbolic) and records the frame in kgen's cache; a second process starts that frame with the batch dynamic
+    and Dynamo traces it once (the backend called once), its partition loaded from the cache; a new batch does not
+    recompile there either."""
+    script = textwrap.dedent("""
+        import torch
+        from torch._dynamo.utils import counters
+        from kgen.backend import kgen_backend
+        from test_backend import Net
+        calls = []
+        def backend(gm, examples):
+            calls.append(gm)
+            return kgen_backend(gm, examples, options={"verbose": False})
+        model = Net().eval()
+        compiled = torch.compile(model, backend=backend)
+        with torch.no_grad():
+            for batch in (4, 6):
+                x = torch.randn(batch, 3, 8, 8)
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        print("backend calls", len(calls), "graphs", counters["stats"]["unique_graphs"])
+    """)
+    own = tmp_path / "cache"  # this module's builds, but no frames recorded by the tests before
+    own.mkdir()
+    for kind in ("compiled", "pch"):
+        (cache / kind).mkdir(exist_ok=True)
+        (own / kind).symlink_to(cache / kind)
+    env = {**os.environ, "KGEN_CACHE": str(own), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    lines = [r.stdout.strip().splitlines()[-1] for r in runs]
+    assert lines == ["backend calls 2 graphs 1", "backend calls 1 graphs 1"], lines
+
+
 class CausalAttention(nn.Module):
     """KernelBench level 3's MinGPT attention in small: ``B, T, C = x.size()``, split, heads by view and
     transpose, a causal mask read from a buffer sliced to the run-time T."""
