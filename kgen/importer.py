@@ -775,6 +775,9 @@ class Importer:
         if (fn in _NORMS or (n.op == "call_method" and name == "norm")) and self._tensor(x):
             self._norm2(n, x)
             return
+        if (fn is torch.cumsum or n.op == "call_method" and name == "cumsum") and self._tensor(x):
+            self._cumsum(n, x)
+            return
         if fn in _REDUCTIONS or (n.op == "call_method" and name in _REDUCTION_METHODS):
             self._reduce(n, n, _REDUCTIONS.get(fn) or _REDUCTION_METHODS[name])
             return
@@ -1248,6 +1251,13 @@ class Importer:
         if keepdim:
             fields["keepdim"] = True
         self._emit(n, kind, fields, src=x)
+
+    def _cumsum(self, n, x) -> None:
+        """torch.cumsum(x, dim) / x.cumsum(dim), in x's dtype."""
+        a = self._args(n)
+        if a.get("dtype") is not None or a.get("out") is not None:
+            raise ImportFailed(f"{self._where(n)}: {self._call(n)} with dtype= or out= is not supported (x's dtype)")
+        self._emit(n, "cumsum", {"dim": self._norm_dim(n, x, a.get("dim"), "sums along")}, src=x)
 
     def _normalize(self, n, x) -> None:
         """F.normalize(x, p=2, dim, eps) as PyTorch computes it: x / max(sqrt(sum(x * x, dim)), eps)."""
@@ -1739,6 +1749,7 @@ class Importer:
 _POSITIONAL = {
     "softmax": ("input", "dim", "dtype"), "log_softmax": ("input", "dim", "dtype"),
     "sum": ("input", "dim", "keepdim", "dtype"), "mean": ("input", "dim", "keepdim", "dtype"),
+    "cumsum": ("input", "dim", "dtype"),
     "amax": ("input", "dim", "keepdim"), "amin": ("input", "dim", "keepdim"), "logsumexp": ("input", "dim", "keepdim"),
     "max": ("input", "dim", "keepdim"), "min": ("input", "dim", "keepdim"),
     "clamp": ("input", "min", "max"), "clip": ("input", "min", "max"), "clamp_min": ("input", "min"),
@@ -1939,7 +1950,7 @@ def maps_call(n: fx.Node) -> bool:
         return fn in _UNARY_METHODS or fn in _REDUCTION_METHODS or fn in _ALIAS_METHODS or fn in _VIEW_METHODS or \
             fn in _LAYOUT_METHODS or _elementwise_binary(n) or \
             _base_name(fn) in ("clamp", "clip", "clamp_min", "clamp_max", "softmax", "log_softmax", "matmul", "mm", "bmm",
-                               "pow", "square", "norm")
+                               "pow", "square", "norm", "cumsum")
     if n.op != "call_function":
         return False
     if fn is getattr:
@@ -1950,7 +1961,7 @@ def maps_call(n: fx.Node) -> bool:
         fn in _NORMS or \
         _is_matmul(n) or \
         fn in (torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze, torch.clamp, torch.clip, torch.clamp_,
-               torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax)
+               torch.clip_, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, torch.cumsum)
 
 
 def _is_matmul(n: fx.Node) -> bool:

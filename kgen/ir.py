@@ -1156,6 +1156,31 @@ class Pad(Op):
 
 
 @dataclass(frozen=True)
+class Cumsum(Op):
+    """torch.cumsum(x, dim) along ``dim`` (not the batch)."""
+
+    dim: int = 1
+
+    @property
+    def op_name(self) -> str:
+        return "cumsum"
+
+    def infer(self, t):
+        if not 1 <= self.dim < t.rank:
+            raise ShapeError(f"cumsum along dim {self.dim} of shape {t}: not a dim after the batch")
+        return t
+
+    def flops(self, t_in, t_out):
+        return t_in.sample_numel
+
+    def run(self, x, tensors):
+        return torch.cumsum(x, self.dim)
+
+    def describe(self):
+        return f"cumsum(dim {self.dim})"
+
+
+@dataclass(frozen=True)
 class Interpolate(Op):
     """F.interpolate: ``mode`` nearest or bilinear, to ``size`` (the output's spatial size); where the
     spec gave a scale factor, ``scales`` holds it (PyTorch maps coordinates with it, not with the sizes'
@@ -1757,6 +1782,9 @@ class _Builder:
             raise SpecError(self.path, f"{o.key}.pad", f"{list(pad)} pads {len(pad) // 2} dims of {t}; at most "
                             f"{t.rank - 1} (the batch is not padded)")
         return Pad(key=o.key, pad=tuple(pad), value=o.args["value"])
+
+    def cumsum(self, o: OpSpec, entry, t: TensorType) -> Op:
+        return Cumsum(key=o.key, dim=self._dim(o, "dim", t))
 
     def interpolate(self, o: OpSpec, entry, t: TensorType) -> Op:
         a = o.args

@@ -28,7 +28,7 @@ from .fields import REQUIRED
 # Roles: the IR op that computes an entry (kgen.ir builds one per role).
 ROLES = ("conv", "pool", "global_pool", "reduce", "norm", "elementwise", "linear", "softmax", "batch_norm",
          "batch_stats", "layer_norm", "reshape", "dropout", "capture", "cat", "permute", "slice", "pad", "interpolate",
-         "expand")
+         "expand", "cumsum")
 MADE_BY_REWRITES = ("batch_stats",)  # ops only a rewrite makes (not in `kgen ops`)
 # ops of the IR a spec does not name as ops (`as:` on an op makes one)
 INTERNAL = ("as",) + MADE_BY_REWRITES
@@ -343,6 +343,8 @@ def _table() -> dict[str, OpDef]:
               "x.expand(N, *shape).contiguous(): dims of size 1 repeated (-1 keeps a size); the batch stays. With "
               "`param`: that parameter broadcast over the batch, param.expand(N, *shape) (a class token); the input "
               "only gives N"),
+        OpDef("cumsum", "cumsum", {"dim": (f.dim, REQUIRED)}, ATEN,
+              "torch.cumsum(x, dim): running sums along dim (not the batch), ATen's own"),
         OpDef("as", "capture", {}, FUSED, "names the value at this point (spec: `as: NAME` on the op before it)"),
         OpDef("batch_stats", "batch_stats", {}, ("batch_stats",),
               "training-mode batch norm's batch statistics, the norm then applied as a per-channel affine that fuses "

@@ -38,7 +38,7 @@ import torch
 
 from .errors import KgenError
 from .buffer import Buffer
-from .ir import (AdaptivePool, BatchNorm, Capture, Cat, Dropout, Elementwise, Env, Expand, Interpolate, LayerNorm, Linear, Matmul, Norm, Pad,
+from .ir import (AdaptivePool, BatchNorm, Capture, Cat, Cumsum, Dropout, Elementwise, Env, Expand, Interpolate, LayerNorm, Linear, Matmul, Norm, Pad,
                  Permute, Pipeline, Pool, Reduce, Reshape, Slice, Softmax, TensorType, blocked_linear, load_pipeline, run_ops)
 from .lowering import lowered
 from .ops import OPS
@@ -244,8 +244,8 @@ def run_with_magnitude(ops, x: torch.Tensor, tensors, inputs: dict | None = None
             env[op.name], menv[op.name] = out, m
         elif isinstance(op, Reduce) and op.fn == "min":
             m = replace(op, fn="max").run(m, menv)  # the selected value's size is at most the largest
-        elif isinstance(op, (Pool, Reduce, Reshape, Cat, Permute, Slice, Expand, Interpolate, AdaptivePool)):
-            m = op.run(m, menv)  # moved values keep their magnitudes; averages and maxima of them bound theirs
+        elif isinstance(op, (Pool, Reduce, Reshape, Cat, Permute, Slice, Expand, Interpolate, AdaptivePool, Cumsum)):
+            m = op.run(m, menv)  # moved values keep their magnitudes; averages, maxima and sums of them bound theirs
         elif isinstance(op, Pad):
             m = op.run(m, menv).abs()  # the padding value where it pads
         elif isinstance(op, Linear):

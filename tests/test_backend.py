@@ -1,7 +1,7 @@
 """torch.compile(model, backend="kgen") (kgen/backend.py) on the CPU build.
 
 Most tests build a kgen module of their own (each a few seconds). Net (conv, batch norm, relu, residual add, max
-pool, flatten, linear: one partition) and Split with torch.cumsum (kgen cannot compute it) or a print (a graph
+pool, flatten, linear: one partition) and Split with torch.cumprod (kgen cannot compute it) or a print (a graph
 break) between the conv/bn/relu and the pool/flatten/linear (the same two partitions either way) are first called
 at batch 4 wherever a test builds or loads their partitions, in eval or training mode: a partition's plans are made
 for the batch of its first call, so those tests share their partitions' modules (the module cache is this file's).
@@ -51,8 +51,8 @@ class Split(nn.Module):
 
     def forward(self, x):
         y = torch.relu(self.bn(self.conv(x)))
-        if self.between == "cumsum":
-            y = torch.cumsum(y, 2)
+        if self.between == "cumprod":
+            y = torch.cumprod(y, 2)
         else:
             print("kgen test: a graph break")
         y = F.max_pool2d(y, 2)
@@ -227,14 +227,14 @@ def _assert_same_state(model, reference, rtol=1e-4, atol=1e-5):
         torch.testing.assert_close(p.detach(), q, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("kind", ["net", "cumsum"])
+@pytest.mark.parametrize("kind", ["net", "cumprod"])
 def test_training_steps_give_eager_parameters_and_running_statistics(cache, kind):
     """Four steps of forward, loss, backward and an optimizer step, the model compiled: its parameters,
     running statistics and batch counts stay eager's (a model with a call kgen leaves to PyTorch too)."""
     from kgen import backend
 
     torch.manual_seed(8)
-    model = (Net() if kind == "net" else Split("cumsum")).train()
+    model = (Net() if kind == "net" else Split("cumprod")).train()
     reference = copy.deepcopy(model)
     compiled = _compiled(model)
     before = len(backend.PARTITIONS)
@@ -305,14 +305,14 @@ def test_unsupported_call_runs_in_pytorch_and_the_rest_in_kgen(cache):
     from kgen import backend
 
     torch.manual_seed(2)
-    model = _with_statistics(Split("cumsum")).eval()
+    model = _with_statistics(Split("cumprod")).eval()
     before = len(backend.PARTITIONS)
     x = torch.randn(4, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(_compiled(model)(x), model(x), rtol=1e-4, atol=1e-5)
     made = backend.PARTITIONS[before:]
     assert len(made) == 2 and all(p["module"] for p in made), made
-    assert not any("cumsum" in p["calls"] for p in made)
+    assert not any("cumprod" in p["calls"] for p in made)
     assert any("conv2d" in p["calls"] for p in made) and any("linear" in p["calls"] for p in made)
 
 
@@ -609,8 +609,8 @@ def test_attention_whose_trace_changes_with_a_dynamic_batch(cache):
 
 
 class Around(nn.Module):
-    """A partition reading another partition's output around a call left to PyTorch (cumsum): the partitioner
-    cannot merge them (the merged one would both feed and read the cumsum)."""
+    """A partition reading another partition's output around a call left to PyTorch (cumprod): the partitioner
+    cannot merge them (the merged one would both feed and read the cumprod)."""
 
     def __init__(self):
         super().__init__()
@@ -619,7 +619,7 @@ class Around(nn.Module):
 
     def forward(self, x):
         y = torch.relu(self.fc1(x))
-        return self.fc2(y + torch.cumsum(y, 1))
+        return self.fc2(y + torch.cumprod(y, 1))
 
 
 def test_partition_reading_another_partitions_output(cache):
@@ -638,7 +638,7 @@ def test_partition_reading_another_partitions_output(cache):
 
 class DenseLayers(nn.Module):
     """DenseNet's dense block in small: each layer reads the cat of the input and every earlier layer's output.
-    The cumsum after each layer (eager) ends the partitions there, so each cat reads its tensors as the
+    The cumprod after each layer (eager) ends the partitions there, so each cat reads its tensors as the
     partition's inputs: the 8th layer's takes 8, the last cat 9 (more than the 8 a spec took before). 8 layers,
     not more: each partition is a module of its own to build (about 4 s each on the CI machine)."""
 
@@ -649,7 +649,7 @@ class DenseLayers(nn.Module):
     def forward(self, x):
         features = [x]
         for conv in self.convs:
-            features.append(torch.cumsum(torch.relu(conv(torch.cat(features, 1))), 3))
+            features.append(torch.cumprod(torch.relu(conv(torch.cat(features, 1))), 3))
         return torch.cat(features, 1)
 
 
@@ -760,6 +760,26 @@ def test_a_caches_empty_first_piece_is_left_out_of_the_cat(cache):
     torch.manual_seed(0)
     (made,) = _partitions_of(FirstCacheStep().eval(), torch.randn(2, 5, 16))
     assert made["module"] is not None and "cat" in made["calls"], made
+
+
+class RunningSums(nn.Module):
+    """Mamba2's segment sums in small: a projection, its exponent's running sum along the sequence, differences of
+    it, then another projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        s = torch.cumsum(self.a(x).sigmoid(), dim=1)
+        return self.b(torch.relu(s - s.mean(dim=1, keepdim=True)))
+
+
+def test_cumsum_is_in_the_partition(cache):
+    """torch.cumsum is a kgen op (an ATen stage in the module): the model is one partition, not two around it."""
+    torch.manual_seed(0)
+    (made,) = _partitions_of(RunningSums().eval(), torch.randn(2, 6, 8))
+    assert made["module"] is not None and "cumsum" in made["calls"], made
 
 
 class ZeroDropout(nn.Module):
@@ -916,7 +936,7 @@ def test_sequence_first_values_after_attention_are_a_kgen_partition(cache):
 
 class SequenceFirstOut(nn.Module):
     """A sequence-first region whose result stays sequence-first: a linear layer, a parameter broadcast over the
-    last dim and a residual on [L, B, C], then a call kgen has no op for (cumsum over the sequence)."""
+    last dim and a residual on [L, B, C], then a call kgen has no op for (cumprod over the sequence)."""
 
     def __init__(self):
         super().__init__()
@@ -926,7 +946,7 @@ class SequenceFirstOut(nn.Module):
     def forward(self, x):
         s = x.permute(2, 0, 1)  # (L, B, C)
         h = torch.relu(self.fc(s)) * self.scale + s
-        return torch.cumsum(h, 0)  # over the sequence: eager PyTorch's, on the result moved back to (L, B, C)
+        return torch.cumprod(h, 0)  # over the sequence: eager PyTorch's, on the result moved back to (L, B, C)
 
 
 def test_sequence_first_result_moves_back_and_trains_as_eager(cache):
@@ -1434,11 +1454,11 @@ class ViewPassedThrough(nn.Module):
 
     def forward(self, x):
         blocks = x.reshape(x.shape[0], 2, -1)
-        return torch.cumsum(blocks, dim=-1), torch.exp(x[:, :, -1:] - x)
+        return torch.cumprod(blocks, dim=-1), torch.exp(x[:, :, -1:] - x)
 
 
 def test_a_view_that_only_passes_an_input_out_stays_outside_the_partition(cache):
-    """The reshape of ``x`` that only cumsum (not kgen's) reads is PyTorch's view, outside the partition that
+    """The reshape of ``x`` that only cumprod (not kgen's) reads is PyTorch's view, outside the partition that
     computes the exp (else the generated op would return it: a copy, or one more output)."""
     made = [p for p in _partitions_of(ViewPassedThrough(), torch.randn(3, 4, 6)) if p["module"] is not None]
     assert len(made) == 1, made
@@ -1448,16 +1468,16 @@ def test_a_view_that_only_passes_an_input_out_stays_outside_the_partition(cache)
 
 
 class IndependentCalls(nn.Module):
-    """Two exps that share no value: one of the input, one after a call kgen lacks (cumsum)."""
+    """Two exps that share no value: one of the input, one after a call kgen lacks (cumprod)."""
 
     def forward(self, x):
-        early = torch.cumsum(torch.exp(x), dim=1)
-        return early, torch.exp(torch.cumsum(x, dim=2))
+        early = torch.cumprod(torch.exp(x), dim=1)
+        return early, torch.exp(torch.cumprod(x, dim=2))
 
 
 def test_independent_calls_are_partitions_of_their_own(cache):
     """The partitioner would put both exps in one partition (no cycle); one op for both would wait for the second
-    cumsum, and the first exp's reader with it. Each is a partition of its own, and the first runs first."""
+    cumprod, and the first exp's reader with it. Each is a partition of its own, and the first runs first."""
     from kgen import backend
 
     order = []
@@ -1473,9 +1493,9 @@ def test_independent_calls_are_partitions_of_their_own(cache):
         torch.testing.assert_close(torch.compile(model, backend=kept)(x), model(x), rtol=1e-4, atol=1e-5)
     made = backend.PARTITIONS[before:]
     assert [p["calls"] for p in made] == [["exp"], ["exp"]] and all(p["module"] for p in made), made
-    cumsums = [i for i, t in enumerate(order) if "cumsum" in t]
+    cumprods = [i for i, t in enumerate(order) if "cumprod" in t]
     kgen_calls = [i for i, t in enumerate(order) if t.startswith("fused_")]
-    assert len(kgen_calls) == 2 and kgen_calls[0] < cumsums[0], order  # the input's exp before either cumsum
+    assert len(kgen_calls) == 2 and kgen_calls[0] < cumprods[0], order  # the input's exp before either cumprod
 
 
 class ConstantsAndWrites(nn.Module):
@@ -1600,9 +1620,9 @@ class WriteBetweenReads(nn.Module):
 class WriteWaitingForThePartition(nn.Module):
     def forward(self, x):
         a = torch.sigmoid(x) * 2.0
-        y = torch.cumsum(x, 1)  # eager
+        y = torch.cumprod(x, 1)  # eager
         y.masked_fill_(a > 1.0, 0.0)  # its mask from the partition's first calls
-        r = torch.cumsum(y, 1)  # eager, reads y written
+        r = torch.cumprod(y, 1)  # eager, reads y written
         return torch.tanh(a) + 1.0 + r
 
 
@@ -1637,7 +1657,7 @@ def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypat
         return backend.kgen_backend(gm, example_inputs)
 
     torch.manual_seed(0)
-    model = Split("cumsum").train()  # a partition before the cumsum and one after it
+    model = Split("cumprod").train()  # a partition before the cumprod and one after it
     twin = copy.deepcopy(model)
     compiled = torch.compile(model, backend=spy)
     with torch.no_grad():
@@ -1691,7 +1711,7 @@ class ParameterOfTheBatch(nn.Module):
         self.bias = nn.Parameter(torch.randn(batch, 1, 1))  # (dim 0 the batch's size, broadcast over the channels)
 
     def forward(self, x):  # x [B, 6, 3, 5]
-        decay = torch.exp(torch.cumsum(self.a, dim=-1))
+        decay = torch.exp(torch.cumprod(self.a, dim=-1))
         y = torch.einsum("blh,blhp->bhp", decay, x)
         return torch.relu(y) + y * self.bias
 
@@ -1747,7 +1767,7 @@ class SegmentSums(nn.Module):
 
     def forward(self, a, c):
         T = a.size(-1)
-        cs = torch.cumsum(a, dim=-1)
+        cs = torch.cumprod(a, dim=-1)
         seg = cs[..., :, None] - cs[..., None, :]
         mask = torch.tril(torch.ones(T, T, device=a.device, dtype=torch.bool), diagonal=0)
         return torch.exp(seg.masked_fill(~mask, -torch.inf)).transpose(1, 2) * c

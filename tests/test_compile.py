@@ -49,9 +49,9 @@ class Net(nn.Module):
         return self.head(self.pool(self.features(x)))
 
 
-class CumSum(nn.Module):
+class CumProd(nn.Module):
     def forward(self, x):
-        return torch.cumsum(x, 1)  # UNSUPPORTED
+        return torch.cumprod(x, 1)  # UNSUPPORTED
 '''
 
 SECOND = '''
@@ -210,10 +210,10 @@ def test_unsupported_call_names_its_line(env):
     before = sorted(p.name for p in (cache / "compiled").iterdir()) if (cache / "compiled").exists() else []
     with pytest.raises(ImportFailed) as e:
         # the top module's class is in this file: the line is found in the file of the block it calls
-        kgen.compile(Outer(mod.CumSum()), torch.randn(2, 3, 4, 4), verbose=False)
-    line = MODEL.splitlines().index("        return torch.cumsum(x, 1)  # UNSUPPORTED") + 1
+        kgen.compile(Outer(mod.CumProd()), torch.randn(2, 3, 4, 4), verbose=False)
+    line = MODEL.splitlines().index("        return torch.cumprod(x, 1)  # UNSUPPORTED") + 1
     message = str(e.value)
-    assert f"model_for_compile.py:{line}: torch.cumsum is not supported" in message, message
+    assert f"model_for_compile.py:{line}: torch.cumprod is not supported" in message, message
     assert len(message.splitlines()) == 1
     after = sorted(p.name for p in (cache / "compiled").iterdir()) if (cache / "compiled").exists() else []
     assert after == before  # nothing written

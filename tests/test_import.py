@@ -144,7 +144,7 @@ class Model(nn.Module):
         x = x.permute(0, 2, 3, 1).permute(0, 3, 1, 2)
         x = self.up(x[..., 1:])
         x = F.interpolate(x, size=(5, 7), mode="nearest")
-        x = F.adaptive_avg_pool2d(x, (2, 3)) + self.pool(x)
+        x = F.adaptive_avg_pool2d(x, (2, 3)) + self.pool(x).cumsum(-1)
         return torch.stack([x, -x], dim=2).flatten(1)
 
 
@@ -163,7 +163,7 @@ IMPORTED_KINDS = {  # the ops each model's spec must hold: together every op the
              "gelu_tanh", "reshape", "abs", "neg", "exp", "log", "maximum", "softmax", "log_softmax", "dropout", "min",
              "sum", "max", "sqrt", "rsqrt", "masked_fill"},
     "layout": {"conv2d", "relu", "cat", "reshape", "transpose", "adaptive_avg_pool2d", "linear", "sigmoid", "mul", "slice",
-               "expand", "pad", "permute", "interpolate", "adaptive_max_pool2d", "add", "neg"},
+               "expand", "pad", "permute", "interpolate", "adaptive_max_pool2d", "add", "neg", "cumsum"},
 }
 
 
@@ -320,7 +320,7 @@ class Model(nn.Module):
 
     def forward(self, x):
         x = torch.relu(x)
-        x = torch.cumsum(x, dim=1)
+        x = torch.cumprod(x, dim=1)
         return x
 
 
@@ -561,13 +561,13 @@ def test_unsupported_call_names_the_op_and_its_line(tmp_path):
     with pytest.raises(ImportFailed) as e:
         import_model(str(src), name="bad", out_dir=out)
     msg = str(e.value)
-    line = UNSUPPORTED.splitlines().index("        x = torch.cumsum(x, dim=1)") + 1
-    assert "\n" not in msg and f"bad.py:{line}: torch.cumsum is not supported" in msg, msg
+    line = UNSUPPORTED.splitlines().index("        x = torch.cumprod(x, dim=1)") + 1
+    assert "\n" not in msg and f"bad.py:{line}: torch.cumprod is not supported" in msg, msg
     assert not out.exists() or not any(out.iterdir())
 
 
 def test_control_flow_on_values_names_its_line(tmp_path):
-    text = UNSUPPORTED.replace("        x = torch.cumsum(x, dim=1)\n", "        if x.sum() > 0:\n            x = x * 2\n")
+    text = UNSUPPORTED.replace("        x = torch.cumprod(x, dim=1)\n", "        if x.sum() > 0:\n            x = x * 2\n")
     src = write_model_file(tmp_path, "flow", text)
     with pytest.raises(ImportFailed) as e:
         import_model(str(src), name="flow", out_dir=tmp_path / "specs")
@@ -576,7 +576,7 @@ def test_control_flow_on_values_names_its_line(tmp_path):
 
 
 def test_failed_import_leaves_an_existing_spec_alone(tmp_path):
-    good = write_model_file(tmp_path, "good", UNSUPPORTED.replace("        x = torch.cumsum(x, dim=1)\n", ""))
+    good = write_model_file(tmp_path, "good", UNSUPPORTED.replace("        x = torch.cumprod(x, dim=1)\n", ""))
     out = tmp_path / "specs"
     path = import_model(str(good), name="same", out_dir=out)
     before = path.read_text()
@@ -595,7 +595,7 @@ def test_cli_import_is_one_error_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-m", "kgen", "import", str(src), "--out", str(tmp_path / "s")],
                        capture_output=True, text=True, cwd=tmp_path, env=env)
-    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "torch.cumsum is not supported" in p.stderr, p.stderr
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "torch.cumprod is not supported" in p.stderr, p.stderr
 
 
 def test_module_class_with_input_shape(tmp_path, monkeypatch):

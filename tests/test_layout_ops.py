@@ -67,6 +67,8 @@ CASES = {  # name: (input sample shape, spec ops, the torch function of x)
     "adaptive_max_global": ([3, 5, 4], [{"adaptive_max_pool2d": {"output_size": 1}}],
                             lambda x: F.adaptive_max_pool2d(x, 1)),
     "expand": ([3, 1, 1], [{"expand": {"shape": [-1, 4, 5]}}], lambda x: x.expand(-1, -1, 4, 5)),
+    "cumsum": ([4, 5, 6], [{"cumsum": {"dim": -1}}, {"cumsum": {"dim": 1}}],
+               lambda x: torch.cumsum(torch.cumsum(x, -1), 1)),
 }
 
 
@@ -163,6 +165,9 @@ ERRORS = [  # (input sample shape, ops, the key, words of the message)
     ([4, 1], [{"expand": {"shape": [4]}}], "ops[0].expand.shape", "the batch stays first"),
     ([4, 2], [{"expand": {"shape": [4, 6]}}], "ops[0].expand.shape", "only dims of size 1 grow"),
     ([4, 2], [{"expand": {"param": "nope", "shape": [4, 2]}}], "ops[0].expand.param", "unknown parameter 'nope'"),
+    ([4, 5], [{"cumsum": {"dim": 0}}], "ops[0].cumsum.dim", "batch"),
+    ([4, 5], [{"cumsum": {"dim": -4}}], "ops[0].cumsum.dim", "out of range"),
+    ([4, 5], ["cumsum"], "ops[0].cumsum.dim", "required"),
 ]
 PARAM_ERRORS = [  # (the parameter's shape, expand's shape, words of the message)
     ([2, 1, 5], [1, 5], "where it has the batch's place its size there is 1"),  # a parameter with a batch of 2
@@ -211,6 +216,7 @@ ops:
   - expand: {shape: [-1, 3, 5]}
   - mul: {tensor: ap}
   - sigmoid
+  - cumsum: {dim: -2}
   - interpolate: {size: [6, 6]}
   - adaptive_max_pool2d: {output_size: [4, 3]}
   - interpolate: {scale_factor: [1.5, 2]}
@@ -244,10 +250,10 @@ def test_layout_spec_builds_and_validates_on_the_cpu(layout_modules):
     spec, module, _, _ = layout_modules
     binding = (module / "binding.cpp").read_text()
     # the last cat: rb, which only it reads, written in place by the ReLU's stage; the other two copied into their slices
-    for call in ("at::cat({t0, t0}, 1)", "t18.narrow(1, 0, 6).copy_(t17);", "t18.narrow(1, 6, 6).copy_(t6);",
+    for call in ("at::cat({t0, t0}, 1)", "t19.narrow(1, 0, 6).copy_(t18);", "t19.narrow(1, 6, 6).copy_(t6);",
                  "kgen::channel_slice(kOp, into, {batch, 16, 6, 6}, 12, 4, like.options())", ".permute({0, 2, 1, 3, 4})", ".slice(1, 1, 7, 1)", "at::constant_pad_nd(",
                  "at::upsample_bilinear2d(", "at::adaptive_avg_pool2d(t", "std::get<0>(at::adaptive_max_pool2d(t",
-                 ".expand({t", "at::upsample_nearest2d(t", "std::optional<double>(1.5), std::optional<double>(2.0)"):
+                 ".expand({t", "at::cumsum(t", "at::upsample_nearest2d(t", "std::optional<double>(1.5), std::optional<double>(2.0)"):
         assert call in binding, call
     assert_report_passed(validate(spec, module, "cpu"))
 
@@ -261,6 +267,7 @@ def test_eager_candidate_has_every_layout_op_and_validates(layout_modules):
     for call in ("Y = at::cat({Y, v_ca}, 1);", "Y = Y.permute({0, 2, 1, 3, 4});", "Y = Y.slice(1, 1, 7, 1);",
                  "Y = at::constant_pad_nd(Y, {1, 1, 0, 2}, 0.5);", "Y = at::adaptive_avg_pool2d(Y, {3, 5});",
                  "Y = std::get<0>(at::adaptive_max_pool2d(Y, {4, 3}));", "Y = Y.expand({Y.size(0), 6, 3, 5});",
+                 "Y = at::cumsum(Y, 2);",
                  "Y = at::upsample_nearest2d(Y, {6, 6}, std::nullopt, std::nullopt);", "Y = at::cat({Y, v_sl, v_rb}, 1);"):
         assert call in binding, call
     assert_report_passed(validate(spec, module, "cpu"))
@@ -450,7 +457,7 @@ class Model(nn.Module):
         z = v.mean(dim=(2, 3))[:, :, None, None]
         v = v * z.expand_as(v) + v[:, 2].unsqueeze(1)
         v = torch.stack([v, z.expand(-1, -1, 2, 3)], dim=1).view(v.size(0), -1)
-        return torch.cat([v, y.mean(dim=(2, 3))], dim=1)
+        return torch.cat([v.cumsum(-1), torch.cumsum(y, dim=2).mean(dim=(2, 3))], dim=1)
 
 
 def get_inputs():
@@ -462,7 +469,7 @@ def get_init_inputs():
 '''
 
 
-def test_indexing_split_chunk_stack_and_expand_import(tmp_path):
+def test_indexing_split_chunk_stack_expand_and_cumsum_import(tmp_path):
     from kgen.importer import import_model
 
     src = tmp_path / "indexing.py"
@@ -470,6 +477,7 @@ def test_indexing_split_chunk_stack_and_expand_import(tmp_path):
     spec = import_model(str(src), name="indexing", out_dir=tmp_path / "specs")  # checked against the model in float64
     kinds = [o.kind for o in load_pipeline(spec).spec.ops]
     assert kinds.count("expand") == 1 and kinds.count("cat") == 4 and "transpose" in kinds and kinds.count("slice") >= 8
+    assert kinds.count("cumsum") == 2
 
 
 BAD_IMPORTS = [
@@ -484,6 +492,8 @@ BAD_IMPORTS = [
     ("F.interpolate(x, scale_factor=2, mode='bicubic')", "mode='bicubic' is not supported"),
     ("F.adaptive_max_pool2d(x, 2, return_indices=True)[0]", "return_indices"),
     ("x.masked_fill(x > 0, 1.0)", "masked_fill"),  # a mask other than t != 0
+    ("x.cumsum(0)", "sums along the batch"),
+    ("torch.cumsum(x, 1, dtype=torch.float64)", "dtype= or out= is not supported"),
 ]
 
 

@@ -4,7 +4,7 @@ The first home of ops no generated kernel computes yet: batch_norm (batch
 statistics and the running-statistics update in training mode, running
 statistics in eval mode), views (reshape) and dropout (the identity, refused in
 training mode with p > 0), the ops that move or resample values (cat, permute and
-transpose, slice, pad, expand, interpolate, adaptive pools to sizes other than 1); layer_norm where the layer_norm family declines it
+transpose, slice, pad, expand, interpolate, adaptive pools to sizes other than 1) and cumsum; layer_norm where the layer_norm family declines it
 (rows too long for its registers) and logsumexp over dims that are not
 consecutive (the softmax family's axis); and the other candidate of a stage of
 a layer_norm, softmax, log_softmax or logsumexp alone.
@@ -23,7 +23,7 @@ from ..ir import Cat, Expand, Permute, Reduce, Reshape, Slice
 from ..spec import DTYPES
 from ..stage import Stage
 from .base import Family, StageRequest, Work, value_bytes
-from .eager import layout_headers
+from .eager import aten_only_headers
 
 
 class Aten(Family):
@@ -32,7 +32,7 @@ class Aten(Family):
     generates_kernel = False
     pieces = ("binding.cpp",)
     summary = ("one op by its ATen function (batch/layer norm, views, dropout, cat, permute, slice, pad, interpolate, "
-               "adaptive pools; softmax and logsumexp alone)")
+               "adaptive pools, cumsum; softmax and logsumexp alone)")
     dtypes = DTYPES  # ATen's function computes each
     reads_views = True  # ATen's functions take any strides (a cat of a permuted value copies it once, into the cat)
     reads_view_operands = True
@@ -82,7 +82,7 @@ class Aten(Family):
                 f"[{', '.join(map(str, t.dims))}]): nothing copied, its readers read it in place"]
 
     def binding_includes(self, st: Stage) -> list[str]:
-        return layout_headers(st.ops[0]) if st.ops else []
+        return aten_only_headers(st.ops[0]) if st.ops else []
 
 
 FAMILY = Aten()

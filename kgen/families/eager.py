@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..cexpr import braces, cfloat
 from ..buffer import flat_buffer
-from ..ir import (AdaptivePool, BatchNorm, BatchStats, Capture, Cat, Conv, Dropout, Elementwise, Expand, Interpolate, LayerNorm, Linear,
+from ..ir import (AdaptivePool, BatchNorm, BatchStats, Capture, Cat, Conv, Cumsum, Dropout, Elementwise, Expand, Interpolate, LayerNorm, Linear,
                   Matmul, Norm, Op, Pad, Permute, Pipeline, Pool, Reduce, Reshape, Slice, Softmax, TensorType, dropout_refusal)
 from ..ops import OPS, ElementwiseOp
 from ..spec import DTYPES
@@ -119,14 +119,18 @@ def aten_prelude(op: Op, ident) -> list[str]:
     return []
 
 
-LAYOUT_OPS = (Cat, Permute, Slice, Pad, Interpolate, AdaptivePool, Expand)  # ops that move or resample values
+# ops no generated kernel computes, ATen's call in a stage of their own (the aten family) or in the eager candidate:
+# those that move or resample values, and the running sum
+ATEN_ONLY_OPS = (Cat, Permute, Slice, Pad, Interpolate, AdaptivePool, Expand, Cumsum)
 
 
-def layout_call(op: Op, src: str, value) -> str | None:
-    """The ATen expression of a cat, permute/transpose, slice, pad, interpolation, adaptive pool or
-    expand on ``src`` (``value``: a named value -> its C++ tensor); None for another op. Views
-    (permute, slice, expand) are made contiguous where they are used, as the stages hand on
+def aten_only_call(op: Op, src: str, value) -> str | None:
+    """The ATen expression of a cat, permute/transpose, slice, pad, interpolation, adaptive pool,
+    expand or cumsum on ``src`` (``value``: a named value -> its C++ tensor); None for another op.
+    Views (permute, slice, expand) are made contiguous where they are used, as the stages hand on
     contiguous tensors."""
+    if isinstance(op, Cumsum):
+        return f"at::cumsum({src}, {op.dim})"
     if isinstance(op, Cat):
         return f"at::cat({{{', '.join([src] + [value(n) for n in op.tensors])}}}, {op.dim})"
     if isinstance(op, Permute):
@@ -148,8 +152,10 @@ def layout_call(op: Op, src: str, value) -> str | None:
     return None
 
 
-def layout_headers(op: Op) -> list[str]:
-    """The ATen headers ``layout_call``'s expression needs beyond kgen_runtime.h (Tensor methods need none)."""
+def aten_only_headers(op: Op) -> list[str]:
+    """The ATen headers ``aten_only_call``'s expression needs beyond kgen_runtime.h (Tensor methods need none)."""
+    if isinstance(op, Cumsum):
+        return ["ATen/ops/cumsum.h"]
     if isinstance(op, Pad):
         return ["ATen/ops/constant_pad_nd.h"]
     if isinstance(op, AdaptivePool):
@@ -167,8 +173,8 @@ def aten_call(op: Op, src: str, ident, buffers=(), value=None) -> str | None:
     an op without one here."""
     if isinstance(op, Expand) and op.param is not None:  # the parameter broadcast over src's batch
         return f"{ident(op.param)}.expand({braces([f'{src}.size(0)'] + list(op.shape))})"
-    if isinstance(op, LAYOUT_OPS):
-        return layout_call(op, src, value)
+    if isinstance(op, ATEN_ONLY_OPS):
+        return aten_only_call(op, src, value)
     if isinstance(op, BatchNorm):
         names = op.tensor_names()
         w, b = (_opt(ident(n)) for n in names) if names else ("std::nullopt", "std::nullopt")
@@ -257,7 +263,7 @@ def _call(op: Op, t: TensorType, ident, buffers: list, value) -> str:
 def _has_call(op: Op) -> bool:
     """Whether ``_call`` renders ``op`` (or ``EagerStage.calls`` names its value)."""
     if type(op) not in (Conv, Pool, Reduce, Norm, Elementwise, Capture, Softmax, LayerNorm, Reshape, Linear, Matmul, BatchNorm,
-                        Dropout) + LAYOUT_OPS:
+                        Dropout) + ATEN_ONLY_OPS:
         return False
     if isinstance(op, Reduce):
         return op.fn in ("sum", "mean", "max", "min", "logsumexp")
@@ -271,8 +277,8 @@ def _has_call(op: Op) -> bool:
 def _headers(op: Op) -> list[str]:
     if isinstance(op, Capture):
         return []
-    if isinstance(op, LAYOUT_OPS):
-        return layout_headers(op)
+    if isinstance(op, ATEN_ONLY_OPS):
+        return aten_only_headers(op)
     if isinstance(op, Elementwise) and op.reverse and op.tensor is None and not op.param:
         return [f"ATen/ops/{aten_function(OPS[op.fn]).removeprefix('at::')}.h", "ATen/ops/full_like.h"]
     if isinstance(op, (Conv, Reshape, Linear, Matmul, BatchNorm, Dropout)):
