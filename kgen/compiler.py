@@ -38,6 +38,7 @@ from .spec import INTERMEDIATES, PRECISIONS
 
 SPEC_FILE = "spec.yaml"
 TRACED_DIR = "traced"  # <folder>/traced/<key>: the graphs (by _traced_key) compiled into the folder
+KEYED_BUFFER_NUMEL = 4096  # buffers up to this size are keyed by their values too (_traced_key)
 
 
 def _say(verbose: bool, msg: str) -> None:
@@ -173,9 +174,16 @@ def _traced_key(model: nn.Module, example_inputs, base: str, keys: dict) -> str 
     parts = [model.code, base, repr(sorted(keys.items())), cache_key("")]
     parts += [f"{name} {type(m).__qualname__}({m.extra_repr()}) {m.training}" for name, m in model.named_modules()]
     parts += [f"{name} {list(t.shape)} {t.dtype} {t.requires_grad} {init_of(t)}" for name, t in model.named_parameters()]
-    parts += [f"{name} {list(t.shape)} {t.dtype}" for name, t in model.named_buffers()]
+    # a buffer's values where it is small: the importer takes a constant's (fx's _tensor_constant0, a 0-d buffer) into
+    # the spec (a running statistic's values are the call's, and only make the key more particular)
+    parts += [f"{name} {list(t.shape)} {t.dtype} " + (_digest(t) if t.numel() <= KEYED_BUFFER_NUMEL else "")
+              for name, t in model.named_buffers()]
     parts += [f"{list(t.shape)} {t.dtype} {t.device.type}" for t in example_inputs]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 def _found_traced(traced: str) -> Path | None:

@@ -72,6 +72,11 @@ print(f"SECONDS {{seconds:.3f}}")
 '''
 
 
+class Scaled(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * torch.tensor(2.0)
+
+
 class Outer(torch.nn.Module):
     def __init__(self, block):
         super().__init__()
@@ -314,3 +319,10 @@ def test_a_graph_compiled_before_is_found_without_tracing_it_again(env, monkeypa
         assert len(traced) == 1 and (module_dir == first) == same
         assert compiler.compile_module(other, example, name="traced_net", verbose=False, build=False) == module_dir
         assert len(traced) == 1
+    # a constant the graph reads (fx's _tensor_constant0, a small buffer): its value is in the key
+    scaled = torch.fx.symbolic_trace(Scaled()).eval()
+    keys = set()
+    for value in (2.0, 3.0):
+        scaled._tensor_constant0 = torch.tensor(value)
+        keys.add(compiler._traced_key(scaled, [x], "scaled", {}))
+    assert len(keys) == 2
