@@ -176,7 +176,7 @@ def _traced_key(model: nn.Module, example_inputs, base: str, keys: dict) -> str 
     parts += [f"{name} {list(t.shape)} {t.dtype} {t.requires_grad} {init_of(t)}" for name, t in model.named_parameters()]
     # a buffer's values where it is small: the importer takes a constant's (fx's _tensor_constant0, a 0-d buffer) into
     # the spec (a running statistic's values are the call's, and only make the key more particular)
-    parts += [f"{name} {list(t.shape)} {t.dtype} " + (_digest(t) if t.numel() <= KEYED_BUFFER_NUMEL else "")
+    parts += [f"{name} {list(t.shape)} {t.dtype} " + (_digest(t) if t.numel() <= KEYED_BUFFER_NUMEL and not t.is_meta else "")
               for name, t in model.named_buffers()]
     parts += [f"{list(t.shape)} {t.dtype} {t.device.type}" for t in example_inputs]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
