@@ -20,6 +20,8 @@ def main() -> None:
     ap.add_argument("--training", action="store_true", help="training mode, as KernelBench's evaluator runs models")
     ap.add_argument("--backend", default="kgen",
                     help="torch.compile's backend (default kgen; eager: Dynamo's own share of the first call)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="the first call under cProfile: print its N costliest functions of kgen (cumulative time)")
     args = ap.parse_args()
 
     start = time.perf_counter()
@@ -48,7 +50,15 @@ def main() -> None:
         return out, time.perf_counter() - t
 
     with torch.no_grad():
-        out, first = timed(compiled)
+        if args.profile:
+            import cProfile
+            import pstats
+
+            profile = cProfile.Profile()
+            out, first = profile.runcall(timed, compiled)
+            pstats.Stats(profile).sort_stats("cumulative").print_stats("kgen/", args.profile)
+        else:
+            out, first = timed(compiled)
         _, second = timed(compiled)
         ref = model(*inputs)
     diff = (out - ref).abs().max().item()
