@@ -117,7 +117,7 @@ class PoolReduceStage(Stage):
     reduce_order: tuple = ()  # reduced dims, outermost first (input memory order)
     kept_dims: tuple = ()  # non-reduced dims of the last level, row-major
     flat_reduction: bool = False  # no pools, every dim reduced, one dense tile: value r of a sample lies at r
-    flat_map: bool = False  # no pools, nothing reduced, one dense tile in the dims' order: output k's value lies at k
+    flat_map: bool = False  # no pools, nothing reduced, a plain contiguous input: output k's value lies at k
     schedule: Schedule = None
 
     @property
@@ -215,11 +215,7 @@ class PoolReduce(Family):
             len(levels) == 1 and not st.kept_dims and not buf.phased and tile.dims == buf.logical
             and not any(tile.offset) and [d - 1 for d in st.reduce_order] == tile.memory_order
         )
-        st.flat_map = (
-            len(levels) == 1 and reduce is None and not buf.phased and tile.dims == buf.logical
-            and not any(tile.offset) and list(tile.memory_order) == list(range(pooled.rank - 1))
-            and output_layout != "channels_last"
-        )
+        st.flat_map = len(levels) == 1 and reduce is None and buf.flat and output_layout != "channels_last"
         r_fast = (buf.innermost + 1) in red
         tv = self._transpose_vector(st, DTYPE_BYTES[req.dtype])
         tc = self._transpose_channels(st, tv)
