@@ -652,14 +652,12 @@ class _Support:
             return bool(n.users) and all(self._supported(u) for u in n.users)
         if _constant_tensor(n):  # taken with the calls reading it
             return bool(n.users) and all(self._supported(u) for u in n.users)
-        dim = _max_min_dim(n)
-        if dim is not None:  # taken with the getitem of its values
-            return g.batch_dim(n.args[0]) == 0 and dim % _example(n.args[0]).dim() != 0 and bool(n.users) and all(
-                u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in n.users)
-        dim = _split_dim(n)
-        if dim is not None:  # taken with the getitems of its pieces (ShuffleNetV2's x.chunk(2, dim=1))
-            return g.batch_dim(n.args[0]) == 0 and dim % _example(n.args[0]).dim() != 0 and bool(n.users) and all(
-                u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in n.users)
+        # taken with the getitems reading its results, along a dim after the batch: torch.max(x, dim)'s values, or
+        # the pieces of a split or chunk (ShuffleNetV2's x.chunk(2, dim=1))
+        for dim, picked in ((_max_min_dim(n), lambda i: i == 0), (_split_dim(n), lambda i: isinstance(i, int))):
+            if dim is not None:
+                return g.batch_dim(n.args[0]) == 0 and dim % _example(n.args[0]).dim() != 0 and bool(n.users) and all(
+                    u.op == "call_function" and u.target is operator.getitem and picked(u.args[1]) for u in n.users)
         if n.op not in ("call_function", "call_method") or g.batch_dim(n) is None:
             return False
         if any(g.batch_dim(a) not in (None, 0) for a in [n, *n.all_input_nodes]) and not self._moved_ok(n):

@@ -116,7 +116,7 @@ def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | o
                            f"{module_name_reason(base) or 'expected [a-z][a-z0-9_]*, at most 64 characters'}")
     traced = _traced_key(model, example_inputs, base, keys) if out is None else None
     if traced is not None and (found := _found_traced(traced)) is not None:
-        return _from_cache(found, _module_name(base, found.name.rpartition("-")[2]), build, verbose, start)
+        return _from_cache(*found, build, verbose, start)
     imp, data = import_instance(src, base)
     if keys:
         data = {**{k: v for k, v in data.items() if k != "ops"}, **keys, "ops": data["ops"]}
@@ -131,7 +131,7 @@ def compile_module(model: nn.Module, *example_inputs: torch.Tensor, out: str | o
         module_name = _module_name(base, key)
         folder = kgen_cache() / "compiled" / f"{base}-{key}"
         module_dir = folder / module_name
-        if (folder / SPEC_FILE).is_file() and (module_dir / "__init__.py").is_file():
+        if _whole(folder, module_name):
             _remember_traced(folder, traced)
             return _from_cache(folder, module_name, build, verbose, start)
         _say(verbose, f"{shown}; compiling it into {folder}")
@@ -186,15 +186,19 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def _found_traced(traced: str) -> Path | None:
+def _whole(folder: Path, module_name: str) -> bool:
+    """Whether a compiled folder is all there (it is renamed into place whole; `kgen cache` may remove it)."""
+    return (folder / SPEC_FILE).is_file() and (folder / module_name / "__init__.py").is_file()
+
+
+def _found_traced(traced: str) -> tuple[Path, str] | None:
     """The compiled folder that a graph of key ``traced`` was compiled into (``<folder>/traced/<key>``, written
-    when it was), if it is whole."""
+    when it was) and its module's name, if the folder is whole."""
     for mark in (kgen_cache() / "compiled").glob(f"*/{TRACED_DIR}/{traced}"):
         folder = mark.parent.parent
-        key = folder.name.rpartition("-")[2]
-        if not folder.name.startswith("tmp-") and (folder / SPEC_FILE).is_file() and \
-                (folder / _module_name(folder.name.rpartition("-")[0], key) / "__init__.py").is_file():
-            return folder
+        base, _, key = folder.name.rpartition("-")
+        if not folder.name.startswith("tmp-") and _whole(folder, _module_name(base, key)):
+            return folder, _module_name(base, key)
     return None
 
 
