@@ -26,7 +26,7 @@ def main() -> None:
 
     start = time.perf_counter()
     import torch
-    from kgen.backend import kgen_backend
+    from kgen.backend import backend_for_compile
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = importlib.util.spec_from_file_location("problem", args.file)
     problem = importlib.util.module_from_spec(spec)
@@ -34,11 +34,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = problem.Model(*problem.get_init_inputs()).to(device).train(args.training)
     inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in problem.get_inputs()]
-    # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
-    backend = args.backend
-    if backend == "kgen" and "kgen" not in torch._dynamo.list_backends():
-        backend = kgen_backend
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=backend_for_compile() if args.backend == "kgen" else args.backend)
 
     def timed(fn):
         if device == "cuda":

@@ -145,9 +145,7 @@ def run_problem(path: Path, args) -> dict:
         forms["dynamo"] = compiled_copy(model, backend="eager")
     if args.reduce_overhead:  # inductor's graphs replayed as CUDA graphs, as kgen's measured forms may be
         forms["inductor_cg"] = compiled_copy(model, mode="reduce-overhead")
-    # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
-    kgen_backend = "kgen" if "kgen" in torch._dynamo.list_backends() else backend.kgen_backend
-    forms["kgen"] = compiled_copy(model, backend=kgen_backend, options={"verbose": args.verbose})
+    forms["kgen"] = compiled_copy(model, backend=backend.backend_for_compile(), options={"verbose": args.verbose})
 
     def inputs_for(seed: int):
         torch.manual_seed(seed)

@@ -95,10 +95,9 @@ def build_transformers(name: str, batch: int, seq: int, device: str):
 def child(suite: str, name: str, batch: int, seq: int, device: str, training: bool, reps: int, step: bool) -> dict:
     """One model's row (in the child process)."""
     import torch
-    from kgen.backend import kgen_backend
+    from kgen.backend import backend_for_compile
 
-    # backend="kgen" is found through the installed package's entry point; a checkout on PYTHONPATH has none
-    backend = "kgen" if "kgen" in torch._dynamo.list_backends() else kgen_backend
+    backend = backend_for_compile()
     torch.manual_seed(0)
     model, kwargs, output = (build_torchvision if suite == "torchvision" else build_transformers)(name, batch, seq, device)
     model = model.to(device).train(training or step)

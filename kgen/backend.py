@@ -1477,6 +1477,12 @@ def _one_graph() -> bool:
     return bool(getattr(_root_tx(), "one_graph", False))
 
 
+def backend_for_compile():
+    """What to pass as torch.compile's ``backend``: "kgen" where the installed package's entry point registers it,
+    else ``kgen_backend`` itself (a checkout on PYTHONPATH has no entry point)."""
+    return "kgen" if "kgen" in torch._dynamo.list_backends() else kgen_backend
+
+
 def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     """The Dynamo backend ``kgen``: ``gm`` with the partitions kgen computes replaced by generated ops."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
