@@ -183,7 +183,9 @@ def _traced_key(model: nn.Module, example_inputs, base: str, keys: dict) -> str 
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    # bytes through a list, not Tensor.numpy(): torch runs without NumPy installed (t is at most KEYED_BUFFER_NUMEL)
+    data = bytes(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).tolist())
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _whole(folder: Path, module_name: str) -> bool:

@@ -290,6 +290,34 @@ def test_compile_measures_eager_precision_on_the_gpu_it_renders_for(env, monkeyp
     assert compiler.tune_module(module_dir, [3], verbose=False) and ran  # not "tuned already"
 
 
+WITHOUT_NUMPY = '''
+import sys
+sys.modules["numpy"] = None  # torch runs without NumPy (a CPU wheel does not require it)
+import torch
+sys.path.insert(0, {dir!r})
+from kgen import compiler
+from model_for_compile import Net
+
+graph = torch.fx.symbolic_trace(Net()).eval()
+x = torch.randn(2, 3, 12, 12)
+first = compiler.compile_module(graph, x, name="no_numpy_net", verbose=False, build=False)
+assert compiler.compile_module(graph, x, name="no_numpy_net", verbose=False, build=False) == first
+print("KEYED", compiler._traced_key(graph, [x], "no_numpy_net", {{}}))
+'''
+
+
+def test_a_graph_is_keyed_and_compiled_without_numpy(env):
+    """kgen needs no NumPy: a traced graph's key (its batch norms' running statistics, small buffers whose bytes are
+    keyed) and its compile work where NumPy cannot be
+    imported, as on a machine with torch's CPU wheel alone."""
+    root, _, _ = env
+    done = subprocess.run([sys.executable, "-c", WITHOUT_NUMPY.format(dir=str(root))], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(kgen.__file__).parents[1]),
+                                                                          os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "KEYED " in done.stdout
+
+
 def test_a_graph_compiled_before_is_found_without_tracing_it_again(env, monkeypatch):
     """A torch.fx GraphModule (the Dynamo backend's partitions) compiled once is found by a key of what the importer
     reads from it, without the importer's trace. A graph that differs in a submodule's setting, its mode, a
