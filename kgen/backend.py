@@ -85,7 +85,7 @@ from .spec import MAX_OUTPUTS, MAX_RANK
 from .runtime import op_result
 
 STATS = {"graphs": 0, "partitions": 0, "kgen": 0, "eager": 0}  # counts since the process started
-# per graph compiled: why it cannot be replayed as a CUDA graph (None: it can) and, on a GPU, a weak reference to its
+# per graph compiled: why it cannot be replayed as a CUDA graph (None: it can) and a weak reference to its
 # forms measured (kgen.runtime.MeasuredGraph: ``.chosen()``)
 GRAPHS: list = []
 PARTITIONS: list = []  # per partition since the process started: its calls, and its module or why it stays eager
@@ -1055,7 +1055,7 @@ class KgenPartition(nn.Module):
     partitioned graph passes them) go to the op's functional form; its running statistics come back
     updated and are copied into the graph's buffers, as ``F.batch_norm`` updates them in place.
 
-    Given ``pytorch_form`` (the partition's calls as PyTorch computes them), on a GPU the faster of the two runs,
+    Given ``pytorch_form`` (the partition's calls as PyTorch computes them), the faster of the two runs,
     measured per call signature in the first calls (kgen.runtime.MeasuredGraph, not replayed: the graph is): the
     cost model's error on one partition costs that partition, not its graph's other partitions."""
 
@@ -1190,7 +1190,7 @@ def _refuse_eager_plans(module_dir: Path, g: _Graph, batch: int) -> None:
 def _load_partition(sub: fx.GraphModule, g: _Graph, plan: _Plan, module_dir: Path, verbose: bool,
                     autotune: bool = False) -> KgenPartition:
     """The built partition (tuned first, for max-autotune) loaded as its runner, measured against ``sub`` (its
-    calls as PyTorch computes them) on a GPU."""
+    calls as PyTorch computes them)."""
     from .build import default_variant
     from .compiler import tune_module
     from .validate import import_module_dir
@@ -1494,7 +1494,7 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
         gm.recompile()
     g = _Graph(gm, dict(zip(places, example_inputs)))
     _ask_dynamic_batch(g)
-    original = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # (PyTorch's form, measured against kgen's on a GPU)
+    original = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # (PyTorch's form, measured against kgen's)
     rewritten = rewrite_attention(gm, {n: g.examples[n] for n in g.state}) + _float_masks(gm, g)
     if rewritten:
         if verbose:
@@ -1581,9 +1581,9 @@ def kgen_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None
 
 
 def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: list, verbose: bool):
-    """The graph's forward on a GPU: kgen's (``gm``) and PyTorch's (``original``, the graph as Dynamo gave it), each
-    called directly and replayed as one CUDA graph, the fastest measured per call signature
-    (``kgen.runtime.MeasuredGraph``); their constants computed once (``_fold_constants``). On the CPU, kgen's."""
+    """The graph's forward: kgen's (``gm``) and PyTorch's (``original``, the graph as Dynamo gave it), each called
+    directly and, on a GPU, replayed as one CUDA graph, the fastest measured per call signature
+    (``kgen.runtime.MeasuredGraph``); their constants computed once (``_fold_constants``)."""
     from .runtime import MeasuredGraph
 
     for m in dict.fromkeys([gm, original]):
@@ -1591,8 +1591,6 @@ def _measured(gm: fx.GraphModule, original: fx.GraphModule, g: _Graph, places: l
             m.recompile()
     why = _not_replayable(original, g)
     GRAPHS.append({"graph": STATS["graphs"], "replay": why, "measured": None})
-    if not g.on_gpu:
-        return gm.forward
     forms = {"kgen": gm.forward, "eager": original.forward} if gm is not original else {"eager": gm.forward}
     partitions = [m for m in gm.modules() if isinstance(m, KgenPartition)]
     measured = MeasuredGraph(forms, [i for i, n in enumerate(places) if n in g.model_state], replayable=why is None,

@@ -159,6 +159,9 @@ def main():
                                 (kgen validate sets it, to catch unwritten elements)
       KGEN_CUDA_GRAPHS=0        launch a module's kernels one by one, never as a replayed
                                 CUDA graph (the default where no autograd graph is recorded)
+      KGEN_MEASURE=0            under the backend, run kgen's form of every graph and
+                                partition, never measured against PyTorch's (the default
+                                runs the faster, timed in the first calls)
       KGEN_CACHE=DIR            kgen's cache (default ~/.cache/kgen): what kgen.compile and
                                 the backend compile, and the CPU build's precompiled
                                 kgen_runtime.h (KGEN_PCH=0 builds without it); `kgen cache`

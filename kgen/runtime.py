@@ -278,6 +278,7 @@ def _autocast_plan(op, device, autocast_dtype, arg_dtypes, training, dtypes, spe
 # CUDA-graph replay of an op's kernels
 
 _GRAPHS_ENV = "KGEN_CUDA_GRAPHS"  # "0": every call launches its kernels one by one
+MEASURE_ENV = "KGEN_MEASURE"  # "0": MeasuredGraph runs its first form (kgen's), never measured
 _graphs_off = 0  # > 0 inside launches_one_by_one()
 
 
@@ -509,7 +510,7 @@ class _Trial:
 class MeasuredGraph:
     """A graph Dynamo compiled, run in the fastest of its forms, measured per call signature: ``forms`` (name ->
     callable of the graph's arguments: kgen's partitions with the calls left to PyTorch, and the graph as PyTorch
-    computes it all), each called directly and, where ``replayable``, replayed as one CUDA graph. A graph of many
+    computes it all), each called directly and, where ``replayable`` and on a GPU, replayed as one CUDA graph. A graph of many
     small calls (a transformer at batch 10) spends more time on the host, issuing each call, than the GPU spends
     computing, and a replay issues them all at once (what torch.compile's ``mode="reduce-overhead"`` does for
     inductor's graphs); a partition whose kernels lose to PyTorch's in place (the cost model's error) loses the
@@ -524,9 +525,10 @@ class MeasuredGraph:
     inputs' alone (a call of a graph of 100 parameters is keyed in microseconds); where the model's state lies is
     compared where a graph was captured, and a model moved or reloaded is measured afresh. ``replayable`` is the
     caller's: a graph that writes into an input (a copy would take the write) or syncs with the host (a failed
-    capture leaves the CUDA generator unusable) is not. Only measured on CUDA tensors, without autograd recording,
-    outside a capture by someone else, and not under KGEN_CUDA_GRAPHS=0 or in launches_one_by_one(); there the
-    direct form chosen for the inputs runs, or where none is, the first form."""
+    capture leaves the CUDA generator unusable) is not. Measured on the CPU too (direct calls only: a partition
+    whose loops lose to ATen's runs ATen's); not where autograd records, inside a capture by someone else, under
+    KGEN_MEASURE=0, or for CUDA tensors under KGEN_CUDA_GRAPHS=0 or in launches_one_by_one(); there the direct
+    form chosen for the inputs runs, or where none is, the first form."""
 
     def __init__(self, forms: dict, state, replayable: bool, name: str = "graph", on_choice=None, settled=None):
         self.forms, self.state, self.replayable, self.name = dict(forms), frozenset(state), replayable, name
@@ -542,8 +544,13 @@ class MeasuredGraph:
 
     def _measured(self, args) -> bool:
         tensors = [args[i] for i in self.inputs if isinstance(args[i], torch.Tensor)]
-        return (bool(tensors) and tensors[0].is_cuda and _replays_allowed()
+        return (bool(tensors) and os.environ.get(MEASURE_ENV, "1") != "0"
+                and (_replays_allowed() if self._on_gpu(args) else True)
                 and not (torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor))))
+
+    def _on_gpu(self, args) -> bool:
+        """Whether the inputs are CUDA tensors: their forms are replayed too, and timed with the queue drained."""
+        return next(args[i] for i in self.inputs if isinstance(args[i], torch.Tensor)).is_cuda
 
     def _signature(self, args) -> tuple:
         """The inputs' shapes, strides and dtypes and the scalars (cheap: a graph of 100 parameters is called in
@@ -591,7 +598,8 @@ class MeasuredGraph:
             self.last = trial
             if trial.chosen is not None:
                 return self._run(trial, trial.chosen, args)
-            for form, replayed, round_ in self._turns():
+            on_gpu = self._on_gpu(args)
+            for form, replayed, round_ in self._turns(self.replayable and on_gpu):
                 times = trial.ms.setdefault((form, replayed), [])
                 if times is None or len(times) > round_:
                     continue
@@ -608,7 +616,7 @@ class MeasuredGraph:
                         trial.ms[(form, replayed)] = None  # (not capturable: never chosen)
                         return self.forms[form](*args)
                     trial.entries[form] = entry
-                out, ms = _timed(lambda: self._run(trial, (form, replayed), args))
+                out, ms = _timed(lambda: self._run(trial, (form, replayed), args), on_gpu)
                 times.append(ms)
                 return out
             self._choose(trial)  # (every form measured)
@@ -617,12 +625,12 @@ class MeasuredGraph:
                 self.on_choice(trial.text)
             return self._run(trial, trial.chosen, args)
 
-    def _turns(self):
+    def _turns(self, replayable: bool):
         """(form, replayed, round) in the order of the timed calls: the forms in turns, one timed call each a round,
         so that a drift of the clocks over the first calls weighs on every form alike."""
         for round_ in range(REPLAY_TRIALS):
             for form in self.forms:
-                for replayed in ((False, True) if self.replayable else (False,)):
+                for replayed in ((False, True) if replayable else (False,)):
                     yield form, replayed, round_
 
     def _choice_text(self, trial: _Trial, args) -> str:
@@ -670,12 +678,15 @@ def _median(times: list) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _timed(fn):
-    """``fn()`` and its milliseconds, with the queue drained before and after (as KernelBench times a call)."""
+def _timed(fn, on_gpu: bool):
+    """``fn()`` and its milliseconds, on a GPU with the queue drained before and after (as KernelBench times a
+    call)."""
     import time
 
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     return out, (time.perf_counter() - t) * 1e3

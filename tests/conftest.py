@@ -10,6 +10,9 @@ import torch
 # Plan for the default target (the H200) on any machine, so that rendering gives
 # the committed generated/ files on a GPU with another SM count too.
 os.environ.setdefault("KGEN_TARGET", "default")
+# The backend's graphs and partitions run kgen's form, never measured against PyTorch's: a test of kgen's kernels
+# must not pass through PyTorch's form because it timed faster (the fixture measured_forms turns measuring on).
+os.environ.setdefault("KGEN_MEASURE", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.yaml"))
@@ -38,11 +41,19 @@ def modules(built):
 
 
 @pytest.fixture
-def measured_on_the_cpu(monkeypatch):
-    """kgen.runtime.MeasuredGraph measures on the CPU too (its GPU's part stood in for: nothing to drain)."""
+def measured_forms(monkeypatch):
+    """kgen.runtime.MeasuredGraph measures its forms, as outside the tests."""
+    monkeypatch.setenv("KGEN_MEASURE", "1")
+
+
+@pytest.fixture
+def measured_as_on_a_gpu(monkeypatch, measured_forms):
+    """kgen.runtime.MeasuredGraph measures CPU tensors as a GPU's (replays too), the GPU's part stood in for:
+    nothing to drain."""
     from kgen import runtime
 
-    monkeypatch.setattr(runtime.MeasuredGraph, "_measured", lambda self, args: True)
+    monkeypatch.setattr(runtime.MeasuredGraph, "_on_gpu", lambda self, args: True)
+    monkeypatch.setattr(runtime, "_replays_allowed", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
 

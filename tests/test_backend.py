@@ -1573,7 +1573,7 @@ def test_a_graph_that_writes_into_its_input_is_not_replayed(cache):
 
     fn, _ = _returned_by_the_backend(WritesItsInput(), torch.randn(4, 3).abs())
     assert backend.GRAPHS[-1]["replay"] == "it writes into its input l_x_ (mul_)", backend.GRAPHS[-1]
-    assert callable(fn) and backend.GRAPHS[-1]["measured"] is None  # (on the CPU kgen's form runs, unmeasured)
+    assert callable(fn) and backend.GRAPHS[-1]["measured"]() is not None  # (measured in direct calls: no replay)
 
 
 class SequencePatches(nn.Module):
@@ -1639,9 +1639,9 @@ def test_a_partition_is_cut_at_a_write_outside_it_into_a_value_it_reads(cache):
     _returned_by_the_backend(WriteWaitingForThePartition(), x)
 
 
-def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypatch, measured_on_the_cpu):
-    """Each partition of a graph of several measures its op against its calls as PyTorch computes them (on the CPU
-    with the GPU's part stood in for, the op slowed down): PyTorch's calls are chosen, and every call's result and
+def test_a_partition_slower_than_its_calls_in_pytorch_runs_them(cache, monkeypatch, measured_forms):
+    """Each partition of a graph of several measures its op against its calls as PyTorch computes them (the op
+    slowed down): PyTorch's calls are chosen, and every call's result and
     running statistics are eager's throughout, the measurement's calls included. A graph of one partition leaves
     that to its own measurement (one per call is enough)."""
     import time

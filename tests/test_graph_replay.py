@@ -263,9 +263,10 @@ def _fewer_calls(x, w, buf):
     return x + buf, x.shape[0]
 
 
-def test_a_measured_graph_calls_its_first_form_on_the_cpu():
+def test_a_measured_graph_calls_its_first_form_under_kgen_measure_0(monkeypatch):
     from kgen.runtime import MeasuredGraph
 
+    monkeypatch.setenv("KGEN_MEASURE", "0")
     calls = []
     measured = MeasuredGraph({"kgen": lambda *a: calls.append(1) or _fewer_calls(*a), "eager": _many_small_calls},
                              state=[1, 2], replayable=True)
@@ -278,8 +279,31 @@ def test_a_measured_graph_calls_its_first_form_on_the_cpu():
     assert len(calls) == 8 and not measured.trials
 
 
-def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(measured_on_the_cpu):
-    """The measurement's steps, on the CPU with the GPU's part stood in for (a graph that cannot be replayed: each
+def test_a_measured_graph_on_the_cpu_times_its_direct_forms_only(monkeypatch, measured_forms):
+    """On the CPU a graph that could be replayed is measured in direct calls (no CUDA graph is captured, no queue
+    drained), and the faster form runs: kgen's loops that lose to ATen's leave ATen's calls to run."""
+    import time
+
+    from kgen import runtime
+
+    def no_gpu(*a, **k):
+        raise AssertionError("a CUDA call in a CPU measurement")
+
+    monkeypatch.setattr(runtime.MeasuredGraph, "_capture", no_gpu)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_gpu)
+    measured = runtime.MeasuredGraph({"kgen": lambda *a: time.sleep(0.01) or _fewer_calls(*a),
+                                      "eager": _many_small_calls}, state=[1, 2], replayable=True)
+    w, buf, ref_buf = torch.randn(8), torch.zeros(8), torch.zeros(8)
+    for _ in range(2 * (1 + runtime.REPLAY_TRIALS) + 2):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(measured(x, w, buf)[0], _many_small_calls(x, w, ref_buf)[0], rtol=1e-5, atol=1e-5)
+    trial = measured.last
+    assert measured.chosen() == ["eager"] and set(trial.ms) == {("kgen", False), ("eager", False)}, trial.ms
+    assert all(len(t) == runtime.REPLAY_TRIALS for t in trial.ms.values())
+
+
+def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(measured_forms):
+    """The measurement's steps (a graph that cannot be replayed: each
     form called once untimed, then timed REPLAY_TRIALS times, the forms in turns); a form that takes longer is not chosen, and each
     call's result is right throughout; a new batch is measured on its own."""
     import time
@@ -312,7 +336,7 @@ def test_a_measured_graph_times_each_direct_form_then_runs_the_fastest(measured_
     assert len(said) == 1 and said[0].startswith("graph 7 (3x8) runs eager's form (median ms of 3 calls: kgen 1"), said
 
 
-def test_a_measured_graph_waits_for_the_measurements_inside_a_form(measured_on_the_cpu):
+def test_a_measured_graph_waits_for_the_measurements_inside_a_form(measured_forms):
     """A form whose inner measurements are not done (a graph's partitions measuring their own forms) is called
     untimed until they are, at most SETTLING_CALLS times, before its timed calls."""
     from kgen import runtime
@@ -359,7 +383,7 @@ class _FakeGraph:
                 old.copy_(new)
 
 
-def test_a_measured_graph_replays_with_its_inputs_copied_and_its_state_in_place(monkeypatch, measured_on_the_cpu):
+def test_a_measured_graph_replays_with_its_inputs_copied_and_its_state_in_place(monkeypatch, measured_as_on_a_gpu):
     """The replay's bookkeeping on the CPU (a stand-in graph, forced to be chosen): each call's input reaches the
     graph's own copy, the buffer is updated where it lies, the returned outputs are copies (a later replay does not
     change them), and a parameter moved elsewhere is measured and captured afresh."""
@@ -429,7 +453,7 @@ def test_a_form_measured_later_must_be_faster_by_the_margin():
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("replayable", [True, False])
-def test_cuda_measured_graph_equals_each_form_through_the_measurement(replayable):
+def test_cuda_measured_graph_equals_each_form_through_the_measurement(replayable, measured_forms):
     """Each call's result and the buffer updated in place equal the direct computation's, through the warm-ups,
     the timed calls, the captures and after the choice (whichever it is: a timing); the parameter is read where
     it lies (an in-place change is seen); a new batch is a signature measured on its own."""
@@ -457,7 +481,7 @@ def test_cuda_measured_graph_equals_each_form_through_the_measurement(replayable
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_backend_runs_a_model_as_eager_computes_it():
+def test_cuda_backend_runs_a_model_as_eager_computes_it(measured_forms):
     """A small transformer layer in training mode (dropout 0) and a batch norm under the backend at batch 2: many
     short calls, the case a replay is for; its results over calls with new inputs, and the batch norm's running
     statistics, equal eager's whichever form the measurement chooses."""
