@@ -64,6 +64,10 @@ def _worker(rank: int, backend: str, out_dir: str, names: list, init_file: str) 
     try:
         for name in names:
             _step(rank, device, name, Path(out_dir))
+        # both ranks past their last collective before either tears the group down: gloo's worker threads may still
+        # hold the other's pending work, and its teardown then aborted a rank ("terminate called without an
+        # active exception", seen once)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
