@@ -16,21 +16,23 @@ namespace v0 {
 // ==== stage 1: pool_reduce, C++ (kgen-template: templates/pool_reduce/kernel_cpu.cpp.j2)
 namespace s1 {
 
-// Outputs [begin, end) over batch x kKept. Long reductions go in blocks of
-// kCpuChunk values, whose partial sums are added in double, so that
-// rounding does not grow with kReduced.
+// Outputs [begin, end) over batch x kKept. Long reductions go in
+// blocks of kCpuChunk values, whose partial sums are added in double, so that rounding does not grow
+// with kReduced.
 void run_cpu(const Args& a, long long begin, long long end) {
   for (long long o = begin; o < end; ++o) {
-    const long long n = o / kKept;
-    const Index k = static_cast<Index>(o % kKept);
-    double acc = identity();
-    for (Index r0 = 0; r0 < kReduced; r0 += kCpuChunk) {
-      float part = identity();
-      const Index r1 = r0 + kCpuChunk < kReduced ? r0 + kCpuChunk : kReduced;
-      for (Index r = r0; r < r1; ++r) part = combine(part, element(a, n, k, r));
-      acc = acc + part;
+    {
+      const long long n = o / kKept;
+      const Index k = static_cast<Index>(o % kKept);
+      double acc = identity();
+      for (Index r0 = 0; r0 < kReduced; r0 += kCpuChunk) {
+        float part = identity();
+        const Index r1 = r0 + kCpuChunk < kReduced ? r0 + kCpuChunk : kReduced;
+        for (Index r = r0; r < r1; ++r) part = combine(part, element(a, n, k, r));
+        acc = acc + part;
+      }
+      a.out[n * kOutSample + k] = finish(a, n, k, static_cast<float>(acc));
     }
-    a.out[n * kOutSample + k] = finish(a, n, k, static_cast<float>(acc));
   }
 }
 

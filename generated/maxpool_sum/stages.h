@@ -150,6 +150,19 @@ KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   return level1(a, Input{}, n, c, d0, d1, d2);
 }
 
+// The CPU loop walks a row of outputs (every kept dim but the innermost fixed, the innermost `d` along it):
+// element(k = row * kRowLength + d) with the row's coordinates computed once, outside the walk.
+constexpr Index kRowLength = 10;
+inline float element_in_row(const Args& a, long long n, Index row, int d, Index r) {
+  Index tk = row;
+  [[maybe_unused]] const int d1 = static_cast<int>(tk % 10); tk /= 10;
+  [[maybe_unused]] const int d0 = static_cast<int>(tk);
+  [[maybe_unused]] const int d2 = d;
+  Index tr = r;
+  [[maybe_unused]] const int c = static_cast<int>(tr);
+  return level1(a, Input{}, n, c, d0, d1, d2);
+}
+
 // With pools an element is its window(s), loaded and combined in one (element_input); the
 // loops' element_from then has nothing left to compute.
 KGEN_HD float element_input(const Args& a, long long n, Index k, Index r) { return element(a, n, k, r); }
