@@ -510,9 +510,9 @@ class _Trial:
 class MeasuredGraph:
     """A graph Dynamo compiled, run in the fastest of its forms, measured per call signature: ``forms`` (name ->
     callable of the graph's arguments: kgen's partitions with the calls left to PyTorch, and the graph as PyTorch
-    computes it all), each called directly and, where ``replayable`` and on a GPU, replayed as one CUDA graph. A graph of many
-    small calls (a transformer at batch 10) spends more time on the host, issuing each call, than the GPU spends
-    computing, and a replay issues them all at once (what torch.compile's ``mode="reduce-overhead"`` does for
+    computes it all), each called directly and, where ``replayable`` and on a GPU, replayed as one CUDA graph. A
+    graph of many small calls (a transformer at batch 10) spends more time on the host, issuing each call, than the
+    GPU spends computing, and a replay issues them all at once (what torch.compile's ``mode="reduce-overhead"`` does for
     inductor's graphs); a partition whose kernels lose to PyTorch's in place (the cost model's error) loses the
     measurement, and PyTorch's form runs.
 
