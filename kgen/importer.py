@@ -2119,10 +2119,17 @@ def _same_in_modes(original: nn.Module, reference: nn.Module, example_inputs, pi
               for t in example_inputs]
     train_ok = not any(o.op_name == "dropout" and o.p > 0 for o in pipe.ops)  # nn.Dropout or F.dropout: random
     tol = 1e-4 if dtype == torch.float32 else 1e-9
+    # each mode starts from the models' state: copies where a forward updates buffers (running statistics), the
+    # models themselves where none has any (a copy apiece is the model's size again: 2.7 GB each for an MLP of
+    # 671M parameters, whose check then ran out of a 23 GB machine's memory)
+    stateful = any(True for m in (original, reference) for _ in m.buffers())
+    a = b = None
     for training in modes:
         if training and not train_ok:
             continue
-        a, b = copy.deepcopy(original).train(training), copy.deepcopy(reference).train(training)
+        a = b = None  # (the last mode's copies go before the next ones are made)
+        a, b = (copy.deepcopy(original), copy.deepcopy(reference)) if stateful else (original, reference)
+        a.train(training), b.train(training)
         with torch.no_grad():
             try:
                 want = a(*inputs)
