@@ -16,23 +16,28 @@ namespace v0 {
 // ==== stage 1: pool_reduce, C++ (kgen-template: templates/pool_reduce/kernel_cpu.cpp.j2)
 namespace s1 {
 
-// Outputs [begin, end) over batch x kKept. Long reductions go in
-// blocks of kCpuChunk values, whose partial sums are added in double, so that rounding does not grow
-// with kReduced.
+// Outputs [begin, end) over batch x kKept, a row of kRowLength at a time. Long reductions go in blocks of
+// kCpuChunk values, whose partial sums are added in double, so that rounding does not grow with
+// kReduced.
 void run_cpu(const Args& a, long long begin, long long end) {
-  for (long long o = begin; o < end; ++o) {
-    {
-      const long long n = o / kKept;
-      const Index k = static_cast<Index>(o % kKept);
+  for (long long o = begin; o < end;) {
+    const long long n = o / kKept;
+    const Index k0 = static_cast<Index>(o % kKept);
+    const Index row = k0 / kRowLength;
+    const int first = static_cast<int>(k0 % kRowLength);  // the row's outputs [first, last) are in [begin, end)
+    const int last = end - o < kRowLength - first ? static_cast<int>(first + (end - o)) : static_cast<int>(kRowLength);
+    for (int d = first; d < last; ++d) {
+      const Index k = row * kRowLength + d;
       double acc = identity();
       for (Index r0 = 0; r0 < kReduced; r0 += kCpuChunk) {
         float part = identity();
         const Index r1 = r0 + kCpuChunk < kReduced ? r0 + kCpuChunk : kReduced;
-        for (Index r = r0; r < r1; ++r) part = combine(part, element(a, n, k, r));
+        for (Index r = r0; r < r1; ++r) part = combine(part, element_in_row(a, n, row, d, r));
         acc = acc + part;
       }
       a.out[n * kOutSample + k] = finish(a, n, k, static_cast<float>(acc));
     }
+    o += last - first;
   }
 }
 

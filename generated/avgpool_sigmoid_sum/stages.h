@@ -122,6 +122,19 @@ KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   return level0(a, Input{}, n, c, d0, d1);
 }
 
+// The CPU loop walks a row of outputs (every kept dim but the innermost fixed, the innermost `d` along it):
+// element(k = row * kRowLength + d) with the row's coordinates computed once, outside the walk.
+constexpr Index kRowLength = 1;
+inline float element_in_row(const Args& a, long long n, Index row, int d, Index r) {
+  (void)(row);
+  (void)d;  // nothing kept: one output per sample
+  Index tr = r;
+  [[maybe_unused]] const int d1 = static_cast<int>(tr % 95); tr /= 95;
+  [[maybe_unused]] const int d0 = static_cast<int>(tr % 95); tr /= 95;
+  [[maybe_unused]] const int c = static_cast<int>(tr);
+  return level0(a, Input{}, n, c, d0, d1);
+}
+
 // Without pools an element is one load and some math: the loops load several
 // elements (element_input) before computing any (element_from), so the loads
 // overlap; the math (expf, an IEEE division's slow-path call) would otherwise

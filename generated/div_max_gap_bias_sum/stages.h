@@ -161,6 +161,20 @@ KGEN_HD float element(const Args& a, long long n, Index k, Index r) {
   return level1(a, Input{}, n, c, d0, d1, d2);
 }
 
+// The CPU loop walks a row of outputs (every kept dim but the innermost fixed, the innermost `d` along it):
+// element(k = row * kRowLength + d) with the row's coordinates computed once, outside the walk.
+constexpr Index kRowLength = 1;
+inline float element_in_row(const Args& a, long long n, Index row, int d, Index r) {
+  (void)(row);
+  (void)d;  // nothing kept: one output per sample
+  Index tr = r;
+  [[maybe_unused]] const int d2 = static_cast<int>(tr % 31); tr /= 31;
+  [[maybe_unused]] const int d1 = static_cast<int>(tr % 31); tr /= 31;
+  [[maybe_unused]] const int d0 = static_cast<int>(tr % 7); tr /= 7;
+  [[maybe_unused]] const int c = static_cast<int>(tr);
+  return level1(a, Input{}, n, c, d0, d1, d2);
+}
+
 // With pools an element is its window(s), loaded and combined in one (element_input); the
 // loops' element_from then has nothing left to compute.
 KGEN_HD float element_input(const Args& a, long long n, Index k, Index r) { return element(a, n, k, r); }

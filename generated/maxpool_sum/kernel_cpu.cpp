@@ -16,9 +16,9 @@ namespace v0 {
 // ==== stage 1: pool_reduce, C++ (kgen-template: templates/pool_reduce/kernel_cpu.cpp.j2)
 namespace s1 {
 
-// Outputs [begin, end) over batch x kKept, a row of kRowLength at a time. Long reductions go in
-// blocks of kCpuChunk values, whose partial sums are added in double, so that rounding does not grow
-// with kReduced.
+// Outputs [begin, end) over batch x kKept, a row of kRowLength at a time. Long reductions go in blocks of
+// kCpuChunk values, whose partial sums are added in double, so that rounding does not grow with
+// kReduced.
 void run_cpu(const Args& a, long long begin, long long end) {
   for (long long o = begin; o < end;) {
     const long long n = o / kKept;
