@@ -199,8 +199,9 @@ def _found_traced(traced: str) -> tuple[Path, str] | None:
     for mark in (kgen_cache() / "compiled").glob(f"*/{TRACED_DIR}/{traced}"):
         folder = mark.parent.parent
         base, _, key = folder.name.rpartition("-")
-        if not folder.name.startswith("tmp-") and _whole(folder, _module_name(base, key)):
-            return folder, _module_name(base, key)
+        module_name = _module_name(base, key)
+        if not folder.name.startswith("tmp-") and _whole(folder, module_name):
+            return folder, module_name
     return None
 
 

@@ -2123,13 +2123,13 @@ def _same_in_modes(original: nn.Module, reference: nn.Module, example_inputs, pi
     # models themselves where none has any (a copy apiece is the model's size again: 2.7 GB each for an MLP of
     # 671M parameters, whose check then ran out of a 23 GB machine's memory)
     stateful = any(True for m in (original, reference) for _ in m.buffers())
-    a = b = None
     for training in modes:
         if training and not train_ok:
             continue
         a = b = None  # (the last mode's copies go before the next ones are made)
         a, b = (copy.deepcopy(original), copy.deepcopy(reference)) if stateful else (original, reference)
-        a.train(training), b.train(training)
+        a.train(training)
+        b.train(training)
         with torch.no_grad():
             try:
                 want = a(*inputs)

@@ -545,7 +545,7 @@ class MeasuredGraph:
     def _measured(self, args) -> bool:
         tensors = [args[i] for i in self.inputs if isinstance(args[i], torch.Tensor)]
         return (bool(tensors) and os.environ.get(MEASURE_ENV, "1") != "0"
-                and (_replays_allowed() if self._on_gpu(args) else True)
+                and (not tensors[0].is_cuda or _replays_allowed())
                 and not (torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor))))
 
     def _on_gpu(self, args) -> bool:
